@@ -1,0 +1,41 @@
+# gna_lens developer commands. Two set-up commands for a fresh machine:
+#   make demo   # creates .venv, installs gna_lens, runs the main job on the bundled default model
+#   make test   # same venv, runs the test suite
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip --disable-pip-version-check
+STAMP  := $(VENV)/.installed
+SHELL  := /bin/bash
+.SHELLFLAGS := -o pipefail -ec
+QUIET  := 2>&1 | sed -u "/is ignored: it is neither a file nor a directory/d"
+
+.PHONY: venv demo test test-all lint typecheck docs bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q -c constraints.txt torch==2.13.0 $(QUIET)
+	$(PIP) install -q -c constraints.txt -e ".[dev]" $(QUIET)
+	$(PY) -c "import torch, transformer_lens, gna_lens" 
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m gna_lens.cli demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check gna_lens tests benchmarks
+	$(VENV)/bin/ruff format --check gna_lens tests benchmarks
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy gna_lens
+
+bench: $(STAMP)
+	$(PY) benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache site

@@ -1,0 +1,26 @@
+"""Exceptions raised by gna_lens.
+
+Every error raised on bad input derives from :class:`GnaLensError`, so callers can catch the
+package's errors in one place. Messages repeat what was passed, say what was expected and how to
+fix it.
+"""
+
+
+class GnaLensError(Exception):
+    """Base class of every error raised by gna_lens."""
+
+
+class ConfigError(GnaLensError, ValueError):
+    """A model configuration or architecture that gna_lens cannot serve."""
+
+
+class HookError(GnaLensError, ValueError):
+    """A hook name that does not exist, or a hook that returned something unusable."""
+
+
+class PatternEditError(GnaLensError, ValueError):
+    """An edit of a materialized attention pattern that cannot take effect exactly."""
+
+
+class TaskError(GnaLensError, ValueError):
+    """A task that cannot be built from the given inputs (tokenizer, records, sizes)."""
