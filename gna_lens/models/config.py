@@ -1,0 +1,223 @@
+"""Configuration of :class:`~gna_lens.models.HookedSSM`, converted from Hugging Face configs."""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformer_lens.config import TransformerLensConfig
+
+from gna_lens.errors import ConfigError
+
+#: Hugging Face ``model_type`` -> HookedSSM architecture.
+SUPPORTED_MODEL_TYPES: dict[str, str] = {
+    "mamba": "mamba1",
+    "falcon_mamba": "falcon_mamba",
+    "mamba2": "mamba2",
+    "bamba": "bamba",
+}
+
+#: Context length reported for pure SSMs, which have no positional limit.
+UNBOUNDED_CTX = 1 << 20
+
+
+@dataclass
+class SSMConfig(TransformerLensConfig):
+    """Configuration of a HookedSSM, in TransformerLens vocabulary.
+
+    ``n_heads`` / ``d_head`` describe the SSM heads that ``hook_pattern`` and ``hook_z`` index:
+    Mamba-2 heads, or for Mamba-1 one "head" per channel (``n_heads = d_inner``, ``d_head = 1``).
+    In a hybrid, attention layers have ``n_attn_heads`` heads of size ``attn_d_head``; use
+    :meth:`layer_n_heads` and :attr:`layer_types` for per-layer head counts.
+
+    Attributes:
+        architecture: ``"mamba1"``, ``"falcon_mamba"``, ``"mamba2"`` or ``"bamba"``.
+        layer_types: Per layer, ``"ssm"`` or ``"attention"``.
+        d_inner: SSM inner width ``E = expand * d_model``.
+        d_state: State size ``N``.
+        d_conv: Causal convolution width.
+        dt_rank: Mamba-1 low-rank width of ``dt``.
+        n_groups: Mamba-2 groups sharing ``B`` and ``C``.
+        chunk_size: Chunk length of the fast scans (does not change results beyond rounding).
+    """
+
+    d_model: int = 0
+    d_head: int = 1
+    n_layers: int = 0
+    n_ctx: int = UNBOUNDED_CTX
+    architecture: str = "mamba2"
+    hf_architecture: str = ""
+    model_name: str = ""
+    layer_types: list[str] = field(default_factory=list)
+    d_inner: int = 0
+    d_state: int = 16
+    d_conv: int = 4
+    dt_rank: int = 0
+    n_groups: int = 1
+    chunk_size: int = 256
+    time_step_limit: tuple[float, float] = (0.0, float("inf"))
+    mixer_rms_eps: float = 1e-6
+    conv_bias: bool = True
+    proj_bias: bool = False
+    residual_in_fp32: bool = True
+    tie_word_embeddings: bool = False
+    n_attn_heads: int = 0
+    n_attn_kv_heads: int = 0
+    attn_d_head: int = 0
+    attn_bias: bool = False
+    rope_theta: float = 10000.0
+    rotary_dim: int = 0
+    mlp_bias: bool = False
+    pad_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.layer_types:
+            self.layer_types = ["ssm"] * self.n_layers
+        super().__post_init__()
+
+    def layer_n_heads(self, layer: int) -> int:
+        """Number of heads of ``layer`` (SSM heads, or attention query heads)."""
+        return self.n_attn_heads if self.layer_types[layer] == "attention" else self.n_heads
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether some layers are attention layers."""
+        return "attention" in self.layer_types
+
+    @classmethod
+    def from_hf_config(cls, hf_config: Any) -> "SSMConfig":
+        """Translate a Hugging Face config of a supported architecture.
+
+        Args:
+            hf_config: A ``MambaConfig``, ``FalconMambaConfig``, ``Mamba2Config`` or ``BambaConfig``.
+
+        Returns:
+            The matching :class:`SSMConfig`.
+
+        Raises:
+            ConfigError: If the architecture or an option is not supported.
+        """
+        model_type = getattr(hf_config, "model_type", None)
+        arch = SUPPORTED_MODEL_TYPES.get(str(model_type))
+        archs = getattr(hf_config, "architectures", None) or []
+        if arch is None:
+            raise ConfigError(
+                f"HookedSSM does not support model_type={model_type!r} (architectures={archs}). "
+                f"Supported: {sorted(SUPPORTED_MODEL_TYPES)} (MambaForCausalLM, "
+                "FalconMambaForCausalLM, Mamba2ForCausalLM, BambaForCausalLM). For Transformer "
+                "architectures use gna_lens.load_model(...), which returns a TransformerBridge."
+            )
+        act = getattr(hf_config, "hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(
+                f"HookedSSM implements the SiLU activation of the Mamba family; this {model_type} "
+                f"config has hidden_act={act!r}."
+            )
+        common: dict[str, Any] = dict(
+            architecture=arch,
+            hf_architecture=archs[0] if archs else "",
+            model_name=str(getattr(hf_config, "_name_or_path", "") or ""),
+            d_model=hf_config.hidden_size,
+            n_layers=hf_config.num_hidden_layers,
+            d_vocab=hf_config.vocab_size,
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            pad_token_id=getattr(hf_config, "pad_token_id", None),
+            uses_rms_norm=True,
+            normalization_type="RMS",
+            act_fn="silu",
+            default_prepend_bos=False,
+            device="cpu",
+        )
+        if arch in ("mamba1", "falcon_mamba"):
+            d_inner = int(hf_config.intermediate_size)
+            return cls(
+                **common,
+                n_heads=d_inner,
+                d_head=1,
+                d_inner=d_inner,
+                d_state=hf_config.state_size,
+                d_conv=hf_config.conv_kernel,
+                dt_rank=int(hf_config.time_step_rank),
+                eps=hf_config.layer_norm_epsilon,
+                mixer_rms_eps=float(getattr(hf_config, "mixer_rms_eps", 1e-6)),
+                conv_bias=bool(hf_config.use_conv_bias),
+                proj_bias=bool(hf_config.use_bias),
+                residual_in_fp32=bool(hf_config.residual_in_fp32),
+                chunk_size=128,
+                d_mlp=0,
+            )
+        if arch == "mamba2":
+            d_inner = int(hf_config.expand * hf_config.hidden_size)
+            n_heads = int(hf_config.num_heads)
+            if n_heads * hf_config.head_dim != d_inner:
+                raise ConfigError(
+                    f"Mamba2 config has num_heads={n_heads} x head_dim={hf_config.head_dim} != "
+                    f"expand * hidden_size = {d_inner}; HookedSSM needs the heads to tile d_inner "
+                    "(checkpoints with extra MLP channels in in_proj are not supported)."
+                )
+            return cls(
+                **common,
+                n_heads=n_heads,
+                d_head=int(hf_config.head_dim),
+                d_inner=d_inner,
+                d_state=hf_config.state_size,
+                d_conv=hf_config.conv_kernel,
+                n_groups=hf_config.n_groups,
+                chunk_size=hf_config.chunk_size,
+                time_step_limit=_limit(hf_config.time_step_limit),
+                eps=hf_config.layer_norm_epsilon,
+                conv_bias=bool(hf_config.use_conv_bias),
+                proj_bias=bool(hf_config.use_bias),
+                residual_in_fp32=bool(hf_config.residual_in_fp32),
+                d_mlp=0,
+            )
+        # bamba
+        rope = dict(getattr(hf_config, "rope_parameters", None) or {})
+        rope_type = rope.get("rope_type", "default")
+        if rope_type != "default":
+            raise ConfigError(
+                f"HookedSSM implements default RoPE for Bamba attention layers; this config has "
+                f"rope_type={rope_type!r}."
+            )
+        attn_d_head = int(
+            getattr(hf_config, "head_dim", None)
+            or hf_config.hidden_size // hf_config.num_attention_heads
+        )
+        partial = float(rope.get("partial_rotary_factor", 1.0))
+        d_inner = int(hf_config.mamba_expand * hf_config.hidden_size)
+        layer_types = [
+            "attention" if t == "full_attention" else "ssm" for t in hf_config.layers_block_type
+        ]
+        return cls(
+            **common,
+            n_ctx=int(getattr(hf_config, "max_position_embeddings", UNBOUNDED_CTX)),
+            layer_types=layer_types,
+            n_heads=int(hf_config.mamba_n_heads),
+            d_head=int(hf_config.mamba_d_head),
+            d_inner=d_inner,
+            d_state=hf_config.mamba_d_state,
+            d_conv=hf_config.mamba_d_conv,
+            n_groups=hf_config.mamba_n_groups,
+            chunk_size=hf_config.mamba_chunk_size,
+            time_step_limit=_limit(hf_config.time_step_limit),
+            eps=hf_config.rms_norm_eps,
+            conv_bias=bool(hf_config.mamba_conv_bias),
+            proj_bias=bool(hf_config.mamba_proj_bias),
+            residual_in_fp32=False,
+            n_attn_heads=int(hf_config.num_attention_heads),
+            n_attn_kv_heads=int(hf_config.num_key_value_heads),
+            n_key_value_heads=int(hf_config.num_key_value_heads),
+            attn_d_head=attn_d_head,
+            attn_bias=bool(hf_config.attention_bias),
+            rope_theta=float(rope.get("rope_theta", 10000.0)),
+            rotary_dim=int(attn_d_head * partial),
+            d_mlp=int(hf_config.intermediate_size),
+            mlp_bias=bool(hf_config.mlp_bias),
+            gated_mlp=True,
+            positional_embedding_type="rotary",
+        )
+
+
+def _limit(value: Any) -> tuple[float, float]:
+    if value is None:
+        return (0.0, float("inf"))
+    lo, hi = value
+    return (float(lo), float(hi))

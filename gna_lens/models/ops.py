@@ -1,0 +1,388 @@
+"""Numerical kernels of HookedSSM: norms, causal convolution, scans, SSD and implicit attention.
+
+Everything here is a pure function of tensors (no modules, no hooks), written for clarity and
+exactness first, then speed. Conventions follow ``shared/design/implicit_attention.md``:
+``b`` batch, ``i`` / ``q`` query position, ``j`` key position (``j <= i``), ``h`` head, ``p`` head
+dimension, ``g`` group, ``n`` state dimension, ``e`` Mamba-1 channel.
+
+Numerics: every segment sum is built from masked (reverse) cumulative sums, never as a difference
+of two prefix sums, so the decays stay accurate at long sequence lengths (the plain
+``cumsum_i - cumsum_j`` loses about 3e-5 relative at L=4096 in fp32).
+"""
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Float, Int
+from torch import Tensor
+
+__all__ = [
+    "causal_conv1d",
+    "channel_groups",
+    "gated_rms_norm",
+    "mamba1_pattern",
+    "mamba1_scan",
+    "mamba2_pattern",
+    "mamba2_recurrent",
+    "mamba2_ssd",
+    "rms_norm",
+    "segsum_rows",
+]
+
+
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+    """RMSNorm computed in fp32 and cast back, as Llama / Mamba do.
+
+    Args:
+        x: Input ``[..., d]``.
+        weight: Scale ``[d]`` or ``None`` for a weightless norm.
+        eps: Variance epsilon.
+
+    Returns:
+        The normalized tensor in ``x``'s dtype (times ``weight`` if given).
+    """
+    dtype = x.dtype
+    xf = x.float()
+    out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+    return out if weight is None else weight * out
+
+
+def gated_rms_norm(y: Tensor, gate: Tensor, weight: Tensor, group_size: int, eps: float) -> Tensor:
+    """Mamba-2's gated RMSNorm: ``norm(y * SiLU(gate))`` with the RMS taken per group of channels.
+
+    Args:
+        y: SSM output ``[..., E]``.
+        gate: Gate ``z`` ``[..., E]``.
+        weight: Scale ``[E]``.
+        group_size: Channels per normalization group (``E // n_groups``).
+        eps: Variance epsilon.
+
+    Returns:
+        ``[..., E]`` in ``y``'s dtype.
+    """
+    dtype = y.dtype
+    h = y.float() * F.silu(gate.float())
+    shape = h.shape
+    h = h.view(*shape[:-1], shape[-1] // group_size, group_size)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.view(shape).to(dtype)
+
+
+def causal_conv1d(x: Float[Tensor, "batch channel pos"], weight: Tensor, bias: Tensor | None) -> Tensor:
+    """Causal depthwise convolution (left zero padding), output length = input length.
+
+    Args:
+        x: ``[batch, channel, pos]``.
+        weight: ``[channel, 1, kernel]`` (an ``nn.Conv1d`` depthwise weight).
+        bias: ``[channel]`` or ``None``.
+
+    Returns:
+        ``[batch, channel, pos]``.
+    """
+    k = weight.shape[-1]
+    return F.conv1d(F.pad(x, (k - 1, 0)), weight, bias, groups=x.shape[1])
+
+
+def _rows_tensor(rows: Tensor | None, length: int, device: torch.device) -> Tensor:
+    if rows is None:
+        return torch.arange(length, device=device)
+    return rows.to(device=device, dtype=torch.long)
+
+
+def segsum_rows(
+    a: Float[Tensor, "... pos"], rows: Int[Tensor, " row"] | None = None
+) -> tuple[Float[Tensor, "... row pos"], Tensor]:
+    """Stable segment sums ``S[..., r, j] = sum_{k=j+1..q_r} a[..., k]`` for ``j <= q_r``.
+
+    Built by masking ``a`` above each query row and taking a reverse cumulative sum, so no prefix
+    sums are subtracted. Entries with ``j > q_r`` are 0 in the returned tensor; the boolean causal
+    mask ``j <= q_r`` is returned beside it so callers decide how to fill them.
+
+    Args:
+        a: Per-position increments (e.g. ``A * dt``), ``[..., L]``.
+        rows: Query positions ``q_r`` (``[R]``); all ``L`` positions when ``None``.
+
+    Returns:
+        ``(S, causal)`` with ``S`` of shape ``[..., R, L]`` and ``causal`` ``[R, L]`` (bool).
+
+    Examples:
+        >>> import torch
+        >>> S, causal = segsum_rows(torch.ones(4))
+        >>> S[3].tolist()
+        [3.0, 2.0, 1.0, 0.0]
+    """
+    length = a.shape[-1]
+    q = _rows_tensor(rows, length, a.device)
+    j = torch.arange(length, device=a.device)
+    causal = j[None, :] <= q[:, None]  # [R, L]
+    # a_k counted for k in (j, q]: mask positions k > q, then reverse cumsum from k = q down.
+    keep = causal.to(a.dtype)
+    masked = a.unsqueeze(-2) * keep  # [..., R, L]
+    rev = masked.flip(-1).cumsum(-1).flip(-1)  # rev[r, j] = sum_{k=j..q} a_k
+    seg = torch.cat([rev[..., 1:], torch.zeros_like(rev[..., :1])], dim=-1)  # sum_{k=j+1..q}
+    return seg * keep, causal
+
+
+def mamba1_scan(
+    u: Float[Tensor, "batch pos channel"],
+    delta: Float[Tensor, "batch pos channel"],
+    A: Float[Tensor, "channel state"],
+    B: Float[Tensor, "batch pos state"],
+    C: Float[Tensor, "batch pos state"],
+    chunk_size: int = 128,
+    return_states: bool = False,
+) -> tuple[Float[Tensor, "batch pos channel"], Tensor | None]:
+    """Mamba-1 selective scan ``h_t = exp(Δ_t A) h_{t-1} + Δ_t B_t u_t``, ``y_t = C_t · h_t``.
+
+    Vectorized: a Hillis-Steele parallel scan inside chunks of ``chunk_size`` positions, with the
+    state carried between chunks, so memory is ``O(batch * chunk * channel * state)`` unless the
+    states are requested. ``D`` and the gate are applied by the caller.
+
+    Args:
+        u: SSM input (after conv and SiLU).
+        delta: ``Δ = softplus(dt_proj(dt) + bias)``.
+        A: ``-exp(A_log)``.
+        B: Input projection of the state, per position.
+        C: Output projection of the state, per position.
+        chunk_size: Positions per parallel-scan chunk.
+        return_states: Also return every state ``[batch, pos, channel, state]``.
+
+    Returns:
+        ``(y, states)``; ``states`` is ``None`` unless asked for.
+    """
+    batch, length, channels = u.shape
+    state = torch.zeros(batch, channels, A.shape[-1], dtype=u.dtype, device=u.device)
+    ys: list[Tensor] = []
+    all_states: list[Tensor] = []
+    for start in range(0, length, chunk_size):
+        sl = slice(start, start + chunk_size)
+        dt = delta[:, sl, :, None]  # [b, t, e, 1]
+        decay = torch.exp(dt * A)  # [b, t, e, n]
+        h = dt * B[:, sl, None, :] * u[:, sl, :, None]  # [b, t, e, n]
+        t = h.shape[1]
+        offset = 1
+        while offset < t:
+            h = torch.cat([h[:, :offset], decay[:, offset:] * h[:, :-offset] + h[:, offset:]], dim=1)
+            decay = torch.cat([decay[:, :offset], decay[:, offset:] * decay[:, :-offset]], dim=1)
+            offset *= 2
+        h = h + decay * state[:, None]
+        state = h[:, -1]
+        if return_states:
+            all_states.append(h)
+        ys.append(torch.einsum("bten,btn->bte", h, C[:, sl]))
+    y = torch.cat(ys, dim=1)
+    return y, (torch.cat(all_states, dim=1) if return_states else None)
+
+
+def mamba1_pattern(
+    delta: Float[Tensor, "batch pos channel"],
+    A: Float[Tensor, "channel state"],
+    B: Float[Tensor, "batch pos state"],
+    C: Float[Tensor, "batch pos state"],
+    rows: Int[Tensor, " row"] | None = None,
+) -> Float[Tensor, "batch channel row pos"]:
+    """Materialized Mamba-1 implicit attention, one matrix per channel.
+
+    ``α[b,e,i,j] = Σ_n C[b,i,n] · exp(A[e,n] · S[b,e,i,j]) · Δ[b,j,e] · B[b,j,n]`` with
+    ``S[b,e,i,j] = Σ_{k=j+1..i} Δ[b,k,e]``, so that ``y = α @ u`` (before ``D`` and the gate).
+
+    Args:
+        delta: ``Δ`` for the channels to materialize (select channels before calling).
+        A: ``-exp(A_log)`` for the same channels.
+        B: ``[batch, pos, state]``.
+        C: ``[batch, pos, state]``.
+        rows: Query positions to materialize (all when ``None``).
+
+    Returns:
+        ``[batch, channel, row, pos]``, zero above the causal diagonal.
+    """
+    d = delta.transpose(1, 2)  # [b, e, L]
+    S, causal = segsum_rows(d, rows)  # [b, e, R, L]
+    q = _rows_tensor(rows, delta.shape[1], delta.device)
+    Cq = C[:, q]  # [b, R, n]
+    dB = d[..., None] * B[:, None]  # [b, e, L, n]
+    out = torch.zeros_like(S)
+    for n in range(A.shape[-1]):
+        decay = torch.exp(S * A[None, :, n, None, None])  # [b, e, R, L]
+        out = out + decay * Cq[:, None, :, n, None] * dB[:, :, None, :, n]
+    return out * causal
+
+
+def mamba2_ssd(
+    x: Float[Tensor, "batch pos head d_head"],
+    dt: Float[Tensor, "batch pos head"],
+    A: Float[Tensor, " head"],
+    B: Float[Tensor, "batch pos group state"],
+    C: Float[Tensor, "batch pos group state"],
+    chunk_size: int,
+) -> Float[Tensor, "batch pos head d_head"]:
+    """Chunked state-space duality (SSD) scan of Mamba-2, without the ``D`` skip term.
+
+    Inside each chunk the output is the masked matrix product (the implicit attention); between
+    chunks the state is carried by a short recurrence over chunks. Heads of a group share ``B`` and
+    ``C`` without copying them per head.
+
+    Args:
+        x: Values ``[batch, pos, head, d_head]``.
+        dt: Step sizes after softplus and clamping.
+        A: ``-exp(A_log)`` per head.
+        B: ``[batch, pos, group, state]``.
+        C: ``[batch, pos, group, state]``.
+        chunk_size: Chunk length; the result does not depend on it beyond rounding.
+
+    Returns:
+        ``y`` with the shape of ``x``.
+    """
+    batch, length, heads, d_head = x.shape
+    groups = B.shape[2]
+    hpg = heads // groups
+    pad = (-length) % chunk_size
+    if pad:
+        x = F.pad(x, (0, 0, 0, 0, 0, pad))
+        dt = F.pad(dt, (0, 0, 0, pad))
+        B = F.pad(B, (0, 0, 0, 0, 0, pad))
+        C = F.pad(C, (0, 0, 0, 0, 0, pad))
+    n_chunks = x.shape[1] // chunk_size
+    T = chunk_size
+    xdt = (x * dt[..., None]).view(batch, n_chunks, T, groups, hpg, d_head)
+    Bc = B.reshape(batch, n_chunks, T, groups, -1)
+    Cc = C.reshape(batch, n_chunks, T, groups, -1)
+    a = (dt * A).view(batch, n_chunks, T, groups, hpg).permute(0, 3, 4, 1, 2)  # [b,g,m,c,T]
+
+    # 1. Within chunks: y = (L ∘ C Bᵀ) (x dt).
+    seg, causal = segsum_rows(a)  # [b,g,m,c,T,T]
+    decay = torch.exp(seg) * causal
+    CB = torch.einsum("bclgn,bcsgn->bgcls", Cc, Bc)  # [b,g,c,T,T]
+    M = decay * CB[:, :, None]  # [b,g,m,c,T,T]
+    y = torch.einsum("bgmcls,bcsgmp->bclgmp", M, xdt)
+
+    # 2. State at each chunk's end, from that chunk's inputs alone.
+    to_end = a.flip(-1).cumsum(-1).flip(-1)  # sum_{k=s..T-1} a_k
+    to_end = torch.cat([to_end[..., 1:], torch.zeros_like(to_end[..., :1])], dim=-1)
+    chunk_states = torch.einsum("bcsgn,bgmcs,bcsgmp->bcgmpn", Bc, torch.exp(to_end), xdt)
+
+    # 3. Carry states across chunks (short sequential recurrence over chunks).
+    chunk_decay = torch.exp(a.sum(-1)).permute(0, 3, 1, 2)  # [b,c,g,m]
+    carried = torch.zeros_like(chunk_states[:, 0])
+    starts = []
+    for c in range(n_chunks):
+        starts.append(carried)
+        carried = chunk_decay[:, c, ..., None, None] * carried + chunk_states[:, c]
+    start_states = torch.stack(starts, dim=1)  # [b,c,g,m,p,n]
+
+    # 4. Contribution of the carried state to each position: C_l · state * exp(sum_{k<=l} a_k).
+    from_start = torch.exp(a.cumsum(-1)).permute(0, 3, 4, 1, 2)  # [b,c,T,g,m]
+    y = y + torch.einsum("bclgn,bcgmpn->bclgmp", Cc, start_states) * from_start[..., None]
+    y = y.reshape(batch, n_chunks * T, heads, d_head)
+    return y[:, :length]
+
+
+def mamba2_pattern(
+    dt: Float[Tensor, "batch pos head"],
+    A: Float[Tensor, " head"],
+    B: Float[Tensor, "batch pos group state"],
+    C: Float[Tensor, "batch pos group state"],
+    head_group: Int[Tensor, " head"],
+    rows: Int[Tensor, " row"] | None = None,
+) -> Float[Tensor, "batch head row pos"]:
+    """Materialized Mamba-2 implicit attention, one matrix per head.
+
+    ``M[b,h,i,j] = (C[b,i,g(h)] · B[b,j,g(h)]) · exp(A[h] · Σ_{k=j+1..i} dt[b,k,h]) · dt[b,j,h]``,
+    the form that reconstructs the mixer: ``y = M @ x + D x``. Dropping the trailing ``dt[b,j,h]``
+    gives the "attention-like" form ``L ∘ C Bᵀ``.
+
+    Args:
+        dt: Step sizes of the heads to materialize ``[batch, pos, head]``.
+        A: ``-exp(A_log)`` of those heads.
+        B: ``[batch, pos, group, state]`` (all groups).
+        C: ``[batch, pos, group, state]`` (all groups).
+        head_group: The group index of each materialized head.
+        rows: Query positions to materialize (all when ``None``).
+
+    Returns:
+        ``[batch, head, row, pos]``, zero above the causal diagonal.
+    """
+    q = _rows_tensor(rows, dt.shape[1], dt.device)
+    a = (dt * A).transpose(1, 2)  # [b, h, L]
+    seg, causal = segsum_rows(a, rows)  # [b, h, R, L]
+    CB = torch.einsum("brgn,bjgn->bgrj", C[:, q], B)  # [b, g, R, L]
+    CB = CB.index_select(1, head_group.to(CB.device))  # [b, h, R, L]
+    return torch.exp(seg) * causal * CB * dt.transpose(1, 2)[:, :, None, :]
+
+
+def channel_groups(
+    pattern: Float[Tensor, "batch channel query_pos key_pos"],
+    group_size: int,
+    reduce: str = "mean_abs",
+) -> Float[Tensor, "batch group query_pos key_pos"]:
+    """View a Mamba-1 pattern (one matrix per channel) as channel groups, for display.
+
+    Mamba-1 has no heads: each of its ``d_inner`` channels has its own implicit attention. Grouping
+    consecutive channels (e.g. 16 groups) gives a head-like view.
+
+    Args:
+        pattern: ``[batch, channel, query_pos, key_pos]`` as cached from ``hook_pattern``.
+        group_size: Channels per group; must divide the channel count.
+        reduce: ``"mean_abs"`` (default; the matrices are signed), ``"mean"`` or ``"max_abs"``.
+
+    Returns:
+        ``[batch, channel // group_size, query_pos, key_pos]``.
+
+    Raises:
+        ValueError: If ``group_size`` does not divide the channel count or ``reduce`` is unknown.
+
+    Examples:
+        >>> import torch
+        >>> channel_groups(torch.ones(1, 8, 3, 3), group_size=4).shape
+        torch.Size([1, 2, 3, 3])
+    """
+    b, e, qn, kn = pattern.shape
+    if group_size <= 0 or e % group_size:
+        raise ValueError(
+            f"channel_groups: group_size={group_size} does not divide the {e} channels of the "
+            f"pattern (shape {tuple(pattern.shape)}); pass a divisor of {e}."
+        )
+    grouped = pattern.reshape(b, e // group_size, group_size, qn, kn)
+    if reduce == "mean_abs":
+        return grouped.abs().mean(2)
+    if reduce == "mean":
+        return grouped.mean(2)
+    if reduce == "max_abs":
+        return grouped.abs().amax(2)
+    raise ValueError(
+        f"channel_groups: reduce={reduce!r} is not one of 'mean_abs', 'mean', 'max_abs'."
+    )
+
+
+def mamba2_recurrent(
+    x: Float[Tensor, "batch pos head d_head"],
+    dt: Float[Tensor, "batch pos head"],
+    A: Float[Tensor, " head"],
+    B: Float[Tensor, "batch pos group state"],
+    C: Float[Tensor, "batch pos group state"],
+) -> Float[Tensor, "batch pos head d_head state"]:
+    """Every state of the Mamba-2 recurrence ``h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_tᵀ``.
+
+    The eager (sequential) path, used when ``hook_ssm_state`` is hooked. Memory is
+    ``batch * pos * head * d_head * state``.
+
+    Args:
+        x: Values.
+        dt: Step sizes after softplus and clamping.
+        A: ``-exp(A_log)``.
+        B: ``[batch, pos, group, state]``.
+        C: Unused by the recurrence; accepted so the signature matches :func:`mamba2_ssd`.
+
+    Returns:
+        ``[batch, pos, head, d_head, state]``.
+    """
+    del C
+    heads = x.shape[2]
+    Bh = B.repeat_interleave(heads // B.shape[2], dim=2)  # [b, L, h, n]
+    decay = torch.exp(dt * A)  # [b, L, h]
+    state = x.new_zeros(x.shape[0], heads, x.shape[3], B.shape[-1])
+    states = []
+    for t in range(x.shape[1]):
+        write = (dt[:, t, :, None] * x[:, t])[..., None] * Bh[:, t, :, None, :]
+        state = decay[:, t, :, None, None] * state + write
+        states.append(state)
+    return torch.stack(states, dim=1)

@@ -1,0 +1,196 @@
+"""Tiny random models and tokenizers for tests, docstring examples and tutorials (offline).
+
+Every factory builds a Hugging Face config in code and random weights; nothing is downloaded.
+:func:`tiny_checkpoint` writes a real checkpoint folder (``save_pretrained``) so tests load it
+through the same path a user's hub model takes.
+
+Examples:
+    >>> model = tiny_hooked_ssm("mamba1")
+    >>> model.cfg.architecture
+    'mamba1'
+"""
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "ARCHITECTURES",
+    "tiny_checkpoint",
+    "tiny_hf_config",
+    "tiny_hf_model",
+    "tiny_hooked_ssm",
+    "tiny_tokenizer",
+]
+
+#: Architectures the factories can build.
+ARCHITECTURES = ("mamba1", "falcon_mamba", "mamba2", "bamba", "llama")
+
+_CORPUS = [
+    "Memorize the following dictionary:\napple:12\nriver:47\nstone:3\n",
+    "The value of the key 'river' is 47. The value of the key 'apple' is 12.",
+    "Below is a list of key-value pairs.\nkey: value\nWhat is the value for key stone?\n",
+    "Question: which planet is red?\nA. Mars\nB. Venus\nC. Earth\nD. Jupiter\nAnswer: A",
+    "a b c d e f g h i j k l m n o p q r s t u v w x y z 0 1 2 3 4 5 6 7 8 9 10 42 99",
+    "the quick brown fox jumps over the lazy dog. hello world! x = y + z;",
+]
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer_json(vocab_size: int) -> str:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|pad|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    return tok.to_str()
+
+
+def tiny_tokenizer(vocab_size: int = 320) -> Any:
+    """A byte-level BPE tokenizer (GPT-NeoX style, no BOS added) trained on a tiny corpus.
+
+    Args:
+        vocab_size: Target vocabulary size (at least 258: bytes plus two special tokens).
+
+    Returns:
+        A ``transformers.PreTrainedTokenizerFast`` with ``<|endoftext|>`` as BOS/EOS and
+        ``<|pad|>`` as padding.
+    """
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(_tokenizer_json(vocab_size)),
+        bos_token="<|endoftext|>",
+        eos_token="<|endoftext|>",
+        pad_token="<|pad|>",
+    )
+
+
+def tiny_hf_config(arch: str, vocab_size: int = 320, **overrides: Any) -> Any:
+    """A small Hugging Face config of ``arch`` (one of :data:`ARCHITECTURES`).
+
+    Args:
+        arch: ``"mamba1"``, ``"falcon_mamba"``, ``"mamba2"``, ``"bamba"`` or ``"llama"``.
+        vocab_size: Vocabulary size (match the tokenizer's).
+        **overrides: Config fields to change (e.g. ``n_groups=2``, ``chunk_size=8``).
+
+    Returns:
+        The config object.
+
+    Raises:
+        ValueError: For an unknown ``arch``.
+    """
+    import transformers as tf
+
+    if arch in ("mamba1", "falcon_mamba"):
+        cls = tf.MambaConfig if arch == "mamba1" else tf.FalconMambaConfig
+        kw: dict[str, Any] = dict(
+            hidden_size=32, num_hidden_layers=2, state_size=8, expand=2, conv_kernel=4,
+            time_step_rank=4, use_conv_bias=True,
+        )
+    elif arch == "mamba2":
+        cls = tf.Mamba2Config
+        kw = dict(
+            hidden_size=32, num_hidden_layers=2, state_size=8, expand=2, num_heads=8, head_dim=8,
+            n_groups=2, conv_kernel=4, chunk_size=16,
+        )
+    elif arch == "bamba":
+        cls = tf.BambaConfig
+        kw = dict(
+            hidden_size=32, num_hidden_layers=3, intermediate_size=64, num_attention_heads=4,
+            num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=8,
+            mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+            mamba_chunk_size=16, max_position_embeddings=4096, pad_token_id=1,
+        )
+    elif arch == "llama":
+        cls = tf.LlamaConfig
+        kw = dict(
+            hidden_size=32, num_hidden_layers=2, intermediate_size=64, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512,
+        )
+    else:
+        raise ValueError(f"tiny_hf_config: unknown arch {arch!r}; expected one of {ARCHITECTURES}.")
+    kw.update(vocab_size=vocab_size, bos_token_id=0, eos_token_id=0)
+    kw.setdefault("pad_token_id", 1)
+    kw.update(overrides)
+    return cls(**kw)
+
+
+def tiny_hf_model(arch: str, seed: int = 0, **overrides: Any) -> Any:
+    """A random Hugging Face causal LM of ``arch`` in fp32 eval mode.
+
+    The SSM parameters are given spread-out values (decays, step sizes, skip terms) so that the
+    implicit attention is far from uniform and parity tests exercise every term.
+
+    Args:
+        arch: One of :data:`ARCHITECTURES`.
+        seed: Random seed.
+        **overrides: Config fields to change.
+
+    Returns:
+        The model.
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_hf_config(arch, **overrides)
+    if arch == "llama":
+        config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.rand(p.shape, generator=gen) * 2.0 - 1.0)
+            elif name.endswith("dt_bias") or name.endswith("dt_proj.bias"):
+                p.copy_(torch.rand(p.shape, generator=gen) * 2.0 - 1.5)
+            elif name.endswith(".D"):
+                p.copy_(torch.randn(p.shape, generator=gen))
+            elif p.ndim >= 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * (0.5 / p.shape[-1] ** 0.5) * 2)
+    return model.eval()
+
+
+def tiny_checkpoint(arch: str, path: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Write a tiny random checkpoint (weights, config and tokenizer) to ``path``.
+
+    Args:
+        arch: One of :data:`ARCHITECTURES`.
+        path: Folder to create.
+        seed: Random seed.
+        **overrides: Config fields to change.
+
+    Returns:
+        The folder, loadable with ``from_pretrained`` like a hub model.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tiny_hf_model(arch, seed=seed, **overrides).save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+def tiny_hooked_ssm(arch: str = "mamba2", seed: int = 0, **overrides: Any) -> Any:
+    """A tiny random :class:`~gna_lens.models.HookedSSM` with a tokenizer, built in memory.
+
+    Args:
+        arch: ``"mamba1"``, ``"falcon_mamba"``, ``"mamba2"`` or ``"bamba"``.
+        seed: Random seed.
+        **overrides: Config fields to change.
+
+    Returns:
+        The model in fp32 eval mode.
+    """
+    from gna_lens.models import HookedSSM
+
+    return HookedSSM.from_hf_model(tiny_hf_model(arch, seed=seed, **overrides), tiny_tokenizer())
