@@ -1,0 +1,117 @@
+"""Tiny tokenizers built offline, for the examples and tests of :mod:`gna_lens.tasks`.
+
+They cover the three ways a tokenizer can cut a prompt that matter for spans: whole words, byte-level
+BPE (GPT-2 / Llama-3 style, with trimmed offsets), and a BPE that merges ``\\n`` with the characters
+around it (so tokens like ``":50\\n"`` exist and the summary token is not a bare newline).
+"""
+
+import re
+import string
+from collections.abc import Iterable
+from typing import Any
+
+__all__ = ["byte_level_bpe_tokenizer", "newline_merging_bpe_tokenizer", "word_tokenizer"]
+
+_WORD_RE = r" ?[A-Za-z0-9_]+| ?[^\sA-Za-z0-9_]|\n| "
+_SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
+
+
+def _wrap(tok: Any, bos: bool) -> Any:
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    if bos:
+        template = processors.TemplateProcessing(
+            single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]
+        )
+        tok.post_processor = (
+            processors.Sequence([tok.post_processor, template])
+            if tok.post_processor is not None
+            else template
+        )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def word_tokenizer(texts: Iterable[str], *, bos: bool = False) -> Any:
+    """A word-level tokenizer whose vocabulary is every word (with its leading space) in ``texts``.
+
+    Words and single punctuation marks (each with or without one leading space), ``\\n`` and bare
+    spaces are tokens; anything else is ``<unk>``. The numbers 0-99 and ASCII punctuation are
+    always in the vocabulary.
+
+    Examples:
+        >>> tok = word_tokenizer(["Hello world"])
+        >>> tok.convert_ids_to_tokens(tok("Hello world\\n")["input_ids"])
+        ['Hello', ' world', '\\n']
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab: dict[str, int] = {s: i for i, s in enumerate(_SPECIALS)}
+    pieces = ["\n", " "] + [str(n) for n in range(100)] + list(string.punctuation)
+    for text in texts:
+        pieces += [p.lstrip(" ") for p in re.findall(_WORD_RE, text)]
+    for p in pieces:
+        vocab.setdefault(p, len(vocab))
+        vocab.setdefault(" " + p, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(_WORD_RE), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return _wrap(tok, bos)
+
+
+def byte_level_bpe_tokenizer(texts: Iterable[str], *, vocab_size: int = 600, bos: bool = False) -> Any:
+    """A byte-level BPE (GPT-2 style pre-tokenization, offsets trimmed of spaces) trained on ``texts``.
+
+    Examples:
+        >>> tok = byte_level_bpe_tokenizer(["the cat sat on the mat\\n"] * 20, vocab_size=300)
+        >>> tok.decode(tok("the mat\\n")["input_ids"])
+        'the mat\\n'
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=True)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=_SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(list(texts), trainer)
+    return _wrap(tok, bos)
+
+
+def newline_merging_bpe_tokenizer(
+    texts: Iterable[str], *, vocab_size: int = 600, bos: bool = False
+) -> Any:
+    """A character BPE that splits only before spaces, so merges span ``\\n`` (e.g. ``":50\\n"``).
+
+    Examples:
+        >>> tok = newline_merging_bpe_tokenizer(["a:50\\nb:50\\n"] * 20, vocab_size=40)
+        >>> any("\\n" in t and len(t) > 1 for t in tok.get_vocab())
+        True
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    texts = list(texts)
+    alphabet = sorted(set("".join(texts)) | set("0123456789"))
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_next")
+    tok.decoder = decoders.Fuse()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=_SPECIALS,
+        initial_alphabet=alphabet,
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    return _wrap(tok, bos)

@@ -1,0 +1,390 @@
+"""Key-value retrieval: the probe the G&A paper ranks heads with.
+
+    Memorize the following dictionary:
+    present:50
+    scallops:84
+    ...
+    The value of the key 'scallops' is
+
+Segments are the dictionary lines, each line's summary token is its last token (the one holding
+its ``\\n``), the query is the prompt's last token and the answer segment is the queried line.
+"""
+
+import functools
+import random
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any, Literal
+
+from gna_lens.errors import TaskError
+from gna_lens.tasks._core import Task, _Spec, default_pad_token_id, sample_from_encoding
+from gna_lens.tasks._tokens import Encoding, encode, render, tokenizer_name
+
+__all__ = ["KV_TEMPLATES", "KVTemplate", "kv_retrieval", "load_words"]
+
+_MAX_TRIES = 200
+_EXAMPLES = {
+    "header": "Memorize the following dictionary:\n",
+    "line": "{key}:{value}\n",
+    "query": "The value of the key '{key}' is",
+    "answer": " {value}",
+    "separator": "",
+}
+
+
+@dataclass(frozen=True)
+class KVTemplate:
+    """How a KV-retrieval prompt is written.
+
+    The prompt is ``header + line(k1, v1) + ... + line(kn, vn) + separator + query(k)``; the
+    scored continuation is ``answer(v)``. Fields are ``str.format`` strings (write ``{{``/``}}``
+    for literal braces).
+
+    Attributes:
+        header: Text before the first line.
+        line: One dictionary line; must contain ``{key}`` and ``{value}``. End it with ``\\n``
+            so that each line's summary token is the one holding its newline.
+        query: The question; must contain ``{key}`` (the queried key), may contain it twice.
+        answer: The continuation that is scored; must contain ``{value}``. Start it with a
+            space (``" {value}"``) so it cannot merge with the query's last token.
+        separator: Text between the last line and the query.
+        name: A short name, used in the task's name.
+
+    Examples:
+        >>> t = KVTemplate(header="", line="{key} = {value}\\n", query="{key} =", name="eq")
+        >>> t.render_prompt([("cat", "3"), ("dog", "7")], "dog")[0]
+        'cat = 3\\ndog = 7\\ndog ='
+    """
+
+    header: str
+    line: str
+    query: str
+    answer: str = " {value}"
+    separator: str = ""
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        needs = {"header": (), "line": ("key", "value"), "query": ("key",), "answer": ("value",)}
+        needs["separator"] = ()
+        for what, needed in needs.items():
+            text = getattr(self, what)
+            if not isinstance(text, str):
+                raise TaskError(f"KVTemplate.{what}={text!r}; expected a str.")
+            _, where = render(text, f"KVTemplate.{what}", **dict.fromkeys(needed, "x"))
+            missing = [n for n in needed if not where[n]]
+            if missing or (what == "line" and any(len(where[n]) != 1 for n in needed)):
+                raise TaskError(
+                    f"KVTemplate.{what}={text!r}; expected a template containing "
+                    f"{' and '.join('{' + n + '}' for n in needed)}"
+                    f"{' exactly once each' if what == 'line' else ''}, e.g. "
+                    f"{_EXAMPLES[what]!r}."
+                )
+
+    def render_prompt(
+        self, pairs: Sequence[tuple[str, str]], query_key: str
+    ) -> tuple[str, list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]:
+        """Render a prompt.
+
+        Returns:
+            ``(prompt, line_chars, key_chars, value_chars)``: the text and the character ranges
+            of each line, of each key inside its line and of each value inside its line.
+        """
+        parts = [self.header]
+        pos = len(self.header)
+        lines, keys, values = [], [], []
+        for k, v in pairs:
+            text, where = render(self.line, "KVTemplate.line", key=k, value=v)
+            (ks, ke), (vs, ve) = where["key"][0], where["value"][0]
+            lines.append((pos, pos + len(text)))
+            keys.append((pos + ks, pos + ke))
+            values.append((pos + vs, pos + ve))
+            parts.append(text)
+            pos += len(text)
+        parts.append(self.separator)
+        parts.append(render(self.query, "KVTemplate.query", key=query_key)[0])
+        return "".join(parts), lines, keys, values
+
+    def render_answer(self, value: str) -> str:
+        """The scored continuation for ``value``."""
+        return render(self.answer, "KVTemplate.answer", value=value)[0]
+
+
+KV_TEMPLATES: dict[str, KVTemplate] = {
+    "paper": KVTemplate(
+        header="Memorize the following dictionary:\n",
+        line="{key}:{value}\n",
+        query="The value of the key '{key}' is",
+        answer=" {value}",
+        name="paper",
+    ),
+    "question": KVTemplate(
+        header="Below is a list of key-value pairs.\n",
+        line="{key}: {value}\n",
+        query="What is the value for key {key}?\n{key}:",
+        answer=" {value}",
+        name="question",
+    ),
+}
+"""The built-in templates: ``"paper"`` (the G&A paper's probe) and ``"question"``."""
+
+
+@functools.cache
+def _shipped_words() -> tuple[str, ...]:
+    text = resources.files("gna_lens").joinpath("data/words.txt").read_text(encoding="utf-8")
+    return tuple(w for w in text.split() if w)
+
+
+def load_words() -> list[str]:
+    """The English word list shipped with gna_lens (6,504 common nouns; MIT, see data/NOTICE.md).
+
+    Examples:
+        >>> words = load_words()
+        >>> len(words) > 5000 and "present" in words and "scallops" in words
+        True
+    """
+    return list(_shipped_words())
+
+
+def _resolve_template(template: str | KVTemplate | Mapping[str, str]) -> KVTemplate:
+    if isinstance(template, KVTemplate):
+        return template
+    if isinstance(template, str):
+        if template not in KV_TEMPLATES:
+            raise TaskError(
+                f"template={template!r}; expected one of {sorted(KV_TEMPLATES)} or a "
+                "KVTemplate(header=..., line='{key}:{value}\\n', query=..., answer=' {value}')."
+            )
+        return KV_TEMPLATES[template]
+    if isinstance(template, Mapping):
+        try:
+            return KVTemplate(**template)
+        except TypeError as exc:
+            raise TaskError(
+                f"template={dict(template)!r}: {exc}; expected the fields of KVTemplate "
+                "(header, line, query, answer, separator, name)."
+            ) from exc
+    raise TaskError(
+        f"template={template!r} (a {type(template).__name__}); expected 'paper', 'question', a "
+        "KVTemplate or a dict of its fields."
+    )
+
+
+def _clean_words(words: Iterable[str] | None) -> list[str]:
+    if words is None:
+        return list(_shipped_words())
+    if isinstance(words, str):
+        raise TaskError(
+            f"words={words[:40]!r}... is a single string; expected a list of words (e.g. "
+            "words=text.split())."
+        )
+    out: list[str] = []
+    seen = set()
+    for w in words:
+        if not isinstance(w, str):
+            raise TaskError(f"words contains {w!r} ({type(w).__name__}); expected strings.")
+        w = w.strip()
+        if w and "\n" not in w and w not in seen:
+            seen.add(w)
+            out.append(w)
+    return out
+
+
+def _tokens_of(enc: Encoding, tokenizer: Any, start: int, end: int) -> list[str]:
+    a, b = enc.tokens_over(start, end)
+    return list(tokenizer.convert_ids_to_tokens(enc.ids[a:b]))
+
+
+def kv_retrieval(
+    tokenizer: Any,
+    n_pairs: int = 8,
+    n_samples: int = 100,
+    seed: int = 0,
+    template: str | KVTemplate | Mapping[str, str] = "paper",
+    values: Literal["numbers", "words"] = "numbers",
+    words: Iterable[str] | None = None,
+    scoring: Literal["choices", "exact"] = "choices",
+    *,
+    add_special_tokens: bool = True,
+    max_length: int | None = None,
+) -> Task:
+    """Seeded key-value retrieval prompts with token-level spans.
+
+    Each sample is a dictionary of ``n_pairs`` distinct keys (English words) with distinct values
+    (integers 0-99, or words), followed by a query for one key. Keys and values are checked to be
+    single tokens for ``tokenizer`` where they appear in the prompt (so a value's token is the one
+    after the separator, e.g. ``":50"`` or ``" 50"``), and each value's answer continuation
+    (``" 50"``) is checked to be one token after the query, so one forward pass scores every
+    choice.
+
+    Args:
+        tokenizer: A HF fast tokenizer (returns character offsets).
+        n_pairs: Dictionary size (the paper sweeps 10..50).
+        n_samples: Number of prompts.
+        seed: Seed of the generator; the same seed gives the same task.
+        template: ``"paper"``, ``"question"``, a :class:`KVTemplate` or a dict of its fields.
+        values: ``"numbers"`` (distinct integers 0-99, the paper's choice) or ``"words"``
+            (distinct words, never also a key of the same prompt).
+        words: Vocabulary for keys and word values; defaults to :func:`load_words`. Words that are
+            not a single token in the line are dropped.
+        scoring: ``"choices"``: log-likelihood over the dictionary's values (chance
+            ``1/n_pairs``); ``"exact"``: the argmax next token must be the value.
+        add_special_tokens: Let the tokenizer add its BOS.
+        max_length: If given, refuse prompts longer than this many tokens.
+
+    Returns:
+        A :class:`Task` whose samples carry ``info`` ``keys``, ``values`` and ``query_key``.
+
+    Raises:
+        TaskError: When too few keys or values are single tokens for this tokenizer, ``n_pairs``
+            exceeds the available values, a prompt exceeds ``max_length``, or the tokenizer has no
+            offsets.
+
+    Examples:
+        >>> from gna_lens.tasks._testing import word_tokenizer
+        >>> keys = ["present", "scallops", "river", "lamp", "cloud"]
+        >>> tok = word_tokenizer(["Memorize the following dictionary:",
+        ...                       "The value of the key '", " is"] + keys)
+        >>> task = kv_retrieval(tok, n_pairs=3, n_samples=2, seed=0, words=keys)
+        >>> s = task[0]
+        >>> print(s.prompt)  # doctest: +NORMALIZE_WHITESPACE
+        Memorize the following dictionary:
+        lamp:33
+        cloud:65
+        present:62
+        The value of the key 'cloud' is
+        >>> s.answer, s.answer_segment, s.choices
+        (' 65', 1, [' 33', ' 65', ' 62'])
+        >>> [tok.decode(s.input_ids[a:b]) for a, b in s.segments]
+        ['lamp:33\\n', 'cloud:65\\n', 'present:62\\n']
+        >>> tok.decode(s.input_ids[s.summary_positions[0]]), s.query_position == len(s.input_ids) - 1
+        ('\\n', True)
+    """
+    tpl = _resolve_template(template)
+    tname = tokenizer_name(tokenizer)
+    if not isinstance(n_pairs, int) or n_pairs < 1:
+        raise TaskError(f"n_pairs={n_pairs!r}; expected a positive int.")
+    if not isinstance(n_samples, int) or n_samples < 0:
+        raise TaskError(f"n_samples={n_samples!r}; expected a non-negative int.")
+    if values not in ("numbers", "words"):
+        raise TaskError(f"values={values!r}; expected 'numbers' (0-99) or 'words'.")
+    if scoring not in ("choices", "exact"):
+        raise TaskError(f"scoring={scoring!r}; expected 'choices' or 'exact'.")
+    if values == "numbers" and n_pairs > 100:
+        raise TaskError(
+            f"n_pairs={n_pairs} but values='numbers' offers only the 100 distinct integers 0-99; "
+            "expected n_pairs <= 100. Fix: lower n_pairs or pass values='words'."
+        )
+    word_list = _clean_words(words)
+    enc = functools.partial(encode, tokenizer, add_special_tokens=add_special_tokens)
+
+    # Keys: single tokens in the line context.
+    probe_value = "50" if values == "numbers" else (word_list[0] if word_list else "x")
+    key_probes = [tpl.render_prompt([(w, probe_value)], w) for w in word_list]
+    key_encs = enc([p[0] for p in key_probes])
+    key_pool = [
+        w
+        for w, p, e in zip(word_list, key_probes, key_encs, strict=True)
+        if e.n_tokens_over(*p[2][0]) == 1
+    ]
+    need_keys = n_pairs if values == "numbers" else 2 * n_pairs
+    if len(key_pool) < need_keys:
+        raise TaskError(
+            f"only {len(key_pool)} of the {len(word_list)} words are a single token for "
+            f"tokenizer {tname} inside the line {tpl.line!r}; n_pairs={n_pairs} with "
+            f"values={values!r} needs at least {need_keys}. Fix: pass a larger `words=` list, a "
+            "smaller n_pairs, or use another tokenizer."
+        )
+
+    # Values: single tokens in the line and as the answer continuation.
+    candidates = [str(v) for v in range(100)] if values == "numbers" else key_pool
+    probe_key = key_pool[0]
+    v_probes = [tpl.render_prompt([(probe_key, v)], probe_key) for v in candidates]
+    v_encs = enc([p[0] for p in v_probes])
+    a_encs = enc([p[0] + tpl.render_answer(v) for p, v in zip(v_probes, candidates, strict=True)])
+    value_pool = []
+    bad: list[str] = []
+    for v, p, e, a in zip(candidates, v_probes, v_encs, a_encs, strict=True):
+        cont = a.continuation(e)
+        if e.n_tokens_over(*p[3][0]) == 1 and cont is not None and len(cont) == 1:
+            value_pool.append(v)
+        elif len(bad) < 3:
+            line_toks = _tokens_of(e, tokenizer, *p[3][0])
+            bad.append(
+                f"{v!r} -> {line_toks} in the line, "
+                f"{tokenizer.convert_ids_to_tokens(cont) if cont else 'merged'} as answer"
+            )
+    if len(value_pool) < n_pairs:
+        hint = (
+            "values='words' (or" if values == "numbers" else "a larger `words=` list (or"
+        ) + " a tokenizer that keeps them whole, or a template whose answer starts with a space)"
+        raise TaskError(
+            f"values={values!r}: only {len(value_pool)} of the {len(candidates)} candidate values "
+            f"are a single token for tokenizer {tname} both after the separator in the line "
+            f"{tpl.line!r} and as the answer {tpl.answer!r}; n_pairs={n_pairs} needs {n_pairs}. "
+            f"Examples of values that split: {'; '.join(bad)}. Fix: {hint}."
+        )
+
+    rng = random.Random(seed)
+    specs: list[_Spec] = []
+    samples = []
+    for i in range(n_samples):
+        for _ in range(_MAX_TRIES):
+            keys = rng.sample(key_pool, n_pairs)
+            if values == "numbers":
+                vals = rng.sample(value_pool, n_pairs)
+            else:
+                ks = set(keys)
+                vals = rng.sample([v for v in value_pool if v not in ks], n_pairs)
+            q = rng.randrange(n_pairs)
+            prompt, lines, kchars, vchars = tpl.render_prompt(
+                list(zip(keys, vals, strict=True)), keys[q]
+            )
+            choices = [tpl.render_answer(v) for v in vals]
+            encs = enc([prompt] + [prompt + c for c in choices])
+            pe = encs[0]
+            ok = all(pe.n_tokens_over(*r) == 1 for r in kchars + vchars) and all(
+                (c := ce.continuation(pe)) is not None and len(c) == 1 for ce in encs[1:]
+            )
+            if ok:
+                break
+        else:
+            raise TaskError(
+                f"sample {i}: after {_MAX_TRIES} draws, no dictionary had every key and value as "
+                f"one token in context for tokenizer {tname} (neighbouring text merges with "
+                f"them, e.g. in {prompt[:80]!r}). Fix: another template (e.g. with spaces around "
+                "the separator), values='words', or another tokenizer."
+            )
+        if max_length is not None and len(pe.ids) > max_length:
+            raise TaskError(
+                f"sample {i} has {len(pe.ids)} tokens but max_length={max_length}. Fix: fewer "
+                f"pairs (n_pairs={n_pairs}) or a larger max_length."
+            )
+        spec = _Spec(
+            prompt=prompt,
+            segment_chars=lines,
+            answer_segment=q,
+            choices=choices,
+            answer_index=q,
+            info={"keys": keys, "values": vals, "query_key": keys[q]},
+        )
+        specs.append(spec)
+        samples.append(sample_from_encoding(i, spec, pe, encs[1:], tokenizer))
+
+    return Task(
+        samples=tuple(samples),
+        name=f"kv_retrieval(template={tpl.name}, n_pairs={n_pairs}, values={values})",
+        scoring=scoring,
+        pad_token_id=default_pad_token_id(tokenizer),
+        info={
+            "task": "kv_retrieval",
+            "template": tpl.name,
+            "n_pairs": n_pairs,
+            "n_samples": n_samples,
+            "values": values,
+            "seed": seed,
+            "n_keys_available": len(key_pool),
+            "n_values_available": len(value_pool),
+        },
+        tokenizer=tokenizer,
+    )
