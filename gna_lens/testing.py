@@ -92,31 +92,60 @@ def tiny_hf_config(arch: str, vocab_size: int = 320, **overrides: Any) -> Any:
     """
     import transformers as tf
 
+    cls: Any
+
     if arch in ("mamba1", "falcon_mamba"):
         cls = tf.MambaConfig if arch == "mamba1" else tf.FalconMambaConfig
         kw: dict[str, Any] = dict(
-            hidden_size=32, num_hidden_layers=2, state_size=8, expand=2, conv_kernel=4,
-            time_step_rank=4, use_conv_bias=True,
+            hidden_size=32,
+            num_hidden_layers=2,
+            state_size=8,
+            expand=2,
+            conv_kernel=4,
+            time_step_rank=4,
+            use_conv_bias=True,
         )
     elif arch == "mamba2":
         cls = tf.Mamba2Config
         kw = dict(
-            hidden_size=32, num_hidden_layers=2, state_size=8, expand=2, num_heads=8, head_dim=8,
-            n_groups=2, conv_kernel=4, chunk_size=16,
+            hidden_size=32,
+            num_hidden_layers=2,
+            state_size=8,
+            expand=2,
+            num_heads=8,
+            head_dim=8,
+            n_groups=2,
+            conv_kernel=4,
+            chunk_size=16,
         )
     elif arch == "bamba":
         cls = tf.BambaConfig
         kw = dict(
-            hidden_size=32, num_hidden_layers=3, intermediate_size=64, num_attention_heads=4,
-            num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=8,
-            mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
-            mamba_chunk_size=16, max_position_embeddings=4096, pad_token_id=1,
+            hidden_size=32,
+            num_hidden_layers=3,
+            intermediate_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            attn_layer_indices=[1],
+            mamba_n_heads=8,
+            mamba_d_head=8,
+            mamba_n_groups=2,
+            mamba_d_state=8,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_chunk_size=16,
+            max_position_embeddings=4096,
+            pad_token_id=1,
         )
     elif arch == "llama":
         cls = tf.LlamaConfig
         kw = dict(
-            hidden_size=32, num_hidden_layers=2, intermediate_size=64, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=512,
+            hidden_size=32,
+            num_hidden_layers=2,
+            intermediate_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
         )
     else:
         raise ValueError(f"tiny_hf_config: unknown arch {arch!r}; expected one of {ARCHITECTURES}.")

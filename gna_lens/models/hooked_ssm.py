@@ -104,7 +104,9 @@ class Mamba1Mixer(_SSMMixerBase):
         self.cfg = cfg
         E, N, R = cfg.d_inner, cfg.d_state, cfg.dt_rank
         self.in_proj = nn.Linear(cfg.d_model, 2 * E, bias=cfg.proj_bias)
-        self.conv1d = nn.Conv1d(E, E, cfg.d_conv, groups=E, padding=cfg.d_conv - 1, bias=cfg.conv_bias)
+        self.conv1d = nn.Conv1d(
+            E, E, cfg.d_conv, groups=E, padding=cfg.d_conv - 1, bias=cfg.conv_bias
+        )
         self.x_proj = nn.Linear(E, R + 2 * N, bias=False)
         self.dt_proj = nn.Linear(R, E, bias=True)
         self.A_log = nn.Parameter(torch.zeros(E, N))
@@ -200,10 +202,10 @@ class Mamba2Mixer(_SSMMixerBase):
         self.D = nn.Parameter(torch.ones(H))
         self.norm = RMSNorm(E, cfg.eps)
         self.out_proj = nn.Linear(E, cfg.d_model, bias=cfg.proj_bias)
-        self.register_buffer(
-            "head_group", torch.arange(H) // (H // G), persistent=False
-        )
-        self.hook_in_proj = HookPoint()  # [batch, pos, 2 * d_inner + 2 * n_groups * d_state + n_heads]
+        self.register_buffer("head_group", torch.arange(H) // (H // G), persistent=False)
+        self.hook_in_proj = (
+            HookPoint()
+        )  # [batch, pos, 2 * d_inner + 2 * n_groups * d_state + n_heads]
         self.hook_conv = HookPoint()  # [batch, pos, conv_dim], before SiLU
         self.hook_ssm_input = HookPoint()  # [batch, pos, head_index, d_head]
         self.hook_ssm_dt = HookPoint()  # [batch, pos, head_index]
@@ -378,7 +380,9 @@ class SSMBlock(nn.Module):
             self.hook_attn_out = HookPoint()  # [batch, pos, d_model]
         else:
             self.mixer: Mamba1Mixer | Mamba2Mixer = (
-                Mamba1Mixer(cfg) if cfg.architecture in ("mamba1", "falcon_mamba") else Mamba2Mixer(cfg)
+                Mamba1Mixer(cfg)
+                if cfg.architecture in ("mamba1", "falcon_mamba")
+                else Mamba2Mixer(cfg)
             )
             self.hook_mixer_out = HookPoint()  # [batch, pos, d_model]
         self.has_mlp = cfg.architecture == "bamba"
@@ -389,7 +393,9 @@ class SSMBlock(nn.Module):
             self.hook_mlp_out = HookPoint()  # [batch, pos, d_model]
         self.hook_resid_post = HookPoint()  # [batch, pos, d_model]
 
-    def forward(self, resid: Tensor, mask: Tensor | None, rope: tuple[Tensor, Tensor] | None) -> Tensor:
+    def forward(
+        self, resid: Tensor, mask: Tensor | None, rope: tuple[Tensor, Tensor] | None
+    ) -> Tensor:
         resid = self.hook_resid_pre(resid)
         normed = self.ln1(resid.to(self.ln1.weight.dtype))
         if self.cfg.residual_in_fp32:
@@ -600,9 +606,7 @@ class HookedSSM(HookedRootModule):
                 f"pattern_selection: query_positions={query_positions!r}; expected 'last', None or "
                 "a list of int positions (negative counts from the end)."
             )
-        mixers = {
-            i: blk.mixer for i, blk in enumerate(self.blocks) if not blk.is_attention  # type: ignore[union-attr]
-        }
+        mixers = self.ssm_mixers()
         saved = {i: (m.pattern_heads, m.pattern_rows) for i, m in mixers.items()}
         try:
             for i, m in mixers.items():
@@ -622,6 +626,15 @@ class HookedSSM(HookedRootModule):
         finally:
             for i, m in mixers.items():
                 m.pattern_heads, m.pattern_rows = saved[i]
+
+    def ssm_mixers(self) -> dict[int, "Mamba1Mixer | Mamba2Mixer"]:
+        """The SSM mixer module of each SSM layer, keyed by layer index."""
+        out: dict[int, Mamba1Mixer | Mamba2Mixer] = {}
+        for i, block in enumerate(self.blocks):
+            mixer = getattr(block, "mixer", None)
+            if isinstance(mixer, Mamba1Mixer | Mamba2Mixer):
+                out[i] = mixer
+        return out
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -693,9 +706,7 @@ class HookedSSM(HookedRootModule):
             return loss
         if return_type == "both":
             return logits, loss
-        raise ValueError(
-            f"return_type={return_type!r}; expected 'logits', 'loss', 'both' or None."
-        )
+        raise ValueError(f"return_type={return_type!r}; expected 'logits', 'loss', 'both' or None.")
 
     def _rope(self, length: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         inv_freq: Tensor = self.rope_inv_freq  # type: ignore[assignment]

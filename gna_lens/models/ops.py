@@ -67,7 +67,9 @@ def gated_rms_norm(y: Tensor, gate: Tensor, weight: Tensor, group_size: int, eps
     return weight * h.view(shape).to(dtype)
 
 
-def causal_conv1d(x: Float[Tensor, "batch channel pos"], weight: Tensor, bias: Tensor | None) -> Tensor:
+def causal_conv1d(
+    x: Float[Tensor, "batch channel pos"], weight: Tensor, bias: Tensor | None
+) -> Tensor:
     """Causal depthwise convolution (left zero padding), output length = input length.
 
     Args:
@@ -161,7 +163,9 @@ def mamba1_scan(
         t = h.shape[1]
         offset = 1
         while offset < t:
-            h = torch.cat([h[:, :offset], decay[:, offset:] * h[:, :-offset] + h[:, offset:]], dim=1)
+            h = torch.cat(
+                [h[:, :offset], decay[:, offset:] * h[:, :-offset] + h[:, offset:]], dim=1
+            )
             decay = torch.cat([decay[:, :offset], decay[:, offset:] * decay[:, :-offset]], dim=1)
             offset *= 2
         h = h + decay * state[:, None]
