@@ -1,15 +1,36 @@
-"""Prompts whose structure is known token by token, and evaluation on them."""
+"""Prompts whose structure is known token by token, and evaluation on them.
+
+A task is a sequence of :class:`Sample` objects. Each sample knows its prompt's tokens, the token
+ranges of its segments (dictionary lines, option lines), each segment's summary token (its last
+token, the one holding the line's ``\\n``), the query position (the last prompt token) and which
+segment holds the answer, all computed from the tokenizer's character offsets.
+
+- :func:`kv_retrieval`: the G&A paper's key-value retrieval probe (seeded, any template).
+- :func:`multiple_choice`: letter (MMLU) and cloze formats over the same questions; records come
+  from :func:`load_records` (files, ``datasets``, the hub) or :func:`load_mmlu` (offline MMLU).
+- :func:`evaluate`: batched accuracy, per-sample correctness and logit differences.
+"""
 
 from gna_lens.tasks._core import Batch, Sample, Task, build_sample
+from gna_lens.tasks.evaluate import EvalResult, evaluate
 from gna_lens.tasks.kv import KV_TEMPLATES, KVTemplate, kv_retrieval, load_words
+from gna_lens.tasks.mc import format_question, multiple_choice
+from gna_lens.tasks.records import MCRecord, load_mmlu, load_records
 
 __all__ = [
     "KV_TEMPLATES",
     "Batch",
+    "EvalResult",
     "KVTemplate",
+    "MCRecord",
     "Sample",
     "Task",
     "build_sample",
+    "evaluate",
+    "format_question",
     "kv_retrieval",
+    "load_mmlu",
+    "load_records",
     "load_words",
+    "multiple_choice",
 ]

@@ -173,8 +173,7 @@ def make_batch(
             for s, o in zip(samples, offsets, strict=True)
         ),
         summary_positions=tuple(
-            tuple(p + o for p in s.summary_positions)
-            for s, o in zip(samples, offsets, strict=True)
+            tuple(p + o for p in s.summary_positions) for s, o in zip(samples, offsets, strict=True)
         ),
         query_positions=torch.tensor(
             [s.query_position + o for s, o in zip(samples, offsets, strict=True)], dtype=torch.long
@@ -336,9 +335,21 @@ def _check_spec(i: int, spec: _Spec) -> None:
 
 
 def sample_from_encoding(
-    i: int, spec: _Spec, enc: Encoding, choice_encs: Sequence[Encoding], tokenizer: Any
+    i: int,
+    spec: _Spec,
+    enc: Encoding,
+    choice_encs: Sequence[Encoding],
+    tokenizer: Any,
+    *,
+    boundary: Literal["error", "split"] = "error",
 ) -> Sample:
-    """Assemble a :class:`Sample` from the prompt's and the prompt+choices' encodings."""
+    """Assemble a :class:`Sample` from the prompt's and the prompt+choices' encodings.
+
+    A choice is normally the tokens that ``prompt + choice`` adds after the prompt's own tokens.
+    When the tokenizer merges the prompt's last characters with the choice (so the prompt's
+    tokens are not a prefix), ``boundary="error"`` refuses and ``boundary="split"`` uses the
+    choice tokenized on its own, listing such choices in ``info["split_choices"]``.
+    """
     segments = []
     for j, (s, e) in enumerate(spec.segment_chars):
         a, b = enc.tokens_over(s, e)
@@ -346,18 +357,24 @@ def sample_from_encoding(
             raise TaskError(f"sample {i}: segment {j} ({s}, {e}) maps to no token.")
         segments.append((a, b))
     choice_ids = []
-    for c, cenc in zip(spec.choices, choice_encs, strict=True):
+    split: list[int] = []
+    for j, (c, cenc) in enumerate(zip(spec.choices, choice_encs, strict=True)):
         ids = cenc.continuation(enc)
-        if ids is None or not ids:
+        if not ids and boundary == "split":
+            ids = encode(tokenizer, [c], add_special_tokens=False)[0].ids
+            split.append(j)
+        if not ids:
             raise TaskError(
                 f"sample {i}: tokenizer {tokenizer_name(tokenizer)} does not keep the prompt's "
                 f"tokens when the choice {c!r} is appended (the prompt ends with "
                 f"{spec.prompt[-20:]!r}; a token merges across the boundary), so the choice "
-                "cannot be scored as a continuation. Fix: end the prompt with a character that "
-                "never merges with the choice (e.g. make choices start with a space) or use "
-                "another template."
+                "cannot be scored as the continuation the tokenizer would produce. Fix: another "
+                "template or tokenizer."
             )
         choice_ids.append(ids)
+    info = dict(spec.info)
+    if boundary == "split":
+        info["split_choices"] = split
     return Sample(
         prompt=spec.prompt,
         input_ids=list(enc.ids),
@@ -370,12 +387,16 @@ def sample_from_encoding(
         choices=list(spec.choices),
         choice_ids=choice_ids,
         answer_index=spec.answer_index,
-        info=dict(spec.info),
+        info=info,
     )
 
 
 def build_samples(
-    tokenizer: Any, specs: Sequence[_Spec], *, add_special_tokens: bool = True
+    tokenizer: Any,
+    specs: Sequence[_Spec],
+    *,
+    add_special_tokens: bool = True,
+    boundary: Literal["error", "split"] = "error",
 ) -> list[Sample]:
     """Tokenize prompts (and prompt + each choice) in two batched calls and build samples."""
     for i, spec in enumerate(specs):
@@ -387,7 +408,9 @@ def build_samples(
     k = 0
     for i, (spec, enc) in enumerate(zip(specs, encs, strict=True)):
         n = len(spec.choices)
-        out.append(sample_from_encoding(i, spec, enc, cencs[k : k + n], tokenizer))
+        out.append(
+            sample_from_encoding(i, spec, enc, cencs[k : k + n], tokenizer, boundary=boundary)
+        )
         k += n
     return out
 
@@ -402,6 +425,7 @@ def build_sample(
     answer_index: int | None = None,
     info: Mapping[str, Any] | None = None,
     add_special_tokens: bool = True,
+    boundary: Literal["error", "split"] = "error",
 ) -> Sample:
     """Build a :class:`Sample` for a custom task from character ranges.
 
@@ -414,6 +438,9 @@ def build_sample(
         answer_index: Index of the correct choice; defaults to ``answer_segment``.
         info: Metadata stored on the sample.
         add_special_tokens: Let the tokenizer add its special tokens (BOS).
+        boundary: What to do with a choice the tokenizer merges with the prompt's last token:
+            ``"error"`` refuses, ``"split"`` scores the choice's own tokens (listed in
+            ``info["split_choices"]``).
 
     Returns:
         The sample, with token spans computed from the tokenizer's offsets.
@@ -438,4 +465,6 @@ def build_sample(
         answer_index=answer_segment if answer_index is None else answer_index,
         info=dict(info or {}),
     )
-    return build_samples(tokenizer, [spec], add_special_tokens=add_special_tokens)[0]
+    return build_samples(
+        tokenizer, [spec], add_special_tokens=add_special_tokens, boundary=boundary
+    )[0]

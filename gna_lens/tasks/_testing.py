@@ -43,7 +43,7 @@ def word_tokenizer(texts: Iterable[str], *, bos: bool = False) -> Any:
     """A word-level tokenizer whose vocabulary is every word (with its leading space) in ``texts``.
 
     Words and single punctuation marks (each with or without one leading space), ``\\n`` and bare
-    spaces are tokens; anything else is ``<unk>``. The numbers 0-99 and ASCII punctuation are
+    spaces are tokens; anything else is ``<unk>``. The numbers 0-99, capital letters and ASCII punctuation are
     always in the vocabulary.
 
     Examples:
@@ -54,7 +54,8 @@ def word_tokenizer(texts: Iterable[str], *, bos: bool = False) -> Any:
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
     vocab: dict[str, int] = {s: i for i, s in enumerate(_SPECIALS)}
-    pieces = ["\n", " "] + [str(n) for n in range(100)] + list(string.punctuation)
+    pieces = ["\n", " ", *string.ascii_uppercase, *string.punctuation]
+    pieces += [str(n) for n in range(100)]
     for text in texts:
         pieces += [p.lstrip(" ") for p in re.findall(_WORD_RE, text)]
     for p in pieces:
@@ -66,7 +67,9 @@ def word_tokenizer(texts: Iterable[str], *, bos: bool = False) -> Any:
     return _wrap(tok, bos)
 
 
-def byte_level_bpe_tokenizer(texts: Iterable[str], *, vocab_size: int = 600, bos: bool = False) -> Any:
+def byte_level_bpe_tokenizer(
+    texts: Iterable[str], *, vocab_size: int = 600, bos: bool = False
+) -> Any:
     """A byte-level BPE (GPT-2 style pre-tokenization, offsets trimmed of spaces) trained on ``texts``.
 
     Examples:
@@ -93,19 +96,23 @@ def byte_level_bpe_tokenizer(texts: Iterable[str], *, vocab_size: int = 600, bos
 def newline_merging_bpe_tokenizer(
     texts: Iterable[str], *, vocab_size: int = 600, bos: bool = False
 ) -> Any:
-    """A character BPE that splits only before spaces, so merges span ``\\n`` (e.g. ``":50\\n"``).
+    """A character BPE that isolates words, so the text between them merges across ``\\n``.
+
+    Runs of letters (with one optional leading space) are pre-tokens; everything between them
+    (punctuation, digits, spaces, newlines) forms one pre-token, so BPE learns tokens like
+    ``":50\\n"`` where a dictionary line's separator, value and newline are one token.
 
     Examples:
-        >>> tok = newline_merging_bpe_tokenizer(["a:50\\nb:50\\n"] * 20, vocab_size=40)
-        >>> any("\\n" in t and len(t) > 1 for t in tok.get_vocab())
-        True
+        >>> tok = newline_merging_bpe_tokenizer(["cat:50\\ndog:51\\n"] * 20, vocab_size=60)
+        >>> tok.convert_ids_to_tokens(tok("dog:50\\ncat:51\\n")["input_ids"])
+        ['dog', ':50\\n', 'cat', ':51\\n']
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     texts = list(texts)
     alphabet = sorted(set("".join(texts)) | set("0123456789"))
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_next")
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(" ?[A-Za-z]+"), behavior="isolated")
     tok.decoder = decoders.Fuse()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,

@@ -108,7 +108,9 @@ def _covers(offsets: Sequence[Sequence[int]], special: Sequence[int]) -> list[tu
     return covers
 
 
-def encode(tokenizer: Any, texts: Sequence[str], *, add_special_tokens: bool = True) -> list[Encoding]:
+def encode(
+    tokenizer: Any, texts: Sequence[str], *, add_special_tokens: bool = True
+) -> list[Encoding]:
     """Tokenize texts and return each one's ids with their character covers.
 
     Args:

@@ -310,19 +310,23 @@ def kv_retrieval(
             value_pool.append(v)
         elif len(bad) < 3:
             line_toks = _tokens_of(e, tokenizer, *p[3][0])
-            bad.append(
-                f"{v!r} -> {line_toks} in the line, "
-                f"{tokenizer.convert_ids_to_tokens(cont) if cont else 'merged'} as answer"
+            answer_toks = (
+                tokenizer.convert_ids_to_tokens(cont)
+                if cont
+                else "a token merged with the query's end"
             )
+            bad.append(f"{v!r} -> {line_toks} in the line, {answer_toks} as answer")
     if len(value_pool) < n_pairs:
         hint = (
-            "values='words' (or" if values == "numbers" else "a larger `words=` list (or"
-        ) + " a tokenizer that keeps them whole, or a template whose answer starts with a space)"
+            "values='words', or a tokenizer that keeps 0-99 whole (e.g. GPT-2's or Llama-3's)"
+            if values == "numbers"
+            else "a larger `words=` list, or another tokenizer"
+        )
         raise TaskError(
             f"values={values!r}: only {len(value_pool)} of the {len(candidates)} candidate values "
             f"are a single token for tokenizer {tname} both after the separator in the line "
             f"{tpl.line!r} and as the answer {tpl.answer!r}; n_pairs={n_pairs} needs {n_pairs}. "
-            f"Examples of values that split: {'; '.join(bad)}. Fix: {hint}."
+            f"Values that split: {'; '.join(bad)}. Fix: {hint}; or another template."
         )
 
     rng = random.Random(seed)

@@ -1,0 +1,344 @@
+"""Accuracy of a model on a task, batched, with per-sample correctness and logit differences."""
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
+
+from gna_lens.errors import TaskError
+from gna_lens.tasks._core import PaddingSide, Task, pad_sequences
+
+__all__ = ["EvalResult", "evaluate"]
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """The outcome of :func:`evaluate`.
+
+    Attributes:
+        task: The task's name.
+        scoring: ``"choices"`` or ``"exact"``.
+        correct: Whether each sample was answered correctly.
+        logit_diffs: Per sample, the correct answer's score minus the best wrong answer's.
+            ``"choices"`` with single-token choices: the logit difference at the query position;
+            with multi-token choices: the difference of the (length-normalized) log-likelihoods.
+            ``"exact"``: the answer token's logit minus the best other token's over the whole
+            vocabulary (for a multi-token answer, the smallest such margin along the answer).
+            Positive exactly when the sample is correct (ties aside).
+        predictions: Per sample, the index of the chosen choice (``"choices"``) or the argmax
+            token id at the query position (``"exact"``).
+        choice_scores: Per sample, each choice's score (log-likelihood, length-normalized as the
+            task says); empty for ``"exact"``.
+        answer_indices: Per sample, the index of the correct choice.
+        chance: Accuracy of uniform guessing (the baseline).
+        metric: ``"accuracy"``.
+    """
+
+    task: str
+    scoring: str
+    correct: Bool[Tensor, " batch"]
+    logit_diffs: Float[Tensor, " batch"]
+    predictions: Int[Tensor, " batch"]
+    choice_scores: tuple[tuple[float, ...], ...]
+    answer_indices: Int[Tensor, " batch"]
+    chance: float
+    metric: str = "accuracy"
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def accuracy(self) -> float:
+        """The fraction of samples answered correctly."""
+        return float(self.correct.float().mean()) if len(self.correct) else float("nan")
+
+    def __len__(self) -> int:
+        return len(self.correct)
+
+    def __repr__(self) -> str:
+        return (
+            f"EvalResult({self.task!r}, accuracy={self.accuracy:.3f}, chance={self.chance:.3f}, "
+            f"n={len(self)}, scoring={self.scoring!r})"
+        )
+
+    def to_dataframe(self) -> Any:
+        """One row per sample: ``sample``, ``correct``, ``logit_diff``, ``prediction``, ``answer``.
+
+        Task-level columns ``task``, ``scoring``, ``metric`` and ``chance`` repeat on every row.
+        """
+        import pandas as pd
+
+        return pd.DataFrame(
+            {
+                "sample": range(len(self)),
+                "correct": self.correct.tolist(),
+                "logit_diff": self.logit_diffs.tolist(),
+                "prediction": self.predictions.tolist(),
+                "answer": self.answer_indices.tolist(),
+                "task": self.task,
+                "scoring": self.scoring,
+                "metric": self.metric,
+                "chance": self.chance,
+            }
+        )
+
+
+def _logits(model: Any, ids: Tensor, mask: Tensor) -> Tensor:
+    out = model(ids, attention_mask=mask)
+    if not isinstance(out, Tensor):
+        out = getattr(out, "logits", None)
+        if not isinstance(out, Tensor):
+            raise TaskError(
+                f"model(input_ids, attention_mask=...) returned {type(out).__name__}; expected "
+                "logits [batch, pos, d_vocab] (a tensor, or an output with .logits)."
+            )
+    if out.ndim != 3 or out.shape[:2] != ids.shape:
+        raise TaskError(
+            f"model returned a tensor of shape {tuple(out.shape)} for input_ids of shape "
+            f"{tuple(ids.shape)}; expected logits [batch, pos, d_vocab]."
+        )
+    return out
+
+
+def _device(model: Any) -> torch.device:
+    cfg = getattr(model, "cfg", None)
+    dev = getattr(cfg, "device", None)
+    if dev is not None:
+        return torch.device(dev)
+    try:
+        return next(model.parameters()).device
+    except (AttributeError, StopIteration, TypeError):
+        return torch.device("cpu")
+
+
+def _model_vocab(model: Any) -> int | None:
+    for holder, name in (("cfg", "d_vocab"), ("config", "vocab_size")):
+        v = getattr(getattr(model, holder, None), name, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
+
+
+def _check_vocab(task: Task, max_id: int, vocab: int) -> None:
+    if max_id >= vocab:
+        raise TaskError(
+            f"task {task.name!r} uses token id {max_id} but the model has d_vocab={vocab}; "
+            "expected the task to be built with the model's own tokenizer (model.tokenizer)."
+        )
+
+
+def model_context_length(model: Any) -> int | None:
+    """The model's maximum sequence length, where it declares one (``cfg.n_ctx`` etc.)."""
+    for holder in ("cfg", "config"):
+        obj = getattr(model, holder, None)
+        for name in ("n_ctx", "max_position_embeddings", "n_positions"):
+            v = getattr(obj, name, None)
+            if isinstance(v, int) and v > 0:
+                return v
+    return None
+
+
+def _check_lengths(
+    task: Task, rows: Sequence[Sequence[int]], owner: Sequence[int], limit: int | None
+) -> None:
+    if limit is None:
+        return
+    for row, i in zip(rows, owner, strict=True):
+        if len(row) > limit:
+            raise TaskError(
+                f"sample {i} needs {len(row)} tokens (prompt {task[i].n_tokens} + continuation) "
+                f"but the model's context is {limit} tokens; expected at most {limit}. Fix: build "
+                f"the task with fewer pairs / shots (task {task.name!r}), or use a model with a "
+                "longer context."
+            )
+
+
+def _normalizer(task: Task, i: int, c: int) -> float:
+    mode = task.length_normalize
+    if mode is True or mode == "tokens":
+        return float(len(task[i].choice_ids[c]))
+    if mode == "chars":
+        return float(max(len(task[i].choices[c]), 1))
+    return 1.0
+
+
+def _best_other(x: Tensor, k: int) -> float:
+    if x.numel() < 2:
+        return float("-inf")
+    other = x.clone()
+    other[k] = float("-inf")
+    return float(other.max())
+
+
+@torch.no_grad()
+def evaluate(
+    model: Any,
+    task: Task,
+    batch_size: int = 8,
+    *,
+    padding_side: PaddingSide = "right",
+    pad_token_id: int | None = None,
+    method: Literal["auto", "single_pass", "per_choice"] = "auto",
+    progress: bool = True,
+) -> EvalResult:
+    """Accuracy of ``model`` on ``task``.
+
+    The model is called as ``model(input_ids, attention_mask=attention_mask)`` and must return
+    logits ``[batch, pos, d_vocab]`` (a TransformerLens ``TransformerBridge``, a ``HookedSSM``, or
+    any module; an output with ``.logits`` works too). When every choice is one token, one forward
+    pass per batch scores all of them from the logits at the query position; otherwise each
+    ``prompt + choice`` is scored by the log-probability of the choice's tokens, ``batch_size``
+    rows at a time.
+
+    Args:
+        model: The model.
+        task: A :class:`Task`.
+        batch_size: Rows per forward pass.
+        padding_side: ``"right"`` (default; positions unchanged) or ``"left"``.
+        pad_token_id: Pad id; defaults to ``task.pad_token_id``.
+        method: ``"auto"``, ``"single_pass"`` (requires single-token choices) or ``"per_choice"``
+            (one row per prompt + choice; the reference the single pass is checked against).
+        progress: Show a tqdm progress bar.
+
+    Returns:
+        An :class:`EvalResult`.
+
+    Raises:
+        TaskError: If a prompt (plus continuation) exceeds the model's context, the tokenizer's
+            ids exceed the model's vocabulary, or the model does not return logits.
+
+    Examples:
+        >>> import torch
+        >>> from gna_lens.tasks import kv_retrieval
+        >>> from gna_lens.tasks._testing import word_tokenizer
+        >>> keys = ["present", "scallops", "river", "lamp", "cloud"]
+        >>> tok = word_tokenizer(["Memorize the following dictionary:",
+        ...                       "The value of the key '", " is"] + keys)
+        >>> task = kv_retrieval(tok, n_pairs=4, n_samples=6, words=keys)
+        >>> emb = torch.nn.Embedding(len(tok), 8)
+        >>> def model(ids, attention_mask=None):  # any callable returning logits
+        ...     return emb(ids) @ emb.weight.T
+        >>> res = evaluate(model, task, batch_size=4, progress=False)
+        >>> res.correct.shape, 0.0 <= res.accuracy <= 1.0, res.chance
+        (torch.Size([6]), True, 0.25)
+    """
+    from tqdm.auto import tqdm
+
+    if not isinstance(task, Task):
+        raise TaskError(f"task is a {type(task).__name__}; expected a gna_lens.tasks.Task.")
+    if method not in ("auto", "single_pass", "per_choice"):
+        raise TaskError(f"method={method!r}; expected 'auto', 'single_pass' or 'per_choice'.")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise TaskError(f"batch_size={batch_size!r}; expected a positive int.")
+    pad = task.pad_token_id if pad_token_id is None else int(pad_token_id)
+    single = all(s.single_token_choices for s in task)
+    if task.scoring == "exact":
+        single = all(len(s.answer_ids) == 1 for s in task)
+    if method == "single_pass" and not single:
+        raise TaskError(
+            f"method='single_pass' but task {task.name!r} has multi-token choices; expected "
+            "single-token choices. Fix: method='auto' or 'per_choice'."
+        )
+    use_single = single and method != "per_choice"
+    device = _device(model)
+    limit = model_context_length(model)
+    n = len(task)
+
+    # Rows: (sample index, choice index or -1 for the bare prompt, token ids, n prompt tokens).
+    rows: list[tuple[int, int, list[int], int]] = []
+    for i, s in enumerate(task):
+        if use_single:
+            rows.append((i, -1, list(s.input_ids), s.n_tokens))
+        elif task.scoring == "exact":
+            rows.append((i, s.answer_index, list(s.input_ids) + s.answer_ids, s.n_tokens))
+        else:
+            for c, ids in enumerate(s.choice_ids):
+                rows.append((i, c, list(s.input_ids) + ids, s.n_tokens))
+    _check_lengths(task, [r[2] for r in rows], [r[0] for r in rows], limit)
+
+    scores: list[list[float]] = [[0.0] * len(s.choices) for s in task]
+    exact_margin = [float("inf")] * n
+    exact_pred = [-1] * n
+    max_id = max((max(r[2]) for r in rows), default=0)
+    max_id = max([max_id] + [max(c) for s in task for c in s.choice_ids])
+
+    vocab = _model_vocab(model)
+    if vocab is not None:
+        _check_vocab(task, max_id, vocab)
+    bar = tqdm(total=len(rows), desc=f"evaluate {task.name}", disable=not progress, leave=False)
+    try:
+        for start in range(0, len(rows), batch_size):
+            chunk = rows[start : start + batch_size]
+            ids, mask, offsets = pad_sequences(
+                [r[2] for r in chunk], padding_side=padding_side, pad_token_id=pad
+            )
+            logits = _logits(model, ids.to(device), mask.to(device))
+            _check_vocab(task, max_id, logits.shape[-1])
+            for b, (i, c, row, n_prompt) in enumerate(chunk):
+                s = task[i]
+                off = offsets[b]
+                if use_single:
+                    last = logits[b, off + n_prompt - 1].float()
+                    if task.scoring == "exact":
+                        target = s.answer_ids[0]
+                        exact_pred[i] = int(last.argmax())
+                        exact_margin[i] = float(last[target]) - _best_other(last, target)
+                    else:
+                        logp = torch.log_softmax(last, dim=-1)
+                        scores[i] = [float(logp[ids_[0]]) for ids_ in s.choice_ids]
+                    continue
+                cont = row[n_prompt:]
+                pos = torch.arange(off + n_prompt - 1, off + len(row) - 1, device=logits.device)
+                step = logits[b, pos].float()
+                tgt = torch.tensor(cont, device=logits.device)
+                if task.scoring == "exact":
+                    margins = [
+                        float(step[t, tgt[t]]) - _best_other(step[t], int(tgt[t]))
+                        for t in range(len(cont))
+                    ]
+                    exact_margin[i] = min(margins)
+                    exact_pred[i] = int(step[0].argmax())
+                else:
+                    logp = torch.log_softmax(step, dim=-1)
+                    total = float(logp.gather(-1, tgt[:, None]).sum())
+                    scores[i][c] = total / _normalizer(task, i, c)
+            bar.update(len(chunk))
+    finally:
+        bar.close()
+
+    if task.scoring == "exact":
+        diffs = torch.tensor(exact_margin, dtype=torch.float32)
+        correct = diffs > 0
+        preds = torch.tensor(exact_pred, dtype=torch.long)
+        choice_scores: tuple[tuple[float, ...], ...] = ()
+    else:
+        if use_single and task.length_normalize not in (False,):
+            scores = [
+                [v / _normalizer(task, i, c) for c, v in enumerate(sc)]
+                for i, sc in enumerate(scores)
+            ]
+        preds_l, diffs_l = [], []
+        for i, sc in enumerate(scores):
+            t = torch.tensor(sc, dtype=torch.float64)
+            k = task[i].answer_index
+            preds_l.append(int(t.argmax()))
+            diffs_l.append(float(t[k]) - _best_other(t, k))
+        preds = torch.tensor(preds_l, dtype=torch.long)
+        diffs = torch.tensor(diffs_l, dtype=torch.float32)
+        correct = preds == torch.tensor([s.answer_index for s in task], dtype=torch.long)
+        choice_scores = tuple(tuple(sc) for sc in scores)
+    return EvalResult(
+        task=task.name,
+        scoring=task.scoring,
+        correct=correct,
+        logit_diffs=diffs,
+        predictions=preds,
+        choice_scores=choice_scores,
+        answer_indices=torch.tensor([s.answer_index for s in task], dtype=torch.long),
+        chance=task.chance,
+        info={
+            "method": "single_pass" if use_single else "per_choice",
+            "padding_side": padding_side,
+        },
+    )
