@@ -1,5 +1,6 @@
 """Tests of gna_lens.tasks: spans for any tokenizer, seeded KV retrieval, letter vs cloze, scoring."""
 
+import dataclasses
 import importlib.util
 import json
 
@@ -18,6 +19,7 @@ from gna_lens.tasks import (
     load_records,
     multiple_choice,
 )
+from gna_lens.tasks._tokens import _tail_cut, encode
 
 KINDS = ["word", "byte_bpe", "newline_bpe"]
 
@@ -81,9 +83,15 @@ def test_spans_decode_to_segment_text_for_any_tokenizer(kind, bos):
         for s in task:
             _check_spans(tok, s)
             assert (s.input_ids[0] == tok.bos_token_id) == bos
-            # Every choice is the continuation after the prompt: scoring reads it there.
-            for c, ids in zip(s.choices, s.choice_ids, strict=True):
+            # Every choice is the continuation after the prompt: scoring reads it there. It is
+            # computed from the prompt's tail; it must equal re-encoding the whole prompt + choice.
+            whole = encode(tok, [s.prompt])[0]
+            assert whole.ids == s.input_ids
+            for j, (c, ids) in enumerate(zip(s.choices, s.choice_ids, strict=True)):
                 assert _decode(tok, ids) == c
+                if j not in s.info.get("split_choices", ()):
+                    assert encode(tok, [s.prompt + c])[0].continuation(whole) == ids
+    assert _tail_cut(encode(tok, [tasks[2][0].prompt])[0]) is not None  # the tail path was used
     if kind == "newline_bpe":  # the tokenizer really merges a line's newline with its value
         s = tasks[0][0]
         summary = _decode(tok, [s.input_ids[s.summary_positions[0]]])
@@ -200,6 +208,30 @@ def test_multi_token_cloze_scoring_and_length_normalization():
             assert res_norm.choice_scores[i][c] == pytest.approx(total / len(ids), abs=2e-4)
 
 
+@pytest.mark.parametrize("kind", ["hooked_ssm", "transformer_bridge"])
+def test_evaluate_runs_on_package_models_with_both_paddings(kind, tmp_path):
+    """The model interface evaluate relies on: TransformerBridge and HookedSSM, any padding."""
+    from gna_lens.testing import tiny_checkpoint, tiny_hooked_ssm
+
+    tok = tokenizer("word", True)
+    if kind == "hooked_ssm":
+        model = tiny_hooked_ssm("mamba2", vocab_size=len(tok))
+    else:
+        from transformer_lens.model_bridge import TransformerBridge
+
+        path = tiny_checkpoint("llama", tmp_path, vocab_size=len(tok))
+        tok.save_pretrained(path)
+        model = TransformerBridge.boot_transformers(str(path))
+    task = multiple_choice(MC_RECORDS, tok, format="letter")
+    ref = evaluate(model, task, batch_size=1, method="per_choice", progress=False)
+    for side in ("right", "left"):
+        res = evaluate(model, task, batch_size=4, padding_side=side, progress=False)
+        torch.testing.assert_close(
+            torch.tensor(res.choice_scores), torch.tensor(ref.choice_scores), atol=2e-4, rtol=0
+        )
+        assert res.correct.tolist() == ref.correct.tolist()
+
+
 def test_exact_scoring_is_argmax_of_next_token():
     tok = tokenizer("word", False)
     model = tiny_llama(tok, seed=1)
@@ -215,6 +247,18 @@ def test_exact_scoring_is_argmax_of_next_token():
     expected = last.gather(1, answers[:, None])[:, 0] - masked.max(-1).values
     torch.testing.assert_close(res.logit_diffs, expected, atol=1e-4, rtol=0)
     assert res.chance == 0.0
+    # Multi-token answers: correct iff greedy decoding reproduces every answer token; the margin
+    # is the smallest (answer logit - best other logit) along the answer.
+    cloze = dataclasses.replace(multiple_choice(MC_RECORDS, tok, format="cloze"), scoring="exact")
+    res = evaluate(model, cloze, batch_size=3, progress=False)
+    for i, s in enumerate(cloze):
+        logits = model(torch.tensor([s.input_ids + s.answer_ids]))[0, s.n_tokens - 1 : -1]
+        tgt = torch.tensor(s.answer_ids)
+        own = logits.gather(1, tgt[:, None])[:, 0]
+        logits[torch.arange(len(tgt)), tgt] = float("-inf")
+        margin = float((own - logits.max(-1).values).min())
+        assert res.logit_diffs[i].item() == pytest.approx(margin, abs=1e-4)
+        assert bool(res.correct[i]) == (margin > 0)
 
 
 def test_eval_result_dataframe_and_accuracy():

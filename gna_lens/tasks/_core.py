@@ -9,11 +9,12 @@ from jaxtyping import Int
 from torch import Tensor
 
 from gna_lens.errors import TaskError
-from gna_lens.tasks._tokens import Encoding, encode, tokenizer_name
+from gna_lens.tasks._tokens import Encoding, continuations, encode, tokenizer_name
 
 __all__ = ["Batch", "Sample", "Task", "build_sample", "build_samples"]
 
 Scoring = Literal["choices", "exact"]
+_CHUNK = 128
 PaddingSide = Literal["left", "right"]
 
 
@@ -25,8 +26,6 @@ class Sample:
         prompt: The prompt text (what the model reads, before tokenization).
         input_ids: The prompt's token ids for the task's tokenizer, BOS included when the
             tokenizer adds one.
-        offsets: For each token, the half-open character range of ``prompt`` it covers (empty
-            for an added BOS).
         segments: Half-open token ranges ``(start, end)`` of the segments (the dictionary lines
             of KV retrieval, the option lines of multiple choice). A token straddling two
             segments' boundary belongs to both.
@@ -45,7 +44,6 @@ class Sample:
 
     prompt: str
     input_ids: list[int]
-    offsets: list[tuple[int, int]]
     segments: list[tuple[int, int]]
     segment_chars: list[tuple[int, int]]
     summary_positions: list[int]
@@ -338,14 +336,15 @@ def sample_from_encoding(
     i: int,
     spec: _Spec,
     enc: Encoding,
-    choice_encs: Sequence[Encoding],
+    conts: Sequence[list[int] | None],
     tokenizer: Any,
     *,
     boundary: Literal["error", "split"] = "error",
 ) -> Sample:
-    """Assemble a :class:`Sample` from the prompt's and the prompt+choices' encodings.
+    """Assemble a :class:`Sample` from the prompt's encoding and its choices' continuations.
 
-    A choice is normally the tokens that ``prompt + choice`` adds after the prompt's own tokens.
+    A choice is normally the tokens that ``prompt + choice`` adds after the prompt's own tokens
+    (``conts``, from :func:`~gna_lens.tasks._tokens.continuations`).
     When the tokenizer merges the prompt's last characters with the choice (so the prompt's
     tokens are not a prefix), ``boundary="error"`` refuses and ``boundary="split"`` uses the
     choice tokenized on its own, listing such choices in ``info["split_choices"]``.
@@ -358,8 +357,7 @@ def sample_from_encoding(
         segments.append((a, b))
     choice_ids = []
     split: list[int] = []
-    for j, (c, cenc) in enumerate(zip(spec.choices, choice_encs, strict=True)):
-        ids = cenc.continuation(enc)
+    for j, (c, ids) in enumerate(zip(spec.choices, conts, strict=True)):
         if not ids and boundary == "split":
             ids = encode(tokenizer, [c], add_special_tokens=False)[0].ids
             split.append(j)
@@ -378,7 +376,6 @@ def sample_from_encoding(
     return Sample(
         prompt=spec.prompt,
         input_ids=list(enc.ids),
-        offsets=list(enc.covers),
         segments=segments,
         segment_chars=[tuple(x) for x in spec.segment_chars],
         summary_positions=[b - 1 for _, b in segments],
@@ -401,17 +398,15 @@ def build_samples(
     """Tokenize prompts (and prompt + each choice) in two batched calls and build samples."""
     for i, spec in enumerate(specs):
         _check_spec(i, spec)
-    encs = encode(tokenizer, [s.prompt for s in specs], add_special_tokens=add_special_tokens)
-    flat = [s.prompt + c for s in specs for c in s.choices]
-    cencs = encode(tokenizer, flat, add_special_tokens=add_special_tokens)
-    out = []
-    k = 0
-    for i, (spec, enc) in enumerate(zip(specs, encs, strict=True)):
-        n = len(spec.choices)
-        out.append(
-            sample_from_encoding(i, spec, enc, cencs[k : k + n], tokenizer, boundary=boundary)
+    out: list[Sample] = []
+    for start in range(0, len(specs), _CHUNK):  # bounded memory: encodings of long prompts are big
+        chunk = specs[start : start + _CHUNK]
+        encs = encode(tokenizer, [s.prompt for s in chunk], add_special_tokens=add_special_tokens)
+        conts = continuations(
+            tokenizer, encs, [s.choices for s in chunk], add_special_tokens=add_special_tokens
         )
-        k += n
+        for i, (spec, enc, cs) in enumerate(zip(chunk, encs, conts, strict=True)):
+            out.append(sample_from_encoding(start + i, spec, enc, cs, tokenizer, boundary=boundary))
     return out
 
 

@@ -34,15 +34,24 @@ class Encoding:
         ids: Token ids, with the tokenizer's leading special tokens (e.g. BOS) and without
             trailing ones (e.g. an EOS some tokenizers append), so the last id is the last text
             token.
-        covers: For each token, the half-open character range ``(start, end)`` of ``text`` it
-            stands for. Special tokens added by the tokenizer cover an empty range. Whitespace
-            that a tokenizer trims from its offsets (byte-level BPE with ``trim_offsets=True``)
-            is given to the token that follows it, which is the token that actually carries it.
+        offsets: The tokenizer's character offsets, as it returned them.
+        special: The tokenizer's special-tokens mask.
     """
 
     text: str
     ids: list[int]
-    covers: list[tuple[int, int]]
+    offsets: list[tuple[int, int]]
+    special: list[int]
+
+    @cached_property
+    def covers(self) -> list[tuple[int, int]]:
+        """For each token, the half-open character range ``(start, end)`` of ``text`` it stands for.
+
+        Special tokens added by the tokenizer cover an empty range. Whitespace that a tokenizer
+        trims from its offsets (byte-level BPE with ``trim_offsets=True``) is given to the token
+        that follows it, which is the token that actually carries it.
+        """
+        return _covers(self.offsets, self.special)
 
     @cached_property
     def _ends(self) -> list[int]:
@@ -86,9 +95,9 @@ class Encoding:
         k = len(prompt.ids)
         if self.ids[:k] != prompt.ids:
             return None
-        if k and self.covers[k - 1][1] > n:
+        if k and self.offsets[k - 1][1] > n:
             return None
-        if any(s < n for s, e in self.covers[k:] if e > s):
+        if any(s < n for s, e in self.offsets[k:] if e > s):
             return None
         return list(self.ids[k:])
 
@@ -151,13 +160,14 @@ def encode(
         ) from exc
     encodings = []
     for text, ids_i, off_i, sp_i in zip(texts, ids, offsets, special, strict=True):
-        covers = _covers(off_i, sp_i)
         n = len(ids_i)
         # Drop trailing added specials (an EOS appended by the post-processor): the last prompt
         # token must be the last text token, where the next-token prediction is read.
-        while n > 1 and sp_i[n - 1] and covers[n - 1][0] == covers[n - 1][1]:
+        while n > 1 and sp_i[n - 1] and off_i[n - 1][0] == off_i[n - 1][1]:
             n -= 1
-        encodings.append(Encoding(text=text, ids=[int(i) for i in ids_i[:n]], covers=covers[:n]))
+        if n < len(ids_i):
+            ids_i, off_i, sp_i = ids_i[:n], off_i[:n], sp_i[:n]
+        encodings.append(Encoding(text=text, ids=ids_i, offsets=off_i, special=sp_i))
     return encodings
 
 
@@ -199,3 +209,63 @@ def render(template: str, what: str, **fields: str) -> tuple[str, dict[str, list
         parts.append(value)
         pos += len(value)
     return "".join(parts), where
+
+
+_TAIL_CHARS = 64
+
+
+def _tail_cut(enc: Encoding) -> tuple[int, int] | None:
+    """A token boundary ``(token index, char)`` about ``_TAIL_CHARS`` before the end, or None."""
+    covers = enc.covers
+    target = len(enc.text) - _TAIL_CHARS
+    j = bisect.bisect_left(enc._starts, max(target, 1))
+    while j < len(covers) and covers[j][0] == covers[j][1]:
+        j += 1
+    if j >= len(covers) or covers[j][0] <= 0 or j == 0 or covers[j - 1][1] > covers[j][0]:
+        return None
+    return j, covers[j][0]
+
+
+def continuations(
+    tokenizer: Any,
+    prompts: Sequence[Encoding],
+    choices: Sequence[Sequence[str]],
+    *,
+    add_special_tokens: bool = True,
+) -> list[list[list[int] | None]]:
+    """For each prompt and each of its choices, the ids the choice adds after the prompt.
+
+    ``None`` where appending the choice re-tokenizes the prompt's end (see
+    :meth:`Encoding.continuation`). Long prompts are not re-encoded whole for every choice:
+    the prompt's last ~64 characters, cut at a token boundary, are encoded alone; where they
+    reproduce the prompt's last tokens exactly (tokenization is local there), the choices are
+    appended to that tail only. Elsewhere the whole ``prompt + choice`` is encoded.
+    """
+    cuts = [_tail_cut(p) for p in prompts]
+    tails = [p.text[c[1] :] if c else "" for p, c in zip(prompts, cuts, strict=True)]
+    idx = [i for i, c in enumerate(cuts) if c]
+    tail_encs = dict(
+        zip(idx, encode(tokenizer, [tails[i] for i in idx], add_special_tokens=False), strict=True)
+    )
+    local: list[Encoding | None] = [None] * len(prompts)
+    for i, te in tail_encs.items():
+        j = cuts[i][0]  # type: ignore[index]
+        if te.ids == prompts[i].ids[j:]:
+            local[i] = te
+    texts: list[str] = []
+    flags: list[bool] = []  # whether the text is a (tail + choice) encoded without specials
+    for i, p in enumerate(prompts):
+        base = local[i].text if local[i] is not None else p.text  # type: ignore[union-attr]
+        for ch in choices[i]:
+            texts.append(base + ch)
+            flags.append(local[i] is not None)
+    tail_texts = [t for t, f in zip(texts, flags, strict=True) if f]
+    full_texts = [t for t, f in zip(texts, flags, strict=True) if not f]
+    tail_out = iter(encode(tokenizer, tail_texts, add_special_tokens=False))
+    full_out = iter(encode(tokenizer, full_texts, add_special_tokens=add_special_tokens))
+    out: list[list[list[int] | None]] = []
+    for i, p in enumerate(prompts):
+        ref = local[i] if local[i] is not None else p
+        src = tail_out if local[i] is not None else full_out
+        out.append([next(src).continuation(ref) for _ in choices[i]])  # type: ignore[arg-type]
+    return out

@@ -223,7 +223,7 @@ def evaluate(
         >>> res.correct.shape, 0.0 <= res.accuracy <= 1.0, res.chance
         (torch.Size([6]), True, 0.25)
     """
-    from tqdm.auto import tqdm
+    from tqdm import tqdm
 
     if not isinstance(task, Task):
         raise TaskError(f"task is a {type(task).__name__}; expected a gna_lens.tasks.Task.")

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from gna_lens.errors import TaskError
 from gna_lens.tasks._core import Task, _Spec, default_pad_token_id, sample_from_encoding
-from gna_lens.tasks._tokens import Encoding, encode, render, tokenizer_name
+from gna_lens.tasks._tokens import Encoding, continuations, encode, render, tokenizer_name
 
 __all__ = ["KV_TEMPLATES", "KVTemplate", "kv_retrieval", "load_words"]
 
@@ -345,12 +345,13 @@ def kv_retrieval(
                 list(zip(keys, vals, strict=True)), keys[q]
             )
             choices = [tpl.render_answer(v) for v in vals]
-            encs = enc([prompt] + [prompt + c for c in choices])
-            pe = encs[0]
-            ok = all(pe.n_tokens_over(*r) == 1 for r in kchars + vchars) and all(
-                (c := ce.continuation(pe)) is not None and len(c) == 1 for ce in encs[1:]
-            )
-            if ok:
+            pe = enc([prompt])[0]
+            if not all(pe.n_tokens_over(*r) == 1 for r in kchars + vchars):
+                continue
+            conts = continuations(
+                tokenizer, [pe], [choices], add_special_tokens=add_special_tokens
+            )[0]
+            if all(c is not None and len(c) == 1 for c in conts):
                 break
         else:
             raise TaskError(
@@ -373,7 +374,7 @@ def kv_retrieval(
             info={"keys": keys, "values": vals, "query_key": keys[q]},
         )
         specs.append(spec)
-        samples.append(sample_from_encoding(i, spec, pe, encs[1:], tokenizer))
+        samples.append(sample_from_encoding(i, spec, pe, conts, tokenizer))
 
     return Task(
         samples=tuple(samples),
