@@ -377,7 +377,7 @@ def sample_from_encoding(
         prompt=spec.prompt,
         input_ids=list(enc.ids),
         segments=segments,
-        segment_chars=[tuple(x) for x in spec.segment_chars],
+        segment_chars=[(a, b) for a, b in spec.segment_chars],
         summary_positions=[b - 1 for _, b in segments],
         query_position=len(enc.ids) - 1,
         answer_segment=spec.answer_segment,

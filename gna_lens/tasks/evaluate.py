@@ -270,10 +270,10 @@ def evaluate(
     try:
         for start in range(0, len(rows), batch_size):
             chunk = rows[start : start + batch_size]
-            ids, mask, offsets = pad_sequences(
+            batch_ids, mask, offsets = pad_sequences(
                 [r[2] for r in chunk], padding_side=padding_side, pad_token_id=pad
             )
-            logits = _logits(model, ids.to(device), mask.to(device))
+            logits = _logits(model, batch_ids.to(device), mask.to(device))
             _check_vocab(task, max_id, logits.shape[-1])
             for b, (i, c, row, n_prompt) in enumerate(chunk):
                 s = task[i]

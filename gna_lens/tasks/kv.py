@@ -212,10 +212,10 @@ def kv_retrieval(
 
     Each sample is a dictionary of ``n_pairs`` distinct keys (English words) with distinct values
     (integers 0-99, or words), followed by a query for one key. Keys and values are checked to be
-    single tokens for ``tokenizer`` where they appear in the prompt (so a value's token is the one
-    after the separator, e.g. ``":50"`` or ``" 50"``), and each value's answer continuation
-    (``" 50"``) is checked to be one token after the query, so one forward pass scores every
-    choice.
+    single tokens for ``tokenizer`` where they appear in the dictionary lines (so a value's token
+    is the one after the separator, e.g. ``"50"``, ``" 50"`` or a merged ``":50\\n"``), and each
+    value's answer continuation (``" 50"``) is checked to be one token after the query, so one
+    forward pass scores every choice.
 
     Args:
         tokenizer: A HF fast tokenizer (returns character offsets).
@@ -330,7 +330,6 @@ def kv_retrieval(
         )
 
     rng = random.Random(seed)
-    specs: list[_Spec] = []
     samples = []
     for i in range(n_samples):
         for _ in range(_MAX_TRIES):
@@ -373,7 +372,6 @@ def kv_retrieval(
             answer_index=q,
             info={"keys": keys, "values": vals, "query_key": keys[q]},
         )
-        specs.append(spec)
         samples.append(sample_from_encoding(i, spec, pe, conts, tokenizer))
 
     return Task(

@@ -210,11 +210,16 @@ def load_records(
         >>> load_records(path)[0].options
         ('blue', 'red')
     """
-    kw = {"question": question, "options": options, "answer": answer, "subject": subject}
+
+    def coerce(rows: Iterable[Any]) -> list[MCRecord]:
+        return coerce_records(
+            rows, question=question, options=options, answer=answer, subject=subject
+        )
+
     if isinstance(source, os.PathLike) or (
         isinstance(source, str) and (os.path.exists(source) or Path(source).suffix in _READERS)
     ):
-        return coerce_records(_read_file(Path(source)), **kw)
+        return coerce(_read_file(Path(source)))
     if isinstance(source, str):
         try:
             import datasets
@@ -227,14 +232,14 @@ def load_records(
                 f"{type(exc).__name__}: {exc}. Fix: pass a path to a .jsonl/.csv/.parquet file, a "
                 "datasets.Dataset, or use load_mmlu() for MMLU offline."
             ) from exc
-        return coerce_records(ds, **kw)
+        return coerce(ds)
     if hasattr(source, "keys") and hasattr(source, "column_names") and split in source:
         source = source[split]  # DatasetDict
     elif hasattr(source, "keys") and hasattr(source, "column_names"):
         raise TaskError(
             f"a DatasetDict with splits {list(source.keys())} has no split={split!r}; pass split=."
         )
-    return coerce_records(source, **kw)
+    return coerce(source)
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
