@@ -8,6 +8,7 @@ import torch
 from gna_lens.tasks import load_words
 from gna_lens.tasks._testing import (
     byte_level_bpe_tokenizer,
+    metaspace_bpe_tokenizer,
     newline_merging_bpe_tokenizer,
     word_tokenizer,
 )
@@ -68,13 +69,15 @@ def corpus() -> tuple[str, ...]:
 
 @functools.cache
 def tokenizer(kind: str, bos: bool):
-    """One of the three tiny tokenizers, with or without a BOS token."""
+    """One of the tiny tokenizers, with or without a BOS token."""
     if kind == "word":
         return word_tokenizer(list(corpus()), bos=bos)
     if kind == "byte_bpe":
         return byte_level_bpe_tokenizer(corpus(), vocab_size=1000, bos=bos)
     if kind == "newline_bpe":
         return newline_merging_bpe_tokenizer(corpus(), vocab_size=900, bos=bos)
+    if kind == "metaspace_bpe":
+        return metaspace_bpe_tokenizer(corpus(), vocab_size=1200, bos=bos)
     raise ValueError(kind)
 
 

@@ -1,8 +1,9 @@
 """Tiny tokenizers built offline, for the examples and tests of :mod:`gna_lens.tasks`.
 
-They cover the three ways a tokenizer can cut a prompt that matter for spans: whole words, byte-level
-BPE (GPT-2 / Llama-3 style, with trimmed offsets), and a BPE that merges ``\\n`` with the characters
-around it (so tokens like ``":50\\n"`` exist and the summary token is not a bare newline).
+They cover the ways a tokenizer can cut a prompt that matter for spans: whole words, byte-level BPE
+(GPT-2 / Llama-3 style, with trimmed offsets), a BPE that merges ``\\n`` with the characters around
+it (so tokens like ``":50\\n"`` exist and the summary token is not a bare newline), and a
+SentencePiece-style metaspace BPE (``"▁word"`` tokens, newlines inside tokens).
 """
 
 import re
@@ -10,7 +11,12 @@ import string
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["byte_level_bpe_tokenizer", "newline_merging_bpe_tokenizer", "word_tokenizer"]
+__all__ = [
+    "byte_level_bpe_tokenizer",
+    "metaspace_bpe_tokenizer",
+    "newline_merging_bpe_tokenizer",
+    "word_tokenizer",
+]
 
 _WORD_RE = r" ?[A-Za-z0-9_]+| ?[^\sA-Za-z0-9_]|\n| "
 _SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
@@ -114,6 +120,33 @@ def newline_merging_bpe_tokenizer(
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(" ?[A-Za-z]+"), behavior="isolated")
     tok.decoder = decoders.Fuse()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=_SPECIALS,
+        initial_alphabet=alphabet,
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    return _wrap(tok, bos)
+
+
+def metaspace_bpe_tokenizer(
+    texts: Iterable[str], *, vocab_size: int = 1200, bos: bool = False
+) -> Any:
+    """A SentencePiece-style BPE: spaces become ``"▁"``, words carry it, ``\\n`` is not a boundary.
+
+    Examples:
+        >>> tok = metaspace_bpe_tokenizer(["the cat sat\\non the mat\\n"] * 20, vocab_size=60)
+        >>> tok.convert_ids_to_tokens(tok("the cat")["input_ids"])
+        ['▁the', '▁cat']
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    texts = list(texts)
+    alphabet = sorted(set("".join(texts)) | set("0123456789"))
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         special_tokens=_SPECIALS,
