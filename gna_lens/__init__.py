@@ -12,6 +12,7 @@ from gna_lens.errors import (
     PatternEditError,
     TaskError,
 )
+from gna_lens import tasks
 from gna_lens.models import HookedSSM, SSMConfig, channel_groups, load_model
 
 __version__ = "0.1.0"
@@ -27,4 +28,5 @@ __all__ = [
     "__version__",
     "channel_groups",
     "load_model",
+    "tasks",
 ]
