@@ -91,10 +91,11 @@ def _mixer_tensors(model, tokens, layer=0):
     return fast[names[0]], fast[names[1]], mat[f"blocks.{layer}.mixer.hook_pattern"]
 
 
+@pytest.mark.parametrize("length", [45, 150])
 @pytest.mark.parametrize("arch", ["mamba1", "falcon_mamba", "mamba2"])
-def test_pattern_reconstructs_mixer_and_is_causal(arch):
+def test_pattern_reconstructs_mixer_and_is_causal(arch, length):
     model = tiny_hooked_ssm(arch, seed=1)
-    tokens = torch.randint(2, 320, (2, 45), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(2, 320, (2, length), generator=torch.Generator().manual_seed(1))
     x, ssm_out, pattern = _mixer_tensors(model, tokens)
     D = model.blocks[0].mixer.D.detach()
     if arch == "mamba2":

@@ -141,7 +141,7 @@ class SSMConfig(TransformerLensConfig):
                 conv_bias=bool(hf_config.use_conv_bias),
                 proj_bias=bool(hf_config.use_bias),
                 residual_in_fp32=bool(hf_config.residual_in_fp32),
-                chunk_size=128,
+                chunk_size=256,
                 d_mlp=0,
             )
         if arch == "mamba2":
