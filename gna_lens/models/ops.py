@@ -18,6 +18,7 @@ from torch import Tensor
 __all__ = [
     "causal_conv1d",
     "channel_groups",
+    "decay_matrix",
     "gated_rms_norm",
     "mamba1_pattern",
     "mamba1_scan",
@@ -213,13 +214,9 @@ def mamba1_pattern(
         r = j1 - 1
         blk = d[..., j0:j1]  # [b, e, t]
         # Rows at or after the block's last key: factorized through the reference point r.
-        after = (q >= r).nonzero().squeeze(-1)
+        after, to_r, from_r = _through_block_end(d, q, j0, j1)  # S_rj, S_ir
         if after.numel():
-            rev = blk.flip(-1).cumsum(-1).flip(-1)
-            to_r = torch.cat([rev[..., 1:], torch.zeros_like(rev[..., :1])], dim=-1)  # S_rj
             right = blk[..., None] * B[:, None, j0:j1, :] * torch.exp(to_r[..., None] * Aq)
-            tail = torch.cat([torch.zeros_like(d[..., :1]), d[..., r + 1 :].cumsum(-1)], -1)
-            from_r = tail.index_select(-1, q[after] - r)  # S_ir, [b, e, R_after]
             left = C[:, q[after]][:, None] * torch.exp(from_r[..., None] * Aq)  # [b,e,R,n]
             out[:, :, after, j0:j1] = left @ right.transpose(-1, -2)
         # Rows inside the block (before its last key): direct masked sum over the state.
@@ -305,6 +302,61 @@ def mamba2_ssd(
     return y[:, :length]
 
 
+def _through_block_end(a: Tensor, q: Tensor, j0: int, j1: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Segment sums through the last key ``r = j1 - 1`` of the key block ``[j0, j1)``.
+
+    Returns ``(after, to_r, from_r)``: the indices of the rows ``q >= r``, ``Σ_{k=j+1..r} a_k``
+    for the block's keys ``[..., j1 - j0]`` and ``Σ_{k=r+1..q} a_k`` for those rows
+    ``[..., len(after)]``, each a cumulative sum over its own segment.
+    """
+    r = j1 - 1
+    after = (q >= r).nonzero().squeeze(-1)
+    rev = a[..., j0:j1].flip(-1).cumsum(-1).flip(-1)
+    to_r = torch.cat([rev[..., 1:], torch.zeros_like(rev[..., :1])], dim=-1)
+    tail = torch.cat([torch.zeros_like(a[..., :1]), a[..., r + 1 :].cumsum(-1)], dim=-1)
+    return after, to_r, tail.index_select(-1, q[after] - r)
+
+
+def decay_matrix(
+    a: Float[Tensor, "... pos"], rows: Int[Tensor, " row"] | None = None, block_size: int = 64
+) -> Float[Tensor, "... row pos"]:
+    """``exp(Σ_{k=j+1..q_r} a_k)`` for ``j <= q_r`` (0 above the diagonal), for ``a <= 0``.
+
+    Keys are taken in blocks ending at ``r``: for rows ``q >= r`` the matrix factorizes exactly as
+    ``exp(S_qr) · exp(S_rj)`` (both at most 1, so nothing overflows), an outer product per block;
+    rows inside a block use the masked segment sum. Every segment sum is a cumulative sum over
+    the segment itself, never a difference of prefix sums.
+
+    Args:
+        a: Per-position log-decays (``A * dt``), ``[..., L]``.
+        rows: Query positions (all when ``None``).
+        block_size: Keys per block.
+
+    Returns:
+        ``[..., R, L]``.
+
+    Examples:
+        >>> import torch
+        >>> decay_matrix(torch.full((3,), -1.0))[2]
+        tensor([0.1353, 0.3679, 1.0000])
+    """
+    length = a.shape[-1]
+    q = _rows_tensor(rows, length, a.device)
+    out = a.new_zeros(*a.shape[:-1], q.shape[0], length)
+    for j0 in range(0, length, block_size):
+        j1 = min(j0 + block_size, length)
+        r = j1 - 1
+        blk = a[..., j0:j1]
+        after, to_r, from_r = _through_block_end(a, q, j0, j1)
+        if after.numel():
+            out[..., after, j0:j1] = torch.exp(from_r)[..., :, None] * torch.exp(to_r)[..., None, :]
+        inside = ((q >= j0) & (q < r)).nonzero().squeeze(-1)
+        if inside.numel():
+            seg, causal = segsum_rows(blk, q[inside] - j0)
+            out[..., inside, j0:j1] = torch.exp(seg) * causal
+    return out
+
+
 def mamba2_pattern(
     dt: Float[Tensor, "batch pos head"],
     A: Float[Tensor, " head"],
@@ -331,11 +383,20 @@ def mamba2_pattern(
         ``[batch, head, row, pos]``, zero above the causal diagonal.
     """
     q = _rows_tensor(rows, dt.shape[1], dt.device)
-    a = (dt * A).transpose(1, 2)  # [b, h, L]
-    seg, causal = segsum_rows(a, rows)  # [b, h, R, L]
+    dtT = dt.transpose(1, 2)  # [b, h, L]
+    M = decay_matrix(dtT * A[:, None], rows)  # [b, h, R, L]
+    M.mul_(dtT[:, :, None, :])
     CB = torch.einsum("brgn,bjgn->bgrj", C[:, q], B)  # [b, g, R, L]
-    CB = CB.index_select(1, head_group.to(CB.device))  # [b, h, R, L]
-    return torch.exp(seg) * causal * CB * dt.transpose(1, 2)[:, :, None, :]
+    groups = CB.shape[1]
+    heads = dt.shape[2]
+    hg = head_group.to(CB.device)
+    if heads % groups == 0 and torch.equal(
+        hg, torch.arange(heads, device=hg.device) // (heads // groups)
+    ):
+        M.view(M.shape[0], groups, heads // groups, *M.shape[2:]).mul_(CB[:, :, None])
+    else:
+        M.mul_(CB.index_select(1, hg))
+    return M
 
 
 def channel_groups(

@@ -1,0 +1,226 @@
+"""HookedSSM benchmarks, measured side by side in one run (interleaved repeats, median ratios).
+
+1. Fast-path forward vs Hugging Face transformers' forward on the same weights (batch 8 x 256).
+2. Materialized path (every SSM layer's ``hook_pattern`` hooked) vs fast path, L = 256 and 1024.
+3. Peak memory of materializing one layer's pattern for one query row vs all rows, L up to 4096
+   (each measurement in a fresh subprocess: peak RSS (VmHWM, reset after a fast-path warm-up)
+   above the RSS at that point).
+
+Run: ``python benchmarks/bench_hooked_ssm.py [--quick]``; prints a Markdown table.
+"""
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+from gna_lens.models import HookedSSM
+from gna_lens.testing import tiny_hf_model, tiny_tokenizer
+
+# A small but not toy configuration per architecture (about 2-4 M parameters).
+CONFIGS = {
+    "mamba1": dict(hidden_size=256, num_hidden_layers=4, state_size=16, time_step_rank=16),
+    "mamba2": dict(
+        hidden_size=256,
+        num_hidden_layers=4,
+        state_size=64,
+        num_heads=8,
+        head_dim=64,
+        n_groups=1,
+        chunk_size=128,
+    ),
+    "bamba": dict(
+        hidden_size=256,
+        num_hidden_layers=4,
+        intermediate_size=512,
+        attn_layer_indices=[2],
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        mamba_n_heads=8,
+        mamba_d_head=64,
+        mamba_n_groups=1,
+        mamba_d_state=64,
+        mamba_chunk_size=128,
+    ),
+}
+
+
+def _pair(arch: str) -> tuple[torch.nn.Module, HookedSSM]:
+    hf = tiny_hf_model(arch, seed=0, **CONFIGS[arch])
+    return hf, HookedSSM.from_hf_model(hf, tiny_tokenizer())
+
+
+def _interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for fn in fns.values():  # warm-up
+        fn()
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def bench_vs_hf(repeats: int) -> list[dict]:
+    rows = []
+    tokens = torch.randint(2, 320, (8, 256), generator=torch.Generator().manual_seed(0))
+    for arch in CONFIGS:
+        hf, model = _pair(arch)
+        with torch.no_grad():
+            t = _interleaved(
+                {"hf": lambda hf=hf: hf(tokens).logits, "ours": lambda m=model: m(tokens)}, repeats
+            )
+            diff = (hf(tokens).logits - model(tokens)).abs().max().item()
+        ratios = [o / h for o, h in zip(t["ours"], t["hf"], strict=True)]
+        rows.append(
+            dict(
+                benchmark="fast path vs HF forward (8 x 256)",
+                arch=arch,
+                ours_s=statistics.median(t["ours"]),
+                baseline_s=statistics.median(t["hf"]),
+                ratio=statistics.median(ratios),
+                goal="<= 1.0",
+                note=f"max |logit diff| {diff:.1e}",
+            )
+        )
+    return rows
+
+
+def bench_materialized(repeats: int) -> list[dict]:
+    """Whole forward with every SSM layer's pattern materialized vs the fast path.
+
+    Mamba-2 materializes all heads. Mamba-1 has one matrix per channel (512 here, each a sum of
+    ``d_state`` rank-1 terms), so it is also measured with 16 channels (``pattern_selection``).
+    """
+    rows = []
+    cases = [("mamba2", 256, None), ("mamba2", 1024, None), ("bamba", 1024, None)]
+    cases += [("mamba1", 256, None), ("mamba1", 1024, None), ("mamba1", 1024, list(range(16)))]
+    models = {arch: _pair(arch)[1] for arch in {c[0] for c in cases}}
+    for arch, length, heads in cases:
+        model = models[arch]
+        tokens = torch.randint(2, 320, (1, length), generator=torch.Generator().manual_seed(1))
+
+        def fast(tokens=tokens, model=model):
+            return model(tokens)
+
+        def materialized(tokens=tokens, model=model, heads=heads):
+            hooks = [(lambda n: n.endswith("mixer.hook_pattern"), lambda x, hook: x)]
+            with model.pattern_selection(heads=heads):
+                return model.run_with_hooks(tokens, fwd_hooks=hooks)
+
+        with torch.no_grad():
+            t = _interleaved({"fast": fast, "mat": materialized}, repeats)
+        ratios = [m / f for m, f in zip(t["mat"], t["fast"], strict=True)]
+        which = "all heads" if heads is None else f"{len(heads)} of {model.cfg.n_heads} channels"
+        rows.append(
+            dict(
+                benchmark=f"materialized vs fast path (1 x {length}, every SSM layer)",
+                arch=arch,
+                ours_s=statistics.median(t["mat"]),
+                baseline_s=statistics.median(t["fast"]),
+                ratio=statistics.median(ratios),
+                goal="<= 3.0",
+                note=which,
+            )
+        )
+    return rows
+
+
+def _status_kb(field: str) -> int:
+    """A memory figure of this process from /proc/self/status, in KiB (Linux)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not found in /proc/self/status")
+
+
+def _memory_child(arch: str, length: int, rows: str) -> None:
+    """Print the peak RSS (MiB) added by materializing layer 0's pattern."""
+    cfg = dict(CONFIGS[arch], num_hidden_layers=1)
+    model = HookedSSM.from_hf_model(tiny_hf_model(arch, seed=0, **cfg), tiny_tokenizer())
+    tokens = torch.randint(2, 320, (1, length))
+    with torch.no_grad():
+        model(tokens)  # warm-up on the fast path
+        base = _status_kb("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:  # reset the peak (VmHWM) to the current RSS
+            f.write("5")
+        name = "blocks.0.mixer.hook_pattern" if rows != "none" else "blocks.0.hook_resid_post"
+        with model.pattern_selection(query_positions="last" if rows == "last" else None):
+            _, cache = model.run_with_cache(tokens, names_filter=name)
+        peak = _status_kb("VmHWM")
+    shape = tuple(cache[name].shape)
+    print(json.dumps({"delta_mib": (peak - base) / 1024, "shape": shape}))
+
+
+def bench_memory(lengths: list[int]) -> list[dict]:
+    rows = []
+    for arch in ("mamba2", "mamba1"):
+        for which in ("none", "last", "all"):
+            for length in lengths:
+                if which == "all" and arch == "mamba1" and length > 1024:
+                    continue  # 512 channels x L^2 fp32 would need > 8 GB
+                out = subprocess.run(
+                    [sys.executable, __file__, "--memory-child", arch, str(length), which],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                )
+                res = json.loads(out.stdout.strip().splitlines()[-1])
+                rows.append(
+                    dict(
+                        benchmark="peak memory of one layer's pattern",
+                        arch=arch,
+                        rows=which,
+                        L=length,
+                        delta_mib=round(res["delta_mib"], 1),
+                        shape=res["shape"],
+                    )
+                )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="fewer repeats")
+    parser.add_argument("--memory-child", nargs=3, metavar=("ARCH", "L", "ROWS"))
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args()
+    if args.memory_child:
+        arch, length, rows = args.memory_child
+        _memory_child(arch, int(length), rows)
+        return
+    torch.manual_seed(0)
+    repeats = 3 if args.quick else 7
+    print(
+        f"# HookedSSM benchmarks\n\nMachine: {platform.machine()}, {torch.get_num_threads()} torch "
+        f"threads, torch {torch.__version__}, Python {platform.python_version()}\n"
+    )
+    timing = bench_vs_hf(repeats) + bench_materialized(repeats)
+    print("| benchmark | arch | ours (s) | baseline (s) | ratio (median) | goal | note |")
+    print("|---|---|---|---|---|---|---|")
+    for r in timing:
+        print(
+            f"| {r['benchmark']} | {r['arch']} | {r['ours_s']:.4f} | {r['baseline_s']:.4f} | "
+            f"{r['ratio']:.2f}x | {r['goal']} | {r['note']} |"
+        )
+    memory = bench_memory([1024, 2048, 4096])
+    print("\nQuery rows 'none': the fast path alone (no pattern), for reference.\n")
+    print("| arch | query rows | L | pattern shape | peak RSS added (MiB) |")
+    print("|---|---|---|---|---|")
+    for r in memory:
+        print(f"| {r['arch']} | {r['rows']} | {r['L']} | {tuple(r['shape'])} | {r['delta_mib']} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"timing": timing, "memory": memory}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
