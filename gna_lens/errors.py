@@ -24,3 +24,7 @@ class PatternEditError(GnaLensError, ValueError):
 
 class TaskError(GnaLensError, ValueError):
     """A task that cannot be built from the given inputs (tokenizer, records, sizes)."""
+
+
+class InterventionError(GnaLensError, ValueError):
+    """An intervention (ablation, mask, patch, attribution) asked for with unusable inputs."""

@@ -1,0 +1,434 @@
+"""One head index space over Transformers, SSMs and hybrids: the model-agnostic head view.
+
+Every head of every model is addressed as ``(layer, head)``. :func:`head_view` says, per layer,
+whether the layer has attention heads or SSM heads, how many, and which hook points hold what the
+interventions of :mod:`gna_lens.interventions` need:
+
+=================  =====================================  =====================================
+                   TransformerBridge / HookedSSM attention  HookedSSM SSM layer
+=================  =====================================  =====================================
+pattern            ``blocks.{l}.attn.hook_pattern``       ``blocks.{l}.mixer.hook_pattern``
+per-head outputs   ``blocks.{l}.attn.hook_z``             ``blocks.{l}.mixer.hook_z``
+pre-softmax        ``blocks.{l}.attn.hook_attn_scores``   (none: SSM matrices are unnormalized)
+residual in        ``blocks.{l}.hook_resid_pre``          ``blocks.{l}.hook_resid_pre``
+=================  =====================================  =====================================
+
+``hook_z`` is ``[batch, pos, head_index, d_head]`` everywhere (query heads for grouped-query
+attention; Mamba-1 channels with ``d_head = 1``). Nothing else in the package special-cases
+architectures.
+
+Whether an edit of ``hook_pattern`` / ``hook_attn_scores`` / ``hook_z`` really changes the output
+is known for a :class:`~gna_lens.models.HookedSSM` (it always does, in float32/float64). For a
+TransformerBridge it depends on the attention bridge: some delegate the whole attention to the
+Hugging Face module and only *report* the pattern afterwards, so edits are discarded.
+:func:`require_editable` checks it once per layer with a tiny forward pass and raises
+:class:`~gna_lens.errors.PatternEditError` instead of letting an edit be silently dropped.
+"""
+
+import warnings
+import weakref
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from gna_lens.errors import InterventionError, PatternEditError
+
+__all__ = ["HeadView", "LayerHeads", "head_view", "require_editable"]
+
+HeadKind = Literal["attention", "ssm"]
+EditTarget = Literal["pattern", "scores", "z"]
+Head = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class LayerHeads:
+    """The heads of one layer and the hook points that hold them.
+
+    Attributes:
+        layer: Layer index.
+        kind: ``"attention"`` or ``"ssm"``.
+        n_heads: Number of heads (query heads for grouped-query attention; channels for Mamba-1).
+        d_head: Width of each head's output in ``hook_z``.
+        pattern_hook: ``[batch, head_index, query_pos, key_pos]``: the attention pattern
+            (post-softmax) or the SSM's materialized implicit attention.
+        z_hook: ``[batch, pos, head_index, d_head]``: each head's slice of the output projection's
+            input; editing it ablates or patches a head.
+        scores_hook: ``[batch, head_index, query_pos, key_pos]`` pre-softmax scores (attention
+            only), or ``None``.
+        resid_pre_hook: ``[batch, pos, d_model]``: the residual stream entering the layer.
+        verified: ``True`` when edits of the pattern, scores and ``hook_z`` are known to change
+            the output (HookedSSM); ``False`` when :func:`require_editable` checks them on first
+            use (TransformerBridge and other hooked models).
+    """
+
+    layer: int
+    kind: HeadKind
+    n_heads: int
+    d_head: int
+    pattern_hook: str
+    z_hook: str
+    scores_hook: str | None
+    resid_pre_hook: str
+    verified: bool
+
+    def hook(self, target: EditTarget) -> str:
+        """The hook name holding ``target`` (``"pattern"``, ``"scores"`` or ``"z"``)."""
+        if target == "pattern":
+            return self.pattern_hook
+        if target == "z":
+            return self.z_hook
+        if self.scores_hook is None:
+            raise PatternEditError(
+                f"Layer {self.layer} is an {self.kind} layer: it has no pre-softmax scores hook. "
+                "Pre-softmax edits exist for attention layers only; SSM matrices are unnormalized "
+                "(use the pattern, mode='post')."
+            )
+        return self.scores_hook
+
+
+@dataclass(frozen=True)
+class HeadView:
+    """Per layer, the heads of a model and the hooks that hold them.
+
+    Attributes:
+        model_type: The model's class name (``"HookedSSM"``, ``"TransformerBridge"``, ...).
+        model_name: The model's name, where it has one.
+        n_layers: Number of layers (blocks).
+        layers: Per layer, its :class:`LayerHeads`, or ``None`` for a layer without addressable
+            heads (e.g. the SSM layers of a hybrid loaded through a TransformerBridge).
+
+    Examples:
+        >>> from gna_lens.testing import tiny_hooked_ssm
+        >>> view = head_view(tiny_hooked_ssm("bamba"))
+        >>> [(lh.layer, lh.kind, lh.n_heads) for lh in view]
+        [(0, 'ssm', 8), (1, 'attention', 4), (2, 'ssm', 8)]
+        >>> view[1].z_hook
+        'blocks.1.attn.hook_z'
+    """
+
+    model_type: str
+    model_name: str
+    n_layers: int
+    layers: tuple[LayerHeads | None, ...]
+
+    def __iter__(self) -> Any:
+        return (lh for lh in self.layers if lh is not None)
+
+    def __getitem__(self, layer: int) -> LayerHeads:
+        if not isinstance(layer, int) or isinstance(layer, bool):
+            raise InterventionError(f"layer={layer!r}; expected an int in 0..{self.n_layers - 1}.")
+        if not 0 <= layer < self.n_layers:
+            raise InterventionError(
+                f"layer {layer} is out of range: this {self.model_type} has {self.n_layers} layers "
+                f"(0..{self.n_layers - 1})."
+            )
+        lh = self.layers[layer]
+        if lh is None:
+            with_heads = [x.layer for x in self]
+            raise InterventionError(
+                f"layer {layer} of this {self.model_type} has no addressable heads (no "
+                f"attention hook_pattern/hook_z and no HookedSSM mixer); layers with heads: "
+                f"{with_heads}. For SSM layers load the model as a gna_lens.HookedSSM "
+                "(gna_lens.load_model)."
+            )
+        return lh
+
+    def kind(self, layer: int) -> HeadKind:
+        """``"attention"`` or ``"ssm"``."""
+        return self[layer].kind
+
+    def heads(self, kind: HeadKind | None = None) -> list[Head]:
+        """Every ``(layer, head)`` of the model (only those of ``kind`` when given)."""
+        return [
+            (lh.layer, h)
+            for lh in self
+            if kind is None or lh.kind == kind
+            for h in range(lh.n_heads)
+        ]
+
+    @property
+    def n_heads_total(self) -> int:
+        """Number of heads over all layers."""
+        return sum(lh.n_heads for lh in self)
+
+    def check_heads(self, heads: Iterable[Any], what: str = "heads") -> list[Head]:
+        """Validate a list of ``(layer, head)`` pairs; returns them as int tuples.
+
+        Raises:
+            InterventionError: For anything but ``(layer, head)`` pairs of existing heads.
+        """
+        if isinstance(heads, tuple) and len(heads) == 2 and all(isinstance(x, int) for x in heads):
+            raise InterventionError(
+                f"{what}={heads!r} is one (layer, head) pair; expected a list of pairs, e.g. "
+                f"[{heads!r}]."
+            )
+        out: list[Head] = []
+        for item in heads:
+            if (
+                not isinstance(item, tuple | list)
+                or len(item) != 2
+                or not all(isinstance(x, int) and not isinstance(x, bool) for x in item)
+            ):
+                raise InterventionError(
+                    f"{what} contains {item!r}; expected (layer, head) pairs of ints, e.g. "
+                    "[(3, 2), (4, 0)]."
+                )
+            layer, head = int(item[0]), int(item[1])
+            lh = self[layer]
+            if not 0 <= head < lh.n_heads:
+                raise InterventionError(
+                    f"{what} contains ({layer}, {head}) but layer {layer} ({lh.kind}) has "
+                    f"{lh.n_heads} heads (0..{lh.n_heads - 1})."
+                )
+            out.append((layer, head))
+        return out
+
+    def to_dataframe(self) -> Any:
+        """One row per layer with heads: layer, kind, n_heads, d_head and the hook names."""
+        import pandas as pd
+
+        return pd.DataFrame(
+            [
+                {
+                    "layer": lh.layer,
+                    "kind": lh.kind,
+                    "n_heads": lh.n_heads,
+                    "d_head": lh.d_head,
+                    "pattern_hook": lh.pattern_hook,
+                    "z_hook": lh.z_hook,
+                    "scores_hook": lh.scores_hook,
+                }
+                for lh in self
+            ]
+        )
+
+
+def _is_hooked_ssm(model: Any) -> bool:
+    from gna_lens.models import HookedSSM
+
+    return isinstance(model, HookedSSM)
+
+
+def head_view(model: Any) -> HeadView:
+    """The head view of a TransformerBridge, a HookedSSM or any TransformerLens-style model.
+
+    Args:
+        model: A ``transformer_lens.model_bridge.TransformerBridge``, a
+            :class:`~gna_lens.models.HookedSSM`, or a hooked model exposing ``cfg.n_layers``,
+            ``hook_dict`` and ``blocks.{l}.attn.hook_pattern`` / ``hook_z``.
+
+    Returns:
+        A :class:`HeadView`.
+
+    Raises:
+        InterventionError: If the model has no hook points or no addressable heads.
+    """
+    cfg: Any = getattr(model, "cfg", None)
+    hook_dict = getattr(model, "hook_dict", None)
+    n_layers = getattr(cfg, "n_layers", None)
+    if not isinstance(hook_dict, dict) or not isinstance(n_layers, int):
+        raise InterventionError(
+            f"head_view got a {type(model).__name__}; expected a TransformerLens model with "
+            "hook points and cfg.n_layers (a TransformerBridge or a gna_lens.HookedSSM). Fix: "
+            "load it with gna_lens.load_model(name) or TransformerBridge.boot_transformers(name)."
+        )
+    layers: list[LayerHeads | None] = []
+    if _is_hooked_ssm(model):
+        for layer, kind in enumerate(cfg.layer_types):
+            if kind == "attention":
+                pre = f"blocks.{layer}.attn."
+                layers.append(
+                    LayerHeads(
+                        layer=layer,
+                        kind="attention",
+                        n_heads=int(cfg.n_attn_heads),
+                        d_head=int(cfg.attn_d_head),
+                        pattern_hook=pre + "hook_pattern",
+                        z_hook=pre + "hook_z",
+                        scores_hook=pre + "hook_attn_scores",
+                        resid_pre_hook=f"blocks.{layer}.hook_resid_pre",
+                        verified=True,
+                    )
+                )
+            else:
+                pre = f"blocks.{layer}.mixer."
+                layers.append(
+                    LayerHeads(
+                        layer=layer,
+                        kind="ssm",
+                        n_heads=int(cfg.n_heads),
+                        d_head=int(cfg.d_head),
+                        pattern_hook=pre + "hook_pattern",
+                        z_hook=pre + "hook_z",
+                        scores_hook=None,
+                        resid_pre_hook=f"blocks.{layer}.hook_resid_pre",
+                        verified=True,
+                    )
+                )
+    else:
+        for layer in range(n_layers):
+            pre = f"blocks.{layer}.attn."
+            if pre + "hook_pattern" in hook_dict and pre + "hook_z" in hook_dict:
+                scores = pre + "hook_attn_scores"
+                layers.append(
+                    LayerHeads(
+                        layer=layer,
+                        kind="attention",
+                        n_heads=int(cfg.n_heads),
+                        d_head=int(cfg.d_head),
+                        pattern_hook=pre + "hook_pattern",
+                        z_hook=pre + "hook_z",
+                        scores_hook=scores if scores in hook_dict else None,
+                        resid_pre_hook=f"blocks.{layer}.hook_resid_pre",
+                        verified=False,
+                    )
+                )
+            else:
+                layers.append(None)
+    if not any(lh is not None for lh in layers):
+        raise InterventionError(
+            f"This {type(model).__name__} ({n_layers} layers) exposes no heads: no layer has "
+            "blocks.{l}.attn.hook_pattern and hook_z. For Mamba-family models use "
+            "gna_lens.HookedSSM (gna_lens.load_model)."
+        )
+    return HeadView(
+        model_type=type(model).__name__,
+        model_name=str(getattr(cfg, "model_name", "") or ""),
+        n_layers=n_layers,
+        layers=tuple(layers),
+    )
+
+
+# Verdicts of require_editable, per model: {(layer, target): None (ok) or the reason}.
+_VERDICTS: "weakref.WeakKeyDictionary[Any, dict[tuple[int, str], str | None]]" = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _probe_tokens(model: Any) -> Tensor:
+    vocab = int(getattr(model.cfg, "d_vocab", 0) or 0) or 2
+    device = getattr(model.cfg, "device", None) or "cpu"
+    return ((torch.arange(6) * 7 + 3) % vocab)[None].to(device)
+
+
+def _probe(model: Any, lh: LayerHeads, target: EditTarget) -> str | None:
+    """Run a tiny forward with and without an edit of ``target``; the reason it fails, or None."""
+    name = lh.hook(target)
+    fired: list[tuple[int, ...]] = []
+
+    def edit(x: Tensor, hook: Any) -> Tensor:
+        fired.append(tuple(x.shape))
+        if target == "scores":
+            y = torch.full_like(x, torch.finfo(x.dtype).min)
+            y[..., 0] = 0.0  # every query attends to the first key only
+            return y
+        return torch.zeros_like(x)
+
+    tokens = _probe_tokens(model)
+    stop = lh.layer + 1
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        base = model(tokens, stop_at_layer=stop)
+        with model.hooks(fwd_hooks=[(name, edit)]):
+            out = model(tokens, stop_at_layer=stop)
+    if not fired:
+        return f"the hook {name} never fired during a forward pass"
+    if not isinstance(out, Tensor) or not isinstance(base, Tensor) or out.shape != base.shape:
+        return None
+    scale = float(base.abs().max()) + 1e-12
+    if float((out - base).abs().max()) <= 1e-6 * scale:
+        return (
+            f"an edit returned from {name} did not change the layer's output: this attention "
+            f"({type(_attn_module(model, lh.layer)).__name__}) computes its output inside the "
+            "wrapped Hugging Face module and only reports the pattern afterwards"
+        )
+    return None
+
+
+def _attn_module(model: Any, layer: int) -> Any:
+    try:
+        return model.blocks[layer].attn
+    except (AttributeError, IndexError, TypeError):
+        return model
+
+
+def require_editable(model: Any, view: HeadView, layers: Iterable[int], target: EditTarget) -> None:
+    """Make sure edits of ``target`` at ``layers`` change the model's output, or refuse.
+
+    HookedSSM layers always pass. Other models are checked once per (layer, target) with a
+    6-token forward pass up to that layer, with and without an edit; the verdict is cached on the
+    model.
+
+    Args:
+        model: The model ``view`` describes.
+        view: Its :func:`head_view`.
+        layers: Layers about to be edited.
+        target: ``"pattern"`` (post-softmax), ``"scores"`` (pre-softmax) or ``"z"``.
+
+    Raises:
+        PatternEditError: If an edit would be discarded (or the hook never fires).
+    """
+    try:
+        verdicts = _VERDICTS.setdefault(model, {})
+    except TypeError:  # not weak-referenceable: check every time
+        verdicts = {}
+    for layer in sorted(set(layers)):
+        lh = view[layer]
+        if lh.verified:
+            continue
+        key = (layer, target)
+        if key not in verdicts:
+            verdicts[key] = _probe(model, lh, target)
+        reason = verdicts[key]
+        if reason is not None:
+            what = {
+                "pattern": "post-softmax pattern edits (mask_patterns mode='post')",
+                "scores": "pre-softmax score edits (mask_patterns mode='pre')",
+                "z": "head-output edits (ablation, patching)",
+            }[target]
+            raise PatternEditError(
+                f"{view.model_type} layer {layer}: {what} would be silently ignored: {reason}. "
+                "Refusing instead of returning unchanged results. Fix: load the model with an "
+                "attention implementation that computes the pattern itself (for a "
+                "TransformerBridge, an architecture whose attention bridge re-implements "
+                "attention, e.g. Llama/Mistral/Qwen-style position-embedding attention, with "
+                "attn_implementation='eager'), or use the other mode."
+            )
+
+
+def normalize_head_sets(view: HeadView, heads: Any, what: str = "heads") -> list[tuple[Head, ...]]:
+    """``None`` -> every head alone; a list of pairs -> each alone; a list of lists -> sets.
+
+    Raises:
+        InterventionError: For malformed input, unknown heads or empty sets.
+    """
+    if heads is None:
+        return [(h,) for h in view.heads()]
+    if isinstance(heads, tuple) and len(heads) == 2 and all(isinstance(x, int) for x in heads):
+        view.check_heads(heads, what)  # raises with the right message
+    items = list(heads)
+    if not items:
+        raise InterventionError(f"{what}=[] is empty; expected (layer, head) pairs or head sets.")
+    out: list[tuple[Head, ...]] = []
+    for item in items:
+        is_pair = (
+            isinstance(item, tuple | list)
+            and len(item) == 2
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in item)
+        )
+        if is_pair:
+            out.append(tuple(view.check_heads([item], what)))
+        elif isinstance(item, Sequence | set | frozenset) and not isinstance(item, str):
+            group = view.check_heads(list(item), what)
+            if not group:
+                raise InterventionError(f"{what} contains an empty head set; drop it.")
+            out.append(tuple(sorted(set(group))))
+        else:
+            raise InterventionError(
+                f"{what} contains {item!r}; expected (layer, head) pairs, or lists of pairs for "
+                "head sets ablated together, e.g. [(3, 2), [(4, 0), (4, 1)]]."
+            )
+    return out

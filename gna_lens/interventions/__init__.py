@@ -1,0 +1,49 @@
+"""Interventions on one head index space: ablation, sweeps, masks, patching and attribution.
+
+Every function takes a TransformerLens ``TransformerBridge`` or a :class:`~gna_lens.HookedSSM`
+(attention heads, SSM heads, both in a hybrid) and addresses heads as ``(layer, head)``
+(:func:`gna_lens.heads.head_view`). Hooks exist only inside context managers, weights are never
+edited, and no hook survives a call, even when the model or a metric raises.
+
+- :func:`ablate_heads` / :func:`head_ablation_hooks`: zero, mean or resample ablation, at all or
+  chosen positions.
+- :func:`ablation_sweep`: every head (or head set) ablated on a task, batched and incremental,
+  returning a :class:`SweepResult`.
+- :func:`gather_mask`, :func:`aggregate_mask`, :func:`stack_masks`, :func:`mask_patterns`:
+  sample-specific pattern masks on attention and SSM heads.
+- :func:`patch_heads`, :func:`patch_residual`: activation patching clean -> corrupted, returning a
+  :class:`PatchResult` (TransformerLens ``PatchingResult`` shape).
+- :func:`attribute_heads`: attribution patching, all heads in one backward pass.
+"""
+
+from gna_lens.interventions.ablation import (
+    SweepResult,
+    ablate_heads,
+    ablation_sweep,
+    head_ablation_hooks,
+)
+from gna_lens.interventions.attribution import attribute_heads
+from gna_lens.interventions.masks import (
+    aggregate_mask,
+    gather_mask,
+    mask_patterns,
+    pattern_mask_hooks,
+    stack_masks,
+)
+from gna_lens.interventions.patching import PatchResult, patch_heads, patch_residual
+
+__all__ = [
+    "PatchResult",
+    "SweepResult",
+    "ablate_heads",
+    "ablation_sweep",
+    "aggregate_mask",
+    "attribute_heads",
+    "gather_mask",
+    "head_ablation_hooks",
+    "mask_patterns",
+    "patch_heads",
+    "patch_residual",
+    "pattern_mask_hooks",
+    "stack_masks",
+]

@@ -1,0 +1,504 @@
+"""Shared machinery of the interventions: metrics, task groups, positions, replacement sources,
+hook contexts and the packed head-output edit."""
+
+import math
+import re
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from gna_lens.errors import InterventionError
+from gna_lens.heads import Head, HeadView
+from gna_lens.tasks import Sample, Task
+
+MetricName = Literal["accuracy", "logit_diff", "logprob"]
+#: A user metric: logits at each row's query position ``[rows, d_vocab]`` and the rows' samples
+#: -> one value per row ``[rows]``.
+MetricFn = Callable[[Tensor, Sequence[Sample]], Tensor]
+Positions = None | Literal["last"] | Sequence[int]
+Mode = Literal["zero", "mean", "resample"]
+
+METRICS = ("accuracy", "logit_diff", "logprob")
+MODES = ("zero", "mean", "resample")
+
+
+# ----------------------------------------------------------------------------- metrics
+class Metric:
+    """A per-row metric on query-position logits, bound to a task's answers.
+
+    ``"accuracy"``: 1 when the answer wins (over the choices for ``scoring="choices"``, over the
+    vocabulary for ``"exact"``). ``"logit_diff"``: the answer's logit minus the best other
+    choice's (``"exact"``: the best other token's), the per-sample margin of
+    :func:`gna_lens.tasks.evaluate`. ``"logprob"``: the answer token's log-probability.
+    """
+
+    def __init__(self, metric: Any, task: Task, what: str = "metric"):
+        if not isinstance(task, Task):
+            raise InterventionError(
+                f"task is a {type(task).__name__}; expected a gna_lens.tasks.Task (e.g. "
+                "gna_lens.tasks.kv_retrieval(tokenizer, ...))."
+            )
+        if len(task) == 0:
+            raise InterventionError(f"task {task.name!r} has no samples; expected at least one.")
+        self.task = task
+        self.samples = task.samples
+        if callable(metric) and not isinstance(metric, str):
+            self.name = getattr(metric, "__name__", "metric")
+            self.user_fn: MetricFn | None = metric
+            self.differentiable = True
+            return
+        if metric not in METRICS:
+            raise InterventionError(
+                f"{what}={metric!r}; expected one of {METRICS} or a callable "
+                "fn(logits [rows, d_vocab], samples) -> [rows]."
+            )
+        self.name = str(metric)
+        self.user_fn = None
+        self.differentiable = metric != "accuracy"
+        exact = task.scoring == "exact"
+        for i, s in enumerate(task):
+            ids = [s.answer_ids] if exact else s.choice_ids
+            if any(len(c) != 1 for c in ids):
+                raise InterventionError(
+                    f"sample {i} of task {task.name!r} has multi-token "
+                    f"{'answer' if exact else 'choices'} {s.choices!r} (ids {ids}); the "
+                    f"{metric!r} metric is read from the logits at the query position, so every "
+                    "choice must be one token. Fix: build the task with single-token values / "
+                    "letter format, or pass a callable metric."
+                )
+        self.exact = exact
+        n_choices = max(len(s.choice_ids) for s in task)
+        table = torch.full((len(task), max(n_choices, 1)), -1, dtype=torch.long)
+        for i, s in enumerate(task):
+            table[i, : len(s.choice_ids)] = torch.tensor([c[0] for c in s.choice_ids])
+        self.choice_ids = table
+        self.answer_index = torch.tensor([s.answer_index for s in task], dtype=torch.long)
+        self.answer_token = torch.tensor([s.answer_ids[0] for s in task], dtype=torch.long)
+
+    def __call__(self, logits: Tensor, idx: Tensor) -> Tensor:
+        """Per-row metric; ``idx`` are the rows' sample indices in the task."""
+        if self.user_fn is not None:
+            out = self.user_fn(logits, [self.samples[int(i)] for i in idx])
+            out = torch.as_tensor(out)
+            if out.shape != (logits.shape[0],):
+                raise InterventionError(
+                    f"metric {self.name!r} returned shape {tuple(out.shape)} for logits of shape "
+                    f"{tuple(logits.shape)}; expected one value per row [{logits.shape[0]}]."
+                )
+            return out.float()
+        logits = logits.float()
+        idx = idx.to(torch.long).cpu()
+        ans_tok = self.answer_token[idx].to(logits.device)
+        if self.name == "logprob":
+            return logits.log_softmax(-1).gather(1, ans_tok[:, None])[:, 0]
+        if self.exact:
+            correct = logits.gather(1, ans_tok[:, None])[:, 0]
+            other = logits.scatter(1, ans_tok[:, None], float("-inf")).amax(-1)
+            if self.name == "accuracy":
+                return (correct > other).float()
+            return correct - other
+        ids = self.choice_ids[idx].to(logits.device)
+        valid = ids >= 0
+        scores = logits.gather(1, ids.clamp(min=0)).masked_fill(~valid, float("-inf"))
+        ans = self.answer_index[idx].to(logits.device)
+        if self.name == "accuracy":
+            return (scores.argmax(-1) == ans).float()
+        correct = scores.gather(1, ans[:, None])[:, 0]
+        other = scores.scatter(1, ans[:, None], float("-inf")).amax(-1)
+        return correct - other
+
+
+# ----------------------------------------------------------------------------- groups
+@dataclass(frozen=True)
+class Group:
+    """Samples of one prompt length, unpadded: the query is the last column."""
+
+    indices: Tensor  # [G] sample indices in the task
+    tokens: Tensor  # [G, L]
+
+    @property
+    def length(self) -> int:
+        return int(self.tokens.shape[1])
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+def check_query_is_last(task: Task) -> None:
+    for i, s in enumerate(task):
+        if s.query_position != s.n_tokens - 1:
+            raise InterventionError(
+                f"sample {i} of task {task.name!r} has query_position={s.query_position} but "
+                f"{s.n_tokens} tokens; expected the query to be the last prompt token."
+            )
+
+
+def length_groups(task: Task, max_samples: int, device: Any) -> list[Group]:
+    """Split a task into unpadded groups of equal prompt length (at most ``max_samples``)."""
+    check_query_is_last(task)
+    by_len: dict[int, list[int]] = {}
+    for i, s in enumerate(task):
+        by_len.setdefault(s.n_tokens, []).append(i)
+    out = []
+    for length in sorted(by_len):
+        ids = by_len[length]
+        for start in range(0, len(ids), max(1, max_samples)):
+            chunk = ids[start : start + max_samples]
+            tokens = torch.tensor([task[i].input_ids for i in chunk], dtype=torch.long)
+            out.append(Group(torch.tensor(chunk, dtype=torch.long), tokens.to(device)))
+    return out
+
+
+def paired_groups(clean: Task, corrupted: Task, max_samples: int, device: Any) -> list[Group]:
+    """Groups over sample indices where clean and corrupted prompts have equal length."""
+    if not isinstance(corrupted, Task) or not isinstance(clean, Task):
+        raise InterventionError(
+            f"clean and corrupted must be gna_lens.tasks.Task objects; got "
+            f"{type(clean).__name__} and {type(corrupted).__name__}."
+        )
+    if len(clean) != len(corrupted):
+        raise InterventionError(
+            f"clean task {clean.name!r} has {len(clean)} samples but corrupted task "
+            f"{corrupted.name!r} has {len(corrupted)}; expected pairs (sample i of each)."
+        )
+    for i, (a, b) in enumerate(zip(clean, corrupted, strict=True)):
+        if a.n_tokens != b.n_tokens:
+            raise InterventionError(
+                f"sample {i}: the clean prompt has {a.n_tokens} tokens and the corrupted one "
+                f"{b.n_tokens}; patching needs aligned positions. Fix: build the corrupted task "
+                "with the same template and token lengths (e.g. the same dictionary with another "
+                "queried key)."
+            )
+    return length_groups(clean, max_samples, device)
+
+
+def tokens_of(task: Task, idx: Tensor, device: Any) -> Tensor:
+    return torch.tensor([task[int(i)].input_ids for i in idx], dtype=torch.long, device=device)
+
+
+# ----------------------------------------------------------------------------- positions
+def check_positions(positions: Any, allow_each: bool = False) -> Any:
+    if positions is None or positions == "last":
+        return positions
+    if allow_each and positions == "each":
+        return positions
+    if isinstance(positions, Tensor):
+        return positions
+    if isinstance(positions, Sequence) and not isinstance(positions, str):
+        items = list(positions)
+        if items and all(isinstance(p, int) and not isinstance(p, bool) for p in items):
+            return items
+    expected = "None (all), 'last', 'each' (one patch per position)" if allow_each else None
+    expected = expected or "None (all positions), 'last', or a list of int positions"
+    raise InterventionError(
+        f"positions={positions!r}; expected {expected} (negative positions count from the end)."
+    )
+
+
+def column_mask(positions: Any, length: int, device: Any) -> Tensor | None:
+    """``[pos]`` bool mask of the edited columns of an unpadded length-``length`` input."""
+    if positions is None:
+        return None
+    mask = torch.zeros(length, dtype=torch.bool, device=device)
+    if positions == "last":
+        mask[-1] = True
+        return mask
+    for p in positions:
+        if not -length <= p < length:
+            raise InterventionError(
+                f"position {p} is out of range for a prompt of {length} tokens; expected "
+                f"-{length} <= position < {length}."
+            )
+        mask[p] = True
+    return mask
+
+
+# ----------------------------------------------------------------------------- sources
+class Source:
+    """What replaces a head's output: zero, a mean, or per-sample activations.
+
+    ``samples[layer][r]`` holds reference row ``r``'s ``hook_z`` (``[L_r, H, d]``, or
+    ``[1, H, d]`` at its query position when ``last_only``).
+    """
+
+    def __init__(
+        self,
+        kind: Literal["zero", "mean", "samples"],
+        mean: dict[int, Tensor] | None = None,
+        samples: dict[int, list[Tensor]] | None = None,
+        last_only: bool = False,
+        label: str = "",
+    ):
+        self.kind = kind
+        self.mean = mean or {}
+        self.samples = samples or {}
+        self.last_only = last_only
+        self.label = label
+        self.n = len(next(iter(self.samples.values()))) if self.samples else 0
+
+    def value(self, layer: int, ref: Tensor, length: int, at_last: bool, like: Tensor) -> Tensor:
+        """Replacement broadcastable to ``[rows, pos, H, d]`` for rows mapped to ``ref`` rows.
+
+        ``at_last``: the edited tensor holds only the last position (incremental step).
+        """
+        if self.kind == "zero":
+            return like.new_zeros(())
+        if self.kind == "mean":
+            return self.mean[layer].to(like)[None, None]
+        rows = [self.samples[layer][int(r)] for r in ref]
+        if self.last_only or at_last:
+            return torch.stack([r[-1:] for r in rows]).to(like)
+        bad = [(int(r), x.shape[0]) for r, x in zip(ref, rows, strict=True) if x.shape[0] != length]
+        if bad:
+            raise InterventionError(
+                f"{self.label}: reference row {bad[0][0]} has {bad[0][1]} positions but the "
+                f"edited input has {length}; replacing every position needs prompts of equal "
+                "length. Fix: reference prompts of the same token length, or positions='last'."
+            )
+        return torch.stack(rows).to(like)
+
+
+def collect_z(
+    model: Any,
+    view: HeadView,
+    layers: Sequence[int],
+    groups: Sequence[Group],
+    last_only: bool,
+    n_rows: int,
+) -> dict[int, list[Tensor]]:
+    """Run the groups and keep each row's ``hook_z`` of ``layers`` (CPU copies are not made)."""
+    store: dict[int, list[Tensor | None]] = {layer: [None] * n_rows for layer in layers}
+    for g in groups:
+        current: dict[int, Tensor] = {}
+
+        def keep(z: Tensor, hook: Any, layer: int, current: dict[int, Tensor] = current) -> None:
+            current[layer] = z[:, -1:].clone() if last_only else z.clone()
+
+        hooks = [(view[layer].z_hook, _bind(keep, layer=layer)) for layer in sorted(set(layers))]
+        with hooked(model, hooks):
+            model(g.tokens)
+        for layer, z in current.items():
+            for j, i in enumerate(g.indices.tolist()):
+                store[layer][i] = z[j]
+    return {layer: [t for t in rows if t is not None] for layer, rows in store.items()}
+
+
+def _bind(fn: Callable[..., Any], **kw: Any) -> Callable[..., Any]:
+    def bound(x: Tensor, hook: Any) -> Any:
+        return fn(x, hook, **kw)
+
+    return bound
+
+
+def build_source(
+    model: Any,
+    view: HeadView,
+    mode: Any,
+    reference: Any,
+    layers: Sequence[int],
+    positions: Any,
+    device: Any,
+    max_samples: int = 16,
+) -> Source:
+    """The replacement for ``mode``: zero, the reference's mean, or its per-sample activations."""
+    if mode not in MODES:
+        raise InterventionError(f"mode={mode!r}; expected one of {MODES}.")
+    if mode == "zero":
+        if reference is not None:
+            raise InterventionError(
+                "mode='zero' takes no reference; pass mode='mean' or 'resample' to use one."
+            )
+        return Source("zero")
+    if reference is None:
+        raise InterventionError(
+            f"mode={mode!r} needs reference=: a gna_lens.tasks.Task or token ids [batch, pos] "
+            "whose head outputs replace the ablated ones."
+        )
+    if isinstance(reference, Task):
+        if len(reference) == 0:
+            raise InterventionError(f"reference task {reference.name!r} has no samples.")
+        groups = length_groups(reference, max_samples, device)
+        n = len(reference)
+        label = f"reference task {reference.name!r}"
+    elif (
+        isinstance(reference, Tensor) and reference.ndim == 2 and not reference.is_floating_point()
+    ):
+        toks = reference.to(device)
+        groups = [
+            Group(torch.arange(s, min(s + max_samples, len(toks))), toks[s : s + max_samples])
+            for s in range(0, len(toks), max_samples)
+        ]
+        n = len(toks)
+        label = f"reference tokens {tuple(reference.shape)}"
+    else:
+        got = tuple(reference.shape) if isinstance(reference, Tensor) else type(reference).__name__
+        raise InterventionError(
+            f"reference={got}; expected a gna_lens.tasks.Task or unpadded token ids "
+            "[batch, pos] (torch.long)."
+        )
+    last = positions == "last"
+    with torch.no_grad():
+        per_row = collect_z(model, view, layers, groups, last_only=last, n_rows=n)
+    if mode == "resample":
+        return Source("samples", samples=per_row, last_only=last, label=label)
+    mean = {}
+    for layer, rows in per_row.items():
+        cat = torch.cat([r.reshape(-1, *r.shape[-2:]) for r in rows])  # [tokens, H, d]
+        mean[layer] = cat.float().mean(0).to(rows[0].dtype)
+    return Source("mean", mean=mean, label=label)
+
+
+# ----------------------------------------------------------------------------- packed edits
+def layer_selection(cells: Sequence[tuple[Head, ...]], layer: int, n_heads: int) -> Tensor:
+    """``[cells, H]`` bool: which heads of ``layer`` each cell edits."""
+    sel = torch.zeros(len(cells), n_heads, dtype=torch.bool)
+    for k, cell in enumerate(cells):
+        for lay, h in cell:
+            if lay == layer:
+                sel[k, h] = True
+    return sel
+
+
+def packed_edit_hooks(
+    view: HeadView,
+    cells: Sequence[tuple[Head, ...]],
+    group_size: int,
+    ref_rows: Tensor,
+    source: Source,
+    cols: Tensor | None,
+    at_last: bool = False,
+) -> list[tuple[str, Callable[..., Tensor]]]:
+    """Hooks on ``hook_z`` editing, for packed cell ``k`` (rows ``k*G .. k*G+G-1``), its heads.
+
+    Args:
+        view: The head view.
+        cells: Head sets, one per block of ``group_size`` rows (cell-major packing).
+        group_size: Rows per cell ``G``.
+        ref_rows: ``[G]`` reference row of each sample (for per-sample sources).
+        source: The replacement.
+        cols: ``[pos]`` bool mask of edited positions (``None``: all positions).
+        at_last: The run is an incremental step (the one position is the last).
+    """
+    hooks = []
+    layers = sorted({lay for cell in cells for lay, _ in cell})
+    K, G = len(cells), group_size
+    for layer in layers:
+        sel = layer_selection(cells, layer, view[layer].n_heads)
+
+        def hook(z: Tensor, hook: Any, layer: int = layer, sel: Tensor = sel) -> Tensor:
+            R, P, H, d = z.shape
+            if R != K * G or sel.shape[1] != H:
+                raise InterventionError(
+                    f"internal: hook_z of layer {layer} has shape {tuple(z.shape)}; expected "
+                    f"[{K * G}, pos, {sel.shape[1]}, d_head]."
+                )
+            value = source.value(layer, ref_rows, P, at_last, z)
+            if value.ndim == 4:  # per-sample: [G, P|1, H, d] -> broadcast over cells
+                value = value[None]
+            where = sel.to(z.device)[:, None, None, :, None]  # [K, 1, 1, H, 1]
+            if cols is not None and not at_last:
+                where = where & cols.to(z.device)[None, None, :, None, None]
+            out = torch.where(where, value, z.view(K, G, P, H, d))
+            return out.reshape(R, P, H, d)
+
+        hooks.append((view[layer].z_hook, hook))
+    return hooks
+
+
+# ----------------------------------------------------------------------------- hooks
+@contextmanager
+def hooked(model: Any, fwd_hooks: Sequence[tuple[Any, Callable[..., Any]]]) -> Iterator[Any]:
+    """``model.hooks(fwd_hooks)`` that also fails loudly if a hook survived the context."""
+    before = count_hooks(model)
+    try:
+        with model.hooks(fwd_hooks=list(fwd_hooks)):
+            yield model
+    finally:
+        after = count_hooks(model)
+        if after != before:  # pragma: no cover - TransformerLens guarantees this
+            raise RuntimeError(f"hooks leaked: {before} before, {after} after")
+
+
+def count_hooks(model: Any) -> int:
+    """Total forward and backward hooks on the model's hook points."""
+    total = 0
+    seen: set[int] = set()
+    for hp in getattr(model, "hook_dict", {}).values():
+        if id(hp) in seen:
+            continue
+        seen.add(id(hp))
+        total += len(getattr(hp, "fwd_hooks", [])) + len(getattr(hp, "bwd_hooks", []))
+        total += len(getattr(hp, "_forward_hooks", {})) + len(getattr(hp, "_backward_hooks", {}))
+    return total
+
+
+# ----------------------------------------------------------------------------- budget
+_UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_bytes(budget: Any) -> int:
+    if isinstance(budget, int | float) and not isinstance(budget, bool) and budget > 0:
+        return int(budget)
+    if isinstance(budget, str):
+        m = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", budget)
+        if m and m.group(2).upper() in _UNITS:
+            return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    raise InterventionError(
+        f"memory_budget={budget!r}; expected a number of bytes or a string like '2GiB', '512MB'."
+    )
+
+
+def row_bytes(model: Any, view: HeadView, length: int, logits_positions: int) -> int:
+    """A rough upper bound on the transient memory of one row of a no-grad forward pass."""
+    cfg = model.cfg
+    d = int(cfg.d_model)
+    itemsize = torch.finfo(getattr(cfg, "dtype", torch.float32) or torch.float32).bits // 8
+    worst = 0
+    for lh in view:
+        if lh.kind == "attention":
+            worst = max(worst, 4 * lh.n_heads * length)
+        else:
+            d_inner = int(getattr(cfg, "d_inner", 0) or lh.n_heads * lh.d_head)
+            chunk = int(getattr(cfg, "chunk_size", 64) or 64)
+            worst = max(worst, 8 * d_inner + 4 * lh.n_heads * min(chunk, length))
+    d_mlp = int(getattr(cfg, "d_mlp", 0) or 0)
+    per_pos = 16 * d + 3 * d_mlp + worst
+    return itemsize * (length * per_pos + logits_positions * int(cfg.d_vocab))
+
+
+def plan_rows(
+    model: Any,
+    view: HeadView,
+    length: int,
+    budget: int,
+    max_rows: int,
+    logits_positions: int,
+    cached_layers: int,
+) -> int:
+    """Rows per forward within ``budget`` (at least 1)."""
+    per_row = row_bytes(model, view, length, logits_positions)
+    cache = cached_layers * length * int(model.cfg.d_model) * 4
+    return max(1, min(max_rows, budget // max(1, per_row + cache)))
+
+
+def chunks(seq: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
+    for start in range(0, len(seq), max(1, size)):
+        yield seq[start : start + size]
+
+
+def spearman(a: Tensor, b: Tensor) -> float:
+    """Spearman rank correlation (average ranks for ties)."""
+    import pandas as pd
+
+    x = pd.Series(a.detach().double().cpu().numpy()).rank()
+    y = pd.Series(b.detach().double().cpu().numpy()).rank()
+    r = x.corr(y)
+    return float(r) if r == r else math.nan
+
+
+def describe_task(task: Task) -> str:
+    return f"{task.name} (n={len(task)}, scoring={task.scoring})"

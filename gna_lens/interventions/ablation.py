@@ -1,0 +1,591 @@
+"""Reversible head ablation (zero, mean, resample; all or chosen positions) and ablation sweeps.
+
+Heads are addressed as ``(layer, head)`` on one index space for attention heads and SSM heads
+(:mod:`gna_lens.heads`). An ablation replaces the head's slice of ``hook_z`` (the output
+projection's input), through hooks that exist only inside a context manager: weights are never
+touched, and no hook survives the call, even when the model or a metric raises.
+"""
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from gna_lens.errors import InterventionError
+from gna_lens.heads import Head, HeadView, head_view, normalize_head_sets, require_editable
+from gna_lens.interventions._common import (
+    Group,
+    Metric,
+    Source,
+    build_source,
+    check_positions,
+    chunks,
+    column_mask,
+    describe_task,
+    hooked,
+    length_groups,
+    packed_edit_hooks,
+    parse_bytes,
+    plan_rows,
+    spearman,
+)
+from gna_lens.interventions._runner import Runner
+from gna_lens.tasks import Task
+
+__all__ = ["SweepResult", "ablate_heads", "ablation_sweep", "head_ablation_hooks"]
+
+HookFn = Callable[..., Tensor]
+
+
+def model_device(model: Any) -> torch.device:
+    dev = getattr(getattr(model, "cfg", None), "device", None)
+    if dev is not None:
+        return torch.device(dev)
+    return next(model.parameters()).device
+
+
+# ----------------------------------------------------------------------------- hooks for users
+def head_ablation_hooks(
+    model: Any,
+    heads: Sequence[Head],
+    mode: str = "zero",
+    positions: Any = None,
+    reference: Any = None,
+) -> list[tuple[str, HookFn]]:
+    """Hooks ``(hook_name, fn)`` that ablate ``heads``; pass them to ``model.hooks`` /
+    ``run_with_hooks``.
+
+    Args:
+        model: A TransformerBridge or a HookedSSM.
+        heads: ``[(layer, head), ...]``.
+        mode: ``"zero"``; ``"mean"``: the head's mean output over ``reference`` (over every token,
+            or over the reference's last tokens when ``positions="last"``); ``"resample"``: row
+            ``b`` of the input takes the head output of reference row ``b % n_reference`` at the
+            same positions (its last token for ``positions="last"``).
+        positions: ``None`` (every position), ``"last"`` (the last column: use left padding, or
+            pass per-row positions for right-padded batches), a list of positions (negative from
+            the end), or a ``[batch]`` int tensor with one position per row (e.g.
+            ``batch.query_positions``).
+        reference: A :class:`~gna_lens.tasks.Task` or unpadded token ids ``[n, pos]`` (for
+            ``"mean"`` and ``"resample"``; the reference forward passes run here, once).
+
+    Returns:
+        A list of ``(hook name, hook function)`` pairs.
+
+    Raises:
+        InterventionError: On unknown heads, modes, positions or references.
+        PatternEditError: If the model would ignore edits of ``hook_z``.
+    """
+    view = head_view(model)
+    checked = view.check_heads(heads)
+    if not checked:
+        raise InterventionError("heads=[] is empty; expected at least one (layer, head) pair.")
+    positions = check_positions(positions)
+    layers = sorted({layer for layer, _ in checked})
+    require_editable(model, view, layers, "z")
+    src_positions = "last" if positions == "last" else None
+    with torch.no_grad():
+        source = build_source(
+            model, view, mode, reference, layers, src_positions, model_device(model)
+        )
+    hooks = []
+    for layer in layers:
+        head_mask = torch.zeros(view[layer].n_heads, dtype=torch.bool)
+        head_mask[[h for lay, h in checked if lay == layer]] = True
+        hooks.append(
+            (view[layer].z_hook, _ablation_hook(layer, head_mask, source, positions, view))
+        )
+    return hooks
+
+
+def _ablation_hook(
+    layer: int, head_mask: Tensor, source: Source, positions: Any, view: HeadView
+) -> HookFn:
+    def hook(z: Tensor, hook: Any) -> Tensor:
+        R, P, H, _ = z.shape
+        if head_mask.shape[0] != H:
+            raise InterventionError(
+                f"hook_z of layer {layer} has {H} heads (shape {tuple(z.shape)}); the head "
+                f"view expected {head_mask.shape[0]}."
+            )
+        where = head_mask.to(z.device)[None, None, :, None]
+        if isinstance(positions, Tensor):
+            pos = positions.to(z.device).long().reshape(-1)
+            if pos.shape[0] != R:
+                raise InterventionError(
+                    f"positions is a tensor of {pos.shape[0]} per-row positions but the input "
+                    f"has {R} rows; expected one position per row."
+                )
+            if bool(((pos < -P) | (pos >= P)).any()):
+                raise InterventionError(
+                    f"positions {pos.tolist()} are out of range for inputs of {P} positions."
+                )
+            rows = torch.zeros(R, P, dtype=torch.bool, device=z.device)
+            rows[torch.arange(R, device=z.device), pos % P] = True
+            where = where & rows[:, :, None, None]
+        else:
+            cols = column_mask(positions, P, z.device)
+            if cols is not None:
+                where = where & cols[None, :, None, None]
+        ref = torch.arange(R) % max(source.n, 1)
+        value = source.value(layer, ref, P, False, z)
+        return torch.where(where, value, z)
+
+    return hook
+
+
+@contextmanager
+def ablate_heads(
+    model: Any,
+    heads: Sequence[Head],
+    mode: str = "zero",
+    positions: Any = None,
+    reference: Any = None,
+) -> Iterator[Any]:
+    """Ablate heads inside a ``with`` block; the model is untouched afterwards.
+
+    Args:
+        model: A TransformerBridge or a HookedSSM.
+        heads: ``[(layer, head), ...]`` (attention heads, SSM heads, or both in a hybrid).
+        mode: ``"zero"``, ``"mean"`` or ``"resample"`` (see :func:`head_ablation_hooks`).
+        positions: ``None`` (all), ``"last"``, a list of positions, or a ``[batch]`` tensor.
+        reference: Task or token ids for ``"mean"`` / ``"resample"``.
+
+    Yields:
+        The model, with the ablation hooks attached.
+
+    Raises:
+        InterventionError: On unknown heads, modes, positions or references.
+        PatternEditError: If the model would ignore edits of ``hook_z``.
+
+    Examples:
+        >>> import torch
+        >>> from gna_lens.testing import tiny_hooked_ssm
+        >>> model = tiny_hooked_ssm("bamba")
+        >>> tokens = torch.tensor([[5, 6, 7, 8]])
+        >>> with torch.no_grad():
+        ...     clean = model(tokens)
+        ...     with ablate_heads(model, [(0, 3), (1, 0)]):
+        ...         ablated = model(tokens)
+        ...     again = model(tokens)
+        >>> bool((ablated != clean).any()), torch.equal(again, clean)
+        (True, True)
+    """
+    hooks = head_ablation_hooks(model, heads, mode, positions, reference)
+    with hooked(model, hooks):
+        yield model
+
+
+# ----------------------------------------------------------------------------- results
+@dataclass(frozen=True)
+class SweepResult:
+    """The effect on a metric of ablating (or patching) each head, or each head set.
+
+    Attributes:
+        cells: The head sets, one per result row (a single head is a one-element set).
+        kinds: Per cell, ``"attention"``, ``"ssm"`` or ``"mixed"``.
+        values: The metric under each intervention, per sample ``[cell, sample]``.
+        baseline: The metric without intervention, per sample ``[sample]``.
+        metric: The metric's name.
+        task: The task's description.
+        mode: The ablation mode (``"zero"``, ``"mean"``, ``"resample"``) or ``"patch"``.
+        positions: The positions edited (``"all"``, ``"last"`` or a list).
+        method: How it was computed (``"batched"``, ``"incremental"``, ``"loop"``,
+            ``"attribution"``).
+        info: Other details (packing, forward counts, timings).
+    """
+
+    cells: tuple[tuple[Head, ...], ...]
+    kinds: tuple[str, ...]
+    values: Float[Tensor, "cell sample"]
+    baseline: Float[Tensor, " sample"]
+    metric: str
+    task: str
+    mode: str
+    positions: str
+    method: str
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.cells)
+
+    def __repr__(self) -> str:
+        eff = self.effects
+        worst = int(eff.argmin()) if len(eff) else -1
+        top = (
+            f", strongest={_label(self.cells[worst])} ({float(eff[worst]):+.3f})"
+            if len(eff)
+            else ""
+        )
+        return (
+            f"SweepResult({self.metric} on {self.task}, mode={self.mode!r}, "
+            f"positions={self.positions!r}, cells={len(self)}, baseline={self.baseline_mean:.4f}"
+            f"{top}, method={self.method!r})"
+        )
+
+    @property
+    def baseline_mean(self) -> float:
+        """The baseline metric averaged over samples."""
+        return float(self.baseline.float().mean())
+
+    @property
+    def effects(self) -> Float[Tensor, " cell"]:
+        """Mean metric under intervention minus mean baseline, per cell (negative: it hurts)."""
+        return self.values.float().mean(-1) - self.baseline.float().mean()
+
+    def effect(self, *heads: Head) -> float:
+        """The effect of the cell made of exactly ``heads``."""
+        key = tuple(sorted(heads))
+        for cell, e in zip(self.cells, self.effects.tolist(), strict=True):
+            if tuple(sorted(cell)) == key:
+                return float(e)
+        raise InterventionError(
+            f"no cell {list(heads)} in this result; cells are e.g. {self.cells[:3]}."
+        )
+
+    def ranking(self, k: int | None = None) -> list[tuple[Head, ...]]:
+        """Cells from the most harmful to ablate (most negative effect) to the least."""
+        order = torch.argsort(self.effects, stable=True).tolist()
+        cells = [self.cells[i] for i in order]
+        return cells if k is None else cells[:k]
+
+    def grid(self) -> Float[Tensor, "layer head_index"]:
+        """Effects of single-head cells as a ``[n_layers, max_heads]`` grid (NaN elsewhere)."""
+        singles = [
+            (c[0], e) for c, e in zip(self.cells, self.effects.tolist(), strict=True) if len(c) == 1
+        ]
+        if not singles:
+            raise InterventionError("grid() needs single-head cells; this result has head sets.")
+        n_layers = max(layer for (layer, _), _ in singles) + 1
+        n_heads = max(h for (_, h), _ in singles) + 1
+        out = torch.full((n_layers, n_heads), math.nan)
+        for (layer, h), e in singles:
+            out[layer, h] = e
+        return out
+
+    def correlation(self, other: "SweepResult") -> float:
+        """Spearman correlation of the effects with ``other``'s over their common cells."""
+        mine = {tuple(sorted(c)): e for c, e in zip(self.cells, self.effects.tolist(), strict=True)}
+        pairs = [
+            (mine[k], e)
+            for c, e in zip(other.cells, other.effects.tolist(), strict=True)
+            if (k := tuple(sorted(c))) in mine
+        ]
+        if len(pairs) < 2:
+            raise InterventionError("correlation needs at least two cells in common.")
+        a, b = zip(*pairs, strict=True)
+        return spearman(torch.tensor(a), torch.tensor(b))
+
+    def to_dataframe(self) -> Any:
+        """One row per cell: ``layer, head, kind, effect, value, baseline`` and the context.
+
+        For head sets, ``layer`` and ``head`` hold tuples; ``heads`` labels every cell
+        (``"L3H2"``, ``"L3H2+L4H0"``).
+        """
+        import pandas as pd
+
+        rows = []
+        means = self.values.float().mean(-1).tolist()
+        for cell, kind, eff, val in zip(
+            self.cells, self.kinds, self.effects.tolist(), means, strict=True
+        ):
+            single = len(cell) == 1
+            rows.append(
+                {
+                    "layer": cell[0][0] if single else tuple(lay for lay, _ in cell),
+                    "head": cell[0][1] if single else tuple(h for _, h in cell),
+                    "kind": kind,
+                    "effect": eff,
+                    "value": val,
+                    "baseline": self.baseline_mean,
+                    "heads": _label(cell),
+                    "metric": self.metric,
+                    "task": self.task,
+                    "mode": self.mode,
+                    "positions": self.positions,
+                }
+            )
+        return pd.DataFrame(rows)
+
+
+def _label(cell: Sequence[Head]) -> str:
+    return "+".join(f"L{layer}H{h}" for layer, h in cell)
+
+
+def cell_kind(view: HeadView, cell: Sequence[Head]) -> str:
+    kinds = {view.kind(layer) for layer, _ in cell}
+    return kinds.pop() if len(kinds) == 1 else "mixed"
+
+
+def positions_label(positions: Any) -> str:
+    if positions is None:
+        return "all"
+    if isinstance(positions, str):
+        return positions
+    return str(list(positions))
+
+
+# ----------------------------------------------------------------------------- sweep
+@dataclass
+class SweepPlan:
+    """How groups are split and packed (rows per forward, cells per forward)."""
+
+    budget: int
+    max_rows: int
+    pack: int | None
+
+    def split(self, runner: Runner, group: Group, n_cached: int) -> list[tuple[Group, int]]:
+        view, model = runner.view, runner.model
+        logit_pos = 1 if (runner.is_ssm or runner.keep_last) else group.length
+        rows = plan_rows(model, view, group.length, self.budget, self.max_rows, logit_pos, n_cached)
+        size = max(1, min(len(group), rows))
+        out = []
+        for start in range(0, len(group), size):
+            sub = Group(group.indices[start : start + size], group.tokens[start : start + size])
+            k = self.pack if self.pack is not None else max(1, rows // len(sub))
+            out.append((sub, k))
+        return out
+
+
+def run_cells(
+    runner: Runner,
+    cells: Sequence[tuple[Head, ...]],
+    groups: Sequence[Group],
+    source_for: Callable[[Group], tuple[Source, Tensor]],
+    metric: Metric,
+    metric_rows: Callable[[Group], Tensor],
+    positions: Any,
+    plan: SweepPlan,
+    method: str,
+    baseline_tokens: Callable[[Group], Tensor] | None = None,
+    bar: Any = None,
+    cell_cols: Sequence[Any] | None = None,
+) -> tuple[Tensor, Tensor, dict[str, Any]]:
+    """Run every cell on every group; returns (values [cell, sample], baseline [sample], info).
+
+    ``source_for(group)`` gives the replacement and each row's reference row; ``metric_rows``
+    gives the sample indices the metric reads its answers from; ``cell_cols`` gives per-cell
+    positions (patching position by position) overriding ``positions``.
+    """
+    view = runner.view
+    n = int(max(int(g.indices.max()) for g in groups)) + 1
+    values = torch.full((len(cells), n), math.nan)
+    baseline = torch.full((n,), math.nan)
+    info: dict[str, Any] = {"forwards": 0, "rows": 0, "incremental_fallbacks": 0}
+    start_layer = [min(layer for layer, _ in c) if c else view.n_layers - 1 for c in cells]
+    for g0 in groups:
+        for g, K in plan.split(runner, g0, len(set(start_layer))):
+            tokens = baseline_tokens(g) if baseline_tokens is not None else g.tokens
+            source, ref_rows = source_for(g)
+            idx = metric_rows(g)
+            G = len(g)
+            use_step = positions == "last" and method in ("batched", "incremental")
+            state = None
+            if use_step:
+                logits, state = runner.prefix(tokens)
+                info["forwards"] += 1
+                if state is None:
+                    info["incremental_fallbacks"] += 1
+            if method == "loop":
+                logits = runner.logits_last(tokens)
+                info["forwards"] += 1
+            if state is not None:
+                baseline[g.indices] = metric(logits, idx)
+                order = list(range(len(cells)))
+                for chunk in chunks(order, K):
+                    cs = [cells[i] for i in chunk]
+                    cs += [()] * (K - len(cs))  # constant packing: the expanded state is reused
+                    hooks = packed_edit_hooks(view, cs, G, ref_rows, source, None, at_last=True)
+                    lg = runner.step(state, K, hooks)
+                    v = metric(lg, idx.repeat(K)).view(K, G)[: len(chunk)]
+                    values[torch.tensor(chunk)[:, None], g.indices[None, :]] = v
+                    info["forwards"] += 1
+                    info["rows"] += K * G
+                    if bar is not None:
+                        bar.update(len(chunk) * G)
+                continue
+            if method == "loop":
+                baseline[g.indices] = metric(logits, idx)
+                for i, cell in enumerate(cells):
+                    cols = _cols(cell_cols[i] if cell_cols else positions, g.length)
+                    hooks = packed_edit_hooks(view, [cell], G, ref_rows, source, cols)
+                    lg = runner.model.run_with_hooks(tokens, fwd_hooks=hooks)[:, -1]
+                    values[i, g.indices] = metric(lg, idx)
+                    info["forwards"] += 1
+                    info["rows"] += G
+                    if bar is not None:
+                        bar.update(G)
+                continue
+            layers = sorted(set(start_layer))
+            names = [view[layer].resid_pre_hook for layer in layers]
+            logits, cache = runner.clean(tokens, names)
+            info["forwards"] += 1
+            baseline[g.indices] = metric(logits, idx)
+            by_key: dict[tuple[int, Any], list[int]] = {}
+            for i, layer in enumerate(start_layer):
+                key = (layer, _col_key(cell_cols[i]) if cell_cols else None)
+                by_key.setdefault(key, []).append(i)
+            for (layer, _), ids in sorted(by_key.items(), key=lambda kv: kv[0][0]):
+                resid = cache[view[layer].resid_pre_hook]
+                cols = _cols(cell_cols[ids[0]] if cell_cols else positions, g.length)
+                for chunk in chunks(ids, K):
+                    cs = [cells[i] for i in chunk]
+                    hooks = packed_edit_hooks(view, cs, G, ref_rows, source, cols)
+                    rep = resid.repeat(len(cs), 1, 1)
+                    lg = runner.from_layer(layer, rep, tokens, hooks)
+                    v = metric(lg, idx.repeat(len(cs))).view(len(cs), G)
+                    values[torch.tensor(chunk)[:, None], g.indices[None, :]] = v
+                    info["forwards"] += 1
+                    info["rows"] += len(cs) * G
+                    if bar is not None:
+                        bar.update(len(chunk) * G)
+    return values, baseline, info
+
+
+def _col_key(cols: Any) -> Any:
+    return tuple(cols) if isinstance(cols, list | tuple) else cols
+
+
+def _cols(positions: Any, length: int) -> Tensor | None:
+    return column_mask(positions, length, "cpu")
+
+
+def ablation_sweep(
+    model: Any,
+    task: Task,
+    metric: Any = "accuracy",
+    heads: Any = None,
+    *,
+    mode: str = "zero",
+    positions: Any = None,
+    reference: Any = None,
+    method: str = "batched",
+    pack: int | None = None,
+    max_rows: int = 256,
+    memory_budget: int | str = "1GiB",
+    progress: bool = True,
+) -> SweepResult:
+    """The effect on ``metric`` of ablating each head alone (or each head set) on ``task``.
+
+    Computed without waste: the clean residual stream below each ablated layer is cached and
+    reused (runs start at the ablated layer); several ablations are packed into the batch
+    dimension; with ``positions="last"`` the prompt minus its last token runs once and each
+    ablation recomputes only the last token (KV cache / SSM states). The numbers equal those of
+    a loop of single ablated forward passes (``method="loop"``) up to float rounding.
+
+    Args:
+        model: A TransformerBridge or a HookedSSM.
+        task: A :class:`~gna_lens.tasks.Task` with single-token choices (or a callable metric).
+        metric: ``"accuracy"``, ``"logit_diff"``, ``"logprob"`` (see
+            :class:`~gna_lens.interventions._common.Metric`), or
+            ``fn(logits [rows, d_vocab], samples) -> [rows]`` on the query-position logits.
+        heads: ``None`` (every head alone), ``[(layer, head), ...]`` (each alone), or a list of
+            head sets ``[[(l, h), (l2, h2)], ...]`` (each set ablated together).
+        mode: ``"zero"``, ``"mean"`` or ``"resample"`` (needs ``reference``). Sample ``i`` of the
+            task takes reference sample ``i % len(reference)`` in resample mode.
+        positions: ``None`` (all positions), ``"last"`` (the query position only), or a list of
+            positions (negative from the end).
+        reference: Task (or token ids) for ``"mean"`` / ``"resample"``.
+        method: ``"batched"`` (default) or ``"loop"`` (one full ``run_with_hooks`` per head set
+            and group of prompts: the reference the batched numbers are checked against).
+        pack: Ablations per forward pass (default: as many as fit ``max_rows`` rows).
+        max_rows: Rows (prompts x ablations) per forward pass.
+        memory_budget: Bytes (or ``"2GiB"``) a forward pass may use; fewer rows are packed when
+            a rough estimate exceeds it.
+        progress: Show a tqdm progress bar.
+
+    Returns:
+        A :class:`SweepResult` (``.to_dataframe()`` has ``layer, head, kind, effect``).
+
+    Raises:
+        InterventionError: On unknown heads, metrics, modes or positions, or multi-token choices
+            with a named metric.
+        PatternEditError: If the model would ignore edits of ``hook_z``.
+
+    Examples:
+        >>> from gna_lens.tasks import kv_retrieval
+        >>> from gna_lens.tasks._testing import word_tokenizer
+        >>> from gna_lens.testing import tiny_hooked_ssm
+        >>> keys = ["apple", "river", "stone", "cloud", "lamp"]
+        >>> tok = word_tokenizer(["Memorize the following dictionary:",
+        ...                       "The value of the key '", " is"] + keys)
+        >>> model = tiny_hooked_ssm("mamba2", vocab_size=len(tok))
+        >>> task = kv_retrieval(tok, n_pairs=3, n_samples=4, words=keys)
+        >>> res = ablation_sweep(model, task, "logit_diff", progress=False)
+        >>> list(res.to_dataframe().columns[:4]), len(res) == 2 * 8
+        (['layer', 'head', 'kind', 'effect'], True)
+    """
+    from tqdm.auto import tqdm
+
+    view = head_view(model)
+    cells = normalize_head_sets(view, heads)
+    met = Metric(metric, task)
+    positions = check_positions(positions)
+    if isinstance(positions, Tensor):
+        raise InterventionError(
+            "ablation_sweep: positions must be None, 'last' or a list of positions (per-row "
+            "tensors are for ablate_heads on your own batches)."
+        )
+    if method not in ("batched", "loop"):
+        raise InterventionError(f"method={method!r}; expected 'batched' or 'loop'.")
+    if pack is not None and (not isinstance(pack, int) or pack < 1):
+        raise InterventionError(f"pack={pack!r}; expected a positive int or None (automatic).")
+    if not isinstance(max_rows, int) or max_rows < 1:
+        raise InterventionError(f"max_rows={max_rows!r}; expected a positive int.")
+    plan = SweepPlan(parse_bytes(memory_budget), max_rows, pack)
+    layers = sorted({layer for c in cells for layer, _ in c})
+    require_editable(model, view, layers, "z")
+    device = model_device(model)
+    runner = Runner(model, view)
+    with torch.no_grad():
+        source = build_source(model, view, mode, reference, layers, positions, device)
+        groups = length_groups(task, max_rows, device)
+
+        def source_for(g: Group) -> tuple[Source, Tensor]:
+            return source, g.indices % max(source.n, 1)
+
+        bar = tqdm(
+            total=len(cells) * len(task),
+            desc=f"ablation sweep ({len(cells)} cells)",
+            disable=not progress,
+            leave=False,
+        )
+        try:
+            values, baseline, info = run_cells(
+                runner,
+                cells,
+                groups,
+                source_for,
+                met,
+                lambda g: g.indices,
+                positions,
+                plan,
+                method,
+                bar=bar,
+            )
+        finally:
+            bar.close()
+    used = method
+    if method == "batched":
+        used = (
+            "incremental"
+            if positions == "last" and not info["incremental_fallbacks"]
+            else "batched"
+        )
+    return SweepResult(
+        cells=tuple(cells),
+        kinds=tuple(cell_kind(view, c) for c in cells),
+        values=values,
+        baseline=baseline,
+        metric=met.name,
+        task=describe_task(task),
+        mode=mode,
+        positions=positions_label(positions),
+        method=used,
+        info=info,
+    )

@@ -1,0 +1,416 @@
+"""Activation patching of head outputs and of the residual stream, clean -> corrupted.
+
+The corrupted prompts run with one activation taken from the paired clean prompt (sample ``i``
+of each task, equal token lengths); the metric is read with the *clean* samples' answers, so
+patching an activation that carries the answer moves the metric from the corrupted baseline
+towards the clean one. Results have the shape of TransformerLens's
+:class:`transformer_lens.patching.PatchingResult` (flat ``index_df`` mode, per-example values,
+the corrupted baseline) plus the clean baseline; :meth:`PatchResult.to_patching_result` returns
+the TransformerLens object itself.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from gna_lens.errors import InterventionError
+from gna_lens.heads import head_view, normalize_head_sets, require_editable
+from gna_lens.interventions._common import (
+    Group,
+    Metric,
+    Source,
+    check_positions,
+    collect_z,
+    describe_task,
+    paired_groups,
+    parse_bytes,
+    tokens_of,
+)
+from gna_lens.interventions._runner import Runner
+from gna_lens.interventions.ablation import (
+    SweepPlan,
+    _label,
+    cell_kind,
+    model_device,
+    positions_label,
+    run_cells,
+)
+from gna_lens.tasks import Task
+
+__all__ = ["PatchResult", "patch_heads", "patch_residual"]
+
+
+@dataclass(frozen=True)
+class PatchResult:
+    """Activation-patching results, shaped like TransformerLens's ``PatchingResult``.
+
+    Attributes:
+        values: The metric on the patched corrupted run, ``[cell, batch]`` (one row of
+            ``index_df`` per cell; ``batch`` = the task's samples).
+        axis_names: ``[]`` (flat ``index_df`` mode).
+        index_df: One row per cell: ``layer``, ``head`` (head patching) and ``pos`` (when
+            patched position by position), ``kind``, ``label``.
+        metric_names: ``[metric name]``.
+        reduced: ``False`` (per-example values).
+        baseline: The metric on the unpatched corrupted run, ``[batch]``.
+        has_metric_axis: ``False``.
+        patch_type_names: ``None``.
+        clean_baseline: The metric on the clean run, ``[batch]``.
+        activation: ``"hook_z"`` or ``"hook_resid_pre"``.
+        task: The clean task's description.
+        corrupted_task: The corrupted task's description.
+        positions: The patched positions (``"all"``, ``"last"``, ``"each"`` or a list).
+        info: Packing and forward counts.
+    """
+
+    values: Float[Tensor, "cell batch"]
+    axis_names: list[str]
+    index_df: Any
+    metric_names: list[str]
+    reduced: bool
+    baseline: Float[Tensor, " batch"]
+    has_metric_axis: bool
+    patch_type_names: list[str] | None
+    clean_baseline: Float[Tensor, " batch"]
+    activation: str
+    task: str
+    corrupted_task: str
+    positions: str
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def metric(self) -> str:
+        """The metric's name."""
+        return self.metric_names[0]
+
+    def mean(self) -> Float[Tensor, " cell"]:
+        """Batch mean per cell."""
+        return self.values.float().mean(-1)
+
+    def effect(self) -> Float[Tensor, "cell batch"]:
+        """``values - baseline``: what each patch changes in the corrupted run, per example."""
+        return self.values - self.baseline[None]
+
+    def normalized(self, clean_baseline: Tensor | None = None) -> Float[Tensor, "cell batch"]:
+        """``(values - corrupted) / (clean - corrupted)`` per example: 1 = fully restored."""
+        clean = self.clean_baseline if clean_baseline is None else clean_baseline
+        return (self.values - self.baseline[None]) / (clean - self.baseline)[None]
+
+    def recovered(self) -> Float[Tensor, " cell"]:
+        """Per cell, ``(mean patched - mean corrupted) / (mean clean - mean corrupted)``."""
+        corrupted = float(self.baseline.float().mean())
+        clean = float(self.clean_baseline.float().mean())
+        return (self.mean() - corrupted) / (clean - corrupted)
+
+    def to_patching_result(self) -> Any:
+        """The same numbers as a ``transformer_lens.patching.PatchingResult``."""
+        from transformer_lens.patching import PatchingResult
+
+        return PatchingResult(
+            values=self.values,
+            axis_names=list(self.axis_names),
+            index_df=self.index_df,
+            metric_names=list(self.metric_names),
+            reduced=self.reduced,
+            baseline=self.baseline,
+            has_metric_axis=self.has_metric_axis,
+            patch_type_names=self.patch_type_names,
+        )
+
+    def to_dataframe(self, per_example: bool = False) -> Any:
+        """One row per cell (index columns, ``kind``, ``value``, ``effect``, ``recovered``).
+
+        ``per_example=True`` gives TransformerLens's long form instead: one row per (cell,
+        example) with ``metric``, the index columns, ``example`` and ``value``.
+        """
+        import pandas as pd
+
+        if per_example:
+            return self.to_patching_result().to_dataframe()
+        df = self.index_df.copy()
+        df["value"] = self.mean().tolist()
+        df["effect"] = (self.mean() - float(self.baseline.float().mean())).tolist()
+        df["recovered"] = self.recovered().tolist()
+        df["baseline"] = float(self.baseline.float().mean())
+        df["clean_baseline"] = float(self.clean_baseline.float().mean())
+        df["metric"] = self.metric
+        df["task"] = self.task
+        return pd.DataFrame(df)
+
+
+def _clean_run_source(
+    model: Any, view: Any, clean: Task, layers: list[int], positions: Any, device: Any
+) -> Source:
+    by_len: dict[int, list[int]] = {}
+    for i, s in enumerate(clean):
+        by_len.setdefault(s.n_tokens, []).append(i)
+    groups = [
+        Group(torch.tensor(ids), tokens_of(clean, torch.tensor(ids), device))
+        for ids in by_len.values()
+    ]
+    samples = collect_z(model, view, layers, groups, positions == "last", len(clean))
+    return Source("samples", samples=samples, last_only=positions == "last", label="clean run")
+
+
+def patch_heads(
+    model: Any,
+    clean: Task,
+    corrupted: Task,
+    metric: Any = "logit_diff",
+    *,
+    heads: Any = None,
+    positions: Any = None,
+    pack: int | None = None,
+    max_rows: int = 256,
+    memory_budget: int | str = "1GiB",
+    progress: bool = True,
+) -> PatchResult:
+    """Patch head outputs (``hook_z``) from the clean run into the corrupted run, head by head.
+
+    Args:
+        model: A TransformerBridge or a HookedSSM.
+        clean: The clean task (its answers score the metric).
+        corrupted: The corrupted task, sample ``i`` paired with clean sample ``i`` (same length),
+            e.g. the same dictionary with another queried key.
+        metric: ``"logit_diff"`` (default), ``"accuracy"``, ``"logprob"`` or a callable (see
+            :func:`~gna_lens.interventions.ablation.ablation_sweep`), read with the clean answers.
+        heads: ``None`` (every head), ``[(layer, head), ...]`` or head sets patched together.
+        positions: ``None`` (all positions at once), ``"last"`` (the query position; computed
+            incrementally from the corrupted prefix), ``"each"`` (one patch per head and position;
+            needs prompts of equal length), or a list of positions patched together.
+        pack: Patches per forward pass (default automatic).
+        max_rows: Rows per forward pass.
+        memory_budget: Bytes (or ``"2GiB"``) a forward pass may use.
+        progress: Show a tqdm progress bar.
+
+    Returns:
+        A :class:`PatchResult`.
+
+    Raises:
+        InterventionError: For unpaired tasks, unknown heads or positions.
+        PatternEditError: If the model would ignore edits of ``hook_z``.
+    """
+    import pandas as pd
+    from tqdm.auto import tqdm
+
+    view = head_view(model)
+    cells = normalize_head_sets(view, heads)
+    met = Metric(metric, clean)
+    positions = check_positions(positions, allow_each=True)
+    if isinstance(positions, Tensor):
+        raise InterventionError("patch_heads: positions must be None, 'last', 'each' or a list.")
+    device = model_device(model)
+    groups = paired_groups(clean, corrupted, max_rows, device)
+    lengths = {g.length for g in groups}
+    cell_cols = None
+    rows: list[dict[str, Any]] = []
+    run_positions = positions
+    if positions == "each":
+        if len(lengths) != 1:
+            raise InterventionError(
+                f"positions='each' needs prompts of one length; the tasks have lengths "
+                f"{sorted(lengths)}. Fix: a task with fixed-length prompts (e.g. KV retrieval with "
+                "single-token keys and values), or positions=None / 'last'."
+            )
+        (length,) = lengths
+        base_cells = cells
+        cells = [c for c in base_cells for _ in range(length)]
+        cell_cols = [[p] for _ in base_cells for p in range(length)]
+        run_positions = None
+    layers = sorted({layer for c in cells for layer, _ in c})
+    require_editable(model, view, layers, "z")
+    plan = SweepPlan(parse_bytes(memory_budget), max_rows, pack)
+    runner = Runner(model, view)
+    with torch.no_grad():
+        source = _clean_run_source(model, view, clean, layers, positions, device)
+        clean_base = _baseline(runner, clean, groups, met, device)
+
+        def source_for(g: Group) -> tuple[Source, Tensor]:
+            return source, g.indices
+
+        bar = tqdm(
+            total=len(cells) * len(clean), desc="patch heads", disable=not progress, leave=False
+        )
+        try:
+            values, baseline, info = run_cells(
+                runner,
+                cells,
+                groups,
+                source_for,
+                met,
+                lambda g: g.indices,
+                run_positions,
+                plan,
+                "batched",
+                baseline_tokens=lambda g: tokens_of(corrupted, g.indices, device),
+                bar=bar,
+                cell_cols=cell_cols,
+            )
+        finally:
+            bar.close()
+    for i, cell in enumerate(cells):
+        single = len(cell) == 1
+        row: dict[str, Any] = {
+            "layer": cell[0][0] if single else tuple(lay for lay, _ in cell),
+            "head": cell[0][1] if single else tuple(h for _, h in cell),
+        }
+        if cell_cols is not None:
+            row["pos"] = cell_cols[i][0]
+        row["kind"] = cell_kind(view, cell)
+        row["label"] = _label(cell)
+        rows.append(row)
+    return PatchResult(
+        values=values,
+        axis_names=[],
+        index_df=pd.DataFrame(rows),
+        metric_names=[met.name],
+        reduced=False,
+        baseline=baseline,
+        has_metric_axis=False,
+        patch_type_names=None,
+        clean_baseline=clean_base,
+        activation="hook_z",
+        task=describe_task(clean),
+        corrupted_task=describe_task(corrupted),
+        positions=positions_label(positions),
+        info=info,
+    )
+
+
+def _baseline(runner: Runner, task: Task, groups: list[Group], met: Metric, device: Any) -> Tensor:
+    out = torch.full((len(task),), float("nan"))
+    for g in groups:
+        out[g.indices] = met(runner.logits_last(tokens_of(task, g.indices, device)), g.indices)
+    return out
+
+
+def patch_residual(
+    model: Any,
+    clean: Task,
+    corrupted: Task,
+    metric: Any = "logit_diff",
+    *,
+    layers: Any = None,
+    positions: Any = "each",
+    max_rows: int = 256,
+    progress: bool = True,
+) -> PatchResult:
+    """Patch the residual stream entering each layer (``hook_resid_pre``) from clean to corrupted.
+
+    Args:
+        model: A TransformerBridge or a HookedSSM.
+        clean: The clean task (its answers score the metric).
+        corrupted: The paired corrupted task (same token lengths).
+        metric: As for :func:`patch_heads`.
+        layers: Layers to patch (default: all).
+        positions: ``"each"`` (default: one patch per layer and position; prompts of equal
+            length), ``None`` (all positions at once: restores the clean run exactly),
+            ``"last"``, or a list of positions patched together.
+        max_rows: Rows per forward pass.
+        progress: Show a tqdm progress bar.
+
+    Returns:
+        A :class:`PatchResult` with ``layer`` and ``pos`` in ``index_df``.
+    """
+    import pandas as pd
+    from tqdm.auto import tqdm
+
+    view = head_view(model)
+    met = Metric(metric, clean)
+    positions = check_positions(positions, allow_each=True)
+    if isinstance(positions, Tensor):
+        raise InterventionError("patch_residual: positions must be None, 'last', 'each' or a list.")
+    all_layers = list(range(view.n_layers))
+    if layers is None:
+        layers = all_layers
+    layers = list(layers)
+    bad = [x for x in layers if not isinstance(x, int) or not 0 <= x < view.n_layers]
+    if bad or not layers:
+        raise InterventionError(
+            f"layers={layers!r}; expected a non-empty list of ints in 0..{view.n_layers - 1}."
+        )
+    device = model_device(model)
+    groups = paired_groups(clean, corrupted, max_rows, device)
+    lengths = {g.length for g in groups}
+    if positions == "each":
+        if len(lengths) != 1:
+            raise InterventionError(
+                f"positions='each' needs prompts of one length; got lengths {sorted(lengths)}. "
+                "Fix: fixed-length prompts, or positions=None / 'last' / a list."
+            )
+        (length,) = lengths
+        cells = [(layer, [p]) for layer in layers for p in range(length)]
+    else:
+        cells = [(layer, positions) for layer in layers]
+    runner = Runner(model, view)
+    n = len(clean)
+    values = torch.full((len(cells), n), float("nan"))
+    baseline = torch.full((n,), float("nan"))
+    clean_base = torch.full((n,), float("nan"))
+    names = [f"blocks.{layer}.hook_resid_pre" for layer in sorted(set(layers))]
+    info = {"forwards": 0}
+    bar = tqdm(total=len(cells) * n, desc="patch residual", disable=not progress, leave=False)
+    try:
+        with torch.no_grad():
+            for g in groups:
+                G = len(g)
+                lg_c, cache_c = runner.clean(g.tokens, names)
+                corrupted_tokens = tokens_of(corrupted, g.indices, device)
+                lg_x, cache_x = runner.clean(corrupted_tokens, names)
+                clean_base[g.indices] = met(lg_c, g.indices)
+                baseline[g.indices] = met(lg_x, g.indices)
+                info["forwards"] += 2
+                K = max(1, max_rows // G)
+                for start in range(0, len(cells), K):
+                    chunk = list(range(start, min(start + K, len(cells))))
+                    by_layer: dict[int, list[int]] = {}
+                    for i in chunk:
+                        by_layer.setdefault(cells[i][0], []).append(i)
+                    for layer, ids in by_layer.items():
+                        name = f"blocks.{layer}.hook_resid_pre"
+                        resid = []
+                        for i in ids:
+                            r = cache_x[name].clone()
+                            cols = _resid_cols(cells[i][1], g.length)
+                            r[:, cols] = cache_c[name][:, cols]
+                            resid.append(r)
+                        lg = runner.from_layer(layer, torch.cat(resid), corrupted_tokens, ())
+                        v = met(lg, g.indices.repeat(len(ids))).view(len(ids), G)
+                        values[torch.tensor(ids)[:, None], g.indices[None, :]] = v
+                        info["forwards"] += 1
+                    bar.update(len(chunk) * G)
+    finally:
+        bar.close()
+    rows = []
+    for layer, pos in cells:
+        row: dict[str, Any] = {"layer": layer}
+        if positions == "each":
+            row["pos"] = pos[0]
+        rows.append(row)
+    return PatchResult(
+        values=values,
+        axis_names=[],
+        index_df=pd.DataFrame(rows),
+        metric_names=[met.name],
+        reduced=False,
+        baseline=baseline,
+        has_metric_axis=False,
+        patch_type_names=None,
+        clean_baseline=clean_base,
+        activation="hook_resid_pre",
+        task=describe_task(clean),
+        corrupted_task=describe_task(corrupted),
+        positions=positions_label(positions),
+        info=info,
+    )
+
+
+def _resid_cols(positions: Any, length: int) -> Any:
+    if positions is None:
+        return slice(None)
+    if positions == "last":
+        return [length - 1]
+    return [p % length for p in positions]
