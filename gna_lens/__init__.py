@@ -5,6 +5,7 @@ checkpoints with TransformerLens hooks and an editable implicit attention (``hoo
 :func:`load_model` returns a HookedSSM or a TransformerLens ``TransformerBridge``.
 """
 
+from gna_lens import tasks
 from gna_lens.errors import (
     ConfigError,
     GnaLensError,
@@ -12,7 +13,6 @@ from gna_lens.errors import (
     PatternEditError,
     TaskError,
 )
-from gna_lens import tasks
 from gna_lens.models import HookedSSM, SSMConfig, channel_groups, load_model
 
 __version__ = "0.1.0"
