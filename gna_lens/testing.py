@@ -223,3 +223,148 @@ def tiny_hooked_ssm(arch: str = "mamba2", seed: int = 0, **overrides: Any) -> An
     from gna_lens.models import HookedSSM
 
     return HookedSSM.from_hf_model(tiny_hf_model(arch, seed=seed, **overrides), tiny_tokenizer())
+
+
+#: Keys (line starts) and values (after a space) of :func:`toy_gna_model`'s vocabulary.
+TOY_WORDS = (
+    "apple",
+    "river",
+    "stone",
+    "cloud",
+    "tiger",
+    "lemon",
+    "house",
+    "chair",
+    "bread",
+    "plant",
+    "horse",
+    "glass",
+)
+
+#: The toy model's known Gather head and Aggregate head.
+TOY_GATHER_HEAD = (0, 0)
+TOY_AGGREGATE_HEAD = (1, 0)
+
+
+def toy_gna_template() -> Any:
+    """The KV template the toy model retrieves in: lines ``"apple red\\n"``, query ``"apple"``."""
+    from gna_lens.tasks import KVTemplate
+
+    return KVTemplate(
+        header="", line="{key} {value}\n", query="{key}", answer=" {value}", name="toy"
+    )
+
+
+def toy_gna_task(model: Any, n_pairs: int = 4, n_samples: int = 16, seed: int = 0) -> Any:
+    """A KV-retrieval task over :data:`TOY_WORDS` that :func:`toy_gna_model` solves."""
+    from gna_lens.tasks import kv_retrieval
+
+    return kv_retrieval(
+        model.tokenizer,
+        n_pairs=n_pairs,
+        n_samples=n_samples,
+        seed=seed,
+        template=toy_gna_template(),
+        values="words",
+        words=TOY_WORDS,
+        add_special_tokens=False,
+    )
+
+
+def toy_gna_model() -> Any:
+    """A two-layer attention-only model whose weights implement a known Gather-and-Aggregate pair.
+
+    Built by hand (no training) as a :class:`~gna_lens.models.HookedSSM` hybrid whose two layers
+    are attention layers (MLPs zeroed), on prompts of :func:`toy_gna_task`:
+
+    - Gather head ``(0, 0)``: each line's ``\\n`` (its summary token) attends to its own line's
+      value and key (content match plus a RoPE recency term) and copies both into the residual.
+    - Aggregate head ``(1, 0)``: the final token (the queried key) attends to the ``\\n`` whose
+      gathered key matches it and copies that line's value to the output, which the unembedding
+      reads as the answer's logit.
+
+    Every other head has zero weights (uniform pattern, no output). The residual stream has one
+    dimension per feature: key identity, value identity, a newline flag, a bias, the gathered key
+    and value, and the output value.
+
+    Returns:
+        The model (fp32, eval mode) with its word-level tokenizer attached.
+
+    Examples:
+        >>> model = toy_gna_model()
+        >>> task = toy_gna_task(model, n_pairs=3, n_samples=4)
+        >>> from gna_lens.tasks import evaluate
+        >>> evaluate(model, task, progress=False).accuracy
+        1.0
+    """
+    import transformers as tf
+
+    from gna_lens.models import HookedSSM
+    from gna_lens.tasks._testing import word_tokenizer
+
+    n = len(TOY_WORDS)
+    tok = word_tokenizer([" ".join(TOY_WORDS)])
+    key_ids = [tok.convert_tokens_to_ids(w) for w in TOY_WORDS]
+    val_ids = [tok.convert_tokens_to_ids(" " + w) for w in TOY_WORDS]
+    nl_id = tok.convert_tokens_to_ids("\n")
+    # Residual layout.
+    KEY, VAL, NL, BIAS, GK, GV, OUT = 0, n, 2 * n, 2 * n + 1, 2 * n + 2, 3 * n + 2, 4 * n + 2
+    d_model, d_head, theta = 64, 32, 0.05
+    config = tf.BambaConfig(
+        vocab_size=len(tok),
+        hidden_size=d_model,
+        num_hidden_layers=2,
+        intermediate_size=8,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=d_head,
+        attn_layer_indices=[0, 1],
+        mamba_n_heads=2,
+        mamba_d_head=64,
+        mamba_n_groups=1,
+        mamba_d_state=4,
+        mamba_expand=2,
+        # Rotary dims 0..15 (partial factor 0.5); pair (7, 15) turns at `theta` per position.
+        rope_parameters={"rope_type": "default", "rope_theta": theta ** (-8 / 7)},
+        max_position_embeddings=1024,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        rms_norm_eps=1e-6,
+    )
+    model = HookedSSM.from_hf_model(tf.BambaForCausalLM(config).eval(), tok)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+        for norm in [model.ln_final] + [m for b in model.blocks for m in (b.ln1, b.ln2)]:
+            norm.weight.fill_(1.0)
+        E = model.embed.weight
+        E[:, BIAS] = 1.0
+        for i in range(n):
+            E[key_ids[i], KEY + i] = 1.0
+            E[val_ids[i], VAL + i] = 1.0
+        E[nl_id, NL] = 1.0
+        s = (d_model / 2) ** 0.5  # RMSNorm's scale for a one-feature-plus-bias token
+        c = d_head**0.5  # undo the attention's 1/sqrt(d_head)
+        g = model.blocks[0].attn  # Gather head: rows 0..31 of q/k/v, columns 0..31 of o
+        g.q_proj.weight[7, NL] = c * 300 / s  # recency: score 300 cos(theta * distance)
+        g.k_proj.weight[7, BIAS] = 1 / s
+        g.q_proj.weight[16, NL] = c * 10 / s  # content: +10 for key and value tokens
+        for i in range(n):
+            g.k_proj.weight[16, KEY + i] = 1 / s
+            g.k_proj.weight[16, VAL + i] = 1 / s
+            g.v_proj.weight[i, KEY + i] = 1 / s
+            g.v_proj.weight[n + i, VAL + i] = 1 / s
+            g.o_proj.weight[GK + i, i] = 2.0
+            g.o_proj.weight[GV + i, n + i] = 2.0
+        a = model.blocks[1].attn  # Aggregate head
+        for i in range(n):
+            a.q_proj.weight[16 + i, KEY + i] = c * 8.0 / s
+            a.k_proj.weight[16 + i, GK + i] = 4.0
+            # Only newlines are read: other tokens' (diffuse) gathered keys are outweighed.
+            a.k_proj.weight[16 + i, NL] = 10.0
+            a.k_proj.weight[16 + i, BIAS] = -10.0
+            a.v_proj.weight[i, GV + i] = 1.0
+            a.o_proj.weight[OUT + i, i] = 3.0
+            model.unembed.weight[val_ids[i], OUT + i] = 5.0
+    return model
