@@ -36,7 +36,7 @@ from torch import Tensor
 
 from gna_lens.errors import InterventionError, PatternEditError
 
-__all__ = ["HeadView", "LayerHeads", "head_view", "require_editable"]
+__all__ = ["HeadView", "LayerHeads", "head_output_weights", "head_view", "require_editable"]
 
 HeadKind = Literal["attention", "ssm"]
 EditTarget = Literal["pattern", "scores", "z"]
@@ -59,6 +59,9 @@ class LayerHeads:
         scores_hook: ``[batch, head_index, query_pos, key_pos]`` pre-softmax scores (attention
             only), or ``None``.
         resid_pre_hook: ``[batch, pos, d_model]``: the residual stream entering the layer.
+        out_hook: ``[batch, pos, d_model]``: the heads' combined output (the output
+            projection of ``hook_z``), before it is added to the residual stream; ``None`` if the
+            model has no such hook.
         verified: ``True`` when edits of the pattern, scores and ``hook_z`` are known to change
             the output (HookedSSM); ``False`` when :func:`require_editable` checks them on first
             use (TransformerBridge and other hooked models).
@@ -73,6 +76,7 @@ class LayerHeads:
     scores_hook: str | None
     resid_pre_hook: str
     verified: bool
+    out_hook: str | None = None
 
     def hook(self, target: EditTarget) -> str:
         """The hook name holding ``target`` (``"pattern"``, ``"scores"`` or ``"z"``)."""
@@ -251,6 +255,7 @@ def head_view(model: Any) -> HeadView:
                         scores_hook=pre + "hook_attn_scores",
                         resid_pre_hook=f"blocks.{layer}.hook_resid_pre",
                         verified=True,
+                        out_hook=f"blocks.{layer}.hook_attn_out",
                     )
                 )
             else:
@@ -266,6 +271,7 @@ def head_view(model: Any) -> HeadView:
                         scores_hook=None,
                         resid_pre_hook=f"blocks.{layer}.hook_resid_pre",
                         verified=True,
+                        out_hook=f"blocks.{layer}.hook_mixer_out",
                     )
                 )
     else:
@@ -273,6 +279,7 @@ def head_view(model: Any) -> HeadView:
             pre = f"blocks.{layer}.attn."
             if pre + "hook_pattern" in hook_dict and pre + "hook_z" in hook_dict:
                 scores = pre + "hook_attn_scores"
+                out = f"blocks.{layer}.hook_attn_out"
                 layers.append(
                     LayerHeads(
                         layer=layer,
@@ -284,6 +291,7 @@ def head_view(model: Any) -> HeadView:
                         scores_hook=scores if scores in hook_dict else None,
                         resid_pre_hook=f"blocks.{layer}.hook_resid_pre",
                         verified=False,
+                        out_hook=out if out in hook_dict else None,
                     )
                 )
             else:
@@ -432,3 +440,24 @@ def normalize_head_sets(view: HeadView, heads: Any, what: str = "heads") -> list
                 "head sets ablated together, e.g. [(3, 2), [(4, 0), (4, 1)]]."
             )
     return out
+
+
+def head_output_weights(model: Any, layer: int) -> Tensor | None:
+    """``W_O`` of ``layer``: ``[head_index, d_head, d_model]``, so that the layer's ``out_hook``
+    is ``einsum(z, W_O) + bias``; ``None`` when the model does not expose it.
+
+    HookedSSM: the mixer's ``out_proj`` (SSM layers) or the attention's ``o_proj``; other models:
+    ``blocks[layer].attn.W_O`` (TransformerLens's convention).
+    """
+    lh = head_view(model)[layer]
+    try:
+        if _is_hooked_ssm(model):
+            block = model.blocks[layer]
+            proj = block.attn.o_proj if lh.kind == "attention" else block.mixer.out_proj
+            weight = proj.weight
+        else:
+            w = model.blocks[layer].attn.W_O
+            return w if isinstance(w, Tensor) and w.shape[:2] == (lh.n_heads, lh.d_head) else None
+    except (AttributeError, IndexError, TypeError, RuntimeError):
+        return None
+    return weight.T.reshape(lh.n_heads, lh.d_head, -1)

@@ -418,3 +418,22 @@ def test_intervention_errors_repeat_the_input():
     )
     with pytest.raises(InterventionError, match="multi-token choices"):
         I.ablation_sweep(m, mc, progress=False)
+
+
+@pytest.mark.parametrize("strategy", ["expand", "packed"])
+@pytest.mark.parametrize("arch", ["llama", "bamba", "mamba1"])
+def test_both_sweep_strategies_equal_the_loop(arch, strategy, monkeypatch):
+    """Whichever strategy the timing picks (one prompt expanded at the layer output, or cells x
+    prompts packed), the numbers are those of the loop."""
+    from gna_lens.interventions import _engine
+
+    m = model(arch)
+    monkeypatch.setitem(_engine._STRATEGY, m, strategy)
+    t = make_task()
+    heads = [(0, 1), (1, 2), [(0, 3), (1, 0)]]
+    for mode, positions, ref in (("zero", None, None), ("resample", [-4, -1], make_task(seed=5))):
+        kw = dict(mode=mode, positions=positions, reference=ref, progress=False)
+        res = I.ablation_sweep(m, t, "logit_diff", heads, **kw)
+        loop = I.ablation_sweep(m, t, "logit_diff", heads, method="loop", **kw)
+        assert res.info["expanded"] == (strategy == "expand")
+        assert (res.values - loop.values).abs().max() <= 1e-5

@@ -371,6 +371,7 @@ def packed_edit_hooks(
     source: Source,
     cols: Tensor | None,
     at_last: bool = False,
+    skip_layer: int | None = None,
 ) -> list[tuple[str, Callable[..., Tensor]]]:
     """Hooks on ``hook_z`` editing, for packed cell ``k`` (rows ``k*G .. k*G+G-1``), its heads.
 
@@ -382,9 +383,10 @@ def packed_edit_hooks(
         source: The replacement.
         cols: ``[pos]`` bool mask of edited positions (``None``: all positions).
         at_last: The run is an incremental step (the one position is the last).
+        skip_layer: A layer edited otherwise (no hook there).
     """
     hooks = []
-    layers = sorted({lay for cell in cells for lay, _ in cell})
+    layers = sorted({lay for cell in cells for lay, _ in cell} - {skip_layer})
     K, G = len(cells), group_size
     for layer in layers:
         sel = layer_selection(cells, layer, view[layer].n_heads)

@@ -37,6 +37,8 @@ Hooks = Sequence[tuple[Any, Callable[..., Any]]]
 
 # Per bridge model: does swapping the residual at blocks.{l}.hook_resid_pre match start_at_layer?
 _INJECT_OK: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+# Per model: does keeping only the last position after the last block's mixer match?
+_TAIL_OK: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
 STEP_RTOL = 1e-4
 
 
@@ -62,12 +64,21 @@ class Runner:
                 params = {}
             if "logits_to_keep" in params:
                 self.keep_last = {"logits_to_keep": 1}
+        # The last block's MLP (and anything position-wise after its mixer) only matters at the
+        # last position: truncate the sequence there (checked once per model).
+        tail = f"blocks.{self.n_layers - 1}.hook_resid_mid"
+        self.tail_hooks: list[tuple[str, Callable[..., Any]]] = (
+            [(tail, _last_position)] if tail in getattr(model, "hook_dict", {}) else []
+        )
 
     # ------------------------------------------------------------------ full runs
+    def _tail(self) -> list[tuple[str, Callable[..., Any]]]:
+        return self.tail_hooks if _TAIL_OK.get(self.model) else []
+
     def logits_last(self, tokens: Tensor, hooks: Hooks = ()) -> Tensor:
         """Logits at the last position ``[rows, d_vocab]`` of a full forward with ``hooks``."""
         model = self.model
-        with hooked(model, hooks):
+        with hooked(model, list(hooks) + self._tail()):
             if self.is_ssm:
                 resid = model(tokens, stop_at_layer=self.n_layers)
             else:
@@ -93,6 +104,16 @@ class Runner:
 
         ``tokens`` are the unpadded prompts of the group (any one row is enough for the bridge).
         """
+        if self.tail_hooks and self.model not in _TAIL_OK:
+            fast = _attempt(
+                lambda: self._from_layer(layer, resid, tokens, [*hooks, *self.tail_hooks])
+            )
+            slow = self._from_layer(layer, resid, tokens, hooks)
+            _TAIL_OK[self.model] = fast is not None and _close(fast, slow, 2e-6)
+            return slow
+        return self._from_layer(layer, resid, tokens, list(hooks) + self._tail())
+
+    def _from_layer(self, layer: int, resid: Tensor, tokens: Tensor, hooks: Hooks) -> Tensor:
         model = self.model
         if self.is_ssm:
             with hooked(model, hooks):
@@ -100,10 +121,9 @@ class Runner:
             return self._final(final)
         ok = _INJECT_OK.get(model)
         if ok is None:
-            fast = self._inject(layer, resid, tokens, hooks)
+            fast = _attempt(lambda: self._inject(layer, resid, tokens, hooks))
             slow = self._bridge_start(layer, resid, hooks)
-            ok = _close(fast, slow, 1e-5)
-            _INJECT_OK[model] = ok
+            _INJECT_OK[model] = fast is not None and _close(fast, slow, 1e-5)
             return slow
         if ok:
             return self._inject(layer, resid, tokens, hooks)
@@ -198,6 +218,18 @@ class Runner:
             if extra > 0:
                 cache.crop(-extra)
         return out[:, -1]
+
+
+def _attempt(fn: Callable[[], Tensor]) -> Tensor | None:
+    """Run a shortcut that the model may not support; ``None`` if it raises."""
+    try:
+        return fn()
+    except Exception:  # any failure of a shortcut means: use the plain path
+        return None
+
+
+def _last_position(x: Tensor, hook: Any) -> Tensor:
+    return x[:, -1:]
 
 
 def _bind_name(fn: Callable[..., Any], name: str) -> Callable[..., Any]:

@@ -24,16 +24,14 @@ from gna_lens.interventions._common import (
     Source,
     build_source,
     check_positions,
-    chunks,
     column_mask,
     describe_task,
     hooked,
     length_groups,
-    packed_edit_hooks,
     parse_bytes,
-    plan_rows,
     spearman,
 )
+from gna_lens.interventions._engine import SweepPlan, run_cells
 from gna_lens.interventions._runner import Runner
 from gna_lens.tasks import Task
 
@@ -331,130 +329,6 @@ def positions_label(positions: Any) -> str:
 
 
 # ----------------------------------------------------------------------------- sweep
-@dataclass
-class SweepPlan:
-    """How groups are split and packed (rows per forward, cells per forward)."""
-
-    budget: int
-    max_rows: int
-    pack: int | None
-
-    def split(self, runner: Runner, group: Group, n_cached: int) -> list[tuple[Group, int]]:
-        view, model = runner.view, runner.model
-        logit_pos = 1 if (runner.is_ssm or runner.keep_last) else group.length
-        rows = plan_rows(model, view, group.length, self.budget, self.max_rows, logit_pos, n_cached)
-        size = max(1, min(len(group), rows))
-        out = []
-        for start in range(0, len(group), size):
-            sub = Group(group.indices[start : start + size], group.tokens[start : start + size])
-            k = self.pack if self.pack is not None else max(1, rows // len(sub))
-            out.append((sub, k))
-        return out
-
-
-def run_cells(
-    runner: Runner,
-    cells: Sequence[tuple[Head, ...]],
-    groups: Sequence[Group],
-    source_for: Callable[[Group], tuple[Source, Tensor]],
-    metric: Metric,
-    metric_rows: Callable[[Group], Tensor],
-    positions: Any,
-    plan: SweepPlan,
-    method: str,
-    baseline_tokens: Callable[[Group], Tensor] | None = None,
-    bar: Any = None,
-    cell_cols: Sequence[Any] | None = None,
-) -> tuple[Tensor, Tensor, dict[str, Any]]:
-    """Run every cell on every group; returns (values [cell, sample], baseline [sample], info).
-
-    ``source_for(group)`` gives the replacement and each row's reference row; ``metric_rows``
-    gives the sample indices the metric reads its answers from; ``cell_cols`` gives per-cell
-    positions (patching position by position) overriding ``positions``.
-    """
-    view = runner.view
-    n = int(max(int(g.indices.max()) for g in groups)) + 1
-    values = torch.full((len(cells), n), math.nan)
-    baseline = torch.full((n,), math.nan)
-    info: dict[str, Any] = {"forwards": 0, "rows": 0, "incremental_fallbacks": 0}
-    start_layer = [min(layer for layer, _ in c) if c else view.n_layers - 1 for c in cells]
-    for g0 in groups:
-        for g, K in plan.split(runner, g0, len(set(start_layer))):
-            tokens = baseline_tokens(g) if baseline_tokens is not None else g.tokens
-            source, ref_rows = source_for(g)
-            idx = metric_rows(g)
-            G = len(g)
-            use_step = positions == "last" and method in ("batched", "incremental")
-            state = None
-            if use_step:
-                logits, state = runner.prefix(tokens)
-                info["forwards"] += 1
-                if state is None:
-                    info["incremental_fallbacks"] += 1
-            if method == "loop":
-                logits = runner.logits_last(tokens)
-                info["forwards"] += 1
-            if state is not None:
-                baseline[g.indices] = metric(logits, idx)
-                order = list(range(len(cells)))
-                for chunk in chunks(order, K):
-                    cs = [cells[i] for i in chunk]
-                    cs += [()] * (K - len(cs))  # constant packing: the expanded state is reused
-                    hooks = packed_edit_hooks(view, cs, G, ref_rows, source, None, at_last=True)
-                    lg = runner.step(state, K, hooks)
-                    v = metric(lg, idx.repeat(K)).view(K, G)[: len(chunk)]
-                    values[torch.tensor(chunk)[:, None], g.indices[None, :]] = v
-                    info["forwards"] += 1
-                    info["rows"] += K * G
-                    if bar is not None:
-                        bar.update(len(chunk) * G)
-                continue
-            if method == "loop":
-                baseline[g.indices] = metric(logits, idx)
-                for i, cell in enumerate(cells):
-                    cols = _cols(cell_cols[i] if cell_cols else positions, g.length)
-                    hooks = packed_edit_hooks(view, [cell], G, ref_rows, source, cols)
-                    lg = runner.model.run_with_hooks(tokens, fwd_hooks=hooks)[:, -1]
-                    values[i, g.indices] = metric(lg, idx)
-                    info["forwards"] += 1
-                    info["rows"] += G
-                    if bar is not None:
-                        bar.update(G)
-                continue
-            layers = sorted(set(start_layer))
-            names = [view[layer].resid_pre_hook for layer in layers]
-            logits, cache = runner.clean(tokens, names)
-            info["forwards"] += 1
-            baseline[g.indices] = metric(logits, idx)
-            by_key: dict[tuple[int, Any], list[int]] = {}
-            for i, layer in enumerate(start_layer):
-                key = (layer, _col_key(cell_cols[i]) if cell_cols else None)
-                by_key.setdefault(key, []).append(i)
-            for (layer, _), ids in sorted(by_key.items(), key=lambda kv: kv[0][0]):
-                resid = cache[view[layer].resid_pre_hook]
-                cols = _cols(cell_cols[ids[0]] if cell_cols else positions, g.length)
-                for chunk in chunks(ids, K):
-                    cs = [cells[i] for i in chunk]
-                    hooks = packed_edit_hooks(view, cs, G, ref_rows, source, cols)
-                    rep = resid.repeat(len(cs), 1, 1)
-                    lg = runner.from_layer(layer, rep, tokens, hooks)
-                    v = metric(lg, idx.repeat(len(cs))).view(len(cs), G)
-                    values[torch.tensor(chunk)[:, None], g.indices[None, :]] = v
-                    info["forwards"] += 1
-                    info["rows"] += len(cs) * G
-                    if bar is not None:
-                        bar.update(len(chunk) * G)
-    return values, baseline, info
-
-
-def _col_key(cols: Any) -> Any:
-    return tuple(cols) if isinstance(cols, list | tuple) else cols
-
-
-def _cols(positions: Any, length: int) -> Tensor | None:
-    return column_mask(positions, length, "cpu")
-
-
 def ablation_sweep(
     model: Any,
     task: Task,

@@ -29,14 +29,13 @@ from gna_lens.interventions._common import (
     parse_bytes,
     tokens_of,
 )
+from gna_lens.interventions._engine import SweepPlan, run_cells
 from gna_lens.interventions._runner import Runner
 from gna_lens.interventions.ablation import (
-    SweepPlan,
     _label,
     cell_kind,
     model_device,
     positions_label,
-    run_cells,
 )
 from gna_lens.tasks import Task
 

@@ -1,0 +1,390 @@
+"""The sweep engine: every cell (a head set, maybe at some positions) on every prompt group.
+
+Three ways to run a cell, all returning the same numbers up to float rounding:
+
+- **loop** (``method="loop"``): one full ``run_with_hooks`` forward per cell and group: the
+  reference.
+- **from the ablated layer** (all / chosen positions): the clean run caches
+  ``hook_resid_pre`` of every layer where a cell starts; cells then run from there. Where the
+  layer exposes its heads' combined output (``out_hook``) and the output weights ``W_O``, one
+  prompt's layer runs *once* for many cells: its ``hook_z`` is read, each cell's edited ``z``
+  gives ``out + (z_edit - z) @ W_O`` and the batch grows from 1 to ``K`` rows right there
+  (the residual add broadcasts), so neither the layers below nor the mixer of the ablated layer
+  are repeated per cell. Checked once per model against the plain packed run (dropped on a
+  mismatch). Otherwise ``K`` cells are packed into the batch dimension, ``G`` prompts each.
+- **incremental** (``positions="last"``): the prompt minus its last token runs once, each packed
+  group of cells recomputes only the last token (:class:`~gna_lens.interventions._runner.Runner`).
+
+How many cells go into one forward pass is measured, not guessed: :class:`PackTuner` doubles
+``K`` while the time per cell-layer drops by more than 10%, within ``max_rows`` and the memory
+budget (a larger batch is not always faster: Mamba-1's scan materializes
+``[chunk, batch, channels, state]``).
+"""
+
+import math
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gna_lens.heads import Head, HeadView, head_output_weights
+from gna_lens.interventions._common import (
+    Group,
+    Metric,
+    Source,
+    column_mask,
+    layer_selection,
+    packed_edit_hooks,
+    plan_rows,
+)
+from gna_lens.interventions._runner import Runner, _attempt, _close
+
+
+@dataclass
+class SweepPlan:
+    """Limits of a sweep: memory budget (bytes), rows per forward, fixed pack size or None."""
+
+    budget: int
+    max_rows: int
+    pack: int | None
+
+    def rows(self, runner: Runner, length: int, n_cached: int) -> int:
+        logit_pos = 1 if (runner.is_ssm or runner.keep_last) else length
+        return plan_rows(
+            runner.model, runner.view, length, self.budget, self.max_rows, logit_pos, n_cached
+        )
+
+
+class PackTuner:
+    """Cells per forward pass: fixed, or found by doubling while it pays off."""
+
+    def __init__(self, fixed: int | None, start: int = 8):
+        self.fixed = fixed
+        self.k = start
+        self.best = start
+        self.best_t = math.inf
+        self.done = fixed is not None
+
+    def size(self, cap: int) -> int:
+        if self.fixed is not None:
+            return max(1, self.fixed)
+        return max(1, min(self.best if self.done else self.k, cap))
+
+    def report(self, k: int, seconds: float, work: float, cap: int) -> None:
+        if self.done or k != self.k:
+            return
+        per = seconds / max(work, 1e-9)
+        if per < 0.9 * self.best_t:
+            self.best_t, self.best = per, k
+            if k >= cap:
+                self.done = True
+            else:
+                self.k = min(2 * k, cap)
+        else:
+            self.done = True
+
+
+def _col_key(cols: Any) -> Any:
+    return tuple(cols) if isinstance(cols, list | tuple) else cols
+
+
+def expand_hooks(
+    view: HeadView,
+    layer: int,
+    W: Tensor,
+    cells: Sequence[tuple[Head, ...]],
+    ref_rows: Tensor,
+    source: Source,
+    cols: Tensor | None,
+) -> list[tuple[str, Callable[..., Tensor]]]:
+    """Hooks turning one prompt's run into ``len(cells)`` rows at ``layer``'s output."""
+    lh = view[layer]
+    assert lh.out_hook is not None
+    sel = layer_selection(cells, layer, lh.n_heads)
+    store: dict[str, Tensor] = {}
+
+    def read_z(z: Tensor, hook: Any) -> Tensor:
+        store["z"] = z
+        return z
+
+    def expand(out: Tensor, hook: Any) -> Tensor:
+        z = store.pop("z")  # [1, P, H, d]
+        P = z.shape[1]
+        value = source.value(layer, ref_rows, P, False, z)
+        where = sel.to(z.device)[:, None, None, :, None]  # [K, 1, 1, H, 1]
+        if cols is not None:
+            where = where & cols.to(z.device)[None, None, :, None, None]
+        edited = torch.where(where, value if value.ndim < 4 else value[None], z[None])
+        delta = torch.einsum("kbphd,hdm->kbpm", edited - z[None], W.to(z.dtype))
+        return out + delta.reshape(len(cells), P, -1).to(out.dtype)
+
+    return [(lh.z_hook, read_z), (lh.out_hook, expand)]
+
+
+def run_cells(
+    runner: Runner,
+    cells: Sequence[tuple[Head, ...]],
+    groups: Sequence[Group],
+    source_for: Callable[[Group], tuple[Source, Tensor]],
+    metric: Metric,
+    metric_rows: Callable[[Group], Tensor],
+    positions: Any,
+    plan: SweepPlan,
+    method: str,
+    baseline_tokens: Callable[[Group], Tensor] | None = None,
+    bar: Any = None,
+    cell_cols: Sequence[Any] | None = None,
+) -> tuple[Tensor, Tensor, dict[str, Any]]:
+    """Run every cell on every group; returns (values [cell, sample], baseline [sample], info).
+
+    Args:
+        runner: The model's runner.
+        cells: Head sets.
+        groups: Unpadded prompt groups (equal length within a group).
+        source_for: The replacement for a group and each row's reference row.
+        metric: The metric.
+        metric_rows: Sample indices the metric reads its answers from, per group.
+        positions: ``None``, ``"last"`` or a list (for every cell).
+        plan: Limits.
+        method: ``"batched"`` or ``"loop"``.
+        baseline_tokens: The tokens the cells run on (default: the group's own; patching: the
+            corrupted prompts).
+        bar: A tqdm bar updated by prompts x cells.
+        cell_cols: Per-cell positions overriding ``positions`` (patching position by position).
+    """
+    n = int(max(int(g.indices.max()) for g in groups)) + 1
+    ctx = _Ctx(
+        runner=runner,
+        cells=list(cells),
+        values=torch.full((len(cells), n), math.nan),
+        baseline=torch.full((n,), math.nan),
+        metric=metric,
+        bar=bar,
+        info={"forwards": 0, "rows": 0, "incremental_fallbacks": 0, "expanded": False},
+        tuners={"packed": PackTuner(plan.pack), "expand": PackTuner(plan.pack)},
+    )
+    view = runner.view
+    start_layer = [min(layer for layer, _ in c) if c else view.n_layers - 1 for c in cells]
+    for g0 in groups:
+        cap = plan.rows(runner, g0.length, len(set(start_layer)))
+        size = max(1, min(len(g0), cap))
+        for s0 in range(0, len(g0), size):
+            g = Group(g0.indices[s0 : s0 + size], g0.tokens[s0 : s0 + size])
+            tokens = baseline_tokens(g) if baseline_tokens is not None else g.tokens
+            source, ref_rows = source_for(g)
+            idx = metric_rows(g)
+            if method == "loop":
+                _loop(ctx, g, tokens, source, ref_rows, idx, positions, cell_cols)
+                continue
+            if positions == "last":
+                logits, state = runner.prefix(tokens)
+                ctx.info["forwards"] += 1
+                if state is not None:
+                    ctx.baseline[g.indices] = metric(logits, idx)
+                    _steps(ctx, g, state, source, ref_rows, idx, cap)
+                    continue
+                ctx.info["incremental_fallbacks"] += 1
+            _layers(ctx, g, tokens, source, ref_rows, idx, positions, cell_cols, start_layer, cap)
+    return ctx.values, ctx.baseline, ctx.info
+
+
+@dataclass
+class _Ctx:
+    runner: Runner
+    cells: list[tuple[Head, ...]]
+    values: Tensor
+    baseline: Tensor
+    metric: Metric
+    bar: Any
+    info: dict[str, Any]
+    tuners: dict[str, PackTuner]
+
+    def store(self, chunk: Sequence[int], indices: Tensor, v: Tensor) -> None:
+        self.values[torch.tensor(list(chunk))[:, None], indices[None, :]] = v.float().cpu()
+        self.info["forwards"] += 1
+        self.info["rows"] += v.numel()
+        if self.bar is not None:
+            self.bar.update(v.numel())
+
+
+def _loop(
+    ctx: _Ctx,
+    g: Group,
+    tokens: Tensor,
+    source: Source,
+    ref_rows: Tensor,
+    idx: Tensor,
+    positions: Any,
+    cell_cols: Sequence[Any] | None,
+) -> None:
+    runner, view = ctx.runner, ctx.runner.view
+    ctx.baseline[g.indices] = ctx.metric(runner.logits_last(tokens), idx)
+    ctx.info["forwards"] += 1
+    for i, cell in enumerate(ctx.cells):
+        cols = column_mask(cell_cols[i] if cell_cols else positions, g.length, "cpu")
+        hooks = packed_edit_hooks(view, [cell], len(g), ref_rows, source, cols)
+        lg = runner.model.run_with_hooks(tokens, fwd_hooks=hooks)[:, -1]
+        ctx.store([i], g.indices, ctx.metric(lg, idx)[None])
+
+
+def _steps(
+    ctx: _Ctx, g: Group, state: Any, source: Source, ref_rows: Tensor, idx: Tensor, cap: int
+) -> None:
+    runner, view, G = ctx.runner, ctx.runner.view, len(g)
+    K = max(1, min(cap // G, len(ctx.cells)))
+    if ctx.tuners["packed"].fixed is not None:
+        K = ctx.tuners["packed"].fixed or 1
+    order = list(range(len(ctx.cells)))
+    for start in range(0, len(order), K):
+        chunk = order[start : start + K]
+        cs = [ctx.cells[i] for i in chunk] + [()] * (K - len(chunk))  # reuse the expanded state
+        hooks = packed_edit_hooks(view, cs, G, ref_rows, source, None, at_last=True)
+        lg = runner.step(state, K, hooks)
+        v = ctx.metric(lg, idx.repeat(K)).view(K, G)[: len(chunk)]
+        ctx.store(chunk, g.indices, v)
+
+
+def _layers(
+    ctx: _Ctx,
+    g: Group,
+    tokens: Tensor,
+    source: Source,
+    ref_rows: Tensor,
+    idx: Tensor,
+    positions: Any,
+    cell_cols: Sequence[Any] | None,
+    start_layer: list[int],
+    cap: int,
+) -> None:
+    runner, view, G = ctx.runner, ctx.runner.view, len(g)
+    model = runner.model
+    layers = sorted(set(start_layer))
+    logits, cache = runner.clean(tokens, [view[layer].resid_pre_hook for layer in layers])
+    ctx.info["forwards"] += 1
+    ctx.baseline[g.indices] = ctx.metric(logits, idx)
+    by_key: dict[tuple[int, Any], list[int]] = {}
+    for i, layer in enumerate(start_layer):
+        key = (layer, _col_key(cell_cols[i]) if cell_cols else None)
+        by_key.setdefault(key, []).append(i)
+    for (layer, _), ids in sorted(by_key.items(), key=lambda kv: kv[0][0]):
+        run = _LayerRun(
+            ctx, g, tokens, source, ref_rows, idx, layer, cap, cache, cell_cols, positions, ids
+        )
+        W = head_output_weights(model, layer) if view[layer].out_hook else None
+        strategy = "packed" if W is None else _STRATEGY.get(model)
+        rest = ids
+        if strategy is None:
+            assert W is not None
+            strategy, rest = run.choose(W)
+            _STRATEGY[model] = strategy
+        ctx.info["expanded"] = ctx.info["expanded"] or strategy == "expand"
+        if strategy == "expand":
+            assert W is not None
+            for r in range(G):
+                run.expand_all(W, rest, r)
+        else:
+            run.packed_all(rest)
+
+
+# Per model: "expand" (one prompt per run, the ablated layer's mixer shared by the cells) or
+# "packed" (cells x prompts per run), whichever measured faster per cell on first use.
+_STRATEGY: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class _LayerRun:
+    ctx: _Ctx
+    g: Group
+    tokens: Tensor
+    source: Source
+    ref_rows: Tensor
+    idx: Tensor
+    layer: int
+    cap: int
+    cache: dict[str, Tensor]
+    cell_cols: Sequence[Any] | None
+    positions: Any
+    ids: list[int]
+
+    @property
+    def resid(self) -> Tensor:
+        return self.cache[self.ctx.runner.view[self.layer].resid_pre_hook]
+
+    @property
+    def cols(self) -> Tensor | None:
+        pos = self.cell_cols[self.ids[0]] if self.cell_cols else self.positions
+        return column_mask(pos, self.g.length, "cpu")
+
+    @property
+    def work(self) -> int:
+        return self.ctx.runner.view.n_layers - self.layer
+
+    def packed(self, chunk: Sequence[int]) -> tuple[Tensor, float]:
+        """Last logits ``[k * G, V]`` of ``chunk``'s cells packed over the group's prompts."""
+        runner, G = self.ctx.runner, len(self.g)
+        cs = [self.ctx.cells[i] for i in chunk]
+        hooks = packed_edit_hooks(runner.view, cs, G, self.ref_rows, self.source, self.cols)
+        t0 = time.perf_counter()
+        lg = runner.from_layer(self.layer, self.resid.repeat(len(cs), 1, 1), self.tokens, hooks)
+        return lg, time.perf_counter() - t0
+
+    def expanded(self, W: Tensor, chunk: Sequence[int], r: int) -> tuple[Tensor, float]:
+        """Last logits ``[k, V]`` of ``chunk``'s cells on prompt ``r`` alone, expanded at the
+        layer's output."""
+        runner, view = self.ctx.runner, self.ctx.runner.view
+        one = slice(r, r + 1)
+        cs = [self.ctx.cells[i] for i in chunk]
+        ref = self.ref_rows[one]
+        hooks = expand_hooks(view, self.layer, W, cs, ref, self.source, self.cols)
+        hooks += packed_edit_hooks(view, cs, 1, ref, self.source, self.cols, skip_layer=self.layer)
+        t0 = time.perf_counter()
+        lg = runner.from_layer(self.layer, self.resid[one], self.tokens[one], hooks)
+        return lg, time.perf_counter() - t0
+
+    def choose(self, W: Tensor) -> tuple[str, list[int]]:
+        """Run the first chunk both ways (results kept), check they agree, pick the faster."""
+        G = len(self.g)
+        k = min(8, len(self.ids))
+        chunk = self.ids[:k]
+        lg_p, t_p = self.packed(chunk)
+        self._store_packed(chunk, lg_p)
+        t0 = time.perf_counter()
+        lg_e = _attempt(lambda: self.expanded(W, chunk, 0)[0])
+        t_e = time.perf_counter() - t0
+        same = lg_e is not None and _close(lg_e, lg_p.view(k, G, -1)[:, 0], 2e-6)
+        faster = t_e / k < t_p / (k * G)
+        return ("expand" if same and faster else "packed"), self.ids[k:]
+
+    def _store_packed(self, chunk: Sequence[int], lg: Tensor) -> None:
+        G = len(self.g)
+        v = self.ctx.metric(lg, self.idx.repeat(len(chunk))).view(len(chunk), G)
+        self.ctx.store(chunk, self.g.indices, v)
+
+    def packed_all(self, ids: Sequence[int]) -> None:
+        tuner, G = self.ctx.tuners["packed"], len(self.g)
+        cap = max(1, self.cap // G)
+        pos = 0
+        while pos < len(ids):
+            k = min(tuner.size(cap), len(ids) - pos)
+            chunk = ids[pos : pos + k]
+            lg, dt = self.packed(chunk)
+            tuner.report(k, dt, k * self.work, cap)
+            self._store_packed(chunk, lg)
+            pos += k
+
+    def expand_all(self, W: Tensor, ids: Sequence[int], r: int) -> None:
+        tuner = self.ctx.tuners["expand"]
+        one = slice(r, r + 1)
+        pos = 0
+        while pos < len(ids):
+            k = min(tuner.size(self.cap), len(ids) - pos)
+            chunk = ids[pos : pos + k]
+            lg, dt = self.expanded(W, chunk, r)
+            tuner.report(k, dt, k * self.work, self.cap)
+            v = self.ctx.metric(lg, self.idx[one].repeat(k)).view(k, 1)
+            self.ctx.store(chunk, self.g.indices[one], v)
+            pos += k
