@@ -509,3 +509,16 @@ def test_mmlu_offline_complete_and_few_shot_never_includes_scored_question():
             d.startswith(f"mmlu/{s.info['subject']}/") and d != s.info["id"]
             for d in s.info["demos"]
         )
+
+
+def test_kv_never_uses_words_the_tokenizer_does_not_know():
+    from gna_lens.tasks._testing import word_tokenizer
+
+    tok = word_tokenizer(["alpha beta gamma delta"])
+    words = ["alpha", "beta", "gamma", "delta", "unknownword", "otherunknown"]
+    with pytest.raises(TaskError, match="only 4 of the 6 words"):
+        kv_retrieval(tok, n_pairs=3, values="words", words=words, template="question")
+    task = kv_retrieval(tok, n_pairs=2, values="words", words=words, template="question")
+    for s in task:
+        for a, b in s.segments:  # the dictionary lines: keys and values all known
+            assert tok.unk_token_id not in s.input_ids[a:b]

@@ -282,10 +282,17 @@ def kv_retrieval(
     probe_value = "50" if values == "numbers" else (word_list[0] if word_list else "x")
     key_probes = [tpl.render_prompt([(w, probe_value)], w) for w in word_list]
     key_encs = enc([p[0] for p in key_probes])
+    unk = getattr(tokenizer, "unk_token_id", None)
+
+    def known(e: Encoding, span: tuple[int, int]) -> bool:
+        """Whether no token over ``span`` is <unk> (one token too, but shared by every word)."""
+        first, last = e.tokens_over(*span)
+        return unk is None or unk not in e.ids[first:last]
+
     key_pool = [
         w
         for w, p, e in zip(word_list, key_probes, key_encs, strict=True)
-        if e.n_tokens_over(*p[2][0]) == 1
+        if e.n_tokens_over(*p[2][0]) == 1 and known(e, p[2][0])
     ]
     need_keys = n_pairs if values == "numbers" else 2 * n_pairs
     if len(key_pool) < need_keys:
@@ -306,7 +313,12 @@ def kv_retrieval(
     bad: list[str] = []
     for v, p, e, a in zip(candidates, v_probes, v_encs, a_encs, strict=True):
         cont = a.continuation(e)
-        if e.n_tokens_over(*p[3][0]) == 1 and cont is not None and len(cont) == 1:
+        if (
+            e.n_tokens_over(*p[3][0]) == 1
+            and cont is not None
+            and len(cont) == 1
+            and known(e, p[3][0])
+        ):
             value_pool.append(v)
         elif len(bad) < 3:
             line_toks = _tokens_of(e, tokenizer, *p[3][0])
