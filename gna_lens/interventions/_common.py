@@ -381,7 +381,8 @@ def packed_edit_hooks(
         group_size: Rows per cell ``G``.
         ref_rows: ``[G]`` reference row of each sample (for per-sample sources).
         source: The replacement.
-        cols: ``[pos]`` bool mask of edited positions (``None``: all positions).
+        cols: ``[pos]`` bool mask of edited positions, or ``[cells, pos]`` per cell (``None``:
+            all positions).
         at_last: The run is an incremental step (the one position is the last).
         skip_layer: A layer edited otherwise (no hook there).
     """
@@ -403,12 +404,18 @@ def packed_edit_hooks(
                 value = value[None]
             where = sel.to(z.device)[:, None, None, :, None]  # [K, 1, 1, H, 1]
             if cols is not None and not at_last:
-                where = where & cols.to(z.device)[None, None, :, None, None]
+                where = where & col_where(cols, z.device)
             out = torch.where(where, value, z.view(K, G, P, H, d))
             return out.reshape(R, P, H, d)
 
         hooks.append((view[layer].z_hook, hook))
     return hooks
+
+
+def col_where(cols: Tensor, device: Any) -> Tensor:
+    """``[pos]`` or ``[cells, pos]`` column mask as ``[cells|1, 1, pos, 1, 1]``."""
+    c = cols.to(device)
+    return c[None, None, :, None, None] if c.ndim == 1 else c[:, None, :, None, None]
 
 
 # ----------------------------------------------------------------------------- hooks

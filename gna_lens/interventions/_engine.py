@@ -36,6 +36,7 @@ from gna_lens.interventions._common import (
     Group,
     Metric,
     Source,
+    col_where,
     column_mask,
     layer_selection,
     packed_edit_hooks,
@@ -88,10 +89,6 @@ class PackTuner:
             self.done = True
 
 
-def _col_key(cols: Any) -> Any:
-    return tuple(cols) if isinstance(cols, list | tuple) else cols
-
-
 def expand_hooks(
     view: HeadView,
     layer: int,
@@ -117,7 +114,7 @@ def expand_hooks(
         value = source.value(layer, ref_rows, P, False, z)
         where = sel.to(z.device)[:, None, None, :, None]  # [K, 1, 1, H, 1]
         if cols is not None:
-            where = where & cols.to(z.device)[None, None, :, None, None]
+            where = where & col_where(cols, z.device)
         edited = torch.where(where, value if value.ndim < 4 else value[None], z[None])
         delta = torch.einsum("kbphd,hdm->kbpm", edited - z[None], W.to(z.dtype))
         return out + delta.reshape(len(cells), P, -1).to(out.dtype)
@@ -267,9 +264,8 @@ def _layers(
     ctx.info["forwards"] += 1
     ctx.baseline[g.indices] = ctx.metric(logits, idx)
     by_key: dict[tuple[int, Any], list[int]] = {}
-    for i, layer in enumerate(start_layer):
-        key = (layer, _col_key(cell_cols[i]) if cell_cols else None)
-        by_key.setdefault(key, []).append(i)
+    for i, layer in enumerate(start_layer):  # cells with different positions share a run
+        by_key.setdefault((layer, None), []).append(i)
     for (layer, _), ids in sorted(by_key.items(), key=lambda kv: kv[0][0]):
         run = _LayerRun(
             ctx, g, tokens, source, ref_rows, idx, layer, cap, cache, cell_cols, positions, ids
@@ -314,10 +310,13 @@ class _LayerRun:
     def resid(self) -> Tensor:
         return self.cache[self.ctx.runner.view[self.layer].resid_pre_hook]
 
-    @property
-    def cols(self) -> Tensor | None:
-        pos = self.cell_cols[self.ids[0]] if self.cell_cols else self.positions
-        return column_mask(pos, self.g.length, "cpu")
+    def cols(self, chunk: Sequence[int]) -> Tensor | None:
+        """Edited positions: ``[pos]`` shared, or ``[cells, pos]`` per cell."""
+        if not self.cell_cols:
+            return column_mask(self.positions, self.g.length, "cpu")
+        per = [column_mask(self.cell_cols[i], self.g.length, "cpu") for i in chunk]
+        full = torch.ones(self.g.length, dtype=torch.bool)
+        return torch.stack([full if c is None else c for c in per])
 
     @property
     def work(self) -> int:
@@ -327,7 +326,7 @@ class _LayerRun:
         """Last logits ``[k * G, V]`` of ``chunk``'s cells packed over the group's prompts."""
         runner, G = self.ctx.runner, len(self.g)
         cs = [self.ctx.cells[i] for i in chunk]
-        hooks = packed_edit_hooks(runner.view, cs, G, self.ref_rows, self.source, self.cols)
+        hooks = packed_edit_hooks(runner.view, cs, G, self.ref_rows, self.source, self.cols(chunk))
         t0 = time.perf_counter()
         lg = runner.from_layer(self.layer, self.resid.repeat(len(cs), 1, 1), self.tokens, hooks)
         return lg, time.perf_counter() - t0
@@ -339,8 +338,9 @@ class _LayerRun:
         one = slice(r, r + 1)
         cs = [self.ctx.cells[i] for i in chunk]
         ref = self.ref_rows[one]
-        hooks = expand_hooks(view, self.layer, W, cs, ref, self.source, self.cols)
-        hooks += packed_edit_hooks(view, cs, 1, ref, self.source, self.cols, skip_layer=self.layer)
+        cols = self.cols(chunk)
+        hooks = expand_hooks(view, self.layer, W, cs, ref, self.source, cols)
+        hooks += packed_edit_hooks(view, cs, 1, ref, self.source, cols, skip_layer=self.layer)
         t0 = time.perf_counter()
         lg = runner.from_layer(self.layer, self.resid[one], self.tokens[one], hooks)
         return lg, time.perf_counter() - t0
