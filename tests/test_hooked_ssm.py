@@ -420,3 +420,15 @@ def test_bad_forward_inputs_are_explained():
         model(torch.randn(1, 4, model.cfg.d_model))
     with pytest.raises(ValueError, match="out of range"), model.pattern_selection(heads=[99]):
         pass
+
+
+@pytest.mark.parametrize("arch", ["mamba1", "falcon_mamba", "mamba2"])
+def test_gradients_match_hf_on_the_fast_path(arch):
+    hf = tiny_hf_model(arch, seed=12)
+    model = HookedSSM.from_hf_model(hf, tiny_tokenizer())
+    tokens = torch.randint(2, 320, (2, 19), generator=torch.Generator().manual_seed(12))
+    hf(tokens, labels=tokens).loss.backward()
+    model(tokens, return_type="loss").backward()
+    ours = model.blocks[0].mixer.in_proj.weight.grad
+    ref = hf.get_submodule("backbone.layers.0.mixer.in_proj").weight.grad
+    assert ours is not None and (ours - ref).abs().max().item() <= 1e-5

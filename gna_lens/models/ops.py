@@ -164,10 +164,17 @@ def mamba1_scan(
         d = delta[:, sl].transpose(0, 1)  # [t, b, e]
         decay = torch.exp(d[..., None] * A)  # [t, b, e, n]
         write = (d * u[:, sl].transpose(0, 1))[..., None] * B[:, sl].transpose(0, 1)[:, :, None, :]
-        states = torch.empty_like(decay)
-        for t in range(decay.shape[0]):
-            state = torch.addcmul(write[t], decay[t], state, out=states[t])
-        state = state.clone()
+        if torch.is_grad_enabled() and (decay.requires_grad or write.requires_grad):
+            steps = []  # autograd cannot record writes into a preallocated buffer
+            for t in range(decay.shape[0]):
+                state = torch.addcmul(write[t], decay[t], state)
+                steps.append(state)
+            states = torch.stack(steps)
+        else:
+            states = torch.empty_like(decay)
+            for t in range(decay.shape[0]):
+                state = torch.addcmul(write[t], decay[t], state, out=states[t])
+            state = state.clone()
         ys.append(torch.einsum("tben,btn->bte", states, C[:, sl]))
         if return_states:
             all_states.append(states.transpose(0, 1))
