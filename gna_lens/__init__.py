@@ -11,6 +11,7 @@ from gna_lens.errors import (
     ConfigError,
     GnaLensError,
     HookError,
+    InterventionError,
     PatternEditError,
     TaskError,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "GnaReport",
     "HookError",
     "HookedSSM",
+    "InterventionError",
     "PatternEditError",
     "SSMConfig",
     "TaskError",
