@@ -188,3 +188,21 @@ def test_report_exports_json_and_offline_html(toy):
     no_ablation = score_heads(model, task, ablation=False, progress=False)
     with pytest.raises(GnaLensError, match="not computed"):
         no_ablation.top(3)
+
+
+def test_patching_the_aggregate_head_from_a_requeried_run_moves_the_answer(toy):
+    from gna_lens.interventions import patch_heads
+    from gna_lens.tasks import requery
+
+    model, task = toy
+    corrupted = requery(task, seed=3)
+    assert all(
+        c.info["keys"] == k.info["keys"] and c.info["query_key"] != k.info["query_key"]
+        for c, k in zip(corrupted, task, strict=True)
+    )
+    result = patch_heads(model, task, corrupted, metric="accuracy", progress=False)
+    df = result.to_dataframe().set_index(["layer", "head"])
+    # Only the aggregate head's output carries the queried value: patching it restores the clean
+    # answer everywhere; the gather head reads the (unchanged) dictionary, so patching it does not.
+    assert df.loc[TOY_AGGREGATE_HEAD, "value"] == 1.0
+    assert df.loc[TOY_GATHER_HEAD, "value"] == 0.0

@@ -13,7 +13,7 @@ segment holds the answer, all computed from the tokenizer's character offsets.
 
 from gna_lens.tasks._core import Batch, Sample, Task, build_sample
 from gna_lens.tasks.evaluate import EvalResult, evaluate
-from gna_lens.tasks.kv import KV_TEMPLATES, KVTemplate, kv_retrieval, load_words
+from gna_lens.tasks.kv import KV_TEMPLATES, KVTemplate, kv_retrieval, load_words, requery
 from gna_lens.tasks.mc import format_question, multiple_choice
 from gna_lens.tasks.records import MCRecord, load_mmlu, load_records
 
@@ -33,4 +33,5 @@ __all__ = [
     "load_records",
     "load_words",
     "multiple_choice",
+    "requery",
 ]

@@ -18,7 +18,13 @@ from importlib import resources
 from typing import Any, Literal
 
 from gna_lens.errors import TaskError
-from gna_lens.tasks._core import Task, _Spec, default_pad_token_id, sample_from_encoding
+from gna_lens.tasks._core import (
+    Task,
+    _Spec,
+    build_sample,
+    default_pad_token_id,
+    sample_from_encoding,
+)
 from gna_lens.tasks._tokens import Encoding, continuations, encode, render, tokenizer_name
 
 __all__ = ["KV_TEMPLATES", "KVTemplate", "kv_retrieval", "load_words"]
@@ -400,6 +406,74 @@ def kv_retrieval(
             "seed": seed,
             "n_keys_available": len(key_pool),
             "n_values_available": len(value_pool),
+            "add_special_tokens": add_special_tokens,
+            "kv_template": tpl,
         },
         tokenizer=tokenizer,
+    )
+
+
+def requery(task: Task, seed: int = 0) -> Task:
+    """The same dictionaries queried for another key: the corrupted twin of a KV task.
+
+    Each sample keeps its keys, values and choices in the same order (same length, same
+    segments) and asks for a different key, chosen with ``seed``. Patching from the clean run
+    into this one locates the heads that carry the queried key's value.
+
+    Args:
+        task: A task from :func:`kv_retrieval`.
+        seed: Seed of the new queried keys.
+
+    Returns:
+        The corrupted task (its answers are the new keys' values).
+
+    Raises:
+        TaskError: If ``task`` is not a KV-retrieval task or has a one-pair dictionary.
+
+    Examples:
+        >>> from gna_lens.tasks._testing import word_tokenizer
+        >>> tok = word_tokenizer(["cat dog owl bee"])
+        >>> clean = kv_retrieval(tok, n_pairs=2, n_samples=1, words=["cat", "dog", "owl", "bee"],
+        ...                      values="words", template="question")
+        >>> bad = requery(clean)
+        >>> clean[0].info["query_key"] != bad[0].info["query_key"], clean[0].segments == bad[0].segments
+        (True, True)
+    """
+    tpl = task.info.get("kv_template")
+    if task.info.get("task") != "kv_retrieval" or not isinstance(tpl, KVTemplate):
+        raise TaskError(
+            f"requery needs a task built by kv_retrieval; got {task.name!r}. Build the corrupted "
+            "prompts with gna_lens.tasks.build_sample instead."
+        )
+    if task.tokenizer is None:
+        raise TaskError(f"requery: task {task.name!r} has no tokenizer attached.")
+    rng = random.Random(seed)
+    samples = []
+    for s in task:
+        keys, values = list(s.info["keys"]), list(s.info["values"])
+        others = [k for k in keys if k != s.info["query_key"]]
+        if not others:
+            raise TaskError(f"requery: sample {s.info!r} has one key; expected n_pairs >= 2.")
+        key = rng.choice(others)
+        q = keys.index(key)
+        prompt, lines, _, _ = tpl.render_prompt(list(zip(keys, values, strict=True)), key)
+        samples.append(
+            build_sample(
+                task.tokenizer,
+                prompt,
+                lines,
+                answer_segment=q,
+                choices=s.choices,
+                answer_index=q,
+                info={"keys": keys, "values": values, "query_key": key},
+                add_special_tokens=task.info.get("add_special_tokens", True),
+            )
+        )
+    return Task(
+        samples=tuple(samples),
+        name=f"{task.name} requeried(seed={seed})",
+        scoring=task.scoring,
+        pad_token_id=task.pad_token_id,
+        info=task.info | {"requery_seed": seed},
+        tokenizer=task.tokenizer,
     )
