@@ -11,15 +11,6 @@ from gna_lens.heads import head_view, normalize_head_sets, require_editable
 ARCHS = ["llama", "mamba1", "falcon_mamba", "mamba2", "bamba"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny models are far faster on one thread (intra-op overhead dominates)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def test_view_describes_each_architecture():
     expected = {
         "llama": [("attention", 4, 8)] * 2,  # grouped-query: 4 query heads over 2 KV heads

@@ -15,15 +15,6 @@ SWEEP_ARCHS = ["llama", "mamba2", "bamba"]  # Transformer (bridge), SSM, hybrid
 ALL_ARCHS = ["llama", "mamba1", "falcon_mamba", "mamba2", "bamba"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny models are far faster on one thread (intra-op overhead dominates)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _loop_reference(m, t, mode, positions, reference, metric="logit_diff"):
     """One ablate_heads + full forward per head: what the batched sweep must reproduce."""
     met = Metric(metric, t)

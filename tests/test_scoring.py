@@ -27,16 +27,6 @@ from gna_lens.testing import (
     toy_gna_task,
 )
 
-_THREADS = torch.get_num_threads()
-
-
-def setup_module() -> None:
-    torch.set_num_threads(1)
-
-
-def teardown_module() -> None:
-    torch.set_num_threads(_THREADS)
-
 
 @pytest.fixture(scope="module")
 def toy():

@@ -24,15 +24,6 @@ from gna_lens.tasks._tokens import _tail_cut, encode
 KINDS = ["word", "byte_bpe", "newline_bpe", "metaspace_bpe"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """The tiny models here are far faster on one thread (intra-op overhead dominates)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _decode(tok, ids):
     return tok.decode(list(ids), clean_up_tokenization_spaces=False)
 
