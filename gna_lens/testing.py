@@ -317,7 +317,6 @@ def toy_gna_model() -> Any:
         intermediate_size=8,
         num_attention_heads=2,
         num_key_value_heads=2,
-        head_dim=d_head,
         attn_layer_indices=[0, 1],
         mamba_n_heads=2,
         mamba_d_head=64,
@@ -336,7 +335,8 @@ def toy_gna_model() -> Any:
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()
-        for norm in [model.ln_final] + [m for b in model.blocks for m in (b.ln1, b.ln2)]:
+        blocks: Any = model.blocks
+        for norm in [model.ln_final] + [m for b in blocks for m in (b.ln1, b.ln2)]:
             norm.weight.fill_(1.0)
         E = model.embed.weight
         E[:, BIAS] = 1.0
@@ -346,7 +346,7 @@ def toy_gna_model() -> Any:
         E[nl_id, NL] = 1.0
         s = (d_model / 2) ** 0.5  # RMSNorm's scale for a one-feature-plus-bias token
         c = d_head**0.5  # undo the attention's 1/sqrt(d_head)
-        g = model.blocks[0].attn  # Gather head: rows 0..31 of q/k/v, columns 0..31 of o
+        g = blocks[0].attn  # Gather head: rows 0..31 of q/k/v, columns 0..31 of o
         g.q_proj.weight[7, NL] = c * 300 / s  # recency: score 300 cos(theta * distance)
         g.k_proj.weight[7, BIAS] = 1 / s
         g.q_proj.weight[16, NL] = c * 10 / s  # content: +10 for key and value tokens
@@ -357,7 +357,7 @@ def toy_gna_model() -> Any:
             g.v_proj.weight[n + i, VAL + i] = 1 / s
             g.o_proj.weight[GK + i, i] = 2.0
             g.o_proj.weight[GV + i, n + i] = 2.0
-        a = model.blocks[1].attn  # Aggregate head
+        a = blocks[1].attn  # Aggregate head
         for i in range(n):
             a.q_proj.weight[16 + i, KEY + i] = c * 8.0 / s
             a.k_proj.weight[16 + i, GK + i] = 4.0
