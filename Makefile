@@ -12,7 +12,7 @@ QUIET  := 2>&1 | sed -u "/is ignored: it is neither a file nor a directory/d"
 
 .PHONY: venv demo test test-all lint typecheck docs bench clean
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q -c constraints.txt torch==2.13.0 $(QUIET)
 	$(PIP) install -q -c constraints.txt -e ".[dev,docs]" $(QUIET)
