@@ -192,7 +192,6 @@ def patch_heads(
         InterventionError: For unpaired tasks, unknown heads or positions.
         PatternEditError: If the model would ignore edits of ``hook_z``.
     """
-    import pandas as pd
     from tqdm.auto import tqdm
 
     view = head_view(model)
@@ -261,21 +260,8 @@ def patch_heads(
         row["kind"] = cell_kind(view, cell)
         row["label"] = _label(cell)
         rows.append(row)
-    return PatchResult(
-        values=values,
-        axis_names=[],
-        index_df=pd.DataFrame(rows),
-        metric_names=[met.name],
-        reduced=False,
-        baseline=baseline,
-        has_metric_axis=False,
-        patch_type_names=None,
-        clean_baseline=clean_base,
-        activation="hook_z",
-        task=describe_task(clean),
-        corrupted_task=describe_task(corrupted),
-        positions=positions_label(positions),
-        info=info,
+    return _result(
+        values, rows, met.name, baseline, clean_base, "hook_z", clean, corrupted, positions, info
     )
 
 
@@ -314,7 +300,6 @@ def patch_residual(
     Returns:
         A :class:`PatchResult` with ``layer`` and ``pos`` in ``index_df``.
     """
-    import pandas as pd
     from tqdm.auto import tqdm
 
     view = head_view(model)
@@ -389,21 +374,17 @@ def patch_residual(
         if positions == "each":
             row["pos"] = pos[0]
         rows.append(row)
-    return PatchResult(
-        values=values,
-        axis_names=[],
-        index_df=pd.DataFrame(rows),
-        metric_names=[met.name],
-        reduced=False,
-        baseline=baseline,
-        has_metric_axis=False,
-        patch_type_names=None,
-        clean_baseline=clean_base,
-        activation="hook_resid_pre",
-        task=describe_task(clean),
-        corrupted_task=describe_task(corrupted),
-        positions=positions_label(positions),
-        info=info,
+    return _result(
+        values,
+        rows,
+        met.name,
+        baseline,
+        clean_base,
+        "hook_resid_pre",
+        clean,
+        corrupted,
+        positions,
+        info,
     )
 
 
@@ -413,3 +394,36 @@ def _resid_cols(positions: Any, length: int) -> Any:
     if positions == "last":
         return [length - 1]
     return [p % length for p in positions]
+
+
+def _result(
+    values: Any,
+    rows: list[dict[str, Any]],
+    metric: str,
+    baseline: Any,
+    clean_baseline: Any,
+    activation: str,
+    clean: Task,
+    corrupted: Task,
+    positions: Any,
+    info: dict[str, Any],
+) -> "PatchResult":
+    """A :class:`PatchResult` with one flat row per patched cell."""
+    import pandas as pd
+
+    return PatchResult(
+        values=values,
+        axis_names=[],
+        index_df=pd.DataFrame(rows),
+        metric_names=[metric],
+        reduced=False,
+        baseline=baseline,
+        has_metric_axis=False,
+        patch_type_names=None,
+        clean_baseline=clean_baseline,
+        activation=activation,
+        task=describe_task(clean),
+        corrupted_task=describe_task(corrupted),
+        positions=positions_label(positions),
+        info=info,
+    )
