@@ -139,7 +139,9 @@ class GnaReport:
             Path(path).write_text(text, encoding="utf-8")
         return text
 
-    def to_html(self, path: str | Path, *, k: int = 6, extra_html: str = "") -> Path:
+    def to_html(
+        self, path: str | Path, *, k: int = 6, extra_html: str = "", interactive: bool = False
+    ) -> Path:
         """Write a self-contained offline HTML report: heatmaps, top heads, their patterns.
 
         The patterns are circuitsvis widgets embedded with their local script (no CDN), so the
@@ -149,6 +151,8 @@ class GnaReport:
             path: Output file.
             k: Top heads to list.
             extra_html: More HTML to append (e.g. a retrieval-vs-knowledge table).
+            interactive: Also add zoomable plotly heatmaps (:func:`gna_lens.plots.head_heatmap`)
+                with plotly.js inlined (about 5 MB more; still offline).
 
         Returns:
             The path written.
@@ -181,6 +185,8 @@ class GnaReport:
             if not bool(torch.isnan(self.scores[name]).all()):
                 parts.append(_svg_heatmap(self.heatmap(name), name))
         parts.append("</div>")
+        if interactive:
+            parts.append(self._plotly_heatmaps())
         if self.examples.get("patterns"):
             parts.append("<h2>Patterns of the top heads (one sample)</h2>")
             parts.append(_circuitsvis_patterns(self.examples))
@@ -190,13 +196,43 @@ class GnaReport:
         path.write_text("\n".join(parts), encoding="utf-8")
         return path
 
+    def _plotly_heatmaps(self) -> str:
+        """Plotly heatmaps of the measured columns, plotly.js inlined once (no CDN)."""
+        from gna_lens.plots import head_heatmap
 
-def _svg_heatmap(grid: Tensor, title: str, cell: int = 14) -> str:
-    """An inline SVG heatmap (diverging for effects, sequential for scores)."""
+        names = [
+            name
+            for name in ("ablation_effect", "gather_score", "aggregate_score", "sharpness")
+            if not bool(torch.isnan(self.scores[name]).all())
+        ]
+        parts = ["<h2>Interactive heatmaps</h2><div id='plotly-heatmaps'>"]
+        for i, name in enumerate(names):
+            fig = head_heatmap(self, name, title=name)
+            fig.update_layout(width=460, height=max(260, 120 + 14 * self.n_layers))
+            parts.append(
+                "<div style='display:inline-block'>"
+                + fig.to_html(
+                    full_html=False, include_plotlyjs=i == 0, config={"displaylogo": False}
+                )
+                + "</div>"
+            )
+        parts.append("</div>")
+        return "".join(parts)
+
+
+def _svg_heatmap(grid: Tensor, title: str, cell: int | None = None) -> str:
+    """An inline SVG heatmap (diverging for effects, sequential for scores).
+
+    Layers are rows (L0 at the top), heads columns; each cell's tooltip gives its value. The
+    title and value range sit in a caption above, so they are never clipped by a narrow grid.
+    """
     n_layers, n_heads = grid.shape
+    if cell is None:  # about 360 px for the larger side, 6 to 24 px a cell
+        cell = max(6, min(24, 360 // max(n_heads, 1), 360 // max(n_layers, 1)))
     finite = grid[~torch.isnan(grid)]
     lo, hi = (float(finite.min()), float(finite.max())) if finite.numel() else (0.0, 1.0)
     span = max(abs(lo), abs(hi)) or 1.0
+    left, top = 30, 16
     rects = []
     for layer in range(n_layers):
         for h in range(n_heads):
@@ -214,18 +250,31 @@ def _svg_heatmap(grid: Tensor, title: str, cell: int = 14) -> str:
                 t = (v - lo) / ((hi - lo) or 1.0)
                 color = f"rgb({int(255 * (1 - t))},{int(255 * (1 - 0.6 * t))},255)"
             rects.append(
-                f"<rect x='{40 + h * cell}' y='{20 + layer * cell}' width='{cell}' height='{cell}' "
-                f"fill='{color}'><title>L{layer}H{h}: {v:.4f}</title></rect>"
+                f"<rect x='{left + h * cell}' y='{top + layer * cell}' width='{cell}' "
+                f"height='{cell}' fill='{color}' stroke='#ddd' stroke-width='0.5'>"
+                f"<title>L{layer}H{h}: {v:.4f}</title></rect>"
             )
-    width, height = 50 + n_heads * cell, 30 + n_layers * cell
+    width, height = left + n_heads * cell + 4, top + n_layers * cell + 4
+    every = max(1, math.ceil(11 / cell))  # label every row / column that has room
     labels = "".join(
-        f"<text x='2' y='{20 + (layer + 1) * cell - 3}' font-size='10'>L{layer}</text>"
-        for layer in range(n_layers)
+        f"<text x='{left - 3}' y='{top + layer * cell + cell / 2 + 3:g}' font-size='10' "
+        f"text-anchor='end'>L{layer}</text>"
+        for layer in range(0, n_layers, every)
+    ) + "".join(
+        f"<text x='{left + h * cell + cell / 2:g}' y='{top - 4}' font-size='10' "
+        f"text-anchor='middle'>{h}</text>"
+        for h in range(0, n_heads, max(every, math.ceil(16 / cell)))
+    )
+    frame = (
+        f"<rect x='{left}' y='{top}' width='{n_heads * cell}' height='{n_layers * cell}' "
+        "fill='#f4f4f4' stroke='#999' stroke-width='0.5'/>"
     )
     return (
-        f"<figure style='display:inline-block;margin:8px'><svg class='heatmap' width='{width}' "
-        f"height='{height}'><text x='40' y='12' font-size='12'>{html.escape(title)} "
-        f"[{lo:.3g}, {hi:.3g}]</text>{labels}{''.join(rects)}</svg></figure>"
+        "<figure style='display:inline-block;margin:8px;vertical-align:top'>"
+        f"<figcaption style='font-size:12px'><b>{html.escape(title)}</b> "
+        f"[{lo:.3g}, {hi:.3g}]<br><span style='color:#666'>layer x head</span></figcaption>"
+        f"<svg class='heatmap' width='{width}' height='{height}'>{frame}{labels}"
+        f"{''.join(rects)}</svg></figure>"
     )
 
 

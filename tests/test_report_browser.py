@@ -1,0 +1,53 @@
+"""The HTML report opens in headless Chromium with no network: heatmaps and widgets render.
+
+Runs ``scripts/check_report.py``'s check; skipped where no Chromium is installed
+(Debian: ``apt-get install -y chromium``).
+"""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from gna_lens import score_heads
+from gna_lens.testing import toy_gna_model, toy_gna_task
+
+_SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "check_report.py"
+_spec = importlib.util.spec_from_file_location("check_report", _SCRIPT)
+assert _spec is not None and _spec.loader is not None
+check = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(check)
+
+pytestmark = pytest.mark.skipif(
+    check.find_chromium() is None,
+    reason="no chromium on PATH (apt-get install -y chromium); the offline-report check needs it",
+)
+
+
+def test_report_renders_offline_with_heatmaps_widgets_and_plotly(tmp_path):
+    model = toy_gna_model()
+    report = score_heads(model, toy_gna_task(model, n_samples=8), progress=False)
+    path = report.to_html(tmp_path / "report.html", k=4, interactive=True)
+    result = check.check_report(path, screenshot=tmp_path / "shot.png", window=(800, 600))
+    assert len(result.heatmaps) == 5 and all(n == 4 for n in result.heatmaps)
+    (widget,) = result.widgets.values()
+    assert set(widget["titles"]) == {f"L{la}H{h}" for la, h in report.top(4)}
+    assert widget["canvas"] >= 4  # one thumbnail per head, drawn by the widget's script
+    assert len(result.plotly) == 4 and all(result.plotly.values())
+    png = (tmp_path / "shot.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")) == (800, 600)
+
+
+def test_check_fails_on_a_widget_whose_script_never_runs_or_a_cdn_page(tmp_path):
+    svg = "<svg class='heatmap'><rect fill='rgb(1,2,3)'/></svg>"
+    dead = tmp_path / "dead.html"
+    dead.write_text(f"<html><body>{svg}<div id='circuits-vis-x'></div></body></html>")
+    with pytest.raises(check.ReportCheckError, match="circuits-vis-x did not render"):
+        check.check_report(dead)
+    cdn = tmp_path / "cdn.html"
+    cdn.write_text(
+        f"<html><body>{svg}<script src='https://unpkg.com/circuitsvis'></script></body></html>"
+    )
+    with pytest.raises(check.ReportCheckError, match="external resources"):
+        check.check_report(cdn)
