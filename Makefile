@@ -10,7 +10,7 @@ SHELL  := /bin/bash
 .SHELLFLAGS := -o pipefail -ec
 QUIET  := 2>&1 | sed -u "/is ignored: it is neither a file nor a directory/d"
 
-.PHONY: venv demo test test-all lint typecheck docs bench clean
+.PHONY: venv demo test test-all lint typecheck docs bench clean tutorials
 
 $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -45,6 +45,10 @@ typecheck: $(STAMP)
 
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -q -d site
+
+# Runs every tutorial notebook top to bottom (offline, packaged models; a few minutes each at most).
+tutorials: $(STAMP)
+	$(PY) -m pytest -q --nbmake --nbmake-timeout=300 tutorials/
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_hooked_ssm.py
