@@ -10,7 +10,7 @@ SHELL  := /bin/bash
 .SHELLFLAGS := -o pipefail -ec
 QUIET  := 2>&1 | sed -u "/is ignored: it is neither a file nor a directory/d"
 
-.PHONY: venv demo test test-all lint typecheck docs bench clean tutorials
+.PHONY: venv demo test test-all lint typecheck docs bench clean tutorials findings
 
 $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -49,6 +49,10 @@ docs: $(STAMP)
 # Runs every tutorial notebook top to bottom (offline, packaged models; a few minutes each at most).
 tutorials: $(STAMP)
 	$(PY) -m pytest -q --nbmake --nbmake-timeout=300 tutorials/
+
+# Re-measure docs/findings.md and docs/zoo.md on SmolLM2-135M and the zoo (~15-25 min, 2 cores).
+findings: $(STAMP)
+	$(PY) -m gna_lens.findings --out docs/findings.md --json docs/findings.json
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_hooked_ssm.py

@@ -1,0 +1,222 @@
+"""The zoo: small models gna_lens trains itself, shipped inside the package, usable offline.
+
+No registry ships SSM weights small enough for tests and tutorials, so gna_lens trains its own on
+a synthetic curriculum (:mod:`gna_lens.zoo.curriculum`) that needs both in-context retrieval
+(key-value dictionaries, letter-format multiple choice) and parametric knowledge (a fixed world
+of facts), one per architecture family, with the same tokenizer and comparable sizes:
+
+- ``zoo-llama``: a Llama-architecture Transformer (loads as a TransformerLens bridge);
+- ``zoo-mamba2``: a Mamba-2; ``zoo-mamba1``: a Mamba-1 (load as :class:`~gna_lens.HookedSSM`);
+- ``zoo-bamba``: a Bamba hybrid, Mamba-2 layers and one attention layer (HookedSSM).
+
+Each checkpoint is an ordinary Hugging Face folder (:func:`path`) with a ``card.json`` /
+``README.md`` of measured accuracies on held-out splits (:func:`card`, :func:`tasks`).
+``gna-lens train-zoo`` retrains them (:func:`gna_lens.zoo.train.train_zoo_main`).
+
+Examples:
+    >>> from gna_lens import zoo
+    >>> "zoo-llama" in zoo.names()
+    True
+    >>> zoo.card("zoo-llama").n_params > 100_000
+    True
+    >>> sorted(zoo.tasks())
+    ['cloze', 'kv-16', 'kv-2', 'kv-4', 'kv-8', 'letter', 'letter-unseen']
+"""
+
+import functools
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gna_lens.errors import ConfigError
+
+__all__ = ["MODELS_DIR", "ZooCard", "card", "load", "names", "path", "tasks", "train_zoo_main"]
+
+#: Where the zoo's checkpoints lie inside the installed package.
+MODELS_DIR = Path(__file__).resolve().parent / "models"
+
+
+@dataclass(frozen=True)
+class ZooCard:
+    """What a zoo model is and how well it does (``card.json``).
+
+    Attributes:
+        name: The zoo name.
+        architecture: The Hugging Face class (``"LlamaForCausalLM"``).
+        model_type: The Hugging Face ``model_type``.
+        n_params: Number of parameters.
+        steps: Training steps.
+        train_seconds: Training wall time.
+        seed: Training seed.
+        accuracy: Held-out accuracy per task of :func:`tasks` (``{"kv-8": 0.93, ...}``).
+        chance: Accuracy of uniform guessing per task.
+        n_samples: Evaluation samples per task.
+        raw: The whole ``card.json``.
+    """
+
+    name: str
+    architecture: str
+    model_type: str
+    n_params: int
+    steps: int
+    train_seconds: float
+    seed: int
+    accuracy: dict[str, float]
+    chance: dict[str, float]
+    n_samples: dict[str, int]
+    raw: dict[str, Any] = field(repr=False, default_factory=dict)
+
+    def to_dataframe(self) -> Any:
+        """One row per task: ``task``, ``accuracy``, ``chance``, ``n``."""
+        import pandas as pd
+
+        return pd.DataFrame(
+            {
+                "model": self.name,
+                "task": list(self.accuracy),
+                "accuracy": list(self.accuracy.values()),
+                "chance": [self.chance[k] for k in self.accuracy],
+                "n": [self.n_samples[k] for k in self.accuracy],
+            }
+        )
+
+
+def names() -> list[str]:
+    """The zoo models shipped with this installation, sorted.
+
+    Examples:
+        >>> names()
+        ['zoo-bamba', 'zoo-llama', 'zoo-mamba1', 'zoo-mamba2']
+    """
+    return sorted(p.name for p in MODELS_DIR.glob("zoo-*") if (p / "config.json").is_file())
+
+
+def path(name: str) -> Path:
+    """The Hugging Face checkpoint folder of a zoo model (loadable by plain ``transformers``).
+
+    Args:
+        name: A zoo name (see :func:`names`).
+
+    Raises:
+        ConfigError: For an unknown name.
+
+    Examples:
+        >>> from transformers import AutoConfig
+        >>> AutoConfig.from_pretrained(path("zoo-mamba2")).model_type
+        'mamba2'
+    """
+    if not isinstance(name, str) or not (MODELS_DIR / name / "config.json").is_file():
+        raise ConfigError(
+            f"zoo model {name!r} not found; expected one of {names()} (the checkpoints under "
+            f"{MODELS_DIR}). Retrain missing ones with `gna-lens train-zoo`."
+        )
+    return MODELS_DIR / name
+
+
+def load(name: str, **kwargs: Any) -> Any:
+    """Load a zoo model through :func:`gna_lens.load_model` (offline).
+
+    Args:
+        name: A zoo name.
+        **kwargs: Passed to :func:`gna_lens.load_model` (``dtype``, ``device``).
+
+    Returns:
+        A ``TransformerBridge`` (``zoo-llama``) or a :class:`~gna_lens.HookedSSM` (the others),
+        with the zoo tokenizer attached.
+
+    Examples:
+        >>> model = load("zoo-mamba2")
+        >>> type(model).__name__, model.cfg.n_layers
+        ('HookedSSM', 4)
+    """
+    from gna_lens.models import load_model
+
+    return load_model(str(path(name)), **kwargs)
+
+
+@functools.cache
+def _card_json(name: str) -> str:
+    return (path(name) / "card.json").read_text(encoding="utf-8")
+
+
+def card(name: str) -> ZooCard:
+    """The model card of a zoo model: architecture, training and measured accuracies.
+
+    Examples:
+        >>> c = card("zoo-llama")
+        >>> c.architecture, sorted(c.accuracy) == sorted(tasks())
+        ('LlamaForCausalLM', True)
+    """
+    raw = json.loads(_card_json(name))
+    acc = raw["accuracy"]
+    return ZooCard(
+        name=raw["name"],
+        architecture=raw["architecture"],
+        model_type=raw["model_type"],
+        n_params=int(raw["training"]["n_params"]),
+        steps=int(raw["training"]["steps"]),
+        train_seconds=float(raw["training"]["train_seconds"]),
+        seed=int(raw["training"]["seed"]),
+        accuracy={k: float(v["accuracy"]) for k, v in acc.items()},
+        chance={k: float(v["chance"]) for k, v in acc.items()},
+        n_samples={k: int(v["n"]) for k, v in acc.items()},
+        raw=raw,
+    )
+
+
+def tokenizer() -> Any:
+    """The zoo's word-level tokenizer (the same for every zoo model)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path(names()[0]))
+
+
+def tasks(name_or_tokenizer: str | Any | None = None) -> dict[str, Any]:
+    """The held-out evaluation splits the cards report, as :class:`gna_lens.tasks.Task` objects.
+
+    ``"kv-2"``, ``"kv-4"``, ``"kv-8"``, ``"kv-16"`` (KV retrieval in the paper's template, 200
+    prompts each), ``"letter"`` and ``"cloze"`` (the same 300 multiple-choice prompts, one per
+    fact with fresh distractors and order, scored on the letter or on the option's text) and
+    ``"letter-unseen"`` (180 letter-format prompts about the facts never trained in that format). See
+    :func:`gna_lens.zoo.curriculum.eval_tasks`.
+
+    Args:
+        name_or_tokenizer: ``None`` or a zoo name (the zoo tokenizer), or any HF fast tokenizer
+            (e.g. ``model.tokenizer``) that keeps the world's words whole.
+
+    Returns:
+        ``{task name: Task}``.
+
+    Examples:
+        >>> t = tasks()
+        >>> len(t["kv-8"]), t["letter"][0].choices
+        (200, [' A', ' B', ' C', ' D'])
+    """
+    from gna_lens.zoo.curriculum import eval_tasks
+
+    if name_or_tokenizer is None or isinstance(name_or_tokenizer, str):
+        from transformers import AutoTokenizer
+
+        folder = path(name_or_tokenizer) if name_or_tokenizer else path(names()[0])
+        return _cached_tasks(str(folder), AutoTokenizer)
+    if isinstance(name_or_tokenizer, Mapping):
+        raise ConfigError(
+            f"tasks({type(name_or_tokenizer).__name__}); expected None, a zoo name or a tokenizer."
+        )
+    return eval_tasks(name_or_tokenizer)
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_tasks(folder: str, auto: Any) -> dict[str, Any]:
+    from gna_lens.zoo.curriculum import eval_tasks
+
+    return eval_tasks(auto.from_pretrained(folder))
+
+
+def train_zoo_main(argv: Any = None) -> int:
+    """``gna-lens train-zoo``: see :func:`gna_lens.zoo.train.train_zoo_main`."""
+    from gna_lens.zoo.train import train_zoo_main as main
+
+    return main(argv)
