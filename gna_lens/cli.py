@@ -72,6 +72,7 @@ def _scan(args: argparse.Namespace) -> int:
             out=args.out,
             seed=args.seed,
             command=command,
+            name=name,
             progress=progress,
         )
     except (GnaLensError, OSError) as err:

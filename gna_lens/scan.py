@@ -1,5 +1,6 @@
 """``gna-lens scan``: rank a model's heads for retrieval and write an offline HTML report."""
 
+import dataclasses
 import html
 import importlib.metadata
 import json
@@ -215,6 +216,7 @@ def scan(
     seed: int = 0,
     exact: int | None = None,
     command: str | None = None,
+    name: str | None = None,
     progress: bool = True,
 ) -> ScanResult:
     """Rank every head of ``model`` for in-context retrieval and write the report.
@@ -238,6 +240,7 @@ def scan(
         seed: Seed of the task sampling.
         exact: Heads to confirm by exact ablation (default :func:`default_exact`).
         command: The command line, recorded in the report.
+        name: The model's name in the report (default: from its config).
         progress: Show progress bars and one line per stage (on stderr).
 
     Returns:
@@ -276,6 +279,8 @@ def scan(
         progress=progress,
     )
     timings["heads"] = time.perf_counter() - t
+    if name:
+        report = dataclasses.replace(report, model_name=name)
     top_heads = report.top(top)
     _stage(progress, f"accuracy before / after removing the top {len(top_heads)} heads")
     t = time.perf_counter()

@@ -115,7 +115,7 @@ RECIPES: dict[str, Recipe] = {
                 chunk_size=64,
                 tie_word_embeddings=True,
             ),
-            steps=2000,
+            steps=1500,
             description="Mamba-2: 4 layers x 8 SSM heads (head_dim 32, d_state 32)",
         ),
         Recipe(
@@ -130,7 +130,7 @@ RECIPES: dict[str, Recipe] = {
                 use_conv_bias=True,
                 tie_word_embeddings=True,
             ),
-            steps=2000,
+            steps=1200,
             description="Mamba-1: 4 layers, 256 channels (d_state 8)",
         ),
         Recipe(
@@ -153,7 +153,7 @@ RECIPES: dict[str, Recipe] = {
                 max_position_embeddings=512,
                 tie_word_embeddings=True,
             ),
-            steps=2000,
+            steps=1500,
             description="Bamba hybrid: 3 Mamba-2 layers + 1 attention layer (layer 2), with MLPs",
         ),
     ]
