@@ -26,7 +26,7 @@ import math
 import random
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -474,17 +474,29 @@ def _pct(x: float) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.1f}%"
 
 
-def _heads_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
-    out = [
-        "| head | kind | ablation effect | gather | aggregate | correct share | sharpness |",
-        "|---|---|---|---|---|---|---|",
+def _md_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
+    """A markdown table: the header, its rule and one line per row."""
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *("| " + " | ".join(str(c) for c in row) + " |" for row in rows),
     ]
-    for r in rows:
-        out.append(
-            f"| {r['head']} | {r['kind']} | {r['ablation_effect']:+.3f} | {r['gather_score']:.3f} "
-            f"| {r['aggregate_score']:.3f} | {r['correct_share']:.3f} | {r['sharpness']:.3f} |"
-        )
-    return out
+
+
+def _heads_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    return _md_table(
+        ["head", "kind", "ablation effect", "gather", "aggregate", "correct share", "sharpness"],
+        (
+            [
+                r["head"],
+                r["kind"],
+                f"{r['ablation_effect']:+.3f}",
+                *(f"{r[k]:.3f}" for k in ("gather_score", "aggregate_score", "correct_share")),
+                f"{r['sharpness']:.3f}",
+            ]
+            for r in rows
+        ),
+    )
 
 
 def render_markdown(results: Mapping[str, Any], command: str) -> str:
@@ -541,25 +553,30 @@ def render_markdown(results: Mapping[str, Any], command: str) -> str:
             f"**Removing heads** (accuracy; random = mean of {r['random_draws']} draws, "
             "[min, max]):",
             "",
-            "| heads removed | top-ranked | random |",
-            "|---|---|---|",
-            *[
-                f"| {x['k']} | {_pct(x['top'])} | {_pct(x['random_mean'])} "
-                f"[{_pct(x['random_min'])}, {_pct(x['random_max'])}] |"
-                for x in r["removal"]
-            ],
+            *_md_table(
+                ["heads removed", "top-ranked", "random"],
+                (
+                    [
+                        x["k"],
+                        _pct(x["top"]),
+                        f"{_pct(x['random_mean'])} [{_pct(x['random_min'])}, "
+                        f"{_pct(x['random_max'])}]",
+                    ]
+                    for x in r["removal"]
+                ),
+            ),
             "",
             f"**Retrieval vs knowledge.** Removing the top 8 ({' '.join(r['knowledge']['heads'])}) "
             "on KV retrieval and on MMLU questions (cloze: scored on the answer's text, "
             "knowledge only; letter: the paper's format, needs the look-up of the letter):",
             "",
-            "| task | n | before | after | chance |",
-            "|---|---|---|---|---|",
-            *[
-                f"| {x['task']} | {x['n']} | {_pct(x['before'])} | {_pct(x['after'])} | "
-                f"{_pct(x['chance'])} |"
-                for x in r["knowledge"]["rows"]
-            ],
+            *_md_table(
+                ["task", "n", "before", "after", "chance"],
+                (
+                    [x["task"], x["n"], *(_pct(x[k]) for k in ("before", "after", "chance"))]
+                    for x in r["knowledge"]["rows"]
+                ),
+            ),
             "",
             "**Pattern masks** on KV retrieval: gather heads "
             f"{' '.join(r['masks']['gather_heads']) or '-'} and aggregate heads "
@@ -634,13 +651,10 @@ def render_markdown(results: Mapping[str, Any], command: str) -> str:
             "",
             "KV-retrieval accuracy vs dictionary size:",
             "",
-            "| model | 2 pairs | 4 | 8 | 16 |",
-            "|---|---|---|---|---|",
-            *[
-                f"| {x['model']} | {_pct(x['2'])} | {_pct(x['4'])} | {_pct(x['8'])} | "
-                f"{_pct(x['16'])} |"
-                for x in r["capacity"]
-            ],
+            *_md_table(
+                ["model", "2 pairs", "4", "8", "16"],
+                ([x["model"], *(_pct(x[n]) for n in ("2", "4", "8", "16"))] for x in r["capacity"]),
+            ),
             "",
         ]
     if "5" in results:
@@ -660,9 +674,10 @@ def render_markdown(results: Mapping[str, Any], command: str) -> str:
             "",
             "Denying those heads their aggregate patterns (complement masks):",
             "",
-            "| task | before | after |",
-            "|---|---|---|",
-            *[f"| {x['task']} | {_pct(x['before'])} | {_pct(x['after'])} |" for x in r["masking"]],
+            *_md_table(
+                ["task", "before", "after"],
+                ([x["task"], _pct(x["before"]), _pct(x["after"])] for x in r["masking"]),
+            ),
             "",
         ]
     lines += _caveats(results)
