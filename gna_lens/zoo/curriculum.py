@@ -271,8 +271,9 @@ def build_tokenizer(world: World) -> Any:
     import re
     import string
 
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    from gna_lens.tasks._testing import _wrap
 
     vocab: dict[str, int] = {s: i for i, s in enumerate(_SPECIALS)}
     pieces = ["\n", " ", *string.ascii_uppercase, *string.punctuation]
@@ -286,17 +287,7 @@ def build_tokenizer(world: World) -> Any:
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(_WORD_RE), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", special_tokens=[("<s>", vocab["<s>"])]
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<s>",
-        eos_token="</s>",
-        pad_token="<pad>",
-        unk_token="<unk>",
-        clean_up_tokenization_spaces=False,
-    )
+    return _wrap(tok, bos=True)
 
 
 # ----------------------------------------------------------------------------- training data
