@@ -109,3 +109,49 @@ def test_unknown_zoo_name_lists_the_known_ones():
         zoo.path("zoo-gpt")
     with pytest.raises(ConfigError, match=r"zoo-gpt.*zoo-llama"):
         gna_lens.load_model("zoo-gpt")
+
+
+def test_kv_fraction_interleaves_kv_and_fact_batches():
+    from gna_lens.zoo.curriculum import build_tokenizer, training_batches
+
+    world = load_world()
+    tok = build_tokenizer(world)
+    query = tok(" key", add_special_tokens=False)["input_ids"][0]  # only KV documents say "key"
+
+    def kinds(fraction: float, n: int = 8) -> list[bool]:
+        batches = training_batches(world, tok, 2, seed=0, kv_fraction=fraction)
+        return [bool((next(batches)[0] == query).any()) for _ in range(n)]
+
+    assert kinds(0.5) == [True, False] * 4  # the shipped recipes' alternation, KV first
+    assert sum(kinds(0.75)) == 6
+    assert all(kinds(1.0))
+    with pytest.raises(gna_lens.errors.TaskError, match="kv_fraction=0"):
+        next(training_batches(world, tok, 2, seed=0, kv_fraction=0))
+
+
+def test_init_like_mamba2_gives_a_hybrid_long_memory_and_live_convolutions():
+    from dataclasses import replace
+
+    from gna_lens.zoo.curriculum import build_tokenizer
+    from gna_lens.zoo.train import RECIPES, build_model, init_like_mamba2
+
+    tok = build_tokenizer(load_world())
+    recipe = RECIPES["zoo-bamba"]
+    hf = build_model(replace(recipe, mamba2_init=False), tok)
+    ours = build_model(replace(recipe, mamba2_init=True), tok)
+    assert init_like_mamba2(build_model(recipe, tok)) == 3  # one per Mamba-2 layer
+    dt = torch.nn.functional.softplus(
+        torch.cat([m.dt_bias for m in ours.modules() if hasattr(m, "dt_bias")])
+    )
+    assert dt.min() >= 0.99e-3 and dt.max() <= 0.101  # log-uniform in [dt_min, dt_max]
+    hf_dt = torch.nn.functional.softplus(
+        next(m.dt_bias for m in hf.modules() if hasattr(m, "dt_bias"))
+    )
+    assert torch.allclose(hf_dt, torch.full_like(hf_dt, 1.3133), atol=1e-3)  # transformers' init
+    conv = lambda m: next(x.conv1d.weight for x in m.modules() if hasattr(x, "dt_bias")).std()  # noqa: E731
+    assert conv(ours) > 5 * conv(hf)
+    # attention and MLP weights are untouched: same seed, same values
+    attn = lambda m: next(x.q_proj.weight for x in m.modules() if hasattr(x, "q_proj"))  # noqa: E731
+    assert torch.equal(attn(ours), attn(hf))
+    with pytest.raises(ConfigError, match="LlamaForCausalLM has no Mamba-2 mixer"):
+        init_like_mamba2(build_model(RECIPES["zoo-llama"], tok))

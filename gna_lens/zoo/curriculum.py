@@ -369,20 +369,29 @@ def tokenize_document(tokenizer: Any, parts: Sequence[str]) -> tuple[list[int], 
 
 
 def training_batches(
-    world: World, tokenizer: Any, batch_size: int, seed: int
+    world: World, tokenizer: Any, batch_size: int, seed: int, kv_fraction: float = 0.5
 ) -> Iterator[tuple[Any, Any, Any]]:
     """Endless ``(input_ids, attention_mask, labels)`` batches, right-padded.
 
-    Batches alternate between KV documents (one dictionary size per batch, so padding stays small)
-    and fact documents.
+    Each batch is all KV documents (one dictionary size per batch, so padding stays small) or
+    all fact documents, interleaved evenly so that a fraction ``kv_fraction`` of the batches
+    are KV (0.5: they alternate, starting with KV).
+
+    Raises:
+        TaskError: If ``kv_fraction`` is not in ``(0, 1]``.
     """
+    import math
+
     import torch
 
+    if not 0 < kv_fraction <= 1:
+        raise TaskError(f"kv_fraction={kv_fraction!r}; expected a fraction in (0, 1].")
     rng = random.Random(seed)
     pad = tokenizer.pad_token_id
     step = 0
     while True:
-        kind = "kv" if step % 2 == 0 else "facts"
+        is_kv = math.floor(step * kv_fraction) != math.floor((step - 1) * kv_fraction)
+        kind = "kv" if is_kv else "facts"
         n_pairs = rng.randint(1, KV_MAX_PAIRS) if kind == "kv" else None
         rows = [
             tokenize_document(tokenizer, training_document(world, rng, kind, n_pairs))
