@@ -790,6 +790,9 @@ def zoo_markdown() -> str:
         "fact alone). *letter-unseen* asks the 60 facts never trained in letter format. Training "
         "times are wall-clock on a 2-core machine shared with other training runs.",
         "",
+        "Why a KV column can sit at chance, and what was tried: see [the gotchas]"
+        "(gotchas.md#a-small-transformer-trained-from-scratch-does-not-learn-kv-retrieval-on-a-cpu-budget).",
+        "",
     ]
     for name in zoo.names():
         c = zoo.card(name)
@@ -802,6 +805,10 @@ def zoo_markdown() -> str:
                 f"{train['aux_layer']} predict the tokens {train['aux_prev_tokens']} positions "
                 f"back (weight {train['aux_weight']}); the probes are discarded."
             )
+        if train.get("kv_fraction", 0.5) != 0.5:
+            extras += f" {100 * train['kv_fraction']:.0f}% of the batches are KV retrieval."
+        if train.get("mamba2_init"):
+            extras += " SSM mixers initialized as Mamba-2's (`init_like_mamba2`)."
         lines += [
             f"{train['steps']} steps of {train['batch_size']} documents, AdamW lr {train['lr']}, "
             f"seed {train['seed']}, final answer-token loss {train['final_loss']}.{extras}",

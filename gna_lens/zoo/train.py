@@ -493,6 +493,8 @@ def train_model(
         "aux_prev_tokens": list(recipe.aux_prev_tokens),
         "aux_layer": recipe.aux_layer,
         "aux_weight": recipe.aux_weight,
+        "kv_fraction": recipe.kv_fraction,
+        "mamba2_init": recipe.mamba2_init,
         "train_seconds": round(seconds, 1),
         "final_loss": round(sum(losses[-100:]) / max(1, len(losses[-100:])), 4),
         "n_params": n_params,
@@ -545,7 +547,7 @@ inside the package so that every example runs offline. Load it with
 |---|---|
 | architecture | `{architecture}` (`model_type: {model_type}`) |
 | parameters | {n_params:,} |
-| training | {steps} steps x {batch_size} documents, AdamW lr {lr}, seed {seed}, {minutes:.1f} min on {threads} CPU thread(s) |
+| training | {steps} steps x {batch_size} documents ({kv_pct:.0f}% of the batches KV retrieval), AdamW lr {lr}, seed {seed}, {minutes:.1f} min on {threads} CPU thread(s){init} |
 | final training loss | {final_loss} (answer tokens only) |
 | tokenizer | word-level, {vocab} tokens (every key, value, entity, attribute and letter is one token) |
 
@@ -615,6 +617,8 @@ def write_card(path: str | Path, name: str, train_facts: dict[str, Any], accurac
         lr=train_facts["lr"],
         seed=train_facts["seed"],
         minutes=train_facts["train_seconds"] / 60,
+        kv_pct=100 * train_facts.get("kv_fraction", 0.5),
+        init="; Mamba-2 init of the SSM mixers" if train_facts.get("mamba2_init") else "",
         threads=train_facts["threads"],
         final_loss=train_facts["final_loss"],
         vocab=len(AutoTokenizer.from_pretrained(path)),
