@@ -155,3 +155,21 @@ def test_init_like_mamba2_gives_a_hybrid_long_memory_and_live_convolutions():
     assert torch.equal(attn(ours), attn(hf))
     with pytest.raises(ConfigError, match="LlamaForCausalLM has no Mamba-2 mixer"):
         init_like_mamba2(build_model(RECIPES["zoo-llama"], tok))
+
+
+@pytest.mark.parametrize("name", ["zoo-llama", "zoo-mamba2"])  # a bridge and a HookedSSM
+def test_load_model_hides_loading_bars_unless_asked(name, capfd):
+    from transformers.utils import logging as hf_logging
+
+    assert hf_logging.is_progress_bar_enabled()
+    gna_lens.load_model(name)
+    assert "Loading weights" not in capfd.readouterr().err
+    assert hf_logging.is_progress_bar_enabled()  # the user's setting is restored
+    gna_lens.load_model(name, progress=True)
+    assert "Loading weights" in capfd.readouterr().err
+    hf_logging.disable_progress_bar()
+    try:
+        gna_lens.load_model(name)
+        assert not hf_logging.is_progress_bar_enabled()  # not switched on behind the user's back
+    finally:
+        hf_logging.enable_progress_bar()

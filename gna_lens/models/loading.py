@@ -1,5 +1,7 @@
 """``load_model``: one entry point for Transformers (TransformerBridge) and SSMs (HookedSSM)."""
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,7 @@ def load_model(
     *,
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
+    progress: bool = False,
     **kwargs: Any,
 ) -> Any:
     """Load a causal LM for analysis: a HookedSSM for Mamba-family checkpoints, else a bridge.
@@ -36,6 +39,8 @@ def load_model(
             ``.gguf`` file, a zoo name or a packaged model name.
         dtype: Weights dtype.
         device: Target device.
+        progress: Show transformers' "Loading weights" progress bars (off by default: loading a
+            small model prints one bar per load, which buries a notebook's output).
         **kwargs: Passed to the loader.
 
     Returns:
@@ -64,11 +69,26 @@ def load_model(
             "Pass a local checkpoint directory containing config.json, or a hub name where a hub "
             "is reachable."
         ) from err
-    if config.model_type in SUPPORTED_MODEL_TYPES:
-        return HookedSSM.from_pretrained(name, dtype=dtype, device=device, **kwargs)
-    from transformer_lens.model_bridge import TransformerBridge
+    with contextlib.nullcontext() if progress else _no_progress_bars():
+        if config.model_type in SUPPORTED_MODEL_TYPES:
+            return HookedSSM.from_pretrained(name, dtype=dtype, device=device, **kwargs)
+        from transformer_lens.model_bridge import TransformerBridge
 
-    return TransformerBridge.boot_transformers(name, dtype=dtype, device=device, **kwargs)
+        return TransformerBridge.boot_transformers(name, dtype=dtype, device=device, **kwargs)
+
+
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """Silence transformers' progress bars inside the block; restore the user's setting after."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 def _resolve(name: str) -> str:
