@@ -334,7 +334,10 @@ def training_document(
 
     The loss is taken on the answers only. A KV document is a dictionary of 1 to 16 pairs
     followed by up to 8 queries of distinct keys (the first one is exactly a
-    :func:`~gna_lens.tasks.kv_retrieval` prompt); a fact document is 2 to 4 questions separated
+    :func:`~gna_lens.tasks.kv_retrieval` prompt). With 8 pairs or fewer every key is queried
+    once, so the last answer can be had by elimination (the one value not yet answered) rather
+    than by retrieval; the held-out evaluation asks a single query, where it cannot. A fact
+    document is 2 to 4 questions separated
     by a blank line, each bare, cloze or (for letter-train facts, twice as often) letter.
 
     Args:
@@ -385,7 +388,10 @@ def training_batches(
     import torch
 
     if not 0 < kv_fraction <= 1:
-        raise TaskError(f"kv_fraction={kv_fraction!r}; expected a fraction in (0, 1].")
+        raise TaskError(
+            f"kv_fraction={kv_fraction!r}; expected a fraction in (0, 1] (0.5: half the batches "
+            "are KV retrieval)."
+        )
     rng = random.Random(seed)
     pad = tokenizer.pad_token_id
     step = 0
