@@ -173,3 +173,26 @@ def test_load_model_hides_loading_bars_unless_asked(name, capfd):
         assert not hf_logging.is_progress_bar_enabled()  # not switched on behind the user's back
     finally:
         hf_logging.enable_progress_bar()
+
+
+def test_tie_space_variants_counts_pairs_and_accepts_a_vocabulary_without_any():
+    from tokenizers import Tokenizer, models
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from gna_lens.zoo.train import tie_space_variants
+
+    def tok(vocab: list[str]) -> PreTrainedTokenizerFast:
+        ids = {w: i for i, w in enumerate([*vocab, "<unk>"])}
+        return PreTrainedTokenizerFast(
+            tokenizer_object=Tokenizer(models.WordLevel(ids, unk_token="<unk>"))
+        )
+
+    cfg = LlamaConfig(
+        vocab_size=4, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32,
+    )  # fmt: skip
+    model = LlamaForCausalLM(cfg)
+    assert tie_space_variants(model, tok(["a", "b", "c"])) == 0
+    assert tie_space_variants(model, tok(["a", " a", "b"])) == 1
+    emb = model.get_input_embeddings().weight
+    assert torch.equal(emb[1], emb[0])
