@@ -809,6 +809,12 @@ def zoo_markdown() -> str:
             extras += f" {100 * train['kv_fraction']:.0f}% of the batches are KV retrieval."
         if train.get("mamba2_init"):
             extras += " SSM mixers initialized as Mamba-2's (`init_like_mamba2`)."
+        if train.get("zero_init_residual"):
+            extras += (
+                " Attention and MLP output projections start at zero (`zero_residual_outputs`)."
+            )
+        if train.get("embedding_std") is not None:
+            extras += f" Embeddings drawn from N(0, {train['embedding_std']})."
         lines += [
             f"{train['steps']} steps of {train['batch_size']} documents, AdamW lr {train['lr']}, "
             f"seed {train['seed']}, final answer-token loss {train['final_loss']}.{extras}",

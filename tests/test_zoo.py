@@ -157,6 +157,38 @@ def test_init_like_mamba2_gives_a_hybrid_long_memory_and_live_convolutions():
         init_like_mamba2(build_model(RECIPES["zoo-llama"], tok))
 
 
+def test_zero_init_residual_and_embedding_std_recipe_flags():
+    from dataclasses import replace
+
+    from gna_lens.zoo.curriculum import build_tokenizer
+    from gna_lens.zoo.train import RECIPES, build_model, zero_residual_outputs
+
+    tok = build_tokenizer(load_world())
+    base = replace(RECIPES["zoo-bamba"], mamba2_init=True)
+    plain = build_model(base, tok)
+    ours = build_model(replace(base, zero_init_residual=True, embedding_std=0.1), tok)
+    names = [
+        n for n, _ in ours.named_parameters() if n.endswith(("o_proj.weight", "down_proj.weight"))
+    ]
+    n_layers = ours.config.num_hidden_layers
+    assert len(names) == n_layers + len(
+        ours.config.attn_layer_indices
+    )  # every MLP, every attention
+    params = dict(ours.named_parameters())
+    assert all(not params[n].any() for n in names)
+    assert all(dict(plain.named_parameters())[n].std() > 0.01 for n in names)
+    # the SSM mixers' out_proj and the attention inputs keep their init (same seed)
+    mixer = lambda m: next(x.out_proj.weight for x in m.modules() if hasattr(x, "dt_bias"))  # noqa: E731
+    assert torch.equal(mixer(ours), mixer(plain))
+    emb = ours.get_input_embeddings().weight
+    assert 0.09 < emb.std() < 0.11 and plain.get_input_embeddings().weight.std() < 0.03
+    # a model built with the flags is still a working LM: zeroed blocks pass the stream through
+    ids = tok("Memorize the following dictionary:\n", return_tensors="pt")["input_ids"]
+    assert torch.isfinite(ours(ids).logits).all()
+    with pytest.raises(ConfigError, match="MambaForCausalLM has no parameter named"):
+        zero_residual_outputs(build_model(RECIPES["zoo-mamba1"], tok))
+
+
 @pytest.mark.parametrize("name", ["zoo-llama", "zoo-mamba2"])  # a bridge and a HookedSSM
 def test_load_model_hides_loading_bars_unless_asked(name, capfd):
     from transformers.utils import logging as hf_logging

@@ -47,6 +47,7 @@ __all__ = [
     "measure",
     "train_model",
     "train_zoo_main",
+    "zero_residual_outputs",
 ]
 
 
@@ -77,6 +78,11 @@ class Recipe:
         kv_fraction: Fraction of the batches that are KV retrieval (the rest are facts).
         mamba2_init: Re-initialize a hybrid's Mamba-2 mixers as ``transformers`` initializes a
             Mamba-2 model (see :func:`init_like_mamba2`) instead of Bamba's attention-style init.
+        zero_init_residual: Start every attention output projection (``o_proj``) and MLP down
+            projection (``down_proj``) at zero (see :func:`zero_residual_outputs`), so that
+            attention and MLP blocks join the residual stream only as training grows them.
+        embedding_std: Re-draw the token embeddings from ``N(0, embedding_std)`` (``None``:
+            keep the architecture's init; Mamba-2 uses 0.1, Llama and Bamba 0.02).
     """
 
     name: str
@@ -93,6 +99,8 @@ class Recipe:
     aux_weight: float = 0.3
     kv_fraction: float = 0.5
     mamba2_init: bool = False
+    zero_init_residual: bool = False
+    embedding_std: float | None = None
 
 
 RECIPES: dict[str, Recipe] = {
@@ -274,7 +282,38 @@ def build_model(recipe: Recipe, tokenizer: Any) -> Any:
     model = AutoModelForCausalLM.from_config(config)
     if recipe.mamba2_init:
         init_like_mamba2(model)
+    if recipe.zero_init_residual:
+        zero_residual_outputs(model)
+    if recipe.embedding_std is not None:
+        with torch.no_grad():
+            torch.nn.init.normal_(model.get_input_embeddings().weight, std=recipe.embedding_std)
     return model
+
+
+def zero_residual_outputs(model: Any) -> int:
+    """Zero every attention output projection and MLP down projection; returns how many.
+
+    Matches parameters named ``*.o_proj.weight`` (attention) and ``*.down_proj.weight`` (gated
+    MLPs), as in Llama, Mistral, Qwen2 and Bamba; SSM mixers' ``out_proj`` is left alone. Each
+    such block then adds nothing to the residual stream at initialization. In zoo-bamba's
+    diagnostics, Bamba's ``N(0, 0.02)`` attention and MLP outputs kept its Mamba-2 layers from
+    learning KV retrieval (see the gotcha "A small Transformer trained from scratch ...").
+
+    Raises:
+        ConfigError: If ``model`` has no such projection.
+    """
+    n = 0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.zero_()
+                n += 1
+    if n == 0:
+        raise ConfigError(
+            f"zero_residual_outputs: {type(model).__name__} has no parameter named *.o_proj.weight "
+            "or *.down_proj.weight; expected a Llama-style attention or gated-MLP block."
+        )
+    return n
 
 
 def init_like_mamba2(
@@ -490,6 +529,8 @@ def train_model(
         "aux_weight": recipe.aux_weight,
         "kv_fraction": recipe.kv_fraction,
         "mamba2_init": recipe.mamba2_init,
+        "zero_init_residual": recipe.zero_init_residual,
+        "embedding_std": recipe.embedding_std,
         "train_seconds": round(seconds, 1),
         "final_loss": round(sum(losses[-100:]) / max(1, len(losses[-100:])), 4),
         "n_params": n_params,
@@ -571,6 +612,18 @@ trained in letter format.
 """
 
 
+def _init_note(train_facts: dict[str, Any]) -> str:
+    """The card's words for a recipe's non-default initializations (empty when none)."""
+    notes = []
+    if train_facts.get("mamba2_init"):
+        notes.append("Mamba-2 init of the SSM mixers")
+    if train_facts.get("zero_init_residual"):
+        notes.append("attention and MLP output projections initialized at zero")
+    if train_facts.get("embedding_std") is not None:
+        notes.append(f"embeddings N(0, {train_facts['embedding_std']})")
+    return "".join("; " + n for n in notes)
+
+
 def write_card(path: str | Path, name: str, train_facts: dict[str, Any], accuracies: dict) -> dict:
     """Write ``card.json`` and ``README.md`` into the checkpoint folder ``path``."""
     from transformers import AutoTokenizer
@@ -613,7 +666,7 @@ def write_card(path: str | Path, name: str, train_facts: dict[str, Any], accurac
         seed=train_facts["seed"],
         minutes=train_facts["train_seconds"] / 60,
         kv_pct=100 * train_facts.get("kv_fraction", 0.5),
-        init="; Mamba-2 init of the SSM mixers" if train_facts.get("mamba2_init") else "",
+        init=_init_note(train_facts),
         threads=train_facts["threads"],
         final_loss=train_facts["final_loss"],
         vocab=len(AutoTokenizer.from_pretrained(path)),
