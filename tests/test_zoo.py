@@ -228,3 +228,29 @@ def test_tie_space_variants_counts_pairs_and_accepts_a_vocabulary_without_any():
     assert tie_space_variants(model, tok(["a", " a", "b"])) == 1
     emb = model.get_input_embeddings().weight
     assert torch.equal(emb[1], emb[0])
+
+
+def test_findings_page_says_why_the_hybrid_does_or_does_not_reproduce_finding_5():
+    from gna_lens.findings import _hybrid_caveats
+
+    def result(kinds: list[str], kv8: tuple[float, float], cloze: tuple[float, float]) -> dict:
+        rows = [
+            {"task": "kv-8", "before": kv8[0], "after": kv8[1]},
+            {"task": "letter", "before": 0.4, "after": 0.3},
+            {"task": "cloze", "before": cloze[0], "after": cloze[1]},
+        ]
+        return {
+            "model": "zoo-bamba",
+            "rank_task": "kv-8",
+            "aggregate_kinds": kinds,
+            "masking": rows,
+        }
+
+    steps = f"{gna_lens.zoo.card('zoo-bamba').raw['training']['steps']:,} steps"
+    (no_kv,) = _hybrid_caveats(result(["ssm", "ssm"], (0.15, 0.15), (1.0, 1.0)))
+    assert "did not learn KV retrieval" in no_kv and steps in no_kv and "kv-8 15.0%" in no_kv
+    (ssm_kv,) = _hybrid_caveats(result(["ssm"], (0.9, 0.5), (1.0, 1.0)))
+    assert "does retrieve (kv-8 90.0%" in ssm_kv and "not reproduced" in ssm_kv
+    (half,) = _hybrid_caveats(result(["attention", "ssm"], (0.9, 0.88), (1.0, 1.0)))
+    assert "half reproduced" in half and "kv-8 by 2.0 points" in half
+    assert _hybrid_caveats(result(["attention"], (0.9, 0.2), (1.0, 0.98))) == []  # reproduced
