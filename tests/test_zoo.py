@@ -136,10 +136,10 @@ def test_init_like_mamba2_gives_a_hybrid_long_memory_and_live_convolutions():
     from gna_lens.zoo.train import RECIPES, build_model, init_like_mamba2
 
     tok = build_tokenizer(load_world())
-    recipe = RECIPES["zoo-bamba"]
+    recipe = replace(RECIPES["zoo-bamba"], zero_init_residual=False, embedding_std=None)
     hf = build_model(replace(recipe, mamba2_init=False), tok)
     ours = build_model(replace(recipe, mamba2_init=True), tok)
-    assert init_like_mamba2(build_model(recipe, tok)) == 3  # one per Mamba-2 layer
+    assert init_like_mamba2(build_model(recipe, tok)) == 4  # one per Mamba-2 layer
     dt = torch.nn.functional.softplus(
         torch.cat([m.dt_bias for m in ours.modules() if hasattr(m, "dt_bias")])
     )
@@ -164,7 +164,7 @@ def test_zero_init_residual_and_embedding_std_recipe_flags():
     from gna_lens.zoo.train import RECIPES, build_model, zero_residual_outputs
 
     tok = build_tokenizer(load_world())
-    base = replace(RECIPES["zoo-bamba"], mamba2_init=True)
+    base = replace(RECIPES["zoo-bamba"], zero_init_residual=False, embedding_std=None)
     plain = build_model(base, tok)
     ours = build_model(replace(base, zero_init_residual=True, embedding_std=0.1), tok)
     names = [

@@ -159,11 +159,11 @@ RECIPES: dict[str, Recipe] = {
             config_class="BambaConfig",
             config=dict(
                 hidden_size=128,
-                num_hidden_layers=4,
+                num_hidden_layers=5,
                 intermediate_size=256,
                 num_attention_heads=4,
                 num_key_value_heads=4,
-                attn_layer_indices=[2],
+                attn_layer_indices=[3],
                 mamba_n_heads=8,
                 mamba_d_head=32,
                 mamba_n_groups=1,
@@ -174,8 +174,12 @@ RECIPES: dict[str, Recipe] = {
                 max_position_embeddings=512,
                 tie_word_embeddings=True,
             ),
-            steps=1500,
-            description="Bamba hybrid: 3 Mamba-2 layers + 1 attention layer (layer 2), with MLPs",
+            steps=2000,
+            kv_fraction=0.75,
+            mamba2_init=True,
+            zero_init_residual=True,
+            embedding_std=0.1,
+            description="Bamba hybrid: 4 Mamba-2 layers + 1 attention layer (layer 3), with MLPs",
         ),
     ]
 }
