@@ -50,7 +50,7 @@ docs: $(STAMP)
 tutorials: $(STAMP)
 	$(PY) -m pytest -q --nbmake --nbmake-timeout=300 tutorials/
 
-# Re-measure docs/findings.md and docs/zoo.md on SmolLM2-135M and the zoo (7.9 min measured on 2 idle cores).
+# Re-measure docs/findings.md and docs/zoo.md on SmolLM2-135M and the zoo (17.2 min measured on 2 idle cores; SmolLM2 takes 14 of them).
 findings: $(STAMP)
 	$(PY) -m gna_lens.findings --out docs/findings.md --json docs/findings.json
 

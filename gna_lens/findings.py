@@ -744,6 +744,15 @@ def _caveats(results: Mapping[str, Any]) -> list[str]:
     ]
 
 
+def _load_bearing(r: Mapping[str, Any], k: int = 3) -> str:
+    """A sentence naming the heads whose removal hurts the ranking task most, with their kinds."""
+    top = r.get("top_by_ablation", [])[:k]
+    if not top:
+        return ""
+    heads = ", ".join(f"{h['head']} ({h['kind']}, {h['ablation_effect']:+.2f})" for h in top)
+    return f"The heads whose removal hurts {r['rank_task']} most are {heads}."
+
+
 def _hybrid_caveats(r: Mapping[str, Any]) -> list[str]:
     """What the page says when the hybrid does not reproduce finding 5, from its measurements."""
     from gna_lens import zoo
@@ -776,7 +785,7 @@ def _hybrid_caveats(r: Mapping[str, Any]) -> list[str]:
         return [
             f"Finding 5 is only half reproduced: {r['model']}'s top aggregate heads include "
             f"attention heads, but denying them their aggregate patterns moves kv-8 by "
-            f"{100 * kv_drop:.1f} points and cloze by {100 * cloze_drop:.1f}."
+            f"{100 * kv_drop:.1f} points and cloze by {100 * cloze_drop:.1f}. " + _load_bearing(r)
         ]
     return []
 

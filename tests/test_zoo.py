@@ -239,11 +239,13 @@ def test_findings_page_says_why_the_hybrid_does_or_does_not_reproduce_finding_5(
             {"task": "letter", "before": 0.4, "after": 0.3},
             {"task": "cloze", "before": cloze[0], "after": cloze[1]},
         ]
+        top = [{"head": "L0H0", "kind": "ssm", "ablation_effect": -4.95}]
         return {
             "model": "zoo-bamba",
             "rank_task": "kv-8",
             "aggregate_kinds": kinds,
             "masking": rows,
+            "top_by_ablation": top,
         }
 
     steps = f"{gna_lens.zoo.card('zoo-bamba').raw['training']['steps']:,} steps"
@@ -253,4 +255,5 @@ def test_findings_page_says_why_the_hybrid_does_or_does_not_reproduce_finding_5(
     assert "does retrieve (kv-8 90.0%" in ssm_kv and "not reproduced" in ssm_kv
     (half,) = _hybrid_caveats(result(["attention", "ssm"], (0.9, 0.88), (1.0, 1.0)))
     assert "half reproduced" in half and "kv-8 by 2.0 points" in half
+    assert "hurts kv-8 most are L0H0 (ssm, -4.95)" in half
     assert _hybrid_caveats(result(["attention"], (0.9, 0.2), (1.0, 0.98))) == []  # reproduced
