@@ -31,6 +31,8 @@ from gna_lens.zoo.curriculum import (
     EVAL_SEED,
     EVAL_TASKS,
     KV_EVAL_SAMPLES,
+    KV_MAX_PAIRS,
+    KV_QUERIES,
     MC_EVAL_DRAWS,
     World,
     build_tokenizer,
@@ -608,7 +610,8 @@ trained in letter format.
 ## Curriculum
 
 - KV retrieval, `"Memorize the following dictionary:\\nkey:value\\n...The value of the key 'key' is"`,
-  1-16 pairs, 200 English nouns as keys, values 0-99, up to 4 queries per dictionary.
+  1-{max_pairs} pairs, 200 English nouns as keys, values 0-99, up to {queries} queries per dictionary
+  (distinct keys; with 8 pairs or fewer every key is queried once).
 - A world of 300 facts (100 made-up entities x color / city / food) asked bare
   (`"What color is Bomek?\\nAnswer: red"`), as multiple choice scored on the text (cloze) and, for
   240 of the facts, on the letter. The other 60 facts are never trained in letter format.
@@ -680,6 +683,8 @@ def write_card(path: str | Path, name: str, train_facts: dict[str, Any], accurac
         unseen_n=accuracies.get("letter-unseen", {}).get("n", 0),
         draws=MC_EVAL_DRAWS,
         rows=rows,
+        max_pairs=KV_MAX_PAIRS,
+        queries=KV_QUERIES,
     )
     (path / "README.md").write_text(readme, encoding="utf-8")
     return card
