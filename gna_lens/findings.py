@@ -847,6 +847,8 @@ def zoo_markdown() -> str:
             extras += f" {100 * train['kv_fraction']:.0f}% of the batches are KV retrieval."
         if train.get("mamba2_init"):
             extras += " SSM mixers initialized as Mamba-2's (`init_like_mamba2`)."
+        if train.get("fan_in_init"):
+            extras += " Linear layers drawn with torch's default fan-in init (`fan_in_init`)."
         if train.get("zero_init_residual"):
             extras += (
                 " Attention and MLP output projections start at zero (`zero_residual_outputs`)."

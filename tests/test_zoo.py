@@ -189,6 +189,48 @@ def test_zero_init_residual_and_embedding_std_recipe_flags():
         zero_residual_outputs(build_model(RECIPES["zoo-mamba1"], tok))
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_each_card_was_trained_with_its_shipped_recipe(name):
+    """`gna-lens train-zoo NAME` reproduces the shipped checkpoint only if the recipe is the same."""
+    from dataclasses import fields
+
+    from gna_lens.zoo.train import RECIPES
+
+    recipe, train = RECIPES[name], zoo.card(name).raw["training"]
+    skip = {"name", "config_class", "config", "description", "aux_prev_tokens"}
+    for f in fields(recipe):
+        if f.name not in skip:
+            assert train.get(f.name, f.default) == getattr(recipe, f.name), (name, f.name)
+    assert tuple(train.get("aux_prev_tokens", ())) == recipe.aux_prev_tokens
+
+
+def test_fan_in_init_redraws_linear_layers_but_not_the_tied_head():
+    import math
+    from dataclasses import replace
+
+    from gna_lens.zoo.curriculum import build_tokenizer
+    from gna_lens.zoo.train import RECIPES, build_model, fan_in_init
+
+    tok = build_tokenizer(load_world())
+    base = replace(RECIPES["zoo-llama"], fan_in_init=False, embedding_std=None)
+    plain = build_model(base, tok)
+    ours = build_model(replace(base, fan_in_init=True, embedding_std=0.3), tok)
+    layer = lambda m: m.model.layers[0]  # noqa: E731
+    for proj, fan_in in [("self_attn.q_proj", 128), ("mlp.down_proj", 384)]:
+        w = layer(ours).get_submodule(proj).weight
+        bound = 1 / math.sqrt(fan_in)
+        assert w.abs().max() <= bound and 0.9 < w.std() * math.sqrt(3) / bound < 1.1
+        assert layer(plain).get_submodule(proj).weight.std() < 0.021  # Llama's N(0, 0.02)
+    emb = ours.get_input_embeddings().weight
+    assert ours.lm_head.weight is emb and 0.29 < emb.std() < 0.31  # tied head not re-drawn
+    n_linear = sum(isinstance(m, torch.nn.Linear) for m in plain.modules()) - 1  # minus lm_head
+    assert fan_in_init(build_model(base, tok)) == n_linear == 4 * 7
+    ids = tok("Memorize the following dictionary:\n", return_tensors="pt")["input_ids"]
+    assert not torch.allclose(ours(ids).logits, plain(ids).logits)
+    with pytest.raises(ConfigError, match=r"Sequential has no torch\.nn\.Linear"):
+        fan_in_init(torch.nn.Sequential(torch.nn.Embedding(3, 2)))
+
+
 @pytest.mark.parametrize("name", ["zoo-llama", "zoo-mamba2"])  # a bridge and a HookedSSM
 def test_load_model_hides_loading_bars_unless_asked(name, capfd):
     from transformers.utils import logging as hf_logging
