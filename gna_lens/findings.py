@@ -732,6 +732,7 @@ def _caveats(results: Mapping[str, Any]) -> list[str]:
                 "~1M-parameter models had not learned in their training budget. KV retrieval is "
                 "its ranking task."
             )
+    notes += [n for r in results.get("3", []) for n in _mask_caveats(r)]
     if "5" in results:
         notes += _hybrid_caveats(results["5"])
     if not notes:
@@ -741,6 +742,25 @@ def _caveats(results: Mapping[str, Any]) -> list[str]:
         "",
         *[f"- {n}" for n in notes],
         "",
+    ]
+
+
+def _mask_caveats(r: Mapping[str, Any], margin: float = 0.15) -> list[str]:
+    """Finding 3's row ``r`` not reproduced: the model does the task, denying the patterns doesn't
+    take away half of its margin over chance (the paper: denied falls to chance)."""
+    base, denied, kept, chance = r["baseline"], r["denied"], r["kept"], r["chance"]
+    if base < chance + margin or base - denied >= (base - chance) / 2:
+        return []
+    heads = (
+        f"gather heads {' '.join(r['gather_heads'])}, aggregate heads "
+        f"{' '.join(r['aggregate_heads'])}"
+    )
+    return [
+        f"Finding 3 is not reproduced on {r['model']} ({r['task']}): denying the G&A patterns "
+        f"of its best-scoring candidates ({heads}) leaves {_pct(denied)} (no mask {_pct(base)}, "
+        f"chance {_pct(chance)}; keeping only them: {_pct(kept)}). Its look-up does not run "
+        "through the attention these masks remove (the gather heads' attention within each "
+        "segment, the aggregate heads' attention to the summary tokens)."
     ]
 
 

@@ -299,3 +299,27 @@ def test_findings_page_says_why_the_hybrid_does_or_does_not_reproduce_finding_5(
     assert "half reproduced" in half and "kv-8 by 2.0 points" in half
     assert "hurts kv-8 most are L0H0 (ssm, -4.95)" in half
     assert _hybrid_caveats(result(["attention"], (0.9, 0.2), (1.0, 0.98))) == []  # reproduced
+
+
+def test_finding_3_caveat_only_when_denying_the_patterns_leaves_the_accuracy():
+    from gna_lens.findings import _mask_caveats
+
+    def row(base, kept, denied, chance=0.25):
+        return {
+            "model": "zoo-x",
+            "task": "letter",
+            "gather_heads": ["L2H0"],
+            "aggregate_heads": ["L3H1", "L0H3"],
+            "baseline": base,
+            "kept": kept,
+            "denied": denied,
+            "chance": chance,
+        }
+
+    (note,) = _mask_caveats(row(0.894, 0.839, 0.894))  # zoo-llama's letter row
+    assert "not reproduced on zoo-x (letter)" in note and "leaves 89.4%" in note
+    assert "gather heads L2H0, aggregate heads L3H1 L0H3" in note
+    assert _mask_caveats(row(0.961, 0.95, 0.178, 0.125)) == []  # zoo-mamba2 kv-8: reproduced
+    assert _mask_caveats(row(0.322, 0.322, 0.322)) == []  # the model does not do the task
+    assert _mask_caveats(row(0.9, 0.9, 0.56)) == []  # lost more than half its margin
+    assert len(_mask_caveats(row(0.9, 0.9, 0.6))) == 1
