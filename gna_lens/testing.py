@@ -18,11 +18,18 @@ import torch
 
 __all__ = [
     "ARCHITECTURES",
+    "TOY_AGGREGATE_HEAD",
+    "TOY_GATHER_HEAD",
+    "TOY_GENERIC_HEAD",
+    "TOY_WORDS",
     "tiny_checkpoint",
     "tiny_hf_config",
     "tiny_hf_model",
     "tiny_hooked_ssm",
     "tiny_tokenizer",
+    "toy_control",
+    "toy_gna_model",
+    "toy_gna_task",
 ]
 
 #: Architectures the factories can build.
@@ -244,6 +251,8 @@ TOY_WORDS = (
 #: The toy model's known Gather head and Aggregate head.
 TOY_GATHER_HEAD = (0, 0)
 TOY_AGGREGATE_HEAD = (1, 0)
+#: The generic head of ``toy_gna_model(generic_head=True)``: every prediction needs it.
+TOY_GENERIC_HEAD = (0, 2)
 
 
 def toy_gna_template() -> Any:
@@ -271,7 +280,37 @@ def toy_gna_task(model: Any, n_pairs: int = 4, n_samples: int = 16, seed: int = 
     )
 
 
-def toy_gna_model() -> Any:
+def toy_control(model: Any, n_sequences: int = 8, seq_len: int = 16, seed: int = 0) -> Any:
+    """A control text for :func:`toy_gna_model`: chains of key words in a fixed cyclic order.
+
+    Each window follows :data:`TOY_WORDS` cyclically from a seeded start (``apple river stone
+    ...``); ``toy_gna_model(generic_head=True)`` predicts every next word through its generic
+    head (and nothing else), so removing that head breaks this control and removing the G&A
+    heads does not.
+
+    Returns:
+        A :class:`~gna_lens.tasks.TextControl` (no BOS: the toy prompts have none either).
+    """
+    import random
+
+    from gna_lens.tasks import TextControl
+
+    tok = model.tokenizer
+    ids = [tok.convert_tokens_to_ids(w) for w in TOY_WORDS]
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n_sequences):
+        start = rng.randrange(len(ids))
+        rows.append([ids[(start + i) % len(ids)] for i in range(seq_len)])
+    return TextControl(
+        name="toy-chains",
+        tokens=torch.tensor(rows, dtype=torch.long),
+        source="cyclic chains of the toy's key words",
+        split="all",
+    )
+
+
+def toy_gna_model(generic_head: bool = False) -> Any:
     """A two-layer attention-only model whose weights implement a known Gather-and-Aggregate pair.
 
     Built by hand (no training) as a :class:`~gna_lens.models.HookedSSM` hybrid whose two layers
@@ -286,6 +325,18 @@ def toy_gna_model() -> Any:
     Every other head has zero weights (uniform pattern, no output). The residual stream has one
     dimension per feature: key identity, value identity, a newline flag, a bias, the gathered key
     and value, and the output value.
+
+    With ``generic_head=True`` each layer has a third head and head ``(0, 2)``
+    (:data:`TOY_GENERIC_HEAD`) is one that *every* prediction needs: it attends to the current
+    token and copies its identity into a "current word" feature, which the Aggregate head's query
+    reads (``2 * current - key``: without the generic head the query points away from the
+    queried line, so retrieval fails worse than without the G&A heads) and which the unembedding
+    maps to the next word of :func:`toy_control`'s chains. Removing it breaks retrieval *and*
+    the control; removing a G&A head breaks only retrieval.
+
+    Args:
+        generic_head: Add the generic head (the model then has 96 dimensions and 3 heads per
+            layer).
 
     Returns:
         The model (fp32, eval mode) with its word-level tokenizer attached.
@@ -309,17 +360,19 @@ def toy_gna_model() -> Any:
     nl_id = tok.convert_tokens_to_ids("\n")
     # Residual layout.
     KEY, VAL, NL, BIAS, GK, GV, OUT = 0, n, 2 * n, 2 * n + 1, 2 * n + 2, 3 * n + 2, 4 * n + 2
-    d_model, d_head, theta = 64, 32, 0.05
+    CUR = 5 * n + 2  # generic head's "current word" (generic_head=True only)
+    n_heads = 3 if generic_head else 2
+    d_model, d_head, theta = 32 * n_heads, 32, 0.05
     config = tf.BambaConfig(
         vocab_size=len(tok),
         hidden_size=d_model,
         num_hidden_layers=2,
         intermediate_size=8,
-        num_attention_heads=2,
-        num_key_value_heads=2,
+        num_attention_heads=n_heads,
+        num_key_value_heads=n_heads,
         attn_layer_indices=[0, 1],
         mamba_n_heads=2,
-        mamba_d_head=64,
+        mamba_d_head=d_model,
         mamba_n_groups=1,
         mamba_d_state=4,
         mamba_expand=2,
@@ -359,12 +412,31 @@ def toy_gna_model() -> Any:
             g.o_proj.weight[GV + i, n + i] = 2.0
         a = blocks[1].attn  # Aggregate head
         for i in range(n):
-            a.q_proj.weight[16 + i, KEY + i] = c * 8.0 / s
             a.k_proj.weight[16 + i, GK + i] = 4.0
-            # Only newlines are read: other tokens' (diffuse) gathered keys are outweighed.
-            a.k_proj.weight[16 + i, NL] = 10.0
-            a.k_proj.weight[16 + i, BIAS] = -10.0
             a.v_proj.weight[i, GV + i] = 1.0
             a.o_proj.weight[OUT + i, i] = 3.0
             model.unembed.weight[val_ids[i], OUT + i] = 5.0
+            if not generic_head:
+                a.q_proj.weight[16 + i, KEY + i] = c * 8.0 / s
+                # Only newlines are read: other tokens' (diffuse) gathered keys are outweighed.
+                a.k_proj.weight[16 + i, NL] = 10.0
+                a.k_proj.weight[16 + i, BIAS] = -10.0
+        if generic_head:
+            # The query is 2 * current - key; the newline gate lives on its own dimension (28)
+            # so that a query pointing away from the queried line still reads only newlines.
+            for i in range(n):
+                a.q_proj.weight[16 + i, CUR + i] = 2 * c * 8.0 / s
+                a.q_proj.weight[16 + i, KEY + i] = -c * 8.0 / s
+            a.q_proj.weight[28, BIAS] = c * 40.0 / s
+            a.k_proj.weight[28, NL] = 1.0
+            a.k_proj.weight[28, BIAS] = -1.0
+            gen = 64  # generic head (0, 2): rows 64..95 of q/k/v, columns 64..95 of o
+            # Self-attention by recency: score 8000 cos(theta * distance), sharp at distance 0.
+            g.q_proj.weight[gen + 7, BIAS] = c * 8000 / s
+            g.k_proj.weight[gen + 7, BIAS] = 1 / s
+            for i in range(n):
+                g.v_proj.weight[gen + i, KEY + i] = 1 / s
+                g.o_proj.weight[CUR + i, gen + i] = 1.0
+                # The control's next word: key word i is followed by key word i + 1.
+                model.unembed.weight[key_ids[(i + 1) % n], CUR + i] = 6.0
     return model

@@ -8,7 +8,8 @@ edited, and no hook survives a call, even when the model or a metric raises.
 - :func:`ablate_heads` / :func:`head_ablation_hooks`: zero, mean or resample ablation, at all or
   chosen positions.
 - :func:`ablation_sweep`: every head (or head set) ablated on a task, batched and incremental,
-  returning a :class:`SweepResult`.
+  returning a :class:`SweepResult`; :func:`control_sweep`: the same ablations' effect on the
+  next-token loss of a control text (or a knowledge task).
 - :func:`gather_mask`, :func:`aggregate_mask`, :func:`stack_masks`, :func:`mask_patterns`:
   sample-specific pattern masks on attention and SSM heads.
 - :func:`patch_heads`, :func:`patch_residual`: activation patching clean -> corrupted, returning a
@@ -20,6 +21,7 @@ from gna_lens.interventions.ablation import (
     SweepResult,
     ablate_heads,
     ablation_sweep,
+    control_sweep,
     head_ablation_hooks,
 )
 from gna_lens.interventions.attribution import attribute_heads
@@ -39,6 +41,7 @@ __all__ = [
     "ablation_sweep",
     "aggregate_mask",
     "attribute_heads",
+    "control_sweep",
     "gather_mask",
     "head_ablation_hooks",
     "mask_patterns",

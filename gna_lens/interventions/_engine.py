@@ -54,7 +54,7 @@ class SweepPlan:
     pack: int | None
 
     def rows(self, runner: Runner, length: int, n_cached: int) -> int:
-        logit_pos = 1 if (runner.is_ssm or runner.keep_last) else length
+        logit_pos = length if runner.full else 1 if (runner.is_ssm or runner.keep_last) else length
         return plan_rows(
             runner.model, runner.view, length, self.budget, self.max_rows, logit_pos, n_cached
         )
@@ -224,7 +224,7 @@ def _loop(
     for i, cell in enumerate(ctx.cells):
         cols = column_mask(cell_cols[i] if cell_cols else positions, g.length, "cpu")
         hooks = packed_edit_hooks(view, [cell], len(g), ref_rows, source, cols)
-        lg = runner.model.run_with_hooks(tokens, fwd_hooks=hooks)[:, -1]
+        lg = runner._pick(runner.model.run_with_hooks(tokens, fwd_hooks=hooks))
         ctx.store([i], g.indices, ctx.metric(lg, idx)[None])
 
 
@@ -271,12 +271,13 @@ def _layers(
             ctx, g, tokens, source, ref_rows, idx, layer, cap, cache, cell_cols, positions, ids
         )
         W = head_output_weights(model, layer) if view[layer].out_hook else None
-        strategy = "packed" if W is None else _STRATEGY.get(model)
+        chosen = _STRATEGY.setdefault(model, {})
+        strategy = "packed" if W is None else chosen.get(runner.full)
         rest = ids
         if strategy is None:
             assert W is not None
             strategy, rest = run.choose(W)
-            _STRATEGY[model] = strategy
+            chosen[runner.full] = strategy
         ctx.info["expanded"] = ctx.info["expanded"] or strategy == "expand"
         if strategy == "expand":
             assert W is not None
@@ -286,9 +287,10 @@ def _layers(
             run.packed_all(rest)
 
 
-# Per model: "expand" (one prompt per run, the ablated layer's mixer shared by the cells) or
-# "packed" (cells x prompts per run), whichever measured faster per cell on first use.
-_STRATEGY: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
+# Per model and output kind (last position / every position): "expand" (one prompt per run, the
+# ablated layer's mixer shared by the cells) or "packed" (cells x prompts per run), whichever
+# measured faster per cell on first use.
+_STRATEGY: "weakref.WeakKeyDictionary[Any, dict[bool, str]]" = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -359,7 +361,7 @@ class _LayerRun:
         t0 = time.perf_counter()
         lg_e = _attempt(lambda: self.expanded(W, chunk, 0)[0])
         t_e = time.perf_counter() - t0
-        same = lg_e is not None and _close(lg_e, lg_p.view(k, G, -1)[:, 0], 2e-6)
+        same = lg_e is not None and _close(lg_e.reshape(k, -1), lg_p.reshape(k, G, -1)[:, 0], 2e-6)
         # One timing each, maybe on a shared machine: expanding saves at most the ablated
         # layer's mixer per cell and runs smaller batches, so it must win clearly.
         faster = t_e / k < 0.75 * t_p / (k * G)

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gna_lens.errors import InterventionError
 from gna_lens.heads import HeadView, _is_hooked_ssm
 from gna_lens.interventions._common import hooked
 
@@ -42,7 +43,26 @@ _TAIL_OK: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
 STEP_RTOL = 1e-4
 
 
+#: Relative tolerance of those checks while a bfloat16/float16 autocast is active: the shortcuts
+#: are exact in exact arithmetic, but reordered half-precision products differ by ~1e-2.
+AUTOCAST_RTOL = 3e-2
+
+
+def autocast_dtype() -> torch.dtype | None:
+    """The autocast dtype in effect (CPU or CUDA), or ``None``."""
+    for device in ("cpu", "cuda"):
+        try:
+            if torch.is_autocast_enabled(device):
+                return torch.get_autocast_dtype(device)
+        except (RuntimeError, TypeError):  # older torch or a device type it does not know
+            continue
+    return None
+
+
 def _close(a: Tensor, b: Tensor, rtol: float = STEP_RTOL) -> bool:
+    if autocast_dtype() is not None:
+        rtol = max(rtol, AUTOCAST_RTOL)
+    a, b = a.float(), b.float()
     scale = float(b.abs().max()) + 1e-6
     return bool(torch.isfinite(a).all()) and float((a - b).abs().max()) <= rtol * scale
 
@@ -50,13 +70,17 @@ def _close(a: Tensor, b: Tensor, rtol: float = STEP_RTOL) -> bool:
 class Runner:
     """Forward passes of one model for the interventions (always under ``torch.no_grad``)."""
 
-    def __init__(self, model: Any, view: HeadView):
+    def __init__(self, model: Any, view: HeadView, full: bool = False):
         self.model = model
         self.view = view
         self.n_layers = view.n_layers
         self.is_ssm = _is_hooked_ssm(model)
+        #: ``full``: every method returns logits at every position ``[rows, pos, d_vocab]`` (for
+        #: metrics over whole sequences, e.g. the next-token loss of a control text) instead of the
+        #: last position's ``[rows, d_vocab]``.
+        self.full = full
         self.keep_last: dict[str, Any] = {}
-        if not self.is_ssm:
+        if not self.is_ssm and not full:
             hf = getattr(model, "original_model", None)
             try:
                 params = inspect.signature(hf.forward).parameters if hf is not None else {}
@@ -73,7 +97,11 @@ class Runner:
 
     # ------------------------------------------------------------------ full runs
     def _tail(self) -> list[tuple[str, Callable[..., Any]]]:
-        return self.tail_hooks if _TAIL_OK.get(self.model) else []
+        return self.tail_hooks if (_TAIL_OK.get(self.model) and not self.full) else []
+
+    def _pick(self, logits: Tensor) -> Tensor:
+        """The positions this runner returns: all (``full``) or the last."""
+        return logits if self.full else logits[:, -1]
 
     def logits_last(self, tokens: Tensor, hooks: Hooks = ()) -> Tensor:
         """Logits at the last position ``[rows, d_vocab]`` of a full forward with ``hooks``."""
@@ -82,11 +110,13 @@ class Runner:
             if self.is_ssm:
                 resid = model(tokens, stop_at_layer=self.n_layers)
             else:
-                return model(tokens, **self.keep_last)[:, -1]
+                return self._pick(model(tokens, **self.keep_last))
         return self._final(resid)
 
     def _final(self, resid: Tensor) -> Tensor:
-        """HookedSSM: final norm and unembedding of the last position only."""
+        """HookedSSM: final norm and unembedding of the last position (every one if ``full``)."""
+        if self.full:
+            return self.model(resid, start_at_layer=self.n_layers)
         return self.model(resid[:, -1:], start_at_layer=self.n_layers)[:, 0]
 
     def clean(self, tokens: Tensor, names: Sequence[str]) -> tuple[Tensor, dict[str, Tensor]]:
@@ -104,7 +134,7 @@ class Runner:
 
         ``tokens`` are the unpadded prompts of the group (any one row is enough for the bridge).
         """
-        if self.tail_hooks and self.model not in _TAIL_OK:
+        if self.tail_hooks and self.model not in _TAIL_OK and not self.full:
             fast = _attempt(
                 lambda: self._from_layer(layer, resid, tokens, [*hooks, *self.tail_hooks])
             )
@@ -135,20 +165,24 @@ class Runner:
 
         swap_hook = [(self.view[layer].resid_pre_hook, swap)]
         with hooked(self.model, swap_hook + list(hooks)):
-            return self.model(tokens[:1], **self.keep_last)[:, -1]
+            return self._pick(self.model(tokens[:1], **self.keep_last))
 
     def _bridge_start(self, layer: int, resid: Tensor, hooks: Hooks) -> Tensor:
         with hooked(self.model, hooks):
-            return self.model(resid, start_at_layer=layer, **self.keep_last)[:, -1]
+            return self._pick(self.model(resid, start_at_layer=layer, **self.keep_last))
 
     # ------------------------------------------------------------------ incremental
     def prefix(self, tokens: Tensor) -> tuple[Tensor, Any]:
         """Run the whole prompt once; returns (last logits, prefix state or ``None``).
 
+        Only for runners that return the last position (``full=False``).
+
         The state holds what the last token needs from the earlier ones. ``None`` when the model
         offers no incremental path that reproduces its full forward (then edits of the last
         position are recomputed in full).
         """
+        if self.full:
+            raise InterventionError("internal: the incremental path returns the last position only")
         if self.is_ssm:
             from gna_lens.interventions._ssm_step import ssm_prefix
 

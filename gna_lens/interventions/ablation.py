@@ -6,6 +6,7 @@ projection's input), through hooks that exist only inside a context manager: wei
 touched, and no hook survives the call, even when the model or a metric raises.
 """
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -33,9 +34,15 @@ from gna_lens.interventions._common import (
 )
 from gna_lens.interventions._engine import SweepPlan, run_cells
 from gna_lens.interventions._runner import Runner
-from gna_lens.tasks import Task
+from gna_lens.tasks import Task, TextControl
 
-__all__ = ["SweepResult", "ablate_heads", "ablation_sweep", "head_ablation_hooks"]
+__all__ = [
+    "SweepResult",
+    "ablate_heads",
+    "ablation_sweep",
+    "control_sweep",
+    "head_ablation_hooks",
+]
 
 HookFn = Callable[..., Tensor]
 
@@ -461,5 +468,172 @@ def ablation_sweep(
         mode=mode,
         positions=positions_label(positions),
         method=used,
+        info=info,
+    )
+
+
+# ----------------------------------------------------------------------------- control sweep
+class _NextTokenNLL:
+    """Per-row next-token negative log-likelihood (nats/token) of a :class:`TextControl`.
+
+    ``last=False``: logits ``[rows, pos, d_vocab]`` of the whole window, the mean NLL of
+    predicting ``tokens[:, 1:]``. ``last=True``: logits ``[rows, d_vocab]`` at the last input
+    position, the NLL of each window's final token (the input is the window minus that token).
+    """
+
+    name = "nll"
+
+    def __init__(self, tokens: Tensor, last: bool):
+        self.tokens = tokens
+        self.last = last
+
+    def __call__(self, logits: Tensor, idx: Tensor) -> Tensor:
+        rows = self.tokens[idx.long().cpu()].to(logits.device)
+        if self.last:
+            logp = logits.float().log_softmax(-1)
+            return -logp.gather(1, rows[:, -1:])[:, 0]
+        logp = logits[:, :-1].float().log_softmax(-1)
+        return -logp.gather(2, rows[:, 1:, None])[..., 0].mean(-1)
+
+
+def control_sweep(
+    model: Any,
+    control: TextControl | Task,
+    heads: Any = None,
+    *,
+    mode: str = "zero",
+    positions: Any = None,
+    method: str = "batched",
+    max_rows: int = 64,
+    memory_budget: int | str = "1GiB",
+    progress: bool = True,
+) -> SweepResult:
+    """The change in next-token loss (nats/token) on a control when each head (set) is ablated.
+
+    The same ablation as on the task (``mode``, ``positions``), applied to text that needs no
+    in-context retrieval:
+
+    - a :class:`~gna_lens.tasks.TextControl` (prose windows): with ``positions=None`` or a list,
+      the heads are ablated at those positions of every window and the loss is the mean NLL of
+      every next token; with ``positions="last"`` each window minus its final token is the input,
+      the heads are ablated at its last position only, and the loss is the NLL of that final token
+      (the prose analogue of ablating at the query position). ``"mean"`` ablation replaces a head
+      by its mean over the control's own windows (the same positions as
+      :func:`head_ablation_hooks` averages over); ``"resample"`` takes window ``i``'s head output
+      from window ``i + 1``.
+    - a :class:`~gna_lens.tasks.Task` (e.g. cloze questions answered from the weights): the NLL
+      of each sample's answer token at the query position (single-token answers), under the same
+      ablation as :func:`ablation_sweep` with ``reference=control`` for mean/resample.
+
+    Args:
+        model: A TransformerBridge or a HookedSSM.
+        control: The control.
+        heads: ``None`` (every head alone), ``[(layer, head), ...]`` or head sets.
+        mode: ``"zero"``, ``"mean"`` or ``"resample"``.
+        positions: ``None``, ``"last"`` or a list of positions.
+        method: ``"batched"`` or ``"loop"`` (reference, see :func:`ablation_sweep`).
+        max_rows: Rows (windows x ablations) per forward pass.
+        memory_budget: Bytes a forward pass may use (full-window logits are large).
+        progress: Show a progress bar.
+
+    Returns:
+        A :class:`SweepResult` with ``metric="nll"``: ``values`` are per-window (per-sample)
+        losses, ``effects`` the loss change (positive: the ablation hurts the control).
+
+    Raises:
+        InterventionError: On a control that is neither, bad positions, or a resample control
+            of one window.
+
+    Examples:
+        >>> from gna_lens.tasks import text_control
+        >>> from gna_lens.testing import tiny_hooked_ssm
+        >>> model = tiny_hooked_ssm("mamba2")
+        >>> control = text_control(model.tokenizer, n_sequences=2, seq_len=16, max_unknown=1.0)
+        >>> res = control_sweep(model, control, [(0, 1), (1, 2)], progress=False)
+        >>> res.metric, tuple(res.values.shape)
+        ('nll', (2, 2))
+    """
+    from tqdm.auto import tqdm
+
+    if isinstance(control, Task):
+        res = ablation_sweep(
+            model,
+            control,
+            "logprob",
+            heads,
+            mode=mode,
+            positions=positions,
+            reference=control if mode != "zero" else None,
+            method=method,
+            max_rows=max_rows,
+            memory_budget=memory_budget,
+            progress=progress,
+        )
+        return dataclasses.replace(res, values=-res.values, baseline=-res.baseline, metric="nll")
+    if not isinstance(control, TextControl):
+        raise InterventionError(
+            f"control is a {type(control).__name__}; expected a gna_lens.tasks.TextControl "
+            "(gna_lens.tasks.text_control(tokenizer)) or a gna_lens.tasks.Task."
+        )
+    view = head_view(model)
+    cells = normalize_head_sets(view, heads)
+    positions = check_positions(positions)
+    if isinstance(positions, Tensor):
+        raise InterventionError(
+            "control_sweep: positions must be None, 'last' or a list of positions."
+        )
+    if method not in ("batched", "loop"):
+        raise InterventionError(f"method={method!r}; expected 'batched' or 'loop'.")
+    last = positions == "last"
+    device = model_device(model)
+    inputs = control.tokens[:, :-1] if last else control.tokens
+    n = inputs.shape[0]
+    if mode == "resample" and n < 2:
+        raise InterventionError(
+            f"control_sweep(mode='resample') on {control.describe()}: one window cannot be "
+            "resampled from another; expected at least 2 windows."
+        )
+    layers = sorted({layer for c in cells for layer, _ in c})
+    require_editable(model, view, layers, "z")
+    runner = Runner(model, view, full=not last)
+    metric = _NextTokenNLL(control.tokens, last)
+    plan = SweepPlan(parse_bytes(memory_budget), max_rows, None)
+    with torch.no_grad():
+        source = build_source(
+            model, view, mode, None if mode == "zero" else inputs.to(device), layers,
+            positions, device,
+        )  # fmt: skip
+        groups = [
+            Group(torch.arange(s, min(s + max_rows, n)), inputs[s : s + max_rows].to(device))
+            for s in range(0, n, max_rows)
+        ]
+
+        def source_for(g: Group) -> tuple[Source, Tensor]:
+            shift = 1 if mode == "resample" else 0
+            return source, (g.indices + shift) % max(source.n, 1)
+
+        bar = tqdm(
+            total=len(cells) * n,
+            desc=f"control sweep ({len(cells)} cells)",
+            disable=not progress,
+            leave=False,
+        )
+        try:
+            values, baseline, info = run_cells(
+                runner, cells, groups, source_for, metric, lambda g: g.indices, positions, plan,
+                method, bar=bar,
+            )  # fmt: skip
+        finally:
+            bar.close()
+    return SweepResult(
+        cells=tuple(cells),
+        kinds=tuple(cell_kind(view, c) for c in cells),
+        values=values,
+        baseline=baseline,
+        metric="nll",
+        task=control.describe(),
+        mode=mode,
+        positions=positions_label(positions),
+        method=method if not last or info["incremental_fallbacks"] else "incremental",
         info=info,
     )

@@ -1,4 +1,9 @@
-"""G&A pair finding and the retrieval-vs-knowledge split."""
+"""G&A pair finding: candidates from the report, confirmation by pattern masks.
+
+One implementation of each step, used by :func:`find_gna_pairs` and the findings page alike:
+:func:`pair_candidates` (which heads to test), :func:`gna_masks` (the keep / deny masks of a set of
+gather and aggregate heads) and :func:`mask_experiment` (accuracy with no mask, kept, denied).
+"""
 
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -9,18 +14,21 @@ import torch
 from torch import Tensor
 
 from gna_lens.errors import GnaLensError
-from gna_lens.interventions import ablate_heads, aggregate_mask, gather_mask, mask_patterns
+from gna_lens.interventions import aggregate_mask, gather_mask, mask_patterns
 from gna_lens.interventions._common import describe_task
 from gna_lens.scoring.patterns import Head
 from gna_lens.scoring.report import GnaReport, score_heads
-from gna_lens.tasks import Batch, Task, evaluate
+from gna_lens.stats import Interval, wilson_interval
+from gna_lens.tasks import Batch, Task
 
 __all__ = [
     "GnaPair",
-    "KnowledgeTable",
+    "MaskResult",
     "find_gna_pairs",
+    "gna_masks",
+    "mask_experiment",
     "masked_accuracy",
-    "retrieval_vs_knowledge",
+    "pair_candidates",
 ]
 
 
@@ -55,9 +63,21 @@ def masked_accuracy(
     Returns:
         The fraction of samples whose correct choice has the highest logit.
     """
+    return float(_masked_correct(model, task, masks, mode=mode, batch_size=batch_size).mean())
+
+
+def _masked_correct(
+    model: Any,
+    task: Task,
+    masks: Callable[[Batch], Mapping[Head, Tensor]] | None,
+    *,
+    mode: str = "post",
+    batch_size: int = 8,
+) -> Tensor:
+    """Per-sample correctness ``[n]`` (float) under ``masks``."""
     _single_token_choices(task)
     device = next(model.parameters()).device
-    correct = 0
+    correct = torch.zeros(len(task))
     with torch.no_grad():
         for batch in task.batches(batch_size, padding_side="left"):
             ids = batch.input_ids.to(device)
@@ -68,10 +88,147 @@ def masked_accuracy(
                 with mask_patterns(model, dict(masks(batch)), mode=mode):  # type: ignore[arg-type]
                     logits = model(ids, attention_mask=attn)
             last = logits[:, -1].float()
-            for b, s in enumerate(batch.samples):
+            for b, (s, i) in enumerate(zip(batch.samples, batch.indices, strict=True)):
                 choice = torch.tensor([c[0] for c in s.choice_ids], device=last.device)
-                correct += int(int(last[b, choice].argmax()) == s.answer_index)
-    return correct / max(len(task), 1)
+                correct[i] = float(int(last[b, choice].argmax()) == s.answer_index)
+    return correct
+
+
+def pair_candidates(
+    report: GnaReport, k: int = 3, min_effect: float = 0.0
+) -> tuple[list[Head], list[Head]]:
+    """The ``k`` best Gather candidates and ``k`` best Aggregate candidates of a report.
+
+    Among the heads whose ablation hurts (effect below ``-min_effect * |baseline|``) and, when
+    the report measured a control, whose control effect is at most its ``max_control`` (generic
+    heads are no candidates): gather candidates by gather score above its null
+    (``gather_score - gather_null``), aggregate candidates by aggregate score above its null times
+    the correct share.
+
+    Args:
+        report: A :func:`~gna_lens.score_heads` report with ablation effects.
+        k: Candidates per role.
+        min_effect: How much an ablation must lower the metric, as a share of the baseline.
+
+    Returns:
+        ``(gathers, aggregates)``.
+
+    Raises:
+        GnaLensError: For a report without ablation effects.
+    """
+    effects = report.scores["ablation_effect"]
+    if bool(torch.isnan(effects).all()):
+        raise GnaLensError(
+            "pair_candidates needs a report with ablation effects (score_heads(ablation=True))."
+        )
+    scale = abs(report.baseline) if not math.isnan(report.baseline) and report.baseline else 1.0
+    ok = effects.nan_to_num(nan=0.0) < -min_effect * scale
+    if min_effect == 0.0:
+        ok = effects.nan_to_num(nan=0.0) < 0
+    if report.has_control:
+        ok &= report.scores["control_effect"].nan_to_num(nan=math.inf) <= report.max_control
+    sc = report.scores
+    g = (sc["gather_score"] - sc["gather_null"].nan_to_num(nan=0.0)).masked_fill(~ok, -math.inf)
+    a = ((sc["aggregate_score"] - sc["aggregate_null"]) * sc["correct_share"]).masked_fill(
+        ~ok, -math.inf
+    )
+    n = min(k, int(ok.sum()))
+    gathers = [report.heads[i] for i in torch.argsort(-g, stable=True)[:n].tolist()]
+    aggregates = [report.heads[i] for i in torch.argsort(-a, stable=True)[:n].tolist()]
+    return gathers, aggregates
+
+
+def gna_masks(
+    gathers: Sequence[Head], aggregates: Sequence[Head], *, complement: bool = False
+) -> Callable[[Batch], dict[Head, Tensor]]:
+    """Per-batch masks: gather heads see only their segment, aggregate heads only the summary
+    tokens (``complement=True``: exactly those attentions removed). A head in both lists gets the
+    union of the kept sets (the intersection of the denied ones)."""
+
+    def masks(b: Batch) -> dict[Head, Tensor]:
+        out: dict[Head, Tensor] = {}
+        for h in gathers:
+            out[h] = gather_mask(b, complement=complement)
+        for h in aggregates:
+            m = aggregate_mask(b, complement=complement)
+            if h in out:
+                m = (out[h] & m) if complement else (out[h] | m)
+            out[h] = m
+        return out
+
+    return masks
+
+
+@dataclass(frozen=True)
+class MaskResult:
+    """Accuracy with no mask, with only the G&A patterns kept, and with them denied.
+
+    Attributes:
+        gathers: The gather heads masked.
+        aggregates: The aggregate heads masked.
+        baseline: No mask (Wilson 95% interval).
+        kept: Only the G&A patterns kept.
+        denied: The G&A patterns removed.
+        chance: Chance accuracy of the task.
+    """
+
+    gathers: tuple[Head, ...]
+    aggregates: tuple[Head, ...]
+    baseline: Interval
+    kept: Interval
+    denied: Interval
+    chance: float
+
+    def to_dict(self) -> dict[str, Any]:
+        """Flat dict with the intervals as dicts and heads as ``"L3H2"``."""
+        return {
+            "gather_heads": [f"L{a}H{b}" for a, b in self.gathers],
+            "aggregate_heads": [f"L{a}H{b}" for a, b in self.aggregates],
+            "baseline": self.baseline.to_dict(),
+            "kept": self.kept.to_dict(),
+            "denied": self.denied.to_dict(),
+            "chance": self.chance,
+        }
+
+
+def mask_experiment(
+    model: Any,
+    task: Task,
+    gathers: Sequence[Head],
+    aggregates: Sequence[Head],
+    *,
+    mode: str = "post",
+    batch_size: int = 16,
+) -> MaskResult:
+    """Accuracy on ``task`` with no mask, with only the G&A patterns kept, and with them denied.
+
+    Args:
+        model: A TransformerBridge or a HookedSSM.
+        task: A task with single-token choices.
+        gathers: Gather heads (keep / deny their own-segment attention from summary tokens).
+        aggregates: Aggregate heads (keep / deny the final row's attention to summary tokens).
+        mode: ``"post"`` or ``"pre"`` softmax masking.
+        batch_size: Prompts per forward pass.
+
+    Returns:
+        A :class:`MaskResult` with Wilson intervals.
+    """
+    n = len(task)
+
+    def acc(masks: Callable[[Batch], Mapping[Head, Tensor]] | None) -> Interval:
+        c = _masked_correct(model, task, masks, mode=mode, batch_size=batch_size)
+        return wilson_interval(float(c.sum()), n)
+
+    none = not gathers and not aggregates
+    base = acc(None)
+    return MaskResult(
+        gathers=tuple(gathers),
+        aggregates=tuple(aggregates),
+        baseline=base,
+        kept=base if none else acc(gna_masks(gathers, aggregates)),
+        denied=base if none else acc(gna_masks(gathers, aggregates, complement=True)),
+        chance=float(task.chance),
+    )
 
 
 @dataclass(frozen=True)
@@ -118,6 +275,7 @@ def find_gna_pairs(
     task: Task,
     *,
     report: GnaReport | None = None,
+    control: Any = "prose",
     n_candidates: int = 3,
     min_effect: float = 0.05,
     tolerance: float = 0.1,
@@ -126,16 +284,16 @@ def find_gna_pairs(
 ) -> list[GnaPair]:
     """Find Gather -> Aggregate head pairs and confirm each causally.
 
-    Candidates: the ``n_candidates`` heads with the highest gather score among those whose
-    ablation hurts, and the ``n_candidates`` with the highest ``aggregate_score * correct_share``
-    among those whose ablation hurts; every (gather at layer l, aggregate at l' > l) combination is
-    tested: accuracy with only the pair's G&A patterns kept (gather mask on the gather head,
-    aggregate mask on the aggregate head) and with those patterns denied (complement masks).
+    Candidates come from :func:`pair_candidates` (heads whose ablation hurts and, with a control,
+    that are not generic); every (gather at layer l, aggregate at l' > l) combination is tested:
+    accuracy with only the pair's G&A patterns kept (gather mask on the gather head, aggregate
+    mask on the aggregate head) and with those patterns denied (complement masks).
 
     Args:
         model: A TransformerBridge or a HookedSSM.
         task: A retrieval task with single-token choices (KV retrieval, letter-format MC).
         report: A :func:`score_heads` report with ablation effects (computed when ``None``).
+        control: The control of that :func:`score_heads` call when ``report`` is ``None``.
         n_candidates: Candidates per role.
         min_effect: An ablation "hurts" when it lowers the metric by more than this fraction of
             the metric's baseline magnitude.
@@ -147,44 +305,30 @@ def find_gna_pairs(
         The tested pairs, confirmed ones first, then by the sum of their ablation effects.
 
     Examples:
-        >>> from gna_lens.testing import toy_gna_model, toy_gna_task
+        >>> from gna_lens.testing import toy_control, toy_gna_model, toy_gna_task
         >>> model = toy_gna_model()
-        >>> pairs = find_gna_pairs(model, toy_gna_task(model, n_samples=8), progress=False)
+        >>> pairs = find_gna_pairs(model, toy_gna_task(model, n_samples=8),
+        ...                        control=toy_control(model), progress=False)
         >>> (pairs[0].gather, pairs[0].aggregate, pairs[0].confirmed)
         ((0, 0), (1, 0), True)
     """
     _single_token_choices(task)
     if report is None:
-        report = score_heads(model, task, ablation=True, batch_size=batch_size, progress=progress)
+        report = score_heads(
+            model, task, control=control, batch_size=batch_size, progress=progress, n_examples=0
+        )
     effects = report.scores["ablation_effect"]
-    if bool(torch.isnan(effects).all()):
-        raise GnaLensError("find_gna_pairs needs a report with ablation effects (ablation=True).")
+    gathers, aggregates = pair_candidates(report, n_candidates, min_effect)
     scale = abs(report.baseline) if not math.isnan(report.baseline) and report.baseline else 1.0
     hurts = effects.nan_to_num(nan=0.0) < -min_effect * scale
     idx = {h: i for i, h in enumerate(report.heads)}
-    gather_key = report.scores["gather_score"].masked_fill(~hurts, -math.inf)
-    agg_key = (report.scores["aggregate_score"] * report.scores["correct_share"]).masked_fill(
-        ~hurts, -math.inf
-    )
-    k = min(n_candidates, int(hurts.sum()))
-    gathers = [report.heads[i] for i in torch.argsort(-gather_key, stable=True)[:k].tolist()]
-    aggregates = [report.heads[i] for i in torch.argsort(-agg_key, stable=True)[:k].tolist()]
-    baseline_acc = masked_accuracy(model, task, None, batch_size=batch_size)
-    chance = float(sum(1 / len(s.choices) for s in task) / max(len(task), 1))
     pairs = []
     for g in gathers:
         for a in aggregates:
             if a[0] <= g[0]:
                 continue
-
-            def keep(b: Batch, g: Head = g, a: Head = a) -> dict[Head, Tensor]:
-                return {g: gather_mask(b), a: aggregate_mask(b)}
-
-            def deny(b: Batch, g: Head = g, a: Head = a) -> dict[Head, Tensor]:
-                return {g: gather_mask(b, complement=True), a: aggregate_mask(b, complement=True)}
-
-            kept = masked_accuracy(model, task, keep, batch_size=batch_size)
-            denied = masked_accuracy(model, task, deny, batch_size=batch_size)
+            res = mask_experiment(model, task, [g], [a], batch_size=batch_size)
+            baseline_acc, kept, denied = res.baseline.value, res.kept.value, res.denied.value
             ge, ae = float(effects[idx[g]]), float(effects[idx[a]])
             confirmed = (
                 bool(hurts[idx[g]])
@@ -204,108 +348,9 @@ def find_gna_pairs(
                     baseline_accuracy=baseline_acc,
                     kept_accuracy=kept,
                     masked_accuracy=denied,
-                    chance=chance,
+                    chance=res.chance,
                     confirmed=confirmed,
                 )
             )
     pairs.sort(key=lambda p: (not p.confirmed, p.gather_ablation + p.aggregate_ablation))
     return pairs
-
-
-@dataclass(frozen=True)
-class KnowledgeTable:
-    """Accuracy of a model on several tasks before and after removing some heads.
-
-    Attributes:
-        heads: The heads removed (zero-ablated at every position).
-        tasks: Task names, in order.
-        before: Accuracy per task with every head.
-        after: Accuracy per task with ``heads`` removed.
-        chance: Chance accuracy per task.
-        descriptions: Each task's description.
-    """
-
-    heads: tuple[Head, ...]
-    tasks: tuple[str, ...]
-    before: tuple[float, ...]
-    after: tuple[float, ...]
-    chance: tuple[float, ...]
-    descriptions: tuple[str, ...]
-
-    def to_dataframe(self) -> Any:
-        """One row per task: ``task, before, after, change, relative_change, chance``."""
-        import pandas as pd
-
-        rows = []
-        for name, b, a, c in zip(self.tasks, self.before, self.after, self.chance, strict=True):
-            rows.append(
-                {
-                    "task": name,
-                    "before": b,
-                    "after": a,
-                    "change": a - b,
-                    "relative_change": (a - b) / b if b else math.nan,
-                    "chance": c,
-                }
-            )
-        return pd.DataFrame(rows)
-
-    def to_html(self) -> str:
-        """The table as an HTML fragment."""
-        heads = ", ".join(f"L{layer}H{h}" for layer, h in self.heads)
-        table = self.to_dataframe().to_html(index=False, float_format=lambda x: f"{x:.3f}")
-        return f"<h2>Retrieval vs knowledge (removing {heads})</h2>{table}"
-
-
-def retrieval_vs_knowledge(
-    model: Any,
-    heads: Sequence[Head],
-    tasks: Mapping[str, Task],
-    *,
-    batch_size: int = 8,
-    progress: bool = True,
-) -> KnowledgeTable:
-    """Accuracy on each task before and after zero-ablating ``heads`` (the paper's table).
-
-    Pass a retrieval-heavy task (letter-format MC, KV retrieval) and its knowledge-only twin
-    (the cloze format over the same questions): removing G&A heads should hurt the first far
-    more than the second.
-
-    Args:
-        model: A TransformerBridge or a HookedSSM.
-        heads: ``[(layer, head), ...]`` to remove, e.g. ``report.top(4)``.
-        tasks: ``{name: task}``.
-        batch_size: Prompts per forward pass.
-        progress: Show progress bars.
-
-    Returns:
-        A :class:`KnowledgeTable` (``.to_dataframe()`` has relative changes).
-
-    Examples:
-        >>> from gna_lens.testing import toy_gna_model, toy_gna_task
-        >>> model = toy_gna_model()
-        >>> table = retrieval_vs_knowledge(model, [(1, 0)], {"kv": toy_gna_task(model, n_samples=8)},
-        ...                                progress=False)
-        >>> table.before[0], table.after[0] <= 0.25  # retrieval falls to chance
-        (1.0, True)
-    """
-    if not tasks:
-        raise GnaLensError("retrieval_vs_knowledge needs at least one task: {name: task}.")
-    names = tuple(tasks)
-    before = tuple(
-        evaluate(model, tasks[n], batch_size=batch_size, progress=progress).accuracy for n in names
-    )
-    with ablate_heads(model, list(heads)):
-        after = tuple(
-            evaluate(model, tasks[n], batch_size=batch_size, progress=progress).accuracy
-            for n in names
-        )
-    chance = tuple(float(tasks[n].chance) for n in names)
-    return KnowledgeTable(
-        heads=tuple(tuple(h) for h in heads),  # type: ignore[misc]
-        tasks=names,
-        before=before,
-        after=after,
-        chance=chance,
-        descriptions=tuple(describe_task(tasks[n]) for n in names),
-    )

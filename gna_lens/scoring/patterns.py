@@ -1,20 +1,39 @@
-"""Pattern-based G&A scores: gather, aggregate, correct-summary share and sharpness, per head.
+"""Pattern-based G&A scores: gather, aggregate, correct-summary share and sharpness, per head,
+each against a null, and a role label only where a score beats its null.
 
 The scores read each head's pattern (``hook_pattern``: softmax attention, or a HookedSSM's
-materialized implicit attention) on a task whose spans are known, and average over samples.
+materialized implicit attention) on a task whose spans are known, per sample.
 
-- **gather score**: for each segment, the share of its summary token's row that falls inside the
-  segment; averaged over segments.
+**One normalization for every kind of head** (:data:`NORMALIZATION`). A row ``r_i`` over the causal
+keys ``j <= i`` becomes ``w_ij = |r_ij|`` with the first token dropped when it is the tokenizer's
+BOS (attention heads park unused mass there, an attention sink; SSM rows are treated the same way),
+divided by its sum over the keys that remain. Attention rows are non-negative already; SSM matrices
+are signed and unnormalized, and this makes their shares comparable with attention's.
+
+- **gather score**: for each segment with summary token ``t``, the share of ``t``'s row on its own
+  segment *excluding the token itself and its immediate predecessor* (``t`` and ``t - 1`` are
+  dropped from the row before normalizing), averaged over segments. A previous-token or
+  self-attending head therefore scores 0, not 1.
+- **gather null**: the same score with every segment shifted back by 1 and 2 tokens (pseudo
+  segments ``[start - d, t - d]`` and pseudo summary tokens ``t - d``; segment boundaries in the
+  wrong place), averaged. A head that attends locally wherever it is scores the same on both.
+  Score and null are averaged over the same segments: those where every shifted segment still
+  has a token to gather (the first segment of a prompt without a header often has not). When no
+  segment qualifies the null is NaN and no head gets the gather role.
 - **aggregate score**: the share of the query (final) position's row on the summary tokens.
-- **correct share**: the share of that summary mass on the answer segment's summary token
-  (``1 / n_segments`` for a head that does not discriminate).
+- **aggregate null**: the query row's share on the pseudo summary tokens ``t - 1`` and ``t - 2``.
+- **correct share**: the share of the summary mass on the answer segment's summary token;
+  **correct chance** is ``1 / n_segments``, what a head that does not discriminate gets.
 - **sharpness**: the query row restricted to the summary tokens and normalized to a distribution
   ``r``; ``sharpness = max r`` (1 for one-hot, ``1/k`` for uniform over ``k``) and
   ``entropy = -Σ r log r`` in nats (0 for one-hot, ``log k`` for uniform).
 
-Attention rows are distributions already. SSM matrices are signed and unnormalized: the scores use
-``|M|`` and divide each row by its total absolute mass over the causal keys (stated in
-:attr:`PatternScores.normalization`).
+**Roles.** A head is labelled ``"gather"`` when its gather score beats the gather null by at least
+:data:`ROLE_MARGIN` on average with the 95% bootstrap interval (over samples) of the difference
+above 0; ``"aggregate"`` when its aggregate score beats the aggregate null the same way *and* its
+correct share beats chance (interval of ``correct - chance`` above 0). Both can hold
+(``"gather+aggregate"``); neither gives ``""``. Roles come from patterns alone: whether a head
+matters is what ablation measures (:func:`~gna_lens.scoring.score_heads`).
 """
 
 import math
@@ -36,13 +55,29 @@ __all__ = ["NORMALIZATION", "PatternScores", "pattern_scores", "row_sharpness"]
 
 Head = tuple[int, int]
 
-#: How each kind of head's rows are normalized before scoring.
+#: How each kind of head's rows are normalized before scoring (the same transform for both).
 NORMALIZATION = {
-    "attention": "softmax rows (each row sums to 1 over the causal keys)",
-    "ssm": "|M| divided by the row's total |M| over the causal keys",
+    "attention": "|row| over the causal keys, BOS dropped, divided by its sum (softmax rows are "
+    "non-negative already)",
+    "ssm": "|row| over the causal keys, BOS dropped, divided by its sum (the materialized matrix "
+    "is signed and unnormalized)",
 }
 
-SCORE_NAMES = ("gather_score", "aggregate_score", "correct_share", "sharpness", "entropy")
+#: Per-head score columns, in order.
+SCORE_NAMES = (
+    "gather_score",
+    "gather_null",
+    "aggregate_score",
+    "aggregate_null",
+    "correct_share",
+    "correct_chance",
+    "sharpness",
+    "entropy",
+)
+#: A role needs its score to beat the null by this much on average (and significantly).
+ROLE_MARGIN = 0.1
+#: Pseudo-segment shifts of the nulls.
+NULL_SHIFTS = (1, 2)
 
 
 def row_sharpness(weights: Float[Tensor, "... k"]) -> tuple[Tensor, Tensor]:
@@ -78,10 +113,15 @@ class PatternScores:
         heads: ``(layer, head)`` of each entry.
         kinds: ``"attention"`` or ``"ssm"`` per entry.
         gather_score: ``[head]``.
+        gather_null: ``[head]``, the gather score on shifted segment boundaries.
         aggregate_score: ``[head]``.
+        aggregate_null: ``[head]``, the query row's share on shifted summary positions.
         correct_share: ``[head]``.
+        correct_chance: ``[head]``, ``1 / n_segments`` averaged over samples.
         sharpness: ``[head]``, max share of the query row over the summary tokens.
         entropy: ``[head]``, entropy (nats) of that distribution.
+        roles: Per head, ``"gather"``, ``"aggregate"``, ``"gather+aggregate"`` or ``""``.
+        per_sample: ``[sample, head, score]`` per-sample values in :data:`SCORE_NAMES` order.
         n_samples: Samples averaged over.
         task: The task's description.
         normalization: How rows were normalized, per head kind.
@@ -90,49 +130,118 @@ class PatternScores:
     heads: tuple[Head, ...]
     kinds: tuple[str, ...]
     gather_score: Float[Tensor, " head"]
+    gather_null: Float[Tensor, " head"]
     aggregate_score: Float[Tensor, " head"]
+    aggregate_null: Float[Tensor, " head"]
     correct_share: Float[Tensor, " head"]
+    correct_chance: Float[Tensor, " head"]
     sharpness: Float[Tensor, " head"]
     entropy: Float[Tensor, " head"]
+    roles: tuple[str, ...]
+    per_sample: Float[Tensor, "sample head score"]
     n_samples: int
     task: str
     normalization: dict[str, str] = field(default_factory=lambda: dict(NORMALIZATION))
 
     def to_dataframe(self) -> Any:
-        """One row per head: ``layer, head, kind`` and the five scores."""
+        """One row per head: ``layer, head, kind, role`` and the scores of :data:`SCORE_NAMES`."""
         import pandas as pd
 
         data: dict[str, Any] = {
             "layer": [h[0] for h in self.heads],
             "head": [h[1] for h in self.heads],
             "kind": list(self.kinds),
+            "role": list(self.roles),
         }
         for name in SCORE_NAMES:
             data[name] = getattr(self, name).tolist()
         return pd.DataFrame(data)
 
 
-def _sample_scores(P: Tensor, sample: Sample) -> Tensor:
-    """Scores of every head on one sample; ``P`` is ``[head, n, n]`` non-negative."""
+def _shares(w: Tensor, row: int, keys: Tensor, drop: Sequence[int]) -> Tensor:
+    """``[head]`` share of row ``row`` of ``w`` on ``keys`` after dropping ``drop`` from the row."""
+    r = w[:, row, : row + 1].clone()
+    for j in drop:
+        if 0 <= j <= row:
+            r[:, j] = 0.0
+    total = r.sum(-1)
+    keys = keys[(keys >= 0) & (keys <= row)]
+    num = r.index_select(-1, keys).sum(-1) if keys.numel() else torch.zeros_like(total)
+    return torch.where(total > 0, num / total.clamp(min=1e-300), torch.zeros_like(total))
+
+
+def _sample_scores(P: Tensor, sample: Sample, sink: bool) -> Tensor:
+    """Scores of every head on one sample, ``[head, len(SCORE_NAMES)]``.
+
+    Args:
+        P: ``[head, n, n]`` the sample's pattern rows (any sign; absolute values are taken).
+        sample: The sample (its segments, summary tokens, query and answer).
+        sink: Whether position 0 is the tokenizer's BOS (dropped from every row).
+    """
     n = P.shape[-1]
-    causal = torch.ones(n, n, dtype=torch.bool, device=P.device).tril()
-    P = P * causal
-    mass = P.sum(-1)  # [head, n]
+    w = P.abs() * torch.ones(n, n, dtype=torch.bool, device=P.device).tril()
+    first = [0] if sink else []
+    lo = 1 if sink else 0
+    dev = P.device
 
-    def share(num: Tensor, den: Tensor) -> Tensor:
-        return torch.where(den > 0, num / den.clamp(min=1e-30), torch.zeros_like(num))
+    def gather_at(start: int, t: int) -> Tensor:
+        keys = torch.arange(max(start, lo), t - 1, device=dev)  # own segment minus t-1 and t
+        return _shares(w, t, keys, [*first, t - 1, t])
 
-    gathers = []
+    gathers, nulls, paired = [], [], []
     for (start, _end), t in zip(sample.segments, sample.summary_positions, strict=True):
-        gathers.append(share(P[:, t, start : t + 1].sum(-1), mass[:, t]))
-    gather = torch.stack(gathers, -1).mean(-1)
+        g = gather_at(start, t)
+        gathers.append(g)
+        # The null needs a pseudo segment with a token to gather at every shift; score and null
+        # are averaged over the same segments so that position in the prompt cancels.
+        if t - 2 >= max(start, lo) and all(t - d - 2 >= max(start - d, lo) for d in NULL_SHIFTS):
+            paired.append(g)
+            nulls.append(torch.stack([gather_at(start - d, t - d) for d in NULL_SHIFTS]).mean(0))
+    if paired:
+        gather = torch.stack(paired, -1).mean(-1)
+        gather_null = torch.stack(nulls, -1).mean(-1)
+    else:  # segments too short to shift: no null, so no gather role
+        gather = torch.stack(gathers, -1).mean(-1)
+        gather_null = torch.full_like(gather, float("nan"))
     q = sample.query_position
-    summary = torch.tensor(sample.summary_positions, device=P.device)
-    on_summary = P[:, q].index_select(-1, summary)  # [head, k]
-    aggregate = share(on_summary.sum(-1), mass[:, q])
-    correct = share(on_summary[:, sample.answer_segment], on_summary.sum(-1))
+    summary = torch.tensor(sample.summary_positions, device=dev)
+    aggregate = _shares(w, q, summary, first)
+    agg_nulls = [_shares(w, q, summary - d, first) for d in NULL_SHIFTS]
+    aggregate_null = torch.stack(agg_nulls, -1).mean(-1)
+    row = w[:, q].clone()
+    if sink:
+        row[:, 0] = 0.0
+    on_summary = row.index_select(-1, summary)  # [head, k]
+    total = on_summary.sum(-1)
+    correct = torch.where(
+        total > 0, on_summary[:, sample.answer_segment] / total.clamp(min=1e-300), 0.0
+    )
+    chance = torch.full_like(correct, 1.0 / len(sample.summary_positions))
     sharp, entropy = row_sharpness(on_summary)
-    return torch.stack([gather, aggregate, correct, sharp.to(P.dtype), entropy.to(P.dtype)], -1)
+    cols = [gather, gather_null, aggregate, aggregate_null, correct, chance]
+    return torch.stack([*cols, sharp.to(P.dtype), entropy.to(P.dtype)], -1)
+
+
+def _roles(per_sample: Tensor) -> tuple[str, ...]:
+    """Role labels from per-sample scores ``[sample, head, score]`` (see the module docs)."""
+    from gna_lens.stats import bootstrap_interval
+
+    col = {name: i for i, name in enumerate(SCORE_NAMES)}
+
+    def beats(a: str, b: str, margin: float) -> list[bool]:
+        diff = (per_sample[..., col[a]] - per_sample[..., col[b]]).T  # [head, sample]
+        ivs = bootstrap_interval(diff)
+        assert isinstance(ivs, list)
+        return [iv.value >= margin and iv.low > 0 for iv in ivs]
+
+    gather = beats("gather_score", "gather_null", ROLE_MARGIN)
+    aggregate = beats("aggregate_score", "aggregate_null", ROLE_MARGIN)
+    discriminates = beats("correct_share", "correct_chance", 0.0)
+    roles = []
+    for g, a, c in zip(gather, aggregate, discriminates, strict=True):
+        parts = (["gather"] if g else []) + (["aggregate"] if a and c else [])
+        roles.append("+".join(parts))
+    return tuple(roles)
 
 
 @contextmanager
@@ -173,24 +282,24 @@ def pattern_scores(
         progress: Show a progress bar.
 
     Returns:
-        :class:`PatternScores`, averaged over the samples.
+        :class:`PatternScores`, averaged over the samples, with role labels.
 
     Examples:
         >>> from gna_lens.testing import toy_gna_model, toy_gna_task
         >>> model = toy_gna_model()
         >>> scores = pattern_scores(model, toy_gna_task(model, n_samples=4), progress=False)
         >>> df = scores.to_dataframe().set_index(["layer", "head"])
-        >>> round(float(df.loc[(0, 0), "gather_score"]), 2), round(float(df.loc[(1, 0), "correct_share"]), 2)
+        >>> round(float(df.loc[(0, 0), "gather_score"]), 1), round(float(df.loc[(1, 0), "correct_share"]), 2)
         (1.0, 1.0)
+        >>> df.loc[(0, 0), "role"], df.loc[(1, 0), "role"], df.loc[(0, 1), "role"]
+        ('gather', 'aggregate', '')
     """
     view = head_view(model)
     wanted = view.check_heads(heads) if heads is not None else view.heads()
     layers = sorted({layer for layer, _ in wanted})
-    totals = {
-        layer: torch.zeros(view[layer].n_heads, len(SCORE_NAMES), dtype=torch.float64)
-        for layer in layers
-    }
+    per_layer: dict[int, list[Tensor]] = {layer: [] for layer in layers}
     device = next(model.parameters()).device
+    bos = getattr(task.tokenizer or getattr(model, "tokenizer", None), "bos_token_id", None)
     n_done = 0
     batches = task.batches(batch_size, padding_side=padding_side)  # type: ignore[arg-type]
     bar = tqdm(total=len(task), desc="pattern scores", disable=not progress, leave=False)
@@ -202,25 +311,25 @@ def pattern_scores(
                 model(ids, attention_mask=mask)
             for layer in layers:
                 pat = store[layer].double()
-                if view[layer].kind == "ssm":
-                    pat = pat.abs()
                 for b, (sample, off) in enumerate(zip(batch.samples, batch.offsets, strict=True)):
                     n = sample.n_tokens
-                    totals[layer] += _sample_scores(
-                        pat[b, :, off : off + n, off : off + n], sample
-                    ).cpu()
+                    sink = bos is not None and sample.input_ids[0] == bos
+                    per_layer[layer].append(
+                        _sample_scores(pat[b, :, off : off + n, off : off + n], sample, sink).cpu()
+                    )
             n_done += len(batch)
             bar.update(len(batch))
     bar.close()
-    rows = torch.stack([totals[layer][h] / max(n_done, 1) for layer, h in wanted]).float()
+    stacked = {layer: torch.stack(rows) for layer, rows in per_layer.items()}  # [S, H, C]
+    per_sample = torch.stack([stacked[layer][:, h] for layer, h in wanted], 1)  # [S, heads, C]
+    means = per_sample.mean(0).float()
+    cols = {name: means[:, i] for i, name in enumerate(SCORE_NAMES)}
     return PatternScores(
         heads=tuple(wanted),
         kinds=tuple(view[layer].kind for layer, _ in wanted),
-        gather_score=rows[:, 0],
-        aggregate_score=rows[:, 1],
-        correct_share=rows[:, 2],
-        sharpness=rows[:, 3],
-        entropy=rows[:, 4],
+        **cols,
+        roles=_roles(per_sample),
+        per_sample=per_sample.float(),
         n_samples=n_done,
         task=describe_task(task),
     )

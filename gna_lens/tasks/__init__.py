@@ -9,9 +9,12 @@ segment holds the answer, all computed from the tokenizer's character offsets.
 - :func:`multiple_choice`: letter (MMLU) and cloze formats over the same questions; records come
   from :func:`load_records` (files, ``datasets``, the hub) or :func:`load_mmlu` (offline MMLU).
 - :func:`evaluate`: batched accuracy, per-sample correctness and logit differences.
+- :func:`text_control`: windows of prose (shipped: :func:`load_prose`) for the next-token-loss
+  control that tells retrieval heads from heads every prediction needs.
 """
 
 from gna_lens.tasks._core import Batch, Sample, Task, build_sample
+from gna_lens.tasks.control import PROSE_SOURCE, TextControl, load_prose, text_control
 from gna_lens.tasks.evaluate import EvalResult, evaluate
 from gna_lens.tasks.kv import KV_TEMPLATES, KVTemplate, kv_retrieval, load_words, requery
 from gna_lens.tasks.mc import format_question, multiple_choice
@@ -19,19 +22,23 @@ from gna_lens.tasks.records import MCRecord, load_mmlu, load_records
 
 __all__ = [
     "KV_TEMPLATES",
+    "PROSE_SOURCE",
     "Batch",
     "EvalResult",
     "KVTemplate",
     "MCRecord",
     "Sample",
     "Task",
+    "TextControl",
     "build_sample",
     "evaluate",
     "format_question",
     "kv_retrieval",
     "load_mmlu",
+    "load_prose",
     "load_records",
     "load_words",
     "multiple_choice",
     "requery",
+    "text_control",
 ]

@@ -1,0 +1,202 @@
+"""95% intervals for the numbers gna_lens reports: Wilson for accuracies, bootstrap for effects.
+
+Every accuracy, effect and before/after number in a report carries one of these:
+
+- :func:`wilson_interval`: a binomial proportion (an accuracy over ``n`` prompts). Unlike the
+  normal approximation it stays inside ``[0, 1]`` and is sensible at 0% and 100%.
+- :func:`bootstrap_interval`: the mean of per-unit values (per-prompt metric changes, per-sequence
+  loss changes), percentile bootstrap over the units. Paired designs (the same prompts before
+  and after an ablation) pass the per-unit *differences*, so the interval is the paired one.
+- :func:`draws_interval`: the mean over random draws (random-head baselines) with a percentile
+  bootstrap interval over the draws.
+
+All resampling is seeded: the same inputs give the same interval.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gna_lens.errors import GnaLensError
+
+__all__ = ["Interval", "bootstrap_interval", "draws_interval", "wilson_interval"]
+
+#: Bootstrap resamples used by default.
+N_BOOTSTRAP = 2000
+_Z95 = 1.959963984540054
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A point estimate with its 95% interval.
+
+    Attributes:
+        value: The estimate (a mean or a proportion).
+        low: Lower end of the 95% interval.
+        high: Upper end of the 95% interval.
+        n: How many units it rests on (prompts, sequences, draws).
+        method: ``"wilson"``, ``"bootstrap"`` or ``"none"`` (a single unit: no interval).
+    """
+
+    value: float
+    low: float
+    high: float
+    n: int
+    method: str
+
+    def __str__(self) -> str:
+        return self.format()
+
+    def format(self, percent: bool = False, signed: bool = False, digits: int | None = None) -> str:
+        """``"78.1% [66.4, 87.0]"`` (``percent``) or ``"-0.412 [-0.61, -0.22]"``.
+
+        Examples:
+            >>> Interval(0.5, 0.25, 0.75, 12, "wilson").format(percent=True)
+            '50.0% [25.0, 75.0]'
+            >>> Interval(-0.41234, -0.6, -0.2, 24, "bootstrap").format(signed=True)
+            '-0.412 [-0.600, -0.200]'
+        """
+        if math.isnan(self.value):
+            return "n/a"
+        if percent:
+            d = 1 if digits is None else digits
+            return f"{100 * self.value:.{d}f}% [{100 * self.low:.{d}f}, {100 * self.high:.{d}f}]"
+        d = 3 if digits is None else digits
+        sign = "+" if signed else ""
+        return f"{self.value:{sign}.{d}f} [{self.low:{sign}.{d}f}, {self.high:{sign}.{d}f}]"
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"value", "low", "high", "n", "method"}`` with NaN as ``None``."""
+
+        def clean(x: float) -> float | None:
+            return None if math.isnan(x) else x
+
+        return {
+            "value": clean(self.value),
+            "low": clean(self.low),
+            "high": clean(self.high),
+            "n": self.n,
+            "method": self.method,
+        }
+
+    @property
+    def excludes_zero(self) -> bool:
+        """Whether the whole interval lies on one side of 0."""
+        return self.low > 0 or self.high < 0
+
+
+def wilson_interval(successes: float, n: int) -> Interval:
+    """The Wilson score interval (95%) of a proportion ``successes / n``.
+
+    Args:
+        successes: Number of successes (e.g. correctly answered prompts).
+        n: Number of trials.
+
+    Returns:
+        An :class:`Interval`; NaN for ``n == 0``.
+
+    Raises:
+        GnaLensError: For ``successes`` outside ``[0, n]``.
+
+    Examples:
+        >>> iv = wilson_interval(18, 24)
+        >>> round(iv.value, 3), round(iv.low, 3), round(iv.high, 3)
+        (0.75, 0.551, 0.88)
+        >>> wilson_interval(0, 10).low
+        0.0
+    """
+    if n <= 0:
+        return Interval(math.nan, math.nan, math.nan, 0, "wilson")
+    if not -1e-9 <= successes <= n + 1e-9:
+        raise GnaLensError(
+            f"wilson_interval(successes={successes}, n={n}); expected 0 <= successes <= n."
+        )
+    p = successes / n
+    z2 = _Z95**2
+    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = _Z95 * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
+    return Interval(p, max(0.0, centre - half), min(1.0, centre + half), n, "wilson")
+
+
+def _resample_means(values: Tensor, n_boot: int, seed: int) -> Tensor:
+    """Bootstrap means ``[..., n_boot]`` of ``values [..., n]`` (same resamples for every row)."""
+    n = values.shape[-1]
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, n, (n_boot, n), generator=gen)
+    return values[..., idx].mean(-1)
+
+
+def bootstrap_interval(
+    values: Tensor | Any, *, n_boot: int = N_BOOTSTRAP, seed: int = 0
+) -> Interval | list[Interval]:
+    """Mean of ``values`` with a 95% percentile-bootstrap interval over its last axis.
+
+    Args:
+        values: ``[n]`` per-unit values (e.g. per-prompt metric changes), or ``[rows, n]`` for
+            one interval per row (the rows share resamples, so paired comparisons stay paired).
+            NaN units are dropped per row.
+        n_boot: Resamples.
+        seed: Seed of the resampling.
+
+    Returns:
+        One :class:`Interval` for a 1-D input, else a list with one per row.
+
+    Examples:
+        >>> import torch
+        >>> iv = bootstrap_interval(torch.tensor([1.0, 2.0, 3.0, 4.0]))
+        >>> iv.value, iv.low >= 1.0, iv.high <= 4.0
+        (2.5, True, True)
+    """
+    x = torch.as_tensor(values, dtype=torch.float64)
+    if x.ndim == 1:
+        return _one_bootstrap(x, n_boot, seed)
+    if x.ndim != 2:
+        raise GnaLensError(
+            f"bootstrap_interval: values of shape {tuple(x.shape)}; expected [n] or [rows, n]."
+        )
+    if not bool(torch.isnan(x).any()) and x.shape[1] > 1:
+        means = _resample_means(x, n_boot, seed)  # [rows, n_boot]
+        lo = torch.quantile(means, 0.025, dim=-1)
+        hi = torch.quantile(means, 0.975, dim=-1)
+        m = x.mean(-1)
+        return [
+            Interval(float(m[i]), float(lo[i]), float(hi[i]), x.shape[1], "bootstrap")
+            for i in range(x.shape[0])
+        ]
+    return [_one_bootstrap(row, n_boot, seed) for row in x]
+
+
+def _one_bootstrap(x: Tensor, n_boot: int, seed: int) -> Interval:
+    x = x[~torch.isnan(x)]
+    n = int(x.numel())
+    if n == 0:
+        return Interval(math.nan, math.nan, math.nan, 0, "bootstrap")
+    m = float(x.mean())
+    if n == 1:
+        return Interval(m, math.nan, math.nan, 1, "none")
+    means = _resample_means(x, n_boot, seed)
+    return Interval(
+        m, float(torch.quantile(means, 0.025)), float(torch.quantile(means, 0.975)), n, "bootstrap"
+    )
+
+
+def draws_interval(values: Tensor | Any, *, n_boot: int = N_BOOTSTRAP, seed: int = 0) -> Interval:
+    """Mean over random draws with a 95% bootstrap interval of that mean.
+
+    Args:
+        values: ``[draws]`` one number per random draw (e.g. accuracy after removing a random
+            head set).
+        n_boot: Resamples.
+        seed: Seed of the resampling.
+
+    Returns:
+        An :class:`Interval` over the draws.
+    """
+    out = bootstrap_interval(
+        torch.as_tensor(values, dtype=torch.float64).reshape(-1), n_boot=n_boot, seed=seed
+    )
+    assert isinstance(out, Interval)
+    return out
