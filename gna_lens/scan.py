@@ -1,4 +1,19 @@
-"""``gna-lens scan``: rank a model's heads for retrieval and write an offline HTML report."""
+"""``gna-lens scan``: rank a model's heads for retrieval and write an offline HTML report.
+
+A scan selects heads on one prompt set and measures them on another:
+
+1. **Selection** (``n_samples`` prompts, ``seed``): pattern scores of every head, and each head
+   ablated alone on the probe task and on a control that needs no in-context retrieval (prose
+   shipped with gna_lens, windows from the first half of the text). Every head is ablated exactly
+   on models with at most :data:`EXACT_ALL_MAX` heads; larger models rank by attribution patching
+   first and confirm the ``exact`` best exactly.
+2. **Ranking**: the top heads by retrieval effect among those whose control effect is at most
+   ``max_control`` nats/token; the generic heads left out are listed with their reasons.
+3. **Held-out measurement** (``n_eval`` prompts from other seeds or other records, checked
+   disjoint from the selection prompts; control windows from the second half of the text):
+   accuracy before / after removing the top heads with 95% intervals, the control's loss change,
+   and as many random heads from the same layers, ``random_draws`` times.
+"""
 
 import dataclasses
 import html
@@ -12,11 +27,50 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gna_lens.errors import ConfigError, TaskError
-from gna_lens.scoring import GnaReport, KnowledgeTable, retrieval_vs_knowledge, score_heads
+from gna_lens.errors import ConfigError, GnaLensError, TaskError
+from gna_lens.scoring import (
+    MAX_CONTROL,
+    GnaReport,
+    KnowledgeTable,
+    resolve_control,
+    retrieval_vs_knowledge,
+    score_heads,
+)
+from gna_lens.scoring.knowledge import RANDOM_DRAWS
 from gna_lens.tasks import Task, kv_retrieval, load_mmlu, load_records, multiple_choice
 
-__all__ = ["ScanResult", "build_tasks", "default_exact", "load_scan_model", "scan"]
+__all__ = [
+    "EXACT_ALL_MAX",
+    "ScanResult",
+    "ScanTasks",
+    "build_tasks",
+    "default_exact",
+    "load_scan_model",
+    "scan",
+]
+
+#: Models with at most this many heads get every head ablated exactly (no attribution prefilter).
+EXACT_ALL_MAX = 300
+
+
+@dataclass(frozen=True)
+class ScanTasks:
+    """The prompts of a scan.
+
+    Attributes:
+        selection: The probe task the heads are ranked on.
+        held_out: ``{name: task}`` measured before / after removing the top heads; no prompt is in
+            ``selection``.
+        control_select: The control of the ranking (``None``: use the scan's ``control``).
+        control_eval: The control of the held-out measurement (disjoint from ``control_select``).
+        notes: How the sets were made (seeds, templates, disjointness).
+    """
+
+    selection: Task
+    held_out: dict[str, Task]
+    control_select: Any = None
+    control_eval: Any = None
+    notes: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -24,15 +78,19 @@ class ScanResult:
     """What a scan produced.
 
     Attributes:
-        report: The per-head :class:`~gna_lens.scoring.GnaReport` on the probe task.
-        knowledge: Accuracy per task before / after removing the top heads.
-        top: The top heads (most harmful to ablate first).
+        report: The per-head :class:`~gna_lens.scoring.GnaReport` on the selection prompts.
+        knowledge: Held-out accuracy per task before / after removing the top heads, with the
+            control and the random baseline.
+        top: The top heads (retrieval-specific ranking).
+        excluded: The generic heads the ranking left out, with reasons.
         html_path: The HTML report, when written.
         json_path: The JSON report, when written.
         seconds: Wall time of the scan.
-        timings: Seconds per stage: ``tasks``, ``heads`` (pattern scores, attribution, exact
-            ablation), ``knowledge`` (accuracy before / after) and ``report``.
-        n_exact: Heads whose ablation effect was measured exactly.
+        timings: Seconds per stage: ``tasks``, ``heads`` (pattern scores, ablation sweeps on task
+            and control), ``held_out`` and ``report``.
+        n_exact: Heads whose effects were measured exactly.
+        tasks: The scan's prompt sets.
+        warnings: Things the reader must know (e.g. a model at chance on its probe).
     """
 
     report: GnaReport
@@ -43,38 +101,82 @@ class ScanResult:
     seconds: float
     timings: dict[str, float] = field(default_factory=dict)
     n_exact: int = 0
+    excluded: list[Any] = field(default_factory=list)
+    tasks: ScanTasks | None = None
+    warnings: list[str] = field(default_factory=list)
+
+
+def _disjoint(held: Task, selection: Task, name: str) -> Task:
+    """``held`` without any prompt that is also in ``selection`` (and the check that none is)."""
+    seen = {s.prompt for s in selection}
+    keep = tuple(s for s in held if s.prompt not in seen)
+    if not keep:
+        raise TaskError(
+            f"held-out task {name!r}: every one of its {len(held)} prompts is also a selection "
+            "prompt; pass another seed."
+        )
+    return dataclasses.replace(held, samples=keep) if len(keep) != len(held) else held
 
 
 def build_tasks(
-    tokenizer: Any, task: str = "kv", n_samples: int = 48, seed: int = 0, n_pairs: int = 6
-) -> tuple[Task, dict[str, Task]]:
-    """The probe task and the retrieval-vs-knowledge tasks for a scan.
+    tokenizer: Any,
+    task: str = "kv",
+    n_samples: int = 24,
+    seed: int = 0,
+    n_pairs: int = 6,
+    *,
+    n_eval: int = 48,
+    zoo: bool = False,
+) -> ScanTasks:
+    """The selection task, the disjoint held-out tasks and (for zoo models) the controls.
 
     Args:
         tokenizer: The model's tokenizer.
-        task: ``"kv"`` (KV retrieval, question template, word values), ``"mc"`` (MMLU offline:
-            letter format as the probe, with its cloze twin), or a path to a JSON lines / CSV /
-            parquet file of multiple-choice records.
-        n_samples: Prompts per task.
-        seed: Seed of the sampling.
+        task: ``"kv"`` (KV retrieval, question template, word values; held out: the same on other
+            prompts, and the paper's template with number values, or word values where the
+            tokenizer splits numbers), ``"mc"`` (MMLU
+            offline: letter format as the probe; held out: letter and its cloze twin on other
+            questions), or a path to a JSON lines / CSV / parquet file of multiple-choice records.
+        n_samples: Selection prompts.
+        seed: Seed of the selection; held-out sets use other seeds or other records.
         n_pairs: Dictionary size for ``"kv"``.
+        n_eval: Prompts per held-out task.
+        zoo: The tokenizer is the zoo's: take the zoo's splits (``kv-8`` or ``letter`` for
+            selection, the rest held out) and its ``cloze`` split as the control.
 
     Returns:
-        ``(probe, {name: task})``.
+        A :class:`ScanTasks`.
 
     Raises:
         TaskError: For an unknown task or an empty or unreadable file.
     """
+    if zoo:
+        return _zoo_tasks(tokenizer, task, n_samples, n_eval)
     if task == "kv":
-        probe = kv_retrieval(
-            tokenizer, n_pairs=n_pairs, n_samples=n_samples, seed=seed, template="question",
-            values="words",
-        )  # fmt: skip
-        larger = kv_retrieval(
-            tokenizer, n_pairs=2 * n_pairs, n_samples=n_samples, seed=seed + 1,
-            template="question", values="words",
-        )  # fmt: skip
-        return probe, {f"kv-{n_pairs}": probe, f"kv-{2 * n_pairs}": larger}
+        kw = dict(n_pairs=n_pairs, template="question", values="words")
+        probe = kv_retrieval(tokenizer, n_samples=n_samples, seed=seed, **kw)  # type: ignore[arg-type]
+        held = {f"kv-{n_pairs}": kv_retrieval(tokenizer, n_samples=n_eval, seed=seed + 1, **kw)}  # type: ignore[arg-type]
+        notes = {
+            "template": "question (Below is a list of key-value pairs ... What is the value for "
+            "key X?); the paper's template is measured held out too"
+        }
+        try:
+            paper = kv_retrieval(
+                tokenizer, n_pairs=n_pairs, n_samples=n_eval, seed=seed + 2, template="paper",
+                values="numbers",
+            )  # fmt: skip
+            notes["paper_template"] = "number values 0-99, as in the paper"
+        except TaskError as err:  # e.g. a tokenizer that splits numbers into digits
+            paper = kv_retrieval(
+                tokenizer, n_pairs=n_pairs, n_samples=n_eval, seed=seed + 2, template="paper",
+                values="words",
+            )  # fmt: skip
+            notes["paper_template"] = (
+                f"word values: number values cannot be scored in one token ({str(err)[:160]}...)"
+            )
+        held[f"kv-{n_pairs}-paper"] = paper
+        held = {k: _disjoint(v, probe, k) for k, v in held.items()}
+        return ScanTasks(probe, held, notes=notes | {"selection_seed": seed})
     if task == "mc":
         records = load_mmlu()
     else:
@@ -92,12 +194,57 @@ def build_tasks(
                 "file, or pass --task kv or --task mc."
             )
     rng = random.Random(seed)
-    picked = rng.sample(list(records), min(n_samples, len(records)))
-    letter = multiple_choice(
-        picked, tokenizer, format="letter", seed=seed, duplicate_options="drop"
+    shuffled = rng.sample(list(records), len(records))
+    picked, rest = shuffled[:n_samples], shuffled[n_samples : n_samples + n_eval]
+    if not rest:
+        raise TaskError(
+            f"--task {task!r}: {len(records)} records leave none for the held-out measurement "
+            f"after {n_samples} selection prompts. Fix: fewer --n-samples or more records."
+        )
+    mc = dict(seed=seed, duplicate_options="drop")
+    letter = multiple_choice(picked, tokenizer, format="letter", **mc)  # type: ignore[arg-type]
+    held = {
+        "letter": multiple_choice(rest, tokenizer, format="letter", **mc),  # type: ignore[arg-type]
+        "cloze": multiple_choice(rest, tokenizer, format="cloze", **mc),  # type: ignore[arg-type]
+    }
+    return ScanTasks(
+        letter, held, notes={"records": f"{len(picked)} selection, {len(rest)} held out, disjoint"}
     )
-    cloze = multiple_choice(picked, tokenizer, format="cloze", seed=seed, duplicate_options="drop")
-    return letter, {"letter": letter, "cloze": cloze}
+
+
+def _zoo_tasks(tokenizer: Any, task: str, n_samples: int, n_eval: int) -> ScanTasks:
+    from gna_lens import zoo
+
+    splits = zoo.tasks(tokenizer)
+    name = {"kv": "kv-8", "mc": "letter"}.get(task)
+    if name is None:
+        raise TaskError(
+            f"--task {task!r} on a zoo model; expected 'kv' (the zoo's kv-8 split) or 'mc' (its "
+            "letter split; the cloze split is the control)."
+        )
+    probe = splits[name]
+    if len(probe) <= n_samples:
+        raise TaskError(
+            f"the zoo's {name} split has {len(probe)} prompts; --n-samples {n_samples} leaves "
+            "none held out."
+        )
+    selection = probe[:n_samples]
+    held = {name: probe[n_samples : n_samples + n_eval]}
+    cloze = splits["cloze"]
+    half = len(cloze) // 2
+    if name == "letter":  # the same questions in cloze form, held out too
+        held["cloze"] = cloze[n_samples : n_samples + n_eval]
+    return ScanTasks(
+        selection,
+        held,
+        control_select=cloze[:half],
+        control_eval=cloze[half:],
+        notes={
+            "zoo": f"selection: first {n_samples} of the zoo's {name} split; held out: the next "
+            f"{len(held[name])}; control: answer NLL of the cloze split (first half selects, "
+            "second half evaluates)"
+        },
+    )
 
 
 def _versions() -> str:
@@ -197,8 +344,9 @@ def _unsupported(name: str, model_type: Any, archs: list[str], why: str) -> Conf
 
 
 def default_exact(top: int) -> int:
-    """Heads :func:`scan` confirms by exact ablation: ``max(2 * top, 16)``."""
-    return max(2 * top, 16)
+    """Heads :func:`scan` confirms exactly on models above :data:`EXACT_ALL_MAX` heads:
+    ``max(4 * top, 32)``."""
+    return max(4 * top, 32)
 
 
 def _stage(progress: bool, text: str) -> None:
@@ -211,34 +359,51 @@ def scan(
     task: str = "kv",
     *,
     n_samples: int = 24,
-    top: int = 8,
+    n_eval: int = 48,
+    top: int = 4,
     out: str | Path | None = "gna_lens_report",
     seed: int = 0,
     exact: int | None = None,
+    metric: str = "logit_diff",
+    mode: str = "zero",
+    positions: Any = None,
+    control: Any = "prose",
+    max_control: float = MAX_CONTROL,
+    random_draws: int = RANDOM_DRAWS,
+    sweep_dtype: str | None = None,
+    zoo: bool = False,
     command: str | None = None,
     name: str | None = None,
     progress: bool = True,
 ) -> ScanResult:
-    """Rank every head of ``model`` for in-context retrieval and write the report.
+    """Rank every head of ``model`` for in-context retrieval on selection prompts, then measure
+    the top heads on held-out prompts; write the report.
 
-    Pattern scores for every head; attribution patching ranks every head, and the ``exact`` most
-    harmful by attribution are confirmed by exact ablation (all heads when the model has at most
-    ``exact`` heads); then accuracy before / after removing the ``top`` heads.
-
-    The exact ablations dominate the cost (each is a forward pass per prompt from the ablated
-    layer up): on SmolLM2-135M (270 heads), 24 prompts and 16 exact heads take about 1.5 min on
-    two CPU cores. Attribution ranks the heads well enough to pre-filter: there, the top 8 by
-    exact ablation among the 32 best by attribution and among the 16 best differ in one head,
-    whose effect is within 0.02 logits of the one that replaces it.
+    See the module docs for the three stages. Cost: every head is ablated on ``n_samples``
+    prompts and on the control's 8 windows of 64 tokens; the held-out stage adds ``2 +
+    random_draws`` runs of each held-out task and of the control.
 
     Args:
         model: A TransformerBridge or a HookedSSM with a tokenizer.
         task: ``"kv"``, ``"mc"`` or a records file (see :func:`build_tasks`).
-        n_samples: Prompts per task.
+        n_samples: Selection prompts.
+        n_eval: Prompts per held-out task (disjoint from the selection prompts).
         top: Heads to report and remove.
         out: Folder for ``report.html`` and ``report.json`` (``None``: write nothing).
-        seed: Seed of the task sampling.
-        exact: Heads to confirm by exact ablation (default :func:`default_exact`).
+        seed: Seed of the selection prompts (held-out prompts use other seeds).
+        exact: Heads confirmed by exact ablation after an attribution prefilter (default: every
+            head on models with at most :data:`EXACT_ALL_MAX` heads, else
+            :func:`default_exact`).
+        metric: Ablation metric of the ranking (``"logit_diff"``, ``"accuracy"``, ...).
+        mode: ``"zero"`` or ``"mean"`` ablation (of the ranking and the held-out measurement).
+        positions: ``None`` (every position) or ``"last"``.
+        control: ``"prose"`` (default), ``None``, or any control of
+            :func:`~gna_lens.scoring.resolve_control`; zoo models use their cloze split.
+        max_control: Bound of the retrieval-specific ranking (nats/token).
+        random_draws: Random head sets of the held-out baseline.
+        sweep_dtype: ``None`` or ``"bfloat16"`` (autocast of the selection sweeps only; the
+            held-out numbers are always computed in the model's dtype).
+        zoo: ``model`` is a zoo model (its splits and cloze control, see :func:`build_tasks`).
         command: The command line, recorded in the report.
         name: The model's name in the report (default: from its config).
         progress: Show progress bars and one line per stage (on stderr).
@@ -248,44 +413,88 @@ def scan(
 
     Raises:
         TaskError: For an unknown task or an empty task file.
-        GnaLensError: If ``top`` or ``exact`` is not positive.
+        GnaLensError: If ``top``, ``exact``, ``n_samples`` or ``n_eval`` is not positive.
     """
-    from gna_lens.errors import GnaLensError
     from gna_lens.heads import head_view
 
-    if top < 1 or (exact is not None and exact < 1) or n_samples < 1:
+    if top < 1 or (exact is not None and exact < 1) or n_samples < 1 or n_eval < 1:
         raise GnaLensError(
-            f"scan: top={top}, exact={exact}, n_samples={n_samples}; expected positive ints."
+            f"scan: top={top}, exact={exact}, n_samples={n_samples}, n_eval={n_eval}; expected "
+            "positive ints."
+        )
+    if mode == "resample":
+        raise GnaLensError(
+            "scan(mode='resample') is not offered: it needs a reference prompt set per task. "
+            "Use score_heads(..., mode='resample', reference=...) directly, or mode='mean'."
         )
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
-    probe, tasks = build_tasks(model.tokenizer, task, n_samples=n_samples, seed=seed)
+    sets = build_tasks(
+        model.tokenizer, task, n_samples=n_samples, seed=seed, n_eval=n_eval, zoo=zoo
+    )
+    probe = sets.selection
+    tok = model.tokenizer
+    c_select = sets.control_select if sets.control_select is not None else control
+    c_select = resolve_control(c_select, tok, positions=positions, split="select")
+    c_eval = sets.control_eval if sets.control_eval is not None else control
+    c_eval = resolve_control(c_eval, tok, positions=positions, split="eval")
     timings["tasks"] = time.perf_counter() - t0
-    n_exact = exact if exact is not None else default_exact(top)
     n_heads = head_view(model).n_heads_total
-    n_exact = min(n_exact, n_heads)
+    if exact is None:
+        n_exact = n_heads if n_heads <= EXACT_ALL_MAX else min(default_exact(top), n_heads)
+    else:
+        n_exact = min(exact, n_heads)
     how = (
         f"exact ablation of all {n_heads}"
         if n_heads <= n_exact
         else f"attribution over all {n_heads}, exact ablation of the {n_exact} it ranks first"
     )
-    _stage(progress, f"scoring heads on {len(probe)} prompts ({how})")
+    _stage(
+        progress,
+        f"scoring heads on {len(probe)} selection prompts and the control ({how}; sweep "
+        f"{sweep_dtype or 'float32'})",
+    )
     t = time.perf_counter()
     report = score_heads(
         model,
         probe,
-        ablation=True,
+        control=c_select,
+        metric=metric,
+        mode=mode,
+        positions=positions,
+        max_control=max_control,
         prefilter=None if n_heads <= n_exact else n_exact,
+        sweep_dtype=sweep_dtype,
         progress=progress,
     )
     timings["heads"] = time.perf_counter() - t
     if name:
         report = dataclasses.replace(report, model_name=name)
-    top_heads = report.top(top)
-    _stage(progress, f"accuracy before / after removing the top {len(top_heads)} heads")
+    if report.has_control:
+        top_heads = report.top(top)
+        excluded = report.excluded(top)
+    else:
+        top_heads, excluded = report.top(top, by="ablation_effect"), []
+    _stage(
+        progress,
+        f"held-out prompts: accuracy before / after removing the top {len(top_heads)} heads, "
+        f"control, {random_draws} random draws",
+    )
     t = time.perf_counter()
-    knowledge = retrieval_vs_knowledge(model, top_heads, tasks, progress=progress)
-    timings["knowledge"] = time.perf_counter() - t
+    knowledge = retrieval_vs_knowledge(
+        model, top_heads, sets.held_out, control=c_eval, random_draws=random_draws, seed=seed,
+        mode=mode, positions=positions, progress=progress,
+    )  # fmt: skip
+    timings["held_out"] = time.perf_counter() - t
+    warnings = _warnings(report, knowledge, top, len(top_heads))
+    method = report.method | {
+        "selection_prompts": len(probe),
+        "held_out_prompts": {k: len(v) for k, v in sets.held_out.items()},
+        "held_out": "disjoint from the selection prompts (checked by prompt text)",
+        "control_eval": knowledge.control.control if knowledge.control else "none",
+        **{f"tasks_{k}": v for k, v in sets.notes.items()},
+    }
+    report = dataclasses.replace(report, method=method)
     html_path = json_path = None
     t = time.perf_counter()
     if out is not None:
@@ -293,6 +502,7 @@ def scan(
         folder.mkdir(parents=True, exist_ok=True)
         seconds = time.perf_counter() - t0
         stages = ", ".join(f"{k} {v:.1f} s" for k, v in timings.items())
+        warn_html = "".join(f"<p><b>Warning:</b> {html.escape(w)}</p>" for w in warnings)
         meta = (
             "<h2>Provenance</h2><p>Command: <code>"
             + html.escape(command or " ".join(sys.argv))
@@ -303,13 +513,16 @@ def scan(
             "included)</p>"
         )
         html_path = report.to_html(
-            folder / "report.html", k=top, extra_html=knowledge.to_html() + meta
+            folder / "report.html", k=top, extra_html=warn_html + knowledge.to_html() + meta
         )
         json_path = folder / "report.json"
         payload = report.to_dict() | {
             "top": [list(h) for h in top_heads],
+            "excluded": [e.to_dict() for e in excluded],
             "n_exact": n_exact,
+            "held_out": knowledge.to_dict(),
             "retrieval_vs_knowledge": knowledge.to_dataframe().to_dict(orient="records"),
+            "warnings": warnings,
             "command": command,
             "versions": _versions(),
             "timings": timings,
@@ -317,4 +530,31 @@ def scan(
         json_path.write_text(json.dumps(payload, indent=1), encoding="utf-8")
     timings["report"] = time.perf_counter() - t
     seconds = time.perf_counter() - t0
-    return ScanResult(report, knowledge, top_heads, html_path, json_path, seconds, timings, n_exact)
+    return ScanResult(
+        report, knowledge, top_heads, html_path, json_path, seconds, timings, n_exact, excluded,
+        sets, warnings,
+    )  # fmt: skip
+
+
+def _warnings(report: GnaReport, knowledge: KnowledgeTable, asked: int, got: int) -> list[str]:
+    """What a reader of the scan must know, from its own numbers."""
+    out = []
+    if got < asked:
+        out.append(
+            f"only {got} heads meet the ranking criterion ({report.criterion}); asked for {asked}."
+        )
+    for r in knowledge.rows:
+        if r.before.low <= r.chance:
+            out.append(
+                f"the model is not above chance on {r.task} (accuracy "
+                f"{r.before.format(percent=True)}, chance {100 * r.chance:.1f}%): it does not do "
+                "this task, so removing heads cannot show what they do for it"
+                + (
+                    " (and the ranking, made on it, says nothing about retrieval)."
+                    if r is knowledge.rows[0]
+                    else "."
+                )
+            )
+    if not report.has_control:
+        out.append("no control was measured: the ranking is not retrieval-specific.")
+    return out

@@ -419,7 +419,7 @@ def test_both_sweep_strategies_equal_the_loop(arch, strategy, monkeypatch):
     from gna_lens.interventions import _engine
 
     m = model(arch)
-    monkeypatch.setitem(_engine._STRATEGY, m, strategy)
+    monkeypatch.setitem(_engine._STRATEGY, m, {False: strategy, True: strategy})
     t = make_task()
     heads = [(0, 1), (1, 2), [(0, 3), (1, 0)]]
     for mode, positions, ref in (("zero", None, None), ("resample", [-4, -1], make_task(seed=5))):

@@ -6,64 +6,141 @@ import pytest
 
 from gna_lens.cli import TABLE_COLUMNS, main
 from gna_lens.errors import TaskError
-from gna_lens.scan import build_tasks, scan
-from gna_lens.testing import TOY_AGGREGATE_HEAD, TOY_GATHER_HEAD, toy_gna_model
+from gna_lens.scan import ScanTasks, build_tasks, scan
+from gna_lens.testing import (
+    TOY_AGGREGATE_HEAD,
+    TOY_GATHER_HEAD,
+    TOY_GENERIC_HEAD,
+    toy_control,
+    toy_gna_model,
+    toy_gna_task,
+)
 
 
 @pytest.fixture
 def toy_scan(monkeypatch):
-    """``gna-lens scan`` on the hand-built G&A model, fed its own task (it retrieves in its own
-    template, not in the KV question template)."""
+    """``gna-lens scan`` on the hand-built G&A model with its generic head, fed its own task (it
+    retrieves in its own template, not in the KV question template) and its own control."""
     from gna_lens import scan as scan_module
-    from gna_lens.testing import toy_gna_task
 
-    model = toy_gna_model()
-    monkeypatch.setattr(
-        scan_module,
-        "build_tasks",
-        lambda tok, task, n_samples, seed: (
+    model = toy_gna_model(generic_head=True)
+
+    def tasks(tok, task, n_samples, seed, n_eval=8, zoo=False):
+        return ScanTasks(
             toy_gna_task(model, n_samples=n_samples, seed=seed),
-            {"kv-4": toy_gna_task(model, n_samples=n_samples, seed=seed)},
-        ),
-    )
+            {"kv-4": toy_gna_task(model, n_samples=n_eval, seed=seed + 1)},
+            control_select=toy_control(model, seed=seed),
+            control_eval=toy_control(model, seed=seed + 1),
+        )
+
+    monkeypatch.setattr(scan_module, "build_tasks", tasks)
     monkeypatch.setattr(scan_module, "load_scan_model", lambda name: model)
     return model
 
 
-def test_scan_ranks_heads_and_writes_offline_reports(tmp_path, toy_scan):
-    result = scan(toy_scan, "kv", n_samples=8, top=2, out=tmp_path, progress=False, command="test")
+def test_scan_ranks_retrieval_heads_leaves_out_the_generic_one_and_writes_reports(
+    tmp_path, toy_scan
+):
+    result = scan(
+        toy_scan, "kv", n_samples=8, top=2, out=tmp_path, progress=False, command="test",
+        random_draws=3,
+    )  # fmt: skip
     assert set(result.top) == {TOY_GATHER_HEAD, TOY_AGGREGATE_HEAD}
-    df = result.knowledge.to_dataframe()
-    assert df.loc[0, "before"] == 1.0 and df.loc[0, "after"] <= 0.5
+    assert [e.head for e in result.excluded] == [TOY_GENERIC_HEAD]
+    assert "max_control" in result.excluded[0].reason
+    row = result.knowledge.rows[0]
+    assert row.before.value == 1.0 and row.after.value <= 0.5 and row.after.high < row.before.low
+    # Random sets match the top heads' layers (one head from layer 0, one from layer 1); a draw
+    # that picks the generic head breaks retrieval, one of zero-weight heads does not.
+    sets = result.knowledge.random_sets
+    assert len(sets) == 3 and all(sorted(layer for layer, _ in s) == [0, 1] for s in sets)
+    expected = [0.0 if TOY_GENERIC_HEAD in s else 1.0 for s in sets]
+    assert list(row.random_draws) == expected
+    assert row.random_after is not None
+    assert row.random_after.value == pytest.approx(sum(expected) / 3)
+    assert result.knowledge.control is not None
+    assert abs(result.knowledge.control.change.value) < 0.1  # G&A heads do not touch the control
     page = result.html_path.read_text()
     assert "heatmap" in page and "CircuitsVis" in page and "Retrieval vs knowledge" in page
+    assert "Left out as generic" in page and f"L{TOY_GENERIC_HEAD[0]}H{TOY_GENERIC_HEAD[1]}" in page
     assert "cdn.jsdelivr" not in page and "unpkg.com" not in page
     data = json.loads(result.json_path.read_text())
     assert data["command"] == "test" and len(data["top"]) == 2
+    assert data["method"]["mode"] == "zero" and data["method"]["positions"] == "all"
+    assert data["method"]["selection_prompts"] == 8
+    assert data["excluded"][0]["head"] == "L0H2"
+    assert data["held_out"]["rows"][0]["after"]["high"] is not None
 
 
 def test_scan_prefilters_by_attribution_then_ablates_exactly(tmp_path, toy_scan):
-    result = scan(toy_scan, "kv", n_samples=8, top=2, exact=2, out=None, progress=False)
+    result = scan(
+        toy_scan, "kv", n_samples=8, top=2, exact=3, out=None, progress=False, random_draws=0
+    )
     effects = result.report.scores["ablation_effect"]
-    assert int((~effects.isnan()).sum()) == 2 == result.n_exact  # only the prefiltered heads
+    assert int((~effects.isnan()).sum()) == 3 == result.n_exact  # only the prefiltered heads
     assert set(result.top) == {TOY_GATHER_HEAD, TOY_AGGREGATE_HEAD}
     assert not bool(result.report.scores["attribution"].isnan().any())
 
 
+def _kv_world():
+    """A word tokenizer covering the KV templates and a small word list, and a tiny model."""
+    from gna_lens.tasks import load_words
+    from gna_lens.tasks._testing import word_tokenizer
+    from gna_lens.testing import tiny_hooked_ssm
+
+    words = load_words()[:40]
+    tok = word_tokenizer(
+        [
+            "Below is a list of key-value pairs. What is the value for key ? :",
+            "Memorize the following dictionary: The value of the key ' is",
+            " ".join(words),
+        ],
+        bos=True,
+    )
+    model = tiny_hooked_ssm("mamba2", vocab_size=len(tok))
+    model.tokenizer = tok
+    return model, tok, words
+
+
+def test_scan_held_out_prompts_are_disjoint_from_the_selection_prompts(tmp_path):
+    model, tok, words = _kv_world()
+    sets = build_tasks(tok, "kv", n_samples=12, seed=0, n_pairs=2, n_eval=40)
+    chosen = {s.prompt for s in sets.selection}
+    assert len(chosen) > 1
+    for name, task in sets.held_out.items():
+        assert len(task) > 0
+        assert not chosen & {s.prompt for s in task}, name
+    # With 2 pairs over 40 words, some seed-1 prompts repeat seed-0 ones: they are dropped.
+    raw = {s.prompt for s in __import__("gna_lens").tasks.kv_retrieval(
+        tok, n_pairs=2, n_samples=40, seed=1, template="question", values="words")}  # fmt: skip
+    assert len(sets.held_out["kv-2"]) == len(raw - chosen) or len(raw & chosen) == 0
+    result = scan(
+        model, "kv", n_samples=12, n_eval=40, top=2, out=None, progress=False, control=None,
+        random_draws=2,
+    )  # fmt: skip
+    assert result.tasks is not None
+    selection = {s.prompt for s in result.tasks.selection}
+    for task in result.tasks.held_out.values():
+        assert not selection & {s.prompt for s in task}
+    assert result.report.method["selection_prompts"] == 12
+    assert "no control was measured: the ranking is not retrieval-specific." in result.warnings
+
+
 def test_scan_cli_prints_the_table_and_json(tmp_path, toy_scan, capsys):
     out = tmp_path / "report"
-    args = ["scan", "toy", "--n-samples", "8", "--top", "2", "--out", str(out)]
+    args = ["scan", "toy", "--n-samples", "8", "--top", "2", "--out", str(out), "--random-draws", "2"]
     assert main(args) == 0
     text = capsys.readouterr().out
     header = next(line for line in text.splitlines() if line.split()[:2] == ["layer", "head"])
-    # "attribution" is dropped when every head was ablated exactly (toy model: 16 heads).
+    # "attribution" is dropped when every head was ablated exactly (toy model: 6 heads).
     assert header.split() == [c for c in TABLE_COLUMNS if c != "attribution"]
-    assert "Retrieval vs knowledge" in text and "kv-4" in text
+    assert "Held-out prompts" in text and "kv-4" in text and "random heads" in text
+    assert "Left out as generic" in text and "L0H2" in text
     assert (out / "report.html").is_file()
 
     assert main([*args, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)  # nothing but the JSON on stdout
-    assert {"top", "heads", "baseline", "retrieval_vs_knowledge", "timings", "n_exact"} <= set(data)
+    assert {"top", "heads", "baseline", "held_out", "timings", "n_exact", "method"} <= set(data)
     assert [tuple(h) for h in data["top"]] in (
         [TOY_GATHER_HEAD, TOY_AGGREGATE_HEAD],
         [TOY_AGGREGATE_HEAD, TOY_GATHER_HEAD],

@@ -20,9 +20,11 @@ from gna_lens.tasks._testing import word_tokenizer
 from gna_lens.testing import (
     TOY_AGGREGATE_HEAD,
     TOY_GATHER_HEAD,
+    TOY_GENERIC_HEAD,
     TOY_WORDS,
     tiny_checkpoint,
     tiny_hooked_ssm,
+    toy_control,
     toy_gna_model,
     toy_gna_task,
 )
@@ -34,20 +36,104 @@ def toy():
     return model, toy_gna_task(model, n_pairs=4, n_samples=12, seed=1)
 
 
+@pytest.fixture(scope="module")
+def generic():
+    """The toy with a generic head that every prediction (and the control) needs."""
+    model = toy_gna_model(generic_head=True)
+    task = toy_gna_task(model, n_pairs=4, n_samples=12, seed=1)
+    return model, task, score_heads(model, task, control=toy_control(model), progress=False)
+
+
+def test_default_ranking_puts_gna_heads_first_and_lists_the_generic_head_as_excluded(generic):
+    _, _, report = generic
+    assert set(report.top(2)) == {TOY_GATHER_HEAD, TOY_AGGREGATE_HEAD}
+    assert TOY_GENERIC_HEAD not in report.top(6)
+    gone = report.excluded(2)
+    assert [e.head for e in gone] == [TOY_GENERIC_HEAD]
+    assert gone[0].control_effect > report.max_control and "max_control" in gone[0].reason
+    # The raw order puts the generic head first: its removal hurts retrieval the most.
+    assert report.top(1, by="ablation_effect") == [TOY_GENERIC_HEAD]
+    df = report.to_dataframe().set_index(["layer", "head"])
+    assert df.loc[TOY_GENERIC_HEAD, "control_effect"] > 1.0
+    for h in (TOY_GATHER_HEAD, TOY_AGGREGATE_HEAD):
+        assert abs(df.loc[h, "control_effect"]) < 0.05
+        assert df.loc[h, "specificity"] == pytest.approx(1.0, abs=0.05)
+    assert df.loc[TOY_GENERIC_HEAD, "specificity"] < 0.6
+    # Effects carry their bootstrap intervals.
+    row = df.loc[TOY_AGGREGATE_HEAD]
+    assert row["ablation_effect_low"] <= row["ablation_effect"] <= row["ablation_effect_high"]
+    assert report.method["control"].startswith("toy-chains")
+
+
+def test_a_stricter_or_looser_control_bound_moves_the_generic_head(generic):
+    model, task, report = generic
+    import dataclasses
+
+    loose = dataclasses.replace(report, max_control=100.0)
+    assert loose.top(1) == [TOY_GENERIC_HEAD] and loose.excluded(1) == []
+    no_control = score_heads(model, task, control=None, progress=False, n_examples=0)
+    with pytest.raises(GnaLensError, match="needs control effects"):
+        no_control.top(2)
+    assert no_control.top(1, by="ablation_effect") == [TOY_GENERIC_HEAD]
+
+
+def test_pattern_roles_need_a_score_above_its_null(generic):
+    _, _, report = generic
+    df = report.to_dataframe().set_index(["layer", "head"])
+    assert df.loc[TOY_GATHER_HEAD, "role"] == "gather"
+    assert df.loc[TOY_AGGREGATE_HEAD, "role"] == "aggregate"
+    # The generic head attends to the token itself: that is not gathering.
+    assert df.loc[TOY_GENERIC_HEAD, "gather_share"] < 0.05
+    assert df.loc[TOY_GENERIC_HEAD, "role"] == ""
+    # Uniform (zero-weight) heads do not beat the nulls.
+    assert df.loc[(1, 1), "role"] == "" and df.loc[(0, 1), "role"] == ""
+    assert df.loc[TOY_AGGREGATE_HEAD, "correct_chance"] == pytest.approx(0.25)
+
+
+def test_previous_token_and_self_attending_heads_get_no_gather_score():
+    from gna_lens.scoring.patterns import SCORE_NAMES, _sample_scores
+    from gna_lens.tasks import Sample
+
+    n = 10
+    sample = Sample(
+        prompt="", input_ids=list(range(n)), segments=[(1, 4), (4, 7)], segment_chars=[(0, 1)] * 2,
+        summary_positions=[3, 6], query_position=9, answer_segment=1, choices=["a", "b"],
+        choice_ids=[[1], [2]], answer_index=1,
+    )  # fmt: skip
+    eye = torch.eye(n)
+    prev = torch.zeros(n, n)
+    prev[torch.arange(1, n), torch.arange(n - 1)] = 1.0
+    prev[0, 0] = 1.0
+    gather = torch.zeros(n, n)
+    gather[3, 1] = gather[6, 4] = 1.0  # the segment's first tokens, far from t
+    gather[torch.arange(n), torch.arange(n)] += 1e-3
+    scores = _sample_scores(torch.stack([eye, prev, gather]), sample, sink=True)
+    g, share = SCORE_NAMES.index("gather_score"), SCORE_NAMES.index("gather_share")
+    # Self-attention is no gathering; a previous-token head gathers no more at the true
+    # boundaries than at shifted ones (the local baseline), so its score is 0.
+    assert scores[0, share] == 0.0 and scores[0, g] == 0.0
+    assert scores[1, share] == 1.0 and scores[1, g] == pytest.approx(0.0)
+    assert scores[2, share] == pytest.approx(1.0, abs=1e-2) and scores[2, g] > 0.9
+    # Signed SSM-like rows are compared on |row|: negating a pattern changes nothing.
+    flipped = _sample_scores(-torch.stack([eye, prev, gather]), sample, sink=True)
+    assert torch.allclose(flipped, scores)
+
+
 def test_scores_and_ranking_find_the_known_heads(toy):
     model, task = toy
-    report = score_heads(model, task, progress=False)
+    report = score_heads(model, task, control=toy_control(model), progress=False)
     df = report.to_dataframe()
-    assert list(df.columns[:10]) == [
-        "layer", "head", "kind", "gather_score", "aggregate_score", "correct_share",
-        "sharpness", "entropy", "ablation_effect", "attribution",
+    assert list(df.columns[:9]) == [
+        "layer", "head", "kind", "role", "gather_score", "gather_share", "gather_null",
+        "aggregate_score", "aggregate_null",
     ]  # fmt: skip
     assert report.top(1, by="gather_score") == [TOY_GATHER_HEAD]
     assert report.top(1, by="correct_share") == [TOY_AGGREGATE_HEAD]
     assert report.top(1, by="aggregate_score") == [TOY_AGGREGATE_HEAD]
     assert set(report.top(2)) == {TOY_GATHER_HEAD, TOY_AGGREGATE_HEAD}
     row = df.set_index(["layer", "head"])
-    assert row.loc[TOY_GATHER_HEAD, "gather_score"] > 0.99
+    assert row.loc[TOY_GATHER_HEAD, "gather_share"] > 0.99
+    assert row.loc[TOY_GATHER_HEAD, "gather_score"] > 0.5
     assert row.loc[TOY_AGGREGATE_HEAD, "correct_share"] > 0.99
     assert row.loc[TOY_AGGREGATE_HEAD, "sharpness"] > 0.99
     others = [h for h in report.heads if h not in (TOY_GATHER_HEAD, TOY_AGGREGATE_HEAD)]
@@ -60,7 +146,7 @@ def test_scores_and_ranking_find_the_known_heads(toy):
 
 def test_attribution_prefilter_keeps_the_known_heads(toy):
     model, task = toy
-    report = score_heads(model, task, prefilter=2, progress=False)
+    report = score_heads(model, task, prefilter=2, control=toy_control(model), progress=False)
     effects = report.scores["ablation_effect"]
     measured = {h for h, e in zip(report.heads, effects.tolist(), strict=True) if not math.isnan(e)}
     assert measured == {TOY_GATHER_HEAD, TOY_AGGREGATE_HEAD}
@@ -69,7 +155,7 @@ def test_attribution_prefilter_keeps_the_known_heads(toy):
 
 def test_pair_finding_confirms_the_known_pair(toy):
     model, task = toy
-    pairs = find_gna_pairs(model, task, progress=False)
+    pairs = find_gna_pairs(model, task, control=toy_control(model), progress=False)
     best = pairs[0]
     assert (best.gather, best.aggregate, best.confirmed) == (
         TOY_GATHER_HEAD,
@@ -84,11 +170,22 @@ def test_pair_finding_confirms_the_known_pair(toy):
 
 def test_retrieval_vs_knowledge_table(toy):
     model, task = toy
-    table = retrieval_vs_knowledge(model, [TOY_AGGREGATE_HEAD], {"kv-4": task}, progress=False)
+    table = retrieval_vs_knowledge(
+        model, [TOY_AGGREGATE_HEAD], {"kv-4": task}, control=toy_control(model), progress=False
+    )
     df = table.to_dataframe()
     assert df.loc[0, "before"] == 1.0
     assert df.loc[0, "after"] <= 0.5
     assert df.loc[0, "relative_change"] == pytest.approx(df.loc[0, "after"] - 1.0)
+    # Wilson intervals: 12/12 correct is not "100% for sure".
+    assert df.loc[0, "before_low"] < 0.8 and df.loc[0, "before_high"] == 1.0
+    assert df.loc[0, "change_high"] < 0  # the paired interval excludes no change
+    # Ten random draws from the same layer (zero-weight heads) leave retrieval intact.
+    assert len(table.random_sets) == 10
+    assert all({layer for layer, _ in s} == {1} for s in table.random_sets)
+    assert all(TOY_AGGREGATE_HEAD not in s for s in table.random_sets)
+    assert df.loc[0, "random_after"] == 1.0
+    assert table.control is not None and abs(table.control.change.value) < 0.05
     with pytest.raises(GnaLensError, match="at least one task"):
         retrieval_vs_knowledge(model, [TOY_AGGREGATE_HEAD], {})
 
@@ -125,7 +222,8 @@ def test_scores_are_invariant_to_batch_size_and_padding_side(arch):
     ref = pattern_scores(model, task, batch_size=1, padding_side="right", progress=False)
     for batch_size, side in [(4, "left"), (6, "right"), (3, "left")]:
         got = pattern_scores(model, task, batch_size=batch_size, padding_side=side, progress=False)
-        for name in ("gather_score", "aggregate_score", "correct_share", "sharpness", "entropy"):
+        for name in ("gather_score", "gather_share", "aggregate_score", "aggregate_null",
+                     "correct_share", "sharpness", "entropy"):  # fmt: skip
             assert torch.allclose(getattr(got, name), getattr(ref, name), atol=1e-5), (name, side)
 
 
@@ -149,13 +247,13 @@ def test_same_call_runs_on_bridge_and_every_hooked_ssm(tmp_path):
         "llama": {"attention"},
     }
     for arch, model in models.items():
-        report = score_heads(model, task, progress=False)
+        report = score_heads(model, task, control=None, progress=False)
         df = report.to_dataframe()
         assert set(df["kind"]) == expected_kinds[arch], arch
         n_heads = sum(report.layer_heads)
         assert len(df) == n_heads
-        assert not df[["gather_score", "aggregate_score", "ablation_effect"]].isna().any().any()
-        assert ((df["gather_score"] >= 0) & (df["gather_score"] <= 1 + 1e-6)).all()
+        assert not df[["gather_share", "aggregate_score", "ablation_effect"]].isna().any().any()
+        assert ((df["gather_share"] >= 0) & (df["gather_share"] <= 1 + 1e-6)).all()
         assert report.heatmap("gather_score").shape == (report.n_layers, max(report.layer_heads))
         if arch == "bamba":
             attn = df[df["kind"] == "attention"]
@@ -164,20 +262,21 @@ def test_same_call_runs_on_bridge_and_every_hooked_ssm(tmp_path):
 
 def test_report_exports_json_and_offline_html(toy):
     model, task = toy
-    report = score_heads(model, task, progress=False)
+    report = score_heads(model, task, control=toy_control(model), progress=False)
     with tempfile.TemporaryDirectory() as tmp:
         path = report.to_html(Path(tmp) / "report.html")
         text = path.read_text()
         js = report.to_json(Path(tmp) / "report.json")
     assert "<svg class='heatmap'" in text
+    assert "Method" in text and "Left out as generic" in text
     assert "CircuitsVis" in text  # the widget's script is embedded
     assert "unpkg.com" not in text and "cdn.jsdelivr" not in text
     assert '"gather_score"' in js
-    with pytest.raises(GnaLensError, match="expected one of"):
+    with pytest.raises(GnaLensError, match="or one of"):
         report.top(3, by="nonsense")
     no_ablation = score_heads(model, task, ablation=False, progress=False)
     with pytest.raises(GnaLensError, match="not computed"):
-        no_ablation.top(3)
+        no_ablation.top(3, by="ablation_effect")
 
 
 def test_patching_the_aggregate_head_from_a_requeried_run_moves_the_answer(toy):

@@ -39,7 +39,8 @@ Hooks = Sequence[tuple[Any, Callable[..., Any]]]
 # Per bridge model: does swapping the residual at blocks.{l}.hook_resid_pre match start_at_layer?
 _INJECT_OK: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
 # Per model: does keeping only the last position after the last block's mixer match?
-_TAIL_OK: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+# (per number of kept positions: a bridge whose residual add broadcasts passes for 1, not for more)
+_TAIL_OK: "weakref.WeakKeyDictionary[Any, dict[int, bool]]" = weakref.WeakKeyDictionary()
 STEP_RTOL = 1e-4
 
 
@@ -70,38 +71,42 @@ def _close(a: Tensor, b: Tensor, rtol: float = STEP_RTOL) -> bool:
 class Runner:
     """Forward passes of one model for the interventions (always under ``torch.no_grad``)."""
 
-    def __init__(self, model: Any, view: HeadView, full: bool = False):
+    def __init__(self, model: Any, view: HeadView, keep: int = 1):
         self.model = model
         self.view = view
         self.n_layers = view.n_layers
         self.is_ssm = _is_hooked_ssm(model)
-        #: ``full``: every method returns logits at every position ``[rows, pos, d_vocab]`` (for
-        #: metrics over whole sequences, e.g. the next-token loss of a control text) instead of the
-        #: last position's ``[rows, d_vocab]``.
-        self.full = full
+        #: How many trailing positions' logits every method returns: 1 gives ``[rows, d_vocab]``
+        #: (the query position), ``keep > 1`` gives ``[rows, keep, d_vocab]`` (metrics over several
+        #: positions, e.g. the next-token loss of a control text).
+        self.keep = keep
         self.keep_last: dict[str, Any] = {}
-        if not self.is_ssm and not full:
+        if not self.is_ssm:
             hf = getattr(model, "original_model", None)
             try:
                 params = inspect.signature(hf.forward).parameters if hf is not None else {}
             except (TypeError, ValueError):
                 params = {}
             if "logits_to_keep" in params:
-                self.keep_last = {"logits_to_keep": 1}
+                self.keep_last = {"logits_to_keep": keep}
         # The last block's MLP (and anything position-wise after its mixer) only matters at the
-        # last position: truncate the sequence there (checked once per model).
+        # kept positions: truncate the sequence there (checked once per model).
         tail = f"blocks.{self.n_layers - 1}.hook_resid_mid"
+
+        def last_positions(x: Tensor, hook: Any) -> Tensor:
+            return x[:, -keep:]
+
         self.tail_hooks: list[tuple[str, Callable[..., Any]]] = (
-            [(tail, _last_position)] if tail in getattr(model, "hook_dict", {}) else []
+            [(tail, last_positions)] if tail in getattr(model, "hook_dict", {}) else []
         )
 
     # ------------------------------------------------------------------ full runs
     def _tail(self) -> list[tuple[str, Callable[..., Any]]]:
-        return self.tail_hooks if (_TAIL_OK.get(self.model) and not self.full) else []
+        return self.tail_hooks if _TAIL_OK.get(self.model, {}).get(self.keep) else []
 
     def _pick(self, logits: Tensor) -> Tensor:
-        """The positions this runner returns: all (``full``) or the last."""
-        return logits if self.full else logits[:, -1]
+        """The positions this runner returns: the last (``keep == 1``) or the last ``keep``."""
+        return logits[:, -1] if self.keep == 1 else logits[:, -self.keep :]
 
     def logits_last(self, tokens: Tensor, hooks: Hooks = ()) -> Tensor:
         """Logits at the last position ``[rows, d_vocab]`` of a full forward with ``hooks``."""
@@ -114,10 +119,8 @@ class Runner:
         return self._final(resid)
 
     def _final(self, resid: Tensor) -> Tensor:
-        """HookedSSM: final norm and unembedding of the last position (every one if ``full``)."""
-        if self.full:
-            return self.model(resid, start_at_layer=self.n_layers)
-        return self.model(resid[:, -1:], start_at_layer=self.n_layers)[:, 0]
+        """HookedSSM: final norm and unembedding of the kept positions only."""
+        return self._pick(self.model(resid[:, -self.keep :], start_at_layer=self.n_layers))
 
     def clean(self, tokens: Tensor, names: Sequence[str]) -> tuple[Tensor, dict[str, Tensor]]:
         """A clean run keeping the activations ``names``; returns (last logits, activations)."""
@@ -134,12 +137,13 @@ class Runner:
 
         ``tokens`` are the unpadded prompts of the group (any one row is enough for the bridge).
         """
-        if self.tail_hooks and self.model not in _TAIL_OK and not self.full:
+        if self.tail_hooks and self.keep not in _TAIL_OK.get(self.model, {}):
             fast = _attempt(
                 lambda: self._from_layer(layer, resid, tokens, [*hooks, *self.tail_hooks])
             )
             slow = self._from_layer(layer, resid, tokens, hooks)
-            _TAIL_OK[self.model] = fast is not None and _close(fast, slow, 2e-6)
+            ok = fast is not None and fast.shape == slow.shape and _close(fast, slow, 2e-6)
+            _TAIL_OK.setdefault(self.model, {})[self.keep] = ok
             return slow
         return self._from_layer(layer, resid, tokens, list(hooks) + self._tail())
 
@@ -175,13 +179,13 @@ class Runner:
     def prefix(self, tokens: Tensor) -> tuple[Tensor, Any]:
         """Run the whole prompt once; returns (last logits, prefix state or ``None``).
 
-        Only for runners that return the last position (``full=False``).
+        Only for runners that return the last position (``keep == 1``).
 
         The state holds what the last token needs from the earlier ones. ``None`` when the model
         offers no incremental path that reproduces its full forward (then edits of the last
         position are recomputed in full).
         """
-        if self.full:
+        if self.keep != 1:
             raise InterventionError("internal: the incremental path returns the last position only")
         if self.is_ssm:
             from gna_lens.interventions._ssm_step import ssm_prefix
@@ -260,10 +264,6 @@ def _attempt(fn: Callable[[], Tensor]) -> Tensor | None:
         return fn()
     except Exception:  # any failure of a shortcut means: use the plain path
         return None
-
-
-def _last_position(x: Tensor, hook: Any) -> Tensor:
-    return x[:, -1:]
 
 
 def _bind_name(fn: Callable[..., Any], name: str) -> Callable[..., Any]:

@@ -476,24 +476,24 @@ def ablation_sweep(
 class _NextTokenNLL:
     """Per-row next-token negative log-likelihood (nats/token) of a :class:`TextControl`.
 
-    ``last=False``: logits ``[rows, pos, d_vocab]`` of the whole window, the mean NLL of
-    predicting ``tokens[:, 1:]``. ``last=True``: logits ``[rows, d_vocab]`` at the last input
-    position, the NLL of each window's final token (the input is the window minus that token).
+    The input is each window minus its final token; the logits of its last ``k`` positions
+    (``[rows, d_vocab]`` for ``k == 1``, else ``[rows, k, d_vocab]``) predict the window's last
+    ``k`` tokens, and the metric is their mean NLL.
     """
 
     name = "nll"
 
-    def __init__(self, tokens: Tensor, last: bool):
+    def __init__(self, tokens: Tensor, k: int):
         self.tokens = tokens
-        self.last = last
+        self.k = k
 
     def __call__(self, logits: Tensor, idx: Tensor) -> Tensor:
-        rows = self.tokens[idx.long().cpu()].to(logits.device)
-        if self.last:
-            logp = logits.float().log_softmax(-1)
-            return -logp.gather(1, rows[:, -1:])[:, 0]
-        logp = logits[:, :-1].float().log_softmax(-1)
-        return -logp.gather(2, rows[:, 1:, None])[..., 0].mean(-1)
+        targets = self.tokens[idx.long().cpu(), -self.k :].to(logits.device)
+        lg = logits.reshape(len(idx) * self.k, -1)
+        # In the logits' own dtype: float32 is exact; under bfloat16 autocast this is 7x faster
+        # than an upcast logsumexp and rounds each token's NLL to ~3 significant digits.
+        nll = torch.nn.functional.cross_entropy(lg, targets.reshape(-1), reduction="none")
+        return nll.float().view(len(idx), self.k).mean(-1)
 
 
 def control_sweep(
@@ -504,6 +504,7 @@ def control_sweep(
     mode: str = "zero",
     positions: Any = None,
     method: str = "batched",
+    n_scored: int | None = None,
     max_rows: int = 64,
     memory_budget: int | str = "1GiB",
     progress: bool = True,
@@ -513,11 +514,12 @@ def control_sweep(
     The same ablation as on the task (``mode``, ``positions``), applied to text that needs no
     in-context retrieval:
 
-    - a :class:`~gna_lens.tasks.TextControl` (prose windows): with ``positions=None`` or a list,
-      the heads are ablated at those positions of every window and the loss is the mean NLL of
-      every next token; with ``positions="last"`` each window minus its final token is the input,
-      the heads are ablated at its last position only, and the loss is the NLL of that final token
-      (the prose analogue of ablating at the query position). ``"mean"`` ablation replaces a head
+    - a :class:`~gna_lens.tasks.TextControl` (prose windows): each window minus its final token
+      is the input; with ``positions=None`` or a list the heads are ablated at those positions and
+      the loss is the mean NLL of the window's last ``n_scored`` tokens (default: half the window,
+      so every scored token has at least as much context before it); with ``positions="last"``
+      the heads are ablated at the last input position only and the loss is the NLL of the
+      window's final token (the prose analogue of ablating at the query position). ``"mean"`` ablation replaces a head
       by its mean over the control's own windows (the same positions as
       :func:`head_ablation_hooks` averages over); ``"resample"`` takes window ``i``'s head output
       from window ``i + 1``.
@@ -532,6 +534,8 @@ def control_sweep(
         mode: ``"zero"``, ``"mean"`` or ``"resample"``.
         positions: ``None``, ``"last"`` or a list of positions.
         method: ``"batched"`` or ``"loop"`` (reference, see :func:`ablation_sweep`).
+        n_scored: Tokens scored at the end of each window (default ``seq_len // 2``; 1 with
+            ``positions="last"``).
         max_rows: Rows (windows x ablations) per forward pass.
         memory_budget: Bytes a forward pass may use (full-window logits are large).
         progress: Show a progress bar.
@@ -586,7 +590,13 @@ def control_sweep(
         raise InterventionError(f"method={method!r}; expected 'batched' or 'loop'.")
     last = positions == "last"
     device = model_device(model)
-    inputs = control.tokens[:, :-1] if last else control.tokens
+    inputs = control.tokens[:, :-1]
+    k = 1 if last else (n_scored or max(1, control.seq_len // 2))
+    if not 1 <= k < control.seq_len or (last and k != 1):
+        raise InterventionError(
+            f"control_sweep(n_scored={n_scored}) on windows of {control.seq_len} tokens; expected "
+            f"1 <= n_scored < {control.seq_len} (and 1 with positions='last')."
+        )
     n = inputs.shape[0]
     if mode == "resample" and n < 2:
         raise InterventionError(
@@ -595,8 +605,8 @@ def control_sweep(
         )
     layers = sorted({layer for c in cells for layer, _ in c})
     require_editable(model, view, layers, "z")
-    runner = Runner(model, view, full=not last)
-    metric = _NextTokenNLL(control.tokens, last)
+    runner = Runner(model, view, keep=k)
+    metric = _NextTokenNLL(control.tokens, k)
     plan = SweepPlan(parse_bytes(memory_budget), max_rows, None)
     with torch.no_grad():
         source = build_source(
@@ -635,5 +645,5 @@ def control_sweep(
         mode=mode,
         positions=positions_label(positions),
         method=method if not last or info["incremental_fallbacks"] else "incremental",
-        info=info,
+        info=info | {"n_scored": k},
     )

@@ -10,16 +10,20 @@ BOS (attention heads park unused mass there, an attention sink; SSM rows are tre
 divided by its sum over the keys that remain. Attention rows are non-negative already; SSM matrices
 are signed and unnormalized, and this makes their shares comparable with attention's.
 
-- **gather score**: for each segment with summary token ``t``, the share of ``t``'s row on its own
-  segment *excluding the token itself and its immediate predecessor* (``t`` and ``t - 1`` are
-  dropped from the row before normalizing), averaged over segments. A previous-token or
-  self-attending head therefore scores 0, not 1.
-- **gather null**: the same score with every segment shifted back by 1 and 2 tokens (pseudo
-  segments ``[start - d, t - d]`` and pseudo summary tokens ``t - d``; segment boundaries in the
-  wrong place), averaged. A head that attends locally wherever it is scores the same on both.
-  Score and null are averaged over the same segments: those where every shifted segment still
-  has a token to gather (the first segment of a prompt without a header often has not). When no
-  segment qualifies the null is NaN and no head gets the gather role.
+- **gather share**: for each segment with summary token ``t``, the share of ``t``'s row on the
+  other tokens of its own segment (the token itself is no part of what it gathers: attention to
+  ``t`` stays in the row's total and counts against the share), averaged over segments. A
+  self-attending head scores 0.
+- **gather null**: the same share with every segment shifted back by 1 and 2 tokens (pseudo
+  segments ``[start - d, t - d]`` and pseudo summary tokens ``t - d``: boundaries in the wrong
+  place), averaged: the local-attention baseline. A previous-token head (or any head that
+  attends locally wherever it is) gets the same share there as at the true boundaries.
+  Share and null are averaged over the same segments: those whose shifted copies still have a
+  token to gather (the first segment of a prompt without a header often has not). When no
+  segment qualifies the null is NaN.
+- **gather score** ``= gather share - gather null``: gathering measured against the local
+  baseline; about 0 for previous-token and self-attending heads, up to 1 for a head whose summary
+  tokens read their own segment and whose other tokens do not.
 - **aggregate score**: the share of the query (final) position's row on the summary tokens.
 - **aggregate null**: the query row's share on the pseudo summary tokens ``t - 1`` and ``t - 2``.
 - **correct share**: the share of the summary mass on the answer segment's summary token;
@@ -28,9 +32,9 @@ are signed and unnormalized, and this makes their shares comparable with attenti
   ``r``; ``sharpness = max r`` (1 for one-hot, ``1/k`` for uniform over ``k``) and
   ``entropy = -Σ r log r`` in nats (0 for one-hot, ``log k`` for uniform).
 
-**Roles.** A head is labelled ``"gather"`` when its gather score beats the gather null by at least
-:data:`ROLE_MARGIN` on average with the 95% bootstrap interval (over samples) of the difference
-above 0; ``"aggregate"`` when its aggregate score beats the aggregate null the same way *and* its
+**Roles.** A head is labelled ``"gather"`` when its gather share beats the gather null by at least
+:data:`ROLE_MARGIN` on average (its gather score) with the 95% bootstrap interval (over samples)
+of the difference above 0; ``"aggregate"`` when its aggregate score beats the aggregate null the same way *and* its
 correct share beats chance (interval of ``correct - chance`` above 0). Both can hold
 (``"gather+aggregate"``); neither gives ``""``. Roles come from patterns alone: whether a head
 matters is what ablation measures (:func:`~gna_lens.scoring.score_heads`).
@@ -66,6 +70,7 @@ NORMALIZATION = {
 #: Per-head score columns, in order.
 SCORE_NAMES = (
     "gather_score",
+    "gather_share",
     "gather_null",
     "aggregate_score",
     "aggregate_null",
@@ -112,8 +117,9 @@ class PatternScores:
     Attributes:
         heads: ``(layer, head)`` of each entry.
         kinds: ``"attention"`` or ``"ssm"`` per entry.
-        gather_score: ``[head]``.
-        gather_null: ``[head]``, the gather score on shifted segment boundaries.
+        gather_score: ``[head]``, ``gather_share - gather_null``.
+        gather_share: ``[head]``, the summary tokens' share on their own segment.
+        gather_null: ``[head]``, the same share on shifted segment boundaries.
         aggregate_score: ``[head]``.
         aggregate_null: ``[head]``, the query row's share on shifted summary positions.
         correct_share: ``[head]``.
@@ -130,6 +136,7 @@ class PatternScores:
     heads: tuple[Head, ...]
     kinds: tuple[str, ...]
     gather_score: Float[Tensor, " head"]
+    gather_share: Float[Tensor, " head"]
     gather_null: Float[Tensor, " head"]
     aggregate_score: Float[Tensor, " head"]
     aggregate_null: Float[Tensor, " head"]
@@ -158,13 +165,22 @@ class PatternScores:
         return pd.DataFrame(data)
 
 
-def _shares(w: Tensor, row: int, keys: Tensor, drop: Sequence[int]) -> Tensor:
-    """``[head]`` share of row ``row`` of ``w`` on ``keys`` after dropping ``drop`` from the row."""
+def _shares(
+    w: Tensor, row: int, keys: Tensor, drop: Sequence[int], count: Sequence[int] = ()
+) -> Tensor:
+    """``[head]`` share of row ``row`` of ``w`` on ``keys``.
+
+    ``drop``: keys removed from the row (neither numerator nor total); ``count``: keys kept in
+    the total but never in the numerator.
+    """
     r = w[:, row, : row + 1].clone()
     for j in drop:
         if 0 <= j <= row:
             r[:, j] = 0.0
     total = r.sum(-1)
+    for j in count:
+        if 0 <= j <= row:
+            r[:, j] = 0.0
     keys = keys[(keys >= 0) & (keys <= row)]
     num = r.index_select(-1, keys).sum(-1) if keys.numel() else torch.zeros_like(total)
     return torch.where(total > 0, num / total.clamp(min=1e-300), torch.zeros_like(total))
@@ -184,25 +200,25 @@ def _sample_scores(P: Tensor, sample: Sample, sink: bool) -> Tensor:
     lo = 1 if sink else 0
     dev = P.device
 
-    def gather_at(start: int, t: int) -> Tensor:
-        keys = torch.arange(max(start, lo), t - 1, device=dev)  # own segment minus t-1 and t
-        return _shares(w, t, keys, [*first, t - 1, t])
+    def share_at(start: int, t: int) -> Tensor:
+        keys = torch.arange(max(start, lo), t, device=dev)  # own segment, t itself excluded
+        return _shares(w, t, keys, first, count=[t])
 
-    gathers, nulls, paired = [], [], []
+    shares, paired, nulls = [], [], []
     for (start, _end), t in zip(sample.segments, sample.summary_positions, strict=True):
-        g = gather_at(start, t)
-        gathers.append(g)
-        # The null needs a pseudo segment with a token to gather at every shift; score and null
+        g = share_at(start, t)
+        shares.append(g)
+        # The null needs a pseudo segment with a token to gather at every shift; share and null
         # are averaged over the same segments so that position in the prompt cancels.
-        if t - 2 >= max(start, lo) and all(t - d - 2 >= max(start - d, lo) for d in NULL_SHIFTS):
+        if t - 1 >= max(start, lo) and all(t - d - 1 >= max(start - d, lo) for d in NULL_SHIFTS):
             paired.append(g)
-            nulls.append(torch.stack([gather_at(start - d, t - d) for d in NULL_SHIFTS]).mean(0))
+            nulls.append(torch.stack([share_at(start - d, t - d) for d in NULL_SHIFTS]).mean(0))
     if paired:
-        gather = torch.stack(paired, -1).mean(-1)
+        gather_share = torch.stack(paired, -1).mean(-1)
         gather_null = torch.stack(nulls, -1).mean(-1)
-    else:  # segments too short to shift: no null, so no gather role
-        gather = torch.stack(gathers, -1).mean(-1)
-        gather_null = torch.full_like(gather, float("nan"))
+    else:  # segments too short to shift: no null, so no gather score and no gather role
+        gather_share = torch.stack(shares, -1).mean(-1)
+        gather_null = torch.full_like(gather_share, float("nan"))
     q = sample.query_position
     summary = torch.tensor(sample.summary_positions, device=dev)
     aggregate = _shares(w, q, summary, first)
@@ -218,7 +234,8 @@ def _sample_scores(P: Tensor, sample: Sample, sink: bool) -> Tensor:
     )
     chance = torch.full_like(correct, 1.0 / len(sample.summary_positions))
     sharp, entropy = row_sharpness(on_summary)
-    cols = [gather, gather_null, aggregate, aggregate_null, correct, chance]
+    cols = [gather_share - gather_null, gather_share, gather_null, aggregate, aggregate_null]
+    cols += [correct, chance]
     return torch.stack([*cols, sharp.to(P.dtype), entropy.to(P.dtype)], -1)
 
 
@@ -234,7 +251,7 @@ def _roles(per_sample: Tensor) -> tuple[str, ...]:
         assert isinstance(ivs, list)
         return [iv.value >= margin and iv.low > 0 for iv in ivs]
 
-    gather = beats("gather_score", "gather_null", ROLE_MARGIN)
+    gather = beats("gather_share", "gather_null", ROLE_MARGIN)
     aggregate = beats("aggregate_score", "aggregate_null", ROLE_MARGIN)
     discriminates = beats("correct_share", "correct_chance", 0.0)
     roles = []
@@ -322,7 +339,7 @@ def pattern_scores(
     bar.close()
     stacked = {layer: torch.stack(rows) for layer, rows in per_layer.items()}  # [S, H, C]
     per_sample = torch.stack([stacked[layer][:, h] for layer, h in wanted], 1)  # [S, heads, C]
-    means = per_sample.mean(0).float()
+    means = per_sample.mean(0).float()  # NaN nulls stay NaN
     cols = {name: means[:, i] for i, name in enumerate(SCORE_NAMES)}
     return PatternScores(
         heads=tuple(wanted),

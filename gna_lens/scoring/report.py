@@ -535,8 +535,9 @@ def resolve_control(
     """The control :func:`score_heads` measures, from what the user passed.
 
     Args:
-        control: ``"prose"`` (the shipped prose: 8 windows of 64 tokens, or 64 windows with
-            ``positions="last"``, where each window gives one prediction), ``None`` (no
+        control: ``"prose"`` (the shipped prose: 8 windows of 48 tokens whose last 24 tokens
+            are scored, or 64 windows of 64 tokens with ``positions="last"``, where each window
+            gives one prediction), ``None`` (no
             control), a :class:`~gna_lens.tasks.TextControl`, a :class:`~gna_lens.tasks.Task`
             (a knowledge task, e.g. cloze questions), a str or list of str (texts), or a
             ``datasets.Dataset`` with a ``text`` column.
@@ -556,15 +557,16 @@ def resolve_control(
     if isinstance(control, TextControl | Task):
         return control
     n = 64 if positions == "last" else 8
+    length = 64 if positions == "last" else 48
     if isinstance(control, str) and control == "prose":
         if tokenizer is None:
             raise GnaLensError(
                 "control='prose' needs the model's tokenizer (model.tokenizer is None). Fix: "
                 "attach one, or pass control=gna_lens.tasks.text_control(tokenizer) or a Task."
             )
-        return text_control(tokenizer, n_sequences=n, seq_len=64, split=split)  # type: ignore[arg-type]
+        return text_control(tokenizer, n_sequences=n, seq_len=length, split=split)  # type: ignore[arg-type]
     try:
-        return text_control(tokenizer, control, n_sequences=n, seq_len=64, split=split)  # type: ignore[arg-type]
+        return text_control(tokenizer, control, n_sequences=n, seq_len=length, split=split)  # type: ignore[arg-type]
     except GnaLensError:
         raise
     except Exception as err:  # not a text either
