@@ -36,7 +36,7 @@ ALIASES = {
     "ablation": "ablation_effect",
 }
 #: Columns drawn with a diverging colour scale centred on 0 (metric changes).
-_SIGNED = ("ablation_effect", "attribution")
+_SIGNED = ("ablation_effect", "attribution", "control_effect", "gather_score")
 #: Executable names searched on ``PATH`` for the PNG export, in order.
 BROWSER_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable", "chrome")
 
@@ -105,10 +105,11 @@ def head_heatmap(
         >>> from gna_lens import score_heads
         >>> from gna_lens.testing import toy_gna_model, toy_gna_task
         >>> model = toy_gna_model()
-        >>> report = score_heads(model, toy_gna_task(model, n_samples=8), progress=False)
+        >>> report = score_heads(model, toy_gna_task(model, n_samples=8), control=None,
+        ...                      progress=False)
         >>> fig = head_heatmap(report, "gather")
         >>> [[round(v, 2) for v in row] for row in fig.data[0].z]
-        [[1.0, 0.52], [0.52, 0.52]]
+        [[0.69, -0.06], [-0.2, -0.06]]
     """
     import plotly.graph_objects as go
 
@@ -144,8 +145,11 @@ def head_heatmap(
     return fig
 
 
-def _default_rank(report: Any) -> str:
-    """``ablation_effect`` when measured, else ``aggregate_score`` (as the HTML report does)."""
+def _default_rank(report: Any) -> str | None:
+    """The retrieval-specific ranking (``None``) when a control was measured, else
+    ``ablation_effect`` when measured, else ``aggregate_score`` (as the HTML report does)."""
+    if report.has_control:
+        return None
     effects = report.scores["ablation_effect"]
     return "ablation_effect" if not bool(effects.isnan().all()) else "aggregate_score"
 
@@ -167,8 +171,9 @@ def sharpness_comparison(
         reports: ``{label: GnaReport}``, e.g. ``{"pythia-160m": r1, "mamba-130m": r2}``; the
             boxes keep this order.
         top: Heads per model, ranked by ``by``.
-        by: The column that ranks the heads (see :meth:`GnaReport.top`). Default:
-            ``ablation_effect`` where it was measured, else ``aggregate_score``.
+        by: The column that ranks the heads (see :meth:`GnaReport.top`). Default: the
+            retrieval-specific ranking where a control was measured, else ``ablation_effect``
+            where it was measured, else ``aggregate_score``.
         title: Figure title.
 
     Returns:
@@ -183,7 +188,8 @@ def sharpness_comparison(
         >>> from gna_lens import score_heads
         >>> from gna_lens.testing import toy_gna_model, toy_gna_task
         >>> model = toy_gna_model()
-        >>> report = score_heads(model, toy_gna_task(model, n_samples=8), progress=False)
+        >>> report = score_heads(model, toy_gna_task(model, n_samples=8), control=None,
+        ...                      progress=False)
         >>> fig = sharpness_comparison({"toy": report}, top=2)
         >>> fig.data[0].text, [round(v, 2) for v in fig.data[0].y]
         (('L0H0', 'L1H0'), [0.25, 1.0])
@@ -205,7 +211,7 @@ def sharpness_comparison(
                 f"sharpness_comparison: reports[{label!r}] is {type(report).__name__}; expected a "
                 "GnaReport (from gna_lens.score_heads)."
             )
-        heads = report.top(top, by=by or _default_rank(report))
+        heads = report.top(top, by=by if by is not None else _default_rank(report))
         index = {h: i for i, h in enumerate(report.heads)}
         sharp = report.scores["sharpness"]
         fig.add_trace(

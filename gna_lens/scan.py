@@ -230,15 +230,13 @@ def _zoo_tasks(tokenizer: Any, task: str, n_samples: int, n_eval: int) -> ScanTa
         )
     selection = probe[:n_samples]
     held = {name: probe[n_samples : n_samples + n_eval]}
-    cloze = splits["cloze"]
-    half = len(cloze) // 2
     if name == "letter":  # the same questions in cloze form, held out too
-        held["cloze"] = cloze[n_samples : n_samples + n_eval]
+        held["cloze"] = splits["cloze"][n_samples : n_samples + n_eval]
     return ScanTasks(
         selection,
         held,
-        control_select=cloze[:half],
-        control_eval=cloze[half:],
+        control_select=zoo.control(tokenizer, "select"),
+        control_eval=zoo.control(tokenizer, "eval"),
         notes={
             "zoo": f"selection: first {n_samples} of the zoo's {name} split; held out: the next "
             f"{len(held[name])}; control: answer NLL of the cloze split (first half selects, "

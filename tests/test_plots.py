@@ -17,13 +17,15 @@ from gna_lens.plots import (
 )
 from gna_lens.scoring import GnaReport
 from gna_lens.scoring.report import COLUMNS
-from gna_lens.testing import toy_gna_model, toy_gna_task
+from gna_lens.testing import toy_control, toy_gna_model, toy_gna_task
 
 
 @pytest.fixture(scope="module")
 def report():
     model = toy_gna_model()
-    return score_heads(model, toy_gna_task(model, n_samples=8), progress=False)
+    return score_heads(
+        model, toy_gna_task(model, n_samples=8), control=toy_control(model), progress=False
+    )
 
 
 def ragged_report() -> GnaReport:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from gna_lens import score_heads
-from gna_lens.testing import toy_gna_model, toy_gna_task
+from gna_lens.testing import toy_control, toy_gna_model, toy_gna_task
 
 _SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "check_report.py"
 _spec = importlib.util.spec_from_file_location("check_report", _SCRIPT)
@@ -26,7 +26,9 @@ pytestmark = pytest.mark.skipif(
 
 def test_report_renders_offline_with_heatmaps_widgets_and_plotly(tmp_path):
     model = toy_gna_model()
-    report = score_heads(model, toy_gna_task(model, n_samples=8), progress=False)
+    report = score_heads(
+        model, toy_gna_task(model, n_samples=8), control=toy_control(model), progress=False
+    )
     path = report.to_html(tmp_path / "report.html", k=4, interactive=True)
     result = check.check_report(path, screenshot=tmp_path / "shot.png", window=(800, 600))
     assert len(result.heatmaps) == 5 and all(n == 4 for n in result.heatmaps)

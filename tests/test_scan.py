@@ -128,7 +128,18 @@ def test_scan_held_out_prompts_are_disjoint_from_the_selection_prompts(tmp_path)
 
 def test_scan_cli_prints_the_table_and_json(tmp_path, toy_scan, capsys):
     out = tmp_path / "report"
-    args = ["scan", "toy", "--n-samples", "8", "--top", "2", "--out", str(out), "--random-draws", "2"]
+    args = [
+        "scan",
+        "toy",
+        "--n-samples",
+        "8",
+        "--top",
+        "2",
+        "--out",
+        str(out),
+        "--random-draws",
+        "2",
+    ]
     assert main(args) == 0
     text = capsys.readouterr().out
     header = next(line for line in text.splitlines() if line.split()[:2] == ["layer", "head"])

@@ -32,7 +32,17 @@ from typing import Any
 
 from gna_lens.errors import ConfigError
 
-__all__ = ["MODELS_DIR", "ZooCard", "card", "load", "names", "path", "tasks", "train_zoo_main"]
+__all__ = [
+    "MODELS_DIR",
+    "ZooCard",
+    "card",
+    "control",
+    "load",
+    "names",
+    "path",
+    "tasks",
+    "train_zoo_main",
+]
 
 #: Where the zoo's checkpoints lie inside the installed package.
 MODELS_DIR = Path(__file__).resolve().parent / "models"
@@ -206,6 +216,35 @@ def tasks(name_or_tokenizer: str | Any | None = None) -> dict[str, Any]:
             f"tasks({type(name_or_tokenizer).__name__}); expected None, a zoo name or a tokenizer."
         )
     return eval_tasks(name_or_tokenizer)
+
+
+def control(name_or_tokenizer: str | Any | None = None, split: str = "select") -> Any:
+    """The zoo's knowledge control: the cloze split (a fact answered from the weights, no look-up).
+
+    The zoo's tokenizer reads prose as ``<unk>``, so the prose control does not apply to zoo
+    models; the answer's next-token loss on cloze questions does. ``split="select"`` is the first
+    half of the 300 cloze prompts (for ranking heads), ``"eval"`` the second half (for the
+    held-out measurement).
+
+    Args:
+        name_or_tokenizer: As for :func:`tasks`.
+        split: ``"select"`` or ``"eval"``.
+
+    Returns:
+        A :class:`gna_lens.tasks.Task` to pass as ``control=``.
+
+    Raises:
+        ConfigError: For another ``split``.
+
+    Examples:
+        >>> len(control(split="select")), len(control(split="eval"))
+        (150, 150)
+    """
+    if split not in ("select", "eval"):
+        raise ConfigError(f"zoo.control(split={split!r}); expected 'select' or 'eval'.")
+    cloze = tasks(name_or_tokenizer)["cloze"]
+    half = len(cloze) // 2
+    return cloze[:half] if split == "select" else cloze[half:]
 
 
 @functools.lru_cache(maxsize=8)
