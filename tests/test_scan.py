@@ -103,7 +103,7 @@ def _kv_world():
 
 
 def test_scan_held_out_prompts_are_disjoint_from_the_selection_prompts(tmp_path):
-    model, tok, words = _kv_world()
+    model, tok, _ = _kv_world()
     sets = build_tasks(tok, "kv", n_samples=12, seed=0, n_pairs=2, n_eval=40)
     chosen = {s.prompt for s in sets.selection}
     assert len(chosen) > 1

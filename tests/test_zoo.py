@@ -272,54 +272,61 @@ def test_tie_space_variants_counts_pairs_and_accepts_a_vocabulary_without_any():
     assert torch.equal(emb[1], emb[0])
 
 
-def test_findings_page_says_why_the_hybrid_does_or_does_not_reproduce_finding_5():
-    from gna_lens.findings import _hybrid_caveats
+def _iv(value, low, high):
+    return {"value": value, "low": low, "high": high}
 
-    def result(kinds: list[str], kv8: tuple[float, float], cloze: tuple[float, float]) -> dict:
-        rows = [
-            {"task": "kv-8", "before": kv8[0], "after": kv8[1]},
-            {"task": "letter", "before": 0.4, "after": 0.3},
-            {"task": "cloze", "before": cloze[0], "after": cloze[1]},
-        ]
-        top = [{"head": "L0H0", "kind": "ssm", "ablation_effect": -4.95}]
+
+def _acc(v, n=60):
+    from gna_lens.stats import wilson_interval
+
+    return wilson_interval(v * n, n).to_dict()
+
+
+def test_findings_status_of_the_hybrid_follows_its_numbers():
+    from gna_lens.findings.render import _hybrid_status
+
+    def result(kinds, kv8, cloze=(1.0, 1.0)):
         return {
             "model": "zoo-bamba",
-            "rank_task": "kv-8",
             "aggregate_kinds": kinds,
-            "masking": rows,
-            "top_by_ablation": top,
+            "aggregate_heads": [{"head": f"L{i}H0", "kind": k} for i, k in enumerate(kinds)],
+            "masking": {
+                "kv-8": {"baseline": _acc(kv8[0]), "denied": _acc(kv8[1]), "chance": 0.125},
+                "cloze": {"baseline": _acc(cloze[0]), "denied": _acc(cloze[1]), "chance": 0.25},
+            },
         }
 
-    steps = f"{gna_lens.zoo.card('zoo-bamba').raw['training']['steps']:,} steps"
-    (no_kv,) = _hybrid_caveats(result(["ssm", "ssm"], (0.15, 0.15), (1.0, 1.0)))
-    assert "did not learn KV retrieval" in no_kv and steps in no_kv and "kv-8 15.0%" in no_kv
-    (ssm_kv,) = _hybrid_caveats(result(["ssm"], (0.9, 0.5), (1.0, 1.0)))
-    assert "does retrieve (kv-8 90.0%" in ssm_kv and "not reproduced" in ssm_kv
-    (half,) = _hybrid_caveats(result(["attention", "ssm"], (0.9, 0.88), (1.0, 1.0)))
-    assert "half reproduced" in half and "kv-8 by 2.0 points" in half
-    assert "hurts kv-8 most are L0H0 (ssm, -4.95)" in half
-    assert _hybrid_caveats(result(["attention"], (0.9, 0.2), (1.0, 0.98))) == []  # reproduced
+    assert _hybrid_status(result(["attention"], (0.9, 0.3)))["status"] == "reproduced"
+    half = _hybrid_status(result(["attention", "ssm"], (0.9, 0.86)))
+    assert half["status"] == "partly" and "does not lower kv-8" in half["why"]
+    assert _hybrid_status(result(["ssm", "ssm"], (0.9, 0.5)))["status"] == "not reproduced"
+    assert _hybrid_status(result(["attention"], (0.15, 0.12)))["status"] == "not testable offline"
+    assert "L0H0 (attention)" in half["numbers"] and "90.0%" in half["numbers"]
 
 
-def test_finding_3_caveat_only_when_denying_the_patterns_leaves_the_accuracy():
-    from gna_lens.findings import _mask_caveats
+def test_findings_status_of_masks_and_removals_follows_their_numbers():
+    from gna_lens.findings.render import _mask_status, _retrieval_status
 
-    def row(base, kept, denied, chance=0.25):
-        return {
-            "model": "zoo-x",
-            "task": "letter",
-            "gather_heads": ["L2H0"],
-            "aggregate_heads": ["L3H1", "L0H3"],
-            "baseline": base,
-            "kept": kept,
-            "denied": denied,
-            "chance": chance,
-        }
+    def masks(base, kept, denied, chance=0.25):
+        return {"model": "zoo-x", "task": "letter", "chance": chance, "baseline": _acc(base),
+                "kept": _acc(kept), "denied": _acc(denied)}  # fmt: skip
 
-    (note,) = _mask_caveats(row(0.894, 0.839, 0.894))  # zoo-llama's letter row
-    assert "not reproduced on zoo-x (letter)" in note and "leaves 89.4%" in note
-    assert "gather heads L2H0, aggregate heads L3H1 L0H3" in note
-    assert _mask_caveats(row(0.961, 0.95, 0.178, 0.125)) == []  # zoo-mamba2 kv-8: reproduced
-    assert _mask_caveats(row(0.322, 0.322, 0.322)) == []  # the model does not do the task
-    assert _mask_caveats(row(0.9, 0.9, 0.56)) == []  # lost more than half its margin
-    assert len(_mask_caveats(row(0.9, 0.9, 0.6))) == 1
+    assert _mask_status(masks(0.9, 0.9, 0.3))["status"] == "reproduced"
+    assert _mask_status(masks(0.9, 0.9, 0.88))["status"] == "partly"  # zoo-llama's letter row
+    assert _mask_status(masks(0.3, 0.3, 0.3))["status"] == "not testable offline"
+
+    def removal(before, after, change, random_change, chance=1 / 6):
+        return {"before": _acc(before, 48), "after": _acc(after, 48), "chance": chance,
+                "change": _iv(*change), "random_change": _iv(*random_change)}  # fmt: skip
+
+    ok = removal(0.77, 0.2, (-0.57, -0.69, -0.42), (-0.01, -0.03, 0.01))
+    assert _retrieval_status(ok)[0] == "reproduced"
+    above = removal(0.77, 0.5, (-0.27, -0.39, -0.12), (-0.01, -0.03, 0.01))
+    assert _retrieval_status(above)[0] == "partly"
+    like_random = removal(0.77, 0.5, (-0.27, -0.39, -0.12), (-0.2, -0.3, -0.1))
+    assert _retrieval_status(like_random)[0] == "not reproduced"
+    noise = removal(0.77, 0.7, (-0.07, -0.15, 0.01), (0.0, -0.01, 0.01))
+    assert _retrieval_status(noise)[0] == "not reproduced"
+    assert _retrieval_status(removal(0.19, 0.2, (0.0, -0.05, 0.05), (0, 0, 0)))[0] == (
+        "not testable offline"
+    )

@@ -306,7 +306,7 @@ def pattern_scores(
         >>> model = toy_gna_model()
         >>> scores = pattern_scores(model, toy_gna_task(model, n_samples=4), progress=False)
         >>> df = scores.to_dataframe().set_index(["layer", "head"])
-        >>> round(float(df.loc[(0, 0), "gather_score"]), 1), round(float(df.loc[(1, 0), "correct_share"]), 2)
+        >>> round(float(df.loc[(0, 0), "gather_share"]), 2), round(float(df.loc[(1, 0), "correct_share"]), 2)
         (1.0, 1.0)
         >>> df.loc[(0, 0), "role"], df.loc[(1, 0), "role"], df.loc[(0, 1), "role"]
         ('gather', 'aggregate', '')

@@ -1,0 +1,227 @@
+"""Reproduce the G&A paper's findings on the installed models and write the findings page.
+
+``python -m gna_lens.findings --out docs/findings.md`` (or ``make findings``) re-measures every
+number of ``docs/findings.md`` from what is installed: SmolLM2-135M-Instruct (packaged Q4_1
+GGUF, dequantized) and the zoo (:mod:`gna_lens.zoo`). Nothing is read from a previous run.
+
+The experiments (:mod:`gna_lens.findings.experiments`) reuse the library's own steps
+(:func:`~gna_lens.score_heads` with a control, :meth:`~gna_lens.GnaReport.top`,
+:func:`~gna_lens.scoring.pair_candidates`, :func:`~gna_lens.scoring.mask_experiment`,
+:func:`~gna_lens.retrieval_vs_knowledge`); the page (:mod:`gna_lens.findings.render`) opens with
+a status table whose every status follows fixed rules from the numbers.
+
+1. :func:`smollm2_heads`: the heads SmolLM2-135M's KV retrieval needs, removing them vs random
+   heads, the prose control, knowledge (MMLU cloze) and the paper's letter format.
+2. :func:`zoo_ablation`: the zoo models' top heads removed on held-out splits.
+3. :func:`pattern_masks`: keeping only / denying the G&A patterns of the candidate heads.
+4. :func:`sharpness_and_capacity`: sharpness of the top heads, KV accuracy vs dictionary size.
+5. :func:`hybrid_roles`: which kind of head aggregates in the hybrid.
+"""
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gna_lens.findings.experiments import (
+    CARD_TASKS,
+    ZOO_ALL,
+    hybrid_roles,
+    pattern_masks,
+    sharpness_and_capacity,
+    smollm2_heads,
+    zoo_ablation,
+)
+from gna_lens.findings.render import render_markdown, status_rows
+
+__all__ = [
+    "ZOO_ALL",
+    "hybrid_roles",
+    "main",
+    "pattern_masks",
+    "render_markdown",
+    "run_all",
+    "sharpness_and_capacity",
+    "smollm2_heads",
+    "status_rows",
+    "zoo_ablation",
+    "zoo_markdown",
+]
+
+
+def run_all(
+    *, progress: bool = True, only: Sequence[str] | None = None, sweep_dtype: str | None = None
+) -> dict[str, Any]:
+    """Run every experiment (or those named in ``only``: ``"1"`` .. ``"5"``); returns the results.
+
+    The zoo models are ranked once and the reports shared by findings 2-5.
+    """
+    import platform
+
+    import transformers
+
+    import gna_lens
+
+    reports: dict[str, Any] = {}
+    steps: dict[str, Callable[[], Any]] = {
+        "1": lambda: smollm2_heads(progress=progress, sweep_dtype=sweep_dtype),
+        "2": lambda: zoo_ablation(progress=progress, reports=reports),
+        "3": lambda: pattern_masks(progress=progress, reports=reports),
+        "4": lambda: sharpness_and_capacity(progress=progress, reports=reports),
+        "5": lambda: hybrid_roles(progress=progress, reports=reports),
+    }
+    results: dict[str, Any] = {"seconds": {}}
+    t_all = time.perf_counter()
+    for key, fn in steps.items():
+        if only and key not in only:
+            continue
+        t0 = time.perf_counter()
+        results[key] = fn()
+        results["seconds"][key] = round(time.perf_counter() - t0, 1)
+        print(f"finding {key}: {results['seconds'][key]:.0f} s", file=sys.stderr, flush=True)
+    results["seconds"]["total"] = round(time.perf_counter() - t_all, 1)
+    results["environment"] = {
+        "gna_lens": gna_lens.__version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(),
+        "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}",
+    }
+    return results
+
+
+def _pct(x: float) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.1f}%"
+
+
+def zoo_markdown() -> str:
+    """The zoo page: every shipped model's card (architecture, training, measured accuracy)."""
+    from gna_lens import zoo
+
+    lines = [
+        "# The zoo",
+        "",
+        "Small models trained by gna_lens on its synthetic curriculum "
+        "(`gna_lens.zoo.curriculum`) and shipped inside the package, so that every example runs "
+        "offline. `gna_lens.zoo.load(name)` loads one (a TransformerBridge or a HookedSSM); "
+        "`gna_lens.zoo.path(name)` is an ordinary Hugging Face folder; `gna-lens train-zoo` "
+        "retrains them. Accuracies are on the held-out splits of `gna_lens.zoo.tasks()`, "
+        "measured by `gna-lens train-zoo` on the saved checkpoint and re-measured by the test "
+        "suite.",
+        "",
+        "| model | architecture | parameters | steps | training time | "
+        + " | ".join(CARD_TASKS)
+        + " |",
+        "|---|---|---|---|---|" + "---|" * len(CARD_TASKS),
+    ]
+    for name in zoo.names():
+        c = zoo.card(name)
+        threads = c.raw["training"].get("threads", "?")
+        lines.append(
+            f"| `{name}` | `{c.architecture}` | {c.n_params:,} | {c.steps} | "
+            f"{c.train_seconds / 60:.0f} min ({threads} thread) | "
+            + " | ".join(_pct(c.accuracy.get(t, math.nan)) for t in CARD_TASKS)
+            + " |"
+        )
+    lines += [
+        "",
+        "Chance: 50% / 25% / 12.5% / 6.25% for KV retrieval with 2 / 4 / 8 / 16 pairs, 25% for "
+        "the others. *letter* asks every fact once in MMLU format, with fresh distractors and "
+        "order, scored on the letter: the fact comes from the weights, the letter holding it must "
+        "be looked up in context. *cloze* scores the very same prompts on the option's text (the "
+        "fact alone). *letter-unseen* asks the 60 facts never trained in letter format. Training "
+        "times are wall-clock on a 2-core machine shared with other training runs.",
+        "",
+        "Why a KV column can sit at chance, and what was tried: see [the gotchas]"
+        "(gotchas.md#a-small-transformer-trained-from-scratch-does-not-learn-kv-retrieval-on-a-cpu-budget).",
+        "",
+    ]
+    for name in zoo.names():
+        c = zoo.card(name)
+        lines += [f"## {name}", "", c.raw.get("description", ""), ""]
+        train = c.raw["training"]
+        extras = ""
+        if train.get("aux_prev_tokens"):
+            extras = (
+                f" Auxiliary training loss: linear probes on the residual stream after layer "
+                f"{train['aux_layer']} predict the tokens {train['aux_prev_tokens']} positions "
+                f"back (weight {train['aux_weight']}); the probes are discarded."
+            )
+        if train.get("kv_fraction", 0.5) != 0.5:
+            extras += f" {100 * train['kv_fraction']:.0f}% of the batches are KV retrieval."
+        if train.get("mamba2_init"):
+            extras += " SSM mixers initialized as Mamba-2's (`init_like_mamba2`)."
+        if train.get("fan_in_init"):
+            extras += " Linear layers drawn with torch's default fan-in init (`fan_in_init`)."
+        if train.get("zero_init_residual"):
+            extras += (
+                " Attention and MLP output projections start at zero (`zero_residual_outputs`)."
+            )
+        if train.get("embedding_std") is not None:
+            extras += f" Embeddings drawn from N(0, {train['embedding_std']})."
+        lines += [
+            f"{train['steps']} steps of {train['batch_size']} documents, AdamW lr {train['lr']}, "
+            f"seed {train['seed']}, final answer-token loss {train['final_loss']}.{extras}",
+            "",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m gna_lens.findings``: run the experiments and write the page.
+
+    Args:
+        argv: Command-line arguments (``--help`` lists them).
+
+    Returns:
+        The exit status.
+    """
+    parser = argparse.ArgumentParser(
+        prog="python -m gna_lens.findings",
+        description="Re-measure the G&A findings on SmolLM2-135M and the zoo; write a page.",
+    )
+    parser.add_argument("--out", default="docs/findings.md", help="markdown page to write")
+    parser.add_argument("--json", default=None, help="also write the raw results here")
+    parser.add_argument(
+        "--zoo-page", default="docs/zoo.md", help="zoo page written from the cards ('' to skip)"
+    )
+    parser.add_argument("--only", nargs="*", default=None, help="experiments to run (1-5)")
+    parser.add_argument(
+        "--render", default=None, help="only re-render the page from a results JSON (no runs)"
+    )
+    parser.add_argument(
+        "--sweep-dtype", default=None, choices=["float32", "bfloat16"],
+        help="arithmetic of SmolLM2's selection sweep (held-out numbers are always float32)",
+    )  # fmt: skip
+    parser.add_argument("--threads", type=int, default=None, help="torch threads")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.render:
+        stored = json.loads(Path(args.render).read_text(encoding="utf-8"))
+        page = render_markdown(stored, stored.get("command", "make findings"))
+        Path(args.out).write_text(page, encoding="utf-8")
+        if args.zoo_page:
+            Path(args.zoo_page).write_text(zoo_markdown(), encoding="utf-8")
+        print(f"wrote {args.out} from {args.render}", file=sys.stderr)
+        return 0
+    dtype = None if args.sweep_dtype in (None, "float32") else args.sweep_dtype
+    results = run_all(progress=not args.no_progress, only=args.only, sweep_dtype=dtype)
+    command = "python -m gna_lens.findings " + " ".join(argv if argv is not None else sys.argv[1:])
+    results["command"] = command.strip()
+    page = render_markdown(results, command.strip())
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(page, encoding="utf-8")
+    if args.zoo_page:
+        Path(args.zoo_page).write_text(zoo_markdown(), encoding="utf-8")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0

