@@ -118,7 +118,9 @@ def wilson_interval(successes: float, n: int) -> Interval:
     z2 = _Z95**2
     centre = (p + z2 / (2 * n)) / (1 + z2 / n)
     half = _Z95 * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
-    return Interval(p, max(0.0, centre - half), min(1.0, centre + half), n, "wilson")
+    low = 0.0 if successes <= 0 else max(0.0, centre - half)
+    high = 1.0 if successes >= n else min(1.0, centre + half)
+    return Interval(p, low, high, n, "wilson")
 
 
 def _resample_means(values: Tensor, n_boot: int, seed: int) -> Tensor:

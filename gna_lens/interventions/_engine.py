@@ -44,6 +44,10 @@ from gna_lens.interventions._common import (
 )
 from gna_lens.interventions._runner import Runner, _attempt, _close
 
+#: What a cell's logits are scored with: a task :class:`Metric`, or any per-row callable
+#: ``(logits, sample indices) -> [rows]`` (e.g. the control's next-token loss).
+MetricLike = Metric | Callable[[Tensor, Tensor], Tensor]
+
 
 @dataclass
 class SweepPlan:
@@ -127,7 +131,7 @@ def run_cells(
     cells: Sequence[tuple[Head, ...]],
     groups: Sequence[Group],
     source_for: Callable[[Group], tuple[Source, Tensor]],
-    metric: Metric,
+    metric: "MetricLike",
     metric_rows: Callable[[Group], Tensor],
     positions: Any,
     plan: SweepPlan,
@@ -195,7 +199,7 @@ class _Ctx:
     cells: list[tuple[Head, ...]]
     values: Tensor
     baseline: Tensor
-    metric: Metric
+    metric: MetricLike
     bar: Any
     info: dict[str, Any]
     tuners: dict[str, PackTuner]

@@ -382,9 +382,13 @@ def retrieval_vs_knowledge(
                 before=wilson_interval(float(base.sum()), n),
                 after=wilson_interval(float(after.sum()), n),
                 change=_paired(after - base),
-                random_after=draws_interval(rand_after, seed=seed) if sets else None,
+                random_after=(
+                    draws_interval(rand_after, seed=seed) if rand_after is not None else None
+                ),
                 random_change=(
-                    draws_interval(rand_after - base.mean(), seed=seed) if sets else None
+                    draws_interval(rand_after - base.mean(), seed=seed)
+                    if rand_after is not None
+                    else None
                 ),
                 random_draws=tuple(rand_after.tolist()) if rand_after is not None else (),
             )

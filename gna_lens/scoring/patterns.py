@@ -344,7 +344,7 @@ def pattern_scores(
     return PatternScores(
         heads=tuple(wanted),
         kinds=tuple(view[layer].kind for layer, _ in wanted),
-        **cols,
+        **cols,  # type: ignore[arg-type]
         roles=_roles(per_sample),
         per_sample=per_sample.float(),
         n_samples=n_done,

@@ -565,15 +565,15 @@ def resolve_control(
                 "attach one, or pass control=gna_lens.tasks.text_control(tokenizer) or a Task."
             )
         return text_control(tokenizer, n_sequences=n, seq_len=length, split=split)  # type: ignore[arg-type]
-    try:
-        return text_control(tokenizer, control, n_sequences=n, seq_len=length, split=split)  # type: ignore[arg-type]
-    except GnaLensError:
-        raise
-    except Exception as err:  # not a text either
+    is_texts = isinstance(control, str) or (
+        isinstance(control, list | tuple) and all(isinstance(t, str) for t in control)
+    )
+    if not is_texts and type(control).__name__ != "Dataset":
         raise GnaLensError(
             f"control={type(control).__name__}; expected 'prose', None, a TextControl, a Task, "
             "texts (str or list of str) or a datasets.Dataset with a 'text' column."
-        ) from err
+        )
+    return text_control(tokenizer, control, n_sequences=n, seq_len=length, split=split)  # type: ignore[arg-type]
 
 
 @contextlib.contextmanager

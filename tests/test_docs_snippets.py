@@ -1,0 +1,27 @@
+"""The offline code blocks of the recipe pages run, and say what the page says they print."""
+
+import re
+from pathlib import Path
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+
+
+def _blocks(page: str) -> list[str]:
+    text = (DOCS / page).read_text(encoding="utf-8")
+    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
+
+
+def test_rank_heads_recipe_toy_blocks_run_and_match_their_comments(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    blocks = _blocks("recipes/rank_heads.md")
+    offline = [b for b in blocks if "smollm2" not in b]
+    assert len(offline) == 2
+    scope: dict = {}
+    exec(compile("\n".join(offline), "rank_heads.md", "exec"), scope)
+    report, table = scope["report"], scope["table"]
+    assert sorted(report.top(2)) == [(0, 0), (1, 0)]
+    assert report.top(1, by="ablation_effect") == [(0, 2)]
+    assert "max_control" in report.excluded(2)[0].reason
+    assert (tmp_path / "toy_report.html").is_file()
+    row = table.rows[0]
+    assert row.after.high < row.before.low and len(table.random_sets) == 10
