@@ -119,7 +119,7 @@ def _scan(args: argparse.Namespace) -> int:
     print(f"Heads ablated exactly: {result.n_exact} of {n_heads}{rest}")
     if report.has_control:
         print(
-            f"Control: {report.control}, baseline {report.control_baseline:.3f} nats/token; "
+            f"Control: {report.control}, baseline {report.control_baseline:.3f} {report.control_unit}; "
             f"ranking: {report.criterion}"
         )
     print(f"\nTop {len(result.top)} heads (retrieval-specific, most harmful first):")
@@ -228,7 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "all heads up to 300 heads, else max(4 * top, 32)); the main cost of a scan",
     )
     sc.add_argument(
-        "--metric", default="logit_diff", choices=["logit_diff", "accuracy", "logprob"],
+        "--metric", default="logit_diff", choices=["logit_diff", "accuracy", "logprob", "choice_logprob"],
         help="ablation metric of the ranking (accuracy with every head exact: the paper's)",
     )  # fmt: skip
     sc.add_argument("--mode", default="zero", choices=["zero", "mean"], help="ablation mode")

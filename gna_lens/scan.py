@@ -229,18 +229,31 @@ def _zoo_tasks(tokenizer: Any, task: str, n_samples: int, n_eval: int) -> ScanTa
             "none held out."
         )
     selection = probe[:n_samples]
-    held = {name: probe[n_samples : n_samples + n_eval]}
-    if name == "letter":  # the same questions in cloze form, held out too
-        held["cloze"] = splits["cloze"][n_samples : n_samples + n_eval]
+    start = n_samples
+    if name == "letter":
+        # The letter and cloze splits ask the same questions (same prompts, letters vs answer
+        # words): the cloze control's selection half took part in choosing the heads, so
+        # held-out questions start after it, in both formats.
+        start = max(n_samples, len(splits["cloze"]) // 2)
+    held = {name: probe[start : start + n_eval]}
+    if not len(held[name]):
+        raise TaskError(
+            f"the zoo's {name} split has {len(probe)} prompts; none is left held out after "
+            f"prompt {start}. Fix: a smaller --n-samples."
+        )
+    if name == "letter":
+        held["cloze"] = splits["cloze"][start : start + n_eval]
     return ScanTasks(
         selection,
         held,
         control_select=zoo.control(tokenizer, "select"),
         control_eval=zoo.control(tokenizer, "eval"),
         notes={
-            "zoo": f"selection: first {n_samples} of the zoo's {name} split; held out: the next "
-            f"{len(held[name])}; control: answer NLL of the cloze split (first half selects, "
-            "second half evaluates)"
+            "zoo": f"selection: first {n_samples} of the zoo's {name} split; held out: "
+            f"{len(held[name])} from prompt {start}; control: answer NLL among the options of "
+            "the cloze split (first half selects, second half evaluates; letter and cloze "
+            "prompts are the same questions, so held-out letter questions come from the "
+            "second half)"
         },
     )
 

@@ -49,7 +49,7 @@ def main() -> None:
         acc = ablation_sweep(model, held, "accuracy", [heads], progress=False, **kw_)  # type: ignore[arg-type]
         ctrl_kw = {k: v for k, v in kw_.items() if k != "reference"}
         if ctrl_kw.get("positions") is not None:
-            ctrl_kw["positions"] = list(range(1, prose.seq_len - 1))
+            ctrl_kw["positions"] = list(range(1, prose.seq_len - 1))  # inputs: seq_len - 1 tokens
         loss = control_sweep(model, prose, [heads], progress=False, **ctrl_kw)  # type: ignore[arg-type]
         before = wilson_interval(float(acc.baseline.sum()), len(held))
         after = wilson_interval(float(acc.values[0].sum()), len(held))

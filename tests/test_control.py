@@ -139,16 +139,27 @@ def test_control_sweep_refuses_what_it_cannot_measure():
         control_sweep(model, "prose", [(0, 0)], progress=False)  # type: ignore[arg-type]
 
 
-def test_a_knowledge_task_is_a_control_in_nats():
-    """A Task control reports the answer's NLL change: minus the log-probability change."""
+def test_a_knowledge_task_is_a_control_in_nats_among_its_choices():
+    """A Task control reports the answer's NLL among its choices: mass that moves from the
+    choices to the rest of the vocabulary is no knowledge effect."""
     from gna_lens.interventions import ablation_sweep
 
     model = toy_gna_model()
     task = toy_gna_task(model, n_samples=6)
     ctrl = control_sweep(model, task, [(1, 0)], progress=False)
-    lp = ablation_sweep(model, task, "logprob", [(1, 0)], progress=False)
+    lp = ablation_sweep(model, task, "choice_logprob", [(1, 0)], progress=False)
     assert ctrl.metric == "nll"
     assert torch.allclose(ctrl.values, -lp.values) and float(ctrl.effects[0]) > 1.0
+    # choice_logprob is the log-softmax over the choices' logits at the query position.
+    sample = task[0]
+    with torch.no_grad():
+        logits = model(torch.tensor([sample.input_ids]))[0, sample.query_position]
+    ids = [c[0] for c in sample.choice_ids]
+    expected = logits[ids].log_softmax(-1)[sample.answer_index]
+    assert float(lp.baseline[0]) == pytest.approx(float(expected), abs=1e-4)
+    full = ablation_sweep(model, task, "logprob", [(1, 0)], progress=False)
+    # The vocabulary holds at least the choices' mass: full-vocabulary log-probs are lower.
+    assert bool((full.values <= lp.values + 1e-6).all()) and bool((full.values < lp.values).any())
 
 
 def test_specificity_puts_both_effects_in_one_currency():

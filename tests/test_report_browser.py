@@ -31,7 +31,19 @@ def test_report_renders_offline_with_heatmaps_widgets_and_plotly(tmp_path):
     )
     path = report.to_html(tmp_path / "report.html", k=4, interactive=True)
     result = check.check_report(path, screenshot=tmp_path / "shot.png", window=(800, 600))
-    assert len(result.heatmaps) == 5 and all(n == 4 for n in result.heatmaps)
+    # one SVG per measured column, one coloured cell per head with a finite value
+    # (specificity is NaN where a head moves neither the task nor the control)
+    columns = (
+        "ablation_effect",
+        "control_effect",
+        "specificity",
+        "gather_score",
+        "aggregate_score",
+        "correct_share",
+        "sharpness",
+    )
+    assert result.heatmaps == [int(report.scores[c].isfinite().sum()) for c in columns]
+    assert result.heatmaps[0] == 4 and result.heatmaps[1] == 4
     (widget,) = result.widgets.values()
     assert set(widget["titles"]) == {f"L{la}H{h}" for la, h in report.top(4)}
     assert widget["canvas"] >= 4  # one thumbnail per head, drawn by the widget's script

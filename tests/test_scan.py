@@ -212,3 +212,17 @@ def test_train_zoo_passes_its_own_flags_through(monkeypatch):
     monkeypatch.setattr(train, "train_zoo_main", lambda argv: seen.append(list(argv)) or 0)
     assert main(["train-zoo", "--steps", "3", "--help", "zoo-llama"]) == 0
     assert seen == [["--steps", "3", "--help", "zoo-llama"]]
+
+
+@pytest.mark.parametrize("task", ["kv", "mc"])
+def test_zoo_held_out_sets_share_no_prompt_with_the_selection_or_the_control_selection(task):
+    from gna_lens import zoo
+
+    tok = zoo.load("zoo-llama").tokenizer
+    sets = build_tasks(tok, task, n_samples=24, seed=0, n_eval=48, zoo=True)
+    assert sets.control_select is not None and sets.control_eval is not None
+    used = {s.prompt for s in sets.selection} | {s.prompt for s in sets.control_select}
+    for name, held in sets.held_out.items():
+        assert len(held) > 0 and not used & {s.prompt for s in held}, name
+    assert not {s.prompt for s in sets.control_eval} & used
+    assert "cloze-eval" in sets.control_eval.name

@@ -180,11 +180,13 @@ def test_retrieval_vs_knowledge_table(toy):
     # Wilson intervals: 12/12 correct is not "100% for sure".
     assert df.loc[0, "before_low"] < 0.8 and df.loc[0, "before_high"] == 1.0
     assert df.loc[0, "change_high"] < 0  # the paired interval excludes no change
-    # Ten random draws from the same layer (zero-weight heads) leave retrieval intact.
-    assert len(table.random_sets) == 10
-    assert all({layer for layer, _ in s} == {1} for s in table.random_sets)
-    assert all(TOY_AGGREGATE_HEAD not in s for s in table.random_sets)
-    assert df.loc[0, "random_after"] == 1.0
+    # The toy has 2 heads per layer: layer 1 allows one random set, not 10 distinct ones, so
+    # the baseline draws every set of one head outside the removed one (any layer) and says so.
+    assert sorted(table.random_sets) == [((0, 0),), ((0, 1),), ((1, 1),)]
+    assert "only 3 possible, 10 requested" in table.method["random_sets"]
+    # The draw that removes the gather head breaks retrieval as the aggregate head does.
+    draws = dict(zip(table.random_sets, table.rows[0].random_draws, strict=True))
+    assert draws[(TOY_GATHER_HEAD,)] <= 0.5 and draws[((0, 1),)] == draws[((1, 1),)] == 1.0
     assert table.control is not None and abs(table.control.change.value) < 0.05
     with pytest.raises(GnaLensError, match="at least one task"):
         retrieval_vs_knowledge(model, [TOY_AGGREGATE_HEAD], {})
@@ -295,3 +297,22 @@ def test_patching_the_aggregate_head_from_a_requeried_run_moves_the_answer(toy):
     # answer everywhere; the gather head reads the (unchanged) dictionary, so patching it does not.
     assert df.loc[TOY_AGGREGATE_HEAD, "value"] == 1.0
     assert df.loc[TOY_GATHER_HEAD, "value"] == 0.0
+
+
+def test_random_sets_are_distinct_layer_matched_or_say_how_they_were_matched():
+    from gna_lens.heads import head_view
+    from gna_lens.scoring import matched_random_sets
+
+    view = head_view(tiny_hooked_ssm("mamba2"))  # 2 layers x 8 heads
+    drawn = matched_random_sets(view, [(0, 1), (1, 2), (1, 5)], 40, seed=3)
+    assert drawn.matching == "layer" and drawn.n_possible == 7 * 15
+    assert len(set(drawn.sets)) == 40
+    assert all(sorted(layer for layer, _ in s) == [0, 1, 1] for s in drawn.sets)
+    assert all(not {(0, 1), (1, 2), (1, 5)} & set(s) for s in drawn.sets)
+    assert drawn.sets == matched_random_sets(view, [(0, 1), (1, 2), (1, 5)], 40, seed=3).sets
+    # 7 of layer 1's heads removed: one set is left there, so 10 draws match on kind only.
+    seven = [(1, h) for h in range(7)]
+    kind = matched_random_sets(view, seven, 10)
+    assert kind.matching == "kind" and len(set(kind.sets)) == 10 and "any layer" in kind.describe()
+    with pytest.raises(GnaLensError, match=r"too few heads to draw.*random_draws=0"):
+        matched_random_sets(view, [(la, h) for la in range(2) for h in range(8)], 1)

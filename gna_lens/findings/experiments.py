@@ -230,14 +230,18 @@ def rank_zoo_model(
 
 
 def _held_out(tasks: Mapping[str, Task], probe: str, n_rank: int) -> dict[str, Task]:
-    """The zoo splits without the selection prompts (the probe split loses its first
-    ``n_rank``; the cloze split keeps its evaluation half)."""
+    """The zoo splits without the selection prompts: the probe split loses its first
+    ``n_rank``; the cloze split keeps its evaluation half, and so does the letter split (its
+    prompts are the cloze prompts, scored on letters)."""
     from gna_lens import zoo
 
+    half = len(tasks["cloze"]) // 2
     out = {}
     for name in CARD_TASKS:
         task = tasks[name]
-        if name == probe:
+        if name == "letter":  # the cloze prompts' twins: the control's selection half is out
+            task = task[max(half, n_rank if name == probe else 0) :]
+        elif name == probe:
             task = task[n_rank:]
         elif name == "cloze":
             task = zoo.control(task.tokenizer, "eval")
@@ -259,7 +263,8 @@ def zoo_ablation(
     Ranked on the first ``n_rank`` prompts of the retrieval split the model does best (KV with 8
     pairs or letter-MC), control: answer loss on the cloze split's selection half; measured on
     every split minus those prompts (cloze: its evaluation half), with the cloze evaluation half
-    as the control and ``random_draws`` random head sets from the same layers.
+    as the control and ``random_draws`` distinct random head sets (see
+    :func:`~gna_lens.scoring.matched_random_sets`).
     """
     from gna_lens import zoo
 
@@ -304,7 +309,8 @@ def pattern_masks(
 
     Candidates (:func:`~gna_lens.scoring.pair_candidates`: heads whose ablation hurts and that
     are not generic, by gather score and by aggregate score above its null x correct share) come
-    from the report on the first ``n_rank`` prompts; accuracy is measured on the next ``n_eval``.
+    from the report on the first ``n_rank`` prompts; accuracy is measured on ``n_eval`` held-out
+    ones (letter: from the cloze control's evaluation half on, see ``_held_out``).
     """
     out = []
     for name, task_name in cases:
@@ -316,7 +322,7 @@ def pattern_masks(
                 name, task_name, n_rank=n_rank, progress=progress
             )
         gathers, aggregates = pair_candidates(report, n_candidates)
-        held = tasks[task_name][n_rank : n_rank + n_eval]
+        held = _held_out(tasks, task_name, n_rank)[task_name][:n_eval]
         res = mask_experiment(model, held, gathers, aggregates)
         out.append({"model": name, "task": task_name, "n_eval": len(held)} | res.to_dict())
     return out

@@ -5,7 +5,7 @@ Status rules (:func:`status_rows`), each stated on the page next to the table:
 
 - **reproduced**: the paper's claim holds on this model with 95% intervals that exclude the
   alternative (e.g. the retrieval drop's interval excludes 0, it is at least twice the drop of
-  random heads from the same layers, and retrieval reaches chance within its interval);
+  as many random heads, and retrieval reaches chance within its interval);
 - **partly**: the direction holds but not all of the claim (e.g. retrieval falls, but not to
   chance; or attention heads aggregate, but masking them barely hurts);
 - **not reproduced**: the model does the task and the claim fails;
@@ -125,7 +125,7 @@ def _retrieval_status(row: Mapping[str, Any]) -> tuple[str, str]:
     if not change["high"] < 0:
         return NOT, "the accuracy change's interval includes 0"
     if drop < 2 * max(rand_drop, 0.0):
-        return NOT, "the drop is less than twice that of random heads from the same layers"
+        return NOT, "the drop is less than twice that of as many random heads"
     if row["after"]["low"] <= row["chance"]:
         return REPRODUCED, "drop excludes 0, >= 2x random heads, after-accuracy reaches chance"
     return PARTLY, "drop excludes 0 and is >= 2x random heads, but accuracy stays above chance"
@@ -376,12 +376,13 @@ def render_markdown(results: Mapping[str, Any], command: str) -> str:
         "on a disjoint one. Selection: each head zero-ablated alone at every position, the "
         "effect on the answer's logit difference over the other choices (negative hurts) and on "
         "a control that needs no in-context retrieval (prose next-token loss for SmolLM2; the "
-        "answer loss of cloze questions for the zoo); the default ranking keeps heads whose "
+        "answer's loss among the options of cloze questions for the zoo); the default ranking keeps heads whose "
         "control effect is at most 0.1 nats/token. Measurement: accuracy over the choices "
         "before / after removing the heads together (zero ablation, every position), 95% Wilson "
-        "intervals; changes with paired bootstrap intervals; random baselines are head sets "
-        "with as many heads per layer as the removed set, 10 draws, mean with a bootstrap "
-        "interval over draws.",
+        "intervals; changes with paired bootstrap intervals; random baselines are 10 distinct "
+        "head sets with as many heads per layer as the removed set (as many per kind, any "
+        "layer, where the layers allow fewer distinct sets; each table says which), mean with "
+        "a bootstrap interval over draws.",
         "",
         "## Status",
         "",
@@ -534,9 +535,10 @@ def _zoo_section(results: Sequence[Mapping[str, Any]]) -> list[str]:
         "## 2. Zoo: retrieval falls, knowledge stays?",
         "",
         "Each zoo model's heads ranked on the first 60 prompts of the retrieval split it does "
-        "best (KV with 8 pairs, or letter-MC), with the cloze split's first half as the control; "
-        "the top 1, 2 and 4 removed together on every split minus those prompts (cloze: its "
-        "second half).",
+        "best (KV with 8 pairs, or letter-MC), with the cloze split's first half as the control "
+        "(the answer's loss among the options); the top 1, 2 and 4 removed together on every "
+        "split minus those prompts. Cloze and letter ask the same questions (the same prompts, "
+        "scored on the answer word or its letter), so both are measured on the second half only.",
         "",
     ]
     for r in results:
@@ -562,7 +564,7 @@ def _zoo_section(results: Sequence[Mapping[str, Any]]) -> list[str]:
                         for t in r["rows"]
                     ),
                     [
-                        f"{r['rows'][-1]['k']} random, same layers (mean)",
+                        f"{r['rows'][-1]['k']} random (mean)",
                         "",
                         *(_pct(_row(r["rows"][-1], c).get("random_after")) for c in cols),
                         "",
@@ -575,6 +577,9 @@ def _zoo_section(results: Sequence[Mapping[str, Any]]) -> list[str]:
                     ],
                 ],
             ),
+            "",
+            f"Random baseline of k = {r['rows'][-1]['k']}: "
+            f"{r['rows'][-1]['method'].get('random_sets', 'n/a')}.",
             "",
         ]
     return lines

@@ -22,7 +22,7 @@ MetricFn = Callable[[Tensor, Sequence[Sample]], Tensor]
 Positions = None | Literal["last"] | Sequence[int]
 Mode = Literal["zero", "mean", "resample"]
 
-METRICS = ("accuracy", "logit_diff", "logprob")
+METRICS = ("accuracy", "logit_diff", "logprob", "choice_logprob")
 MODES = ("zero", "mean", "resample")
 
 
@@ -33,7 +33,10 @@ class Metric:
     ``"accuracy"``: 1 when the answer wins (over the choices for ``scoring="choices"``, over the
     vocabulary for ``"exact"``). ``"logit_diff"``: the answer's logit minus the best other
     choice's (``"exact"``: the best other token's), the per-sample margin of
-    :func:`gna_lens.tasks.evaluate`. ``"logprob"``: the answer token's log-probability.
+    :func:`gna_lens.tasks.evaluate`. ``"logprob"``: the answer token's log-probability over
+    the vocabulary. ``"choice_logprob"``: its log-probability among the choices only (softmax
+    over the choices' logits; ``"exact"`` tasks: over the vocabulary), the smooth twin of
+    accuracy, blind to mass moving between the choices and the rest of the vocabulary.
     """
 
     def __init__(self, metric: Any, task: Task, what: str = "metric"):
@@ -93,7 +96,7 @@ class Metric:
         logits = logits.float()
         idx = idx.to(torch.long).cpu()
         ans_tok = self.answer_token[idx].to(logits.device)
-        if self.name == "logprob":
+        if self.name == "logprob" or (self.exact and self.name == "choice_logprob"):
             return logits.log_softmax(-1).gather(1, ans_tok[:, None])[:, 0]
         if self.exact:
             correct = logits.gather(1, ans_tok[:, None])[:, 0]
@@ -107,6 +110,8 @@ class Metric:
         ans = self.answer_index[idx].to(logits.device)
         if self.name == "accuracy":
             return (scores.argmax(-1) == ans).float()
+        if self.name == "choice_logprob":
+            return scores.log_softmax(-1).gather(1, ans[:, None])[:, 0]
         correct = scores.gather(1, ans[:, None])[:, 0]
         other = scores.scatter(1, ans[:, None], float("-inf")).amax(-1)
         return correct - other

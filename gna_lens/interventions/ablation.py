@@ -362,7 +362,7 @@ def ablation_sweep(
     Args:
         model: A TransformerBridge or a HookedSSM.
         task: A :class:`~gna_lens.tasks.Task` with single-token choices (or a callable metric).
-        metric: ``"accuracy"``, ``"logit_diff"``, ``"logprob"`` (see
+        metric: ``"accuracy"``, ``"logit_diff"``, ``"logprob"``, ``"choice_logprob"`` (see
             :class:`~gna_lens.interventions._common.Metric`), or
             ``fn(logits [rows, d_vocab], samples) -> [rows]`` on the query-position logits.
         heads: ``None`` (every head alone), ``[(layer, head), ...]`` (each alone), or a list of
@@ -524,8 +524,12 @@ def control_sweep(
       :func:`head_ablation_hooks` averages over); ``"resample"`` takes window ``i``'s head output
       from window ``i + 1``.
     - a :class:`~gna_lens.tasks.Task` (e.g. cloze questions answered from the weights): the NLL
-      of each sample's answer token at the query position (single-token answers), under the same
-      ablation as :func:`ablation_sweep` with ``reference=control`` for mean/resample.
+      of each sample's answer among its choices at the query position (metric
+      ``"choice_logprob"``: single-token choices; ``"exact"`` tasks: over the vocabulary), under
+      the same ablation as :func:`ablation_sweep` with ``reference=control`` for mean/resample.
+      Among the choices, so that an ablation that only moves mass between answer formats (a
+      model trained on letter- and cloze-format questions that both end ``Answer:``) does not
+      count as a knowledge effect.
 
     Args:
         model: A TransformerBridge or a HookedSSM.
@@ -563,7 +567,7 @@ def control_sweep(
         res = ablation_sweep(
             model,
             control,
-            "logprob",
+            "choice_logprob",
             heads,
             mode=mode,
             positions=positions,

@@ -16,6 +16,7 @@
 from gna_lens.scoring.knowledge import (
     ControlRow,
     KnowledgeTable,
+    RandomHeadSets,
     TaskRow,
     matched_random_sets,
     retrieval_vs_knowledge,
@@ -48,6 +49,7 @@ __all__ = [
     "KnowledgeTable",
     "MaskResult",
     "PatternScores",
+    "RandomHeadSets",
     "TaskRow",
     "find_gna_pairs",
     "gna_masks",

@@ -26,6 +26,7 @@ from gna_lens.tasks import Task, TextControl, evaluate
 __all__ = [
     "ControlRow",
     "KnowledgeTable",
+    "RandomHeadSets",
     "TaskRow",
     "matched_random_sets",
     "retrieval_vs_knowledge",
@@ -35,54 +36,125 @@ __all__ = [
 RANDOM_DRAWS = 10
 
 
+@dataclass(frozen=True)
+class RandomHeadSets:
+    """The random head sets of a baseline and how they were matched to the removed heads.
+
+    Attributes:
+        sets: The sets, all distinct, none containing a removed head.
+        matching: ``"layer"`` (as many heads per layer as the removed set) or ``"kind"`` (as
+            many attention / SSM heads, any layer: used when fewer than the requested number of
+            distinct layer-matched sets exist, e.g. 3 of a layer's 4 heads removed).
+        n_possible: How many distinct sets that matching allows (capped at 10**9).
+        requested: How many draws were asked for; ``len(sets)`` is smaller only when
+            ``n_possible`` is.
+    """
+
+    sets: tuple[tuple[Head, ...], ...]
+    matching: str
+    n_possible: int
+    requested: int
+
+    def describe(self) -> str:
+        """One line for method tables, e.g. ``"10 distinct sets, same layers"``."""
+        how = {"layer": "same layers", "kind": "same kinds (attention/SSM), any layer"}
+        text = f"{len(self.sets)} distinct sets, {how[self.matching]}"
+        if self.matching == "kind":
+            text += " (too few distinct sets with the same layers)"
+        if len(self.sets) < self.requested:
+            text += f"; only {self.n_possible} possible, {self.requested} requested"
+        return text
+
+
+_CAP = 10**9
+
+
+def _n_sets(pools: Mapping[Any, Sequence[Head]], need: Mapping[Any, int]) -> int:
+    total = 1
+    for key, k in need.items():
+        total = min(total * math.comb(len(pools[key]), k), _CAP)
+    return total
+
+
 def matched_random_sets(
     view: HeadView, heads: Sequence[Head], n_draws: int, seed: int = 0
-) -> tuple[list[tuple[Head, ...]], bool]:
-    """Random head sets with the same number of heads per layer as ``heads``, none of them in it.
+) -> RandomHeadSets:
+    """Distinct random head sets with as many heads per layer as ``heads``, none of them in it.
+
+    When the layers cannot give ``n_draws`` distinct sets (a layer has fewer other heads than
+    ``heads`` takes from it, or only a handful of combinations exist), the sets are matched on
+    head kind instead (as many attention and SSM heads, any layer), and the result says so: a
+    baseline that redraws the same set ten times has no spread to report.
 
     Args:
         view: The model's head view.
-        heads: The heads whose layer distribution is matched.
+        heads: The heads whose layers (or kinds) are matched.
         n_draws: Number of sets.
         seed: Seed of the draws.
 
     Returns:
-        ``(sets, exact)``: ``exact`` is ``False`` when a layer had too few other heads and the
-        missing ones were drawn from the nearest layers of the same kind.
+        A :class:`RandomHeadSets`.
+
+    Raises:
+        GnaLensError: When no head outside ``heads`` is left to draw.
 
     Examples:
         >>> from gna_lens.testing import tiny_hooked_ssm
         >>> view = head_view(tiny_hooked_ssm("mamba2"))
-        >>> sets, exact = matched_random_sets(view, [(1, 0), (1, 3)], 3)
-        >>> [sorted({layer for layer, _ in s}) for s in sets], exact
-        ([[1], [1], [1]], True)
+        >>> [lh.n_heads for lh in view]
+        [8, 8]
+        >>> drawn = matched_random_sets(view, [(1, 0), (1, 3)], 10)  # 15 pairs left in layer 1
+        >>> drawn.matching, len(set(drawn.sets)), {layer for s in drawn.sets for layer, _ in s}
+        ('layer', 10, {1})
+        >>> drawn = matched_random_sets(view, [(1, h) for h in range(7)], 10)  # 1 left in layer 1
+        >>> drawn.matching, len(drawn.sets)
+        ('kind', 10)
+        >>> drawn.describe()
+        '10 distinct sets, same kinds (attention/SSM), any layer (too few distinct sets with the same layers)'
     """
-    rng = random.Random(seed)
+    if not isinstance(n_draws, int) or n_draws < 0:
+        raise GnaLensError(f"matched_random_sets(n_draws={n_draws!r}); expected an int >= 0.")
     taken = set(heads)
-    exact = True
-    sets = []
-    for _ in range(n_draws):
-        chosen: list[Head] = []
-        for layer, _h in heads:
-            pool = [h for h in view.heads() if h[0] == layer and h not in taken and h not in chosen]
-            if not pool:
-                exact = False
-                kind = view.kind(layer)
-                others = [
-                    h
-                    for h in view.heads(kind)
-                    if h not in taken and h not in chosen and h[0] != layer
-                ]
-                if not others:
-                    raise GnaLensError(
-                        f"matched_random_sets: no head outside {list(heads)} left to draw for "
-                        f"layer {layer}; the model has {view.n_heads_total} heads."
-                    )
-                nearest = min(abs(h[0] - layer) for h in others)
-                pool = [h for h in others if abs(h[0] - layer) == nearest]
-            chosen.append(rng.choice(pool))
-        sets.append(tuple(sorted(chosen)))
-    return sets, exact
+    free = [h for h in view.heads() if h not in taken]
+    by_layer: dict[Any, list[Head]] = {}
+    by_kind: dict[Any, list[Head]] = {}
+    for h in free:
+        by_layer.setdefault(h[0], []).append(h)
+        by_kind.setdefault(view.kind(h[0]), []).append(h)
+    need_layer: dict[Any, int] = {}
+    need_kind: dict[Any, int] = {}
+    for layer, _ in taken:
+        need_layer[layer] = need_layer.get(layer, 0) + 1
+        need_kind[view.kind(layer)] = need_kind.get(view.kind(layer), 0) + 1
+    for key in need_layer:
+        by_layer.setdefault(key, [])
+    for key in need_kind:
+        by_kind.setdefault(key, [])
+    pools, need, matching = by_layer, need_layer, "layer"
+    n_possible = _n_sets(pools, need)
+    if n_possible < n_draws:
+        pools, need, matching = by_kind, need_kind, "kind"
+        n_possible = _n_sets(pools, need)
+    if n_possible == 0 and n_draws:
+        raise GnaLensError(
+            f"matched_random_sets: removing {sorted(taken)} leaves too few heads to draw a set "
+            f"of as many attention / SSM heads ({dict(need_kind)}); the model has "
+            f"{view.n_heads_total} heads. Fix: remove fewer heads, or pass random_draws=0."
+        )
+    rng = random.Random(seed)
+    want = min(n_draws, n_possible)
+    seen: set[tuple[Head, ...]] = set()
+    sets: list[tuple[Head, ...]] = []
+    while len(sets) < want:
+        chosen = tuple(
+            sorted(h for key, k in sorted(need.items()) for h in rng.sample(pools[key], k))
+        )
+        if chosen not in seen:
+            seen.add(chosen)
+            sets.append(chosen)
+    return RandomHeadSets(
+        sets=tuple(sets), matching=matching, n_possible=n_possible, requested=n_draws
+    )
 
 
 @dataclass(frozen=True)
@@ -132,7 +204,7 @@ class TaskRow:
 
 @dataclass(frozen=True)
 class ControlRow:
-    """The control of a :class:`KnowledgeTable`: next-token loss (nats/token).
+    """The control of a :class:`KnowledgeTable`: a loss in nats.
 
     Attributes:
         control: The control's description.
@@ -141,6 +213,8 @@ class ControlRow:
         after: Loss with the heads removed.
         change: ``after - before`` (paired bootstrap over windows).
         random_change: Mean change over the random draws (bootstrap over draws), or ``None``.
+        unit: What the loss is: ``"nats/token"`` (text: mean next-token loss) or ``"nats/answer"``
+            (a knowledge task: the answer's loss among its options).
     """
 
     control: str
@@ -149,6 +223,7 @@ class ControlRow:
     after: float
     change: Interval
     random_change: Interval | None = None
+    unit: str = "nats/token"
 
     def to_dict(self) -> dict[str, Any]:
         """The row with its intervals as dicts."""
@@ -159,6 +234,7 @@ class ControlRow:
             "after": self.after,
             "change": self.change.to_dict(),
             "random_change": self.random_change.to_dict() if self.random_change else None,
+            "unit": self.unit,
         }
 
 
@@ -175,7 +251,9 @@ class KnowledgeTable:
         descriptions: Each task's description.
         rows: Per task, the numbers with their 95% intervals and the random baseline.
         control: The control's loss change, or ``None`` when no control was measured.
-        random_sets: The random head sets of the baseline (matched to the layers of ``heads``).
+        random_sets: The random head sets of the baseline (``method["random_sets"]`` says how
+            they were matched to ``heads``: same layers, or same kinds when the layers allow
+            too few distinct sets).
         method: Ablation mode, positions, random draws, how accuracies were computed.
     """
 
@@ -245,7 +323,7 @@ class KnowledgeTable:
                 else ""
             )
             lines.append(
-                f"control loss ({c.control}): {c.before:.3f} -> {c.after:.3f} nats/token, change "
+                f"control loss ({c.control}): {c.before:.3f} -> {c.after:.3f} {c.unit}, change "
                 f"{c.change.format(signed=True)}{rand}"
             )
         return lines
@@ -259,8 +337,8 @@ class KnowledgeTable:
         body = "".join(f"<li>{html.escape(line)}</li>" for line in self.format_lines())
         sets = "; ".join(" ".join(f"L{a}H{b}" for a, b in s) for s in self.random_sets)
         note = (
-            f"<p>Random baseline: {len(self.random_sets)} head sets with the same layers "
-            f"({html.escape(sets)}).</p>"
+            f"<p>Random baseline ({html.escape(str(self.method.get('random_sets', '')))}): "
+            f"{html.escape(sets)}.</p>"
             if self.random_sets
             else ""
         )
@@ -349,7 +427,7 @@ def retrieval_vs_knowledge(
         >>> from gna_lens.testing import toy_gna_model, toy_gna_task
         >>> model = toy_gna_model()
         >>> table = retrieval_vs_knowledge(model, [(1, 0)], {"kv": toy_gna_task(model, n_samples=8)},
-        ...                                random_draws=2, progress=False)
+        ...                                random_draws=1, progress=False)
         >>> table.before[0], table.after[0] <= 0.25, table.rows[0].random_after.value  # retrieval falls to chance
         (1.0, True, 1.0)
     """
@@ -359,9 +437,8 @@ def retrieval_vs_knowledge(
         raise GnaLensError(f"random_draws={random_draws!r}; expected an int >= 0 (10 or more).")
     view = head_view(model)
     checked = tuple(view.check_heads(heads))
-    sets, exact = (
-        matched_random_sets(view, checked, random_draws, seed) if random_draws else ([], True)
-    )
+    drawn = matched_random_sets(view, checked, random_draws, seed)
+    sets = list(drawn.sets)
     cells = [checked, *sets]
     rows = []
     paths = set()
@@ -407,6 +484,7 @@ def retrieval_vs_knowledge(
             after=float(res.values[0].float().mean()),
             change=_paired(diffs[0]),
             random_change=draws_interval(diffs[1:].mean(-1), seed=seed) if sets else None,
+            unit="nats/token" if isinstance(control, TextControl) else "nats/answer",
         )
     return KnowledgeTable(
         heads=checked,
@@ -422,8 +500,7 @@ def retrieval_vs_knowledge(
             "mode": mode,
             "positions": positions_label(positions),
             "random_draws": random_draws,
-            "random_sets": "matched to the removed heads' layers"
-            + ("" if exact else " (some from the nearest layers: too few heads in a layer)"),
+            "random_sets": drawn.describe() if random_draws else "none",
             "accuracy_path": ", ".join(sorted(paths)),
             "intervals": "Wilson 95% for accuracies; paired bootstrap 95% for changes; "
             "bootstrap over draws for the random baseline",

@@ -178,8 +178,15 @@ class GnaReport:
         """The rule of the default ranking, in words."""
         return (
             f"heads ranked by {self.metric} ablation effect (most harmful first) among those whose "
-            f"control effect is at most {self.max_control:g} nats/token ({self.control or 'none'})"
+            f"control effect is at most {self.max_control:g} {self.control_unit} "
+            f"({self.control or 'none'})"
         )
+
+    @property
+    def control_unit(self) -> str:
+        """``"nats/token"`` (a text control) or ``"nats/answer"`` (a knowledge task's answer
+        among its options)."""
+        return str(self.method.get("control_unit", "nats/token"))
 
     def _eligible(self) -> Tensor:
         effect, ctrl = self.scores["ablation_effect"], self.scores["control_effect"]
@@ -265,7 +272,7 @@ class GnaReport:
             if self.heads[i] in chosen:
                 continue
             reason = (
-                f"control effect {c:+.3f} nats/token > max_control {self.max_control:g}"
+                f"control effect {c:+.3f} {self.control_unit} > max_control {self.max_control:g}"
                 if not math.isnan(c)
                 else "control effect not measured"
             )
@@ -658,7 +665,7 @@ def score_heads(
         control: What needs no in-context retrieval (:func:`resolve_control`): ``"prose"``
             (default), ``None``, a :class:`~gna_lens.tasks.TextControl`, a knowledge
             :class:`~gna_lens.tasks.Task`, texts or a ``datasets.Dataset``.
-        metric: ``"logit_diff"``, ``"accuracy"`` or ``"logprob"``.
+        metric: ``"logit_diff"``, ``"accuracy"``, ``"logprob"`` or ``"choice_logprob"``.
         mode: ``"zero"``, ``"mean"`` (the head's mean output over ``reference``, default the task
             itself) or ``"resample"`` (needs a ``reference`` task other than ``task``).
         positions: ``None`` (every position), ``"last"`` (the query position only) or a list.
@@ -761,9 +768,10 @@ def score_heads(
         description = (
             resolved.describe()
             if isinstance(resolved, TextControl)
-            else f"answer NLL on {describe_task(resolved)}"
+            else f"answer NLL among the options on {describe_task(resolved)}"
         )
-        method.update(control=description, max_control=max_control)
+        unit = "nats/token" if isinstance(resolved, TextControl) else "nats/answer"
+        method.update(control=description, max_control=max_control, control_unit=unit)
     report = GnaReport(
         model_name=_model_name(model),
         task=describe_task(task),

@@ -196,7 +196,8 @@ def text_control(
             f"text_control: {100 * unknown:.1f}% of the {len(stream):,} tokens of {source} are "
             f"the unknown token for tokenizer {tname} (max_unknown={max_unknown}); a loss on "
             "them measures nothing. Fix: pass a knowledge task as the control (e.g. "
-            "control=gna_lens.zoo.tasks(tokenizer)['cloze'] for a zoo model), texts this "
+            "control=gna_lens.zoo.control(tokenizer, 'select') to rank a zoo model, 'eval' to "
+            "measure it), texts this "
             "tokenizer covers, or control=None to measure no control."
         )
     bos = getattr(tokenizer, "bos_token_id", None)

@@ -23,6 +23,7 @@ Examples:
     ['cloze', 'kv-16', 'kv-2', 'kv-4', 'kv-8', 'letter', 'letter-unseen']
 """
 
+import dataclasses
 import functools
 import json
 from collections.abc import Mapping
@@ -237,14 +238,16 @@ def control(name_or_tokenizer: str | Any | None = None, split: str = "select") -
         ConfigError: For another ``split``.
 
     Examples:
-        >>> len(control(split="select")), len(control(split="eval"))
-        (150, 150)
+        >>> len(control(split="select")), control(split="eval").name
+        (150, 'cloze-eval (cloze prompts 150-299)')
     """
     if split not in ("select", "eval"):
         raise ConfigError(f"zoo.control(split={split!r}); expected 'select' or 'eval'.")
     cloze = tasks(name_or_tokenizer)["cloze"]
     half = len(cloze) // 2
-    return cloze[:half] if split == "select" else cloze[half:]
+    part = cloze[:half] if split == "select" else cloze[half:]
+    first, last = (0, half - 1) if split == "select" else (half, len(cloze) - 1)
+    return dataclasses.replace(part, name=f"cloze-{split} (cloze prompts {first}-{last})")
 
 
 @functools.lru_cache(maxsize=8)
