@@ -367,6 +367,8 @@ class GnaReport:
         else:
             top, title = self.top(k, by="aggregate_score"), f"Top {k} heads by aggregate score"
         df = self.to_dataframe().set_index(["layer", "head"]).loc[top].reset_index()
+        first = [c for c in _FIRST_COLUMNS if c in df.columns]  # the ranking's numbers first
+        df = df[first + [c for c in df.columns if c not in first]]
         parts.append(f"<h2>{html.escape(title)}</h2>")
         parts.append(df.to_html(index=False, float_format=lambda x: f"{x:.4f}", na_rep="-"))
         if has_ablation and self.has_control:
@@ -426,6 +428,20 @@ class GnaReport:
             )
         parts.append("</div>")
         return "".join(parts)
+
+
+#: Leading columns of the report's top-heads table: what the ranking used, then the rest.
+_FIRST_COLUMNS = (
+    "layer",
+    "head",
+    "kind",
+    "role",
+    "ablation_effect",
+    "ablation_effect_low",
+    "ablation_effect_high",
+    "control_effect",
+    "specificity",
+)
 
 
 def _svg_heatmap(grid: Tensor, title: str, cell: int | None = None) -> str:
