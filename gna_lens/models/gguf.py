@@ -24,8 +24,10 @@ from typing import Any
 from urllib.parse import urlparse
 
 from gna_lens.errors import ConfigError
+from gna_lens.models.provenance import gguf_quantization
 
 __all__ = [
+    "GGUF_INFO",
     "PACKAGED_MODELS",
     "PackagedModel",
     "cache_dir",
@@ -38,6 +40,8 @@ __all__ = [
 
 _CHUNK = 1 << 22
 _DONE = "gna_lens_gguf.json"
+#: The file in a converted folder that records its GGUF source (path, SHA-256, quantization).
+GGUF_INFO = _DONE
 
 
 @dataclass(frozen=True)
@@ -209,6 +213,7 @@ def convert_gguf(
             "source": str(src.resolve()),
             "sha256": digest,
             "size": src.stat().st_size,
+            "quantization": gguf_quantization(src),
             "convert_seconds": round(seconds, 2),
             "transformers": __import__("transformers").__version__,
         }
