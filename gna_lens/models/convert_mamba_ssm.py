@@ -63,7 +63,10 @@ _MAMBA2_KEYS = {
 
 
 def is_mamba_ssm_config(data: Any) -> bool:
-    """Whether a parsed ``config.json`` is in mamba_ssm's format (not a ``transformers`` one).
+    """Whether a parsed ``config.json`` is in mamba_ssm's format (not a ``transformers`` one):
+    no ``model_type``, and one of mamba_ssm's own keys (``d_model``, ``n_layer``, ``ssm_cfg``,
+    ``pad_vocab_size_multiple``), so that a config missing one required key is still recognized
+    (and :func:`hf_config_from_mamba_ssm` names what is missing).
 
     Examples:
         >>> is_mamba_ssm_config({"d_model": 768, "n_layer": 24, "vocab_size": 50277})
@@ -71,12 +74,9 @@ def is_mamba_ssm_config(data: Any) -> bool:
         >>> is_mamba_ssm_config({"model_type": "mamba2", "hidden_size": 768})
         False
     """
-    return (
-        isinstance(data, Mapping)
-        and "model_type" not in data
-        and "d_model" in data
-        and "n_layer" in data
-    )
+    if not isinstance(data, Mapping) or "model_type" in data:
+        return False
+    return any(k in data for k in ("d_model", "n_layer", "ssm_cfg", "pad_vocab_size_multiple"))
 
 
 def _fail(where: str, key: str, why: str) -> ConfigError:
