@@ -24,6 +24,7 @@ __all__ = [
     "Provenance",
     "attach",
     "gguf_quantization",
+    "provenance_method",
     "provenance_of",
     "sha256_of",
     "weights_files",
@@ -141,11 +142,11 @@ class Provenance:
         """
         if self.source == "gguf" and self.location:
             where = Path(self.location).name
-        elif self.source in ("zoo", UNKNOWN):
+        elif self.source == UNKNOWN:
             where = self.name
         else:
             where = self.location or self.name
-        if self.name and self.name not in (where, self.location):
+        if self.name and self.name not in (where, self.location) and Path(self.name).name != where:
             where = f"{self.name}: {where}"
         text = f"{where} ({self.details()})"
         if not self.note:
@@ -216,6 +217,19 @@ def provenance_of(model: Any) -> Provenance:
         if name:
             break
     return Provenance(name=name or type(model).__name__, source=UNKNOWN, dtype=now)
+
+
+def provenance_method(model: Any) -> dict[str, Any]:
+    """The entries results add to their ``method`` dict: ``weights`` (one line, for tables and
+    HTML) and ``provenance`` (every field, for JSON).
+
+    Examples:
+        >>> from gna_lens.testing import tiny_hooked_ssm
+        >>> sorted(provenance_method(tiny_hooked_ssm()))
+        ['provenance', 'weights']
+    """
+    prov = provenance_of(model)
+    return {"weights": prov.describe(), "provenance": prov.to_dict()}
 
 
 # ----------------------------------------------------------------------------- weights files
