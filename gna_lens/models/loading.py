@@ -92,7 +92,7 @@ def load_model(
         prov = _provenance(given, name, packaged, model, mamba_ssm=(folder, revision, stored))
         return attach(model, prov)
     try:
-        config = AutoConfig.from_pretrained(name)
+        config = AutoConfig.from_pretrained(name, revision=kwargs.get("revision"))
     except (OSError, ValueError) as err:
         raise ConfigError(
             f"load_model({name!r}): no model config found ({err.__class__.__name__}: {err}). "
