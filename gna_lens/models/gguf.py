@@ -158,8 +158,9 @@ def convert_gguf(
     """Convert a GGUF file to a Hugging Face fp32 checkpoint folder, once, in the cache.
 
     The folder is ``<cache>/gguf/<file stem>-<sha256[:16]>/`` and holds ``model.safetensors``,
-    ``config.json``, the tokenizer and ``gna_lens_gguf.json`` (the source file, its hash, the
-    conversion time). A second call with the same file returns the folder at once; a changed file
+    ``config.json``, the tokenizer and ``gna_lens_gguf.json`` (the source file, its hash and
+    quantization, the conversion time; :func:`gna_lens.load_model` reads it into the model's
+    provenance). A second call with the same file returns the folder at once; a changed file
     gets a new folder.
 
     Args:
