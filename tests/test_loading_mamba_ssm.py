@@ -131,6 +131,17 @@ def test_safetensors_preferred_over_bin(tmp_path):
     assert provenance_of(load_model(folder)).files[0][0] == "model.safetensors"
 
 
+def test_bin_in_torch_legacy_format_loads(tmp_path):
+    """Old checkpoints saved without the zip format cannot be memory-mapped; they still load."""
+    hf = tiny_hf_model("mamba1", seed=3)
+    folder = write_mamba_ssm(hf, tmp_path / "ckpt", "bin")
+    state = mamba_ssm_state_dict(hf)
+    torch.save(state, folder / "pytorch_model.bin", _use_new_zipfile_serialization=False)
+    tokens = torch.randint(2, 317, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(load_model(folder)(tokens), hf(tokens).logits, atol=1e-5, rtol=0)
+
+
 class _Payload:
     """A pickle that runs code when loaded without ``weights_only``."""
 

@@ -275,7 +275,10 @@ def read_mamba_ssm_weights(
 
             state: Any = load_file(str(file))
         else:
-            state = torch.load(file, map_location="cpu", weights_only=True)
+            try:  # memory-mapped: the weights are copied into the HookedSSM once, not twice
+                state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError:  # files saved in torch's legacy (non-zip) format
+                state = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as err:  # safetensors and torch raise assorted types for a corrupt file
         raise ConfigError(
             f"load_model({where!r}): cannot read {file} ({type(err).__name__}: {err})."
