@@ -22,6 +22,7 @@ import time
 import torch
 
 from gna_lens import load_model, score_heads
+from gna_lens.findings.experiments import smollm2_label
 from gna_lens.interventions import attribute_heads
 from gna_lens.interventions._common import spearman
 from gna_lens.tasks import kv_retrieval, text_control
@@ -56,9 +57,7 @@ def main() -> None:
     order = sorted(exact.heads, key=lambda h: by_head[h])
     raw10, spec10 = set(exact.top(10, by="ablation_effect")), set(exact.top(10))
 
-    print(
-        f"SmolLM2-135M-Instruct (Q4_1 GGUF -> float32), {len(task)} prompts, {control.describe()}"
-    )
+    print(f"{smollm2_label(model)}, {len(task)} prompts, {control.describe()}")
     print(
         f"machine: {platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}\n"
     )

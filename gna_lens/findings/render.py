@@ -372,6 +372,7 @@ def render_markdown(results: Mapping[str, Any], command: str) -> str:
         f"gna_lens {env.get('gna_lens', '?')}, torch {env.get('torch', '?')}, transformers "
         f"{env.get('transformers', '?')}; it took {minutes:.1f} min.",
         "",
+        *_weights_lines(results),
         "**Method, for every number below.** Heads are selected on one prompt set and measured "
         "on a disjoint one. Selection: each head zero-ablated alone at every position, the "
         "effect on the answer's logit difference over the other choices (negative hurts) and on "
@@ -449,6 +450,32 @@ def render_markdown(results: Mapping[str, Any], command: str) -> str:
     if "5" in results:
         lines += _hybrid_section(results["5"])
     return "\n".join(lines) + "\n"
+
+
+def _weights_lines(results: Mapping[str, Any]) -> list[str]:
+    """Which weights each model held (its provenance, recorded by ``load_model``).
+
+    Examples:
+        >>> p = {"description": "zoo-llama (zoo model shipped with gna_lens, ...)"}
+        >>> _weights_lines({"2": [{"model": "zoo-llama", "provenance": p}]})[2]
+        '- zoo-llama (zoo model shipped with gna_lens, ...)'
+    """
+    found: dict[str, str] = {}
+    for key in ("1", "2", "3", "4", "5"):
+        r = results.get(key)
+        items = r.get("sharpness", [r]) if isinstance(r, Mapping) else (r or [])
+        for x in items:
+            prov = x.get("provenance") if isinstance(x, Mapping) else None
+            if prov:
+                found.setdefault(str(x["model"]), str(prov["description"]))
+    if not found:
+        return []
+    return [
+        "**Weights measured** (as recorded by `load_model`, see `gna_lens.models.provenance_of`):",
+        "",
+        *(f"- {d}" for d in found.values()),
+        "",
+    ]
 
 
 def _smollm2_section(r: Mapping[str, Any]) -> list[str]:

@@ -24,8 +24,10 @@ from typing import Any
 from urllib.parse import urlparse
 
 from gna_lens.errors import ConfigError
+from gna_lens.models.provenance import gguf_quantization
 
 __all__ = [
+    "GGUF_INFO",
     "PACKAGED_MODELS",
     "PackagedModel",
     "cache_dir",
@@ -38,6 +40,8 @@ __all__ = [
 
 _CHUNK = 1 << 22
 _DONE = "gna_lens_gguf.json"
+#: The file in a converted folder that records its GGUF source (path, SHA-256, quantization).
+GGUF_INFO = _DONE
 
 
 @dataclass(frozen=True)
@@ -154,8 +158,9 @@ def convert_gguf(
     """Convert a GGUF file to a Hugging Face fp32 checkpoint folder, once, in the cache.
 
     The folder is ``<cache>/gguf/<file stem>-<sha256[:16]>/`` and holds ``model.safetensors``,
-    ``config.json``, the tokenizer and ``gna_lens_gguf.json`` (the source file, its hash, the
-    conversion time). A second call with the same file returns the folder at once; a changed file
+    ``config.json``, the tokenizer and ``gna_lens_gguf.json`` (the source file, its hash and
+    quantization, the conversion time; :func:`gna_lens.load_model` reads it into the model's
+    provenance). A second call with the same file returns the folder at once; a changed file
     gets a new folder.
 
     Args:
@@ -209,6 +214,7 @@ def convert_gguf(
             "source": str(src.resolve()),
             "sha256": digest,
             "size": src.stat().st_size,
+            "quantization": gguf_quantization(src),
             "convert_seconds": round(seconds, 2),
             "transformers": __import__("transformers").__version__,
         }

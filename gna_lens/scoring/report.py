@@ -33,6 +33,7 @@ from gna_lens.heads import head_view
 from gna_lens.interventions import ablation_sweep, attribute_heads, control_sweep
 from gna_lens.interventions._common import check_positions, describe_task
 from gna_lens.interventions.ablation import SweepResult, positions_label
+from gna_lens.models.provenance import provenance_method
 from gna_lens.scoring.patterns import NORMALIZATION, SCORE_NAMES, Head, pattern_scores
 from gna_lens.stats import bootstrap_interval
 from gna_lens.tasks import Task, TextControl, text_control
@@ -132,8 +133,10 @@ class GnaReport:
         control: Description of the control, ``""`` when none was measured.
         control_baseline: The control's loss without ablation (nats/token), or NaN.
         max_control: The bound of the retrieval-specific ranking (nats/token).
-        method: How the numbers were made: metric, ablation mode, positions, reference, number
-            of prompts, control, sweep dtype, heads ablated exactly, paths used.
+        method: How the numbers were made: which weights (``weights``, one line, and
+            ``provenance``, every field of :func:`~gna_lens.models.provenance_of`), metric,
+            ablation mode, positions, reference, number of prompts, control, sweep dtype, heads
+            ablated exactly, paths used.
     """
 
     model_name: str
@@ -353,9 +356,11 @@ class GnaReport:
             f"<p>Task: {html.escape(self.task)}. Metric: {html.escape(self.metric)}"
             f" (baseline {self.baseline:.4f}).</p>",
         ]
+        if "weights" in self.method:
+            parts.append(f"<p class='weights'>Weights: {html.escape(self.method['weights'])}</p>")
         if self.method:
             rows = "".join(
-                f"<tr><th>{html.escape(str(key))}</th><td>{html.escape(str(v))}</td></tr>"
+                f"<tr><th>{html.escape(str(key))}</th><td>{html.escape(_cell(v))}</td></tr>"
                 for key, v in self.method.items()
             )
             parts.append(f"<h2>Method</h2><table class='method'>{rows}</table>")
@@ -511,6 +516,17 @@ def _circuitsvis_patterns(examples: dict[str, Any]) -> str:
         attention=pats, tokens=list(examples["tokens"]), attention_head_names=names
     )
     return f"<div class='patterns'>{rendered.local_src}</div>"
+
+
+def _cell(value: Any) -> str:
+    """A method-table cell: dicts as ``key: value`` lines (the provenance's fields)."""
+    if isinstance(value, dict):
+        return "; ".join(
+            f"{k}: {_cell(v)}"
+            for k, v in value.items()
+            if v not in ("", {}, ()) and k != "description"
+        )
+    return str(value)
 
 
 def _model_name(model: Any) -> str:
@@ -733,7 +749,7 @@ def score_heads(
         table[name] = nan.clone()
     baseline = control_baseline = math.nan
     resolved = None
-    method: dict[str, Any] = {
+    method: dict[str, Any] = provenance_method(model) | {
         "metric": metric,
         "mode": mode,
         "positions": positions_label(positions),
