@@ -24,6 +24,7 @@ from gna_lens.interventions._common import (
     Source,
     check_positions,
     collect_z,
+    column_mask,
     describe_task,
     paired_groups,
     parse_bytes,
@@ -328,6 +329,9 @@ def patch_residual(
         (length,) = lengths
         cells = [(layer, [p]) for layer in layers for p in range(length)]
     else:
+        if positions not in (None, "last"):
+            for length in sorted(lengths):
+                column_mask(positions, length, "cpu")  # raises on out-of-range positions
         cells = [(layer, positions) for layer in layers]
     runner = Runner(model, view)
     n = len(clean)
@@ -335,7 +339,7 @@ def patch_residual(
     baseline = torch.full((n,), float("nan"))
     clean_base = torch.full((n,), float("nan"))
     names = [f"blocks.{layer}.hook_resid_pre" for layer in sorted(set(layers))]
-    info = {"forwards": 0}
+    info: dict[str, Any] = {"forwards": 0}
     bar = tqdm(total=len(cells) * n, desc="patch residual", disable=not progress, leave=False)
     try:
         with torch.no_grad():
@@ -368,6 +372,7 @@ def patch_residual(
                     bar.update(len(chunk) * G)
     finally:
         bar.close()
+    info.update(runner.log.as_info())
     rows = []
     for layer, pos in cells:
         row: dict[str, Any] = {"layer": layer}
@@ -393,7 +398,9 @@ def _resid_cols(positions: Any, length: int) -> Any:
         return slice(None)
     if positions == "last":
         return [length - 1]
-    return [p % length for p in positions]
+    mask = column_mask(positions, length, "cpu")  # raises on out-of-range positions
+    assert mask is not None
+    return mask.nonzero().flatten().tolist()
 
 
 def _result(
