@@ -234,35 +234,41 @@ def test_a_shortcut_that_does_not_apply_is_recorded_on_every_result(monkeypatch)
     assert loop.info["paths"]["cells"] == ["loop"]
 
 
-def test_bridge_kv_cache_bug_propagates_and_missing_cache_is_recorded(monkeypatch):
+def test_a_bug_in_the_bridge_kv_cache_path_propagates(monkeypatch):
     import transformers
     from interventions_helpers import model
-
-    from gna_lens.interventions._runner import Runner, ShortcutNotApplicable
-
-    bridge = model("llama")
-    t = make_task(n_samples=2)
-    heads = [(0, 1)]
 
     class BrokenCache:
         def __init__(self, *args, **kwargs):
             raise ValueError("a bug in the cache")
 
-    with monkeypatch.context() as mp:
-        mp.setattr(transformers, "DynamicCache", BrokenCache)
-        with pytest.raises(ValueError, match="a bug in the cache"):
-            I.ablation_sweep(bridge, t, "logit_diff", heads, positions="last", progress=False)
+    monkeypatch.setattr(transformers, "DynamicCache", BrokenCache)
+    with pytest.raises(ValueError, match="a bug in the cache"):
+        I.ablation_sweep(
+            model("llama"), make_task(n_samples=2), "logit_diff", [(0, 1)], positions="last",
+            progress=False,
+        )  # fmt: skip
 
-    def no_cache(self, tokens):
-        raise ShortcutNotApplicable("this bridge has no KV cache")
 
-    monkeypatch.setattr(Runner, "_bridge_prefix", no_cache)
-    res = I.ablation_sweep(bridge, t, "logit_diff", heads, positions="last", progress=False)
-    assert res.method == "batched"
-    assert any(
-        "incremental: full recomputation (this bridge has no KV cache)" in f
-        for f in res.info["fallbacks"]
+def test_a_bridge_without_usable_kv_cache_records_the_fallback(monkeypatch):
+    import transformers
+    from interventions_helpers import model
+
+    class OldCache:  # a transformers whose DynamicCache takes no config=
+        def __init__(self):
+            pass
+
+    monkeypatch.setattr(transformers, "DynamicCache", OldCache)
+    t = make_task(n_samples=2)
+    bridge = model("llama")
+    res = I.ablation_sweep(bridge, t, "logit_diff", [(0, 1)], positions="last", progress=False)
+    loop = I.ablation_sweep(
+        bridge, t, "logit_diff", [(0, 1)], positions="last", method="loop", progress=False
     )
+    assert res.method == "batched"
+    assert (res.values - loop.values).abs().max() <= 1e-5
+    (why,) = [f for f in res.info["fallbacks"] if f.startswith("incremental")]
+    assert why.startswith("incremental: full recomputation (DynamicCache(config=...) failed")
 
 
 def test_hooked_keeps_the_original_error_when_hooks_leak():
