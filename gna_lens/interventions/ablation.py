@@ -204,7 +204,9 @@ class SweepResult:
         positions: The positions edited (``"all"``, ``"last"`` or a list).
         method: How it was computed (``"batched"``, ``"incremental"``, ``"loop"``,
             ``"attribution"``).
-        info: Other details (packing, forward counts, timings).
+        info: Other details (packing, forward counts, timings), and which path computed the
+            numbers: ``info["paths"]`` (``{step: [path, ...]}``) and ``info["fallbacks"]`` (each
+            shortcut that did not apply to this model, with the reason; ``[]`` when none).
     """
 
     cells: tuple[tuple[Head, ...], ...]

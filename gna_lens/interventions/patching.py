@@ -63,7 +63,8 @@ class PatchResult:
         task: The clean task's description.
         corrupted_task: The corrupted task's description.
         positions: The patched positions (``"all"``, ``"last"``, ``"each"`` or a list).
-        info: Packing and forward counts.
+        info: Packing and forward counts, ``info["paths"]`` (which path computed the numbers)
+            and ``info["fallbacks"]`` (each shortcut that did not apply, with the reason).
     """
 
     values: Float[Tensor, "cell batch"]
