@@ -32,7 +32,7 @@ import inspect
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -246,7 +246,7 @@ class Runner:
         """``shortcut``: this run tries a shortcut (its failures raise ShortcutNotApplicable)."""
         model = self.model
         if self.is_ssm:
-            with shortcut_run(shortcut) if shortcut else _plain(), hooked(model, hooks):
+            with shortcut_run(shortcut) if shortcut else nullcontext(), hooked(model, hooks):
                 final = model(resid, start_at_layer=layer, stop_at_layer=self.n_layers)
             self.log.used("from_layer", "start_at_layer")
             return self._final(final)
@@ -275,13 +275,13 @@ class Runner:
 
         swap_hook = [(self.view[layer].resid_pre_hook, swap)]
         with (
-            shortcut_run(shortcut) if shortcut else _plain(),
+            shortcut_run(shortcut) if shortcut else nullcontext(),
             hooked(self.model, swap_hook + list(hooks)),
         ):
             return self._pick(self.model(tokens[:1], **self.keep_last))
 
     def _bridge_start(self, layer: int, resid: Tensor, hooks: Hooks, shortcut: str = "") -> Tensor:
-        with shortcut_run(shortcut) if shortcut else _plain(), hooked(self.model, hooks):
+        with shortcut_run(shortcut) if shortcut else nullcontext(), hooked(self.model, hooks):
             out = self._pick(self.model(resid, start_at_layer=layer, **self.keep_last))
         self.log.used("from_layer", "start_at_layer")
         return out
@@ -364,7 +364,10 @@ class Runner:
         with shortcut_run("the forward with past_key_values"):
             try:
                 out = model(tokens, past_key_values=cache, **self.keep_last)
-            except TypeError as err:  # a forward that takes no past_key_values
+            except TypeError as err:
+                if "past_key_values" not in str(err):
+                    raise
+                # A forward that takes no past_key_values.
                 raise ShortcutNotApplicable(f"the forward takes no past_key_values: {err}") from err
         if cache.get_seq_length() != tokens.shape[1]:
             raise ShortcutNotApplicable(
@@ -410,11 +413,6 @@ def _attempt(fn: Callable[[], Tensor]) -> tuple[Tensor | None, str | None]:
         return fn(), None
     except ShortcutNotApplicable as err:
         return None, str(err)
-
-
-@contextmanager
-def _plain() -> Iterator[None]:
-    yield
 
 
 def _bind_name(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
