@@ -6,6 +6,9 @@ checkpoints with TransformerLens hooks and an editable implicit attention (``hoo
 below addresses attention heads and SSM heads alike as ``(layer, head)``.
 """
 
+import importlib
+from typing import Any
+
 from gna_lens import tasks
 from gna_lens.errors import (
     ConfigError,
@@ -34,6 +37,42 @@ from gna_lens.scoring import (
 )
 
 __version__ = "0.1.0"
+
+#: Public subpackages and modules reachable as ``gna_lens.<name>``. Those not imported above load
+#: on first access (PEP 562), so ``import gna_lens`` stays as fast as before.
+_SUBMODULES = frozenset(
+    {
+        "errors",
+        "findings",
+        "heads",
+        "interventions",
+        "models",
+        "plots",
+        "scan",
+        "scoring",
+        "stats",
+        "tasks",
+        "testing",
+        "zoo",
+    }
+)
+
+
+def __getattr__(name: str) -> Any:
+    """``gna_lens.zoo``, ``gna_lens.plots``, ...: import a public submodule on first access."""
+    if name in _SUBMODULES:
+        module = importlib.import_module(f"{__name__}.{name}")
+        globals()[name] = module
+        return module
+    raise AttributeError(
+        f"module {__name__!r} has no attribute {name!r}. Public names: gna_lens.__all__; "
+        f"public submodules: {sorted(_SUBMODULES)}."
+    )
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | _SUBMODULES)
+
 
 __all__ = [
     "ConfigError",

@@ -19,7 +19,9 @@ class HookError(GnaLensError, ValueError):
 
 
 class PatternEditError(GnaLensError, ValueError):
-    """An edit of a materialized attention pattern that cannot take effect exactly."""
+    """An edit that cannot take effect exactly: of a materialized attention pattern (wrong shape,
+    low precision, a layer whose edits are discarded or cannot be shown to take effect, a mask
+    outside the materialized selection), or of SSM states while ``hook_pattern`` is hooked."""
 
 
 class TaskError(GnaLensError, ValueError):

@@ -323,7 +323,11 @@ def _probe_tokens(model: Any) -> Tensor:
 
 
 def _probe(model: Any, lh: LayerHeads, target: EditTarget) -> str | None:
-    """Run a tiny forward with and without an edit of ``target``; the reason it fails, or None."""
+    """Run a tiny forward with and without an edit of ``target``; the reason it fails, or None.
+
+    Fails closed: unless the edited output is a tensor of the unedited output's shape, finite,
+    and measurably different, the layer is refused (the reason says which check failed).
+    """
     name = lh.hook(target)
     fired: list[tuple[int, ...]] = []
 
@@ -343,14 +347,31 @@ def _probe(model: Any, lh: LayerHeads, target: EditTarget) -> str | None:
         with model.hooks(fwd_hooks=[(name, edit)]):
             out = model(tokens, stop_at_layer=stop)
     if not fired:
-        return f"the hook {name} never fired during a forward pass"
-    if not isinstance(out, Tensor) or not isinstance(base, Tensor) or out.shape != base.shape:
-        return None
+        return f"would be silently ignored: the hook {name} never fired during a forward pass"
+    # Fail closed: an edit counts as effective only when it is shown to change the output.
+    if not isinstance(out, Tensor) or not isinstance(base, Tensor):
+        got = ", ".join(type(x).__name__ for x in (base, out))
+        return (
+            f"cannot be shown to take effect: model(tokens, stop_at_layer={stop}) returned "
+            f"({got}) without and with the edit, "
+            "not tensors to compare"
+        )
+    if out.shape != base.shape:
+        return (
+            f"cannot be shown to take effect: the output of model(tokens, "
+            f"stop_at_layer={stop}) has shape {tuple(base.shape)} without the edit "
+            f"and {tuple(out.shape)} with it"
+        )
+    if not bool(torch.isfinite(base).all()) or not bool(torch.isfinite(out).all()):
+        return (
+            f"cannot be shown to take effect: the output of model(tokens, "
+            f"stop_at_layer={stop}) is not finite"
+        )
     scale = float(base.abs().max()) + 1e-12
     if float((out - base).abs().max()) <= 1e-6 * scale:
         return (
-            f"an edit returned from {name} did not change the layer's output: this attention "
-            f"({type(_attn_module(model, lh.layer)).__name__}) computes its output inside the "
+            f"would be silently ignored: an edit returned from {name} did not change the "
+            f"layer's output: this attention ({type(_attn_module(model, lh.layer)).__name__}) computes its output inside the "
             "wrapped Hugging Face module and only reports the pattern afterwards"
         )
     return None
@@ -377,7 +398,9 @@ def require_editable(model: Any, view: HeadView, layers: Iterable[int], target: 
         target: ``"pattern"`` (post-softmax), ``"scores"`` (pre-softmax) or ``"z"``.
 
     Raises:
-        PatternEditError: If an edit would be discarded (or the hook never fires).
+        PatternEditError: If an edit would be discarded, the hook never fires, or the probe cannot
+            show the edit takes effect (the output is not a tensor, changes shape or is not
+            finite).
     """
     try:
         verdicts = _VERDICTS.setdefault(model, {})
@@ -398,8 +421,8 @@ def require_editable(model: Any, view: HeadView, layers: Iterable[int], target: 
                 "z": "head-output edits (ablation, patching)",
             }[target]
             raise PatternEditError(
-                f"{view.model_type} layer {layer}: {what} would be silently ignored: {reason}. "
-                "Refusing instead of returning unchanged results. Fix: load the model with an "
+                f"{view.model_type} layer {layer}: {what} {reason}. Refusing instead of "
+                "returning results an edit may not have reached. Fix: load the model with an "
                 "attention implementation that computes the pattern itself (for a "
                 "TransformerBridge, an architecture whose attention bridge re-implements "
                 "attention, e.g. Llama/Mistral/Qwen-style position-embedding attention, with "

@@ -41,7 +41,7 @@ def test_batched_sweep_equals_loop_of_single_ablations(arch, mode, positions):
         m, t, "logit_diff", mode=mode, positions=positions, reference=ref, pack=5, progress=False
     )
     loop, base = _loop_reference(m, t, mode, positions, ref)
-    assert res.method == ("incremental" if positions == "last" else "batched")
+    assert res.method == ("incremental" if positions == "last" else "batched"), res.info
     assert (res.baseline - base).abs().max() <= 1e-5
     assert (res.values - loop).abs().max() <= 1e-5
     assert res.effects.abs().max() > 1e-3  # the ablations do something

@@ -11,7 +11,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from gna_lens.errors import InterventionError
+from gna_lens.errors import HookError, InterventionError
 from gna_lens.heads import Head, HeadView
 from gna_lens.tasks import Sample, Task
 
@@ -426,15 +426,27 @@ def col_where(cols: Tensor, device: Any) -> Tensor:
 # ----------------------------------------------------------------------------- hooks
 @contextmanager
 def hooked(model: Any, fwd_hooks: Sequence[tuple[Any, Callable[..., Any]]]) -> Iterator[Any]:
-    """``model.hooks(fwd_hooks)`` that also fails loudly if a hook survived the context."""
+    """``model.hooks(fwd_hooks)`` that also fails loudly if a hook survived the context.
+
+    An exception raised inside the block propagates unchanged (a leak found then is added to it
+    as a note, never raised in its place); after a clean exit a leak raises
+    :class:`~gna_lens.errors.HookError`.
+    """
     before = count_hooks(model)
     try:
         with model.hooks(fwd_hooks=list(fwd_hooks)):
             yield model
-    finally:
+    except BaseException as err:
         after = count_hooks(model)
-        if after != before:  # pragma: no cover - TransformerLens guarantees this
-            raise RuntimeError(f"hooks leaked: {before} before, {after} after")
+        if after != before:
+            err.add_note(f"gna_lens: hooks leaked as well: {before} before, {after} after.")
+        raise
+    after = count_hooks(model)
+    if after != before:
+        raise HookError(
+            f"hooks leaked: the model had {before} hooks before this intervention and {after} "
+            "after it. Fix: model.reset_hooks(including_permanent=False), and report this."
+        )
 
 
 def count_hooks(model: Any) -> int:

@@ -42,7 +42,7 @@ from gna_lens.interventions._common import (
     packed_edit_hooks,
     plan_rows,
 )
-from gna_lens.interventions._runner import Runner, _attempt, _close
+from gna_lens.interventions._runner import Runner, _attempt, _close, shortcut_run
 
 #: What a cell's logits are scored with: a task :class:`Metric`, or any per-row callable
 #: ``(logits, sample indices) -> [rows]`` (e.g. the control's next-token loss).
@@ -179,6 +179,7 @@ def run_cells(
             source, ref_rows = source_for(g)
             idx = metric_rows(g)
             if method == "loop":
+                runner.log.used("cells", "loop")
                 _loop(ctx, g, tokens, source, ref_rows, idx, positions, cell_cols)
                 continue
             if positions == "last":
@@ -190,6 +191,7 @@ def run_cells(
                     continue
                 ctx.info["incremental_fallbacks"] += 1
             _layers(ctx, g, tokens, source, ref_rows, idx, positions, cell_cols, start_layer, cap)
+    ctx.info.update(runner.log.as_info())
     return ctx.values, ctx.baseline, ctx.info
 
 
@@ -236,6 +238,7 @@ def _steps(
     ctx: _Ctx, g: Group, state: Any, source: Source, ref_rows: Tensor, idx: Tensor, cap: int
 ) -> None:
     runner, view, G = ctx.runner, ctx.runner.view, len(g)
+    runner.log.used("cells", "incremental (last token)")
     K = max(1, min(cap // G, len(ctx.cells)))
     if ctx.tuners["packed"].fixed is not None:
         K = ctx.tuners["packed"].fixed or 1
@@ -276,12 +279,21 @@ def _layers(
         )
         W = head_output_weights(model, layer) if view[layer].out_hook else None
         chosen = _STRATEGY.setdefault(model, {})
+        why_not = _STRATEGY_WHY.setdefault(model, {})
         strategy = "packed" if W is None else chosen.get(runner.keep > 1)
         rest = ids
         if strategy is None:
             assert W is not None
-            strategy, rest = run.choose(W)
+            strategy, rest, why = run.choose(W)
             chosen[runner.keep > 1] = strategy
+            if why is not None:
+                why_not[runner.keep > 1] = why
+        why = why_not.get(runner.keep > 1) if W is not None else None
+        path = "expanded at the layer's output" if strategy == "expand" else "packed"
+        if strategy == "packed" and why is not None:
+            runner.log.fell_back("cells", path, why)
+        else:
+            runner.log.used("cells", path)
         ctx.info["expanded"] = ctx.info["expanded"] or strategy == "expand"
         if strategy == "expand":
             assert W is not None
@@ -295,6 +307,9 @@ def _layers(
 # ablated layer's mixer shared by the cells) or "packed" (cells x prompts per run), whichever
 # measured faster per cell on first use.
 _STRATEGY: "weakref.WeakKeyDictionary[Any, dict[bool, str]]" = weakref.WeakKeyDictionary()
+# Why "expand" was ruled out (it does not apply, or does not reproduce "packed"); absent when it
+# was only slower.
+_STRATEGY_WHY: "weakref.WeakKeyDictionary[Any, dict[bool, str]]" = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -351,31 +366,45 @@ class _LayerRun:
         lg = runner.from_layer(self.layer, self.resid[one], self.tokens[one], hooks)
         return lg, time.perf_counter() - t0
 
-    def choose(self, W: Tensor) -> tuple[str, list[int]]:
-        """Run the first chunk both ways (results kept), check they agree, pick the faster."""
+    def choose(self, W: Tensor) -> tuple[str, list[int], str | None]:
+        """Run the first chunk both ways (results kept), check they agree, pick the faster.
+
+        Returns the strategy, the cells still to run, and why "expand" was ruled out (``None``
+        when it applies and was merely slower).
+        """
         G = len(self.g)
         k = min(8, len(self.ids))
         chunk = self.ids[:k]
         # The runner verifies its shortcuts once per model by running both ways: do that on one
         # row first, or the packed timing below includes it and "expand" wins when it is slower.
         runner, one = self.ctx.runner, slice(0, 1)
-        _attempt(lambda: runner.from_layer(self.layer, self.resid[one], self.tokens[one], []))
+        runner.from_layer(self.layer, self.resid[one], self.tokens[one], [])
         lg_p, t_p = self.packed(chunk)
         self._store_packed(chunk, lg_p)
-        t_e, lg_e = math.inf, None
+
+        def expand() -> Tensor:
+            with shortcut_run("expanding the cells at the layer's output"):
+                return self.expanded(W, chunk, 0)[0]
+
+        t_e, lg_e, why = math.inf, None, None
         for _ in range(2):  # two timings each, the faster counts: the machine may be shared
             t0 = time.perf_counter()
-            lg_e = _attempt(lambda: self.expanded(W, chunk, 0)[0])
+            lg_e, why = _attempt(expand)
             t_e = min(t_e, time.perf_counter() - t0)
             if lg_e is None:
                 break
-        same = lg_e is not None and _close(lg_e.reshape(k, -1), lg_p.reshape(k, G, -1)[:, 0], 2e-6)
+        if lg_e is not None:
+            e, p = lg_e.reshape(k, -1), lg_p.reshape(k, G, -1)[:, 0]
+            if e.shape != p.shape or not _close(e, p, 2e-6):
+                diff = float((e - p).abs().max()) if e.shape == p.shape else math.nan
+                why = f"expanding does not reproduce the packed run (max abs diff {diff:.2e})"
+        same = lg_e is not None and why is None
         if same:
             t_p = min(t_p, self.packed(chunk)[1])
         # Expanding saves at most the ablated layer's mixer per cell and runs smaller batches,
         # so it must win clearly.
         faster = t_e / k < 0.75 * t_p / (k * G)
-        return ("expand" if same and faster else "packed"), self.ids[k:]
+        return ("expand" if same and faster else "packed"), self.ids[k:], why
 
     def _store_packed(self, chunk: Sequence[int], lg: Tensor) -> None:
         G = len(self.g)

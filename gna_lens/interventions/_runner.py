@@ -18,13 +18,21 @@ Two kinds of reuse, for both model kinds (TransformerBridge, HookedSSM):
 
 Only the logits at the last position are computed where the model allows it (HookedSSM: final
 norm and unembedding on one position; bridge: ``logits_to_keep=1``).
+
+Fallbacks are narrow and never silent. A shortcut that does not apply to a model raises
+:class:`ShortcutNotApplicable` (a check that fails, or a torch ``RuntimeError`` from the model
+run under :func:`shortcut_run`, e.g. a shape the shortcut assumed); only that exception selects the
+plain path, and any other exception propagates. Every runner keeps a :class:`PathLog` of the paths
+it took and of each fallback with its reason; results carry it as ``info["paths"]`` and
+``info["fallbacks"]``.
 """
 
 import copy
 import inspect
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -36,12 +44,77 @@ from gna_lens.interventions._common import hooked
 
 Hooks = Sequence[tuple[Any, Callable[..., Any]]]
 
+# Verdicts of the shortcuts, per model: ``None`` = the shortcut applies, else why it does not.
 # Per bridge model: does swapping the residual at blocks.{l}.hook_resid_pre match start_at_layer?
-_INJECT_OK: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+_INJECT_VERDICT: "weakref.WeakKeyDictionary[Any, str | None]" = weakref.WeakKeyDictionary()
 # Per model: does keeping only the last position after the last block's mixer match?
 # (per number of kept positions: a bridge whose residual add broadcasts passes for 1, not for more)
-_TAIL_OK: "weakref.WeakKeyDictionary[Any, dict[int, bool]]" = weakref.WeakKeyDictionary()
+_TAIL_VERDICT: "weakref.WeakKeyDictionary[Any, dict[int, str | None]]" = weakref.WeakKeyDictionary()
 STEP_RTOL = 1e-4
+
+
+class ShortcutNotApplicable(Exception):
+    """A fast path does not apply to this model or input: the caller takes the plain path.
+
+    The only exception that selects a slower path; its message is recorded as the fallback's
+    reason (:class:`PathLog`). It never reaches users.
+    """
+
+
+@contextmanager
+def shortcut_run(what: str) -> Iterator[None]:
+    """Run the model for a shortcut: a torch ``RuntimeError`` (a shape or layout the shortcut
+    assumed and the model does not accept) means the shortcut does not apply.
+
+    Out-of-memory errors, gna_lens errors (``ValueError``), ``TypeError``, ``KeyError`` and every
+    other exception propagate.
+    """
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError as err:
+        raise ShortcutNotApplicable(f"{what} raised RuntimeError: {err}") from err
+
+
+class PathLog:
+    """Which path computed what, and every fallback with its reason (deduplicated)."""
+
+    def __init__(self) -> None:
+        self.paths: dict[str, list[str]] = {}
+        self.fallbacks: list[str] = []
+
+    def used(self, step: str, path: str) -> None:
+        """Record that ``step`` (e.g. ``"from_layer"``) ran on ``path``."""
+        taken = self.paths.setdefault(step, [])
+        if path not in taken:
+            taken.append(path)
+
+    def fell_back(self, step: str, path: str, reason: str) -> None:
+        """Record that ``step`` ran on ``path`` because its shortcut did not apply (``reason``)."""
+        self.used(step, path)
+        entry = f"{step}: {path} ({reason})"
+        if entry not in self.fallbacks:
+            self.fallbacks.append(entry)
+
+    def as_info(self) -> dict[str, Any]:
+        """``{"paths": {step: [path, ...]}, "fallbacks": [str, ...]}`` for a result's ``info``."""
+        return {
+            "paths": {k: list(v) for k, v in self.paths.items()},
+            "fallbacks": list(self.fallbacks),
+        }
+
+
+def _mismatch(fast: Tensor | None, slow: Tensor, rtol: float, what: str) -> str | None:
+    """``None`` if the shortcut's result ``fast`` matches the plain ``slow`` one, else why not."""
+    if fast is None:
+        return None
+    if fast.shape != slow.shape:
+        return f"{what} gave shape {tuple(fast.shape)}, the plain path {tuple(slow.shape)}"
+    if not _close(fast, slow, rtol):
+        diff = float((fast.float() - slow.float()).abs().max())
+        return f"{what} does not reproduce the plain path (max abs diff {diff:.2e})"
+    return None
 
 
 #: Relative tolerance of those checks while a bfloat16/float16 autocast is active: the shortcuts
@@ -80,6 +153,8 @@ class Runner:
         #: (the query position), ``keep > 1`` gives ``[rows, keep, d_vocab]`` (metrics over several
         #: positions, e.g. the next-token loss of a control text).
         self.keep = keep
+        #: The paths taken and the fallbacks, for the result's ``info``.
+        self.log = PathLog()
         self.keep_last: dict[str, Any] = {}
         if not self.is_ssm:
             hf = getattr(model, "original_model", None)
@@ -102,7 +177,19 @@ class Runner:
 
     # ------------------------------------------------------------------ full runs
     def _tail(self) -> list[tuple[str, Callable[..., Any]]]:
-        return self.tail_hooks if _TAIL_OK.get(self.model, {}).get(self.keep) else []
+        """The truncation hooks where verified for this model (recorded either way)."""
+        if not self.tail_hooks:
+            return []
+        verdicts = _TAIL_VERDICT.get(self.model, {})
+        if self.keep not in verdicts:
+            self.log.used("tail", "every position")
+            return []
+        why = verdicts[self.keep]
+        if why is not None:
+            self.log.fell_back("tail", "every position", why)
+            return []
+        self.log.used("tail", f"last {self.keep} position(s)")
+        return self.tail_hooks
 
     def _pick(self, logits: Tensor) -> Tensor:
         """The positions this runner returns: the last (``keep == 1``) or the last ``keep``."""
@@ -137,43 +224,67 @@ class Runner:
 
         ``tokens`` are the unpadded prompts of the group (any one row is enough for the bridge).
         """
-        if self.tail_hooks and self.keep not in _TAIL_OK.get(self.model, {}):
-            fast = _attempt(
-                lambda: self._from_layer(layer, resid, tokens, [*hooks, *self.tail_hooks])
-            )
+        if self.tail_hooks and self.keep not in _TAIL_VERDICT.get(self.model, {}):
+            # The plain run first: it settles the bridge's residual-swap verdict without the
+            # truncation, so a truncation failure is not blamed on the swap.
             slow = self._from_layer(layer, resid, tokens, hooks)
-            ok = fast is not None and fast.shape == slow.shape and _close(fast, slow, 2e-6)
-            _TAIL_OK.setdefault(self.model, {})[self.keep] = ok
+            tail = [*hooks, *self.tail_hooks]
+            what = "truncating after the last mixer"
+            fast, why = _attempt(lambda: self._from_layer(layer, resid, tokens, tail, what))
+            why = why or _mismatch(fast, slow, 2e-6, what)
+            _TAIL_VERDICT.setdefault(self.model, {})[self.keep] = why
+            if why is not None:
+                self.log.fell_back("tail", "every position", why)
+            else:
+                self.log.used("tail", "every position")
             return slow
         return self._from_layer(layer, resid, tokens, list(hooks) + self._tail())
 
-    def _from_layer(self, layer: int, resid: Tensor, tokens: Tensor, hooks: Hooks) -> Tensor:
+    def _from_layer(
+        self, layer: int, resid: Tensor, tokens: Tensor, hooks: Hooks, shortcut: str = ""
+    ) -> Tensor:
+        """``shortcut``: this run tries a shortcut (its failures raise ShortcutNotApplicable)."""
         model = self.model
         if self.is_ssm:
-            with hooked(model, hooks):
+            with shortcut_run(shortcut) if shortcut else nullcontext(), hooked(model, hooks):
                 final = model(resid, start_at_layer=layer, stop_at_layer=self.n_layers)
+            self.log.used("from_layer", "start_at_layer")
             return self._final(final)
-        ok = _INJECT_OK.get(model)
-        if ok is None:
-            fast = _attempt(lambda: self._inject(layer, resid, tokens, hooks))
-            slow = self._bridge_start(layer, resid, hooks)
-            _INJECT_OK[model] = fast is not None and _close(fast, slow, 1e-5)
+        if model not in _INJECT_VERDICT:
+            swap = "swapping the residual at hook_resid_pre"
+            fast, why = _attempt(lambda: self._inject(layer, resid, tokens, hooks, swap))
+            slow = self._bridge_start(layer, resid, hooks, shortcut)
+            why = why or _mismatch(fast, slow, 1e-5, "swapping the residual at hook_resid_pre")
+            _INJECT_VERDICT[model] = why
+            if why is not None:
+                self.log.fell_back("from_layer", "start_at_layer", why)
             return slow
-        if ok:
-            return self._inject(layer, resid, tokens, hooks)
-        return self._bridge_start(layer, resid, hooks)
+        why = _INJECT_VERDICT[model]
+        if why is None:
+            out = self._inject(layer, resid, tokens, hooks, shortcut)
+            self.log.used("from_layer", "residual swap")
+            return out
+        self.log.fell_back("from_layer", "start_at_layer", why)
+        return self._bridge_start(layer, resid, hooks, shortcut)
 
-    def _inject(self, layer: int, resid: Tensor, tokens: Tensor, hooks: Hooks) -> Tensor:
+    def _inject(
+        self, layer: int, resid: Tensor, tokens: Tensor, hooks: Hooks, shortcut: str = ""
+    ) -> Tensor:
         def swap(x: Tensor, hook: Any) -> Tensor:
             return resid
 
         swap_hook = [(self.view[layer].resid_pre_hook, swap)]
-        with hooked(self.model, swap_hook + list(hooks)):
+        with (
+            shortcut_run(shortcut) if shortcut else nullcontext(),
+            hooked(self.model, swap_hook + list(hooks)),
+        ):
             return self._pick(self.model(tokens[:1], **self.keep_last))
 
-    def _bridge_start(self, layer: int, resid: Tensor, hooks: Hooks) -> Tensor:
-        with hooked(self.model, hooks):
-            return self._pick(self.model(resid, start_at_layer=layer, **self.keep_last))
+    def _bridge_start(self, layer: int, resid: Tensor, hooks: Hooks, shortcut: str = "") -> Tensor:
+        with shortcut_run(shortcut) if shortcut else nullcontext(), hooked(self.model, hooks):
+            out = self._pick(self.model(resid, start_at_layer=layer, **self.keep_last))
+        self.log.used("from_layer", "start_at_layer")
+        return out
 
     # ------------------------------------------------------------------ incremental
     def prefix(self, tokens: Tensor) -> tuple[Tensor, Any]:
@@ -191,20 +302,34 @@ class Runner:
             from gna_lens.interventions._ssm_step import ssm_prefix
 
             logits, state = ssm_prefix(self.model, tokens)
+            path = "SSM state step"
         else:
-            logits, state = self._bridge_prefix(tokens)
-        if state is not None:
-            check = self.step(state, 1, ())
-            if not _close(check, logits):
-                warnings.warn(
-                    f"gna_lens: the incremental last-token path of this {self.view.model_type} "
-                    "does not reproduce its full forward (max abs diff "
-                    f"{float((check - logits).abs().max()):.2e}); recomputing whole prompts "
-                    "instead.",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
-                state = None
+            try:
+                logits, state = self._bridge_prefix(tokens)
+            except ShortcutNotApplicable as err:
+                self.log.fell_back("incremental", "full recomputation", str(err))
+                return self.logits_last(tokens), None
+            path = "KV-cache step"
+        if state is None:
+            self.log.fell_back("incremental", "full recomputation", "no prefix state")
+            return logits, None
+        check = self.step(state, 1, ())
+        if not _close(check, logits):
+            diff = float((check - logits).abs().max())
+            warnings.warn(
+                f"gna_lens: the incremental last-token path of this {self.view.model_type} "
+                f"does not reproduce its full forward (max abs diff {diff:.2e}); recomputing "
+                "whole prompts instead.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            self.log.fell_back(
+                "incremental",
+                "full recomputation",
+                f"the {path} does not reproduce the full forward (max abs diff {diff:.2e})",
+            )
+            return logits, None
+        self.log.used("incremental", path)
         return logits, state
 
     def step(self, state: Any, K: int, hooks: Hooks) -> Tensor:
@@ -217,18 +342,39 @@ class Runner:
         return self._bridge_step(state, K, hooks)
 
     def _bridge_prefix(self, tokens: Tensor) -> tuple[Tensor, Any]:
+        """The prompt's logits and its KV cache minus the last token.
+
+        Raises:
+            ShortcutNotApplicable: The bridge offers no usable Hugging Face KV cache.
+        """
         model = self.model
         try:
             from transformers import DynamicCache
-
-            hf_config = model.original_model.config
+        except ImportError as err:
+            raise ShortcutNotApplicable(f"transformers has no DynamicCache ({err})") from err
+        hf_config = getattr(getattr(model, "original_model", None), "config", None)
+        if hf_config is None:
+            raise ShortcutNotApplicable(
+                f"this {type(model).__name__} has no original_model.config to build a KV cache"
+            )
+        try:
             cache = DynamicCache(config=hf_config)
-            out = model(tokens, past_key_values=cache, **self.keep_last)
-            if cache.get_seq_length() != tokens.shape[1]:
-                raise ValueError("the cache did not record the prompt")
-            cache.crop(-1)
-        except Exception:  # no usable KV cache: full recomputation instead
-            return self.logits_last(tokens), None
+        except TypeError as err:  # an older transformers without DynamicCache(config=...)
+            raise ShortcutNotApplicable(f"DynamicCache(config=...) failed: {err}") from err
+        with shortcut_run("the forward with past_key_values"):
+            try:
+                out = model(tokens, past_key_values=cache, **self.keep_last)
+            except TypeError as err:
+                if "past_key_values" not in str(err):
+                    raise
+                # A forward that takes no past_key_values.
+                raise ShortcutNotApplicable(f"the forward takes no past_key_values: {err}") from err
+        if cache.get_seq_length() != tokens.shape[1]:
+            raise ShortcutNotApplicable(
+                f"the KV cache recorded {cache.get_seq_length()} positions of a "
+                f"{tokens.shape[1]}-token prompt"
+            )
+        cache.crop(-1)
         state = {
             "cache": cache,
             "last": tokens[:, -1:],
@@ -258,12 +404,15 @@ class Runner:
         return out[:, -1]
 
 
-def _attempt(fn: Callable[[], Tensor]) -> Tensor | None:
-    """Run a shortcut that the model may not support; ``None`` if it raises."""
+def _attempt(fn: Callable[[], Tensor]) -> tuple[Tensor | None, str | None]:
+    """Run a shortcut: ``(result, None)``, or ``(None, reason)`` if it does not apply.
+
+    Only :class:`ShortcutNotApplicable` counts as "does not apply"; anything else propagates.
+    """
     try:
-        return fn()
-    except Exception:  # any failure of a shortcut means: use the plain path
-        return None
+        return fn(), None
+    except ShortcutNotApplicable as err:
+        return None, str(err)
 
 
 def _bind_name(fn: Callable[..., Any], name: str) -> Callable[..., Any]:

@@ -128,7 +128,9 @@ def _ablation_hook(
                 )
             if bool(((pos < -P) | (pos >= P)).any()):
                 raise InterventionError(
-                    f"positions {pos.tolist()} are out of range for inputs of {P} positions."
+                    f"positions {pos.tolist()} are out of range for inputs of {P} positions "
+                    f"(valid: {-P} to {P - 1}, one per row). Fix: per-row positions of the "
+                    "batch you run, e.g. batch.query_positions."
                 )
             rows = torch.zeros(R, P, dtype=torch.bool, device=z.device)
             rows[torch.arange(R, device=z.device), pos % P] = True
@@ -202,7 +204,9 @@ class SweepResult:
         positions: The positions edited (``"all"``, ``"last"`` or a list).
         method: How it was computed (``"batched"``, ``"incremental"``, ``"loop"``,
             ``"attribution"``).
-        info: Other details (packing, forward counts, timings).
+        info: Other details (packing, forward counts, timings), and which path computed the
+            numbers: ``info["paths"]`` (``{step: [path, ...]}``) and ``info["fallbacks"]`` (each
+            shortcut that did not apply to this model, with the reason; ``[]`` when none).
     """
 
     cells: tuple[tuple[Head, ...], ...]

@@ -183,6 +183,14 @@ def attribute_heads(
             "forward_equivalents": forwards / max(1, len(groups)),
             "groups": len(groups),
             "materialized_ssm_patterns": materialize,
+            "paths": {
+                "gradient": [
+                    "materialized hook_pattern (the Mamba-1 scan has no gradient)"
+                    if materialize
+                    else "the model's own forward"
+                ]
+            },
+            "fallbacks": [],
         },
     )
 

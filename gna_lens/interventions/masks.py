@@ -201,7 +201,13 @@ def _mask_for(
     touched = torch.zeros(H, dtype=torch.bool, device=device)
     for h, m in heads.items():
         if h not in sel_heads:
-            continue
+            raise PatternEditError(
+                f"the mask for ({layer}, {h}) would be silently dropped: this forward pass "
+                f"materializes only heads {sel_heads} of layer {layer} (an enclosing "
+                "model.pattern_selection(heads=...)). Fix: apply masks with "
+                "gna_lens.mask_patterns, which selects the masked heads and rows itself, or "
+                f"include head {h} of layer {layer} in pattern_selection."
+            )
         if m.shape[-1] != L or m.shape[0] not in (1, b):
             raise PatternEditError(
                 f"the mask for ({layer}, {h}) has shape {tuple(m.shape)} but the pattern of this "
@@ -211,6 +217,7 @@ def _mask_for(
             )
         mm = m.to(device=device, dtype=torch.float32)
         if row_idx is not None:
+            _check_rows_selected(layer, h, mm, row_idx.to(device))
             mm = mm.index_select(1, row_idx.to(device))
         if keep.shape[0] != mm.shape[0]:
             keep = keep.expand(mm.shape[0], -1, -1, -1).clone()
@@ -218,6 +225,29 @@ def _mask_for(
         keep[:, k] = mm
         touched[k] = True
     return keep, touched
+
+
+def _changed_rows(m: Tensor) -> Tensor:
+    """``[query_pos]`` bool: the rows where a keep-mask ``[b|1, q, k]`` changes the pattern
+    (an entry other than 1 on or below the diagonal)."""
+    L = m.shape[-1]
+    causal = torch.ones(m.shape[-2], L, dtype=torch.bool, device=m.device).tril()
+    return ((m.to(torch.float32) != 1) & causal).reshape(-1, m.shape[-2], L).any(0).any(-1)
+
+
+def _check_rows_selected(layer: int, head: int, mask: Tensor, row_idx: Tensor) -> None:
+    """Refuse a mask whose changed rows are not all materialized in this forward pass."""
+    selected = torch.zeros(mask.shape[-2], dtype=torch.bool, device=mask.device)
+    selected[row_idx] = True
+    missing = (_changed_rows(mask) & ~selected).nonzero().flatten().tolist()
+    if missing:
+        raise PatternEditError(
+            f"the mask for ({layer}, {head}) changes query rows {missing}, but this forward pass "
+            f"materializes only rows {row_idx.tolist()} of layer {layer} (an enclosing "
+            "model.pattern_selection(query_positions=...)): those rows would be silently left "
+            "unmasked. Fix: apply masks with gna_lens.mask_patterns, which selects the rows "
+            "itself, or include those rows in pattern_selection."
+        )
 
 
 def pattern_mask_hooks(
@@ -319,8 +349,7 @@ def _selection(model: Any, view: HeadView, masks: Mapping[Head, Tensor]) -> Any:
         if view.kind(layer) != "ssm":
             continue
         heads.setdefault(layer, []).append(head)
-        changed = (m == 0).reshape(-1, m.shape[-2], m.shape[-1]).any(0).any(-1)
-        idx = changed.nonzero().flatten().tolist()
+        idx = _changed_rows(m).nonzero().flatten().tolist()
         if not idx:
             whole = True  # an all-ones mask still runs through the materialized path
         rows.update(idx)

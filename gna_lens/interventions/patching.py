@@ -24,6 +24,7 @@ from gna_lens.interventions._common import (
     Source,
     check_positions,
     collect_z,
+    column_mask,
     describe_task,
     paired_groups,
     parse_bytes,
@@ -62,7 +63,8 @@ class PatchResult:
         task: The clean task's description.
         corrupted_task: The corrupted task's description.
         positions: The patched positions (``"all"``, ``"last"``, ``"each"`` or a list).
-        info: Packing and forward counts.
+        info: Packing and forward counts, ``info["paths"]`` (which path computed the numbers)
+            and ``info["fallbacks"]`` (each shortcut that did not apply, with the reason).
     """
 
     values: Float[Tensor, "cell batch"]
@@ -328,6 +330,9 @@ def patch_residual(
         (length,) = lengths
         cells = [(layer, [p]) for layer in layers for p in range(length)]
     else:
+        if positions not in (None, "last"):
+            for length in sorted(lengths):
+                column_mask(positions, length, "cpu")  # raises on out-of-range positions
         cells = [(layer, positions) for layer in layers]
     runner = Runner(model, view)
     n = len(clean)
@@ -335,7 +340,7 @@ def patch_residual(
     baseline = torch.full((n,), float("nan"))
     clean_base = torch.full((n,), float("nan"))
     names = [f"blocks.{layer}.hook_resid_pre" for layer in sorted(set(layers))]
-    info = {"forwards": 0}
+    info: dict[str, Any] = {"forwards": 0}
     bar = tqdm(total=len(cells) * n, desc="patch residual", disable=not progress, leave=False)
     try:
         with torch.no_grad():
@@ -368,6 +373,7 @@ def patch_residual(
                     bar.update(len(chunk) * G)
     finally:
         bar.close()
+    info.update(runner.log.as_info())
     rows = []
     for layer, pos in cells:
         row: dict[str, Any] = {"layer": layer}
@@ -393,7 +399,9 @@ def _resid_cols(positions: Any, length: int) -> Any:
         return slice(None)
     if positions == "last":
         return [length - 1]
-    return [p % length for p in positions]
+    mask = column_mask(positions, length, "cpu")  # raises on out-of-range positions
+    assert mask is not None
+    return mask.nonzero().flatten().tolist()
 
 
 def _result(

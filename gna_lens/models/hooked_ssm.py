@@ -21,7 +21,7 @@ from transformer_lens.ActivationCache import ActivationCache
 from transformer_lens.hook_points import HookPoint
 from transformer_lens.HookedRootModule import HookedRootModule
 
-from gna_lens.errors import ConfigError, HookError, PatternEditError
+from gna_lens.errors import ConfigError, HookError, InterventionError, PatternEditError
 from gna_lens.models import ops
 from gna_lens.models.config import SUPPORTED_MODEL_TYPES, SSMConfig
 
@@ -61,11 +61,23 @@ def _checked_pattern(edited: Any, original: Tensor, name: str | None) -> Tensor:
     return edited.to(original.dtype)
 
 
+def _state_through_hook(hook: HookPoint, states: Tensor) -> tuple[Tensor, bool]:
+    """Pass ``states`` through ``hook``; also say whether the hook edited them.
+
+    Edited: the hook returned another tensor, or changed this one in place (torch's version
+    counter moved). A caching hook (``run_with_cache``) returns ``None`` and edits nothing.
+    """
+    version = states._version  # type: ignore[attr-defined]
+    out = hook(states)
+    return out, out is not states or states._version != version  # type: ignore[attr-defined]
+
+
 class _SSMMixerBase(nn.Module):
     """Shared pattern-selection and materialization logic of the SSM mixers."""
 
     cfg: SSMConfig
     hook_pattern: HookPoint
+    hook_ssm_state: HookPoint
 
     def __init__(self) -> None:
         super().__init__()
@@ -78,10 +90,31 @@ class _SSMMixerBase(nn.Module):
         heads = None if self.pattern_heads is None else self.pattern_heads.to(device)
         rows = None
         if self.pattern_rows is not None:
-            resolved = sorted({r % length for r in self.pattern_rows if -length <= r < length})
+            bad = [r for r in self.pattern_rows if not -length <= r < length]
+            if bad:
+                raise InterventionError(
+                    f"pattern_selection(query_positions={self.pattern_rows!r}): positions {bad} "
+                    f"are out of range for this input of {length} positions (valid: {-length} "
+                    f"to {length - 1}; negative counts from the end). Fix: pass positions of the "
+                    "input you run, or 'last'."
+                )
+            resolved = sorted({r % length for r in self.pattern_rows})
             rows = torch.tensor(resolved, dtype=torch.long, device=device)
         self.last_pattern_index = (heads, rows)
         return heads, rows
+
+    def _refuse_state_edit(self) -> None:
+        """A state edit and a materialized pattern in one forward: the edit would be dropped."""
+        raise PatternEditError(
+            f"A hook on {self.hook_ssm_state.name} edited the SSM states while "
+            f"{self.hook_pattern.name} is hooked in the same forward pass. With hook_pattern "
+            "hooked, the layer's output is computed from the pattern (y = pattern @ x + D x), "
+            "which is built from dt, A, B and C, not from the states, so the state edit would be "
+            "silently discarded (for the materialized heads and rows). Fix: run the state edit "
+            "and the pattern hook in separate forward passes, or express the edit on the pattern "
+            "only (or on hook_ssm_input / hook_ssm_dt / hook_ssm_B / hook_ssm_C, which both paths "
+            "read). Reading the states (run_with_cache) together with the pattern is fine."
+        )
 
     def _check_dtype(self, dtype: torch.dtype) -> None:
         if dtype not in _EXACT_DTYPES:
@@ -159,7 +192,9 @@ class Mamba1Mixer(_SSMMixerBase):
         if _has_hooks(self.hook_ssm_state):
             _, states = ops.mamba1_scan(u, delta, A, B, C, self.cfg.chunk_size, return_states=True)
             assert states is not None
-            states = self.hook_ssm_state(states)
+            states, edited = _state_through_hook(self.hook_ssm_state, states)
+            if edited and materialize:
+                self._refuse_state_edit()
             y = torch.einsum("blen,bln->ble", states, C)
         elif not materialize or heads is not None or rows is not None:
             y, _ = ops.mamba1_scan(u, delta, A, B, C, self.cfg.chunk_size)
@@ -250,7 +285,10 @@ class Mamba2Mixer(_SSMMixerBase):
         heads, rows = self._selection(x.shape[1], x.device) if materialize else (None, None)
         y: Tensor | None = None
         if _has_hooks(self.hook_ssm_state):
-            states = self.hook_ssm_state(ops.mamba2_recurrent(x, dt, A, B, C))
+            states = ops.mamba2_recurrent(x, dt, A, B, C)
+            states, edited = _state_through_hook(self.hook_ssm_state, states)
+            if edited and materialize:
+                self._refuse_state_edit()
             Ch = C.repeat_interleave(self.cfg.n_heads // self.cfg.n_groups, dim=2)
             y = torch.einsum("blhpn,blhn->blhp", states, Ch)
         elif not materialize or heads is not None or rows is not None:
@@ -604,31 +642,66 @@ class HookedSSM(HookedRootModule):
             (1, 1)
         """
         rows = [-1] if query_positions == "last" else query_positions
-        if rows is not None and not all(isinstance(r, int) for r in rows):
-            raise ValueError(
+        if rows is not None and (
+            isinstance(rows, str)
+            or not rows
+            or not all(isinstance(r, int) and not isinstance(r, bool) for r in rows)
+        ):
+            raise InterventionError(
                 f"pattern_selection: query_positions={query_positions!r}; expected 'last', None or "
-                "a list of int positions (negative counts from the end)."
+                "a non-empty list of int positions (negative counts from the end)."
             )
         mixers = self.ssm_mixers()
+        per_layer = self._selection_heads(heads, list(mixers))
         saved = {i: (m.pattern_heads, m.pattern_rows) for i, m in mixers.items()}
         try:
             for i, m in mixers.items():
-                layer_heads = heads.get(i) if isinstance(heads, dict) else heads
-                if isinstance(heads, dict) and i not in heads:
-                    layer_heads = None
+                layer_heads = per_layer.get(i)
                 if layer_heads is not None:
-                    bad = [h for h in layer_heads if not 0 <= h < self.cfg.n_heads]
-                    if bad:
-                        raise ValueError(
-                            f"pattern_selection: heads {bad} of layer {i} are out of range; the "
-                            f"SSM layers have {self.cfg.n_heads} heads (0..{self.cfg.n_heads - 1})."
-                        )
-                    m.pattern_heads = torch.tensor(sorted(set(layer_heads)), dtype=torch.long)
+                    m.pattern_heads = torch.tensor(layer_heads, dtype=torch.long)
                 m.pattern_rows = None if rows is None else list(rows)
             yield self
         finally:
             for i, m in mixers.items():
                 m.pattern_heads, m.pattern_rows = saved[i]
+
+    def _selection_heads(
+        self, heads: Sequence[int] | dict[int, Sequence[int]] | None, ssm_layers: list[int]
+    ) -> dict[int, list[int]]:
+        """Validate ``pattern_selection(heads=...)``; the sorted heads of each selected layer."""
+        n = self.cfg.n_heads
+        if heads is None:
+            return {}
+        if isinstance(heads, dict):
+            bad_layers = [k for k in heads if k not in ssm_layers]
+            if bad_layers:
+                raise InterventionError(
+                    f"pattern_selection(heads={heads!r}): layers {bad_layers} are not SSM layers "
+                    f"of this {self.cfg.architecture} model; its SSM layers are {ssm_layers} (of "
+                    f"{self.cfg.n_layers}). Fix: key the dict by SSM layer indices (attention "
+                    "layers of a hybrid need no selection: their pattern is always materialized)."
+                )
+            per = dict(heads)
+        else:
+            per = {i: heads for i in ssm_layers}
+        out: dict[int, list[int]] = {}
+        for i, layer_heads in per.items():
+            if isinstance(layer_heads, int | str) or not all(
+                isinstance(h, int) and not isinstance(h, bool) for h in layer_heads
+            ):
+                raise InterventionError(
+                    f"pattern_selection(heads={heads!r}): layer {i} gets {layer_heads!r}; expected "
+                    "a list of int head indices, e.g. heads=[0, 3] or heads={1: [0, 3]}."
+                )
+            bad = [h for h in layer_heads if not 0 <= h < n]
+            if bad or not layer_heads:
+                raise InterventionError(
+                    f"pattern_selection(heads={heads!r}): heads {bad or '[]'} of layer {i} are "
+                    f"out of range; the SSM layers have {n} heads (valid: 0 to {n - 1}). Fix: "
+                    "pass heads in that range, or heads=None for all."
+                )
+            out[i] = sorted(set(layer_heads))
+        return out
 
     def ssm_mixers(self) -> dict[int, "Mamba1Mixer | Mamba2Mixer"]:
         """The SSM mixer module of each SSM layer, keyed by layer index."""
@@ -671,6 +744,8 @@ class HookedSSM(HookedRootModule):
             Logits ``[batch, pos, d_vocab]``, the loss, both, ``None``, or the residual stream when
             ``stop_at_layer`` is given.
         """
+        self._check_layer_bound("start_at_layer", start_at_layer)
+        self._check_layer_bound("stop_at_layer", stop_at_layer)
         tokens: Tensor | None = None
         if start_at_layer is None:
             if isinstance(input, Tensor) and input.is_floating_point():
@@ -710,6 +785,17 @@ class HookedSSM(HookedRootModule):
         if return_type == "both":
             return logits, loss
         raise ValueError(f"return_type={return_type!r}; expected 'logits', 'loss', 'both' or None.")
+
+    def _check_layer_bound(self, what: str, layer: int | None) -> None:
+        n = self.cfg.n_layers
+        if layer is None:
+            return
+        if isinstance(layer, bool) or not isinstance(layer, int) or not -n <= layer <= n:
+            raise InterventionError(
+                f"{what}={layer!r} is out of range for this {n}-layer model; expected an int "
+                f"from {-n} to {n} (negative counts from the end, {n} = after the last block). "
+                f"Fix: pass a layer index of this model, or None."
+            )
 
     def _rope(self, length: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         inv_freq: Tensor = self.rope_inv_freq  # type: ignore[assignment]

@@ -788,6 +788,8 @@ def score_heads(
             prefilter=f"attribution patching, top {prefilter}" if prefilter else "none",
             sweep_dtype=precision,
             ablation_path=sweep.method,
+            paths={"ablation": sweep.info.get("paths", {})},
+            fallbacks=[f"ablation sweep: {f}" for f in sweep.info.get("fallbacks", [])],
         )
         if ctrl is not None:
             c_eff, c_lo, c_hi = _scatter(heads, ctrl, *_intervals(ctrl))
@@ -795,6 +797,8 @@ def score_heads(
             table["specificity"] = specificity(effect, baseline, c_eff)
             control_baseline = ctrl.baseline_mean
             method.update(control_path=ctrl.method)
+            method["paths"]["control"] = ctrl.info.get("paths", {})
+            method["fallbacks"] += [f"control sweep: {f}" for f in ctrl.info.get("fallbacks", [])]
     description = ""
     if resolved is not None:
         description = (

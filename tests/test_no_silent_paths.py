@@ -1,0 +1,292 @@
+"""Every edit takes effect or raises; no fallback is silent (issue 17).
+
+Each test here pins one path that used to return a plausible result while dropping what was
+asked for: a state edit discarded by a pattern hook, out-of-range rows or layers dropped or
+wrapped, masks skipped outside a selection, an editability probe that passed what it could not
+check, and shortcut failures swallowed by ``except Exception``.
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from interventions_helpers import SSM_ARCHS, other_key, tok
+from interventions_helpers import task as make_task
+from torch import nn
+from transformer_lens.hook_points import HookPoint
+from transformer_lens.HookedRootModule import HookedRootModule
+
+import gna_lens.interventions as I
+from gna_lens.errors import HookError, InterventionError, PatternEditError
+from gna_lens.heads import head_view, require_editable
+from gna_lens.interventions import _common, _engine
+from gna_lens.testing import tiny_hooked_ssm
+
+TOKENS = torch.tensor([[5, 6, 7, 8, 9]])
+
+
+def _fresh(arch: str = "mamba2"):
+    """A model no other test has used: the per-model shortcut verdicts start empty."""
+    return tiny_hooked_ssm(arch, vocab_size=len(tok()))
+
+
+def _zero(x, hook):
+    return torch.zeros_like(x)
+
+
+def _identity(x, hook):
+    return x
+
+
+# ----------------------------------------------------------------------------- state vs pattern
+@pytest.mark.parametrize("arch", ["mamba2", "mamba1"])
+def test_state_edit_together_with_a_pattern_hook_raises(arch):
+    m = tiny_hooked_ssm(arch)
+    state, pattern = "blocks.0.mixer.hook_ssm_state", "blocks.0.mixer.hook_pattern"
+    with torch.no_grad():
+        clean = m(TOKENS)
+        edited = m.run_with_hooks(TOKENS, fwd_hooks=[(state, _zero)])
+        assert (edited - clean).abs().max() > 1e-2  # the state edit alone takes effect
+        with pytest.raises(PatternEditError, match=r"hook_ssm_state.*hook_pattern.*separate"):
+            m.run_with_hooks(TOKENS, fwd_hooks=[(state, _zero), (pattern, _identity)])
+
+        def zero_in_place(x, hook):
+            x.zero_()
+
+        with pytest.raises(PatternEditError, match="hook_ssm_state"):
+            m.run_with_hooks(TOKENS, fwd_hooks=[(state, zero_in_place), (pattern, _identity)])
+        # Reading both (run_with_cache) edits nothing: allowed, and the output is unchanged.
+        logits, cache = m.run_with_cache(TOKENS, names_filter=[state, pattern])
+    assert set(cache.keys()) == {state, pattern}
+    assert (logits - clean).abs().max() <= 1e-4
+    assert not any(hp.fwd_hooks for hp in m.hook_dict.values())
+
+
+# ----------------------------------------------------------------------------- ranges
+def test_pattern_selection_refuses_out_of_range_positions_heads_and_layers():
+    m = tiny_hooked_ssm("mamba2")
+    name = "blocks.0.mixer.hook_pattern"
+    with (
+        pytest.raises(InterventionError, match=r"\[99\].*5 positions.*-5 to 4"),
+        m.pattern_selection(heads=[0], query_positions=[2, 99]),
+    ):
+        m.run_with_cache(TOKENS, names_filter=name)
+    with pytest.raises(InterventionError, match=r"heads \[8\].*0 to 7"), m.pattern_selection([8]):
+        pass
+    bamba = tiny_hooked_ssm("bamba")  # layer 1 is attention, layer 7 does not exist
+    for layers in ({1: [0]}, {7: [0]}):
+        with (
+            pytest.raises(InterventionError, match=r"not SSM layers.*\[0, 2\]"),
+            bamba.pattern_selection(heads=layers),
+        ):
+            pass
+    # In range: the selection is exactly what was asked for.
+    with m.pattern_selection(heads=[0], query_positions=[2, -1]):
+        _, cache = m.run_with_cache(TOKENS, names_filter=name)
+    assert tuple(cache[name].shape) == (1, 1, 2, 5)
+
+
+def test_start_and_stop_at_layer_out_of_range_raise():
+    m = tiny_hooked_ssm("mamba2")  # 2 layers
+    with torch.no_grad():
+        for kw in ({"stop_at_layer": 99}, {"stop_at_layer": -3}):
+            with pytest.raises(InterventionError, match=r"out of range for this 2-layer model"):
+                m(TOKENS, **kw)
+        resid = m(TOKENS, stop_at_layer=1)
+        with pytest.raises(InterventionError, match="start_at_layer=5"):
+            m(resid, start_at_layer=5)
+        assert m(resid, start_at_layer=1).shape[:2] == TOKENS.shape
+
+
+def test_patch_residual_refuses_out_of_range_positions_instead_of_wrapping():
+    m = _fresh()
+    clean = make_task(n_samples=2)
+    length = clean[0].n_tokens
+    with pytest.raises(InterventionError, match=rf"position 99 is out of range.*{length} tokens"):
+        I.patch_residual(m, clean, other_key(clean), layers=[0], positions=[99], progress=False)
+
+
+# ----------------------------------------------------------------------------- masks
+def test_masks_outside_an_enclosing_pattern_selection_raise():
+    m = tiny_hooked_ssm("mamba2")
+    keep_self = torch.eye(5, dtype=torch.bool)
+    with torch.no_grad():
+        hooks = I.pattern_mask_hooks(m, {(0, 0): keep_self})
+        with m.pattern_selection(heads=[1]), pytest.raises(PatternEditError, match=r"\(0, 0\)"):
+            m.run_with_hooks(TOKENS, fwd_hooks=hooks)
+        with (
+            m.pattern_selection(heads=[0], query_positions=[-1]),
+            pytest.raises(PatternEditError, match=r"rows \[1, 2, 3\]"),
+        ):
+            m.run_with_hooks(TOKENS, fwd_hooks=hooks)
+
+
+def test_float_mask_weights_reach_every_row_they_change():
+    """mask_patterns materializes every row a float mask scales, not only its zero rows."""
+    m = tiny_hooked_ssm("mamba2")
+    mask = torch.ones(5, 5)
+    mask[2, :2] = 0.5  # scaled, not removed
+    mask[4, 0] = 0.0
+    name = "blocks.1.mixer.hook_pattern"
+
+    def by_hand(p, hook):
+        out = p.clone()
+        out[:, 3] = out[:, 3] * mask
+        return out
+
+    with torch.no_grad():
+        expected = m.run_with_hooks(TOKENS, fwd_hooks=[(name, by_hand)])
+        with I.mask_patterns(m, {(1, 3): mask}):
+            got = m(TOKENS)
+        unmasked_row2 = mask.clone()
+        unmasked_row2[2] = 1.0
+        with I.mask_patterns(m, {(1, 3): unmasked_row2}):
+            without = m(TOKENS)
+    assert (without - expected).abs().max() > 1e-6  # row 2's weights matter
+    assert (got - expected).abs().max() <= 1e-5
+
+
+# ----------------------------------------------------------------------------- probe
+class _Attn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.hook_pattern = HookPoint()
+        self.hook_z = HookPoint()
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = _Attn()
+
+
+class TupleOutput(HookedRootModule):
+    """Reports its pattern through a hook but computes the output without it, and returns a
+    tuple: nothing the probe can compare."""
+
+    def __init__(self):
+        super().__init__()
+        self.cfg = SimpleNamespace(n_layers=1, n_heads=2, d_head=4, d_vocab=16, device="cpu")
+        self.embed = nn.Embedding(16, 8)
+        self.blocks = nn.ModuleList([_Block()])
+        self.setup()
+
+    def forward(self, tokens, stop_at_layer=None):
+        x = self.embed(tokens)
+        b, L, _ = x.shape
+        self.blocks[0].attn.hook_pattern(torch.ones(b, 2, L, L).tril() / L)  # result discarded
+        z = self.blocks[0].attn.hook_z(x.view(b, L, 2, 4))
+        return (z.reshape(b, L, 8),)
+
+
+def test_editability_probe_fails_closed_when_it_cannot_compare_outputs():
+    m = TupleOutput()
+    view = head_view(m)
+    assert not view[0].verified
+    for target in ("pattern", "z"):
+        with pytest.raises(PatternEditError, match=r"cannot be shown to take effect.*tuple"):
+            require_editable(m, view, [0], target)
+    with pytest.raises(PatternEditError, match="cannot be shown"):
+        I.mask_patterns(m, {(0, 0): torch.ones(4, 4, dtype=torch.bool)}).__enter__()
+
+
+# ----------------------------------------------------------------------------- fallbacks
+def test_a_bug_inside_a_shortcut_propagates_instead_of_falling_back(monkeypatch):
+    m = _fresh()
+
+    def broken(*args, **kwargs):
+        raise KeyError("a bug in the expand shortcut")
+
+    monkeypatch.setattr(_engine, "expand_hooks", broken)
+    with pytest.raises(KeyError, match="a bug in the expand shortcut"):
+        I.ablation_sweep(m, make_task(n_samples=2), "logit_diff", progress=False)
+    assert m not in _engine._STRATEGY or not _engine._STRATEGY[m]  # no verdict cached
+
+
+def test_a_shortcut_that_does_not_apply_is_recorded_on_every_result(monkeypatch):
+    m = _fresh()
+    t = make_task(n_samples=2)
+    heads = [(0, 1), (1, 2)]
+    ok = I.ablation_sweep(_fresh("bamba"), t, "logit_diff", heads, progress=False)
+    assert {"from_layer", "cells"} <= set(ok.info["paths"]) and ok.info["fallbacks"] == []
+
+    real = _engine.expand_hooks
+
+    def mismatched(*args, **kwargs):
+        hooks = real(*args, **kwargs)
+        (z_name, read_z), (out_name, _) = hooks
+
+        def expand(out, hook):
+            raise RuntimeError("The size of tensor a (8) must match the size of tensor b (1)")
+
+        return [(z_name, read_z), (out_name, expand)]
+
+    monkeypatch.setattr(_engine, "expand_hooks", mismatched)
+    first = I.ablation_sweep(m, t, "logit_diff", heads, progress=False)
+    loop = I.ablation_sweep(m, t, "logit_diff", heads, method="loop", progress=False)
+    assert (first.values - loop.values).abs().max() <= 1e-5
+    assert first.info["paths"]["cells"] == ["packed"]
+    (why,) = first.info["fallbacks"]
+    assert "expanding the cells" in why and "must match the size" in why
+    # The verdict is cached per model; later results still say so.
+    again = I.ablation_sweep(m, t, "logit_diff", heads, progress=False)
+    assert again.info["fallbacks"] == first.info["fallbacks"]
+    assert loop.info["paths"]["cells"] == ["loop"]
+
+
+def test_a_bug_in_the_bridge_kv_cache_path_propagates(monkeypatch):
+    import transformers
+    from interventions_helpers import model
+
+    class BrokenCache:
+        def __init__(self, *args, **kwargs):
+            raise ValueError("a bug in the cache")
+
+    monkeypatch.setattr(transformers, "DynamicCache", BrokenCache)
+    with pytest.raises(ValueError, match="a bug in the cache"):
+        I.ablation_sweep(
+            model("llama"), make_task(n_samples=2), "logit_diff", [(0, 1)], positions="last",
+            progress=False,
+        )  # fmt: skip
+
+
+def test_a_bridge_without_usable_kv_cache_records_the_fallback(monkeypatch):
+    import transformers
+    from interventions_helpers import model
+
+    class OldCache:  # a transformers whose DynamicCache takes no config=
+        def __init__(self):
+            pass
+
+    monkeypatch.setattr(transformers, "DynamicCache", OldCache)
+    t = make_task(n_samples=2)
+    bridge = model("llama")
+    res = I.ablation_sweep(bridge, t, "logit_diff", [(0, 1)], positions="last", progress=False)
+    loop = I.ablation_sweep(
+        bridge, t, "logit_diff", [(0, 1)], positions="last", method="loop", progress=False
+    )
+    assert res.method == "batched"
+    assert (res.values - loop.values).abs().max() <= 1e-5
+    (why,) = [f for f in res.info["fallbacks"] if f.startswith("incremental")]
+    assert why.startswith("incremental: full recomputation (DynamicCache(config=...) failed")
+
+
+def test_hooked_keeps_the_original_error_when_hooks_leak():
+    m = _fresh()
+    try:
+        with pytest.raises(ValueError, match="boom") as err, _common.hooked(m, []):
+            m.add_hook("blocks.0.hook_resid_pre", _identity, is_permanent=True)
+            raise ValueError("boom")
+        assert any("leaked" in note for note in err.value.__notes__)
+        m.reset_hooks(including_permanent=True)
+        with pytest.raises(HookError, match="hooks leaked"), _common.hooked(m, []):
+            m.add_hook("blocks.0.hook_resid_pre", _identity, is_permanent=True)
+    finally:
+        m.reset_hooks(including_permanent=True)
+
+
+@pytest.mark.parametrize("arch", SSM_ARCHS[2:])
+def test_attribution_records_its_path(arch):
+    res = I.attribute_heads(_fresh(arch), make_task(n_samples=2), heads=[(0, 0)])
+    assert res.info["paths"] == {"gradient": ["the model's own forward"]}
+    assert res.info["fallbacks"] == []
