@@ -265,6 +265,7 @@ class Source:
         bos_id: int | None = None,
         include_bos: bool = False,
         info: dict[str, Any] | None = None,
+        forwards: int = 0,
     ):
         self.kind = kind
         self.mean = mean or {}
@@ -281,6 +282,8 @@ class Source:
         self.include_bos = include_bos
         #: How the replacement was computed (for the result's ``info``).
         self.info = info or {}
+        #: Forward passes run over the reference.
+        self.forwards = forwards
 
     @property
     def skips_bos(self) -> bool:
@@ -497,6 +500,7 @@ def build_source(
         return Source(
             "samples", samples=per_row, last_only=last, label=label, tokens=rows,
             embeds=[e for e in embeds if e is not None], bos_id=bos_id, include_bos=include_bos,
+            forwards=len(groups),
         )  # fmt: skip
     picks = []
     n_bos = 0
@@ -527,7 +531,7 @@ def build_source(
     }
     return Source(
         "mean", mean=mean, label=label, tokens=rows, bos_id=bos_id, include_bos=include_bos,
-        info=info,
+        info=info, forwards=len(groups),
     )  # fmt: skip
 
 

@@ -130,7 +130,7 @@ def attribute_heads(
     # Per (layer, head): per-sample estimate.
     est = {layer: torch.zeros(n, view[layer].n_heads) for layer in layers}
     baseline = torch.full((n,), float("nan"))
-    forwards = len(groups) if (source is not None and source.kind == "mean") else 0.0
+    forwards = float(source.forwards) if source is not None else 0.0  # the reference's passes
     materialize = _needs_materialized_path(model)
     for g in groups:
         tokens = g.tokens if corrupted is None else tokens_of(corrupted, g.indices, device)
