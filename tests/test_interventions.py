@@ -47,6 +47,36 @@ def assert_measured_cost(result, counter, at_most=4):
     assert measured <= at_most, f"{measured} forward-equivalents per prompt group > {at_most}"
 
 
+def assert_sweep_equals_loop(values, loop, atol=1e-5):
+    """The invariant sweep == loop (tests/test_invariants_break.py shows it can fail)."""
+    diff = (values - loop).abs().max().item()
+    assert diff <= atol, f"the sweep differs from the loop of single ablations by {diff:.3g}"
+
+
+def assert_ablation_takes_effect(m, heads, ids, **kw):
+    """Inside the with block the logits move; after it they are exactly the clean ones."""
+    with torch.no_grad():
+        clean = m(ids)
+        with I.ablate_heads(m, heads, **kw):
+            ablated = m(ids)
+        again = m(ids)
+    moved = (ablated - clean).abs().max().item()
+    assert moved > 1e-3, f"ablating {heads} ({kw}) moved the logits by only {moved:.3g}"
+    assert torch.equal(again, clean), "the ablation outlived its with block"
+
+
+def model_state(m):
+    return hook_count(m), weights(m)
+
+
+def assert_model_untouched(m, before):
+    """The model has exactly the hooks and weights it had before, and no gradients."""
+    hooks, w = before
+    assert hook_count(m) == hooks, f"{hook_count(m) - hooks} hook(s) left on the model"
+    assert all(torch.equal(w[k], v) for k, v in m.state_dict().items()), "weights changed"
+    assert all(p.grad is None for p in m.parameters()), "gradients left on the parameters"
+
+
 def _loop_reference(m, t, mode, positions, reference, metric="logit_diff"):
     """One ablate_heads + full forward per head: what the batched sweep must reproduce."""
     met = Metric(metric, t)
@@ -75,8 +105,22 @@ def test_batched_sweep_equals_loop_of_single_ablations(arch, mode, positions):
     loop, base = _loop_reference(m, t, mode, positions, ref)
     assert res.method == ("incremental" if positions == "last" else "batched")
     assert (res.baseline - base).abs().max() <= 1e-5
-    assert (res.values - loop).abs().max() <= 1e-5
+    assert_sweep_equals_loop(res.values, loop)
     assert res.effects.abs().max() > 1e-3  # the ablations do something
+
+
+@pytest.mark.parametrize("arch", ALL_ARCHS)
+@pytest.mark.parametrize("mode", ["zero", "mean", "resample"])
+def test_every_ablation_mode_moves_the_logits_and_leaves_no_trace(arch, mode):
+    m = model(arch)
+    t = make_task()
+    ref = None if mode == "zero" else make_task(seed=5)
+    before = model_state(m)
+    for positions in (None, "last"):
+        assert_ablation_takes_effect(
+            m, [(0, 1), (1, 2)], tokens(t), mode=mode, positions=positions, reference=ref
+        )
+    assert_model_untouched(m, before)
 
 
 @pytest.mark.parametrize("arch", ["mamba1", "falcon_mamba"])
@@ -404,7 +448,7 @@ def test_no_hook_remains_and_weights_identical_even_when_metric_raises(name, arc
 
     m.add_hook("blocks.0.hook_resid_pre", user_hook)  # the user's own hook must survive
     try:
-        before_hooks, before_w = hook_count(m), weights(m)
+        before = model_state(m)
 
         def boom(logits, samples):
             raise RuntimeError("metric failed")
@@ -424,15 +468,11 @@ def test_no_hook_remains_and_weights_identical_even_when_metric_raises(name, arc
                 I.patch_residual(m, t, corrupted, boom, progress=False)
             else:
                 I.attribute_heads(m, t, boom)
-        assert hook_count(m) == before_hooks
-        assert all(torch.equal(before_w[k], v) for k, v in m.state_dict().items())
-        assert all(p.grad is None for p in m.parameters())
+        assert_model_untouched(m, before)
         # And after a successful call.
         I.attribute_heads(m, t)
         I.ablation_sweep(m, t, "logit_diff", [(0, 0)], positions="last", progress=False)
-        assert hook_count(m) == before_hooks
-        assert all(torch.equal(before_w[k], v) for k, v in m.state_dict().items())
-        assert all(p.grad is None for p in m.parameters())
+        assert_model_untouched(m, before)
     finally:
         m.reset_hooks(including_permanent=True)
 
@@ -487,4 +527,4 @@ def test_both_sweep_strategies_equal_the_loop(arch, strategy, monkeypatch):
         res = I.ablation_sweep(m, t, "logit_diff", heads, **kw)
         loop = I.ablation_sweep(m, t, "logit_diff", heads, method="loop", **kw)
         assert res.info["expanded"] == (strategy == "expand")
-        assert (res.values - loop.values).abs().max() <= 1e-5
+        assert_sweep_equals_loop(res.values, loop.values)
