@@ -277,7 +277,7 @@ def test_zeroing_a_key_column_equals_skipping_that_write(arch):
         )
     assert (edited - clean).abs().max().item() > 1e-3
     assert (edited[:, :key] - clean[:, :key]).abs().max().item() == 0.0
-    assert (edited - ref).abs().max().item() <= 1e-4
+    assert (edited - ref).abs().max().item() <= 2e-5  # a sequential loop: measured <= 6.7e-6
 
 
 @pytest.mark.parametrize("arch", SSM_ARCHS)
@@ -379,7 +379,7 @@ def test_ssm_state_hook_is_editable(arch):
         zeroed = model.run_with_hooks(
             tokens, fwd_hooks=[("blocks.0.mixer.hook_ssm_state", zero_states)]
         )
-    assert (ident - clean).abs().max().item() <= 1e-4
+    assert (ident - clean).abs().max().item() <= 1e-5
     assert (zeroed - clean).abs().max().item() > 1e-3
 
 
