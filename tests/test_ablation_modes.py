@@ -267,3 +267,16 @@ def test_control_sweep_resamples_a_task_control_from_other_samples():
     res = I.control_sweep(model, control, [(0, 0), (1, 2)], mode="resample", positions="last",
                           progress=False)  # fmt: skip
     assert res.effects.abs().min() > 1e-5
+
+
+def test_score_heads_records_what_the_mean_was_taken_over():
+    from gna_lens import score_heads
+    from gna_lens.testing import toy_gna_model, toy_gna_task
+
+    model = toy_gna_model()
+    task = toy_gna_task(model, n_samples=8)
+    report = score_heads(model, task, control=None, mode="mean", positions="last", progress=False)
+    assert report.method["mean_over"] == "the last (query) token of each reference prompt"
+    assert report.method["include_bos"] is False
+    zero = score_heads(model, task, control=None, progress=False)
+    assert "mean_over" not in zero.method
