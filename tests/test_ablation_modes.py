@@ -280,3 +280,26 @@ def test_score_heads_records_what_the_mean_was_taken_over():
     assert report.method["include_bos"] is False
     zero = score_heads(model, task, control=None, progress=False)
     assert "mean_over" not in zero.method
+
+
+@pytest.mark.parametrize("arch", ["mamba2", "llama"])
+def test_mean_ablation_of_a_left_padded_batch_leaves_its_bos_alone(arch):
+    """With left padding the BOS is not in column 0; the hooks find it from hook_embed, so each
+    row gets what it gets unpadded."""
+    model = bos_model(arch)
+    short, long_ = kv(2, 1, 1)[0], kv(3, 1, 2)[0]
+    pad = bos_tok().pad_token_id
+    n = long_.n_tokens - short.n_tokens
+    ids = torch.tensor([[pad] * n + short.input_ids, long_.input_ids])
+    mask = (ids != pad).long()
+    mask[0, :n] = 0
+    ref = kv(4, 5, 5)
+    kw = dict(mode="mean", reference=ref)
+    with torch.no_grad():
+        with I.ablate_heads(model, [(0, 1), (1, 2)], **kw):
+            padded = model(ids, attention_mask=mask)
+            alone = model(torch.tensor([short.input_ids]))
+        with I.ablate_heads(model, [(0, 1), (1, 2)], include_bos=True, **kw):
+            with_bos = model(torch.tensor([short.input_ids]))
+    assert (padded[0, n:] - alone[0]).abs().max() <= 1e-4
+    assert (with_bos - alone).abs().max() > 1e-3  # editing the BOS too is another ablation

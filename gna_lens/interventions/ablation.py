@@ -86,11 +86,12 @@ def head_ablation_hooks(
             ``batch.query_positions``).
         reference: A :class:`~gna_lens.tasks.Task` or unpadded token ids ``[n, pos]`` (for
             ``"mean"`` and ``"resample"``; the reference forward passes run here, once).
-        include_bos: Mean ablation only: average over (and edit) the BOS position too. A BOS
-            is a row's first token when it is the tokenizer's ``bos_token_id``; with left
-            padding it is not in column 0, so pass explicit positions there. Zero ablation
-            edits every chosen position, BOS included (the paper's protocol); resample swaps
-            BOS for the reference's BOS, the same activation in a causal model.
+        include_bos: Mean ablation only: average over (and edit) the BOS position too. In the
+            reference, a BOS is a prompt's first token when it is the tokenizer's
+            ``bos_token_id``; in the inputs, every position holding that token (found from
+            ``hook_embed``, so a left-padded BOS too) is left unedited. Zero ablation edits every
+            chosen position, BOS included (the paper's protocol); resample swaps BOS for the
+            reference's BOS, the same activation in a causal model.
 
     Returns:
         A list of ``(hook name, hook function)`` pairs (for mean and resample ablation, also a
@@ -154,17 +155,18 @@ class _InputRows:
         e = self.embed
         return e if e is not None and tuple(e.shape[:2]) == (R, P) else None
 
-    def bos_rows(self, R: int, P: int, device: Any) -> Tensor:
-        """``[R]`` bool: rows whose column 0 is BOS (to leave unedited)."""
-        if not self.skip_bos:
-            return torch.zeros(R, dtype=torch.bool, device=device)
+    def bos_mask(self, R: int, P: int, device: Any) -> Tensor:
+        """``[R, P]`` bool: the input positions holding the BOS token (left unedited); with
+        left padding, the BOS after the padding."""
         e = self.current(R, P)
         if e is not None and self.bos_embed is not None:
-            return (e[:, 0] == self.bos_embed.to(e)).all(-1).to(device)
+            return (e == self.bos_embed.to(e)).all(-1).to(device)
         # No hook_embed: assume the inputs start with BOS where every reference prompt does.
         bos = self.source.bos_id
         every = bool(self.source.tokens) and all(t[:1] == (bos,) for t in self.source.tokens)
-        return torch.full((R,), every and P > 1, dtype=torch.bool, device=device)
+        mask = torch.zeros(R, P, dtype=torch.bool, device=device)
+        mask[:, 0] = every and P > 1
+        return mask
 
     def check_pairs(self, R: int, P: int, ref: Tensor, layer: int) -> None:
         if not self.check_self:
@@ -233,17 +235,15 @@ def _ablation_hook(
         else:
             cols = column_mask(positions, P, z.device)
             if inputs.skip_bos:
-                bos = inputs.bos_rows(R, P, z.device)
-                if cols is not None and bool((cols[0] & bos).any()):
+                bos = inputs.bos_mask(R, P, z.device)
+                if cols is not None and bool((cols[None, :] & bos).any()):
+                    row, col = (int(i) for i in (cols[None, :] & bos).nonzero()[0])
                     raise InterventionError(
-                        f"positions={positions!r} include column 0, the BOS token of input row "
-                        f"{int(bos.nonzero()[0])}; mean ablation leaves BOS out of the mean and "
-                        "unedited. Fix: drop that position, or pass include_bos=True."
+                        f"positions={positions!r} include column {col}, the BOS token of input "
+                        f"row {row}; mean ablation leaves BOS out of the mean and unedited. Fix: "
+                        "drop that position, or pass include_bos=True."
                     )
-                keep = torch.ones(R, P, dtype=torch.bool, device=z.device)
-                keep[:, 0] = ~bos
-                if cols is not None:
-                    keep = keep & cols[None, :]
+                keep = ~bos if cols is None else cols[None, :] & ~bos
                 where = where & keep[:, :, None, None]
             elif cols is not None:
                 where = where & cols[None, :, None, None]
