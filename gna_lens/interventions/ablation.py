@@ -79,7 +79,7 @@ def head_ablation_hooks(
             position for ``None``), a leading BOS left out of the mean and unedited unless
             ``include_bos``; ``"resample"``: row ``b`` of the input takes the head output of
             reference row ``b % n_reference`` at the same positions (its last token for
-            ``positions="last"``). See the docs' "Ablation modes" gotcha for a worked example.
+            ``positions="last"``). The "Ablate a head" recipe works an example.
         positions: ``None`` (every position), ``"last"`` (the last column: use left padding, or
             pass per-row positions for right-padded batches), a list of positions (negative from
             the end), or a ``[batch]`` int tensor with one position per row (e.g.
@@ -127,7 +127,7 @@ def head_ablation_hooks(
 
 class _InputRows:
     """What the ablation hooks need to know about the input rows, read from ``hook_embed``:
-    which rows start with BOS (mean ablation leaves it unedited) and which rows are the same
+    which positions hold BOS (mean ablation leaves them unedited) and which rows are the same
     prompt as their reference row (resample ablation would change nothing there)."""
 
     def __init__(self, model: Any, source: Source, positions: Any, device: Any):
