@@ -27,3 +27,19 @@ def test_rank_heads_recipe_toy_blocks_run_and_match_their_comments(tmp_path, mon
     assert row.after.high < row.before.low
     # 2 of the toy's 6 heads removed: 6 distinct pairs of the other 4, all drawn, and said so.
     assert len(set(table.random_sets)) == 6 and "only 6 possible" in table.method["random_sets"]
+
+
+def test_ablate_a_head_recipe_blocks_run_and_the_mean_is_the_last_token_mean(tmp_path, monkeypatch):
+    """The worked example of the ablation modes runs and prints what the page says."""
+    import contextlib
+    import io
+
+    monkeypatch.chdir(tmp_path)
+    blocks = _blocks("recipes/ablate_a_head.md")
+    assert len(blocks) == 3
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile("\n".join(blocks), "ablate_a_head.md", "exec"), {})
+    lines = out.getvalue().splitlines()
+    assert lines[-2:] == ["True", "the last (query) token of each reference prompt"]
+    assert float(lines[0]) == 1.0  # the toy model retrieves every key before the ablation

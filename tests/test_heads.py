@@ -15,9 +15,11 @@ def test_view_describes_each_architecture():
     expected = {
         "llama": [("attention", 4, 8)] * 2,  # grouped-query: 4 query heads over 2 KV heads
         "mamba1": [("ssm", 64, 1)] * 2,  # channels are the heads
+        "falcon_mamba": [("ssm", 64, 1)] * 2,  # Mamba-1's layout (plus RMS norms on B, C, dt)
         "mamba2": [("ssm", 8, 8)] * 2,
         "bamba": [("ssm", 8, 8), ("attention", 4, 8), ("ssm", 8, 8)],
     }
+    assert sorted(expected) == sorted(ARCHS)  # every architecture the file tests
     for arch, layers in expected.items():
         view = head_view(model(arch))
         assert [(lh.kind, lh.n_heads, lh.d_head) for lh in view] == layers, arch

@@ -1,5 +1,7 @@
 """Interventions on one head index space: ablation, sweeps, masks, patching, attribution."""
 
+import dataclasses
+
 import pytest
 import torch
 from interventions_helpers import hook_count, model, other_key, tokens, weights
@@ -7,12 +9,72 @@ from interventions_helpers import task as make_task
 
 import gna_lens.interventions as I
 from gna_lens.errors import InterventionError, PatternEditError
-from gna_lens.heads import head_view
+from gna_lens.heads import head_view, require_editable
 from gna_lens.interventions._common import Metric
 from gna_lens.tasks import evaluate
 
 SWEEP_ARCHS = ["llama", "mamba2", "bamba"]  # Transformer (bridge), SSM, hybrid
 ALL_ARCHS = ["llama", "mamba1", "falcon_mamba", "mamba2", "bamba"]
+
+
+class PassCounter:
+    """Counts the passes a call really makes: forwards (each fires ``hook_embed`` once) and
+    backwards (calls of ``torch.autograd.grad``)."""
+
+    def __init__(self, m, monkeypatch):
+        self.forwards = self.backwards = 0
+        grad = torch.autograd.grad
+
+        def counted_grad(*args, **kwargs):
+            self.backwards += 1
+            return grad(*args, **kwargs)
+
+        def count(x, hook):
+            self.forwards += 1
+
+        monkeypatch.setattr(torch.autograd, "grad", counted_grad)
+        m.add_hook("hook_embed", count)
+
+    def forward_equivalents(self, groups):
+        """Per prompt group, a backward counted as two forwards (as the result's info does)."""
+        return (self.forwards + 2 * self.backwards) / groups
+
+
+def assert_measured_cost(result, counter, at_most=4):
+    """The cost the result reports is the cost measured, and it is within the bound."""
+    measured = counter.forward_equivalents(result.info["groups"])
+    assert result.info["forward_equivalents"] == pytest.approx(measured), (result.info, measured)
+    assert measured <= at_most, f"{measured} forward-equivalents per prompt group > {at_most}"
+
+
+def assert_sweep_equals_loop(values, loop, atol=1e-5):
+    """The invariant sweep == loop (tests/test_invariants_break.py shows it can fail)."""
+    diff = (values - loop).abs().max().item()
+    assert diff <= atol, f"the sweep differs from the loop of single ablations by {diff:.3g}"
+
+
+def assert_ablation_takes_effect(m, heads, ids, **kw):
+    """Inside the with block the logits move; after it they are exactly the clean ones."""
+    with torch.no_grad():
+        clean = m(ids)
+        with I.ablate_heads(m, heads, **kw):
+            ablated = m(ids)
+        again = m(ids)
+    moved = (ablated - clean).abs().max().item()
+    assert moved > 1e-3, f"ablating {heads} ({kw}) moved the logits by only {moved:.3g}"
+    assert torch.equal(again, clean), "the ablation outlived its with block"
+
+
+def model_state(m):
+    return hook_count(m), weights(m)
+
+
+def assert_model_untouched(m, before):
+    """The model has exactly the hooks and weights it had before, and no gradients."""
+    hooks, w = before
+    assert hook_count(m) == hooks, f"{hook_count(m) - hooks} hook(s) left on the model"
+    assert all(torch.equal(w[k], v) for k, v in m.state_dict().items()), "weights changed"
+    assert all(p.grad is None for p in m.parameters()), "gradients left on the parameters"
 
 
 def _loop_reference(m, t, mode, positions, reference, metric="logit_diff"):
@@ -43,8 +105,22 @@ def test_batched_sweep_equals_loop_of_single_ablations(arch, mode, positions):
     loop, base = _loop_reference(m, t, mode, positions, ref)
     assert res.method == ("incremental" if positions == "last" else "batched"), res.info
     assert (res.baseline - base).abs().max() <= 1e-5
-    assert (res.values - loop).abs().max() <= 1e-5
+    assert_sweep_equals_loop(res.values, loop)
     assert res.effects.abs().max() > 1e-3  # the ablations do something
+
+
+@pytest.mark.parametrize("arch", ALL_ARCHS)
+@pytest.mark.parametrize("mode", ["zero", "mean", "resample"])
+def test_every_ablation_mode_moves_the_logits_and_leaves_no_trace(arch, mode):
+    m = model(arch)
+    t = make_task()
+    ref = None if mode == "zero" else make_task(seed=5)
+    before = model_state(m)
+    for positions in (None, "last"):
+        assert_ablation_takes_effect(
+            m, [(0, 1), (1, 2)], tokens(t), mode=mode, positions=positions, reference=ref
+        )
+    assert_model_untouched(m, before)
 
 
 @pytest.mark.parametrize("arch", ["mamba1", "falcon_mamba"])
@@ -283,14 +359,32 @@ def test_patch_heads_equals_manual_patching(arch):
 
 
 @pytest.mark.parametrize("arch", [*SWEEP_ARCHS, "mamba1"])
-def test_attribution_is_the_directional_derivative_of_ablation_in_at_most_four_forwards(arch):
-    """Scaling a head by (1 - eps) changes the metric by eps times the zero-ablation estimate."""
+def test_attribution_is_the_directional_derivative_of_ablation_in_at_most_four_forwards(
+    arch, monkeypatch
+):
+    """Scaling a head by (1 - eps) changes the metric by eps times the zero-ablation estimate;
+    the passes are counted as they happen: 1 forward + 1 backward (zero ablation), plus the
+    reference's forwards (mean), or 2 forwards + 1 backward (patching). The one-time
+    editability probe of a bridge's layers (a few 6-token passes, cached per model) runs first."""
     m = model(arch)
     view = head_view(m)
     t = make_task()
     heads = [(0, 1), (1, 2), (view.n_layers - 1, 3)]
-    est = I.attribute_heads(m, t, "logit_diff", heads=heads)
-    assert est.method == "attribution" and est.info["forward_equivalents"] <= 4
+    require_editable(m, view, sorted({layer for layer, _ in heads}), "z")
+    try:
+        counter = PassCounter(m, monkeypatch)
+        est = I.attribute_heads(m, t, "logit_diff", heads=heads)
+        assert est.method == "attribution"
+        assert_measured_cost(est, counter, at_most=3)
+        counter = PassCounter(m, monkeypatch)
+        est_m = I.attribute_heads(m, t, heads=heads, mode="mean", reference=make_task(seed=5))
+        assert_measured_cost(est_m, counter, at_most=4)
+        counter = PassCounter(m, monkeypatch)
+        est_p = I.attribute_heads(m, t, corrupted=other_key(t), heads=heads)
+        assert_measured_cost(est_p, counter, at_most=4)
+        assert est_p.mode == "patch"
+    finally:
+        m.reset_hooks()
     met, ids, idx = Metric("logit_diff", t), tokens(t), torch.arange(len(t))
     eps = 1e-3
     with torch.no_grad():
@@ -307,19 +401,29 @@ def test_attribution_is_the_directional_derivative_of_ablation_in_at_most_four_f
                 moved = met(m(ids)[:, -1], idx)
             finite = (moved - base) / eps
             assert torch.allclose(est.values[i] - est.baseline, finite, rtol=0.05, atol=2e-3)
-    corrupted = other_key(t)
-    est_p = I.attribute_heads(m, t, corrupted=corrupted, heads=heads)
-    assert est_p.info["forward_equivalents"] <= 4 and est_p.mode == "patch"
 
 
-def test_attribution_ranking_is_reported_against_exact_ablation():
-    m = model("llama")
-    t = make_task(n_samples=8)
-    est = I.attribute_heads(m, t)
-    exact = I.ablation_sweep(m, t, "logit_diff", progress=False)
+def assert_attribution_tracks_ablation(est, exact, at_least):
     assert est.cells == exact.cells
     rho = est.correlation(exact)
-    assert -1.0 <= rho <= 1.0 and rho == pytest.approx(exact.correlation(est))
+    assert rho == pytest.approx(exact.correlation(est))
+    assert rho >= at_least, f"Spearman {rho:.3f} between attribution and exact ablation"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_attribution_ranks_heads_like_exact_ablation(seed):
+    """On the tiny Mamba-1 (128 channel heads, each a small change, where the linear estimate
+    should hold), attribution's ranking follows exact zero ablation: Spearman 0.89, 0.95, 0.90
+    measured for seeds 0-2 (0.76 for seed 3); a shuffled estimate fails the same check."""
+    m = model("mamba1")
+    t = make_task(n_samples=8, seed=seed)
+    est = I.attribute_heads(m, t)
+    exact = I.ablation_sweep(m, t, "logit_diff", progress=False)
+    assert_attribution_tracks_ablation(est, exact, at_least=0.6)
+    order = torch.randperm(len(est.cells), generator=torch.Generator().manual_seed(0))
+    shuffled = dataclasses.replace(est, values=est.values[order])
+    with pytest.raises(AssertionError, match="Spearman"):
+        assert_attribution_tracks_ablation(shuffled, exact, at_least=0.6)
 
 
 @pytest.mark.parametrize(
@@ -344,7 +448,7 @@ def test_no_hook_remains_and_weights_identical_even_when_metric_raises(name, arc
 
     m.add_hook("blocks.0.hook_resid_pre", user_hook)  # the user's own hook must survive
     try:
-        before_hooks, before_w = hook_count(m), weights(m)
+        before = model_state(m)
 
         def boom(logits, samples):
             raise RuntimeError("metric failed")
@@ -364,15 +468,11 @@ def test_no_hook_remains_and_weights_identical_even_when_metric_raises(name, arc
                 I.patch_residual(m, t, corrupted, boom, progress=False)
             else:
                 I.attribute_heads(m, t, boom)
-        assert hook_count(m) == before_hooks
-        assert all(torch.equal(before_w[k], v) for k, v in m.state_dict().items())
-        assert all(p.grad is None for p in m.parameters())
+        assert_model_untouched(m, before)
         # And after a successful call.
         I.attribute_heads(m, t)
         I.ablation_sweep(m, t, "logit_diff", [(0, 0)], positions="last", progress=False)
-        assert hook_count(m) == before_hooks
-        assert all(torch.equal(before_w[k], v) for k, v in m.state_dict().items())
-        assert all(p.grad is None for p in m.parameters())
+        assert_model_untouched(m, before)
     finally:
         m.reset_hooks(including_permanent=True)
 
@@ -427,4 +527,4 @@ def test_both_sweep_strategies_equal_the_loop(arch, strategy, monkeypatch):
         res = I.ablation_sweep(m, t, "logit_diff", heads, **kw)
         loop = I.ablation_sweep(m, t, "logit_diff", heads, method="loop", **kw)
         assert res.info["expanded"] == (strategy == "expand")
-        assert (res.values - loop.values).abs().max() <= 1e-5
+        assert_sweep_equals_loop(res.values, loop.values)

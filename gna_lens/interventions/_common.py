@@ -204,8 +204,31 @@ def check_positions(positions: Any, allow_each: bool = False) -> Any:
     )
 
 
+class SkipBos:
+    """Edited positions ``positions`` (``None``: all, or a list) minus column 0, where every
+    prompt holds its BOS token: what mean ablation edits when BOS is excluded."""
+
+    def __init__(self, positions: Any):
+        self.positions = positions
+
+    def __repr__(self) -> str:
+        return f"SkipBos({self.positions!r})"
+
+
 def column_mask(positions: Any, length: int, device: Any) -> Tensor | None:
     """``[pos]`` bool mask of the edited columns of an unpadded length-``length`` input."""
+    if isinstance(positions, SkipBos):
+        inner = column_mask(positions.positions, length, device)
+        if inner is None:
+            inner = torch.ones(length, dtype=torch.bool, device=device)
+        elif bool(inner[0]):
+            raise InterventionError(
+                f"positions={positions.positions!r} include position 0 of a {length}-token prompt, "
+                "its BOS token; mean ablation leaves BOS out of the mean and unedited. Fix: drop "
+                f"that position (0 or -{length}), or pass include_bos=True."
+            )
+        inner[0] = False
+        return inner
     if positions is None:
         return None
     mask = torch.zeros(length, dtype=torch.bool, device=device)
@@ -237,6 +260,12 @@ class Source:
         samples: dict[int, list[Tensor]] | None = None,
         last_only: bool = False,
         label: str = "",
+        tokens: list[tuple[int, ...]] | None = None,
+        embeds: list[Tensor] | None = None,
+        bos_id: int | None = None,
+        include_bos: bool = False,
+        info: dict[str, Any] | None = None,
+        forwards: int = 0,
     ):
         self.kind = kind
         self.mean = mean or {}
@@ -244,6 +273,22 @@ class Source:
         self.last_only = last_only
         self.label = label
         self.n = len(next(iter(self.samples.values()))) if self.samples else 0
+        #: The reference rows' token ids (mean and resample sources).
+        self.tokens = tokens or []
+        #: The reference rows' ``hook_embed`` outputs, where the model has that hook (resample).
+        self.embeds = embeds or []
+        #: The tokenizer's BOS id (``None``: none known).
+        self.bos_id = bos_id
+        self.include_bos = include_bos
+        #: How the replacement was computed (for the result's ``info``).
+        self.info = info or {}
+        #: Forward passes run over the reference.
+        self.forwards = forwards
+
+    @property
+    def skips_bos(self) -> bool:
+        """Whether edits leave BOS positions alone (mean ablation without ``include_bos``)."""
+        return self.kind == "mean" and not self.include_bos and self.bos_id is not None
 
     def value(self, layer: int, ref: Tensor, length: int, at_last: bool, like: Tensor) -> Tensor:
         """Replacement broadcastable to ``[rows, pos, H, d]`` for rows mapped to ``ref`` rows.
@@ -274,22 +319,42 @@ def collect_z(
     groups: Sequence[Group],
     last_only: bool,
     n_rows: int,
+    embeds: list[Tensor | None] | None = None,
 ) -> dict[int, list[Tensor]]:
-    """Run the groups and keep each row's ``hook_z`` of ``layers`` (CPU copies are not made)."""
+    """Run the groups and keep each row's ``hook_z`` of ``layers`` (CPU copies are not made).
+
+    ``embeds``: a list of ``n_rows`` filled with each row's ``hook_embed`` output, where the
+    model has that hook.
+    """
     store: dict[int, list[Tensor | None]] = {layer: [None] * n_rows for layer in layers}
+    want_embed = embeds is not None and EMBED_HOOK in getattr(model, "hook_dict", {})
     for g in groups:
         current: dict[int, Tensor] = {}
 
         def keep(z: Tensor, hook: Any, layer: int, current: dict[int, Tensor] = current) -> None:
             current[layer] = z[:, -1:].clone() if last_only else z.clone()
 
+        def keep_embed(x: Tensor, hook: Any, current: dict[int, Tensor] = current) -> None:
+            current[-1] = x.detach().clone()
+
         hooks = [(view[layer].z_hook, _bind(keep, layer=layer)) for layer in sorted(set(layers))]
+        if want_embed:
+            hooks.append((EMBED_HOOK, keep_embed))
         with hooked(model, hooks):
             model(g.tokens)
         for layer, z in current.items():
             for j, i in enumerate(g.indices.tolist()):
-                store[layer][i] = z[j]
+                if layer == -1:
+                    assert embeds is not None
+                    embeds[i] = z[j]
+                else:
+                    store[layer][i] = z[j]
     return {layer: [t for t in rows if t is not None] for layer, rows in store.items()}
+
+
+#: The hook whose output is the token embeddings ``[batch, pos, d_model]`` (HookedSSM and
+#: TransformerBridge): equal rows there are equal tokens.
+EMBED_HOOK = "hook_embed"
 
 
 def _bind(fn: Callable[..., Any], **kw: Any) -> Callable[..., Any]:
@@ -297,6 +362,71 @@ def _bind(fn: Callable[..., Any], **kw: Any) -> Callable[..., Any]:
         return fn(x, hook, **kw)
 
     return bound
+
+
+def bos_token_id(model: Any, *sources: Any) -> int | None:
+    """The BOS id of the first tokenizer found on ``sources`` (tasks) or ``model``."""
+    for obj in (*sources, model):
+        tok = getattr(obj, "tokenizer", None)
+        if tok is None:
+            continue
+        bos = getattr(tok, "bos_token_id", None)
+        return int(bos) if isinstance(bos, int) and not isinstance(bos, bool) else None
+    return None
+
+
+def class_positions(
+    ids: Sequence[int], positions: Any, bos_id: int | None, include_bos: bool, where: str
+) -> tuple[list[int], int]:
+    """The positions of prompt ``ids`` in the ablated position class, and how many BOS tokens
+    were left out.
+
+    ``positions``: ``None`` (every position), ``"last"`` or a per-row tensor (the last token,
+    i.e. the query), or a list (negative from the end). Position 0 is left out when it holds
+    the BOS token, unless ``include_bos``; a list naming it raises.
+    """
+    n = len(ids)
+    if positions is None:
+        picked = list(range(n))
+    elif isinstance(positions, Tensor) or positions == "last":
+        picked = [n - 1]
+    else:
+        picked = []
+        for p in positions:
+            if not -n <= p < n:
+                raise InterventionError(
+                    f"position {p} is out of range for {where} ({n} tokens); expected "
+                    f"-{n} <= position < {n}."
+                )
+            picked.append(p % n)
+        picked = sorted(set(picked))
+    is_bos = bos_id is not None and n > 0 and int(ids[0]) == bos_id
+    if include_bos or not is_bos or 0 not in picked:
+        return picked, 0
+    if isinstance(positions, list):
+        raise InterventionError(
+            f"positions={positions!r} include position 0 of {where}, its BOS token; mean ablation "
+            f"leaves BOS out of the mean and unedited. Fix: drop that position (0 or -{n}), or "
+            "pass include_bos=True."
+        )
+    picked.remove(0)
+    return picked, 1
+
+
+def _class_label(positions: Any, include_bos: bool, bos_id: int | None) -> str:
+    if positions is None:
+        where = "every position"
+    elif isinstance(positions, Tensor) or positions == "last":
+        where = "the last (query) token"
+    else:
+        where = f"positions {list(positions)}"
+    if where.startswith("the last"):
+        return f"{where} of each reference prompt"
+    if bos_id is None:
+        return f"{where} of each reference prompt (no BOS token known)"
+    if include_bos:
+        return f"{where} of each reference prompt, BOS included"
+    return f"{where} of each reference prompt, except a leading BOS (id {bos_id})"
 
 
 def build_source(
@@ -308,16 +438,25 @@ def build_source(
     positions: Any,
     device: Any,
     max_samples: int = 16,
+    include_bos: bool = False,
 ) -> Source:
-    """The replacement for ``mode``: zero, the reference's mean, or its per-sample activations."""
+    """The replacement for ``mode``: zero, the reference's mean, or its per-sample activations.
+
+    The mean is taken over the ablated position class (:func:`class_positions`): the reference
+    prompts' last tokens for ``positions="last"`` (or a per-row tensor, read as the query
+    positions), the listed positions for a list, every position for ``None``; each (prompt,
+    position) counts once, and a leading BOS is left out unless ``include_bos``.
+    """
     if mode not in MODES:
         raise InterventionError(f"mode={mode!r}; expected one of {MODES}.")
+    if not isinstance(include_bos, bool):
+        raise InterventionError(f"include_bos={include_bos!r}; expected True or False.")
     if mode == "zero":
         if reference is not None:
             raise InterventionError(
                 "mode='zero' takes no reference; pass mode='mean' or 'resample' to use one."
             )
-        return Source("zero")
+        return Source("zero", include_bos=include_bos)
     if reference is None:
         raise InterventionError(
             f"mode={mode!r} needs reference=: a gna_lens.tasks.Task or token ids [batch, pos] "
@@ -329,6 +468,7 @@ def build_source(
         groups = length_groups(reference, max_samples, device)
         n = len(reference)
         label = f"reference task {reference.name!r}"
+        rows = [tuple(int(t) for t in s.input_ids) for s in reference]
     elif (
         isinstance(reference, Tensor) and reference.ndim == 2 and not reference.is_floating_point()
     ):
@@ -339,22 +479,105 @@ def build_source(
         ]
         n = len(toks)
         label = f"reference tokens {tuple(reference.shape)}"
+        rows = [tuple(r) for r in reference.tolist()]
     else:
         got = tuple(reference.shape) if isinstance(reference, Tensor) else type(reference).__name__
         raise InterventionError(
             f"reference={got}; expected a gna_lens.tasks.Task or unpadded token ids "
             "[batch, pos] (torch.long)."
         )
-    last = positions == "last"
+    bos_id = bos_token_id(model, reference)
+    # Resample replaces per-row positions from the same positions of the reference row; the
+    # mean of per-row positions (e.g. ``batch.query_positions``) is over the reference's queries.
+    last = positions == "last" or (mode == "mean" and isinstance(positions, Tensor))
+    embeds: list[Tensor | None] = [None] * n
     with torch.no_grad():
-        per_row = collect_z(model, view, layers, groups, last_only=last, n_rows=n)
+        per_row = collect_z(
+            model, view, layers, groups, last_only=last, n_rows=n,
+            embeds=embeds if mode == "resample" else None,
+        )  # fmt: skip
     if mode == "resample":
-        return Source("samples", samples=per_row, last_only=last, label=label)
+        return Source(
+            "samples", samples=per_row, last_only=last, label=label, tokens=rows,
+            embeds=[e for e in embeds if e is not None], bos_id=bos_id, include_bos=include_bos,
+            forwards=len(groups),
+        )  # fmt: skip
+    picks = []
+    n_bos = 0
+    for r, ids in enumerate(rows):
+        picked, dropped = class_positions(
+            ids, positions, bos_id, include_bos, f"reference row {r} of {label}"
+        )
+        if last:  # last-only rows hold one position: the last
+            picked = [0] if picked else []
+        picks.append(picked)
+        n_bos += dropped
+    n_tokens = sum(len(p) for p in picks)
+    if n_tokens == 0:
+        raise InterventionError(
+            f"{label}: no token is left to average over ({_class_label(positions, include_bos, bos_id)}"
+            "); expected at least one. Fix: longer reference prompts, or include_bos=True."
+        )
     mean = {}
-    for layer, rows in per_row.items():
-        cat = torch.cat([r.reshape(-1, *r.shape[-2:]) for r in rows])  # [tokens, H, d]
-        mean[layer] = cat.float().mean(0).to(rows[0].dtype)
-    return Source("mean", mean=mean, label=label)
+    for layer, zs in per_row.items():
+        cat = torch.cat([z[p] for z, p in zip(zs, picks, strict=True) if p])  # [tokens, H, d]
+        mean[layer] = cat.float().mean(0).to(zs[0].dtype)
+    info = {
+        "mean_over": _class_label(positions, include_bos, bos_id),
+        "mean_tokens": n_tokens,
+        "mean_prompts": n,
+        "bos_excluded": n_bos,
+        "include_bos": include_bos,
+    }
+    return Source(
+        "mean", mean=mean, label=label, tokens=rows, bos_id=bos_id, include_bos=include_bos,
+        info=info, forwards=len(groups),
+    )  # fmt: skip
+
+
+def edit_positions(source: Source, positions: Any, prompts: Sequence[Sequence[int]]) -> Any:
+    """The positions a sweep edits: ``positions``, minus the BOS column for mean ablation
+    without ``include_bos`` (as :class:`SkipBos`), checked on every prompt length."""
+    if not source.skips_bos or positions == "last":
+        return positions
+    starts = [len(p) > 0 and int(p[0]) == source.bos_id for p in prompts]
+    if not any(starts):
+        return positions
+    if not all(starts):
+        first = starts.index(False)
+        raise InterventionError(
+            f"{sum(starts)} of {len(prompts)} prompts start with the BOS token (id "
+            f"{source.bos_id}) and prompt {first} does not; mean ablation leaves BOS positions "
+            "unedited, so the prompts must agree. Fix: tokenize every prompt the same way, or pass "
+            "include_bos=True."
+        )
+    spec = SkipBos(positions)
+    for length in sorted({len(p) for p in prompts}):
+        column_mask(spec, length, "cpu")
+    return spec
+
+
+def check_resample_pairs(
+    prompts: Sequence[Sequence[int]], source: Source, ref_rows: Sequence[int], what: str
+) -> None:
+    """Raise if a prompt would be resampled from a reference row holding the same prompt."""
+    if source.kind != "samples" or not source.tokens:
+        return
+    same = [
+        i for i, (p, r) in enumerate(zip(prompts, ref_rows, strict=True))
+        if tuple(int(t) for t in p) == source.tokens[r]
+    ]  # fmt: skip
+    if not same:
+        return
+    i = same[0]
+    raise InterventionError(
+        f"{what}: resample ablation pairs prompt i with {source.label} row i % "
+        f"{len(source.tokens)}, and {len(same)} of {len(prompts)} pairs are the same prompt (e.g. "
+        f"prompt {i} and reference row {ref_rows[i]}): their heads would take their own outputs and "
+        "nothing would be ablated. Fix: a reference of other prompts with the same token lengths "
+        "(e.g. the same task generator with another seed, or the task rotated by one: "
+        "dataclasses.replace(task, samples=task.samples[1:] + task.samples[:1])), or mode='mean'."
+    )
 
 
 # ----------------------------------------------------------------------------- packed edits

@@ -20,13 +20,17 @@ from torch import Tensor
 from gna_lens.errors import InterventionError
 from gna_lens.heads import Head, HeadView, head_view, normalize_head_sets, require_editable
 from gna_lens.interventions._common import (
+    EMBED_HOOK,
     Group,
     Metric,
+    SkipBos,
     Source,
     build_source,
     check_positions,
+    check_resample_pairs,
     column_mask,
     describe_task,
+    edit_positions,
     hooked,
     length_groups,
     parse_bytes,
@@ -44,7 +48,7 @@ __all__ = [
     "head_ablation_hooks",
 ]
 
-HookFn = Callable[..., Tensor]
+HookFn = Callable[..., Tensor | None]
 
 
 def model_device(model: Any) -> torch.device:
@@ -61,6 +65,7 @@ def head_ablation_hooks(
     mode: str = "zero",
     positions: Any = None,
     reference: Any = None,
+    include_bos: bool = False,
 ) -> list[tuple[str, HookFn]]:
     """Hooks ``(hook_name, fn)`` that ablate ``heads``; pass them to ``model.hooks`` /
     ``run_with_hooks``.
@@ -68,22 +73,33 @@ def head_ablation_hooks(
     Args:
         model: A TransformerBridge or a HookedSSM.
         heads: ``[(layer, head), ...]``.
-        mode: ``"zero"``; ``"mean"``: the head's mean output over ``reference`` (over every token,
-            or over the reference's last tokens when ``positions="last"``); ``"resample"``: row
-            ``b`` of the input takes the head output of reference row ``b % n_reference`` at the
-            same positions (its last token for ``positions="last"``).
+        mode: ``"zero"``; ``"mean"``: the head's mean output over ``reference``, taken over the
+            positions that are ablated (the reference prompts' last tokens for
+            ``positions="last"`` or a per-row tensor, the listed positions for a list, every
+            position for ``None``), a leading BOS left out of the mean and unedited unless
+            ``include_bos``; ``"resample"``: row ``b`` of the input takes the head output of
+            reference row ``b % n_reference`` at the same positions (its last token for
+            ``positions="last"``). The "Ablate a head" recipe works an example.
         positions: ``None`` (every position), ``"last"`` (the last column: use left padding, or
             pass per-row positions for right-padded batches), a list of positions (negative from
             the end), or a ``[batch]`` int tensor with one position per row (e.g.
             ``batch.query_positions``).
         reference: A :class:`~gna_lens.tasks.Task` or unpadded token ids ``[n, pos]`` (for
             ``"mean"`` and ``"resample"``; the reference forward passes run here, once).
+        include_bos: Mean ablation only: average over (and edit) the BOS position too. In the
+            reference, a BOS is a prompt's first token when it is the tokenizer's
+            ``bos_token_id``; in the inputs, every position holding that token (found from
+            ``hook_embed``, so a left-padded BOS too) is left unedited. Zero ablation edits every
+            chosen position, BOS included (the paper's protocol); resample swaps BOS for the
+            reference's BOS, the same activation in a causal model.
 
     Returns:
-        A list of ``(hook name, hook function)`` pairs.
+        A list of ``(hook name, hook function)`` pairs (for mean and resample ablation, also a
+        read-only hook on ``hook_embed`` that finds BOS rows and self-paired rows).
 
     Raises:
-        InterventionError: On unknown heads, modes, positions or references.
+        InterventionError: On unknown heads, modes, positions or references; at run time,
+            when resample ablation would replace a row by the same prompt's own outputs.
         PatternEditError: If the model would ignore edits of ``hook_z``.
     """
     view = head_view(model)
@@ -93,23 +109,106 @@ def head_ablation_hooks(
     positions = check_positions(positions)
     layers = sorted({layer for layer, _ in checked})
     require_editable(model, view, layers, "z")
-    src_positions = "last" if positions == "last" else None
+    device = model_device(model)
     with torch.no_grad():
         source = build_source(
-            model, view, mode, reference, layers, src_positions, model_device(model)
+            model, view, mode, reference, layers, positions, device, include_bos=include_bos
         )
-    hooks = []
+    inputs = _InputRows(model, source, positions, device)
+    hooks: list[tuple[str, HookFn]] = inputs.hooks()
     for layer in layers:
         head_mask = torch.zeros(view[layer].n_heads, dtype=torch.bool)
         head_mask[[h for lay, h in checked if lay == layer]] = True
         hooks.append(
-            (view[layer].z_hook, _ablation_hook(layer, head_mask, source, positions, view))
+            (view[layer].z_hook, _ablation_hook(layer, head_mask, source, positions, view, inputs))
         )
     return hooks
 
 
+class _InputRows:
+    """What the ablation hooks need to know about the input rows, read from ``hook_embed``:
+    which positions hold BOS (mean ablation leaves them unedited) and which rows are the same
+    prompt as their reference row (resample ablation would change nothing there)."""
+
+    def __init__(self, model: Any, source: Source, positions: Any, device: Any):
+        self.source = source
+        self.embed: Tensor | None = None
+        self.has_hook = EMBED_HOOK in getattr(model, "hook_dict", {})
+        self.bos_embed: Tensor | None = None
+        self.skip_bos = (
+            source.skips_bos and positions != "last" and not isinstance(positions, Tensor)
+        )
+        if self.skip_bos and self.has_hook:
+            self.bos_embed = _embedding_of(model, int(source.bos_id or 0), device)
+        self.check_self = source.kind == "samples" and bool(source.embeds)
+
+    def hooks(self) -> list[tuple[str, HookFn]]:
+        if not self.has_hook or not (self.skip_bos or self.check_self):
+            return []
+
+        def read(x: Tensor, hook: Any) -> None:
+            self.embed = x.detach()
+
+        return [(EMBED_HOOK, read)]
+
+    def current(self, R: int, P: int) -> Tensor | None:
+        e = self.embed
+        return e if e is not None and tuple(e.shape[:2]) == (R, P) else None
+
+    def bos_mask(self, R: int, P: int, device: Any) -> Tensor:
+        """``[R, P]`` bool: the input positions holding the BOS token (left unedited); with
+        left padding, the BOS after the padding."""
+        e = self.current(R, P)
+        if e is not None and self.bos_embed is not None:
+            return (e == self.bos_embed.to(e)).all(-1).to(device)
+        # No hook_embed: assume the inputs start with BOS where every reference prompt does.
+        bos = self.source.bos_id
+        every = bool(self.source.tokens) and all(t[:1] == (bos,) for t in self.source.tokens)
+        mask = torch.zeros(R, P, dtype=torch.bool, device=device)
+        mask[:, 0] = every and P > 1
+        return mask
+
+    def check_pairs(self, R: int, P: int, ref: Tensor, layer: int) -> None:
+        if not self.check_self:
+            return
+        e = self.current(R, P)
+        if e is None:
+            return
+        same = [
+            b for b in range(R)
+            if (r := self.source.embeds[int(ref[b])]).shape == e[b].shape
+            and torch.equal(r.to(e), e[b])
+        ]  # fmt: skip
+        if same:
+            b = same[0]
+            raise InterventionError(
+                f"resample ablation at layer {layer}: input row {b} is the same prompt as "
+                f"{self.source.label} row {int(ref[b])} (row b takes reference row b % "
+                f"{self.source.n}), so its heads would take their own outputs and nothing would "
+                f"be ablated ({len(same)} of {R} rows). Fix: a reference of other prompts (e.g. "
+                "the inputs rotated by one: torch.roll(tokens, 1, dims=0)), or mode='mean'."
+            )
+
+
+def _embedding_of(model: Any, token: int, device: Any) -> Tensor | None:
+    """``hook_embed``'s output for one token (one forward pass of one token)."""
+    out: dict[str, Tensor] = {}
+
+    def read(x: Tensor, hook: Any) -> None:
+        out["e"] = x[0, 0].detach().clone()
+
+    with torch.no_grad(), hooked(model, [(EMBED_HOOK, read)]):
+        model(torch.tensor([[token]], device=device))
+    return out.get("e")
+
+
 def _ablation_hook(
-    layer: int, head_mask: Tensor, source: Source, positions: Any, view: HeadView
+    layer: int,
+    head_mask: Tensor,
+    source: Source,
+    positions: Any,
+    view: HeadView,
+    inputs: _InputRows,
 ) -> HookFn:
     def hook(z: Tensor, hook: Any) -> Tensor:
         R, P, H, _ = z.shape
@@ -137,9 +236,21 @@ def _ablation_hook(
             where = where & rows[:, :, None, None]
         else:
             cols = column_mask(positions, P, z.device)
-            if cols is not None:
+            if inputs.skip_bos:
+                bos = inputs.bos_mask(R, P, z.device)
+                if cols is not None and bool((cols[None, :] & bos).any()):
+                    row, col = (int(i) for i in (cols[None, :] & bos).nonzero()[0])
+                    raise InterventionError(
+                        f"positions={positions!r} include column {col}, the BOS token of input "
+                        f"row {row}; mean ablation leaves BOS out of the mean and unedited. Fix: "
+                        "drop that position, or pass include_bos=True."
+                    )
+                keep = ~bos if cols is None else cols[None, :] & ~bos
+                where = where & keep[:, :, None, None]
+            elif cols is not None:
                 where = where & cols[None, :, None, None]
         ref = torch.arange(R) % max(source.n, 1)
+        inputs.check_pairs(R, P, ref, layer)
         value = source.value(layer, ref, P, False, z)
         return torch.where(where, value, z)
 
@@ -153,6 +264,7 @@ def ablate_heads(
     mode: str = "zero",
     positions: Any = None,
     reference: Any = None,
+    include_bos: bool = False,
 ) -> Iterator[Any]:
     """Ablate heads inside a ``with`` block; the model is untouched afterwards.
 
@@ -162,6 +274,7 @@ def ablate_heads(
         mode: ``"zero"``, ``"mean"`` or ``"resample"`` (see :func:`head_ablation_hooks`).
         positions: ``None`` (all), ``"last"``, a list of positions, or a ``[batch]`` tensor.
         reference: Task or token ids for ``"mean"`` / ``"resample"``.
+        include_bos: Mean ablation: average over and edit the BOS position too.
 
     Yields:
         The model, with the ablation hooks attached.
@@ -183,7 +296,7 @@ def ablate_heads(
         >>> bool((ablated != clean).any()), torch.equal(again, clean)
         (True, True)
     """
-    hooks = head_ablation_hooks(model, heads, mode, positions, reference)
+    hooks = head_ablation_hooks(model, heads, mode, positions, reference, include_bos)
     with hooked(model, hooks):
         yield model
 
@@ -332,11 +445,23 @@ def cell_kind(view: HeadView, cell: Sequence[Head]) -> str:
 
 
 def positions_label(positions: Any) -> str:
+    if isinstance(positions, SkipBos):
+        return positions_label(positions.positions)
     if positions is None:
         return "all"
     if isinstance(positions, str):
         return positions
     return str(list(positions))
+
+
+def ablation_info(source: Source, edited: Any) -> dict[str, Any]:
+    """What a result records about its replacement: for mean ablation, the positions the mean
+    was taken over, how many tokens, and whether BOS was left out and unedited."""
+    if source.kind != "mean":
+        return {}
+    return source.info | {
+        "bos_unedited": isinstance(edited, SkipBos),
+    }
 
 
 # ----------------------------------------------------------------------------- sweep
@@ -349,6 +474,7 @@ def ablation_sweep(
     mode: str = "zero",
     positions: Any = None,
     reference: Any = None,
+    include_bos: bool = False,
     method: str = "batched",
     pack: int | None = None,
     max_rows: int = 256,
@@ -371,11 +497,15 @@ def ablation_sweep(
             ``fn(logits [rows, d_vocab], samples) -> [rows]`` on the query-position logits.
         heads: ``None`` (every head alone), ``[(layer, head), ...]`` (each alone), or a list of
             head sets ``[[(l, h), (l2, h2)], ...]`` (each set ablated together).
-        mode: ``"zero"``, ``"mean"`` or ``"resample"`` (needs ``reference``). Sample ``i`` of the
-            task takes reference sample ``i % len(reference)`` in resample mode.
+        mode: ``"zero"``, ``"mean"`` or ``"resample"`` (needs ``reference``). The mean is over
+            the ablated positions of the reference prompts, BOS excluded (see
+            :func:`head_ablation_hooks`; ``info["mean_over"]`` says which). Sample ``i`` of the
+            task takes reference sample ``i % len(reference)`` in resample mode; a pair of
+            identical prompts raises (it would ablate nothing).
         positions: ``None`` (all positions), ``"last"`` (the query position only), or a list of
             positions (negative from the end).
         reference: Task (or token ids) for ``"mean"`` / ``"resample"``.
+        include_bos: Mean ablation: average over and edit the BOS position too.
         method: ``"batched"`` (default) or ``"loop"`` (one full ``run_with_hooks`` per head set
             and group of prompts: the reference the batched numbers are checked against).
         pack: Ablations per forward pass (default: as many as fit ``max_rows`` rows).
@@ -388,8 +518,8 @@ def ablation_sweep(
         A :class:`SweepResult` (``.to_dataframe()`` has ``layer, head, kind, effect``).
 
     Raises:
-        InterventionError: On unknown heads, metrics, modes or positions, or multi-token choices
-            with a named metric.
+        InterventionError: On unknown heads, metrics, modes or positions, multi-token choices
+            with a named metric, or a resample reference that pairs a prompt with itself.
         PatternEditError: If the model would ignore edits of ``hook_z``.
 
     Examples:
@@ -428,7 +558,14 @@ def ablation_sweep(
     device = model_device(model)
     runner = Runner(model, view)
     with torch.no_grad():
-        source = build_source(model, view, mode, reference, layers, positions, device)
+        source = build_source(
+            model, view, mode, reference, layers, positions, device, include_bos=include_bos
+        )
+        prompts = [s.input_ids for s in task]
+        edited = edit_positions(source, positions, prompts)
+        check_resample_pairs(
+            prompts, source, [i % max(source.n, 1) for i in range(len(task))], "ablation_sweep"
+        )
         groups = length_groups(task, max_rows, device)
 
         def source_for(g: Group) -> tuple[Source, Tensor]:
@@ -448,7 +585,7 @@ def ablation_sweep(
                 source_for,
                 met,
                 lambda g: g.indices,
-                positions,
+                edited,
                 plan,
                 method,
                 bar=bar,
@@ -472,7 +609,7 @@ def ablation_sweep(
         mode=mode,
         positions=positions_label(positions),
         method=used,
-        info=info,
+        info=info | ablation_info(source, edited),
     )
 
 
@@ -507,6 +644,7 @@ def control_sweep(
     *,
     mode: str = "zero",
     positions: Any = None,
+    include_bos: bool = False,
     method: str = "batched",
     n_scored: int | None = None,
     max_rows: int = 64,
@@ -523,14 +661,15 @@ def control_sweep(
       the loss is the mean NLL of the window's last ``n_scored`` tokens (default: half the window,
       so every scored token has at least as much context before it); with ``positions="last"``
       the heads are ablated at the last input position only and the loss is the NLL of the
-      window's final token (the prose analogue of ablating at the query position). ``"mean"`` ablation replaces a head
-      by its mean over the control's own windows (the same positions as
-      :func:`head_ablation_hooks` averages over); ``"resample"`` takes window ``i``'s head output
-      from window ``i + 1``.
+      window's final token (the prose analogue of ablating at the query position). ``"mean"``
+      ablation replaces a head by its mean over the control's own windows, at the ablated
+      positions, BOS excluded (as :func:`head_ablation_hooks`); ``"resample"`` takes window
+      ``i``'s head output from window ``i + 1``.
     - a :class:`~gna_lens.tasks.Task` (e.g. cloze questions answered from the weights): the NLL
       of each sample's answer among its choices at the query position (metric
       ``"choice_logprob"``: single-token choices; ``"exact"`` tasks: over the vocabulary), under
-      the same ablation as :func:`ablation_sweep` with ``reference=control`` for mean/resample.
+      the same ablation as :func:`ablation_sweep` with ``reference=control`` for mean, and
+      sample ``i`` resampled from sample ``i + 1`` (the control rotated by one) for resample.
       Among the choices, so that an ablation that only moves mass between answer formats (a
       model trained on letter- and cloze-format questions that both end ``Answer:``) does not
       count as a knowledge effect.
@@ -541,6 +680,7 @@ def control_sweep(
         heads: ``None`` (every head alone), ``[(layer, head), ...]`` or head sets.
         mode: ``"zero"``, ``"mean"`` or ``"resample"``.
         positions: ``None``, ``"last"`` or a list of positions.
+        include_bos: Mean ablation: average over and edit the BOS position too.
         method: ``"batched"`` or ``"loop"`` (reference, see :func:`ablation_sweep`).
         n_scored: Tokens scored at the end of each window (default ``seq_len // 2``; 1 with
             ``positions="last"``).
@@ -554,7 +694,7 @@ def control_sweep(
 
     Raises:
         InterventionError: On a control that is neither, bad positions, or a resample control
-            of one window.
+            of one window (or of identical neighbouring windows / samples).
 
     Examples:
         >>> from gna_lens.tasks import text_control
@@ -568,6 +708,18 @@ def control_sweep(
     from tqdm.auto import tqdm
 
     if isinstance(control, Task):
+        reference: Task | None = None
+        if mode == "resample":
+            if len(control) < 2:
+                raise InterventionError(
+                    f"control_sweep(mode='resample') on {describe_task(control)}: one sample "
+                    "cannot be resampled from another; expected at least 2 samples."
+                )
+            reference = dataclasses.replace(
+                control, samples=control.samples[1:] + control.samples[:1]
+            )
+        elif mode != "zero":
+            reference = control
         res = ablation_sweep(
             model,
             control,
@@ -575,7 +727,8 @@ def control_sweep(
             heads,
             mode=mode,
             positions=positions,
-            reference=control if mode != "zero" else None,
+            reference=reference,
+            include_bos=include_bos,
             method=method,
             max_rows=max_rows,
             memory_budget=memory_budget,
@@ -619,15 +772,18 @@ def control_sweep(
     with torch.no_grad():
         source = build_source(
             model, view, mode, None if mode == "zero" else inputs.to(device), layers,
-            positions, device,
+            positions, device, include_bos=include_bos,
         )  # fmt: skip
+        rows = inputs.tolist()
+        edited = edit_positions(source, positions, rows)
+        shift = 1 if mode == "resample" else 0
+        check_resample_pairs(rows, source, [(i + shift) % n for i in range(n)], "control_sweep")
         groups = [
             Group(torch.arange(s, min(s + max_rows, n)), inputs[s : s + max_rows].to(device))
             for s in range(0, n, max_rows)
         ]
 
         def source_for(g: Group) -> tuple[Source, Tensor]:
-            shift = 1 if mode == "resample" else 0
             return source, (g.indices + shift) % max(source.n, 1)
 
         bar = tqdm(
@@ -638,7 +794,7 @@ def control_sweep(
         )
         try:
             values, baseline, info = run_cells(
-                runner, cells, groups, source_for, metric, lambda g: g.indices, positions, plan,
+                runner, cells, groups, source_for, metric, lambda g: g.indices, edited, plan,
                 method, bar=bar,
             )  # fmt: skip
         finally:
@@ -653,5 +809,5 @@ def control_sweep(
         mode=mode,
         positions=positions_label(positions),
         method=method if not last or info["incremental_fallbacks"] else "incremental",
-        info=info | {"n_scored": k},
+        info=info | {"n_scored": k} | ablation_info(source, edited),
     )

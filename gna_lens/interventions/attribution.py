@@ -28,6 +28,7 @@ from gna_lens.interventions._common import (
     check_positions,
     column_mask,
     describe_task,
+    edit_positions,
     hooked,
     length_groups,
     paired_groups,
@@ -35,6 +36,7 @@ from gna_lens.interventions._common import (
 )
 from gna_lens.interventions.ablation import (
     SweepResult,
+    ablation_info,
     cell_kind,
     model_device,
     positions_label,
@@ -54,6 +56,7 @@ def attribute_heads(
     mode: str = "zero",
     positions: Any = None,
     reference: Any = None,
+    include_bos: bool = False,
     batch_size: int = 16,
 ) -> SweepResult:
     """Estimate every head's ablation (or patching) effect with one backward pass.
@@ -70,7 +73,9 @@ def attribute_heads(
         mode: Ablation replacement, ``"zero"`` or ``"mean"`` (``reference`` needed). Resample
             ablation is estimated as patching with ``corrupted``.
         positions: ``None`` (all positions), ``"last"`` or a list of positions.
-        reference: Task or token ids for ``mode="mean"``.
+        reference: Task or token ids for ``mode="mean"`` (the mean is over the ablated positions,
+            BOS excluded: see :func:`~gna_lens.interventions.ablation.head_ablation_hooks`).
+        include_bos: Mean ablation: average over and edit the BOS position too.
         batch_size: Prompts per forward/backward pass.
 
     Returns:
@@ -111,14 +116,21 @@ def attribute_heads(
         groups = length_groups(task, batch_size, device)
     with torch.no_grad():
         source = (
-            build_source(model, view, mode, reference, layers, positions, device)
+            build_source(
+                model, view, mode, reference, layers, positions, device, include_bos=include_bos
+            )
             if corrupted is None
             else None
         )
+    edited = (
+        edit_positions(source, positions, [s.input_ids for s in task])
+        if source is not None
+        else positions
+    )
     # Per (layer, head): per-sample estimate.
     est = {layer: torch.zeros(n, view[layer].n_heads) for layer in layers}
     baseline = torch.full((n,), float("nan"))
-    forwards = len(groups) if (source is not None and source.kind == "mean") else 0.0
+    forwards = float(source.forwards) if source is not None else 0.0  # the reference's passes
     materialize = _needs_materialized_path(model)
     for g in groups:
         tokens = g.tokens if corrupted is None else tokens_of(corrupted, g.indices, device)
@@ -161,7 +173,7 @@ def attribute_heads(
                 assert source is not None
                 value = source.value(layer, g.indices, z.shape[1], False, z)
                 delta = value - z
-            cols = column_mask(positions, z.shape[1], z.device)
+            cols = column_mask(edited, z.shape[1], z.device)
             if cols is not None:
                 delta = delta * cols[None, :, None, None]
             contrib = (delta * grad).sum(dim=(1, 3)).float().cpu()  # [G, H]
@@ -191,7 +203,8 @@ def attribute_heads(
                 ]
             },
             "fallbacks": [],
-        },
+        }
+        | (ablation_info(source, edited) if source is not None else {}),
     )
 
 

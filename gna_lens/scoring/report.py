@@ -791,6 +791,8 @@ def score_heads(
             paths={"ablation": sweep.info.get("paths", {})},
             fallbacks=[f"ablation sweep: {f}" for f in sweep.info.get("fallbacks", [])],
         )
+        if "mean_over" in sweep.info:  # mean ablation: which positions the mean was taken over
+            method.update(mean_over=sweep.info["mean_over"], include_bos=sweep.info["include_bos"])
         if ctrl is not None:
             c_eff, c_lo, c_hi = _scatter(heads, ctrl, *_intervals(ctrl))
             table.update(control_effect=c_eff, control_effect_low=c_lo, control_effect_high=c_hi)

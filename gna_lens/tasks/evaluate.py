@@ -216,12 +216,13 @@ def evaluate(
         >>> tok = word_tokenizer(["Memorize the following dictionary:",
         ...                       "The value of the key '", " is"] + keys)
         >>> task = kv_retrieval(tok, n_pairs=4, n_samples=6, words=keys)
+        >>> _ = torch.manual_seed(0)
         >>> emb = torch.nn.Embedding(len(tok), 8)
         >>> def model(ids, attention_mask=None):  # any callable returning logits
         ...     return emb(ids) @ emb.weight.T
         >>> res = evaluate(model, task, batch_size=4, progress=False)
-        >>> res.correct.shape, 0.0 <= res.accuracy <= 1.0, res.chance
-        (torch.Size([6]), True, 0.25)
+        >>> res.correct.tolist(), res.accuracy, res.chance  # a random model, 6 prompts, 4 choices
+        ([True, True, False, True, False, False], 0.5, 0.25)
     """
     from tqdm import tqdm
 
