@@ -219,9 +219,13 @@ def _target_hook(info: LayerInfo, target: str) -> str:
         return info.resid_post_hook
     name = info.mixer_hook if target == "mixer" else info.mlp_hook
     if name is None:
-        has = "blocks.{l}.hook_attn_out / hook_mixer_out" if target == "mixer" else "an MLP"
+        has = (
+            f"blocks.{info.layer}.hook_attn_out / hook_mixer_out hook"
+            if target == "mixer"
+            else f"MLP (no blocks.{info.layer}.hook_mlp_out)"
+        )
         raise InterventionError(
-            f"target={target!r} at layer {info.layer}: this layer has no {has} hook (kind "
+            f"target={target!r} at layer {info.layer}: this layer has no {has} (kind "
             f"{info.kind!r}). Fix: target='block' (the whole layer)"
             + (", or 'mixer'" if target == "mlp" and info.mixer_hook else "")
             + "."
