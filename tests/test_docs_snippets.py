@@ -27,3 +27,18 @@ def test_rank_heads_recipe_toy_blocks_run_and_match_their_comments(tmp_path, mon
     assert row.after.high < row.before.low
     # 2 of the toy's 6 heads removed: 6 distinct pairs of the other 4, all drawn, and said so.
     assert len(set(table.random_sets)) == 6 and "only 6 possible" in table.method["random_sets"]
+
+
+def test_layers_recipe_blocks_run_and_match_their_comments(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    blocks = _blocks("recipes/layers.md")
+    assert len(blocks) == 4
+    scope: dict = {}
+    exec(compile("\n".join(blocks), "layers.md", "exec"), scope)
+    out = capsys.readouterr().out.splitlines()
+    assert out[:2] == ["1.0", "0.25"]
+    assert scope["sweep"].ranking() == [(1,), (0,)]
+    assert scope["steps"].cells == ((1,),)
+    report = scope["report"]
+    assert report.top(1) == [(1, 0)]
+    assert out[-1].startswith("L0 (3 heads): layer ranked 2 of 2 by layer removal")
