@@ -34,6 +34,7 @@ def _hf_without(hf, layer: int):
     """A copy of a Hugging Face causal LM with block ``layer`` deleted from its layer list."""
     hf2 = copy.deepcopy(hf)
     base = hf2.model if hasattr(hf2, "model") else hf2.backbone
+    base = getattr(base, "decoder", base)  # OPT: model.decoder.layers
     del base.layers[layer]
     hf2.config.num_hidden_layers -= 1
     for i, block in enumerate(base.layers):
@@ -45,14 +46,14 @@ def _hf_without(hf, layer: int):
 
 def _pair(arch: str):
     """(hooked model, its Hugging Face model)."""
-    if arch == "llama":
-        bridge = model("llama")
+    if arch in ("llama", "opt"):
+        bridge = model(arch)
         return bridge, bridge.original_model
     hf = tiny_hf_model(arch) if arch == "bamba" else tiny_hf_model(arch, num_hidden_layers=3)
     return HookedSSM.from_hf_model(hf, tiny_tokenizer()), hf
 
 
-@pytest.mark.parametrize("arch", ["llama", "mamba2", "mamba1", "bamba"])
+@pytest.mark.parametrize("arch", ["llama", "opt", "mamba2", "mamba1", "bamba"])
 def test_removed_layer_equals_the_hf_model_with_that_block_deleted(arch):
     m, hf = _pair(arch)
     tokens = TOKENS % m.cfg.d_vocab
@@ -196,6 +197,17 @@ def test_layer_sweep_batched_equals_loop_and_direct_evaluation(arch):
         assert res.method[key], key
     adf = acc.to_dataframe()
     assert ((adf["value_low"] >= 0) & (adf["value_high"] <= 1)).all()  # Wilson
+    # Other targets, modes and positions: the runner's shortcuts change nothing.
+    for kw in (
+        dict(target="mlp", mode="mean", reference=t, positions=[0, 3, -1]),
+        dict(target="mixer", positions="last"),
+        dict(target="block", mode="mean", reference=t, positions=[1, -2]),
+    ):
+        a = layer_sweep(m, t, "logit_diff", control=control, progress=False, **kw)
+        b = layer_sweep(m, t, "logit_diff", control=control, method="loop", progress=False, **kw)
+        torch.testing.assert_close(a.values, b.values, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(a.control_values, b.control_values, atol=1e-4, rtol=1e-4)
+        assert float(a.effects.abs().max()) > 1e-4, kw
 
 
 def test_individual_removal_on_a_pruned_model_and_gradual_pruning():

@@ -377,14 +377,23 @@ def _edit_hooks(
 
         return [(info.resid_pre_hook, keep), (info.resid_post_hook, restore)]
 
+    length: dict[str, int] = {}
+
+    def measure(x: Tensor, hook: Any) -> None:
+        length["pos"] = x.shape[1]
+
     def replace(x: Tensor, hook: Any) -> Tensor:
         value = x.new_zeros(()) if mean is None else mean.to(device=x.device, dtype=x.dtype)
-        cols = column_mask(positions, x.shape[1], x.device)
+        P = x.shape[1]
+        # A runner may keep only the last positions after the last mixer: the MLP's output then
+        # holds the last P of the block's full length.
+        cols = column_mask(positions, max(length.get("pos", P), P), x.device)
         if cols is None:
             return value.expand_as(x).clone()
-        return torch.where(cols[None, :, None], value, x)
+        return torch.where(cols[-P:][None, :, None], value, x)
 
-    return [(_target_hook(info, target), replace)]
+    hooks: list[tuple[str, HookFn]] = [(_target_hook(info, target), replace)]
+    return [(info.resid_pre_hook, measure), *hooks] if positions is not None else hooks
 
 
 def _hooks_for(
