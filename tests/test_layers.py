@@ -197,6 +197,8 @@ def test_layer_sweep_batched_equals_loop_and_direct_evaluation(arch):
         assert res.method[key], key
     adf = acc.to_dataframe()
     assert ((adf["value_low"] >= 0) & (adf["value_high"] <= 1)).all()  # Wilson
+    fig = res.plot()
+    assert [list(tr.y) for tr in fig.data] == [list(df["effect"]), list(df["control_effect"])]
     # Other targets, modes and positions: the runner's shortcuts change nothing.
     for kw in (
         dict(target="mlp", mode="mean", reference=t, positions=[0, 3, -1]),
