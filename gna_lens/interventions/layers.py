@@ -965,7 +965,7 @@ def _sweep_cells(
     view = _runner_view(model, infos)
     base_hooks = _hooks_for(infos, removed, "block", None, None)
     bar = tqdm(
-        total=len(cells) * len(task) + (len(cells) * _n_units(resolved) if resolved else 0),
+        total=len(cells) * (len(task) + (len(resolved) if resolved is not None else 0)),
         desc=f"{protocol} ({len(cells)} cells)",
         disable=not progress,
         leave=False,
@@ -1043,10 +1043,6 @@ def _sweep_cells(
         control=description,
         method=info,
     )
-
-
-def _n_units(control: Any) -> int:
-    return len(control)
 
 
 def _cell_kind(infos: Sequence[LayerInfo], cell: Cell) -> str:
