@@ -25,8 +25,10 @@ from gna_lens.interventions import (
     aggregate_mask,
     attribute_heads,
     gather_mask,
+    layer_sweep,
     mask_patterns,
     patch_heads,
+    remove_layers,
 )
 from gna_lens.models import HookedSSM, SSMConfig, channel_groups, load_model
 from gna_lens.scoring import (
@@ -93,9 +95,11 @@ __all__ = [
     "find_gna_pairs",
     "gather_mask",
     "head_view",
+    "layer_sweep",
     "load_model",
     "mask_patterns",
     "patch_heads",
+    "remove_layers",
     "retrieval_vs_knowledge",
     "score_heads",
     "tasks",

@@ -7,6 +7,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -84,6 +85,8 @@ def _scan(args: argparse.Namespace) -> int:
             n_eval=args.n_eval,
             top=args.top,
             exact=args.exact,
+            strategy=args.strategy,
+            top_layers=args.top_layers,
             out=args.out,
             seed=args.seed,
             metric=args.metric,
@@ -116,7 +119,15 @@ def _scan(args: argparse.Namespace) -> int:
         f"{report.metric} (baseline {report.baseline:.4f}), sweep {method.get('sweep_dtype')}"
     )
     n_heads = len(report.heads)
-    rest = " (the others ranked by attribution only)" if result.n_exact < n_heads else ""
+    strategy = method.get("strategy", "exact")
+    rest = ""
+    if strategy == "attribution" and result.n_exact < n_heads:
+        rest = " (the others ranked by attribution only)"
+    elif strategy == "coarse_to_fine":
+        rest = (
+            f" (coarse to fine: the heads of the top {method.get('top_layers')} of "
+            f"{report.n_layers} layers ranked by layer removal)"
+        )
     print(f"Heads ablated exactly: {result.n_exact} of {n_heads}{rest}")
     if report.has_control:
         print(
@@ -134,6 +145,7 @@ def _scan(args: argparse.Namespace) -> int:
             print(
                 f"  L{e.head[0]}H{e.head[1]}: ablation effect {e.ablation_effect:+.3f}; {e.reason}"
             )
+    _print_coarse(report)
     print(f"\nHeld-out prompts, removing the top {len(result.top)} together (95% intervals):")
     for line in result.knowledge.format_lines():
         print(f"  {line}")
@@ -144,6 +156,39 @@ def _scan(args: argparse.Namespace) -> int:
     stages = ", ".join(f"{k} {v:.1f} s" for k, v in result.timings.items())
     print(f"Time: {load_s + result.seconds:.1f} s (loading {load_s:.1f} s, {stages})")
     return 0
+
+
+def _print_coarse(report: Any, max_lines: int = 8) -> None:
+    """The coarse stage's layer ranking and the heads never measured, as text."""
+    ranking = report.layer_ranking()
+    if ranking is not None:
+        unit = report.layers.method.get("control_unit") or ""
+        print(
+            f"\nLayers ranked by removal (coarse stage: each layer removed alone; "
+            f"{report.layers.metric} effect, control effect {unit}):"
+        )
+        cols = [
+            c
+            for c in (
+                "rank", "layer", "scanned", "kind", "effect", "effect_low", "effect_high",
+                "control_effect", "selectivity",
+            )
+            if c in ranking.columns
+        ]  # fmt: skip
+        n_scanned = int(ranking["scanned"].sum())
+        table = ranking[cols].dropna(axis=1, how="all").head(max(max_lines, n_scanned + 2))
+        print(table.to_string(index=False, float_format=lambda x: f"{x:.4f}"))
+        if len(ranking) > len(table):
+            print(f"  ... {len(ranking) - len(table)} more layers in the report")
+    if report.unmeasured:
+        print(
+            f"\nHeads never measured: {report.n_unmeasured} of {len(report.heads)} (effects "
+            "blank, not zero):"
+        )
+        for u in report.unmeasured[:max_lines]:
+            print(f"  {u.describe()}")
+        if len(report.unmeasured) > max_lines:
+            print(f"  ... and {len(report.unmeasured) - max_lines} more layers in the report")
 
 
 def scan_threads(requested: int | None) -> tuple[int, str]:
@@ -222,11 +267,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     sc.add_argument("--top", type=int, default=4, help="heads to report and remove (default 4)")
     sc.add_argument(
+        "--strategy",
+        default="auto",
+        choices=["auto", "exact", "coarse_to_fine", "attribution"],
+        help="which heads are ablated exactly: auto (every head up to 300 heads, else "
+        "coarse_to_fine), exact, coarse_to_fine (each layer removed alone first, then every "
+        "head of the top layers) or attribution (attribution patching ranks, --exact confirm)",
+    )
+    sc.add_argument(
+        "--top-layers",
+        type=int,
+        default=None,
+        help="coarse_to_fine: layers whose heads are ablated (default 4, fewer where their "
+        "heads exceed 300)",
+    )
+    sc.add_argument(
         "--exact",
         type=int,
         default=None,
-        help="heads confirmed by exact ablation after attribution ranks all of them (default: "
-        "all heads up to 300 heads, else max(4 * top, 32)); the main cost of a scan",
+        help="attribution strategy: heads confirmed by exact ablation after attribution ranks "
+        "all of them (default max(4 * top, 32)); giving it selects that strategy",
     )
     sc.add_argument(
         "--metric", default="logit_diff", choices=["logit_diff", "accuracy", "logprob", "choice_logprob"],

@@ -5,8 +5,11 @@ A scan selects heads on one prompt set and measures them on another:
 1. **Selection** (``n_samples`` prompts, ``seed``): pattern scores of every head, and each head
    ablated alone on the probe task and on a control that needs no in-context retrieval (prose
    shipped with gna_lens, windows from the first half of the text). Every head is ablated exactly
-   on models with at most :data:`EXACT_ALL_MAX` heads; larger models rank by attribution patching
-   first and confirm the ``exact`` best exactly.
+   on models with at most :data:`EXACT_ALL_MAX` heads; larger models are scanned coarse to fine
+   (each layer removed alone on the task and the control, then every head of the ``top_layers``
+   best layers ablated), and the report lists the heads never measured and why
+   (``strategy="attribution"`` or ``exact=`` ranks by attribution patching instead and confirms
+   the ``exact`` best exactly).
 2. **Ranking**: the top heads by retrieval effect among those whose control effect is at most
    ``max_control`` nats/token; the generic heads left out are listed with their reasons.
 3. **Held-out measurement** (``n_eval`` prompts from other seeds or other records, checked
@@ -38,6 +41,7 @@ from gna_lens.scoring import (
     score_heads,
 )
 from gna_lens.scoring.knowledge import RANDOM_DRAWS
+from gna_lens.scoring.report import EXACT_ALL_MAX, _resolve_strategy, default_top_layers
 from gna_lens.tasks import Task, kv_retrieval, load_mmlu, load_records, multiple_choice
 
 __all__ = [
@@ -49,9 +53,6 @@ __all__ = [
     "load_scan_model",
     "scan",
 ]
-
-#: Models with at most this many heads get every head ablated exactly (no attribution prefilter).
-EXACT_ALL_MAX = 300
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,8 @@ class ScanResult:
         seconds: Wall time of the scan.
         timings: Seconds per stage: ``tasks``, ``heads`` (pattern scores, ablation sweeps on task
             and control), ``held_out`` and ``report``.
-        n_exact: Heads whose effects were measured exactly.
+        n_exact: Heads whose effects were measured exactly (the others are listed, with the
+            reason, in ``report.unmeasured``).
         tasks: The scan's prompt sets.
         warnings: Things the reader must know (e.g. a model at chance on its probe).
     """
@@ -387,6 +389,8 @@ def scan(
     out: str | Path | None = "gna_lens_report",
     seed: int = 0,
     exact: int | None = None,
+    strategy: str = "auto",
+    top_layers: int | None = None,
     metric: str = "logit_diff",
     mode: str = "zero",
     positions: Any = None,
@@ -402,9 +406,10 @@ def scan(
     """Rank every head of ``model`` for in-context retrieval on selection prompts, then measure
     the top heads on held-out prompts; write the report.
 
-    See the module docs for the three stages. Cost: every head is ablated on ``n_samples``
-    prompts and on the control's 8 windows of 64 tokens; the held-out stage adds ``2 +
-    random_draws`` runs of each held-out task and of the control.
+    See the module docs for the three stages. Cost: every head (on models above
+    :data:`EXACT_ALL_MAX` heads: every layer, then the heads of the top layers) is ablated on
+    ``n_samples`` prompts and on the control's 8 windows of 48 tokens; the held-out stage adds
+    ``2 + random_draws`` runs of each held-out task and of the control.
 
     Args:
         model: A TransformerBridge or a HookedSSM with a tokenizer.
@@ -414,9 +419,14 @@ def scan(
         top: Heads to report and remove.
         out: Folder for ``report.html`` and ``report.json`` (``None``: write nothing).
         seed: Seed of the selection prompts (held-out prompts use other seeds).
-        exact: Heads confirmed by exact ablation after an attribution prefilter (default: every
-            head on models with at most :data:`EXACT_ALL_MAX` heads, else
-            :func:`default_exact`).
+        exact: Heads confirmed by exact ablation after an attribution prefilter: giving it
+            (below the number of heads) selects ``strategy="attribution"``; that strategy's
+            default is :func:`default_exact`.
+        strategy: ``"auto"`` (default: every head exact up to :data:`EXACT_ALL_MAX` heads, else
+            ``"coarse_to_fine"``), ``"exact"``, ``"coarse_to_fine"`` or ``"attribution"`` (see
+            :func:`~gna_lens.scoring.score_heads`).
+        top_layers: Layers whose heads the coarse-to-fine scan ablates (default
+            :func:`~gna_lens.scoring.report.default_top_layers`).
         metric: Ablation metric of the ranking (``"logit_diff"``, ``"accuracy"``, ...).
         mode: ``"zero"`` or ``"mean"`` ablation (of the ranking and the held-out measurement).
         positions: ``None`` (every position) or ``"last"``.
@@ -436,7 +446,8 @@ def scan(
 
     Raises:
         TaskError: For an unknown task or an empty task file.
-        GnaLensError: If ``top``, ``exact``, ``n_samples`` or ``n_eval`` is not positive.
+        GnaLensError: If ``top``, ``exact``, ``n_samples`` or ``n_eval`` is not positive, or
+            ``exact`` comes with a strategy other than ``"auto"`` / ``"attribution"``.
     """
     from gna_lens.heads import head_view
 
@@ -462,16 +473,31 @@ def scan(
     c_eval = sets.control_eval if sets.control_eval is not None else control
     c_eval = resolve_control(c_eval, tok, positions=positions, split="eval")
     timings["tasks"] = time.perf_counter() - t0
-    n_heads = head_view(model).n_heads_total
-    if exact is None:
-        n_exact = n_heads if n_heads <= EXACT_ALL_MAX else min(default_exact(top), n_heads)
+    view = head_view(model)
+    n_heads = view.n_heads_total
+    prefilter = None
+    if strategy == "attribution" or (strategy == "auto" and exact is not None and exact < n_heads):
+        prefilter = min(exact or default_exact(top), n_heads)
+        strategy = "attribution"
+    elif exact is not None and exact < n_heads:
+        raise GnaLensError(
+            f"scan(exact={exact}, strategy={strategy!r}): exact is the attribution strategy's "
+            "number of heads confirmed exactly. Fix: strategy='attribution' (or 'auto'), or drop "
+            "exact."
+        )
+    elif exact is not None and strategy == "auto":
+        strategy = "exact"  # exact covers every head
+    strategy = _resolve_strategy(strategy, prefilter, top_layers, view)
+    if strategy == "exact":
+        how = f"exact ablation of all {n_heads}"
+    elif strategy == "attribution":
+        how = f"attribution over all {n_heads}, exact ablation of the {prefilter} it ranks first"
     else:
-        n_exact = min(exact, n_heads)
-    how = (
-        f"exact ablation of all {n_heads}"
-        if n_heads <= n_exact
-        else f"attribution over all {n_heads}, exact ablation of the {n_exact} it ranks first"
-    )
+        k = default_top_layers(view) if top_layers is None else top_layers
+        how = (
+            f"coarse to fine: each of {view.n_layers} layers removed alone, then exact ablation "
+            f"of the heads of the top {k}"
+        )
     _stage(
         progress,
         f"scoring heads on {len(probe)} selection prompts and the control ({how}; sweep "
@@ -486,11 +512,14 @@ def scan(
         mode=mode,
         positions=positions,
         max_control=max_control,
-        prefilter=None if n_heads <= n_exact else n_exact,
+        prefilter=prefilter,
+        strategy=strategy,
+        top_layers=top_layers,
         sweep_dtype=sweep_dtype,
         progress=progress,
     )
     timings["heads"] = time.perf_counter() - t
+    n_exact = int(report.method.get("n_exact", 0))
     if name:
         report = dataclasses.replace(report, model_name=name)
     if report.has_control:
@@ -541,7 +570,7 @@ def scan(
             + html.escape(command or " ".join(sys.argv))
             + "</code><br>Versions: "
             + html.escape(_versions())
-            + f"<br>Heads ablated exactly: {n_exact} of {n_heads}"
+            + f"<br>Heads ablated exactly: {n_exact} of {n_heads} (strategy {strategy})"
             + f"<br>Scan time: {seconds:.1f} s ({html.escape(stages)}; model loading not "
             "included)</p>"
         )

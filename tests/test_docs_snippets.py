@@ -43,3 +43,18 @@ def test_ablate_a_head_recipe_blocks_run_and_the_mean_is_the_last_token_mean(tmp
     lines = out.getvalue().splitlines()
     assert lines[-2:] == ["True", "the last (query) token of each reference prompt"]
     assert float(lines[0]) == 1.0  # the toy model retrieves every key before the ablation
+
+
+def test_layers_recipe_blocks_run_and_match_their_comments(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    blocks = _blocks("recipes/layers.md")
+    assert len(blocks) == 4
+    scope: dict = {}
+    exec(compile("\n".join(blocks), "layers.md", "exec"), scope)
+    out = capsys.readouterr().out.splitlines()
+    assert out[:2] == ["1.0", "0.25"]
+    assert scope["sweep"].ranking() == [(1,), (0,)]
+    assert scope["steps"].cells == ((1,),)
+    report = scope["report"]
+    assert report.top(1) == [(1, 0)]
+    assert out[-1].startswith("L0 (3 heads): layer ranked 2 of 2 by layer removal")

@@ -238,3 +238,33 @@ def test_zoo_held_out_sets_share_no_prompt_with_the_selection_or_the_control_sel
         assert len(held) > 0 and not used & {s.prompt for s in held}, name
     assert not {s.prompt for s in sets.control_eval} & used
     assert "cloze-eval" in sets.control_eval.name
+
+
+def test_scan_cli_coarse_to_fine_above_the_exact_limit_says_what_it_never_measured(
+    tmp_path, toy_scan, capsys, monkeypatch
+):
+    import gna_lens.scoring.report as report_module
+
+    monkeypatch.setattr(report_module, "EXACT_ALL_MAX", 4)  # the toy's 6 heads are now "many"
+    out = tmp_path / "report"
+    args = ["scan", "toy", "--n-samples", "8", "--top", "1", "--out", str(out)]
+    assert main([*args, "--random-draws", "2"]) == 0
+    text = capsys.readouterr().out
+    # Removing layer 0 breaks the control too (the generic head): layer 1 ranks first.
+    assert "coarse to fine: the heads of the top 1 of 2 layers" in text
+    assert "Layers ranked by removal" in text and "Heads never measured: 3 of 6" in text
+    assert "L0 (3 heads): layer ranked 2 of 2 by layer removal" in text
+    page = (out / "report.html").read_text()
+    assert "Layer ranking (coarse stage)" in page and "Heads never measured (3 of 6)" in page
+    assert "strategy coarse_to_fine" in page
+    data = json.loads((out / "report.json").read_text())
+    assert data["method"]["strategy"] == "coarse_to_fine" and data["n_exact"] == 3
+    assert [(u["layer"], u["head_indices"]) for u in data["unmeasured"]] == [(0, [0, 1, 2])]
+    assert [r["layer"] for r in data["layer_ranking"]] == [1, 0]
+    assert [r["scanned"] for r in data["layer_ranking"]] == [True, False]
+    assert all(h["ablation_effect"] is None for h in data["heads"] if h["layer"] == 0)
+    assert data["top"] == [[1, 0]]
+
+    assert main([*args, "--random-draws", "0", "--strategy", "exact"]) == 0
+    text = capsys.readouterr().out
+    assert "Heads never measured" not in text and "Heads ablated exactly: 6 of 6" in text

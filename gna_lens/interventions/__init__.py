@@ -15,6 +15,11 @@ edited, and no hook survives a call, even when the model or a metric raises.
 - :func:`patch_heads`, :func:`patch_residual`: activation patching clean -> corrupted, returning a
   :class:`PatchResult` (TransformerLens ``PatchingResult`` shape).
 - :func:`attribute_heads`: attribution patching, all heads in one backward pass.
+- :func:`remove_layers`, :func:`ablate_layers`, :func:`layer_ablation_hooks`: whole layers
+  removed (the block becomes the identity) or their mixer / MLP output zero- or mean-ablated;
+  :func:`layer_sweep` (each layer removed alone) and :func:`prune_from_end` (layers removed
+  cumulatively from the last), the paper's pruning protocols, returning a
+  :class:`LayerSweepResult` with the task and a control.
 """
 
 from gna_lens.interventions.ablation import (
@@ -25,6 +30,14 @@ from gna_lens.interventions.ablation import (
     head_ablation_hooks,
 )
 from gna_lens.interventions.attribution import attribute_heads
+from gna_lens.interventions.layers import (
+    LayerSweepResult,
+    ablate_layers,
+    layer_ablation_hooks,
+    layer_sweep,
+    prune_from_end,
+    remove_layers,
+)
 from gna_lens.interventions.masks import (
     aggregate_mask,
     gather_mask,
@@ -35,18 +48,24 @@ from gna_lens.interventions.masks import (
 from gna_lens.interventions.patching import PatchResult, patch_heads, patch_residual
 
 __all__ = [
+    "LayerSweepResult",
     "PatchResult",
     "SweepResult",
     "ablate_heads",
+    "ablate_layers",
     "ablation_sweep",
     "aggregate_mask",
     "attribute_heads",
     "control_sweep",
     "gather_mask",
     "head_ablation_hooks",
+    "layer_ablation_hooks",
+    "layer_sweep",
     "mask_patterns",
     "patch_heads",
     "patch_residual",
     "pattern_mask_hooks",
+    "prune_from_end",
+    "remove_layers",
     "stack_masks",
 ]

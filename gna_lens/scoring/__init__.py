@@ -4,9 +4,10 @@
   patterns (attention, or a HookedSSM's materialized implicit attention), each with a null and
   a role label only where the score beats it.
 - :func:`score_heads`: those scores plus exact ablation effects on the task and on a control
-  (optionally pre-filtered by attribution), as a :class:`GnaReport` whose default ranking is
-  retrieval-specific, with ``to_dataframe``, ``top``, ``excluded``, heatmaps, JSON and an
-  offline HTML report.
+  (every head up to :data:`EXACT_ALL_MAX` heads; above, coarse to fine: layers ranked by removal,
+  then the heads of the top layers; or pre-filtered by attribution), as a :class:`GnaReport`
+  whose default ranking is retrieval-specific, with ``to_dataframe``, ``top``, ``excluded``,
+  ``unmeasured`` (heads never ablated, and why), heatmaps, JSON and an offline HTML report.
 - :func:`find_gna_pairs`: Gather -> Aggregate pairs confirmed by ablation and pattern masks
   (:func:`pair_candidates`, :func:`mask_experiment`).
 - :func:`retrieval_vs_knowledge`: accuracy before / after removing heads, per task, with 95%
@@ -32,16 +33,22 @@ from gna_lens.scoring.pairs import (
 )
 from gna_lens.scoring.patterns import NORMALIZATION, PatternScores, pattern_scores, row_sharpness
 from gna_lens.scoring.report import (
+    EXACT_ALL_MAX,
     MAX_CONTROL,
+    STRATEGIES,
     ExcludedHead,
     GnaReport,
+    UnmeasuredHeads,
+    default_top_layers,
     resolve_control,
     score_heads,
 )
 
 __all__ = [
+    "EXACT_ALL_MAX",
     "MAX_CONTROL",
     "NORMALIZATION",
+    "STRATEGIES",
     "ControlRow",
     "ExcludedHead",
     "GnaPair",
@@ -51,6 +58,8 @@ __all__ = [
     "PatternScores",
     "RandomHeadSets",
     "TaskRow",
+    "UnmeasuredHeads",
+    "default_top_layers",
     "find_gna_pairs",
     "gna_masks",
     "mask_experiment",

@@ -33,16 +33,44 @@ from gna_lens.heads import head_view
 from gna_lens.interventions import ablation_sweep, attribute_heads, control_sweep
 from gna_lens.interventions._common import check_positions, describe_task
 from gna_lens.interventions.ablation import SweepResult, positions_label
+from gna_lens.interventions.layers import LayerSweepResult, layer_sweep
 from gna_lens.models.provenance import provenance_method
 from gna_lens.scoring.patterns import NORMALIZATION, SCORE_NAMES, Head, pattern_scores
 from gna_lens.stats import bootstrap_interval
 from gna_lens.tasks import Task, TextControl, text_control
 
-__all__ = ["MAX_CONTROL", "ExcludedHead", "GnaReport", "resolve_control", "score_heads"]
+__all__ = [
+    "EXACT_ALL_MAX",
+    "MAX_CONTROL",
+    "STRATEGIES",
+    "ExcludedHead",
+    "GnaReport",
+    "UnmeasuredHeads",
+    "default_top_layers",
+    "resolve_control",
+    "score_heads",
+]
 
 #: Default bound on a head's control effect (nats/token) for the retrieval-specific ranking:
 #: ``+0.1`` nats/token multiplies the control's perplexity by 1.105.
 MAX_CONTROL = 0.1
+
+#: Models with at most this many heads get every head ablated exactly (``strategy="auto"``).
+EXACT_ALL_MAX = 300
+
+#: How :func:`score_heads` chooses the heads it ablates exactly:
+#: ``"auto"`` (``"exact"`` up to :data:`EXACT_ALL_MAX` heads, else ``"coarse_to_fine"``),
+#: ``"exact"`` (every head), ``"coarse_to_fine"`` (layers ranked by removal first, then every head
+#: of the top layers), ``"attribution"`` (attribution patching ranks every head, the top
+#: ``prefilter`` are ablated).
+STRATEGIES = ("auto", "exact", "coarse_to_fine", "attribution")
+
+#: Layers whose heads a coarse-to-fine scan ablates, at most (see :func:`default_top_layers`).
+DEFAULT_TOP_LAYERS = 4
+
+#: Heads ablated exactly after attribution patching when ``strategy="attribution"`` is given no
+#: ``prefilter``.
+DEFAULT_PREFILTER = 32
 
 #: Numeric columns of :meth:`GnaReport.to_dataframe`, after ``layer, head, kind, role``.
 SCORE_COLUMNS = (
@@ -105,6 +133,35 @@ class ExcludedHead:
 
 
 @dataclass(frozen=True)
+class UnmeasuredHeads:
+    """Heads that were never ablated exactly, and why (their effects are NaN in the report).
+
+    Attributes:
+        layer: The layer they belong to.
+        heads: ``(layer, head)`` of each.
+        reason: Why they were not measured (e.g. the layer's rank in the coarse stage).
+    """
+
+    layer: int
+    heads: tuple[Head, ...]
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"layer", "n_heads", "head_indices", "reason"}``."""
+        return {
+            "layer": self.layer,
+            "n_heads": len(self.heads),
+            "head_indices": [h for _, h in self.heads],
+            "reason": self.reason,
+        }
+
+    def describe(self) -> str:
+        """``"L3 (24 heads): layer ranked 7 of 24 by ..."``."""
+        n = len(self.heads)
+        return f"L{self.layer} ({n} head{'s' if n != 1 else ''}): {self.reason}"
+
+
+@dataclass(frozen=True)
 class GnaReport:
     """Pattern scores, retrieval and control effects of every head on one task.
 
@@ -135,8 +192,14 @@ class GnaReport:
         max_control: The bound of the retrieval-specific ranking (nats/token).
         method: How the numbers were made: which weights (``weights``, one line, and
             ``provenance``, every field of :func:`~gna_lens.models.provenance_of`), metric,
-            ablation mode, positions, reference, number of prompts, control, sweep dtype, heads
-            ablated exactly, paths used.
+            ablation mode, positions, reference, number of prompts, control, sweep dtype,
+            strategy, heads ablated exactly, paths used.
+        layers: The coarse stage of ``strategy="coarse_to_fine"``: every layer removed alone
+            on the task and the control (:func:`~gna_lens.interventions.layer_sweep`), or
+            ``None``.
+        unmeasured: The heads never ablated exactly, per layer, with the reason (layers below
+            the top ``top_layers`` of the coarse stage, or heads below the attribution
+            prefilter's cut).
     """
 
     model_name: str
@@ -155,6 +218,27 @@ class GnaReport:
     control_baseline: float = math.nan
     max_control: float = MAX_CONTROL
     method: dict[str, Any] = field(default_factory=dict)
+    layers: LayerSweepResult | None = None
+    unmeasured: tuple[UnmeasuredHeads, ...] = ()
+
+    @property
+    def n_unmeasured(self) -> int:
+        """Heads never ablated exactly (see :attr:`unmeasured`)."""
+        return sum(len(u.heads) for u in self.unmeasured)
+
+    def layer_ranking(self) -> Any:
+        """The coarse stage's layers in rank order: a dataframe with ``rank``, ``scanned``
+        (whether its heads were ablated) and the columns of
+        :meth:`~gna_lens.interventions.LayerSweepResult.to_dataframe`; ``None`` without one."""
+        if self.layers is None:
+            return None
+        df = self.layers.to_dataframe()
+        order = [self.layers.cells.index(c) for c in self.layers.ranking()]
+        df = df.iloc[order].reset_index(drop=True)
+        skipped = {u.layer for u in self.unmeasured}
+        df.insert(0, "rank", range(1, len(df) + 1))
+        df.insert(2, "scanned", [layer not in skipped for layer in df["layer"]])
+        return df
 
     def to_dataframe(self) -> Any:
         """One row per head: ``layer, head, kind, role`` and every column of
@@ -316,7 +400,15 @@ class GnaReport:
                     zip(self.heads, self.kinds, roles, strict=True)
                 )
             ],
+            "unmeasured": [u.to_dict() for u in self.unmeasured],
         }
+        if self.layers is not None:
+            ranking = self.layer_ranking()
+            out["layer_ranking"] = [
+                {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()}
+                for r in ranking.drop(columns=["task"]).to_dict(orient="records")
+            ]
+            out["layer_ranking_method"] = self.layers.method
         return out
 
     def to_json(self, path: str | Path | None = None) -> str:
@@ -387,6 +479,7 @@ class GnaReport:
                 "<h2>Left out as generic</h2>"
                 + (f"<ul class='excluded'>{items}</ul>" if gone else "<p>None.</p>")
             )
+        parts.append(self._coarse_html())
         parts.append("<h2>Layer x head heatmaps</h2><div id='heatmaps'>")
         for name in (
             "ablation_effect",
@@ -410,6 +503,48 @@ class GnaReport:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("\n".join(parts), encoding="utf-8")
         return path
+
+    def _coarse_html(self) -> str:
+        """The coarse stage's layer ranking and the heads never measured, as HTML."""
+        parts = []
+        if self.layers is not None:
+            df = self.layer_ranking()
+            cols = [
+                "rank", "layer", "scanned", "kind", "value", "effect", "effect_low", "effect_high",
+                "control_effect", "control_low", "control_high", "selectivity",
+            ]  # fmt: skip
+            parts.append(
+                "<h2>Layer ranking (coarse stage)</h2><p>"
+                + html.escape(
+                    f"{self.layers.method.get('ablation', 'layer removal')}, each layer alone, "
+                    f"on the task ({self.layers.metric}, baseline {self.layers.baseline_mean:.4f})"
+                    f" and the control ({self.layers.control or 'none'}); ranked by "
+                    + (
+                        "selectivity (share of the task lost minus share of the control lost)"
+                        if self.layers.has_control
+                        else "task effect"
+                    )
+                    + f". The heads of the top {self.method.get('top_layers', '?')} layers were "
+                    "ablated one by one."
+                )
+                + "</p>"
+            )
+            parts.append(
+                "<div class='layer-ranking'>"
+                + df[[c for c in cols if c in df.columns]].to_html(
+                    index=False, float_format=lambda x: f"{x:.4f}", na_rep="-"
+                )
+                + "</div>"
+            )
+        if self.unmeasured:
+            items = "".join(f"<li>{html.escape(u.describe())}</li>" for u in self.unmeasured)
+            parts.append(
+                f"<h2>Heads never measured ({self.n_unmeasured} of {len(self.heads)})</h2>"
+                "<p>Their ablation and control effects are blank (NaN): they were not ablated, "
+                "not found harmless.</p>"
+                f"<ul class='unmeasured'>{items}</ul>"
+            )
+        return "".join(parts)
 
     def _plotly_heatmaps(self) -> str:
         """Plotly heatmaps of the measured columns, plotly.js inlined once (no CDN)."""
@@ -656,6 +791,85 @@ def _scatter(heads: list[Head], sweep: SweepResult, *cols: Tensor) -> list[Tenso
     return out
 
 
+def default_top_layers(view: Any) -> int:
+    """Layers a coarse-to-fine scan ablates head by head: :data:`DEFAULT_TOP_LAYERS` (4: a
+    Gather layer and the Aggregate layer after it, twice over), fewer where that many layers
+    hold more than :data:`EXACT_ALL_MAX` heads, at least 1.
+
+    Args:
+        view: The model's :func:`~gna_lens.heads.head_view`.
+
+    Examples:
+        >>> from gna_lens.testing import tiny_hooked_ssm
+        >>> from gna_lens.heads import head_view
+        >>> default_top_layers(head_view(tiny_hooked_ssm("mamba2")))  # 8 heads per layer
+        4
+        >>> default_top_layers(head_view(tiny_hooked_ssm("mamba1")))  # 64 channels per layer
+        4
+    """
+    widest = max((lh.n_heads for lh in view), default=1)
+    return max(1, min(DEFAULT_TOP_LAYERS, EXACT_ALL_MAX // max(widest, 1)))
+
+
+def _resolve_strategy(strategy: Any, prefilter: Any, top_layers: Any, view: Any) -> str:
+    """The strategy to run (``"auto"`` resolved), after checking the arguments that go with it."""
+    if strategy not in STRATEGIES:
+        raise InterventionError(
+            f"strategy={strategy!r}; expected one of {STRATEGIES}: 'auto' (exact up to "
+            f"{EXACT_ALL_MAX} heads, else coarse_to_fine), 'exact', 'coarse_to_fine' (layers "
+            "first, then the heads of the top layers) or 'attribution' (prefilter)."
+        )
+    if prefilter is not None and (not isinstance(prefilter, int) or prefilter < 1):
+        raise InterventionError(f"prefilter={prefilter!r}; expected a positive int or None.")
+    if top_layers is not None and (
+        not isinstance(top_layers, int) or isinstance(top_layers, bool) or top_layers < 1
+    ):
+        raise InterventionError(f"top_layers={top_layers!r}; expected a positive int or None.")
+    if prefilter is not None and strategy not in ("auto", "attribution"):
+        raise InterventionError(
+            f"prefilter={prefilter} with strategy={strategy!r}: the prefilter is the attribution "
+            "strategy's cut. Fix: strategy='attribution' (or 'auto'), or drop prefilter."
+        )
+    if top_layers is not None and strategy in ("exact", "attribution"):
+        raise InterventionError(
+            f"top_layers={top_layers} with strategy={strategy!r}: top_layers is the "
+            "coarse-to-fine scan's. Fix: strategy='coarse_to_fine' (or 'auto'), or drop it."
+        )
+    if strategy != "auto":
+        return str(strategy)
+    if prefilter is not None:
+        return "attribution"
+    return "exact" if view.n_heads_total <= EXACT_ALL_MAX else "coarse_to_fine"
+
+
+def _unmeasured(heads: list[Head], targets: list[Head], reason: Any) -> list[UnmeasuredHeads]:
+    """Per layer, the heads not in ``targets`` with ``reason(layer)``."""
+    chosen = set(targets)
+    by_layer: dict[int, list[Head]] = {}
+    for h in heads:
+        if h not in chosen:
+            by_layer.setdefault(h[0], []).append(h)
+    return [UnmeasuredHeads(layer, tuple(hs), reason(layer)) for layer, hs in by_layer.items()]
+
+
+def _layer_reason(layers: LayerSweepResult, ranked: list[int], k: int) -> Any:
+    effects, ctrl, sel = layers.effects, layers.control_effects, layers.selectivity
+    row = {c[0]: i for i, c in enumerate(layers.cells)}
+    unit = layers.method.get("control_unit") or ""
+
+    def reason(layer: int) -> str:
+        i = row[layer]
+        numbers = f"{layers.metric} effect {float(effects[i]):+.3f}"
+        if layers.has_control:
+            numbers += f", control {float(ctrl[i]):+.3f} {unit}, selectivity {float(sel[i]):+.3f}"
+        return (
+            f"layer ranked {ranked.index(layer) + 1} of {len(ranked)} by layer removal "
+            f"({numbers}); only the heads of the top {k} layers were ablated (top_layers={k})"
+        )
+
+    return reason
+
+
 def score_heads(
     model: Any,
     task: Task,
@@ -668,6 +882,8 @@ def score_heads(
     reference: Any = None,
     max_control: float = MAX_CONTROL,
     prefilter: int | None = None,
+    strategy: str = "auto",
+    top_layers: int | None = None,
     sweep_dtype: str | None = None,
     batch_size: int = 8,
     n_examples: int = 4,
@@ -675,11 +891,19 @@ def score_heads(
 ) -> GnaReport:
     """Score every head of ``model`` on ``task``: pattern scores, retrieval and control effects.
 
-    Every head (or, with ``prefilter``, the heads attribution patching ranks most harmful) is
-    ablated alone on the task and on the control; effects carry 95% bootstrap intervals over the
-    prompts (the control's windows). The default ranking (:meth:`GnaReport.top`) is
-    retrieval-specific: by retrieval effect among the heads whose control effect stays at most
-    ``max_control`` nats/token.
+    Heads are ablated alone on the task and on the control; effects carry 95% bootstrap
+    intervals over the prompts (the control's windows). The default ranking
+    (:meth:`GnaReport.top`) is retrieval-specific: by retrieval effect among the heads whose
+    control effect stays at most ``max_control`` nats/token.
+
+    Which heads are ablated (``strategy``): on models with at most :data:`EXACT_ALL_MAX` heads,
+    every one (``"exact"``). On larger models, coarse to fine as the paper works
+    (``"coarse_to_fine"``): every layer is removed alone on the task and the control
+    (:func:`~gna_lens.interventions.layer_sweep`), layers are ranked by selectivity (share of
+    the task lost minus share of the control lost), and every head of the ``top_layers`` best
+    layers is ablated. ``"attribution"`` ranks every head by attribution patching and ablates
+    the ``prefilter`` first. Heads never ablated keep NaN effects and are listed, with the
+    reason, in :attr:`GnaReport.unmeasured`.
 
     Defaults and why: ``mode="zero"`` at every position (``positions=None``) is the paper's
     ablation, so rankings compare with the published ones; the control, not the ablation, keeps
@@ -703,8 +927,15 @@ def score_heads(
         positions: ``None`` (every position), ``"last"`` (the query position only) or a list.
         reference: The reference of ``"mean"`` / ``"resample"``.
         max_control: Bound (nats/token) of the retrieval-specific ranking.
-        prefilter: If given, rank every head by attribution patching first and ablate exactly
-            only the ``prefilter`` heads it ranks most harmful; the others keep NaN effects.
+        prefilter: Heads ablated exactly after attribution patching ranks all of them
+            (``strategy="attribution"``; default :data:`DEFAULT_PREFILTER`). Given with
+            ``strategy="auto"``, it selects ``"attribution"``.
+        strategy: ``"auto"`` (default: ``"exact"`` up to :data:`EXACT_ALL_MAX` heads, else
+            ``"coarse_to_fine"``), ``"exact"``, ``"coarse_to_fine"`` or ``"attribution"``
+            (:data:`STRATEGIES`).
+        top_layers: Layers whose heads a coarse-to-fine scan ablates (default
+            :func:`default_top_layers`: 4, fewer where their heads would exceed
+            :data:`EXACT_ALL_MAX`).
         sweep_dtype: ``None`` (the model's dtype) or ``"bfloat16"``: autocast of the ablation
             sweeps only (about 2x faster on CPUs with AVX512-BF16); recorded in ``method``.
         batch_size: Prompts per forward pass of the pattern scores.
@@ -716,7 +947,7 @@ def score_heads(
 
     Raises:
         InterventionError: For a resample ablation without a distinct reference, or bad modes,
-            metrics or positions.
+            metrics, positions, strategies or ``top_layers``.
         TaskError: For a prose control the tokenizer does not cover.
 
     Examples:
@@ -728,8 +959,16 @@ def score_heads(
         [(0, 0), (1, 0)]
         >>> report.top(1, by="correct_share")
         [(1, 0)]
+
+        Coarse to fine (the default above :data:`EXACT_ALL_MAX` heads), here forced:
+
+        >>> report = score_heads(model, toy_gna_task(model, n_samples=8), control=None,
+        ...                      strategy="coarse_to_fine", top_layers=1, progress=False)
+        >>> report.method["strategy"], report.n_unmeasured, report.unmeasured[0].layer
+        ('coarse_to_fine', 2, 1)
     """
     positions = check_positions(positions)
+    strategy = _resolve_strategy(strategy, prefilter, top_layers, head_view(model))
     if mode == "resample" and (reference is None or reference is task):
         raise InterventionError(
             "score_heads(mode='resample'): reference is the task itself (or None), so every prompt "
@@ -760,16 +999,45 @@ def score_heads(
         "n_prompts": len(task),
         "intervals": "95% percentile bootstrap over prompts (control: over windows), paired",
     }  # fmt: skip
+    layers: LayerSweepResult | None = None
+    unmeasured: list[UnmeasuredHeads] = []
     if ablation:
         targets = heads
-        if prefilter is not None:
+        resolved = resolve_control(control, getattr(model, "tokenizer", None), positions=positions)
+        if strategy == "attribution":
+            cut = DEFAULT_PREFILTER if prefilter is None else prefilter
             est = attribute_heads(model, task, metric="logit_diff", batch_size=batch_size)
             by_head = {c[0]: e for c, e in zip(est.cells, est.effects.tolist(), strict=True)}
             attribution = torch.tensor([by_head.get(h, math.nan) for h in heads])
             table["attribution"] = attribution
             order = torch.argsort(attribution.nan_to_num(nan=math.inf), stable=True).tolist()
-            targets = [heads[i] for i in order[:prefilter]]
-        resolved = resolve_control(control, getattr(model, "tokenizer", None), positions=positions)
+            targets = [heads[i] for i in order[:cut]]
+            unmeasured = _unmeasured(
+                heads, targets,
+                lambda layer: f"ranked below the top {cut} of {n} heads by attribution patching "
+                "(its estimate is in the 'attribution' column)",
+            )  # fmt: skip
+            method.update(prefilter=f"attribution patching, top {cut}")
+        if strategy == "coarse_to_fine":
+            k = default_top_layers(view) if top_layers is None else top_layers
+            with sweep_precision(model, sweep_dtype):
+                layers = layer_sweep(
+                    model, task, metric, [lh.layer for lh in view], positions=positions,
+                    control=resolved, progress=progress,
+                )  # fmt: skip
+            ranked = [c[0] for c in layers.ranking()]
+            chosen = set(ranked[:k])
+            targets = [h for h in heads if h[0] in chosen]
+            unmeasured = _unmeasured(heads, targets, _layer_reason(layers, ranked, k))
+            method.update(
+                top_layers=k,
+                layer_ranking=(
+                    f"{layers.method['ablation']}, each layer alone, on the task and the control; "
+                    + ("ranked by selectivity (share of the task lost minus share of the control "
+                       "lost)" if layers.has_control else "ranked by task effect")
+                    + f"; the heads of the top {k} layers ablated"
+                ),
+            )  # fmt: skip
         with sweep_precision(model, sweep_dtype) as precision:
             sweep = ablation_sweep(
                 model, task, metric=metric, heads=targets, mode=mode, positions=positions,
@@ -784,8 +1052,9 @@ def score_heads(
         table.update(ablation_effect=effect, ablation_effect_low=lo, ablation_effect_high=hi)
         baseline = sweep.baseline_mean
         method.update(
+            strategy=strategy,
             n_exact=len(targets),
-            prefilter=f"attribution patching, top {prefilter}" if prefilter else "none",
+            n_unmeasured=n - len(targets),
             sweep_dtype=precision,
             ablation_path=sweep.method,
             paths={"ablation": sweep.info.get("paths", {})},
@@ -793,6 +1062,7 @@ def score_heads(
         )
         if "mean_over" in sweep.info:  # mean ablation: which positions the mean was taken over
             method.update(mean_over=sweep.info["mean_over"], include_bos=sweep.info["include_bos"])
+        method.setdefault("prefilter", "none")
         if ctrl is not None:
             c_eff, c_lo, c_hi = _scatter(heads, ctrl, *_intervals(ctrl))
             table.update(control_effect=c_eff, control_effect_low=c_lo, control_effect_high=c_hi)
@@ -825,6 +1095,8 @@ def score_heads(
         control_baseline=control_baseline,
         max_control=max_control,
         method=method,
+        layers=layers,
+        unmeasured=tuple(unmeasured),
     )
     if n_examples:
         if ablation and report.has_control:
