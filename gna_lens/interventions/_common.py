@@ -429,6 +429,71 @@ def _class_label(positions: Any, include_bos: bool, bos_id: int | None) -> str:
     return f"{where} of each reference prompt, except a leading BOS (id {bos_id})"
 
 
+def reference_rows(
+    reference: Any, device: Any, max_rows: int, what: str
+) -> tuple[list[Group], str, list[tuple[int, ...]]]:
+    """A reference (a :class:`~gna_lens.tasks.Task` or unpadded token ids ``[n, pos]``) as
+    unpadded groups of at most ``max_rows`` rows, its label, and each row's token ids.
+
+    ``what``: what the reference is for, in the error message.
+    """
+    if isinstance(reference, Task):
+        if len(reference) == 0:
+            raise InterventionError(f"reference task {reference.name!r} has no samples.")
+        groups = length_groups(reference, max_rows, device)
+        label = f"reference task {reference.name!r}"
+        rows = [tuple(int(t) for t in s.input_ids) for s in reference]
+        return groups, label, rows
+    if isinstance(reference, Tensor) and reference.ndim == 2 and not reference.is_floating_point():
+        toks = reference.to(device)
+        groups = [
+            Group(torch.arange(s, min(s + max_rows, len(toks))), toks[s : s + max_rows])
+            for s in range(0, len(toks), max_rows)
+        ]
+        label = f"reference tokens {tuple(reference.shape)}"
+        return groups, label, [tuple(r) for r in reference.tolist()]
+    got = tuple(reference.shape) if isinstance(reference, Tensor) else type(reference).__name__
+    raise InterventionError(
+        f"reference={got}; expected a gna_lens.tasks.Task or unpadded token ids [batch, pos] "
+        f"(torch.long) {what}."
+    )
+
+
+def mean_positions(
+    rows: Sequence[Sequence[int]], positions: Any, bos_id: int | None, include_bos: bool, label: str
+) -> tuple[list[list[int]], dict[str, Any]]:
+    """Per reference row, the positions a mean ablation averages over (:func:`class_positions`),
+    and what a result records about them (``mean_over``, ``mean_tokens``, ``mean_prompts``,
+    ``bos_excluded``, ``include_bos``).
+
+    Raises:
+        InterventionError: If no token is left to average over, or as :func:`class_positions`.
+    """
+    picks = []
+    n_bos = 0
+    for r, ids in enumerate(rows):
+        picked, dropped = class_positions(
+            ids, positions, bos_id, include_bos, f"reference row {r} of {label}"
+        )
+        picks.append(picked)
+        n_bos += dropped
+    n_tokens = sum(len(p) for p in picks)
+    where = _class_label(positions, include_bos, bos_id)
+    if n_tokens == 0:
+        raise InterventionError(
+            f"{label}: no token is left to average over ({where}); expected at least one. Fix: "
+            "longer reference prompts, or include_bos=True."
+        )
+    info = {
+        "mean_over": where,
+        "mean_tokens": n_tokens,
+        "mean_prompts": len(rows),
+        "bos_excluded": n_bos,
+        "include_bos": include_bos,
+    }
+    return picks, info
+
+
 def build_source(
     model: Any,
     view: HeadView,
@@ -462,30 +527,10 @@ def build_source(
             f"mode={mode!r} needs reference=: a gna_lens.tasks.Task or token ids [batch, pos] "
             "whose head outputs replace the ablated ones."
         )
-    if isinstance(reference, Task):
-        if len(reference) == 0:
-            raise InterventionError(f"reference task {reference.name!r} has no samples.")
-        groups = length_groups(reference, max_samples, device)
-        n = len(reference)
-        label = f"reference task {reference.name!r}"
-        rows = [tuple(int(t) for t in s.input_ids) for s in reference]
-    elif (
-        isinstance(reference, Tensor) and reference.ndim == 2 and not reference.is_floating_point()
-    ):
-        toks = reference.to(device)
-        groups = [
-            Group(torch.arange(s, min(s + max_samples, len(toks))), toks[s : s + max_samples])
-            for s in range(0, len(toks), max_samples)
-        ]
-        n = len(toks)
-        label = f"reference tokens {tuple(reference.shape)}"
-        rows = [tuple(r) for r in reference.tolist()]
-    else:
-        got = tuple(reference.shape) if isinstance(reference, Tensor) else type(reference).__name__
-        raise InterventionError(
-            f"reference={got}; expected a gna_lens.tasks.Task or unpadded token ids "
-            "[batch, pos] (torch.long)."
-        )
+    groups, label, rows = reference_rows(
+        reference, device, max_samples, "whose head outputs replace the ablated ones"
+    )
+    n = len(rows)
     bos_id = bos_token_id(model, reference)
     # Resample replaces per-row positions from the same positions of the reference row; the
     # mean of per-row positions (e.g. ``batch.query_positions``) is over the reference's queries.
@@ -502,33 +547,13 @@ def build_source(
             embeds=[e for e in embeds if e is not None], bos_id=bos_id, include_bos=include_bos,
             forwards=len(groups),
         )  # fmt: skip
-    picks = []
-    n_bos = 0
-    for r, ids in enumerate(rows):
-        picked, dropped = class_positions(
-            ids, positions, bos_id, include_bos, f"reference row {r} of {label}"
-        )
-        if last:  # last-only rows hold one position: the last
-            picked = [0] if picked else []
-        picks.append(picked)
-        n_bos += dropped
-    n_tokens = sum(len(p) for p in picks)
-    if n_tokens == 0:
-        raise InterventionError(
-            f"{label}: no token is left to average over ({_class_label(positions, include_bos, bos_id)}"
-            "); expected at least one. Fix: longer reference prompts, or include_bos=True."
-        )
+    picks, info = mean_positions(rows, positions, bos_id, include_bos, label)
+    if last:  # last-only rows hold one position: the last
+        picks = [[0] if p else [] for p in picks]
     mean = {}
     for layer, zs in per_row.items():
         cat = torch.cat([z[p] for z, p in zip(zs, picks, strict=True) if p])  # [tokens, H, d]
         mean[layer] = cat.float().mean(0).to(zs[0].dtype)
-    info = {
-        "mean_over": _class_label(positions, include_bos, bos_id),
-        "mean_tokens": n_tokens,
-        "mean_prompts": n,
-        "bos_excluded": n_bos,
-        "include_bos": include_bos,
-    }
     return Source(
         "mean", mean=mean, label=label, tokens=rows, bos_id=bos_id, include_bos=include_bos,
         info=info, forwards=len(groups),

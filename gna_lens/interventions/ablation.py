@@ -168,6 +168,23 @@ class _InputRows:
         mask[:, 0] = every and P > 1
         return mask
 
+    def edited(self, cols: Tensor | None, positions: Any, R: int, P: int, device: Any) -> Tensor:
+        """``[R, P]`` bool: the chosen columns ``cols`` (``[P]``; ``None``: all) minus the
+        positions holding BOS.
+
+        Raises:
+            InterventionError: If a listed position holds an input row's BOS.
+        """
+        bos = self.bos_mask(R, P, device)
+        if cols is not None and bool((cols[None, :] & bos).any()):
+            row, col = (int(i) for i in (cols[None, :] & bos).nonzero()[0])
+            raise InterventionError(
+                f"positions={positions!r} include column {col}, the BOS token of input row {row}; "
+                "mean ablation leaves BOS out of the mean and unedited. Fix: drop that position, "
+                "or pass include_bos=True."
+            )
+        return ~bos if cols is None else cols[None, :] & ~bos
+
     def check_pairs(self, R: int, P: int, ref: Tensor, layer: int) -> None:
         if not self.check_self:
             return
@@ -237,16 +254,7 @@ def _ablation_hook(
         else:
             cols = column_mask(positions, P, z.device)
             if inputs.skip_bos:
-                bos = inputs.bos_mask(R, P, z.device)
-                if cols is not None and bool((cols[None, :] & bos).any()):
-                    row, col = (int(i) for i in (cols[None, :] & bos).nonzero()[0])
-                    raise InterventionError(
-                        f"positions={positions!r} include column {col}, the BOS token of input "
-                        f"row {row}; mean ablation leaves BOS out of the mean and unedited. Fix: "
-                        "drop that position, or pass include_bos=True."
-                    )
-                keep = ~bos if cols is None else cols[None, :] & ~bos
-                where = where & keep[:, :, None, None]
+                where = where & inputs.edited(cols, positions, R, P, z.device)[:, :, None, None]
             elif cols is not None:
                 where = where & cols[None, :, None, None]
         ref = torch.arange(R) % max(source.n, 1)

@@ -15,8 +15,10 @@ target       what is replaced                                    hooks
 ``mlp``      the MLP's output, where the block has one           ``blocks.{l}.hook_mlp_out``
 ===========  ==================================================  ===============================
 
-``mode="zero"`` replaces it by zero, ``mode="mean"`` by its mean over a reference (every token, or
-the reference's last tokens with ``positions="last"``). Hooks exist only inside context managers;
+``mode="zero"`` replaces it by zero, ``mode="mean"`` by its mean over a reference, taken over the
+positions that are ablated (the reference prompts' last tokens for ``positions="last"``, the listed
+positions, or every position), a leading BOS left out of the mean and unedited unless
+``include_bos=True``: the same rule as head ablation. Hooks exist only inside context managers;
 weights are never edited and no hook survives a call, even when the model or a metric raises.
 
 The paper's protocols (Bick et al. 2025, the talk's MMLU case study):
@@ -49,14 +51,25 @@ from gna_lens.heads import HeadView, LayerHeads, _is_hooked_ssm, _probe_tokens, 
 from gna_lens.interventions._common import (
     Group,
     Metric,
+    Source,
+    bos_token_id,
     check_positions,
     column_mask,
     describe_task,
+    edit_positions,
     hooked,
     length_groups,
+    mean_positions,
+    reference_rows,
 )
 from gna_lens.interventions._runner import Runner
-from gna_lens.interventions.ablation import _NextTokenNLL, model_device, positions_label
+from gna_lens.interventions.ablation import (
+    _InputRows,
+    _NextTokenNLL,
+    ablation_info,
+    model_device,
+    positions_label,
+)
 from gna_lens.stats import Interval, bootstrap_interval, wilson_interval
 from gna_lens.tasks import Task, TextControl
 
@@ -255,7 +268,9 @@ def _check_layers(infos: Sequence[LayerInfo], layers: Any, what: str = "layers")
     return sorted(set(items))
 
 
-def _check_target_mode(target: Any, mode: Any) -> None:
+def _check_target_mode(target: Any, mode: Any, include_bos: Any = False) -> None:
+    if not isinstance(include_bos, bool):
+        raise InterventionError(f"include_bos={include_bos!r}; expected True or False.")
     if target not in LAYER_TARGETS:
         raise InterventionError(
             f"target={target!r}; expected one of {LAYER_TARGETS}: 'block' (the whole layer; "
@@ -279,54 +294,42 @@ def _check_layer_positions(positions: Any) -> Any:
 
 
 # ----------------------------------------------------------------------------- hooks
-def _reference_groups(reference: Any, device: Any, max_rows: int) -> list[Group]:
-    if isinstance(reference, Task):
-        if len(reference) == 0:
-            raise InterventionError(f"reference task {reference.name!r} has no samples.")
-        return length_groups(reference, max_rows, device)
-    if isinstance(reference, Tensor) and reference.ndim == 2 and not reference.is_floating_point():
-        toks = reference.to(device)
-        return [
-            Group(torch.arange(s, min(s + max_rows, len(toks))), toks[s : s + max_rows])
-            for s in range(0, len(toks), max_rows)
-        ]
-    got = tuple(reference.shape) if isinstance(reference, Tensor) else type(reference).__name__
-    raise InterventionError(
-        f"reference={got}; expected a gna_lens.tasks.Task or unpadded token ids [batch, pos] "
-        "(torch.long) whose mean replaces the layer's output."
-    )
-
-
-def _layer_means(
+def _layer_source(
     model: Any,
     infos: Sequence[LayerInfo],
     layers: Sequence[int],
     target: str,
     reference: Any,
     positions: Any,
+    include_bos: bool = False,
     max_rows: int = 16,
-) -> dict[int, Tensor]:
-    """Mean over the reference's tokens (its last tokens for ``positions="last"``) of what
-    ``target`` replaces: ``[d_model]`` per layer."""
+) -> Source:
+    """The mean over ``reference`` of what ``target`` replaces (``source.mean[layer]``:
+    ``[d_model]``), taken over the positions that are ablated, as for head ablation
+    (:func:`~gna_lens.interventions._common.mean_positions`): the reference prompts' last tokens
+    for ``positions="last"``, the listed positions (counted from each prompt's own end), or every
+    position; a leading BOS is left out unless ``include_bos`` (a list naming it raises)."""
     if reference is None:
         raise InterventionError(
             "mode='mean' needs reference=: a gna_lens.tasks.Task or token ids [batch, pos] whose "
             "mean layer output replaces the ablated one."
         )
-    last = positions == "last"
+    groups, label, rows = reference_rows(
+        reference, model_device(model), max_rows, "whose mean replaces the layer's output"
+    )
+    bos_id = bos_token_id(model, reference)
+    picks, info = mean_positions(rows, positions, bos_id, include_bos, label)
     sums: dict[int, Tensor] = {}
-    counts: dict[int, int] = {}
     pre: dict[int, Tensor] = {}
+    picked: dict[str, Tensor] = {}
 
     def add(layer: int, x: Tensor) -> None:
-        x = x[:, -1:] if last else x
-        flat = x.detach().double().reshape(-1, x.shape[-1])
+        flat = x.detach()[picked["rows"].to(x.device)].double()  # [tokens, d_model]
         sums[layer] = sums.get(layer, 0) + flat.sum(0)  # type: ignore[assignment]
-        counts[layer] = counts.get(layer, 0) + flat.shape[0]
 
     hooks: list[tuple[str, HookFn]] = []
     for layer in layers:
-        info = infos[layer]
+        info_l = infos[layer]
         if target == "block":
 
             def keep(x: Tensor, hook: Any, layer: int = layer) -> None:
@@ -335,23 +338,51 @@ def _layer_means(
             def delta(x: Tensor, hook: Any, layer: int = layer) -> None:
                 add(layer, x - pre.pop(layer).to(x.dtype))
 
-            hooks += [(info.resid_pre_hook, keep), (info.resid_post_hook, delta)]
+            hooks += [(info_l.resid_pre_hook, keep), (info_l.resid_post_hook, delta)]
         else:
 
             def value(x: Tensor, hook: Any, layer: int = layer) -> None:
                 add(layer, x)
 
-            hooks.append((_target_hook(info, target), value))
+            hooks.append((_target_hook(info_l, target), value))
     with torch.no_grad(), hooked(model, hooks):
-        for g in _reference_groups(reference, model_device(model), max_rows):
+        for g in groups:
+            mask = torch.zeros(len(g), g.length, dtype=torch.bool)
+            for j, i in enumerate(g.indices.tolist()):
+                mask[j, picks[i]] = True
+            picked["rows"] = mask
             model(g.tokens)
-    return {layer: (sums[layer] / max(counts[layer], 1)).float() for layer in layers}
+    n = info["mean_tokens"]
+    mean = {layer: (sums[layer] / n).float() for layer in layers}
+    return Source(
+        "mean", mean=mean, label=label, tokens=rows, bos_id=bos_id, include_bos=include_bos,
+        info=info, forwards=len(groups),
+    )  # fmt: skip
 
 
 def _edit_hooks(
-    info: LayerInfo, target: str, mean: Tensor | None, positions: Any
+    info: LayerInfo,
+    target: str,
+    mean: Tensor | None,
+    positions: Any,
+    inputs: _InputRows | None = None,
 ) -> list[tuple[str, HookFn]]:
-    """The hooks replacing ``target`` of one layer by zero (``mean=None``) or ``mean``."""
+    """The hooks replacing ``target`` of one layer by zero (``mean=None``) or ``mean``.
+
+    ``positions``: ``None``, ``"last"``, a list, or a :class:`SkipBos` (a sweep's known prompts
+    all start with BOS). ``inputs``: for mean ablation of unknown inputs without ``include_bos``,
+    finds the positions holding BOS (left unedited).
+    """
+    skip = inputs is not None and inputs.skip_bos
+
+    def edited(R: int, full: int, P: int, device: Any) -> Tensor | None:
+        """``[R or 1, P]`` bool: which of the last ``P`` of ``full`` positions are edited
+        (``None``: all)."""
+        cols = column_mask(positions, full, device)
+        if inputs is not None and skip:
+            return inputs.edited(cols, positions, R, full, device)[:, -P:]
+        return None if cols is None else cols[-P:][None]
+
     if target == "block":
         store: dict[str, Tensor] = {}
 
@@ -370,9 +401,9 @@ def _edit_hooks(
             new = pre[:, -P:]  # a runner may keep only the last positions after the last mixer
             if mean is not None:
                 new = new + mean.to(device=new.device, dtype=new.dtype)
-            cols = column_mask(positions, full, x.device)
-            if cols is not None:
-                new = torch.where(cols[-P:][None, :, None], new.to(x.dtype), x)
+            where = edited(x.shape[0], full, P, x.device)
+            if where is not None:
+                new = torch.where(where[:, :, None], new.to(x.dtype), x)
             return new.to(x.dtype)
 
         return [(info.resid_pre_hook, keep), (info.resid_post_hook, restore)]
@@ -387,26 +418,27 @@ def _edit_hooks(
         P = x.shape[1]
         # A runner may keep only the last positions after the last mixer: the MLP's output then
         # holds the last P of the block's full length.
-        cols = column_mask(positions, max(length.get("pos", P), P), x.device)
-        if cols is None:
+        where = edited(x.shape[0], max(length.get("pos", P), P), P, x.device)
+        if where is None:
             return value.expand_as(x).clone()
-        return torch.where(cols[-P:][None, :, None], value, x)
+        return torch.where(where[:, :, None], value, x)
 
     hooks: list[tuple[str, HookFn]] = [(_target_hook(info, target), replace)]
-    return [(info.resid_pre_hook, measure), *hooks] if positions is not None else hooks
+    return [(info.resid_pre_hook, measure), *hooks] if positions is not None or skip else hooks
 
 
 def _hooks_for(
     infos: Sequence[LayerInfo],
     layers: Sequence[int],
     target: str,
-    means: dict[int, Tensor] | None,
+    source: Source | None,
     positions: Any,
+    inputs: _InputRows | None = None,
 ) -> list[tuple[str, HookFn]]:
     hooks: list[tuple[str, HookFn]] = []
     for layer in layers:
-        mean = None if means is None else means[layer]
-        hooks += _edit_hooks(infos[layer], target, mean, positions)
+        mean = None if source is None else source.mean[layer]
+        hooks += _edit_hooks(infos[layer], target, mean, positions, inputs)
     return hooks
 
 
@@ -418,6 +450,7 @@ def layer_ablation_hooks(
     mode: str = "zero",
     positions: Any = None,
     reference: Any = None,
+    include_bos: bool = False,
 ) -> list[tuple[str, HookFn]]:
     """Hooks ``(hook_name, fn)`` that ablate whole layers; pass them to ``model.hooks`` /
     ``run_with_hooks``.
@@ -428,39 +461,48 @@ def layer_ablation_hooks(
         target: ``"block"`` (the block's contribution to the residual stream; with
             ``mode="zero"`` the block is the identity: the layer is removed), ``"mixer"`` (the
             attention's or SSM mixer's output) or ``"mlp"`` (the MLP's output).
-        mode: ``"zero"`` or ``"mean"`` (the mean of the replaced quantity over ``reference``:
-            over every token, or over its last tokens with ``positions="last"``).
+        mode: ``"zero"`` or ``"mean"``: the mean of the replaced quantity over ``reference``,
+            taken over the positions that are ablated (the reference prompts' last tokens for
+            ``positions="last"``, the listed positions of each prompt for a list, every position
+            for ``None``), a leading BOS left out of the mean and unedited unless
+            ``include_bos``; as for heads (:func:`~gna_lens.interventions.head_ablation_hooks`).
         positions: ``None`` (every position), ``"last"`` or a list of positions (negative from
             the end).
         reference: A :class:`~gna_lens.tasks.Task` or token ids ``[n, pos]`` (``"mean"`` only;
             its forward passes run here, once).
+        include_bos: Mean ablation only: average over (and edit) the BOS position too. In the
+            reference, a BOS is a prompt's first token when it is the tokenizer's
+            ``bos_token_id``; in the inputs, every position holding that token (found from
+            ``hook_embed``) is left unedited, and a list of positions naming one raises. Zero
+            ablation edits every chosen position, BOS included.
 
     Returns:
         A list of ``(hook name, hook function)`` pairs (two per removed block: one reads
-        ``hook_resid_pre``, the other returns it from ``hook_resid_post``).
+        ``hook_resid_pre``, the other returns it from ``hook_resid_post``; for mean ablation
+        without ``include_bos``, also a read-only hook on ``hook_embed`` that finds BOS).
 
     Raises:
         InterventionError: On unknown layers, targets, modes or positions, or a target the layer
-            lacks.
+            lacks; for mean ablation, a list of positions naming a BOS (in the reference here, in
+            the inputs at run time) unless ``include_bos``.
         PatternEditError: If the model would ignore the edit.
     """
     infos = layer_infos(model)
     checked = _check_layers(infos, layers)
     if not checked:
         raise InterventionError("layers=[] is empty; expected at least one layer index.")
-    _check_target_mode(target, mode)
+    _check_target_mode(target, mode, include_bos)
     positions = _check_layer_positions(positions)
     for layer in checked:
         _target_hook(infos[layer], target)
     if mode == "zero" and reference is not None:
         raise InterventionError("mode='zero' takes no reference; pass mode='mean' to use one.")
     _require_editable(model, infos, checked, target)
-    means = (
-        _layer_means(model, infos, checked, target, reference, positions)
-        if mode == "mean"
-        else None
-    )
-    return _hooks_for(infos, checked, target, means, positions)
+    if mode == "zero":
+        return _hooks_for(infos, checked, target, None, positions)
+    source = _layer_source(model, infos, checked, target, reference, positions, include_bos)
+    inputs = _InputRows(model, source, positions, model_device(model))
+    return inputs.hooks() + _hooks_for(infos, checked, target, source, positions, inputs)
 
 
 @contextmanager
@@ -472,6 +514,7 @@ def ablate_layers(
     mode: str = "zero",
     positions: Any = None,
     reference: Any = None,
+    include_bos: bool = False,
 ) -> Iterator[Any]:
     """Ablate whole layers inside a ``with`` block; the model is untouched afterwards.
 
@@ -479,9 +522,11 @@ def ablate_layers(
         model: A TransformerBridge or a HookedSSM.
         layers: Layer indices.
         target: ``"block"``, ``"mixer"`` or ``"mlp"`` (see :func:`layer_ablation_hooks`).
-        mode: ``"zero"`` or ``"mean"``.
+        mode: ``"zero"`` or ``"mean"`` (over the ablated positions of ``reference``, BOS
+            excluded and unedited; see :func:`layer_ablation_hooks`).
         positions: ``None`` (all), ``"last"`` or a list of positions.
         reference: Task or token ids for ``"mean"``.
+        include_bos: Mean ablation: average over and edit the BOS position too.
 
     Yields:
         The model, with the hooks attached.
@@ -504,8 +549,9 @@ def ablate_layers(
         (True, True)
     """
     hooks = layer_ablation_hooks(
-        model, layers, target=target, mode=mode, positions=positions, reference=reference
-    )
+        model, layers, target=target, mode=mode, positions=positions, reference=reference,
+        include_bos=include_bos,
+    )  # fmt: skip
     with hooked(model, hooks):
         yield model
 
@@ -562,7 +608,10 @@ class LayerSweepResult:
         control_baseline: The control's loss without ablation ``[window]``, or ``None``.
         control: The control's description (``""`` when none).
         method: How the numbers were made: protocol, target, mode, positions, metric, control,
-            layers removed throughout, intervals, path, timings.
+            layers removed throughout, intervals, path, timings; for mean ablation, what the
+            mean was taken over, as for heads (``mean_over``, ``mean_tokens``, ``mean_prompts``,
+            ``bos_excluded``, ``include_bos``, ``bos_unedited``; the same with a ``control_``
+            prefix for the control's own mean).
     """
 
     cells: tuple[Cell, ...]
@@ -932,6 +981,7 @@ def _sweep_cells(
     mode: str,
     positions: Any,
     reference: Any,
+    include_bos: bool,
     removed: list[int],
     control: Any,
     method: str,
@@ -945,7 +995,7 @@ def _sweep_cells(
 
     t0 = time.perf_counter()
     infos = layer_infos(model)
-    _check_target_mode(target, mode)
+    _check_target_mode(target, mode, include_bos)
     positions = _check_layer_positions(positions)
     if method not in ("batched", "loop"):
         raise InterventionError(f"method={method!r}; expected 'batched' or 'loop'.")
@@ -971,24 +1021,24 @@ def _sweep_cells(
         leave=False,
     )
     c_values = c_base = None
+    mean_info: dict[str, Any] = {}
     try:
         with torch.no_grad():
-            means = (
-                _layer_means(model, infos, layers, target, reference, positions)
-                if mode == "mean"
-                else None
-            )
-            hooks = [_hooks_for(infos, c, target, means, positions) for c in cells]
+            hooks, mean_info = _cell_hooks(
+                model, infos, cells, layers, target, mode, reference, positions, include_bos,
+                [s.input_ids for s in task],
+            )  # fmt: skip
             values, baseline, forwards = _run(
                 Runner(model, view), infos, cells, hooks, base_hooks,
                 length_groups(task, max_rows, device), met, method, bar,
             )  # fmt: skip
             if resolved is not None:
-                c_values, c_base, c_forwards = _control_run(
-                    model, infos, view, resolved, cells, target, mode, positions, base_hooks,
-                    layers, method, max_rows, device, bar,
+                c_values, c_base, c_forwards, c_info = _control_run(
+                    model, infos, view, resolved, cells, target, mode, positions, include_bos,
+                    base_hooks, layers, method, max_rows, device, bar,
                 )  # fmt: skip
                 forwards += c_forwards
+                mean_info |= {f"control_{k}": v for k, v in c_info.items()}
     finally:
         bar.close()
     description = ""
@@ -1030,7 +1080,7 @@ def _sweep_cells(
         if method == "batched" else "loop (a full forward per cell)",
         "forwards": forwards,
         "seconds": round(time.perf_counter() - t0, 3),
-    }  # fmt: skip
+    } | mean_info  # fmt: skip
     return LayerSweepResult(
         cells=tuple(cells),
         kinds=tuple(_cell_kind(infos, c) for c in cells),
@@ -1059,14 +1109,16 @@ def _control_run(
     target: str,
     mode: str,
     positions: Any,
+    include_bos: bool,
     base_hooks: list[tuple[str, HookFn]],
     layers: list[int],
     method: str,
     max_rows: int,
     device: Any,
     bar: Any,
-) -> tuple[Tensor, Tensor, int]:
-    """The cells on the control: per-window (per-answer) losses."""
+) -> tuple[Tensor, Tensor, int, dict[str, Any]]:
+    """The cells on the control: per-window (per-answer) losses, and what the mean was taken
+    over (mean ablation: over the control's own windows / samples)."""
     if isinstance(control, TextControl):
         last = positions == "last"
         inputs = control.tokens[:, :-1]
@@ -1079,19 +1131,46 @@ def _control_run(
         metric: Callable[[Tensor, Tensor], Tensor] = _NextTokenNLL(control.tokens, k)
         groups = _groups_of_windows(inputs, max_rows, device)
         ref: Any = inputs
+        prompts = inputs.tolist()
     elif isinstance(control, Task):
         runner = Runner(model, view)
         metric = _NegMetric(control)
         groups = length_groups(control, max_rows, device)
         ref = control
+        prompts = [s.input_ids for s in control]
     else:  # pragma: no cover - resolve_control returns one of the two
         raise InterventionError(f"control of type {type(control).__name__}")
-    means = _layer_means(model, infos, layers, target, ref, positions) if mode == "mean" else None
-    hooks = [_hooks_for(infos, c, target, means, positions) for c in cells]
+    hooks, info = _cell_hooks(
+        model, infos, cells, layers, target, mode, ref, positions, include_bos, prompts
+    )
     values, baseline, forwards = _run(
         runner, infos, cells, hooks, base_hooks, groups, metric, method, bar
     )
-    return values, baseline, forwards
+    return values, baseline, forwards, info
+
+
+def _cell_hooks(
+    model: Any,
+    infos: Sequence[LayerInfo],
+    cells: Sequence[Cell],
+    layers: list[int],
+    target: str,
+    mode: str,
+    reference: Any,
+    positions: Any,
+    include_bos: bool,
+    prompts: Sequence[Sequence[int]],
+) -> tuple[list[list[tuple[str, HookFn]]], dict[str, Any]]:
+    """Each cell's hooks on ``prompts`` (mean ablation: BOS columns left unedited unless
+    ``include_bos``), and what the mean was taken over (``{}`` for zero ablation)."""
+    source = (
+        _layer_source(model, infos, layers, target, reference, positions, include_bos)
+        if mode == "mean"
+        else None
+    )
+    edited = positions if source is None else edit_positions(source, positions, prompts)
+    hooks = [_hooks_for(infos, c, target, source, edited) for c in cells]
+    return hooks, {} if source is None else ablation_info(source, edited)
 
 
 def _layer_cells(infos: Sequence[LayerInfo], layers: Any, removed: list[int]) -> list[Cell]:
@@ -1141,6 +1220,7 @@ def layer_sweep(
     mode: str = "zero",
     positions: Any = None,
     reference: Any = None,
+    include_bos: bool = False,
     removed: Sequence[int] = (),
     control: Any = "prose",
     method: str = "batched",
@@ -1163,10 +1243,13 @@ def layer_sweep(
             layer sets ``[[16, 17], ...]`` (each set ablated together).
         target: ``"block"`` (default: with ``mode="zero"`` the layer is removed), ``"mixer"``
             or ``"mlp"`` (see :func:`layer_ablation_hooks`).
-        mode: ``"zero"`` or ``"mean"`` (over ``reference``; the control's own windows for the
-            control).
+        mode: ``"zero"`` or ``"mean"``: the mean over ``reference`` (the control's own windows
+            for the control) at the ablated positions, BOS excluded and unedited unless
+            ``include_bos`` (see :func:`layer_ablation_hooks`; ``method["mean_over"]`` says
+            which).
         positions: ``None`` (every position), ``"last"`` or a list of positions.
         reference: Task or token ids for ``mode="mean"``.
+        include_bos: Mean ablation: average over and edit the BOS position too.
         removed: Layers removed in every run, the baseline included (the paper first removes
             every layer above L17 of Llama-3.1-8B, then sweeps the rest).
         control: What needs no in-context retrieval (:func:`~gna_lens.scoring.resolve_control`):
@@ -1199,8 +1282,8 @@ def layer_sweep(
     cells = _layer_cells(infos, layers, removed_list)
     return _sweep_cells(
         model, task, metric, cells, target=target, mode=mode, positions=positions,
-        reference=reference, removed=removed_list, control=control, method=method,
-        max_rows=max_rows, progress=progress, protocol="individual removal",
+        reference=reference, include_bos=include_bos, removed=removed_list, control=control,
+        method=method, max_rows=max_rows, progress=progress, protocol="individual removal",
     )  # fmt: skip
 
 
@@ -1214,6 +1297,7 @@ def prune_from_end(
     mode: str = "zero",
     positions: Any = None,
     reference: Any = None,
+    include_bos: bool = False,
     control: Any = "prose",
     method: str = "batched",
     max_rows: int = 64,
@@ -1231,9 +1315,10 @@ def prune_from_end(
         metric: As in :func:`layer_sweep`.
         n_steps: Pruning steps (default ``n_layers - 1``: every step that leaves a layer).
         target: ``"block"`` (default), ``"mixer"`` or ``"mlp"``.
-        mode: ``"zero"`` or ``"mean"``.
+        mode: ``"zero"`` or ``"mean"`` (as in :func:`layer_sweep`).
         positions: ``None``, ``"last"`` or a list of positions.
         reference: Task or token ids for ``mode="mean"``.
+        include_bos: Mean ablation: average over and edit the BOS position too.
         control: As in :func:`layer_sweep` (default ``"prose"``).
         method: ``"batched"`` or ``"loop"``.
         max_rows: Prompts per forward pass.
@@ -1264,6 +1349,6 @@ def prune_from_end(
     cells = [tuple(range(n - k, n)) for k in range(1, steps + 1)]
     return _sweep_cells(
         model, task, metric, cells, target=target, mode=mode, positions=positions,
-        reference=reference, removed=[], control=control, method=method, max_rows=max_rows,
-        progress=progress, protocol="gradual pruning from the end",
+        reference=reference, include_bos=include_bos, removed=[], control=control, method=method,
+        max_rows=max_rows, progress=progress, protocol="gradual pruning from the end",
     )  # fmt: skip
