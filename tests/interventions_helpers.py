@@ -100,3 +100,69 @@ def weights(m) -> dict[str, torch.Tensor]:
 def tokens(t: Task) -> torch.Tensor:
     """Unpadded token ids of a task whose prompts all have the same length."""
     return torch.tensor([s.input_ids for s in t])
+
+
+# ----------------------------------------------------------------------------- prompts with BOS
+@functools.cache
+def bos_tok():
+    """A word tokenizer that prepends BOS (``<s>``) to every prompt."""
+    return word_tokenizer(
+        ["Memorize the following dictionary:", "The value of the key '", " is", *KEYS], bos=True
+    )
+
+
+@functools.cache
+def bos_task(n_pairs: int, n_samples: int, seed: int) -> Task:
+    """KV retrieval whose every prompt starts with BOS."""
+    return kv_retrieval(bos_tok(), n_pairs=n_pairs, n_samples=n_samples, words=KEYS, seed=seed)
+
+
+@functools.cache
+def bos_model(arch: str):
+    """A tiny HookedSSM (``arch``) or Llama TransformerBridge whose tokenizer is bos_tok()."""
+    if arch != "llama":
+        from gna_lens.models import HookedSSM
+        from gna_lens.testing import tiny_hf_model
+
+        return HookedSSM.from_hf_model(tiny_hf_model(arch, vocab_size=len(bos_tok())), bos_tok())
+    from transformer_lens.model_bridge import TransformerBridge
+
+    from gna_lens.testing import tiny_checkpoint
+
+    path = Path(tempfile.mkdtemp(prefix="gna_lens_bos_")) / "llama"
+    tiny_checkpoint("llama", path, vocab_size=len(bos_tok()))
+    bos_tok().save_pretrained(path)
+    return TransformerBridge.boot_transformers(str(path))
+
+
+def hand_picks(n: int, positions, include_bos: bool = False) -> list[int]:
+    """The positions of an ``n``-token prompt starting with BOS that a mean ablation averages
+    over and edits, as a careful researcher picks them: the last token for ``"last"``, the listed
+    positions (each once) for a list, every position for ``None``; position 0 (the BOS) left out
+    unless ``include_bos``."""
+    if positions == "last":
+        picked = [n - 1]
+    elif positions is None:
+        picked = list(range(n))
+    else:
+        picked = sorted({p % n for p in positions})
+    return picked if include_bos else [p for p in picked if p != 0]
+
+
+def hand_class_mean(reference: Task, value, positions, include_bos: bool = False) -> torch.Tensor:
+    """The mean over the reference prompts of ``value(ids [1, pos]) -> [pos, ...]`` at
+    :func:`hand_picks`, each prompt run alone (each (prompt, position) counts once)."""
+    rows = []
+    for s in reference:
+        assert s.input_ids[0] == bos_tok().bos_token_id
+        x = value(torch.tensor([s.input_ids]))[0]
+        rows.append(x[hand_picks(x.shape[0], positions, include_bos)])
+    return torch.cat(rows).mean(0)
+
+
+def hand_columns(P: int, positions, include_bos: bool = False) -> torch.Tensor:
+    """``[P]`` bool: the columns a mean ablation edits in inputs of ``P`` tokens starting
+    with BOS."""
+    cols = torch.zeros(P, dtype=torch.bool)
+    cols[hand_picks(P, positions, include_bos)] = True
+    return cols

@@ -2,51 +2,18 @@
 unless asked), and resample ablation refuses to pair a prompt with itself."""
 
 import dataclasses
-import functools
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
+from interventions_helpers import bos_model, bos_task, bos_tok, hand_class_mean, hand_columns
 
 import gna_lens.interventions as I
 from gna_lens.errors import InterventionError
 from gna_lens.heads import head_view
 from gna_lens.interventions._common import Metric
-from gna_lens.tasks import kv_retrieval
-from gna_lens.tasks._testing import word_tokenizer
 
-KEYS = ("apple", "river", "stone", "cloud", "lamp", "tree", "house", "bird")
 ARCHS = ["mamba2", "bamba", "llama"]  # SSM, hybrid (layer 1 is attention), Transformer bridge
-
-
-@functools.cache
-def bos_tok():
-    """A word tokenizer that prepends BOS (``<s>``) to every prompt."""
-    return word_tokenizer(
-        ["Memorize the following dictionary:", "The value of the key '", " is", *KEYS], bos=True
-    )
-
-
-@functools.cache
-def kv(n_pairs: int, n_samples: int, seed: int):
-    return kv_retrieval(bos_tok(), n_pairs=n_pairs, n_samples=n_samples, words=KEYS, seed=seed)
-
-
-@functools.cache
-def bos_model(arch: str):
-    if arch != "llama":
-        from gna_lens.testing import tiny_hooked_ssm
-
-        return tiny_hooked_ssm(arch, vocab_size=len(bos_tok()))
-    from transformer_lens.model_bridge import TransformerBridge
-
-    from gna_lens.testing import tiny_checkpoint
-
-    path = Path(tempfile.mkdtemp(prefix="gna_lens_bos_")) / "llama"
-    tiny_checkpoint("llama", path, vocab_size=len(bos_tok()))
-    bos_tok().save_pretrained(path)
-    return TransformerBridge.boot_transformers(str(path))
+kv = bos_task
 
 
 def _ids(task) -> torch.Tensor:
@@ -64,21 +31,9 @@ def _z(model, layer: int, ids: torch.Tensor) -> torch.Tensor:
 def hand_mean(model, layer: int, reference, positions, include_bos: bool = False):
     """The mean a careful researcher computes by hand: over the reference prompts' tokens at the
     ablated positions, each (prompt, position) once, position 0 (the BOS) left out."""
-    rows = []
-    for s in reference:
-        z = _z(model, layer, torch.tensor([s.input_ids]))[0]  # [pos, H, d]
-        n = z.shape[0]
-        if positions == "last":
-            picked = [n - 1]
-        elif positions is None:
-            picked = list(range(n))
-        else:
-            picked = sorted({p % n for p in positions})
-        if not include_bos:
-            assert s.input_ids[0] == bos_tok().bos_token_id
-            picked = [p for p in picked if p != 0]
-        rows.append(z[picked])
-    return torch.cat(rows).mean(0)  # [H, d]
+    return hand_class_mean(
+        reference, lambda ids: _z(model, layer, ids), positions, include_bos
+    )  # [H, d]
 
 
 def ablated_z(model, layer: int, heads, ids, **kw) -> torch.Tensor:
@@ -108,16 +63,7 @@ def assert_mean_ablation(model, layer, head, ids, reference, positions, include_
         reference=reference, **kw,
     )  # fmt: skip
     mean = hand_mean(model, layer, reference, positions, include_bos)
-    P = ids.shape[1]
-    cols = torch.zeros(P, dtype=torch.bool)
-    if positions == "last":
-        cols[-1] = True
-    elif positions is None:
-        cols[:] = True
-    else:
-        cols[list(positions)] = True
-    if not include_bos:
-        cols[0] = False
+    cols = hand_columns(ids.shape[1], positions, include_bos)
     others = torch.ones(clean.shape[2], dtype=torch.bool)
     others[head] = False
     assert torch.allclose(

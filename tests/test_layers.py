@@ -6,7 +6,18 @@ import dataclasses
 
 import pytest
 import torch
-from interventions_helpers import hook_count, model, task, tok, weights
+from interventions_helpers import (
+    bos_model,
+    bos_task,
+    bos_tok,
+    hand_class_mean,
+    hand_columns,
+    hook_count,
+    model,
+    task,
+    tok,
+    weights,
+)
 
 from gna_lens.errors import InterventionError
 from gna_lens.interventions import (
@@ -16,6 +27,8 @@ from gna_lens.interventions import (
     prune_from_end,
     remove_layers,
 )
+from gna_lens.interventions._common import Metric
+from gna_lens.interventions.layers import layer_infos
 from gna_lens.models import HookedSSM
 from gna_lens.scoring import score_heads
 from gna_lens.tasks import TextControl, evaluate
@@ -157,6 +170,139 @@ def test_mean_mode_adds_the_references_mean_and_last_position_leaves_the_rest(ta
     assert not torch.allclose(last[names[1]][:, -1], clean[names[1]][:, -1])
     with pytest.raises(InterventionError, match="needs reference"):
         layer_ablation_hooks(m, [0], mode="mean")
+
+
+# ----------------------------------------------------------------------------- mean over a class
+def _ids(t) -> torch.Tensor:
+    return torch.tensor([s.input_ids for s in t])
+
+
+def _layer_out(m, layer: int, target: str, ids: torch.Tensor, **ablate) -> torch.Tensor:
+    """What ``target`` of ``layer`` holds ``[batch, pos, d_model]`` on a forward of ``ids`` (the
+    block: ``resid_post - resid_pre``), under ``ablate_layers(**ablate)`` when given."""
+    info = layer_infos(m)[layer]
+    names = {
+        "block": [info.resid_pre_hook, info.resid_post_hook],
+        "mixer": [info.mixer_hook],
+        "mlp": [info.mlp_hook],
+    }[target]
+    with torch.no_grad():
+        if ablate:
+            with ablate_layers(m, [layer], target=target, **ablate):
+                _, cache = m.run_with_cache(ids, names_filter=names)
+        else:
+            _, cache = m.run_with_cache(ids, names_filter=names)
+    return cache[names[-1]] - cache[names[0]] if target == "block" else cache[names[0]]
+
+
+def assert_layer_mean_ablation(m, layer, target, positions, include_bos=False):
+    """The ablated quantity holds the hand mean (over the reference prompts' tokens at the
+    ablated positions, BOS left out unless include_bos) exactly at the ablated positions, and the
+    clean value elsewhere (the BOS column included)."""
+    ids, ref = _ids(bos_task(3, 3, 0)), bos_task(4, 5, 5)  # other lengths than the reference
+    assert ids[0, 0] == bos_tok().bos_token_id
+    kw = {"include_bos": True} if include_bos else {}
+    got = _layer_out(m, layer, target, ids, mode="mean", positions=positions, reference=ref, **kw)
+    clean = _layer_out(m, layer, target, ids)
+    mean = hand_class_mean(
+        ref, lambda x: _layer_out(m, layer, target, x), positions, include_bos
+    )  # fmt: skip
+    cols = hand_columns(ids.shape[1], positions, include_bos)
+    torch.testing.assert_close(got[:, cols], mean.expand_as(got[:, cols]), atol=2e-5, rtol=0)
+    torch.testing.assert_close(got[:, ~cols], clean[:, ~cols], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("arch", "target"),
+    [("mamba2", "block"), ("mamba2", "mixer"), ("llama", "block"), ("llama", "mixer"),
+     ("llama", "mlp")],
+)  # fmt: skip
+@pytest.mark.parametrize("positions", ["last", None, [-2, -1], [1, 2]])
+def test_layer_mean_is_over_the_ablated_positions_of_the_reference_without_bos(
+    arch, target, positions
+):
+    assert_layer_mean_ablation(bos_model(arch), 1, target, positions)
+
+
+@pytest.mark.parametrize("arch", ["mamba2", "llama"])
+def test_layer_mean_with_include_bos_averages_over_and_edits_the_bos_too(arch):
+    m = bos_model(arch)
+    assert_layer_mean_ablation(m, 1, "block", None, include_bos=True)
+    assert_layer_mean_ablation(m, 0, "mixer", [0, -1], include_bos=True)
+
+
+@pytest.mark.parametrize("arch", ["mamba2", "llama"])
+def test_layer_mean_with_a_listed_bos_position_raises_unless_include_bos(arch):
+    m = bos_model(arch)
+    t, ref = bos_task(3, 3, 0), bos_task(4, 5, 5)
+    ids = _ids(t)
+    kw = dict(mode="mean", reference=ref)
+    with pytest.raises(InterventionError, match=r"positions=\[0, -1\] include position 0.*BOS"):
+        layer_ablation_hooks(m, [1], positions=[0, -1], **kw)
+    # Position -P is BOS in the P-token inputs, not in the longer reference prompts: the hooks
+    # find it at run time.
+    P = ids.shape[1]
+    assert ref[0].n_tokens > P
+    with (
+        pytest.raises(InterventionError, match=r"column 0, the BOS token of input row 0"),
+        torch.no_grad(),
+        ablate_layers(m, [1], target="mixer", positions=[-P, -1], **kw),
+    ):
+        m(ids)
+    for sweep in (layer_sweep, prune_from_end):
+        with pytest.raises(InterventionError, match="include_bos=True"):
+            sweep(m, t, "logit_diff", positions=[-P, -1], control=None, progress=False, **kw)
+    with torch.no_grad(), ablate_layers(m, [1], positions=[0, -1], include_bos=True, **kw):
+        m(ids)  # allowed when asked
+
+
+@pytest.mark.parametrize("arch", ["mamba2", "llama"])
+def test_layer_sweep_mean_equals_a_hand_made_mean_hook_and_records_the_class(arch):
+    """Every sweep path (from the ablated layer's cached residual, or a loop of full forwards)
+    adds the hand mean at every position but the BOS, on the task and on the control."""
+    m = bos_model(arch)
+    t, ref = bos_task(3, 4, 0), bos_task(4, 5, 5)
+    control = TextControl(name="bos windows", tokens=_ids(bos_task(2, 3, 7)), source="kv prompts")
+    ids = _ids(t)
+    kw = dict(mode="mean", reference=ref, control=control, progress=False)
+    res = layer_sweep(m, t, "logit_diff", **kw)
+    loop = layer_sweep(m, t, "logit_diff", method="loop", **kw)
+    torch.testing.assert_close(res.values, loop.values, atol=1e-5, rtol=0)
+    torch.testing.assert_close(res.control_values, loop.control_values, atol=1e-5, rtol=0)
+    met, idx = Metric("logit_diff", t), torch.arange(len(t))
+    for layer in range(m.cfg.n_layers):
+        info = layer_infos(m)[layer]
+        mean = hand_class_mean(ref, lambda x, layer=layer: _layer_out(m, layer, "block", x), None)
+        pre = {}
+
+        def keep(x, hook, pre=pre):
+            pre["x"] = x
+
+        def replace(x, hook, pre=pre, mean=mean):
+            x = x.clone()
+            x[:, 1:] = pre["x"][:, 1:] + mean  # every position but the BOS
+            return x
+
+        hooks = [(info.resid_pre_hook, keep), (info.resid_post_hook, replace)]
+        with torch.no_grad(), m.hooks(fwd_hooks=hooks):
+            manual = met(m(ids)[:, -1], idx)
+        torch.testing.assert_close(res.values[layer], manual, atol=1e-5, rtol=0)
+    assert res.effects.abs().max() > 1e-3
+    assert res.method["mean_over"] == (
+        f"every position of each reference prompt, except a leading BOS (id {bos_tok().bos_token_id})"
+    )
+    assert res.method["mean_tokens"] == sum(s.n_tokens - 1 for s in ref)
+    assert res.method["mean_prompts"] == len(ref)
+    assert res.method["bos_excluded"] == len(ref)
+    assert res.method["include_bos"] is False and res.method["bos_unedited"] is True
+    assert res.method["control_mean_tokens"] == control.tokens[:, :-1].numel() - len(control)
+    assert res.method["control_bos_unedited"] is True
+    with_bos = prune_from_end(m, t, "logit_diff", include_bos=True, **kw)
+    assert with_bos.method["include_bos"] is True and with_bos.method["bos_unedited"] is False
+    assert with_bos.method["bos_excluded"] == 0
+    assert (with_bos.values[0] - res.values[-1]).abs().max() > 1e-4  # another ablation
+    zero = layer_sweep(m, t, "logit_diff", control=None, progress=False)
+    assert "mean_over" not in zero.method
 
 
 def _windows(n: int = 3, length: int = 12) -> TextControl:
