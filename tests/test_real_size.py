@@ -5,8 +5,8 @@ import functools
 
 import pytest
 import torch
-from interventions_helpers import tok, tokens
 from interventions_helpers import task as make_task
+from interventions_helpers import tok, tokens
 
 import gna_lens.interventions as I
 from gna_lens.heads import head_view
@@ -40,6 +40,12 @@ def test_mamba1_scan_backward_is_the_gradient_across_chunk_boundaries(chunk):
     assert torch.autograd.gradcheck(
         lambda *a: ops.Mamba1Scan.apply(*a, chunk), inputs, eps=1e-6, atol=1e-8
     )
+
+
+def model_for(arch):
+    from interventions_helpers import model
+
+    return model(arch)
 
 
 @functools.cache
@@ -104,3 +110,87 @@ def test_mamba1_attribution_on_the_fast_scan_matches_the_materialized_path(monke
     assert est.cells == ref.cells and len(est.cells) == view.n_heads_total
     assert torch.allclose(est.values, ref.values, rtol=0, atol=1e-5)
     assert torch.allclose(est.baseline, ref.baseline, rtol=0, atol=1e-10)
+
+
+# ----------------------------------------------------------------------------- pattern scores
+def _full_materialization_scores(m, t, heads, batch_size=4, padding_side="left"):
+    """The pre-streaming pattern_scores: every layer's whole pattern ([batch, head, L, L], all
+    rows) captured in one forward and held until every layer is scored."""
+    from gna_lens.scoring.patterns import _capture_patterns, _sample_scores
+
+    view = head_view(m)
+    layers = sorted({layer for layer, _ in heads})
+    per_layer = {layer: [] for layer in layers}
+    bos = t.tokenizer.bos_token_id
+    for batch in t.batches(batch_size, padding_side=padding_side):
+        with torch.no_grad(), _capture_patterns(m, view, layers) as store:
+            m(batch.input_ids, attention_mask=batch.attention_mask)
+        for layer in layers:
+            pat = store[layer].double()
+            for b, (sample, off) in enumerate(zip(batch.samples, batch.offsets, strict=True)):
+                n = sample.n_tokens
+                sink = bos is not None and sample.input_ids[0] == bos
+                P = pat[b, :, off : off + n, off : off + n]
+                per_layer[layer].append(_sample_scores(P, sample, sink))
+    stacked = {layer: torch.stack(rows) for layer, rows in per_layer.items()}
+    return torch.stack([stacked[layer][:, h] for layer, h in heads], 1).float()
+
+
+@functools.cache
+def _fp64(arch):
+    from gna_lens.testing import tiny_hooked_ssm
+
+    return tiny_hooked_ssm(arch, vocab_size=len(tok())).to(torch.float64)
+
+
+@pytest.mark.parametrize("arch", ["mamba1", "mamba2", "bamba"])
+@pytest.mark.parametrize("subset", [False, True])
+def test_rows_only_streamed_pattern_scores_equal_full_materialization(arch, subset):
+    """float64 models: rows-only, layer-by-layer scores equal the full-materialization scores
+    (measured: bit-identical; 1e-6 allowed). In float32 the two differ by ~1e-5, because a
+    materialized layer's output (pattern @ x for the materialized rows) rounds differently from
+    the fast scan and later layers see that."""
+    from gna_lens.scoring import pattern_scores
+
+    m, t = _fp64(arch), make_task(n_pairs=4, n_samples=6)
+    view = head_view(m)
+    heads = [(0, 1), (0, 5), (view.n_layers - 1, 2)] if subset else view.heads()
+    got = pattern_scores(m, t, heads=heads if subset else None, batch_size=4, progress=False)
+    ref = _full_materialization_scores(m, t, heads)
+    assert list(got.heads) == heads
+    assert torch.equal(got.per_sample.isnan(), ref.isnan())
+    assert torch.allclose(got.per_sample.nan_to_num(), ref.nan_to_num(), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("arch", ["mamba1", "mamba2", "bamba"])
+def test_pattern_scores_materialize_only_scored_rows_and_one_layer_at_a_time(arch):
+    """Memory: every SSM pattern pattern_scores materializes is [batch, heads, rows, L] with
+    rows = the scored rows (summary tokens, their null shifts, the query), fewer than L; and when
+    a layer's pattern is computed, no earlier layer's pattern of that forward is still alive."""
+    import weakref
+
+    from gna_lens.scoring import pattern_scores
+    from gna_lens.scoring.patterns import scored_rows
+
+    m = model_for(arch)
+    t = make_task(n_pairs=4, n_samples=4)
+    view = head_view(m)
+    seen, alive_before = [], []
+
+    def watch(pattern, hook):
+        alive_before.append([r() is not None for r in seen])
+        seen.append(weakref.ref(pattern))
+        if view[int(hook.name.split(".")[1])].kind == "ssm":
+            shapes.append(tuple(pattern.shape))
+
+    shapes = []
+    with m.hooks(fwd_hooks=[(lh.pattern_hook, watch) for lh in view]):
+        pattern_scores(m, t, batch_size=len(t), progress=False)
+    assert len(seen) == view.n_layers and not any(any(a) for a in alive_before)
+    length = t[0].n_tokens
+    rows = scored_rows(t[0])
+    assert all(s.n_tokens == length and scored_rows(s) == rows for s in t)
+    n_ssm = sum(lh.kind == "ssm" for lh in view)
+    assert len(shapes) == n_ssm and len(rows) < length
+    for shape in shapes:
+        assert shape == (len(t), m.cfg.n_heads, len(rows), length)  # n_rows * L, not L^2

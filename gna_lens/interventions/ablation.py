@@ -100,8 +100,7 @@ def head_ablation_hooks(
         )
     hooks = []
     for layer in layers:
-        head_mask = torch.zeros(view[layer].n_heads, dtype=torch.bool)
-        head_mask[[h for lay, h in checked if lay == layer]] = True
+        head_mask = view[layer].hook_mask(h for lay, h in checked if lay == layer)
         hooks.append(
             (view[layer].z_hook, _ablation_hook(layer, head_mask, source, positions, view))
         )

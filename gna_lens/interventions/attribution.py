@@ -161,7 +161,9 @@ def attribute_heads(
             cols = column_mask(positions, z.shape[1], z.device)
             if cols is not None:
                 delta = delta * cols[None, :, None, None]
-            contrib = (delta * grad).sum(dim=(1, 3)).float().cpu()  # [G, H]
+            contrib = (delta * grad).sum(dim=(1, 3)).float().cpu()  # [G, n_channels]
+            if view[layer].channels is not None:  # Mamba-1 channel groups: sum their channels
+                contrib = contrib @ view[layer].membership().T
             est[layer][g.indices] = contrib
     values_out = torch.stack(
         [baseline + sum((est[layer][:, h] for layer, h in cell), torch.zeros(n)) for cell in cells]

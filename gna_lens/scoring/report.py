@@ -540,6 +540,7 @@ def _model_name(model: Any) -> str:
 
 def _examples(model: Any, task: Task, heads: list[Head]) -> dict[str, Any]:
     """Patterns of ``heads`` on the task's first sample (SSM rows as |M| normalized)."""
+    from gna_lens.heads import head_patterns
     from gna_lens.scoring.patterns import _capture_patterns
 
     view = head_view(model)
@@ -550,7 +551,7 @@ def _examples(model: Any, task: Task, heads: list[Head]) -> dict[str, Any]:
         model(torch.tensor([sample.input_ids], device=device))
     patterns = {}
     for layer, h in heads:
-        p = store[layer][0, h].float()
+        p = head_patterns(store[layer], view[layer])[0, h].float()  # Mamba-1 groups: aggregated
         if view[layer].kind == "ssm":
             p = p.abs().tril()
             p = p / p.sum(-1, keepdim=True).clamp(min=1e-30)

@@ -1,0 +1,245 @@
+"""Cost of the scan's stages on real-size SSM configs, with random weights (nothing downloaded).
+
+Builds HookedSSM models from the real configs of ``state-spaces/mamba-130m-hf`` (Mamba-1: 24
+layers, d_model 768, d_inner 1536, d_state 16, vocab 50280) and ``state-spaces/mamba2-130m``
+(Mamba-2: 24 layers, d_model 768, 24 heads of 64, d_state 128, 1 group, chunk 256), and times on
+KV-retrieval prompts (word-level tokenizer, 8 pairs: 47 tokens each):
+
+- ``forward``: one no-grad forward of the prompts (reference);
+- ``pattern_scores``: :func:`gna_lens.scoring.pattern_scores` over every head;
+- ``attribute_heads``: :func:`gna_lens.interventions.attribute_heads` over every head.
+
+Each (model, stage) runs in its own subprocess, so its peak RSS (``ru_maxrss``) is its own; a
+stage that passes ``--timeout`` is reported as not finished. Prints a markdown table.
+
+Usage::
+
+    python benchmarks/bench_real_size.py                      # every model and stage
+    python benchmarks/bench_real_size.py --models mamba1-130m --stages pattern_scores
+    python benchmarks/bench_real_size.py --n-prompts 16 --timeout 1200 --json out.json
+
+To add a model, add an entry to ``CONFIGS`` (a function returning a Hugging Face config); to add a
+stage, add a function to ``STAGES``. ``PYTHONPATH=<other checkout>`` measures another version of
+the package with the same script.
+"""
+
+import argparse
+import json
+import math
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+KEYS = ("apple", "river", "stone", "cloud", "lamp", "tree", "house", "bird", "fish", "moon")
+
+
+def mamba1_130m() -> Any:
+    """``state-spaces/mamba-130m-hf``'s config."""
+    from transformers import MambaConfig
+
+    return MambaConfig(
+        vocab_size=50280,
+        hidden_size=768,
+        num_hidden_layers=24,
+        state_size=16,
+        expand=2,
+        conv_kernel=4,
+        time_step_rank=48,
+        use_bias=False,
+        use_conv_bias=True,
+        residual_in_fp32=True,
+        tie_word_embeddings=True,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+
+
+def mamba2_130m() -> Any:
+    """``state-spaces/mamba2-130m``'s config (mamba_ssm format), as transformers writes it."""
+    from transformers import Mamba2Config
+
+    return Mamba2Config(
+        vocab_size=50288,
+        hidden_size=768,
+        num_hidden_layers=24,
+        num_heads=24,
+        head_dim=64,
+        expand=2,
+        n_groups=1,
+        state_size=128,
+        conv_kernel=4,
+        chunk_size=256,
+        use_bias=False,
+        use_conv_bias=True,
+        residual_in_fp32=True,
+        tie_word_embeddings=True,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+
+
+CONFIGS: dict[str, Callable[[], Any]] = {"mamba1-130m": mamba1_130m, "mamba2-130m": mamba2_130m}
+
+
+def build(name: str) -> Any:
+    """A random-weight HookedSSM of ``CONFIGS[name]`` (Mamba-style init of the SSM parameters)."""
+    from gna_lens.models import HookedSSM, SSMConfig
+
+    cfg = SSMConfig.from_hf_config(CONFIGS[name]())
+    cfg.dtype, cfg.device = torch.float32, "cpu"
+    torch.manual_seed(0)
+    model = HookedSSM(cfg)
+    with torch.no_grad():
+        model.embed.weight.normal_(0, 0.02)
+        for mixer in model.ssm_mixers().values():
+            if cfg.architecture in ("mamba1", "falcon_mamba"):
+                n = mixer.A_log.shape[-1]
+                mixer.A_log.copy_(torch.log(torch.arange(1, n + 1.0)).expand_as(mixer.A_log))
+                bias = mixer.dt_proj.bias
+            else:
+                mixer.A_log.uniform_(0.0, math.log(16.0))
+                bias = mixer.dt_bias
+            dt = torch.exp(
+                torch.rand(bias.shape) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)
+            )
+            bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+    return model.eval()
+
+
+def task(n_prompts: int) -> Any:
+    from gna_lens.tasks import kv_retrieval
+    from gna_lens.tasks._testing import word_tokenizer
+
+    tok = word_tokenizer(
+        ["Memorize the following dictionary:", "The value of the key '", " is", *KEYS]
+    )
+    return kv_retrieval(tok, n_pairs=8, n_samples=n_prompts, words=KEYS, seed=0)
+
+
+def stage_forward(model: Any, t: Any) -> dict[str, Any]:
+    ids = torch.tensor([s.input_ids for s in t])
+    with torch.no_grad():
+        model(ids)
+    return {}
+
+
+def stage_pattern_scores(model: Any, t: Any) -> dict[str, Any]:
+    from gna_lens.scoring import pattern_scores
+
+    scores = pattern_scores(model, t, progress=False)
+    return {"heads": len(scores.heads)}
+
+
+def stage_attribute_heads(model: Any, t: Any) -> dict[str, Any]:
+    from gna_lens.interventions import attribute_heads
+
+    res = attribute_heads(model, t)
+    return {"heads": len(res.cells), "gradient_path": res.info.get("paths", {}).get("gradient")}
+
+
+STAGES: dict[str, Callable[[Any, Any], dict[str, Any]]] = {
+    "forward": stage_forward,
+    "pattern_scores": stage_pattern_scores,
+    "attribute_heads": stage_attribute_heads,
+}
+
+
+def _rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def run_one(model_name: str, stage: str, n_prompts: int, threads: int) -> dict[str, Any]:
+    """Measure one stage in this process (called in a subprocess by :func:`main`)."""
+    torch.set_num_threads(threads)
+    model = build(model_name)
+    t = task(n_prompts)
+    rss_model = _rss_mib()
+    t0 = time.perf_counter()
+    extra = STAGES[stage](model, t)
+    seconds = time.perf_counter() - t0
+    return {
+        "model": model_name,
+        "stage": stage,
+        "seconds": seconds,
+        "peak_rss_mib": _rss_mib(),
+        "rss_after_build_mib": rss_model,
+        "prompt_tokens": t[0].n_tokens,
+        "n_prompts": len(t),
+        **extra,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--models", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--stages", nargs="+", default=list(STAGES), choices=list(STAGES))
+    parser.add_argument("--n-prompts", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per stage")
+    parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--one", nargs=2, metavar=("MODEL", "STAGE"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(run_one(*args.one, args.n_prompts, args.threads)))
+        return
+    import gna_lens
+
+    rows = []
+    for name in args.models:
+        for stage in args.stages:
+            cmd = [sys.executable, __file__, "--one", name, stage]
+            cmd += ["--n-prompts", str(args.n_prompts), "--threads", str(args.threads)]
+            t0 = time.perf_counter()
+            try:
+                proc = subprocess.run(
+                    cmd, capture_output=True, text=True, timeout=args.timeout, env=dict(os.environ)
+                )
+            except subprocess.TimeoutExpired:
+                rows.append(
+                    {
+                        "model": name,
+                        "stage": stage,
+                        "error": f"not finished in {args.timeout:.0f} s",
+                    }
+                )
+                print(rows[-1], file=sys.stderr, flush=True)
+                continue
+            if proc.returncode:
+                err = proc.stderr.strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
+                rows.append({"model": name, "stage": stage, "error": err[0]})
+            else:
+                rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            rows[-1]["wall_s"] = time.perf_counter() - t0
+            print(rows[-1], file=sys.stderr, flush=True)
+    print(
+        f"gna_lens from {os.path.dirname(gna_lens.__file__)}; machine {platform.machine()}, "
+        f"{os.cpu_count()} cores, {args.threads} torch threads, torch {torch.__version__}\n"
+    )
+    print("| model | stage | time (s) | peak RSS (MiB) | RSS after building the model (MiB) |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['model']} | {r['stage']} | {r['error']} | - | - |")
+        else:
+            print(
+                f"| {r['model']} | {r['stage']} | {r['seconds']:.1f} | {r['peak_rss_mib']:.0f} | "
+                f"{r['rss_after_build_mib']:.0f} |"
+            )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
