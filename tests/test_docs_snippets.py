@@ -27,3 +27,10 @@ def test_rank_heads_recipe_toy_blocks_run_and_match_their_comments(tmp_path, mon
     assert row.after.high < row.before.low
     # 2 of the toy's 6 heads removed: 6 distinct pairs of the other 4, all drawn, and said so.
     assert len(set(table.random_sets)) == 6 and "only 6 possible" in table.method["random_sets"]
+
+
+def test_channel_groups_recipe_block_runs_and_prints_what_it_says(capsys):
+    blocks = [b for b in _blocks("recipes/ablate_a_head.md") if "head_groups" in b]
+    assert len(blocks) == 1
+    exec(compile(blocks[0], "ablate_a_head.md", "exec"), {})
+    assert capsys.readouterr().out.split() == ["4", "True", "64"]

@@ -8,7 +8,11 @@ materialized implicit attention) on a task whose spans are known, per sample.
 keys ``j <= i`` becomes ``w_ij = |r_ij|`` with the first token dropped when it is the tokenizer's
 BOS (attention heads park unused mass there, an attention sink; SSM rows are treated the same way),
 divided by its sum over the keys that remain. Attention rows are non-negative already; SSM matrices
-are signed and unnormalized, and this makes their shares comparable with attention's.
+are signed and unnormalized, and this makes their shares comparable with attention's. A Mamba-1
+channel group (:meth:`HookedSSM.set_head_groups <gna_lens.models.HookedSSM.set_head_groups>`) is
+scored on the mean of its channels' rows each normalized this way (see
+:func:`gna_lens.heads.head_patterns`): every channel counts equally, and the group's gather and
+aggregate shares are the means of its channels' shares.
 
 - **gather share**: for each segment with summary token ``t``, the share of ``t``'s row on the
   other tokens of its own segment (the token itself is no part of what it gathers: attention to
@@ -65,7 +69,8 @@ NORMALIZATION = {
     "attention": "|row| over the causal keys, BOS dropped, divided by its sum (softmax rows are "
     "non-negative already)",
     "ssm": "|row| over the causal keys, BOS dropped, divided by its sum (the materialized matrix "
-    "is signed and unnormalized)",
+    "is signed and unnormalized); a Mamba-1 channel group: each channel's row normalized so, "
+    "then averaged over the group's channels",
 }
 
 #: Per-head score columns, in order.
@@ -310,6 +315,14 @@ def pattern_scores(
     progress: bool = True,
 ) -> PatternScores:
     """Gather, aggregate, correct-share and sharpness scores of every head on ``task``.
+
+    Cost: one forward pass per batch. Each layer is scored inside its ``hook_pattern`` hook and
+    its pattern is freed before the next layer runs, so memory does not grow with the number of
+    layers; SSM layers of a HookedSSM materialize only the rows the scores read
+    (:func:`scored_rows`: the summary tokens, their null shifts and the query, through
+    ``HookedSSM.pattern_selection``) and only the wanted heads' channels, ``[batch, heads,
+    rows, L]`` instead of ``[batch, heads, L, L]``. Attention layers compute their full pattern
+    anyway.
 
     Args:
         model: A TransformerBridge or a HookedSSM.
