@@ -284,7 +284,7 @@ def mamba1_pattern(
     B: Float[Tensor, "batch pos state"],
     C: Float[Tensor, "batch pos state"],
     rows: Int[Tensor, " row"] | None = None,
-    block_size: int = 64,
+    block_size: int = 16,
 ) -> Float[Tensor, "batch channel row pos"]:
     """Materialized Mamba-1 implicit attention, one matrix per channel.
 
@@ -302,7 +302,10 @@ def mamba1_pattern(
         B: ``[batch, pos, state]``.
         C: ``[batch, pos, state]``.
         rows: Query positions to materialize (all when ``None``).
-        block_size: Keys per block.
+        block_size: Keys per block. 16 (measured on CPU, 1 thread): 8.5x faster than 64 for
+            every row of 8 x 47 tokens x 1536 channels (rows inside a block are the expensive
+            direct sums, and at 64 every row of a short prompt is inside one), 1.3x at
+            1 x 256 and 1.2x at 1 x 1024; within a few ms of the best for a single row.
 
     Returns:
         ``[batch, channel, row, pos]``, zero above the causal diagonal.
@@ -356,12 +359,17 @@ def mamba2_ssd(
         A: ``-exp(A_log)`` per head.
         B: ``[batch, pos, group, state]``.
         C: ``[batch, pos, group, state]``.
-        chunk_size: Chunk length; the result does not depend on it beyond rounding.
+        chunk_size: Chunk length; the result does not depend on it beyond rounding. Inputs
+            shorter than a chunk run as one chunk of their own length (no padding).
 
     Returns:
         ``y`` with the shape of ``x``.
     """
     batch, length, heads, d_head = x.shape
+    # An input shorter than a chunk is one chunk of its own length: padding it to chunk_size
+    # (256 in mamba2-130m) would multiply the [T, T] work and memory by (chunk_size / length)^2
+    # for nothing (the padded positions come after every real one).
+    chunk_size = max(1, min(chunk_size, length))
     groups = B.shape[2]
     hpg = heads // groups
     pad = (-length) % chunk_size
