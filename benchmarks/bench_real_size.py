@@ -215,7 +215,13 @@ def main() -> None:
                 )
                 print(rows[-1], file=sys.stderr, flush=True)
                 continue
-            if proc.returncode:
+            if proc.returncode < 0:  # killed by a signal: SIGKILL is usually the OOM killer
+                took = time.perf_counter() - t0
+                why = f"killed by signal {-proc.returncode} after {took:.0f} s"
+                if proc.returncode == -9:
+                    why += " (SIGKILL: out of memory? see dmesg)"
+                rows.append({"model": name, "stage": stage, "error": why})
+            elif proc.returncode:
                 err = proc.stderr.strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
                 rows.append({"model": name, "stage": stage, "error": err[0]})
             else:
