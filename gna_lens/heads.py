@@ -49,6 +49,7 @@ from gna_lens.errors import InterventionError, PatternEditError
 __all__ = [
     "HeadView",
     "LayerHeads",
+    "describe_head_groups",
     "head_output_weights",
     "head_patterns",
     "head_view",
@@ -536,6 +537,30 @@ def head_output_weights(model: Any, layer: int) -> Tensor | None:
     except (AttributeError, IndexError, TypeError, RuntimeError):
         return None
     return weight.T.reshape(lh.n_channels, lh.d_head, -1)
+
+
+def describe_head_groups(view: HeadView) -> str:
+    """One line on the view's Mamba-1 channel groups (``""`` when every head is a head).
+
+    Examples:
+        >>> from gna_lens.testing import tiny_hooked_ssm
+        >>> model = tiny_hooked_ssm("mamba1")
+        >>> with model.head_groups({0: 16, 1: [[3, 40], [7]]}):
+        ...     print(describe_head_groups(head_view(model)))
+        Mamba-1 channel groups as heads: layer 0: 4 blocks of 16 channels; layer 1: 2 channel sets (2, 1 channels)
+    """
+    parts = []
+    for lh in view:
+        if lh.channels is None:
+            continue
+        sizes = [len(c) for c in lh.channels]
+        contiguous = all(c == tuple(range(c[0], c[0] + len(c))) for c in lh.channels)
+        if contiguous and len(set(sizes)) == 1 and sum(sizes) == lh.n_channels:
+            parts.append(f"layer {lh.layer}: {lh.n_heads} blocks of {sizes[0]} channels")
+        else:
+            shown = ", ".join(map(str, sizes[:8])) + (", ..." if len(sizes) > 8 else "")
+            parts.append(f"layer {lh.layer}: {lh.n_heads} channel sets ({shown} channels)")
+    return "Mamba-1 channel groups as heads: " + "; ".join(parts) if parts else ""
 
 
 def head_patterns(

@@ -151,3 +151,21 @@ def test_group_view_and_spec_errors():
     assert m.head_group_spec == {}
     with pytest.raises(InterventionError, match="channel groups are for Mamba-1"):
         model("mamba2").set_head_groups(8)
+
+
+def test_score_heads_ranks_groups_and_says_so():
+    from gna_lens import score_heads
+
+    m, t = model("mamba1"), make_task(n_pairs=4, n_samples=6)
+    with m.head_groups({0: 16, 1: [[3, 40, 7], [5]]}):
+        report = score_heads(m, t, control=None, progress=False, n_examples=2)
+    assert report.heads == ((0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1))
+    assert report.layer_heads == (4, 2)
+    assert report.method["head_groups"] == (
+        "Mamba-1 channel groups as heads: layer 0: 4 blocks of 16 channels; "
+        "layer 1: 2 channel sets (3, 1 channels)"
+    )
+    for name, rows in report.examples["patterns"].items():  # group patterns: row-stochastic
+        assert torch.allclose(torch.tensor(rows).sum(-1), torch.ones(len(rows))), name
+    plain = score_heads(m, t, ablation=False, control=None, progress=False, n_examples=0)
+    assert "head_groups" not in plain.method and len(plain.heads) == 2 * m.cfg.d_inner

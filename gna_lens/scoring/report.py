@@ -29,7 +29,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from gna_lens.errors import GnaLensError, InterventionError
-from gna_lens.heads import head_view
+from gna_lens.heads import describe_head_groups, head_view
 from gna_lens.interventions import ablation_sweep, attribute_heads, control_sweep
 from gna_lens.interventions._common import check_positions, describe_task
 from gna_lens.interventions.ablation import SweepResult, positions_label
@@ -809,6 +809,9 @@ def score_heads(
         )
         unit = "nats/token" if isinstance(resolved, TextControl) else "nats/answer"
         method.update(control=description, max_control=max_control, control_unit=unit)
+    groups = describe_head_groups(view)
+    if groups:
+        method["head_groups"] = groups
     report = GnaReport(
         model_name=_model_name(model),
         task=describe_task(task),
