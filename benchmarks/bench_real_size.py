@@ -185,7 +185,12 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--stages", nargs="+", default=list(STAGES), choices=list(STAGES))
     parser.add_argument("--n-prompts", type=int, default=8)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (1: on 2 shared cores, 2 threads ran a forward 6x slower)",
+    )
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per stage")
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--one", nargs=2, metavar=("MODEL", "STAGE"), help=argparse.SUPPRESS)
