@@ -17,6 +17,11 @@ Usage::
     python benchmarks/bench_real_size.py                      # every model and stage
     python benchmarks/bench_real_size.py --models mamba1-130m --stages pattern_scores
     python benchmarks/bench_real_size.py --n-prompts 16 --timeout 1200 --json out.json
+    python benchmarks/bench_real_size.py --extrapolate --models   # Falcon-Mamba-7B, extrapolated
+
+``--extrapolate`` measures 1- and 2-layer cuts of Falcon-Mamba-7B's config (d_model 4096,
+d_inner 8192) and extrapolates wall time and peak RSS to its 64 layers, printed as a separate
+table labelled EXTRAPOLATED.
 
 To add a model, add an entry to ``CONFIGS`` (a function returning a Hugging Face config); to add a
 stage, add a function to ``STAGES``. ``PYTHONPATH=<other checkout>`` measures another version of
@@ -87,7 +92,44 @@ def mamba2_130m() -> Any:
     )
 
 
-CONFIGS: dict[str, Callable[[], Any]] = {"mamba1-130m": mamba1_130m, "mamba2-130m": mamba2_130m}
+def falcon_mamba_7b(n_layers: int) -> Callable[[], Any]:
+    """``tiiuae/falcon-mamba-7b``'s config (64 layers, d_model 4096, d_inner 8192, d_state 16,
+    dt_rank 256, vocab 65024) cut to ``n_layers`` layers, for extrapolation."""
+
+    def config() -> Any:
+        from transformers import FalconMambaConfig
+
+        return FalconMambaConfig(
+            vocab_size=65024,
+            hidden_size=4096,
+            num_hidden_layers=n_layers,
+            state_size=16,
+            expand=2,
+            conv_kernel=4,
+            time_step_rank=256,
+            use_bias=False,
+            use_conv_bias=True,
+            residual_in_fp32=True,
+            tie_word_embeddings=False,
+            mixer_rms_eps=1e-6,
+            bos_token_id=0,
+            eos_token_id=11,
+            pad_token_id=0,
+        )
+
+    return config
+
+
+CONFIGS: dict[str, Callable[[], Any]] = {
+    "mamba1-130m": mamba1_130m,
+    "mamba2-130m": mamba2_130m,
+    "falcon-mamba-7b-L1": falcon_mamba_7b(1),
+    "falcon-mamba-7b-L2": falcon_mamba_7b(2),
+}
+#: Models measured by default (the Falcon-Mamba-7B cuts are for ``--extrapolate``).
+DEFAULT_MODELS = ["mamba1-130m", "mamba2-130m"]
+#: ``--extrapolate``: (1-layer cut, 2-layer cut, layers of the full model).
+EXTRAPOLATIONS = {"falcon-mamba-7b": ("falcon-mamba-7b-L1", "falcon-mamba-7b-L2", 64)}
 
 
 def build(name: str) -> Any:
@@ -182,7 +224,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
-    parser.add_argument("--models", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--models", nargs="*", default=DEFAULT_MODELS, choices=list(CONFIGS))
+    parser.add_argument(
+        "--extrapolate",
+        action="store_true",
+        help="also measure 1- and 2-layer cuts of Falcon-Mamba-7B and extrapolate to 64 layers",
+    )
     parser.add_argument("--stages", nargs="+", default=list(STAGES), choices=list(STAGES))
     parser.add_argument("--n-prompts", type=int, default=8)
     parser.add_argument(
@@ -201,7 +248,10 @@ def main() -> None:
     import gna_lens
 
     rows = []
-    for name in args.models:
+    models = list(args.models)
+    if args.extrapolate:
+        models += [m for cut in EXTRAPOLATIONS.values() for m in cut[:2] if m not in models]
+    for name in models:
         for stage in args.stages:
             cmd = [sys.executable, __file__, "--one", name, stage]
             cmd += ["--n-prompts", str(args.n_prompts), "--threads", str(args.threads)]
@@ -247,9 +297,43 @@ def main() -> None:
                 f"| {r['model']} | {r['stage']} | {r['seconds']:.1f} | {r['peak_rss_mib']:.0f} | "
                 f"{r['rss_after_build_mib']:.0f} |"
             )
+    if args.extrapolate:
+        print(extrapolation_table(rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+
+
+def extrapolation_table(rows: list[dict[str, Any]]) -> str:
+    """EXTRAPOLATED full-model numbers from the 1- and 2-layer cuts (same prompts, same machine).
+
+    Time: ``fixed + n_layers * per_layer`` with ``per_layer = t(L2) - t(L1)`` and
+    ``fixed = t(L1) - per_layer`` (embedding, unembedding, task set-up). Peak RSS the same way,
+    which assumes memory grows by the same amount with every layer: true of the weights (and of
+    attribution's saved activations), an overestimate for pattern_scores, which holds one layer's
+    pattern at a time. Both cuts run with every layer's weights in fp32 on the CPU.
+    """
+    by = {(r["model"], r["stage"]): r for r in rows if "error" not in r}
+    out = [
+        "\nEXTRAPOLATED (not measured): full model from its 1- and 2-layer cuts\n",
+        "| model | stage | per layer (s) | extrapolated time | per layer (MiB) | "
+        "extrapolated peak RSS |",
+        "|---|---|---|---|---|---|",
+    ]
+    for full, (one, two, n_layers) in EXTRAPOLATIONS.items():
+        for stage in STAGES:
+            a, b = by.get((one, stage)), by.get((two, stage))
+            if a is None or b is None:
+                continue
+            dt = b["seconds"] - a["seconds"]
+            dm = b["peak_rss_mib"] - a["peak_rss_mib"]
+            t = a["seconds"] - dt + n_layers * dt
+            m = a["peak_rss_mib"] - dm + n_layers * dm
+            out.append(
+                f"| {full} ({n_layers} layers) | {stage} | {dt:.1f} | {t / 60:.1f} min | "
+                f"{dm:.0f} | {m / 1024:.1f} GiB |"
+            )
+    return "\n".join(out)
 
 
 if __name__ == "__main__":
