@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from interventions_helpers import hook_count, model, tokens
+from interventions_helpers import hook_count, model, other_key, tokens
 from interventions_helpers import task as make_task
 
 import gna_lens.interventions as I
@@ -67,6 +67,19 @@ def test_group_attribution_is_its_channels_attribution_together(spec):
     sets = [[(layer, c) for c in view[layer].members(g)] for layer, g in view.heads()]
     ref = I.attribute_heads(m, t, heads=sets)  # single channels, each group as a head set
     assert torch.allclose(est.values, ref.values, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("positions", [None, "last"])
+def test_patching_a_group_patches_its_channels_together(positions):
+    m, t = model("mamba1"), make_task()
+    corrupted = other_key(t)
+    with m.head_groups(SPECS[1]):
+        view = head_view(m)
+        got = I.patch_heads(m, t, corrupted, positions=positions, progress=False)
+    sets = [[(layer, c) for c in view[layer].members(g)] for layer, g in view.heads()]
+    ref = I.patch_heads(m, t, corrupted, heads=sets, positions=positions, progress=False)
+    assert got.values.shape[0] == len(got.index_df) == view.n_heads_total == 64 + 3
+    assert torch.allclose(got.values, ref.values, atol=2e-5)
 
 
 def test_masking_a_group_masks_each_of_its_channels():

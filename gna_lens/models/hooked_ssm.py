@@ -477,6 +477,9 @@ class HookedSSM(HookedRootModule):
     from the returned matrix, so an edit changes the output. :meth:`pattern_selection`
     restricts materialization to some heads and query positions.
 
+    Mamba-1 heads are single channels (``d_inner`` per layer) unless :meth:`set_head_groups` /
+    :meth:`head_groups` make groups of channels the heads of every function that takes heads.
+
     Examples:
         >>> from gna_lens.testing import tiny_hooked_ssm
         >>> model = tiny_hooked_ssm("mamba2")
@@ -718,7 +721,7 @@ class HookedSSM(HookedRootModule):
         Empty when every channel is its own head (the default). Layers not listed keep single
         channels.
         """
-        return dict(self._head_groups)
+        return dict(getattr(self, "_head_groups", {}))
 
     def set_head_groups(self, groups: HeadGroupsSpec) -> None:
         """Make groups of Mamba-1 channels the heads of :func:`gna_lens.head_view`.

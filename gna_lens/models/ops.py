@@ -518,7 +518,10 @@ def channel_groups(
     """View a Mamba-1 pattern (one matrix per channel) as channel groups, for display.
 
     Mamba-1 has no heads: each of its ``d_inner`` channels has its own implicit attention. Grouping
-    consecutive channels (e.g. 16 groups) gives a head-like view.
+    consecutive channels (e.g. 16 groups) gives a head-like view, for display only. To make groups
+    of channels the heads that ablation, attribution, masks and scores address, use
+    ``HookedSSM.set_head_groups``; their patterns are :func:`gna_lens.heads.head_patterns` (the
+    mean of the channels' row-normalized absolute matrices, not one of the reductions here).
 
     Args:
         pattern: ``[batch, channel, query_pos, key_pos]`` as cached from ``hook_pattern``.
