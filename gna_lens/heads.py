@@ -17,6 +17,15 @@ residual in        ``blocks.{l}.hook_resid_pre``          ``blocks.{l}.hook_resi
 attention; Mamba-1 channels with ``d_head = 1``). Nothing else in the package special-cases
 architectures.
 
+**Mamba-1 channel groups.** A Mamba-1 layer's heads are its channels unless the model groups them
+(:meth:`HookedSSM.set_head_groups <gna_lens.models.HookedSSM.set_head_groups>`: contiguous blocks,
+or explicit channel sets per layer). Then ``(layer, g)`` is group ``g``, and
+:attr:`LayerHeads.channels` lists each group's channels, i.e. the entries of the head axis of
+``hook_z`` / ``hook_pattern`` (which stay per channel) that the head covers. Every intervention
+goes through :meth:`LayerHeads.hook_mask`: ablating, patching or masking a group edits all its
+channels; a group's attribution is the sum of its channels'; its pattern is
+:func:`head_patterns`'s mean of the channels' row-normalized ``|α|``.
+
 Whether an edit of ``hook_pattern`` / ``hook_attn_scores`` / ``hook_z`` really changes the output
 is known for a :class:`~gna_lens.models.HookedSSM` (it always does, in float32/float64). For a
 TransformerBridge it depends on the attention bridge: some delegate the whole attention to the
@@ -32,11 +41,20 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from jaxtyping import Float
 from torch import Tensor
 
 from gna_lens.errors import InterventionError, PatternEditError
 
-__all__ = ["HeadView", "LayerHeads", "head_output_weights", "head_view", "require_editable"]
+__all__ = [
+    "HeadView",
+    "LayerHeads",
+    "describe_head_groups",
+    "head_output_weights",
+    "head_patterns",
+    "head_view",
+    "require_editable",
+]
 
 HeadKind = Literal["attention", "ssm"]
 EditTarget = Literal["pattern", "scores", "z"]
@@ -65,6 +83,10 @@ class LayerHeads:
         verified: ``True`` when edits of the pattern, scores and ``hook_z`` are known to change
             the output (HookedSSM); ``False`` when :func:`require_editable` checks them on first
             use (TransformerBridge and other hooked models).
+        channels: Mamba-1 channel groups: per head, the indices of the hook tensors' head axis
+            (channels) it covers; ``None`` when head ``h`` is index ``h`` (every other layer).
+        n_channels: Size of the head axis of ``hook_z`` / ``hook_pattern`` (``d_inner`` for a
+            grouped Mamba-1 layer; ``n_heads`` otherwise).
     """
 
     layer: int
@@ -77,6 +99,32 @@ class LayerHeads:
     resid_pre_hook: str
     verified: bool
     out_hook: str | None = None
+    channels: tuple[tuple[int, ...], ...] | None = None
+    n_channels: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.n_channels:
+            object.__setattr__(self, "n_channels", self.n_heads)
+
+    def members(self, head: int) -> tuple[int, ...]:
+        """The hook-axis indices (Mamba-1 channels) of ``head``; ``(head,)`` without groups."""
+        return (head,) if self.channels is None else self.channels[head]
+
+    def hook_mask(self, heads: Iterable[int]) -> Tensor:
+        """``[n_channels]`` bool: the entries of the hook tensors' head axis ``heads`` cover."""
+        mask = torch.zeros(self.n_channels, dtype=torch.bool)
+        for h in heads:
+            mask[list(self.members(h))] = True
+        return mask
+
+    def membership(self) -> Tensor:
+        """``[n_heads, n_channels]`` 0/1 float matrix: row ``h`` marks head ``h``'s channels."""
+        if self.channels is None:
+            return torch.eye(self.n_heads)
+        out = torch.zeros(self.n_heads, self.n_channels)
+        for h, chans in enumerate(self.channels):
+            out[h, list(chans)] = 1.0
+        return out
 
     def hook(self, target: EditTarget) -> str:
         """The hook name holding ``target`` (``"pattern"``, ``"scores"`` or ``"z"``)."""
@@ -241,6 +289,7 @@ def head_view(model: Any) -> HeadView:
         )
     layers: list[LayerHeads | None] = []
     if _is_hooked_ssm(model):
+        groups = model.head_group_spec
         for layer, kind in enumerate(cfg.layer_types):
             if kind == "attention":
                 pre = f"blocks.{layer}.attn."
@@ -260,11 +309,12 @@ def head_view(model: Any) -> HeadView:
                 )
             else:
                 pre = f"blocks.{layer}.mixer."
+                sets = groups.get(layer)
                 layers.append(
                     LayerHeads(
                         layer=layer,
                         kind="ssm",
-                        n_heads=int(cfg.n_heads),
+                        n_heads=int(cfg.n_heads) if sets is None else len(sets),
                         d_head=int(cfg.d_head),
                         pattern_hook=pre + "hook_pattern",
                         z_hook=pre + "hook_z",
@@ -272,6 +322,8 @@ def head_view(model: Any) -> HeadView:
                         resid_pre_hook=f"blocks.{layer}.hook_resid_pre",
                         verified=True,
                         out_hook=f"blocks.{layer}.hook_mixer_out",
+                        channels=sets,
+                        n_channels=int(cfg.n_heads),
                     )
                 )
     else:
@@ -467,7 +519,8 @@ def normalize_head_sets(view: HeadView, heads: Any, what: str = "heads") -> list
 
 def head_output_weights(model: Any, layer: int) -> Tensor | None:
     """``W_O`` of ``layer``: ``[head_index, d_head, d_model]``, so that the layer's ``out_hook``
-    is ``einsum(z, W_O) + bias``; ``None`` when the model does not expose it.
+    is ``einsum(z, W_O) + bias``; ``None`` when the model does not expose it. Indexed like
+    ``hook_z`` (per channel for Mamba-1, whether or not its channels are grouped).
 
     HookedSSM: the mixer's ``out_proj`` (SSM layers) or the attention's ``o_proj``; other models:
     ``blocks[layer].attn.W_O`` (TransformerLens's convention).
@@ -483,4 +536,79 @@ def head_output_weights(model: Any, layer: int) -> Tensor | None:
             return w if isinstance(w, Tensor) and w.shape[:2] == (lh.n_heads, lh.d_head) else None
     except (AttributeError, IndexError, TypeError, RuntimeError):
         return None
-    return weight.T.reshape(lh.n_heads, lh.d_head, -1)
+    return weight.T.reshape(lh.n_channels, lh.d_head, -1)
+
+
+def describe_head_groups(view: HeadView) -> str:
+    """One line on the view's Mamba-1 channel groups (``""`` when every head is a head).
+
+    Examples:
+        >>> from gna_lens.testing import tiny_hooked_ssm
+        >>> model = tiny_hooked_ssm("mamba1")
+        >>> with model.head_groups({0: 16, 1: [[3, 40], [7]]}):
+        ...     print(describe_head_groups(head_view(model)))
+        Mamba-1 channel groups as heads: layer 0: 4 blocks of 16 channels; layer 1: 2 channel sets (2, 1 channels)
+    """
+    parts = []
+    for lh in view:
+        if lh.channels is None:
+            continue
+        sizes = [len(c) for c in lh.channels]
+        contiguous = all(c == tuple(range(c[0], c[0] + len(c))) for c in lh.channels)
+        if contiguous and len(set(sizes)) == 1 and sum(sizes) == lh.n_channels:
+            parts.append(f"layer {lh.layer}: {lh.n_heads} blocks of {sizes[0]} channels")
+        else:
+            shown = ", ".join(map(str, sizes[:8])) + (", ..." if len(sizes) > 8 else "")
+            parts.append(f"layer {lh.layer}: {lh.n_heads} channel sets ({shown} channels)")
+    return "Mamba-1 channel groups as heads: " + "; ".join(parts) if parts else ""
+
+
+def head_patterns(
+    pattern: Float[Tensor, "batch channel query_pos key_pos"], layer_heads: LayerHeads
+) -> Float[Tensor, "batch head_index query_pos key_pos"]:
+    """Per head of ``layer_heads``, its pattern from a ``hook_pattern`` tensor.
+
+    For a layer without channel groups the pattern is returned unchanged. For a grouped Mamba-1
+    layer, group ``g``'s pattern is the **mean over its channels of the row-normalized absolute
+    matrices** ``|α_e[i, j]| / Σ_j' |α_e[i, j']|``, a row-stochastic matrix like an attention
+    pattern. Why this aggregation: a channel's ``α`` is signed and its scale varies by orders of
+    magnitude across channels (``Δ``, ``B``, ``C`` and the decays), so a plain mean cancels signs
+    and an absolute mean is one loud channel; normalizing each channel's rows first is exactly the
+    transform every head's rows get before scoring (:data:`gna_lens.scoring.patterns.NORMALIZATION`),
+    so each channel counts equally and a group's gather and aggregate shares are the means of its
+    channels' shares. :func:`~gna_lens.scoring.pattern_scores` aggregates the same way (with the
+    BOS column dropped before normalizing, as for every head).
+
+    Args:
+        pattern: ``[batch, channel, query_pos, key_pos]``, the layer's cached ``hook_pattern``
+            over every channel (or any rows of it: rows are normalized independently).
+        layer_heads: The layer's :class:`LayerHeads` (from :func:`head_view`).
+
+    Returns:
+        ``[batch, head_index, query_pos, key_pos]``.
+
+    Raises:
+        InterventionError: If ``pattern`` does not have the layer's ``n_channels`` heads.
+
+    Examples:
+        >>> from gna_lens.testing import tiny_hooked_ssm
+        >>> model = tiny_hooked_ssm("mamba1")
+        >>> _, cache = model.run_with_cache("a b c", names_filter="blocks.0.mixer.hook_pattern")
+        >>> with model.head_groups(16):
+        ...     groups = head_patterns(cache["blocks.0.mixer.hook_pattern"], head_view(model)[0])
+        >>> tuple(groups.shape), round(float(groups[0, 2, -1].sum()), 6)
+        ((1, 4, 4, 4), 1.0)
+    """
+    if pattern.ndim != 4 or pattern.shape[1] != layer_heads.n_channels:
+        raise InterventionError(
+            f"head_patterns: pattern of shape {tuple(pattern.shape)}; expected [batch, "
+            f"{layer_heads.n_channels}, query_pos, key_pos] (layer {layer_heads.layer}'s "
+            "hook_pattern over every channel)."
+        )
+    if layer_heads.channels is None:
+        return pattern
+    w = pattern.abs()
+    w = w / w.sum(-1, keepdim=True).clamp(min=torch.finfo(w.dtype).tiny)
+    mean = layer_heads.membership().to(w)
+    mean = mean / mean.sum(-1, keepdim=True)
+    return torch.einsum("gc,bcqk->bgqk", mean, w)

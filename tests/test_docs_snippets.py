@@ -35,7 +35,7 @@ def test_ablate_a_head_recipe_blocks_run_and_the_mean_is_the_last_token_mean(tmp
     import io
 
     monkeypatch.chdir(tmp_path)
-    blocks = _blocks("recipes/ablate_a_head.md")
+    blocks = [b for b in _blocks("recipes/ablate_a_head.md") if "head_groups" not in b]
     assert len(blocks) == 3
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -58,3 +58,10 @@ def test_layers_recipe_blocks_run_and_match_their_comments(tmp_path, monkeypatch
     report = scope["report"]
     assert report.top(1) == [(1, 0)]
     assert out[-1].startswith("L0 (3 heads): layer ranked 2 of 2 by layer removal")
+
+
+def test_channel_groups_recipe_block_runs_and_prints_what_it_says(capsys):
+    blocks = [b for b in _blocks("recipes/ablate_a_head.md") if "head_groups" in b]
+    assert len(blocks) == 1
+    exec(compile(blocks[0], "ablate_a_head.md", "exec"), {})
+    assert capsys.readouterr().out.split() == ["4", "True", "64"]

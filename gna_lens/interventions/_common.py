@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from gna_lens.errors import HookError, InterventionError
-from gna_lens.heads import Head, HeadView
+from gna_lens.heads import Head, HeadView, LayerHeads
 from gna_lens.tasks import Sample, Task
 
 MetricName = Literal["accuracy", "logit_diff", "logprob"]
@@ -606,13 +606,12 @@ def check_resample_pairs(
 
 
 # ----------------------------------------------------------------------------- packed edits
-def layer_selection(cells: Sequence[tuple[Head, ...]], layer: int, n_heads: int) -> Tensor:
-    """``[cells, H]`` bool: which heads of ``layer`` each cell edits."""
-    sel = torch.zeros(len(cells), n_heads, dtype=torch.bool)
+def layer_selection(cells: Sequence[tuple[Head, ...]], layer: int, lh: LayerHeads) -> Tensor:
+    """``[cells, n_channels]`` bool: which entries of ``layer``'s ``hook_z`` head axis each cell
+    edits (a Mamba-1 channel group edits all its channels)."""
+    sel = torch.zeros(len(cells), lh.n_channels, dtype=torch.bool)
     for k, cell in enumerate(cells):
-        for lay, h in cell:
-            if lay == layer:
-                sel[k, h] = True
+        sel[k] = lh.hook_mask(h for lay, h in cell if lay == layer)
     return sel
 
 
@@ -643,7 +642,7 @@ def packed_edit_hooks(
     layers = sorted({lay for cell in cells for lay, _ in cell} - {skip_layer})
     K, G = len(cells), group_size
     for layer in layers:
-        sel = layer_selection(cells, layer, view[layer].n_heads)
+        sel = layer_selection(cells, layer, view[layer])
 
         def hook(z: Tensor, hook: Any, layer: int = layer, sel: Tensor = sel) -> Tensor:
             R, P, H, d = z.shape
@@ -736,9 +735,9 @@ def row_bytes(model: Any, view: HeadView, length: int, logits_positions: int) ->
         if lh.kind == "attention":
             worst = max(worst, 4 * lh.n_heads * length)
         else:
-            d_inner = int(getattr(cfg, "d_inner", 0) or lh.n_heads * lh.d_head)
+            d_inner = int(getattr(cfg, "d_inner", 0) or lh.n_channels * lh.d_head)
             chunk = int(getattr(cfg, "chunk_size", 64) or 64)
-            worst = max(worst, 8 * d_inner + 4 * lh.n_heads * min(chunk, length))
+            worst = max(worst, 8 * d_inner + 4 * lh.n_channels * min(chunk, length))
     d_mlp = int(getattr(cfg, "d_mlp", 0) or 0)
     per_pos = 16 * d + 3 * d_mlp + worst
     return itemsize * (length * per_pos + logits_positions * int(cfg.d_vocab))

@@ -105,7 +105,7 @@ def expand_hooks(
     """Hooks turning one prompt's run into ``len(cells)`` rows at ``layer``'s output."""
     lh = view[layer]
     assert lh.out_hook is not None
-    sel = layer_selection(cells, layer, lh.n_heads)
+    sel = layer_selection(cells, layer, lh)
     store: dict[str, Tensor] = {}
 
     def read_z(z: Tensor, hook: Any) -> Tensor:

@@ -117,8 +117,7 @@ def head_ablation_hooks(
     inputs = _InputRows(model, source, positions, device)
     hooks: list[tuple[str, HookFn]] = inputs.hooks()
     for layer in layers:
-        head_mask = torch.zeros(view[layer].n_heads, dtype=torch.bool)
-        head_mask[[h for lay, h in checked if lay == layer]] = True
+        head_mask = view[layer].hook_mask(h for lay, h in checked if lay == layer)
         hooks.append(
             (view[layer].z_hook, _ablation_hook(layer, head_mask, source, positions, view, inputs))
         )

@@ -131,7 +131,6 @@ def attribute_heads(
     est = {layer: torch.zeros(n, view[layer].n_heads) for layer in layers}
     baseline = torch.full((n,), float("nan"))
     forwards = float(source.forwards) if source is not None else 0.0  # the reference's passes
-    materialize = _needs_materialized_path(model)
     for g in groups:
         tokens = g.tokens if corrupted is None else tokens_of(corrupted, g.indices, device)
         clean_z: dict[int, Tensor] = {}
@@ -157,8 +156,6 @@ def attribute_heads(
         hooks: list[tuple[Any, Any]] = [
             (view[layer].z_hook, _bind(grab, layer)) for layer in layers
         ]
-        if materialize:
-            hooks += [(lambda name: name.endswith("mixer.hook_pattern"), _identity)]
         with torch.enable_grad(), hooked(model, hooks):
             logits = model(tokens)[:, -1]
             values = met(logits, g.indices)
@@ -176,7 +173,9 @@ def attribute_heads(
             cols = column_mask(edited, z.shape[1], z.device)
             if cols is not None:
                 delta = delta * cols[None, :, None, None]
-            contrib = (delta * grad).sum(dim=(1, 3)).float().cpu()  # [G, H]
+            contrib = (delta * grad).sum(dim=(1, 3)).float().cpu()  # [G, n_channels]
+            if view[layer].channels is not None:  # Mamba-1 channel groups: sum their channels
+                contrib = contrib @ view[layer].membership().T
             est[layer][g.indices] = contrib
     values_out = torch.stack(
         [baseline + sum((est[layer][:, h] for layer, h in cell), torch.zeros(n)) for cell in cells]
@@ -194,14 +193,7 @@ def attribute_heads(
         info={
             "forward_equivalents": forwards / max(1, len(groups)),
             "groups": len(groups),
-            "materialized_ssm_patterns": materialize,
-            "paths": {
-                "gradient": [
-                    "materialized hook_pattern (the Mamba-1 scan has no gradient)"
-                    if materialize
-                    else "the model's own forward"
-                ]
-            },
+            "paths": {"gradient": [_gradient_path(model)]},
             "fallbacks": [],
         }
         | (ablation_info(source, edited) if source is not None else {}),
@@ -215,15 +207,15 @@ def _bind(fn: Any, layer: int) -> Any:
     return bound
 
 
-def _identity(x: Tensor, hook: Any) -> Tensor:
-    return x
-
-
-def _needs_materialized_path(model: Any) -> bool:
-    """HookedSSM Mamba-1's fast scan writes with ``out=`` and cannot be differentiated; its
-    materialized implicit attention can (slower: O(L^2) per channel)."""
+def _gradient_path(model: Any) -> str:
+    """How the backward pass runs, for ``info["paths"]``."""
     arch = getattr(getattr(model, "cfg", None), "architecture", "")
-    return arch in ("mamba1", "falcon_mamba")
+    if arch in ("mamba1", "falcon_mamba"):
+        return (
+            "the model's own forward; Mamba-1 scans through their chunked autograd function "
+            "(recomputing backward, no materialized pattern)"
+        )
+    return "the model's own forward"
 
 
 def _collect(model: Any, view: Any, layers: list[int], tokens: Tensor) -> dict[int, Tensor]:

@@ -182,7 +182,8 @@ def _check_masks(view: HeadView, masks: Mapping[Head, Any]) -> dict[int, dict[in
         m = mask if mask.ndim == 3 else mask[None]
         if m.dtype != torch.bool and not m.is_floating_point():
             m = m != 0
-        per_layer.setdefault(layer, {})[head] = m
+        for channel in view[layer].members(head):  # a Mamba-1 group masks each of its channels
+            per_layer.setdefault(layer, {})[channel] = m
     return per_layer
 
 
@@ -348,7 +349,7 @@ def _selection(model: Any, view: HeadView, masks: Mapping[Head, Tensor]) -> Any:
     for (layer, head), m in masks.items():
         if view.kind(layer) != "ssm":
             continue
-        heads.setdefault(layer, []).append(head)
+        heads.setdefault(layer, []).extend(view[layer].members(head))
         idx = _changed_rows(m).nonzero().flatten().tolist()
         if not idx:
             whole = True  # an all-ones mask still runs through the materialized path

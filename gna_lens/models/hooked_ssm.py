@@ -9,7 +9,7 @@ hooks ``blocks.{l}.mixer.hook_pattern`` that layer computes ``y = pattern @ x + 
 
 import difflib
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Literal
 
@@ -31,6 +31,10 @@ _EXACT_DTYPES = (torch.float32, torch.float64)
 
 # Which positions / heads of a pattern to materialize: ``None`` means all.
 PatternSelection = tuple[Tensor | None, Tensor | None]
+
+#: Mamba-1 channel groups: ``None`` (single channels), an int (contiguous blocks of that many
+#: channels in every SSM layer) or ``{layer: int | [[channel, ...], ...]}``.
+HeadGroupsSpec = int | Mapping[int, int | Sequence[Sequence[int]]] | None
 
 
 class RMSNorm(nn.Module):
@@ -473,6 +477,9 @@ class HookedSSM(HookedRootModule):
     from the returned matrix, so an edit changes the output. :meth:`pattern_selection`
     restricts materialization to some heads and query positions.
 
+    Mamba-1 heads are single channels (``d_inner`` per layer) unless :meth:`set_head_groups` /
+    :meth:`head_groups` make groups of channels the heads of every function that takes heads.
+
     Examples:
         >>> from gna_lens.testing import tiny_hooked_ssm
         >>> model = tiny_hooked_ssm("mamba2")
@@ -498,6 +505,9 @@ class HookedSSM(HookedRootModule):
             r = cfg.rotary_dim
             inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float) / r))
             self.register_buffer("rope_inv_freq", inv_freq, persistent=False)
+        #: Resolved Mamba-1 channel groups, ``{layer: ((channel, ...), ...)}``; empty: every
+        #: channel is its own head. Set with :meth:`set_head_groups` / :meth:`head_groups`.
+        self._head_groups: dict[int, tuple[tuple[int, ...], ...]] = {}
         self.setup()
 
     # ------------------------------------------------------------------ loading
@@ -702,6 +712,155 @@ class HookedSSM(HookedRootModule):
                 )
             out[i] = sorted(set(layer_heads))
         return out
+
+    # ------------------------------------------------------------------ channel groups
+    @property
+    def head_group_spec(self) -> dict[int, tuple[tuple[int, ...], ...]]:
+        """The current Mamba-1 channel groups, ``{layer: ((channel, ...), ...)}`` (a copy).
+
+        Empty when every channel is its own head (the default). Layers not listed keep single
+        channels.
+        """
+        return dict(getattr(self, "_head_groups", {}))
+
+    def set_head_groups(self, groups: HeadGroupsSpec) -> None:
+        """Make groups of Mamba-1 channels the heads of :func:`gna_lens.head_view`.
+
+        Mamba-1 has no heads: each of its ``d_inner`` channels has its own implicit attention, so
+        by default every channel is a head ``(layer, channel)`` (36,864 in mamba-130m). With
+        groups, ``(layer, g)`` addresses group ``g`` of ``layer`` in every function that takes
+        heads (ablation, sweeps, patching, attribution, masks, pattern scores, score_heads):
+        ablating a group ablates all its channels, masking a group masks each of its channels'
+        matrices, a group's attribution is the sum of its channels' and its pattern is the mean
+        of its channels' row-normalized ``|α|`` (see :func:`gna_lens.heads.head_patterns`).
+
+        The hook points do not change: ``hook_z`` and ``hook_pattern`` stay one entry per channel,
+        and :meth:`pattern_selection` keeps taking channel indices. Use :meth:`head_groups` to
+        group only inside a ``with`` block.
+
+        Args:
+            groups: ``None``: single channels (the default). An int ``k``: contiguous blocks of
+                ``k`` channels in every SSM layer (``k`` must divide ``d_inner``; group ``g`` is
+                channels ``g*k .. g*k+k-1``). A dict ``{layer: k}`` or ``{layer: [[c, ...], ...]}``:
+                per layer, contiguous blocks or explicit disjoint channel sets (e.g. the small
+                sets of channels reported as Mamba-1 G&A heads); a layer given explicit sets
+                has exactly those heads, and layers not in the dict keep single channels.
+
+        Raises:
+            InterventionError: For a Mamba-2 / hybrid model (their SSM heads are real heads), or a
+                malformed spec (a size that does not divide ``d_inner``, unknown layers,
+                channels out of range, empty or overlapping sets).
+
+        Examples:
+            >>> from gna_lens import head_view
+            >>> from gna_lens.testing import tiny_hooked_ssm
+            >>> model = tiny_hooked_ssm("mamba1")
+            >>> head_view(model)[0].n_heads  # d_inner channels
+            64
+            >>> model.set_head_groups(16)
+            >>> lh = head_view(model)[0]
+            >>> lh.n_heads, lh.channels[1][:3]
+            (4, (16, 17, 18))
+            >>> model.set_head_groups({1: [[3, 40], [7]]})
+            >>> [lh.n_heads for lh in head_view(model)]
+            [64, 2]
+            >>> model.set_head_groups(None)
+        """
+        self._head_groups = self._resolve_head_groups(groups)
+
+    @contextmanager
+    def head_groups(self, groups: HeadGroupsSpec) -> Iterator["HookedSSM"]:
+        """:meth:`set_head_groups` inside a ``with`` block; the previous groups come back after.
+
+        Examples:
+            >>> from gna_lens import ablate_heads
+            >>> from gna_lens.testing import tiny_hooked_ssm
+            >>> model = tiny_hooked_ssm("mamba1")
+            >>> with model.head_groups(8), ablate_heads(model, [(0, 1)]):  # channels 8..15
+            ...     logits = model("a b c")
+            >>> model.head_group_spec
+            {}
+        """
+        saved = self._head_groups
+        self._head_groups = self._resolve_head_groups(groups)
+        try:
+            yield self
+        finally:
+            self._head_groups = saved
+
+    def _resolve_head_groups(self, spec: HeadGroupsSpec) -> dict[int, tuple[tuple[int, ...], ...]]:
+        cfg = self.cfg
+        if spec is None:
+            return {}
+        if cfg.architecture not in ("mamba1", "falcon_mamba"):
+            raise InterventionError(
+                f"set_head_groups({spec!r}): this is a {cfg.architecture} model; channel groups "
+                "are for Mamba-1 / FalconMamba, whose heads are single channels. Mamba-2 heads "
+                "(and attention heads) are real heads already: address them as (layer, head)."
+            )
+        layers = list(self.ssm_mixers())
+        E = cfg.d_inner
+        if isinstance(spec, int) and not isinstance(spec, bool):
+            per: Mapping[int, Any] = {layer: spec for layer in layers}
+        elif isinstance(spec, Mapping):
+            per = spec
+        else:
+            raise InterventionError(
+                f"set_head_groups({spec!r}); expected None, an int block size (e.g. 16) or a "
+                "dict {layer: block size or [[channel, ...], ...]}."
+            )
+        out: dict[int, tuple[tuple[int, ...], ...]] = {}
+        for layer, item in per.items():
+            if layer not in layers:
+                raise InterventionError(
+                    f"set_head_groups: layer {layer!r} is not an SSM layer of this "
+                    f"{cfg.n_layers}-layer model (SSM layers: 0..{cfg.n_layers - 1})."
+                )
+            if isinstance(item, int) and not isinstance(item, bool):
+                if item <= 0 or E % item:
+                    divisors = [k for k in (1, 2, 4, 8, 16, 32, 64, 128, 256) if E % k == 0]
+                    raise InterventionError(
+                        f"set_head_groups: block size {item} for layer {layer} does not divide "
+                        f"d_inner={E}; expected a divisor, e.g. one of {divisors}. (For groups "
+                        "of uneven size pass explicit channel sets.)"
+                    )
+                out[layer] = tuple(tuple(range(g, g + item)) for g in range(0, E, item))
+                continue
+            sets = self._channel_sets(layer, item, E)
+            out[layer] = sets
+        return out
+
+    @staticmethod
+    def _channel_sets(layer: int, item: Any, E: int) -> tuple[tuple[int, ...], ...]:
+        bad_shape = isinstance(item, str | bytes) or not isinstance(item, Sequence) or not item
+        if not bad_shape:
+            bad_shape = any(
+                isinstance(s, str | bytes)
+                or not isinstance(s, Sequence | set | frozenset)
+                or not s
+                or not all(isinstance(c, int) and not isinstance(c, bool) for c in s)
+                for s in item
+            )
+        if bad_shape:
+            raise InterventionError(
+                f"set_head_groups: layer {layer} gets {item!r}; expected a block size or a "
+                "non-empty list of non-empty channel lists, e.g. {layer: [[3, 17, 40], [5, 6]]}."
+            )
+        sets = tuple(tuple(sorted(set(s))) for s in item)
+        flat = [c for s in sets for c in s]
+        out_of_range = sorted({c for c in flat if not 0 <= c < E})
+        if out_of_range:
+            raise InterventionError(
+                f"set_head_groups: layer {layer} lists channels {out_of_range}, out of range for "
+                f"d_inner={E} (valid: 0 to {E - 1})."
+            )
+        if len(flat) != len(set(flat)):
+            twice = sorted({c for c in flat if flat.count(c) > 1})
+            raise InterventionError(
+                f"set_head_groups: channels {twice} of layer {layer} are in more than one set; "
+                "groups must be disjoint (ablate overlapping sets as head sets instead)."
+            )
+        return sets
 
     def ssm_mixers(self) -> dict[int, "Mamba1Mixer | Mamba2Mixer"]:
         """The SSM mixer module of each SSM layer, keyed by layer index."""

@@ -8,7 +8,11 @@ materialized implicit attention) on a task whose spans are known, per sample.
 keys ``j <= i`` becomes ``w_ij = |r_ij|`` with the first token dropped when it is the tokenizer's
 BOS (attention heads park unused mass there, an attention sink; SSM rows are treated the same way),
 divided by its sum over the keys that remain. Attention rows are non-negative already; SSM matrices
-are signed and unnormalized, and this makes their shares comparable with attention's.
+are signed and unnormalized, and this makes their shares comparable with attention's. A Mamba-1
+channel group (:meth:`HookedSSM.set_head_groups <gna_lens.models.HookedSSM.set_head_groups>`) is
+scored on the mean of its channels' rows each normalized this way (see
+:func:`gna_lens.heads.head_patterns`): every channel counts equally, and the group's gather and
+aggregate shares are the means of its channels' shares.
 
 - **gather share**: for each segment with summary token ``t``, the share of ``t``'s row on the
   other tokens of its own segment (the token itself is no part of what it gathers: attention to
@@ -42,7 +46,7 @@ matters is what ablation measures (:func:`~gna_lens.scoring.score_heads`).
 
 import math
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +55,7 @@ from jaxtyping import Float
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from gna_lens.errors import InterventionError
 from gna_lens.heads import HeadView, head_view
 from gna_lens.interventions._common import describe_task
 from gna_lens.tasks import Sample, Task
@@ -64,7 +69,8 @@ NORMALIZATION = {
     "attention": "|row| over the causal keys, BOS dropped, divided by its sum (softmax rows are "
     "non-negative already)",
     "ssm": "|row| over the causal keys, BOS dropped, divided by its sum (the materialized matrix "
-    "is signed and unnormalized)",
+    "is signed and unnormalized); a Mamba-1 channel group: each channel's row normalized so, "
+    "then averaged over the group's channels",
 }
 
 #: Per-head score columns, in order.
@@ -165,15 +171,14 @@ class PatternScores:
         return pd.DataFrame(data)
 
 
-def _shares(
-    w: Tensor, row: int, keys: Tensor, drop: Sequence[int], count: Sequence[int] = ()
-) -> Tensor:
-    """``[head]`` share of row ``row`` of ``w`` on ``keys``.
+def _shares(r: Tensor, keys: Tensor, drop: Sequence[int], count: Sequence[int] = ()) -> Tensor:
+    """``[head]`` share of the row ``r`` (``[head, row + 1]``: the row's causal keys) on ``keys``.
 
     ``drop``: keys removed from the row (neither numerator nor total); ``count``: keys kept in
     the total but never in the numerator.
     """
-    r = w[:, row, : row + 1].clone()
+    row = r.shape[-1] - 1
+    r = r.clone()
     for j in drop:
         if 0 <= j <= row:
             r[:, j] = 0.0
@@ -186,23 +191,44 @@ def _shares(
     return torch.where(total > 0, num / total.clamp(min=1e-300), torch.zeros_like(total))
 
 
-def _sample_scores(P: Tensor, sample: Sample, sink: bool) -> Tensor:
+def scored_rows(sample: Sample) -> list[int]:
+    """The query rows the scores of ``sample`` read, sorted: every summary token ``t``, its null
+    shifts ``t - d`` (:data:`NULL_SHIFTS`) and the query position. :func:`pattern_scores`
+    materializes only these rows of the SSM patterns."""
+    rows = {sample.query_position}
+    for t in sample.summary_positions:
+        rows.update(t - d for d in (0, *NULL_SHIFTS) if t - d >= 0)
+    return sorted(rows)
+
+
+def _sample_scores(
+    P: Tensor, sample: Sample, sink: bool, positions: Sequence[int] | None = None
+) -> Tensor:
     """Scores of every head on one sample, ``[head, len(SCORE_NAMES)]``.
 
     Args:
-        P: ``[head, n, n]`` the sample's pattern rows (any sign; absolute values are taken).
+        P: ``[head, row, n]`` the sample's pattern rows at ``positions`` over its ``n`` keys (any
+            sign; absolute values are taken). Must hold every row of :func:`scored_rows`.
         sample: The sample (its segments, summary tokens, query and answer).
         sink: Whether position 0 is the tokenizer's BOS (dropped from every row).
+        positions: The query position of each row of ``P`` (sample coordinates); ``None``: row
+            ``i`` is position ``i`` (``P`` is ``[head, n, n]``).
     """
     n = P.shape[-1]
-    w = P.abs() * torch.ones(n, n, dtype=torch.bool, device=P.device).tril()
+    positions = list(range(P.shape[-2])) if positions is None else list(positions)
+    dev = P.device
+    index = {p: r for r, p in enumerate(positions)}
+    causal = torch.arange(n, device=dev)[None, :] <= torch.tensor(positions, device=dev)[:, None]
+    w = P.abs() * causal
     first = [0] if sink else []
     lo = 1 if sink else 0
-    dev = P.device
+
+    def causal_row(i: int) -> Tensor:
+        return w[:, index[i], : i + 1]
 
     def share_at(start: int, t: int) -> Tensor:
         keys = torch.arange(max(start, lo), t, device=dev)  # own segment, t itself excluded
-        return _shares(w, t, keys, first, count=[t])
+        return _shares(causal_row(t), keys, first, count=[t])
 
     shares, paired, nulls = [], [], []
     for (start, _end), t in zip(sample.segments, sample.summary_positions, strict=True):
@@ -221,10 +247,10 @@ def _sample_scores(P: Tensor, sample: Sample, sink: bool) -> Tensor:
         gather_null = torch.full_like(gather_share, float("nan"))
     q = sample.query_position
     summary = torch.tensor(sample.summary_positions, device=dev)
-    aggregate = _shares(w, q, summary, first)
-    agg_nulls = [_shares(w, q, summary - d, first) for d in NULL_SHIFTS]
+    aggregate = _shares(causal_row(q), summary, first)
+    agg_nulls = [_shares(causal_row(q), summary - d, first) for d in NULL_SHIFTS]
     aggregate_null = torch.stack(agg_nulls, -1).mean(-1)
-    row = w[:, q].clone()
+    row = w[:, index[q]].clone()
     if sink:
         row[:, 0] = 0.0
     on_summary = row.index_select(-1, summary)  # [head, k]
@@ -239,23 +265,38 @@ def _sample_scores(P: Tensor, sample: Sample, sink: bool) -> Tensor:
     return torch.stack([*cols, sharp.to(P.dtype), entropy.to(P.dtype)], -1)
 
 
-def _roles(per_sample: Tensor) -> tuple[str, ...]:
-    """Role labels from per-sample scores ``[sample, head, score]`` (see the module docs)."""
+def _roles(per_sample: Tensor, chunk: int = 1024) -> tuple[str, ...]:
+    """Role labels from per-sample scores ``[sample, head, score]`` (see the module docs).
+
+    A role needs a mean difference of at least its margin, so only the heads whose mean passes
+    are bootstrapped, ``chunk`` heads at a time (the resamples are shared by every head, so each
+    head's interval does not depend on which others are computed with it). Memory stays bounded
+    for the 36,864 channels of a Mamba-1 130M model.
+    """
     from gna_lens.stats import bootstrap_interval
 
     col = {name: i for i, name in enumerate(SCORE_NAMES)}
+    n_heads = per_sample.shape[1]
 
-    def beats(a: str, b: str, margin: float) -> list[bool]:
-        diff = (per_sample[..., col[a]] - per_sample[..., col[b]]).T  # [head, sample]
-        ivs = bootstrap_interval(diff)
-        assert isinstance(ivs, list)
-        return [iv.value >= margin and iv.low > 0 for iv in ivs]
+    def beats(a: str, b: str, margin: float, among: Tensor) -> Tensor:
+        diff = (per_sample[..., col[a]] - per_sample[..., col[b]]).T.double()  # [head, sample]
+        mean = diff.nanmean(-1)
+        out = torch.zeros(n_heads, dtype=torch.bool)
+        todo = (among & (mean >= margin - 1e-9)).nonzero().flatten().tolist()  # iv.value decides
+        for start in range(0, len(todo), chunk):
+            idx = todo[start : start + chunk]
+            ivs = bootstrap_interval(diff[idx])
+            assert isinstance(ivs, list)
+            for h, iv in zip(idx, ivs, strict=True):
+                out[h] = iv.value >= margin and iv.low > 0
+        return out
 
-    gather = beats("gather_share", "gather_null", ROLE_MARGIN)
-    aggregate = beats("aggregate_score", "aggregate_null", ROLE_MARGIN)
-    discriminates = beats("correct_share", "correct_chance", 0.0)
+    every = torch.ones(n_heads, dtype=torch.bool)
+    gather = beats("gather_share", "gather_null", ROLE_MARGIN, every)
+    aggregate = beats("aggregate_score", "aggregate_null", ROLE_MARGIN, every)
+    discriminates = beats("correct_share", "correct_chance", 0.0, aggregate)
     roles = []
-    for g, a, c in zip(gather, aggregate, discriminates, strict=True):
+    for g, a, c in zip(gather.tolist(), aggregate.tolist(), discriminates.tolist(), strict=True):
         parts = (["gather"] if g else []) + (["aggregate"] if a and c else [])
         roles.append("+".join(parts))
     return tuple(roles)
@@ -290,6 +331,14 @@ def pattern_scores(
 ) -> PatternScores:
     """Gather, aggregate, correct-share and sharpness scores of every head on ``task``.
 
+    Cost: one forward pass per batch. Each layer is scored inside its ``hook_pattern`` hook and
+    its pattern is freed before the next layer runs, so memory does not grow with the number of
+    layers; SSM layers of a HookedSSM materialize only the rows the scores read
+    (:func:`scored_rows`: the summary tokens, their null shifts and the query, through
+    ``HookedSSM.pattern_selection``) and only the wanted heads' channels, ``[batch, heads,
+    rows, L]`` instead of ``[batch, heads, L, L]``. Attention layers compute their full pattern
+    anyway.
+
     Args:
         model: A TransformerBridge or a HookedSSM.
         task: A task with spans (:mod:`gna_lens.tasks`).
@@ -314,9 +363,18 @@ def pattern_scores(
     view = head_view(model)
     wanted = view.check_heads(heads) if heads is not None else view.heads()
     layers = sorted({layer for layer, _ in wanted})
+    layer_heads = {layer: sorted({h for lay, h in wanted if lay == layer}) for layer in layers}
     per_layer: dict[int, list[Tensor]] = {layer: [] for layer in layers}
     device = next(model.parameters()).device
     bos = getattr(task.tokenizer or getattr(model, "tokenizer", None), "bos_token_id", None)
+    mixers = model.ssm_mixers() if hasattr(model, "pattern_selection") else {}
+    # SSM layers materialize only the channels of the wanted heads (None: all of them).
+    channels = {}
+    for layer in layers:
+        lh = view[layer]
+        if layer in mixers:
+            chans = sorted({c for h in layer_heads[layer] for c in lh.members(h)})
+            channels[layer] = None if len(chans) == lh.n_channels else chans
     n_done = 0
     batches = task.batches(batch_size, padding_side=padding_side)  # type: ignore[arg-type]
     bar = tqdm(total=len(task), desc="pattern scores", disable=not progress, leave=False)
@@ -324,21 +382,32 @@ def pattern_scores(
         for batch in batches:
             ids = batch.input_ids.to(device)
             mask = batch.attention_mask.to(device)
-            with _capture_patterns(model, view, layers) as store:
-                model(ids, attention_mask=mask)
-            for layer in layers:
-                pat = store[layer].double()
-                for b, (sample, off) in enumerate(zip(batch.samples, batch.offsets, strict=True)):
-                    n = sample.n_tokens
-                    sink = bos is not None and sample.input_ids[0] == bos
-                    per_layer[layer].append(
-                        _sample_scores(pat[b, :, off : off + n, off : off + n], sample, sink).cpu()
+            rows = [scored_rows(sample) for sample in batch.samples]
+            padded = sorted(
+                {off + r for off, rs in zip(batch.offsets, rows, strict=True) for r in rs}
+            )
+            scorer = _Scorer(view, layer_heads, mixers, batch, rows, bos, per_layer)
+            hooks = [(view[layer].pattern_hook, scorer.hook(layer)) for layer in layers]
+            with ExitStack() as stack:
+                if mixers:
+                    heads_sel = {k: v for k, v in channels.items() if v is not None}
+                    stack.enter_context(
+                        model.pattern_selection(heads=heads_sel or None, query_positions=padded)
                     )
+                stack.enter_context(model.hooks(fwd_hooks=hooks))
+                model(ids, attention_mask=mask)
+            missing = [layer for layer in layers if scorer.done.get(layer) != 1]
+            if missing:
+                raise InterventionError(
+                    f"pattern_scores: the pattern hooks of layers {missing} did not fire exactly "
+                    "once in a forward pass; their patterns cannot be scored."
+                )
             n_done += len(batch)
             bar.update(len(batch))
     bar.close()
-    stacked = {layer: torch.stack(rows) for layer, rows in per_layer.items()}  # [S, H, C]
-    per_sample = torch.stack([stacked[layer][:, h] for layer, h in wanted], 1)  # [S, heads, C]
+    stacked = {layer: torch.stack(rows) for layer, rows in per_layer.items()}  # [S, H_l, C]
+    col = {layer: {h: i for i, h in enumerate(layer_heads[layer])} for layer in layers}
+    per_sample = torch.stack([stacked[layer][:, col[layer][h]] for layer, h in wanted], 1)
     means = per_sample.mean(0).float()  # NaN nulls stay NaN
     cols = {name: means[:, i] for i, name in enumerate(SCORE_NAMES)}
     return PatternScores(
@@ -350,6 +419,80 @@ def pattern_scores(
         n_samples=n_done,
         task=describe_task(task),
     )
+
+
+class _Scorer:
+    """Pattern hooks that score each layer as its pattern is computed, then let it go.
+
+    One layer's pattern is alive at a time (the hook keeps only the per-sample scores), and of
+    an SSM layer only the rows the scores read (:func:`scored_rows`, through
+    ``HookedSSM.pattern_selection``) and the wanted heads' channels are materialized.
+    """
+
+    def __init__(
+        self,
+        view: HeadView,
+        layer_heads: dict[int, list[int]],
+        mixers: dict[int, Any],
+        batch: Any,
+        rows: list[list[int]],
+        bos: int | None,
+        out: dict[int, list[Tensor]],
+    ):
+        self.view, self.layer_heads, self.mixers = view, layer_heads, mixers
+        self.batch, self.rows, self.bos, self.out = batch, rows, bos, out
+        self.done: dict[int, int] = {}
+
+    def hook(self, layer: int) -> Callable[..., None]:
+        def score(pattern: Tensor, hook: Any) -> None:
+            self.done[layer] = self.done.get(layer, 0) + 1
+            self.score(layer, pattern.detach())
+
+        return score
+
+    def score(self, layer: int, pattern: Tensor) -> None:
+        lh = self.view[layer]
+        head_idx, row_idx = (None, None)
+        mixer = self.mixers.get(layer)
+        if mixer is not None:
+            head_idx, row_idx = mixer.last_pattern_index
+        length = pattern.shape[-1]
+        row_pos = list(range(length)) if row_idx is None else row_idx.tolist()
+        row_of = {p: r for r, p in enumerate(row_pos)}
+        chan_pos = list(range(pattern.shape[1])) if head_idx is None else head_idx.tolist()
+        chan_of = {c: i for i, c in enumerate(chan_pos)}
+        heads = self.layer_heads[layer]
+        for b, (sample, off) in enumerate(zip(self.batch.samples, self.batch.offsets, strict=True)):
+            n, rs = sample.n_tokens, self.rows[b]
+            sink = self.bos is not None and sample.input_ids[0] == self.bos
+            take = torch.tensor([row_of[off + r] for r in rs], device=pattern.device)
+            P = pattern[b].index_select(1, take)[..., off : off + n].double()  # [chan, R, n]
+            if lh.channels is None:
+                sel = torch.tensor([chan_of[h] for h in heads], device=pattern.device)
+                P = P.index_select(0, sel)
+            else:
+                P = _group_rows(P, rs, [[chan_of[c] for c in lh.members(h)] for h in heads], sink)
+            self.out[layer].append(_sample_scores(P, sample, sink, rs).cpu())
+
+
+def _group_rows(P: Tensor, positions: Sequence[int], groups: list[list[int]], sink: bool) -> Tensor:
+    """Mamba-1 channel groups: each group's rows as the mean of its channels' normalized rows.
+
+    Each channel's row ``|α_e[i, :]|`` over the causal keys (BOS dropped when ``sink``) is divided
+    by its sum, then averaged over the group's channels: the normalization of
+    :data:`NORMALIZATION` applied per channel first, so each channel counts equally (see
+    :func:`gna_lens.heads.head_patterns`).
+    """
+    n = P.shape[-1]
+    causal = (
+        torch.arange(n, device=P.device)[None, :]
+        <= torch.tensor(positions, device=P.device)[:, None]
+    )
+    w = P.abs() * causal
+    if sink:
+        w[..., 0] = 0.0
+    w = w / w.sum(-1, keepdim=True).clamp(min=1e-300)
+    return torch.stack([w[g].mean(0) for g in groups])
 
 
 def uniform_entropy(k: int) -> float:

@@ -29,7 +29,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from gna_lens.errors import GnaLensError, InterventionError
-from gna_lens.heads import head_view
+from gna_lens.heads import describe_head_groups, head_view
 from gna_lens.interventions import ablation_sweep, attribute_heads, control_sweep
 from gna_lens.interventions._common import check_positions, describe_task
 from gna_lens.interventions.ablation import SweepResult, positions_label
@@ -675,6 +675,7 @@ def _model_name(model: Any) -> str:
 
 def _examples(model: Any, task: Task, heads: list[Head]) -> dict[str, Any]:
     """Patterns of ``heads`` on the task's first sample (SSM rows as |M| normalized)."""
+    from gna_lens.heads import head_patterns
     from gna_lens.scoring.patterns import _capture_patterns
 
     view = head_view(model)
@@ -685,7 +686,7 @@ def _examples(model: Any, task: Task, heads: list[Head]) -> dict[str, Any]:
         model(torch.tensor([sample.input_ids], device=device))
     patterns = {}
     for layer, h in heads:
-        p = store[layer][0, h].float()
+        p = head_patterns(store[layer], view[layer])[0, h].float()  # Mamba-1 groups: aggregated
         if view[layer].kind == "ssm":
             p = p.abs().tril()
             p = p / p.sum(-1, keepdim=True).clamp(min=1e-30)
@@ -1080,6 +1081,9 @@ def score_heads(
         )
         unit = "nats/token" if isinstance(resolved, TextControl) else "nats/answer"
         method.update(control=description, max_control=max_control, control_unit=unit)
+    groups = describe_head_groups(view)
+    if groups:
+        method["head_groups"] = groups
     report = GnaReport(
         model_name=_model_name(model),
         task=describe_task(task),

@@ -1,0 +1,340 @@
+"""Cost of the scan's stages on real-size SSM configs, with random weights (nothing downloaded).
+
+Builds HookedSSM models from the real configs of ``state-spaces/mamba-130m-hf`` (Mamba-1: 24
+layers, d_model 768, d_inner 1536, d_state 16, vocab 50280) and ``state-spaces/mamba2-130m``
+(Mamba-2: 24 layers, d_model 768, 24 heads of 64, d_state 128, 1 group, chunk 256), and times on
+KV-retrieval prompts (word-level tokenizer, 8 pairs: 47 tokens each):
+
+- ``forward``: one no-grad forward of the prompts (reference);
+- ``pattern_scores``: :func:`gna_lens.scoring.pattern_scores` over every head;
+- ``attribute_heads``: :func:`gna_lens.interventions.attribute_heads` over every head.
+
+Each (model, stage) runs in its own subprocess, so its peak RSS (``ru_maxrss``) is its own; a
+stage that passes ``--timeout`` is reported as not finished. Prints a markdown table.
+
+Usage::
+
+    python benchmarks/bench_real_size.py                      # every model and stage
+    python benchmarks/bench_real_size.py --models mamba1-130m --stages pattern_scores
+    python benchmarks/bench_real_size.py --n-prompts 16 --timeout 1200 --json out.json
+    python benchmarks/bench_real_size.py --extrapolate --models   # Falcon-Mamba-7B, extrapolated
+
+``--extrapolate`` measures 1- and 2-layer cuts of Falcon-Mamba-7B's config (d_model 4096,
+d_inner 8192) and extrapolates wall time and peak RSS to its 64 layers, printed as a separate
+table labelled EXTRAPOLATED.
+
+To add a model, add an entry to ``CONFIGS`` (a function returning a Hugging Face config); to add a
+stage, add a function to ``STAGES``. ``PYTHONPATH=<other checkout>`` measures another version of
+the package with the same script.
+"""
+
+import argparse
+import json
+import math
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+KEYS = ("apple", "river", "stone", "cloud", "lamp", "tree", "house", "bird", "fish", "moon")
+
+
+def mamba1_130m() -> Any:
+    """``state-spaces/mamba-130m-hf``'s config."""
+    from transformers import MambaConfig
+
+    return MambaConfig(
+        vocab_size=50280,
+        hidden_size=768,
+        num_hidden_layers=24,
+        state_size=16,
+        expand=2,
+        conv_kernel=4,
+        time_step_rank=48,
+        use_bias=False,
+        use_conv_bias=True,
+        residual_in_fp32=True,
+        tie_word_embeddings=True,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+
+
+def mamba2_130m() -> Any:
+    """``state-spaces/mamba2-130m``'s config (mamba_ssm format), as transformers writes it."""
+    from transformers import Mamba2Config
+
+    return Mamba2Config(
+        vocab_size=50288,
+        hidden_size=768,
+        num_hidden_layers=24,
+        num_heads=24,
+        head_dim=64,
+        expand=2,
+        n_groups=1,
+        state_size=128,
+        conv_kernel=4,
+        chunk_size=256,
+        use_bias=False,
+        use_conv_bias=True,
+        residual_in_fp32=True,
+        tie_word_embeddings=True,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+
+
+def falcon_mamba_7b(n_layers: int) -> Callable[[], Any]:
+    """``tiiuae/falcon-mamba-7b``'s config (64 layers, d_model 4096, d_inner 8192, d_state 16,
+    dt_rank 256, vocab 65024) cut to ``n_layers`` layers, for extrapolation."""
+
+    def config() -> Any:
+        from transformers import FalconMambaConfig
+
+        return FalconMambaConfig(
+            vocab_size=65024,
+            hidden_size=4096,
+            num_hidden_layers=n_layers,
+            state_size=16,
+            expand=2,
+            conv_kernel=4,
+            time_step_rank=256,
+            use_bias=False,
+            use_conv_bias=True,
+            residual_in_fp32=True,
+            tie_word_embeddings=False,
+            mixer_rms_eps=1e-6,
+            bos_token_id=0,
+            eos_token_id=11,
+            pad_token_id=0,
+        )
+
+    return config
+
+
+CONFIGS: dict[str, Callable[[], Any]] = {
+    "mamba1-130m": mamba1_130m,
+    "mamba2-130m": mamba2_130m,
+    "falcon-mamba-7b-L1": falcon_mamba_7b(1),
+    "falcon-mamba-7b-L2": falcon_mamba_7b(2),
+}
+#: Models measured by default (the Falcon-Mamba-7B cuts are for ``--extrapolate``).
+DEFAULT_MODELS = ["mamba1-130m", "mamba2-130m"]
+#: ``--extrapolate``: (1-layer cut, 2-layer cut, layers of the full model).
+EXTRAPOLATIONS = {"falcon-mamba-7b": ("falcon-mamba-7b-L1", "falcon-mamba-7b-L2", 64)}
+
+
+def build(name: str) -> Any:
+    """A random-weight HookedSSM of ``CONFIGS[name]`` (Mamba-style init of the SSM parameters)."""
+    from gna_lens.models import HookedSSM, SSMConfig
+
+    cfg = SSMConfig.from_hf_config(CONFIGS[name]())
+    cfg.dtype, cfg.device = torch.float32, "cpu"
+    torch.manual_seed(0)
+    model = HookedSSM(cfg)
+    with torch.no_grad():
+        model.embed.weight.normal_(0, 0.02)
+        for mixer in model.ssm_mixers().values():
+            if cfg.architecture in ("mamba1", "falcon_mamba"):
+                n = mixer.A_log.shape[-1]
+                mixer.A_log.copy_(torch.log(torch.arange(1, n + 1.0)).expand_as(mixer.A_log))
+                bias = mixer.dt_proj.bias
+            else:
+                mixer.A_log.uniform_(0.0, math.log(16.0))
+                bias = mixer.dt_bias
+            dt = torch.exp(
+                torch.rand(bias.shape) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)
+            )
+            bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+    return model.eval()
+
+
+def task(n_prompts: int) -> Any:
+    from gna_lens.tasks import kv_retrieval
+    from gna_lens.tasks._testing import word_tokenizer
+
+    tok = word_tokenizer(
+        ["Memorize the following dictionary:", "The value of the key '", " is", *KEYS]
+    )
+    return kv_retrieval(tok, n_pairs=8, n_samples=n_prompts, words=KEYS, seed=0)
+
+
+def stage_forward(model: Any, t: Any) -> dict[str, Any]:
+    ids = torch.tensor([s.input_ids for s in t])
+    with torch.no_grad():
+        model(ids)
+    return {}
+
+
+def stage_pattern_scores(model: Any, t: Any) -> dict[str, Any]:
+    from gna_lens.scoring import pattern_scores
+
+    scores = pattern_scores(model, t, progress=False)
+    return {"heads": len(scores.heads)}
+
+
+def stage_attribute_heads(model: Any, t: Any) -> dict[str, Any]:
+    from gna_lens.interventions import attribute_heads
+
+    res = attribute_heads(model, t)
+    return {"heads": len(res.cells), "gradient_path": res.info.get("paths", {}).get("gradient")}
+
+
+STAGES: dict[str, Callable[[Any, Any], dict[str, Any]]] = {
+    "forward": stage_forward,
+    "pattern_scores": stage_pattern_scores,
+    "attribute_heads": stage_attribute_heads,
+}
+
+
+def _rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def run_one(model_name: str, stage: str, n_prompts: int, threads: int) -> dict[str, Any]:
+    """Measure one stage in this process (called in a subprocess by :func:`main`)."""
+    torch.set_num_threads(threads)
+    model = build(model_name)
+    t = task(n_prompts)
+    rss_model = _rss_mib()
+    t0 = time.perf_counter()
+    extra = STAGES[stage](model, t)
+    seconds = time.perf_counter() - t0
+    return {
+        "model": model_name,
+        "stage": stage,
+        "seconds": seconds,
+        "peak_rss_mib": _rss_mib(),
+        "rss_after_build_mib": rss_model,
+        "prompt_tokens": t[0].n_tokens,
+        "n_prompts": len(t),
+        **extra,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--models", nargs="*", default=DEFAULT_MODELS, choices=list(CONFIGS))
+    parser.add_argument(
+        "--extrapolate",
+        action="store_true",
+        help="also measure 1- and 2-layer cuts of Falcon-Mamba-7B and extrapolate to 64 layers",
+    )
+    parser.add_argument("--stages", nargs="+", default=list(STAGES), choices=list(STAGES))
+    parser.add_argument("--n-prompts", type=int, default=8)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (1: on 2 shared cores, 2 threads ran a forward 6x slower)",
+    )
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per stage")
+    parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--one", nargs=2, metavar=("MODEL", "STAGE"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(run_one(*args.one, args.n_prompts, args.threads)))
+        return
+    import gna_lens
+
+    rows = []
+    models = list(args.models)
+    if args.extrapolate:
+        models += [m for cut in EXTRAPOLATIONS.values() for m in cut[:2] if m not in models]
+    for name in models:
+        for stage in args.stages:
+            cmd = [sys.executable, __file__, "--one", name, stage]
+            cmd += ["--n-prompts", str(args.n_prompts), "--threads", str(args.threads)]
+            t0 = time.perf_counter()
+            try:
+                proc = subprocess.run(
+                    cmd, capture_output=True, text=True, timeout=args.timeout, env=dict(os.environ)
+                )
+            except subprocess.TimeoutExpired:
+                rows.append(
+                    {
+                        "model": name,
+                        "stage": stage,
+                        "error": f"not finished in {args.timeout:.0f} s",
+                    }
+                )
+                print(rows[-1], file=sys.stderr, flush=True)
+                continue
+            if proc.returncode < 0:  # killed by a signal: SIGKILL is usually the OOM killer
+                took = time.perf_counter() - t0
+                why = f"killed by signal {-proc.returncode} after {took:.0f} s"
+                if proc.returncode == -9:
+                    why += " (SIGKILL: out of memory? see dmesg)"
+                rows.append({"model": name, "stage": stage, "error": why})
+            elif proc.returncode:
+                err = proc.stderr.strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
+                rows.append({"model": name, "stage": stage, "error": err[0]})
+            else:
+                rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            rows[-1]["wall_s"] = time.perf_counter() - t0
+            print(rows[-1], file=sys.stderr, flush=True)
+    print(
+        f"gna_lens from {os.path.dirname(gna_lens.__file__)}; machine {platform.machine()}, "
+        f"{os.cpu_count()} cores, {args.threads} torch threads, torch {torch.__version__}\n"
+    )
+    print("| model | stage | time (s) | peak RSS (MiB) | RSS after building the model (MiB) |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['model']} | {r['stage']} | {r['error']} | - | - |")
+        else:
+            print(
+                f"| {r['model']} | {r['stage']} | {r['seconds']:.1f} | {r['peak_rss_mib']:.0f} | "
+                f"{r['rss_after_build_mib']:.0f} |"
+            )
+    if args.extrapolate:
+        print(extrapolation_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+def extrapolation_table(rows: list[dict[str, Any]]) -> str:
+    """EXTRAPOLATED full-model numbers from the 1- and 2-layer cuts (same prompts, same machine).
+
+    Time: ``fixed + n_layers * per_layer`` with ``per_layer = t(L2) - t(L1)`` and
+    ``fixed = t(L1) - per_layer`` (embedding, unembedding, task set-up). Peak RSS the same way,
+    which assumes memory grows by the same amount with every layer: true of the weights (and of
+    attribution's saved activations), an overestimate for pattern_scores, which holds one layer's
+    pattern at a time. Both cuts run with every layer's weights in fp32 on the CPU.
+    """
+    by = {(r["model"], r["stage"]): r for r in rows if "error" not in r}
+    out = [
+        "\nEXTRAPOLATED (not measured): full model from its 1- and 2-layer cuts\n",
+        "| model | stage | per layer (s) | extrapolated time | per layer (MiB) | "
+        "extrapolated peak RSS |",
+        "|---|---|---|---|---|---|",
+    ]
+    for full, (one, two, n_layers) in EXTRAPOLATIONS.items():
+        for stage in STAGES:
+            a, b = by.get((one, stage)), by.get((two, stage))
+            if a is None or b is None:
+                continue
+            dt = b["seconds"] - a["seconds"]
+            dm = b["peak_rss_mib"] - a["peak_rss_mib"]
+            t = a["seconds"] - dt + n_layers * dt
+            m = a["peak_rss_mib"] - dm + n_layers * dm
+            out.append(
+                f"| {full} ({n_layers} layers) | {stage} | {dt:.1f} | {t / 60:.1f} min | "
+                f"{dm:.0f} | {m / 1024:.1f} GiB |"
+            )
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    main()
