@@ -46,6 +46,7 @@ _SUBMODULES = frozenset(
         "findings",
         "heads",
         "interventions",
+        "lm_eval",
         "models",
         "plots",
         "scan",

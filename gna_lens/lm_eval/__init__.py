@@ -18,6 +18,14 @@ arguments)::
   retrieval) as YAML + JSON lines.
 """
 
+import importlib.util
+
+if importlib.util.find_spec("lm_eval") is None:
+    raise ImportError(
+        "gna_lens.lm_eval needs lm-evaluation-harness, which is not installed. Fix: "
+        "pip install 'gna-lens[lmeval]' (or pip install 'lm-eval>=0.4.13,<0.5')."
+    )
+
 from gna_lens.lm_eval._model import GnaLM, Intervention, format_heads, parse_heads, register
 from gna_lens.lm_eval.table import (
     BenchmarkTable,

@@ -374,7 +374,9 @@ class GnaLM(TemplateLM):
         #: ``None``: the tokenizer's own default (``hf`` backend); ``True`` / ``False``: forced.
         self.add_bos_token = add_bos_token
         #: How the BOS setting was decided, for the record.
-        self.bos_rule = "forced by add_bos_token" if add_bos_token is not None else "tokenizer default"
+        self.bos_rule = (
+            "forced by add_bos_token" if add_bos_token is not None else "tokenizer default"
+        )
         if add_bos_token is None:
             default = checkpoint_adds_bos(self.tokenizer)
             if default is not None:
@@ -703,7 +705,9 @@ class GnaLM(TemplateLM):
         pbar.close()
         return list(re_ords.get_original(res))
 
-    def _greedy(self, contexts: list[str], max_ctx: int, max_gen: int, until: list[str]) -> list[str]:
+    def _greedy(
+        self, contexts: list[str], max_ctx: int, max_gen: int, until: list[str]
+    ) -> list[str]:
         encs = [self.tok_encode(c, left_truncate_len=max_ctx) for c in contexts]
         full = [self.tok_encode(c) for c in contexts]
         gen: list[list[int]] = [[] for _ in contexts]
@@ -722,7 +726,7 @@ class GnaLM(TemplateLM):
                 )
                 for i in live
             ]
-            logits, offsets = self._forward(rows, "left")
+            logits, _ = self._forward(rows, "left")
             nxt = logits[:, -1].float().argmax(-1).tolist()
             for i, t in zip(live, nxt, strict=True):
                 if t == self.eot_token_id:

@@ -100,9 +100,7 @@ class TableCell:
         if self.change is not None:
             ch = self.change
             rel = "" if math.isnan(self.relative) else f", {100 * self.relative:+.0f}%"
-            text += (
-                f"; {100 * ch.value:+.1f} [{100 * ch.low:+.1f}, {100 * ch.high:+.1f}] pts{rel}"
-            )
+            text += f"; {100 * ch.value:+.1f} [{100 * ch.low:+.1f}, {100 * ch.high:+.1f}] pts{rel}"
         return text
 
 
@@ -170,8 +168,7 @@ class BenchmarkTable:
     def to_markdown(self) -> str:
         """The table (rows: heads removed; columns: tasks) and the method, as markdown."""
         head = "| heads removed | " + " | ".join(
-            f"{t} ({self.cell(self.remove_top[0], t).metric.split(',')[0]}, %)"
-            for t in self.tasks
+            f"{t} ({self.cell(self.remove_top[0], t).metric.split(',')[0]}, %)" for t in self.tasks
         )
         lines = [head + " |", "|---" * (len(self.tasks) + 1) + "|"]
         for k in self.remove_top:
@@ -270,9 +267,7 @@ class BenchmarkTable:
                 f'<text x="{left - 6}" y="{y(v) + 4:.1f}" text-anchor="end">{100 * v:.0f}%</text>'
             )
         for k in ks:
-            out.append(
-                f'<text x="{x(k):.1f}" y="{top + h + 16}" text-anchor="middle">{k}</text>'
-            )
+            out.append(f'<text x="{x(k):.1f}" y="{top + h + 16}" text-anchor="middle">{k}</text>')
         out.append(
             f'<text x="{left + w / 2:.1f}" y="{height - 8}" text-anchor="middle">heads '
             "removed</text>"
@@ -289,8 +284,7 @@ class BenchmarkTable:
                         f'y2="{y(c.value.high):.1f}" stroke="{col}"/>'
                     )
                 out.append(
-                    f'<circle cx="{x(c.k):.1f}" cy="{y(c.value.value):.1f}" r="3" '
-                    f'fill="{col}"/>'
+                    f'<circle cx="{x(c.k):.1f}" cy="{y(c.value.value):.1f}" r="3" fill="{col}"/>'
                 )
             ly = top + 14 + 18 * i
             out.append(
@@ -597,9 +591,7 @@ def evaluate_table(
                 tmp = tempfile.TemporaryDirectory()
                 task_dir = tmp.name
         written = write_tasks(task_dir, model.tokenizer, local, limit=limit, seed=seed)
-        tm = TaskManager(
-            include_path=str(task_dir), include_defaults=len(local) < len(tasks)
-        )
+        tm = TaskManager(include_path=str(task_dir), include_defaults=len(local) < len(tasks))
         outputs = {}
         for k in ks:
             t = time.perf_counter()
@@ -660,10 +652,17 @@ def evaluate_table(
                 relative = change.value / b_mean if b_mean else math.nan
             cells.append(
                 TableCell(
-                    k=k, task=task, metric=key, n=len(values), value=_value_interval(values),
-                    stderr=stderr, change=change, relative=relative,
-                    chance=_CHANCE.get(task) if is_local(task) else None, items=tuple(values),
-                )  # fmt: skip
+                    k=k,
+                    task=task,
+                    metric=key,
+                    n=len(values),
+                    value=_value_interval(values),
+                    stderr=stderr,
+                    change=change,
+                    relative=relative,
+                    chance=_CHANCE.get(task) if is_local(task) else None,
+                    items=tuple(values),
+                ),
             )
     times = {"total": time.perf_counter() - t0} | times
     method = {
