@@ -42,6 +42,8 @@ _SEGMENTS = {
     "options": re.compile(r"^[A-Z][.)] .*$"),
     # Key-value lines ("scallops:84\n", "apple: red\n").
     "kv": re.compile(r"^[^\s:]+ ?: ?\S+$"),
+    # Any non-empty lines (explicit only: a header line would become a segment too).
+    "lines": re.compile(r"^.+$"),
 }
 
 
@@ -115,7 +117,9 @@ class Intervention:
         mask_mode: ``"post"`` (after the softmax, not renormalized) or ``"pre"``.
         segments: How segments are found in each request's context: ``"options"`` (the last run
             of lettered option lines ``"A. ..."``), ``"kv"`` (the last run of ``key: value``
-            lines) or ``"auto"`` (options, else kv).
+            lines), ``"lines"`` (the last run of non-empty lines before the query line) or
+            ``"auto"`` (options, else kv). Each segment is a line with its ``\n``; its summary
+            token is the line's last token.
     """
 
     heads: tuple[Head, ...] = ()
@@ -225,7 +229,7 @@ def checkpoint_adds_bos(tokenizer: Any) -> bool | None:
 
 def _segment_chars(context: str, how: str) -> list[tuple[int, int]]:
     """Character ranges (each line with its ``\\n``) of the last run of segment lines."""
-    kinds = list(_SEGMENTS) if how == "auto" else [how]
+    kinds = ["options", "kv"] if how == "auto" else [how]
     lines: list[tuple[int, int, str]] = []
     pos = 0
     for line in context.split("\n"):
@@ -282,7 +286,7 @@ class GnaLM(TemplateLM):
             ``mask_heads``, built per request from the segments of its context.
         mask_heads: Heads whose patterns are masked.
         mask_mode: ``"post"`` or ``"pre"`` softmax.
-        segments: ``"auto"``, ``"options"`` or ``"kv"`` (see :class:`Intervention`).
+        segments: ``"auto"``, ``"options"``, ``"kv"`` or ``"lines"`` (see :class:`Intervention`).
         batch_size: Rows per forward pass (``"auto"`` means 8).
         dtype: Weights dtype when loading (``float32``, ``bfloat16``, ...).
         device: Device when loading (``cpu``, ``cuda``).
@@ -609,10 +613,11 @@ class GnaLM(TemplateLM):
                     )
                 )
             logits, _ = self._forward(rows, "right")
-            logp = F.log_softmax(logits.float(), dim=-1)
-            for (req, ctx_tokens, cont_toks), row, lp in zip(chunk, rows, logp, strict=True):
+            for (req, ctx_tokens, cont_toks), row, lg in zip(chunk, rows, logits, strict=True):
                 inplen = len(row.tokens)
-                lp_row = lp[inplen - len(cont_toks) : inplen][None]  # [1, cont, vocab]
+                # Only the continuation's positions: a [batch, pos, vocab] log-softmax of a
+                # 50k-token vocabulary is gigabytes.
+                lp_row = F.log_softmax(lg[inplen - len(cont_toks) : inplen].float(), dim=-1)[None]
                 greedy = lp_row.argmax(dim=-1)
                 for request_str, cont, lp_one in re_ord.get_cache(
                     req_str=req, cxt_toks=ctx_tokens, cont_toks=cont_toks, logits=lp_row

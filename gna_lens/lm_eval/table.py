@@ -518,7 +518,8 @@ def evaluate_table(
             that the task reports).
         num_fewshot: lm-eval's few-shot count (default: the task's).
         task_dir: Where the local tasks are written (default ``out/tasks``, else a temporary
-            folder).
+            folder); it may hold your own task YAMLs too (e.g. from :func:`write_task`), found
+            by file name without lm-eval's built-in index.
         ranking_samples: Selection prompts when the ranking is computed here.
         sweep_dtype: ``"bfloat16"`` autocast for the ranking sweeps (see
             :func:`~gna_lens.score_heads`).
@@ -591,7 +592,11 @@ def evaluate_table(
                 tmp = tempfile.TemporaryDirectory()
                 task_dir = tmp.name
         written = write_tasks(task_dir, model.tokenizer, local, limit=limit, seed=seed)
-        tm = TaskManager(include_path=str(task_dir), include_defaults=len(local) < len(tasks))
+        # lm-eval's index of its ~thousand built-in tasks takes ~10 s: only when needed.
+        found = {p.stem for p in Path(task_dir).glob("*.yaml")}
+        tm = TaskManager(
+            include_path=str(task_dir), include_defaults=any(t not in found for t in tasks)
+        )
         outputs = {}
         for k in ks:
             t = time.perf_counter()
