@@ -264,6 +264,7 @@ def test_evaluate_command_writes_the_table(checkpoints, tmp_path):
             assert c["value"]["low"] <= c["value"]["value"] <= c["value"]["high"]
     assert data["method"]["provenance"]["source"] == "local"
     assert "zero" in data["method"]["mode"] and data["method"]["ranking"] == "L1H0;L0H2;L1H5;L0H7"
+    assert gl.BenchmarkTable.from_dict(data).to_dict() == data
     table = (out / "table.md").read_text()
     assert "| 4 |" in table and "pts" in table
     assert not math.isnan(cells[(0, "gna_mmlu_letter")]["value"]["value"])
@@ -280,3 +281,51 @@ def test_table_api_returns_frozen_result(checkpoints):
         table.model = "x"  # type: ignore[misc]
     with pytest.raises(ConfigError, match="needs 3 ranked heads"):
         gl.evaluate_table(lm_model, ["gna_mmlu_letter"], [0, 3], ranking=[(1, 2)], limit=6)
+
+
+def test_recipe_blocks_run_and_print_what_the_page_says(tmp_path, monkeypatch):
+    """docs/recipes/lm_eval.md: the toy table falls from 100% as the Aggregate head goes, and
+    keeping vs denying its pattern keeps vs breaks retrieval."""
+    import contextlib
+    import io
+    import re
+    from pathlib import Path
+
+    monkeypatch.chdir(tmp_path)
+    page = Path(__file__).resolve().parents[1] / "docs" / "recipes" / "lm_eval.md"
+    blocks = re.findall(r"```python\n(.*?)```", page.read_text(encoding="utf-8"), flags=re.S)
+    assert len(blocks) == 2
+    out = io.StringIO()
+    scope: dict = {}
+    with contextlib.redirect_stdout(out):
+        exec(compile("\n".join(blocks), "lm_eval.md", "exec"), scope)
+    table = scope["table"]
+    assert table.cell(0, "toy_kv").value.value == 1.0
+    assert table.cell(1, "toy_kv").value.value == pytest.approx(0.208, abs=1e-3)
+    assert table.cell(1, "toy_kv").change.high < 0
+    assert (tmp_path / "toy_table" / "table.svg").read_text().startswith("<svg")
+    lines = out.getvalue().splitlines()
+    kept, denied = (float(line.split()[-1]) for line in lines[-2:])
+    assert lines[-2].startswith("aggregate ") and kept == 1.0
+    assert denied == pytest.approx(0.208, abs=1e-3)
+
+
+def test_lm_eval_command_line_wrapper(checkpoints, tmp_path, monkeypatch, capsys):
+    """`gna-lens lm-eval` is lm-eval's own CLI with --model gna_lens registered; offline gna_*
+    tasks are written on demand for the model's tokenizer."""
+    from gna_lens.cli import main
+
+    monkeypatch.setenv("GNA_LENS_CACHE", str(tmp_path / "cache"))
+    rc = main(
+        ["lm-eval", "--model", "gna_lens", "--model_args",
+         f"pretrained={checkpoints['mamba2']},remove=L1H0;L0H2", "--tasks", "gna_mmlu_letter",
+         "--limit", "4", "--batch_size", "4", "--output_path", str(tmp_path / "results")]
+    )  # fmt: skip
+    assert rc == 0
+    assert list((tmp_path / "cache" / "lm_eval_tasks").glob("*-4/gna_mmlu_letter.yaml"))
+    results = list((tmp_path / "results").rglob("results_*.json"))
+    assert len(results) == 1
+    data = json.loads(results[0].read_text())
+    assert data["n-samples"]["gna_mmlu_letter"]["effective"] == 4
+    assert data["config"]["gna_lens_intervention"]["heads"] == [[1, 0], [0, 2]]
+    assert data["config"]["gna_lens_provenance"]["source"] == "local"

@@ -211,6 +211,44 @@ class BenchmarkTable:
             "seconds": self.seconds,
         }
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "BenchmarkTable":
+        """The table back from :meth:`to_dict` (e.g. a ``table.json`` written earlier)."""
+
+        def iv(d: dict[str, Any] | None) -> Interval | None:
+            if d is None:
+                return None
+            v = [math.nan if d[k] is None else float(d[k]) for k in ("value", "low", "high")]
+            return Interval(v[0], v[1], v[2], int(d["n"]), str(d["method"]))
+
+        cells = []
+        for c in data["cells"]:
+            value = iv(c["value"])
+            assert value is not None
+            cells.append(
+                TableCell(
+                    k=int(c["k"]),
+                    task=c["task"],
+                    metric=c["metric"],
+                    n=int(c["n"]),
+                    value=value,
+                    stderr=math.nan if c["stderr"] is None else float(c["stderr"]),
+                    change=iv(c["change"]),
+                    relative=math.nan if c["relative"] is None else float(c["relative"]),
+                    chance=c.get("chance"),
+                    items=tuple(c.get("items", ())),
+                )
+            )
+        return cls(
+            model=data["model"],
+            tasks=tuple(data["tasks"]),
+            remove_top=tuple(data["remove_top"]),
+            ranking=tuple((int(a), int(b)) for a, b in data["ranking"]),
+            cells=tuple(cells),
+            method=dict(data.get("method", {})),
+            seconds=dict(data.get("seconds", {})),
+        )
+
     def figure(self) -> Any:
         """A plotly figure: each task's metric (%, 95% intervals) against heads removed."""
         import plotly.graph_objects as go
@@ -258,7 +296,7 @@ class BenchmarkTable:
             f'font-family="sans-serif" font-size="11">',
             f'<rect width="{width}" height="{height}" fill="white"/>',
             f'<text x="{left}" y="16" font-size="12">{_esc(self.model)}: top-k heads removed '
-            "(95% intervals)</text>",
+            "(95% intervals; dashed: chance)</text>",
         ]
         for v in (0, 0.25, 0.5, 0.75, 1.0):
             out.append(
@@ -275,6 +313,12 @@ class BenchmarkTable:
         for i, t in enumerate(self.tasks):
             col = colors[i % len(colors)]
             cs = [self.cell(k, t) for k in ks]
+            if cs[0].chance is not None:  # chance level, dashed
+                out.append(
+                    f'<line x1="{left}" x2="{left + w}" y1="{y(cs[0].chance):.1f}" '
+                    f'y2="{y(cs[0].chance):.1f}" stroke="{col}" stroke-dasharray="4 3" '
+                    'stroke-opacity="0.6"/>'
+                )
             pts = " ".join(f"{x(c.k):.1f},{y(c.value.value):.1f}" for c in cs)
             out.append(f'<polyline points="{pts}" fill="none" stroke="{col}" stroke-width="2"/>')
             for c in cs:
