@@ -6,6 +6,7 @@ hooks and remove them on exit, even when the model raises: between calls the mod
 the hooks it had before.
 """
 
+import logging
 import re
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -203,6 +204,19 @@ def _dtype(value: Any) -> torch.dtype:
     return dt
 
 
+def _device(device: str | None) -> str:
+    """The device to load on, as lm-eval's ``hf`` backend picks it: the one asked for, except that
+    a CUDA device (lm-eval's CLI default is ``cuda:0``) or none means CUDA where there is one,
+    else the CPU."""
+    if device and not str(device).startswith("cuda"):
+        return str(device)
+    if torch.cuda.is_available():
+        return str(device or "cuda")
+    if device:
+        logging.getLogger(__name__).info("device=%r: no CUDA device here, using the CPU", device)
+    return "cpu"
+
+
 def checkpoint_adds_bos(tokenizer: Any) -> bool | None:
     """Whether the checkpoint's own tokenizer adds BOS, where TransformerLens changed that.
 
@@ -289,7 +303,8 @@ class GnaLM(TemplateLM):
         segments: ``"auto"``, ``"options"``, ``"kv"`` or ``"lines"`` (see :class:`Intervention`).
         batch_size: Rows per forward pass (``"auto"`` means 8).
         dtype: Weights dtype when loading (``float32``, ``bfloat16``, ...).
-        device: Device when loading (``cpu``, ``cuda``).
+        device: Device when loading (``cpu``, ``cuda``; as lm-eval's ``hf`` backend, a CUDA
+            device on a machine without one means the CPU).
         max_length: Context length (default: the model's, else 2048).
         max_gen_toks: Default generation budget (lm-eval's 256).
         add_bos_token: Force the tokenizer to add (or not) its BOS (default: its own setting).
@@ -355,7 +370,7 @@ class GnaLM(TemplateLM):
         if model is None:
             from gna_lens.models import load_model
 
-            model = load_model(str(pretrained), dtype=_dtype(dtype), device=device or "cpu")
+            model = load_model(str(pretrained), dtype=_dtype(dtype), device=_device(device))
         self._model = model
         self.tokenizer = getattr(model, "tokenizer", None)
         if self.tokenizer is None:
