@@ -323,6 +323,8 @@ class GnaLM(TemplateLM):
         'zero ablation of L1H0;L1H3 at all positions'
     """
 
+    tokenizer: Any
+
     def __init__(
         self,
         pretrained: str | None = None,
@@ -591,7 +593,7 @@ class GnaLM(TemplateLM):
     # ------------------------------------------------------------------ scoring
     def _loglikelihood_tokens(
         self,
-        requests: list[tuple[tuple[str, str] | None, list[int], list[int]]],
+        requests: Sequence[tuple[tuple[str, str] | None, list[int], list[int]]],
         disable_tqdm: bool = False,
         override_bs: int | None = None,
     ) -> list[tuple[float, bool]]:
