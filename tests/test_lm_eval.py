@@ -329,3 +329,29 @@ def test_lm_eval_command_line_wrapper(checkpoints, tmp_path, monkeypatch, capsys
     assert data["n-samples"]["gna_mmlu_letter"]["effective"] == 4
     assert data["config"]["gna_lens_intervention"]["heads"] == [[1, 0], [0, 2]]
     assert data["config"]["gna_lens_provenance"]["source"] == "local"
+
+
+def test_ranking_computed_on_the_fly_when_none_is_given(tmp_path, monkeypatch):
+    """Without --ranking the heads are ranked as gna-lens scan ranks them (score_heads with a
+    control, retrieval-specific top): on the toy, its Gather and Aggregate heads, not the
+    generic head that every prediction needs."""
+    import gna_lens.scan
+    import gna_lens.scoring
+    from gna_lens.scan import ScanTasks
+    from gna_lens.testing import toy_control, toy_gna_model, toy_gna_task
+
+    model = toy_gna_model(generic_head=True)
+    monkeypatch.setattr(
+        gna_lens.scan,
+        "build_tasks",
+        lambda *a, **k: ScanTasks(toy_gna_task(model, n_samples=8), {}),
+    )
+    monkeypatch.setattr(gna_lens.scoring, "resolve_control", lambda *a, **k: toy_control(model))
+    gl.write_task(toy_gna_task(model, n_samples=12, seed=3), tmp_path, "toy_kv")
+    table = gl.evaluate_table(
+        model, ["toy_kv"], [0, 2], task_dir=tmp_path, progress=False, limit=None
+    )
+    assert sorted(table.ranking) == [(0, 0), (1, 0)]
+    assert "computed on the fly" in table.method["ranking_source"]
+    assert table.method["local_tasks"] == {}  # only the tasks asked for are written
+    assert table.cell(2, "toy_kv").value.value < table.cell(0, "toy_kv").value.value

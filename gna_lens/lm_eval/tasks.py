@@ -215,7 +215,7 @@ def write_tasks(
     Returns:
         ``{name: the gna_lens task written}``.
     """
-    wanted = [n for n in (names or LOCAL_TASKS) if is_local(n)]
+    wanted = [n for n in (LOCAL_TASKS if names is None else names) if is_local(n)]
     out = {}
     for name in wanted:
         task = build_local_task(name, tokenizer, limit=limit, seed=seed)
