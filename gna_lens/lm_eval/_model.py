@@ -105,8 +105,10 @@ class Intervention:
 
     Attributes:
         heads: Heads ablated (``(layer, head)``), ``()`` for none.
-        mode: ``"zero"`` or ``"mean"`` (the head's mean output over the shipped prose, every
-            position but BOS; see :func:`gna_lens.interventions.head_ablation_hooks`).
+        mode: ``"zero"`` or ``"mean"``: the head's mean output over 8 windows of 64 tokens of
+            the shipped prose, taken where it is ablated (every position but BOS for
+            ``positions="all"``, the windows' last tokens for ``"last"``; see
+            :func:`gna_lens.interventions.head_ablation_hooks`).
         positions: ``"all"`` (every position) or ``"last"`` (the last context token of each
             request: the position that predicts the continuation's first token; in generation,
             the last position of every step).
@@ -546,9 +548,10 @@ class GnaLM(TemplateLM):
         for b, (row, off) in enumerate(zip(rows, offsets, strict=True)):
             if row.context is None:
                 raise InterventionError(
-                    f"mask={kind!r} needs each request's context (its segments); "
-                    "loglikelihood_rolling requests have none. Fix: ablate heads (remove=...) "
-                    "for perplexity tasks, or no mask."
+                    f"mask={kind!r} needs each request's whole context (its segments); this "
+                    "request has none: a perplexity (loglikelihood_rolling) request, or a context "
+                    f"truncated to max_length={self.max_length}. Fix: ablate heads (remove=...) "
+                    "for such tasks, a larger max_length, or no mask."
                 )
             chars = _segment_chars(row.context, iv.segments)
             if not chars:
