@@ -218,6 +218,8 @@ def _evaluate(args: argparse.Namespace) -> int:
             sweep_dtype=None if args.sweep_dtype == "float32" else args.sweep_dtype,
             seed=args.seed,
             out=args.out,
+            dtype=args.dtype,
+            device=args.device,
             progress=progress,
         )
     except (GnaLensError, OSError) as err:
@@ -364,6 +366,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="arithmetic of the ranking sweeps when the ranking is computed here",
     )  # fmt: skip
     ev.add_argument("--out", default="gna_lens_table", help="folder for table.md/csv/json/svg")
+    ev.add_argument("--dtype", default="float32", help="weights dtype (float32, bfloat16)")
+    ev.add_argument("--device", default=None, help="cpu, cuda (default: cuda if available)")
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--threads", type=int, default=None, help="torch threads (as scan)")
     ev.add_argument("--quiet", action="store_true", help="no progress, no table on stdout")

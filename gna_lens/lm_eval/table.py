@@ -22,7 +22,7 @@ import torch
 
 from gna_lens.errors import ConfigError, GnaLensError
 from gna_lens.heads import Head
-from gna_lens.lm_eval._model import GnaLM, format_heads, parse_heads
+from gna_lens.lm_eval._model import GnaLM, _device, _dtype, format_heads, parse_heads
 from gna_lens.lm_eval.tasks import LOCAL_TASKS, is_local, write_tasks
 from gna_lens.stats import Interval, bootstrap_interval, wilson_interval
 
@@ -538,6 +538,8 @@ def evaluate_table(
     sweep_dtype: str | None = None,
     seed: int = 0,
     out: str | Path | None = None,
+    dtype: Any = "float32",
+    device: str | None = None,
     progress: bool = True,
 ) -> BenchmarkTable:
     """Run lm-eval once per row of ``remove_top`` with the top ``k`` heads of ``ranking`` removed.
@@ -569,6 +571,8 @@ def evaluate_table(
             :func:`~gna_lens.score_heads`).
         seed: Seed of the local tasks' MMLU sample and of the ranking's prompts.
         out: Folder to write the table into (``None``: nothing written).
+        dtype: Weights dtype when ``model`` is a name (``"float32"``, ``"bfloat16"``).
+        device: Device when ``model`` is a name (default: CUDA where there is one, else CPU).
         progress: Progress bars and one line per row on stderr.
 
     Returns:
@@ -596,9 +600,9 @@ def evaluate_table(
     if not tasks:
         raise ConfigError("tasks is empty; expected at least one lm-eval task name.")
     if isinstance(model, str | Path):
-        from gna_lens.scan import load_scan_model
+        from gna_lens.models import load_model
 
-        model = load_scan_model(str(model))
+        model = load_model(str(model), dtype=_dtype(dtype), device=_device(device))
     prov = provenance_of(model)
     log = logging.getLogger("lm_eval")
     level = log.level
