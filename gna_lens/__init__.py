@@ -48,6 +48,7 @@ _SUBMODULES = frozenset(
         "findings",
         "heads",
         "interventions",
+        "lm_eval",
         "models",
         "plots",
         "scan",

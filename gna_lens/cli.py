@@ -1,5 +1,6 @@
-"""Command line interface: ``gna-lens scan`` (the main job), ``gna-lens train-zoo`` and
-``gna-lens demo``."""
+"""Command line interface: ``gna-lens scan`` (the main job), ``gna-lens evaluate`` (lm-eval
+benchmarks with the top heads removed), ``gna-lens lm-eval`` (lm-eval's own command with the
+``gna_lens`` model registered), ``gna-lens train-zoo`` and ``gna-lens demo``."""
 
 import argparse
 import os
@@ -218,6 +219,71 @@ def scan_threads(requested: int | None) -> tuple[int, str]:
     return n, f"{n} torch thread(s): {cores} cores, load average {load:.1f}; --threads to change"
 
 
+def _evaluate(args: argparse.Namespace) -> int:
+    try:
+        from gna_lens.lm_eval import evaluate_table
+    except ImportError as err:
+        print(
+            f"gna-lens evaluate: error: lm-eval is not installed ({err}). Install the extra: "
+            "pip install 'gna-lens[lmeval]'.",
+            file=sys.stderr,
+        )
+        return 2
+    from gna_lens.errors import GnaLensError
+
+    try:
+        ks = [int(k) for k in args.remove_top.split(",") if k.strip()]
+    except ValueError:
+        print(
+            f"gna-lens evaluate: error: --remove-top {args.remove_top!r}; expected numbers "
+            "separated by commas, e.g. 0,10,20,30.",
+            file=sys.stderr,
+        )
+        return 2
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    threads, why = scan_threads(args.threads)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    progress = not args.quiet
+    try:
+        if progress:
+            print(f"gna-lens evaluate: loading {args.model} ({why})", file=sys.stderr, flush=True)
+        table = evaluate_table(
+            args.model,
+            tasks,
+            ks,
+            args.ranking,
+            mode=args.mode,
+            positions=args.positions,
+            limit=args.limit if args.limit and args.limit > 0 else None,
+            batch_size=args.batch_size,
+            metric=args.metric,
+            num_fewshot=args.num_fewshot,
+            ranking_samples=args.ranking_samples,
+            sweep_dtype=None if args.sweep_dtype == "float32" else args.sweep_dtype,
+            seed=args.seed,
+            out=args.out,
+            dtype=args.dtype,
+            device=args.device,
+            progress=progress,
+        )
+    except (GnaLensError, OSError) as err:
+        print(f"gna-lens evaluate: error: {err}", file=sys.stderr)
+        return 2
+    finally:
+        torch.set_num_threads(before)
+    if progress:
+        print(table.to_markdown())
+        print(f"Written: {args.out}/table.md, table.csv, table.json, table.svg, tasks/")
+    return 0
+
+
+def _lm_eval(args: argparse.Namespace) -> int:
+    from gna_lens.lm_eval.__main__ import main as lm_eval_main
+
+    return int(lm_eval_main(args.rest))
+
+
 def _train_zoo(args: argparse.Namespace) -> int:
     from gna_lens.zoo.train import train_zoo_main
 
@@ -321,6 +387,57 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     sc.add_argument("--json", action="store_true", help="print the JSON report instead of tables")
     sc.set_defaults(func=_scan)
+    ev = sub.add_parser(
+        "evaluate",
+        help="lm-eval benchmarks with the top 0 / 10 / 20 / 30 heads removed: the paper's table",
+    )
+    ev.add_argument(
+        "model", nargs="?", default="smollm2-135m",
+        help="smollm2-135m (default), zoo name, local HF dir, .gguf file or hub name",
+    )  # fmt: skip
+    ev.add_argument(
+        "--tasks", default="gna_kv,gna_mmlu_letter,gna_mmlu_cloze",
+        help="lm-eval tasks, comma-separated: offline gna_kv, gna_kv_paper, gna_mmlu_letter, "
+        "gna_mmlu_cloze, or lm-eval's own (mmlu, lambada_openai, gsm8k, ...; need a hub)",
+    )  # fmt: skip
+    ev.add_argument("--remove-top", default="0,10,20,30", help="rows: heads removed (0,10,20,30)")
+    ev.add_argument(
+        "--ranking", default=None,
+        help="report.json of `gna-lens scan` (or a JSON list of [layer, head]); default: rank "
+        "on KV-retrieval prompts now",
+    )  # fmt: skip
+    ev.add_argument("--mode", default="zero", choices=["zero", "mean"], help="ablation mode")
+    ev.add_argument(
+        "--positions", default="all", choices=["all", "last"],
+        help="ablated positions: all, or the last context token of each request",
+    )  # fmt: skip
+    ev.add_argument(
+        "--limit", type=int, default=100, help="items per task (default 100; 0 for all)"
+    )
+    ev.add_argument("--batch-size", type=int, default=8, help="rows per forward pass (8)")
+    ev.add_argument("--metric", default=None, help="metric of every task (default: acc, ...)")
+    ev.add_argument("--num-fewshot", type=int, default=None, help="lm-eval's few-shot count")
+    ev.add_argument(
+        "--ranking-samples", type=int, default=16,
+        help="KV prompts the ranking is made on when --ranking is not given (16)",
+    )  # fmt: skip
+    ev.add_argument(
+        "--sweep-dtype", default="float32", choices=["float32", "bfloat16"],
+        help="arithmetic of the ranking sweeps when the ranking is computed here",
+    )  # fmt: skip
+    ev.add_argument("--out", default="gna_lens_table", help="folder for table.md/csv/json/svg")
+    ev.add_argument("--dtype", default="float32", help="weights dtype (float32, bfloat16)")
+    ev.add_argument("--device", default=None, help="cpu, cuda (default: cuda if available)")
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--threads", type=int, default=None, help="torch threads (as scan)")
+    ev.add_argument("--quiet", action="store_true", help="no progress, no table on stdout")
+    ev.set_defaults(func=_evaluate)
+    le = sub.add_parser(
+        "lm-eval",
+        add_help=False,
+        help="lm-eval's own command with --model gna_lens available (gna-lens lm-eval --help)",
+    )
+    le.set_defaults(func=_lm_eval)
     tz = sub.add_parser(
         "train-zoo",
         add_help=False,
@@ -328,7 +445,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     tz.set_defaults(func=_train_zoo)
     args, rest = parser.parse_known_args(argv)
-    if args.command == "train-zoo":
+    if args.command in ("train-zoo", "lm-eval"):
         args.rest = rest
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")

@@ -1,0 +1,752 @@
+"""The paper's benchmark table: lm-eval once per number of top G&A heads removed.
+
+:func:`evaluate_table` ranks heads (a ``gna-lens scan`` report, a list, or
+:func:`~gna_lens.score_heads` on KV-retrieval prompts), then for each ``k`` of ``remove_top``
+runs lm-eval's ``simple_evaluate`` on the same model with the top ``k`` heads ablated, and
+returns a :class:`BenchmarkTable`: per task and row the metric with a 95% interval from the
+per-item results (Wilson for 0/1 metrics, else a bootstrap), and its change from the row without
+ablation, absolute (paired bootstrap over the same items) and relative.
+"""
+
+import importlib.metadata
+import json
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gna_lens.errors import ConfigError, GnaLensError
+from gna_lens.heads import Head
+from gna_lens.lm_eval._model import GnaLM, _device, _dtype, format_heads, parse_heads
+from gna_lens.lm_eval.tasks import LOCAL_TASKS, is_local, write_tasks
+from gna_lens.stats import Interval, bootstrap_interval, wilson_interval
+
+__all__ = [
+    "DEFAULT_LIMIT",
+    "DEFAULT_TASKS",
+    "BenchmarkTable",
+    "TableCell",
+    "evaluate_table",
+    "load_ranking",
+]
+
+#: Tasks of ``gna-lens evaluate`` when none are named: offline, retrieval vs knowledge.
+DEFAULT_TASKS = ("gna_kv", "gna_mmlu_letter", "gna_mmlu_cloze")
+#: Items per task by default (lm-eval's ``limit``; local tasks are written with this many).
+DEFAULT_LIMIT = 100
+#: Metrics tried in order when a task's metric is not given.
+_METRIC_ORDER = ("acc", "exact_match", "em", "f1", "acc_norm", "word_perplexity")
+_CHANCE = {"gna_mmlu_letter": 0.25, "gna_mmlu_cloze": 0.25, "gna_kv": 1 / 6, "gna_kv_paper": 1 / 6}
+
+
+def _interval_dict(iv: Interval | None) -> dict[str, Any] | None:
+    return None if iv is None else iv.to_dict()
+
+
+@dataclass(frozen=True)
+class TableCell:
+    """One task in one row of the table.
+
+    Attributes:
+        k: Heads removed (the top ``k`` of the ranking).
+        task: lm-eval's task (or group) name.
+        metric: The metric (``"acc"``, ``"exact_match"``, ...) and lm-eval's filter
+            (``"acc,none"``).
+        n: Items scored.
+        value: The metric with its 95% interval over the items (Wilson for 0/1 metrics, else a
+            percentile bootstrap).
+        stderr: lm-eval's own standard error (NaN when it reports none).
+        change: The change from ``k = 0`` with a paired 95% bootstrap interval over the same
+            items; ``None`` in the ``k = 0`` row.
+        relative: ``change / value at k = 0`` (NaN when that is 0 or in the ``k = 0`` row).
+        chance: The task's chance level where known (local tasks), else ``None``.
+        items: Per-item metric values, in lm-eval's (sub-task, doc_id) order.
+    """
+
+    k: int
+    task: str
+    metric: str
+    n: int
+    value: Interval
+    stderr: float
+    change: Interval | None
+    relative: float
+    chance: float | None = None
+    items: tuple[float, ...] = field(default=(), repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready (per-item values included)."""
+        return {
+            "k": self.k,
+            "task": self.task,
+            "metric": self.metric,
+            "n": self.n,
+            "value": _interval_dict(self.value),
+            "stderr": None if math.isnan(self.stderr) else self.stderr,
+            "change": _interval_dict(self.change),
+            "relative": None if math.isnan(self.relative) else self.relative,
+            "chance": self.chance,
+            "items": list(self.items),
+        }
+
+    def format(self) -> str:
+        """``"53.0 [43.3, 62.5]"``, plus ``"; -7.0 [-12.0, -2.0] pts, -12%"`` for ``k > 0``."""
+        text = self.value.format(percent=True).replace("%", "")
+        if self.change is not None:
+            ch = self.change
+            rel = "" if math.isnan(self.relative) else f", {100 * self.relative:+.0f}%"
+            text += f"; {100 * ch.value:+.1f} [{100 * ch.low:+.1f}, {100 * ch.high:+.1f}] pts{rel}"
+        return text
+
+
+@dataclass(frozen=True)
+class BenchmarkTable:
+    """lm-eval results for the top 0 / k1 / k2 ... heads removed: the paper's table.
+
+    Attributes:
+        model: The model's name.
+        tasks: The tasks (columns).
+        remove_top: The numbers of heads removed (rows).
+        ranking: The ranking the rows take their heads from (most critical first).
+        cells: One :class:`TableCell` per row and task.
+        method: How it was made: ablation mode and positions, ranking source, weights
+            provenance, item limit, lm-eval and gna_lens versions, seeds.
+        seconds: Wall time, total and per row (``{"total": ..., "k=0": ...}``).
+    """
+
+    model: str
+    tasks: tuple[str, ...]
+    remove_top: tuple[int, ...]
+    ranking: tuple[Head, ...]
+    cells: tuple[TableCell, ...]
+    method: dict[str, Any] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def cell(self, k: int, task: str) -> TableCell:
+        """The cell of row ``k`` and ``task``."""
+        for c in self.cells:
+            if c.k == k and c.task == task:
+                return c
+        raise GnaLensError(
+            f"BenchmarkTable.cell({k}, {task!r}): no such cell; rows {list(self.remove_top)}, "
+            f"tasks {list(self.tasks)}."
+        )
+
+    def to_dataframe(self) -> Any:
+        """One row per (k, task): ``k, heads, task, metric, n, value, low, high, stderr,
+        change, change_low, change_high, relative, chance``."""
+        import pandas as pd
+
+        rows = []
+        for c in self.cells:
+            ch = c.change
+            rows.append(
+                {
+                    "k": c.k,
+                    "heads": format_heads(self.ranking[: c.k]),
+                    "task": c.task,
+                    "metric": c.metric,
+                    "n": c.n,
+                    "value": c.value.value,
+                    "low": c.value.low,
+                    "high": c.value.high,
+                    "stderr": c.stderr,
+                    "change": ch.value if ch else 0.0,
+                    "change_low": ch.low if ch else math.nan,
+                    "change_high": ch.high if ch else math.nan,
+                    "relative": c.relative,
+                    "chance": c.chance,
+                }
+            )
+        return pd.DataFrame(rows)
+
+    def to_markdown(self) -> str:
+        """The table (rows: heads removed; columns: tasks) and the method, as markdown."""
+        head = "| heads removed | " + " | ".join(
+            f"{t} ({self.cell(self.remove_top[0], t).metric.split(',')[0]}, %)" for t in self.tasks
+        )
+        lines = [head + " |", "|---" * (len(self.tasks) + 1) + "|"]
+        for k in self.remove_top:
+            cells = " | ".join(self.cell(k, t).format() for t in self.tasks)
+            lines.append(f"| {k} | {cells} |")
+        m = self.method
+        n = ", ".join(f"{t} {self.cell(self.remove_top[0], t).n}" for t in self.tasks)
+        chance = ", ".join(
+            f"{t} {100 * c:.1f}%"
+            for t in self.tasks
+            if (c := self.cell(self.remove_top[0], t).chance) is not None
+        )
+        lines += [
+            "",
+            "Values: the metric over the items with a 95% interval (Wilson for 0/1 metrics); "
+            "in later rows the change from 0 heads removed in points with a paired bootstrap "
+            "95% interval over the same items, and the relative change.",
+            "",
+            f"- Model: {self.model}; weights: {m.get('weights', 'not recorded')}",
+            f"- Heads removed (most critical first): {format_heads(self.ranking) or 'none'}",
+            f"- Ranking: {m.get('ranking_source', '')}",
+            f"- Ablation: {m.get('mode')} at {m.get('positions')} positions; items per task: "
+            f"{n}" + (f"; chance: {chance}" if chance else ""),
+            f"- Versions: {m.get('versions', '')}",
+            f"- Time: {self.seconds.get('total', math.nan):.0f} s ("
+            + ", ".join(f"{k} {v:.0f} s" for k, v in self.seconds.items() if k != "total")
+            + ")",
+        ]
+        return "\n".join(lines) + "\n"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Everything, JSON-ready."""
+        return {
+            "model": self.model,
+            "tasks": list(self.tasks),
+            "remove_top": list(self.remove_top),
+            "ranking": [list(h) for h in self.ranking],
+            "cells": [c.to_dict() for c in self.cells],
+            "method": self.method,
+            "seconds": self.seconds,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "BenchmarkTable":
+        """The table back from :meth:`to_dict` (e.g. a ``table.json`` written earlier)."""
+
+        def iv(d: dict[str, Any] | None) -> Interval | None:
+            if d is None:
+                return None
+            v = [math.nan if d[k] is None else float(d[k]) for k in ("value", "low", "high")]
+            return Interval(v[0], v[1], v[2], int(d["n"]), str(d["method"]))
+
+        cells = []
+        for c in data["cells"]:
+            value = iv(c["value"])
+            assert value is not None
+            cells.append(
+                TableCell(
+                    k=int(c["k"]),
+                    task=c["task"],
+                    metric=c["metric"],
+                    n=int(c["n"]),
+                    value=value,
+                    stderr=math.nan if c["stderr"] is None else float(c["stderr"]),
+                    change=iv(c["change"]),
+                    relative=math.nan if c["relative"] is None else float(c["relative"]),
+                    chance=c.get("chance"),
+                    items=tuple(c.get("items", ())),
+                )
+            )
+        return cls(
+            model=data["model"],
+            tasks=tuple(data["tasks"]),
+            remove_top=tuple(data["remove_top"]),
+            ranking=tuple((int(a), int(b)) for a, b in data["ranking"]),
+            cells=tuple(cells),
+            method=dict(data.get("method", {})),
+            seconds=dict(data.get("seconds", {})),
+        )
+
+    def figure(self) -> Any:
+        """A plotly figure: each task's metric (%, 95% intervals) against heads removed."""
+        import plotly.graph_objects as go
+
+        fig = go.Figure()
+        for t in self.tasks:
+            cs = [self.cell(k, t) for k in self.remove_top]
+            fig.add_trace(
+                go.Scatter(
+                    x=list(self.remove_top),
+                    y=[100 * c.value.value for c in cs],
+                    error_y={
+                        "type": "data",
+                        "symmetric": False,
+                        "array": [100 * (c.value.high - c.value.value) for c in cs],
+                        "arrayminus": [100 * (c.value.value - c.value.low) for c in cs],
+                    },
+                    mode="lines+markers",
+                    name=t,
+                )
+            )
+        fig.update_layout(
+            title=f"{self.model}: top-k G&A heads removed",
+            xaxis_title="heads removed (top k of the ranking)",
+            yaxis_title="metric (%), 95% intervals",
+        )
+        return fig
+
+    def to_svg(self, width: int = 560, height: int = 320) -> str:
+        """The figure as a small self-contained SVG (no plotly, no browser)."""
+        colors = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
+        left, right, top, bottom = 56, 150, 30, 44
+        w, h = width - left - right, height - top - bottom
+        ks = list(self.remove_top)
+        kmax = max(max(ks), 1)
+
+        def x(k: float) -> float:
+            return left + w * k / kmax
+
+        def y(v: float) -> float:
+            return top + h * (1 - v)
+
+        out = [
+            f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+            f'font-family="sans-serif" font-size="11">',
+            f'<rect width="{width}" height="{height}" fill="white"/>',
+            f'<text x="{left}" y="16" font-size="12">{_esc(self.model)}: top-k heads removed '
+            "(95% intervals; dashed: chance)</text>",
+        ]
+        for v in (0, 0.25, 0.5, 0.75, 1.0):
+            out.append(
+                f'<line x1="{left}" x2="{left + w}" y1="{y(v):.1f}" y2="{y(v):.1f}" '
+                'stroke="#ddd"/>'
+                f'<text x="{left - 6}" y="{y(v) + 4:.1f}" text-anchor="end">{100 * v:.0f}%</text>'
+            )
+        for k in ks:
+            out.append(f'<text x="{x(k):.1f}" y="{top + h + 16}" text-anchor="middle">{k}</text>')
+        out.append(
+            f'<text x="{left + w / 2:.1f}" y="{height - 8}" text-anchor="middle">heads '
+            "removed</text>"
+        )
+        for i, t in enumerate(self.tasks):
+            col = colors[i % len(colors)]
+            cs = [self.cell(k, t) for k in ks]
+            if cs[0].chance is not None:  # chance level, dashed
+                out.append(
+                    f'<line x1="{left}" x2="{left + w}" y1="{y(cs[0].chance):.1f}" '
+                    f'y2="{y(cs[0].chance):.1f}" stroke="{col}" stroke-dasharray="4 3" '
+                    'stroke-opacity="0.6"/>'
+                )
+            pts = " ".join(f"{x(c.k):.1f},{y(c.value.value):.1f}" for c in cs)
+            out.append(f'<polyline points="{pts}" fill="none" stroke="{col}" stroke-width="2"/>')
+            for c in cs:
+                if not math.isnan(c.value.low):
+                    out.append(
+                        f'<line x1="{x(c.k):.1f}" x2="{x(c.k):.1f}" y1="{y(c.value.low):.1f}" '
+                        f'y2="{y(c.value.high):.1f}" stroke="{col}"/>'
+                    )
+                out.append(
+                    f'<circle cx="{x(c.k):.1f}" cy="{y(c.value.value):.1f}" r="3" fill="{col}"/>'
+                )
+            ly = top + 14 + 18 * i
+            out.append(
+                f'<rect x="{left + w + 12}" y="{ly - 8}" width="10" height="10" fill="{col}"/>'
+                f'<text x="{left + w + 26}" y="{ly + 1}">{_esc(t)}</text>'
+            )
+        out.append("</svg>")
+        return "\n".join(out) + "\n"
+
+    def write(self, folder: str | Path) -> dict[str, Path]:
+        """Write ``table.md``, ``table.csv``, ``table.json`` and ``table.svg`` into ``folder``.
+
+        Returns:
+            ``{"markdown": ..., "csv": ..., "json": ..., "svg": ...}``.
+        """
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        paths = {
+            "markdown": folder / "table.md",
+            "csv": folder / "table.csv",
+            "json": folder / "table.json",
+            "svg": folder / "table.svg",
+        }
+        paths["markdown"].write_text(self.to_markdown(), encoding="utf-8")
+        self.to_dataframe().to_csv(paths["csv"], index=False)
+        paths["json"].write_text(json.dumps(self.to_dict(), indent=1), encoding="utf-8")
+        paths["svg"].write_text(self.to_svg(), encoding="utf-8")
+        return paths
+
+
+def _esc(text: str) -> str:
+    import html
+
+    return html.escape(text)
+
+
+# ----------------------------------------------------------------------------- ranking
+def load_ranking(path: str | Path) -> tuple[tuple[Head, ...], str]:
+    """The retrieval-specific head ranking of a ``gna-lens scan`` report (``report.json``).
+
+    The report lists every head's ablation and control effects; the ranking is the scan's own
+    (:meth:`~gna_lens.scoring.GnaReport.top`): by ablation effect, most harmful first, among the
+    heads whose control effect is at most the report's ``max_control``. It is checked to start
+    with the report's ``top`` list. A JSON list of heads (``[[16, 0], [17, 2]]``) or a
+    ``{"ranking": [...]}`` file works too.
+
+    Args:
+        path: The JSON file.
+
+    Returns:
+        ``(heads, description of the source)``.
+
+    Raises:
+        ConfigError: For a file that is missing, not JSON, or holds no ranking.
+    """
+    file = Path(path)
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise ConfigError(
+            f"--ranking {str(path)!r}: cannot read it as JSON ({err.__class__.__name__}: {err}). "
+            "Expected the report.json of `gna-lens scan`, or a JSON list of [layer, head]."
+        ) from err
+    if isinstance(data, list):
+        return parse_heads(data, "ranking"), f"heads listed in {file}"
+    if isinstance(data, dict) and "ranking" in data and "heads" not in data:
+        return parse_heads(data["ranking"], "ranking"), f"heads listed in {file}"
+    if not isinstance(data, dict) or "heads" not in data:
+        raise ConfigError(
+            f"--ranking {str(path)!r}: no 'heads' (per-head effects) in it; expected the "
+            "report.json written by `gna-lens scan --out DIR`."
+        )
+    rows = data["heads"]
+    max_control = float(data.get("max_control", math.inf))
+
+    def num(v: Any) -> float:
+        return math.nan if v is None else float(v)
+
+    eligible = [
+        r
+        for r in rows
+        if not math.isnan(num(r.get("ablation_effect")))
+        and not math.isnan(num(r.get("control_effect")))
+        and num(r["control_effect"]) <= max_control
+    ]
+    if eligible:
+        ranked = sorted(eligible, key=lambda r: num(r["ablation_effect"]))  # stable, as top()
+        how = f"retrieval-specific ({data.get('criterion', '')})"
+    else:
+        ranked = sorted(
+            (r for r in rows if not math.isnan(num(r.get("ablation_effect")))),
+            key=lambda r: num(r["ablation_effect"]),
+        )
+        how = "raw ablation effect (the report has no control effects)"
+    heads = tuple((int(r["layer"]), int(r["head"])) for r in ranked)
+    top = parse_heads(data.get("top") or [], "top")
+    if top and heads[: len(top)] != top:
+        raise ConfigError(
+            f"--ranking {str(path)!r}: the ranking rebuilt from the per-head effects starts "
+            f"{format_heads(heads[: len(top)])} but the report's top is {format_heads(top)}; "
+            "the file is inconsistent (edited?). Re-run `gna-lens scan`."
+        )
+    task = data.get("task", "")
+    model = data.get("model_name", "")
+    return heads, f"gna-lens scan report {file} ({model}, {task}; {how})"
+
+
+def _compute_ranking(
+    model: Any, k: int, *, mode: str, positions: Any, n_samples: int, seed: int,
+    sweep_dtype: str | None, progress: bool,
+) -> tuple[tuple[Head, ...], str]:  # fmt: skip
+    """Rank heads on KV-retrieval selection prompts, as ``gna-lens scan`` does."""
+    from gna_lens.heads import head_view
+    from gna_lens.scan import EXACT_ALL_MAX, build_tasks, default_exact
+    from gna_lens.scoring import resolve_control, score_heads
+
+    sets = build_tasks(model.tokenizer, "kv", n_samples=n_samples, seed=seed, n_eval=1)
+    control = resolve_control("prose", model.tokenizer, positions=positions, split="select")
+    n_heads = head_view(model).n_heads_total
+    report = score_heads(
+        model, sets.selection, control=control, mode=mode, positions=positions,
+        prefilter=None if n_heads <= EXACT_ALL_MAX else min(default_exact(k), n_heads),
+        sweep_dtype=sweep_dtype, progress=progress,
+    )  # fmt: skip
+    heads = tuple(report.top(k))
+    return heads, (
+        f"computed on the fly: score_heads on {len(sets.selection)} KV-retrieval prompts "
+        f"(question template, seed {seed}), {mode} ablation, prose control; {report.criterion}"
+    )
+
+
+# ----------------------------------------------------------------------------- lm-eval rows
+def _leaves(name: str, group_subtasks: dict[str, list[str]]) -> list[str]:
+    subs = group_subtasks.get(name) or []
+    if not subs:
+        return [name]
+    out: list[str] = []
+    for s in subs:
+        out += _leaves(s, group_subtasks)
+    return out
+
+
+def _pick_metric(result: dict[str, Any], metric: str | None, task: str) -> str:
+    keys = [k for k in result if "," in k and "_stderr" not in k]
+    if metric is not None:
+        want = metric if "," in metric else None
+        for k in keys:
+            if k == want or (want is None and k.split(",")[0] == metric):
+                return k
+        raise ConfigError(
+            f"--metric {metric!r}: task {task!r} reports {sorted(keys)}; expected one of them."
+        )
+    for m in _METRIC_ORDER:
+        for k in keys:
+            if k.split(",")[0] == m:
+                return k
+    if not keys:
+        raise ConfigError(f"task {task!r}: lm-eval reported no metric ({sorted(result)}).")
+    return keys[0]
+
+
+def _items(out: dict[str, Any], task: str, key: str) -> tuple[list[tuple[str, int]], list[float]]:
+    metric, filt = key.split(",", 1)
+    ids: list[tuple[str, int]] = []
+    values: list[float] = []
+    for leaf in _leaves(task, out.get("group_subtasks", {})):
+        for s in out.get("samples", {}).get(leaf, []):
+            if s.get("filter", filt) != filt or metric not in s:
+                continue
+            ids.append((leaf, int(s["doc_id"])))
+            values.append(float(s[metric]))
+    return ids, values
+
+
+def _value_interval(values: list[float]) -> Interval:
+    if values and all(v in (0.0, 1.0) for v in values):
+        return wilson_interval(sum(values), len(values))
+    out = bootstrap_interval(torch.tensor(values, dtype=torch.float64))
+    assert isinstance(out, Interval)
+    return out
+
+
+def _versions() -> str:
+    found = []
+    for n in ("gna-lens", "lm_eval", "torch", "transformers", "transformer-lens"):
+        try:
+            found.append(f"{n} {importlib.metadata.version(n)}")
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return ", ".join(found)
+
+
+def evaluate_table(
+    model: Any,
+    tasks: Sequence[str] = DEFAULT_TASKS,
+    remove_top: Sequence[int] = (0, 10, 20, 30),
+    ranking: Any = None,
+    *,
+    mode: str = "zero",
+    positions: str = "all",
+    limit: int | None = DEFAULT_LIMIT,
+    batch_size: int = 8,
+    metric: str | None = None,
+    num_fewshot: int | None = None,
+    task_dir: str | Path | None = None,
+    ranking_samples: int = 16,
+    sweep_dtype: str | None = None,
+    seed: int = 0,
+    out: str | Path | None = None,
+    dtype: Any = "float32",
+    device: str | None = None,
+    progress: bool = True,
+) -> BenchmarkTable:
+    """Run lm-eval once per row of ``remove_top`` with the top ``k`` heads of ``ranking`` removed.
+
+    Args:
+        model: A loaded TransformerBridge / HookedSSM, or what :func:`gna_lens.load_model` loads
+            (``"smollm2-135m"``, a folder, a hub name).
+        tasks: lm-eval task names: the offline :data:`~gna_lens.lm_eval.LOCAL_TASKS` (written for
+            this model's tokenizer into ``task_dir``) and any of lm-eval's own (``mmlu``,
+            ``lambada_openai``, ...; these need a hub).
+        remove_top: Numbers of heads removed, one row each (``0`` is the unablated model and the
+            baseline of every change).
+        ranking: ``None`` (computed here: :func:`~gna_lens.score_heads` on ``ranking_samples``
+            KV-retrieval prompts with the prose control, as ``gna-lens scan``), a path to a
+            ``gna-lens scan`` ``report.json`` (:func:`load_ranking`), or a list of heads.
+        mode: ``"zero"`` or ``"mean"`` ablation.
+        positions: ``"all"`` or ``"last"`` (the last context token of each request).
+        limit: Items per task (local tasks are written with this many; lm-eval's ``limit`` for
+            the others); ``None`` for all.
+        batch_size: Rows per forward pass.
+        metric: The metric of every task (default: the first of ``acc``, ``exact_match``, ...
+            that the task reports).
+        num_fewshot: lm-eval's few-shot count (default: the task's).
+        task_dir: Where the local tasks are written (default ``out/tasks``, else a temporary
+            folder); it may hold your own task YAMLs too (e.g. from :func:`write_task`), found
+            by file name without lm-eval's built-in index.
+        ranking_samples: Selection prompts when the ranking is computed here.
+        sweep_dtype: ``"bfloat16"`` autocast for the ranking sweeps (see
+            :func:`~gna_lens.score_heads`).
+        seed: Seed of the local tasks' MMLU sample and of the ranking's prompts.
+        out: Folder to write the table into (``None``: nothing written).
+        dtype: Weights dtype when ``model`` is a name (``"float32"``, ``"bfloat16"``).
+        device: Device when ``model`` is a name (default: CUDA where there is one, else CPU).
+        progress: Progress bars and one line per row on stderr.
+
+    Returns:
+        A :class:`BenchmarkTable`.
+
+    Raises:
+        ConfigError: For an empty or unsorted ``remove_top``, a ranking shorter than its largest
+            ``k``, or an unknown metric.
+    """
+    import sys
+    import tempfile
+
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from gna_lens.models import provenance_of
+
+    t0 = time.perf_counter()
+    ks = tuple(int(k) for k in remove_top)
+    if not ks or any(k < 0 for k in ks) or list(ks) != sorted(set(ks)):
+        raise ConfigError(
+            f"remove_top={list(remove_top)!r}; expected distinct non-negative ints in increasing "
+            "order, e.g. 0,10,20,30 (0 is the baseline)."
+        )
+    if not tasks:
+        raise ConfigError("tasks is empty; expected at least one lm-eval task name.")
+    if isinstance(model, str | Path):
+        from gna_lens.models import load_model
+
+        model = load_model(str(model), dtype=_dtype(dtype), device=_device(device))
+    prov = provenance_of(model)
+    log = logging.getLogger("lm_eval")
+    level = log.level
+    if not progress:
+        log.setLevel(logging.WARNING)
+
+    def stage(text: str) -> None:
+        if progress:
+            print(f"gna-lens evaluate: {text}", file=sys.stderr, flush=True)
+
+    if ranking is None:
+        stage(f"ranking heads on {ranking_samples} KV-retrieval prompts (score_heads)")
+        heads, source = _compute_ranking(
+            model, max(ks), mode=mode, positions=None if positions == "all" else "last",
+            n_samples=ranking_samples, seed=seed, sweep_dtype=sweep_dtype, progress=progress,
+        )  # fmt: skip
+    elif isinstance(ranking, str | Path):
+        heads, source = load_ranking(ranking)
+    else:
+        heads, source = parse_heads(ranking, "ranking"), "heads given by the caller"
+    if len(heads) < max(ks):
+        raise ConfigError(
+            f"remove_top={list(ks)} needs {max(ks)} ranked heads but the ranking ({source}) has "
+            f"{len(heads)}. Fix: smaller k, or a longer ranking (gna-lens scan --top {max(ks)})."
+        )
+    heads = heads[: max(ks)]
+    times: dict[str, float] = {}
+    tmp = None
+    try:
+        local = [t for t in tasks if is_local(t)]
+        if task_dir is None:
+            if out is not None:
+                task_dir = Path(out) / "tasks"
+            else:
+                tmp = tempfile.TemporaryDirectory()
+                task_dir = tmp.name
+        written = write_tasks(task_dir, model.tokenizer, local, limit=limit, seed=seed)
+        # lm-eval's index of its ~thousand built-in tasks takes ~10 s: only when needed.
+        found = {p.stem for p in Path(task_dir).glob("*.yaml")}
+        tm = TaskManager(
+            include_path=str(task_dir), include_defaults=any(t not in found for t in tasks)
+        )
+        outputs = {}
+        for k in ks:
+            t = time.perf_counter()
+            stage(f"lm-eval with the top {k} heads removed ({format_heads(heads[:k]) or 'none'})")
+            lm = GnaLM(
+                model=model, remove=list(heads[:k]), mode=mode, positions=positions,
+                batch_size=batch_size,
+            )  # fmt: skip
+            result = lm_eval.simple_evaluate(
+                model=lm, tasks=list(tasks), task_manager=tm, limit=limit,
+                num_fewshot=num_fewshot, log_samples=True, bootstrap_iters=1000,
+                random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+                fewshot_random_seed=seed,
+            )  # fmt: skip
+            if result is None:  # pragma: no cover - only on non-zero ranks
+                raise GnaLensError("lm_eval.simple_evaluate returned nothing.")
+            outputs[k] = result
+            times[f"k={k}"] = time.perf_counter() - t
+    finally:
+        log.setLevel(level)
+        if tmp is not None:
+            tmp.cleanup()
+
+    cells = []
+    base: dict[str, tuple[list[tuple[str, int]], list[float]]] = {}
+    for k in ks:
+        res = outputs[k]
+        for task in tasks:
+            if task not in res["results"]:
+                raise GnaLensError(
+                    f"lm-eval returned no result for task {task!r} (got {sorted(res['results'])})."
+                )
+            r = res["results"][task]
+            key = _pick_metric(r, metric, task)
+            ids, values = _items(res, task, key)
+            if not values:
+                raise GnaLensError(
+                    f"task {task!r}: lm-eval logged no per-item {key!r}; cannot compute intervals."
+                )
+            name, filt = key.split(",", 1)
+            se = r.get(f"{name}_stderr,{filt}")
+            stderr = float(se) if isinstance(se, int | float) else math.nan
+            change, relative = None, math.nan
+            if k == ks[0]:
+                base[task] = (ids, values)
+            else:
+                b_ids, b_values = base[task]
+                if b_ids != ids:
+                    raise GnaLensError(
+                        f"task {task!r}: the rows scored different items ({len(b_ids)} vs "
+                        f"{len(ids)}); cannot pair them."
+                    )
+                diff = torch.tensor(values, dtype=torch.float64) - torch.tensor(b_values)
+                iv = bootstrap_interval(diff, seed=seed)
+                assert isinstance(iv, Interval)
+                change = iv
+                b_mean = sum(b_values) / len(b_values)
+                relative = change.value / b_mean if b_mean else math.nan
+            cells.append(
+                TableCell(
+                    k=k,
+                    task=task,
+                    metric=key,
+                    n=len(values),
+                    value=_value_interval(values),
+                    stderr=stderr,
+                    change=change,
+                    relative=relative,
+                    chance=_CHANCE.get(task) if is_local(task) else None,
+                    items=tuple(values),
+                ),
+            )
+    times = {"total": time.perf_counter() - t0} | times
+    method = {
+        "mode": mode,
+        "positions": positions,
+        "ranking_source": source,
+        "ranking": format_heads(heads),
+        "weights": prov.describe(),
+        "provenance": prov.to_dict(),
+        "limit": limit,
+        "num_fewshot": num_fewshot,
+        "seed": seed,
+        "local_tasks": {
+            n: {"description": LOCAL_TASKS[n], "gna_lens_task": t.name, "items": len(t)}
+            | {k: v for k, v in t.info.items() if isinstance(v, str | int | float)}
+            for n, t in written.items()
+        },
+        "interval": "Wilson 95% for 0/1 metrics, else bootstrap; changes: paired bootstrap "
+        "95% over the same items",
+        "versions": _versions(),
+        "torch_threads": torch.get_num_threads(),
+    }
+    table = BenchmarkTable(
+        model=str(prov.name if prov.name else getattr(model.cfg, "model_name", "model")),
+        tasks=tuple(tasks),
+        remove_top=ks,
+        ranking=heads,
+        cells=tuple(cells),
+        method=method,
+        seconds=times,
+    )
+    if out is not None:
+        table.write(out)
+    return table
