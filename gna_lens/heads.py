@@ -291,7 +291,9 @@ def head_view(model: Any) -> HeadView:
     if _is_hooked_ssm(model):
         groups = model.head_group_spec
         for layer, kind in enumerate(cfg.layer_types):
-            if kind == "attention":
+            if kind == "mlp":  # an MLP-only block (Nemotron-H): no heads
+                layers.append(None)
+            elif kind == "attention":
                 pre = f"blocks.{layer}.attn."
                 layers.append(
                     LayerHeads(

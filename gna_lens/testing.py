@@ -33,7 +33,7 @@ __all__ = [
 ]
 
 #: Architectures the factories can build.
-ARCHITECTURES = ("mamba1", "falcon_mamba", "mamba2", "bamba", "llama")
+ARCHITECTURES = ("mamba1", "falcon_mamba", "mamba2", "bamba", "nemotron_h", "llama")
 
 _CORPUS = [
     "Memorize the following dictionary:\napple:12\nriver:47\nstone:3\n",
@@ -143,6 +143,31 @@ def tiny_hf_config(arch: str, vocab_size: int = 320, **overrides: Any) -> Any:
             mamba_chunk_size=16,
             max_position_embeddings=4096,
             pad_token_id=1,
+        )
+    elif arch == "nemotron_h":
+        cls = tf.NemotronHConfig
+        kw = dict(
+            hidden_size=32,
+            # Mamba-2, attention (no RoPE), MLP-only, Mamba-2, MoE.
+            layers_block_type=["mamba", "attention", "mlp", "mamba", "moe"],
+            intermediate_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            mamba_num_heads=8,
+            mamba_head_dim=8,
+            n_groups=2,
+            ssm_state_size=8,
+            conv_kernel=4,
+            chunk_size=16,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            moe_shared_expert_intermediate_size=24,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=1.5,
+            max_position_embeddings=4096,
         )
     elif arch == "llama":
         cls = tf.LlamaConfig

@@ -73,6 +73,8 @@ def ssm_prefix(model: Any, tokens: Tensor) -> tuple[Tensor, SSMPrefix | None]:
 
     names: list[str] = []
     for i, block in enumerate(model.blocks):
+        if not block.has_mixer:
+            continue
         if block.is_attention:
             names += [f"blocks.{i}.attn.hook_rot_k", f"blocks.{i}.attn.hook_v"]
         else:
@@ -87,6 +89,9 @@ def ssm_prefix(model: Any, tokens: Tensor) -> tuple[Tensor, SSMPrefix | None]:
 
     layers: list[dict[str, Tensor]] = []
     for i, block in enumerate(model.blocks):
+        if not block.has_mixer:
+            layers.append({})
+            continue
         if block.is_attention:
             layers.append(
                 {
@@ -193,7 +198,9 @@ def _mamba1_step(mx: Any, h: Tensor, st: dict[str, Tensor]) -> Tensor:
     return mx.out_proj(head_in.view(R, 1, -1).to(h.dtype))
 
 
-def _attn_step(at: Any, h: Tensor, st: dict[str, Tensor], cos: Tensor, sin: Tensor) -> Tensor:
+def _attn_step(
+    at: Any, h: Tensor, st: dict[str, Tensor], rope: tuple[Tensor, Tensor] | None
+) -> Tensor:
     from gna_lens.models.hooked_ssm import _checked_pattern
 
     cfg = at.cfg
@@ -202,8 +209,8 @@ def _attn_step(at: Any, h: Tensor, st: dict[str, Tensor], cos: Tensor, sin: Tens
     q = at.hook_q(at.q_proj(h).view(R, 1, H, d))
     k = at.hook_k(at.k_proj(h).view(R, 1, KV, d))
     v = at.hook_v(at.v_proj(h).view(R, 1, KV, d))
-    q = at.hook_rot_q(at._rope(q, cos, sin))
-    k = at.hook_rot_k(at._rope(k, cos, sin))
+    q = at.hook_rot_q(at._rope(q, rope))
+    k = at.hook_rot_k(at._rope(k, rope))
     k = torch.cat([st["k"].to(k.dtype), k], dim=1)
     v = torch.cat([st["v"].to(v.dtype), v], dim=1)
     if KV != H:
@@ -223,19 +230,21 @@ def ssm_step(model: Any, prefix: SSMPrefix, K: int) -> Tensor:
     tok = prefix.last.repeat(K, 1)
     resid = model.hook_embed(model.embed(tok))
     rope = None
-    if cfg.is_hybrid:
+    if model._uses_rope:
         cos, sin = model._rope(prefix.length, resid.device, resid.dtype)
         rope = (cos[-1:], sin[-1:])
     for i, block in enumerate(model.blocks):
         resid = block.hook_resid_pre(resid)
-        normed = block.ln1(resid.to(block.ln1.weight.dtype))
-        if cfg.residual_in_fp32:
-            resid = resid.float()
-        if block.is_attention:
-            assert rope is not None
-            out = _attn_step(block.attn, normed, states[i], *rope)
+        if not block.has_mixer:
+            pass
+        elif block.is_attention:
+            normed = block.ln1(resid.to(block.ln1.weight.dtype))
+            out = _attn_step(block.attn, normed, states[i], rope)
             resid = resid + block.hook_attn_out(out)
         else:
+            normed = block.ln1(resid.to(block.ln1.weight.dtype))
+            if cfg.residual_in_fp32:
+                resid = resid.float()
             mixer = block.mixer
             if mixer.hook_pattern.fwd_hooks or mixer.hook_ssm_state.fwd_hooks:
                 raise InterventionError(
@@ -243,11 +252,14 @@ def ssm_step(model: Any, prefix: SSMPrefix, K: int) -> Tensor:
                     "last-token step, which does not materialize SSM patterns; edit patterns "
                     "with a full forward (positions=None)."
                 )
-            step = _mamba2_step if cfg.architecture in ("mamba2", "bamba") else _mamba1_step
+            step = _mamba1_step if cfg.architecture in ("mamba1", "falcon_mamba") else _mamba2_step
             resid = resid + block.hook_mixer_out(step(mixer, normed, states[i]))
         if block.has_mlp:
-            resid = block.hook_resid_mid(resid)
-            resid = resid + block.hook_mlp_out(block.mlp(block.ln2(resid)))
+            if block.has_mixer:
+                resid = block.hook_resid_mid(resid)
+            resid = resid + block.hook_mlp_out(
+                block.mlp(block.ln2(resid.to(block.ln2.weight.dtype)))
+            )
         resid = block.hook_resid_post(resid)
     logits = model.unembed(model.ln_final(resid.to(model.ln_final.weight.dtype)))
     return logits[:, 0]

@@ -13,6 +13,17 @@ SUPPORTED_MODEL_TYPES: dict[str, str] = {
     "falcon_mamba": "falcon_mamba",
     "mamba2": "mamba2",
     "bamba": "bamba",
+    "nemotron_h": "nemotron_h",
+}
+
+#: Nemotron-H block types (``layers_block_type``) -> HookedSSM layer kind.
+_NEMOTRON_KINDS = {
+    "linear_attention": "ssm",
+    "mamba": "ssm",
+    "full_attention": "attention",
+    "attention": "attention",
+    "mlp": "mlp",
+    "moe": "mlp",
 }
 
 #: Context length reported for pure SSMs, which have no positional limit.
@@ -30,7 +41,13 @@ class SSMConfig(TransformerLensConfig):
 
     Attributes:
         architecture: ``"mamba1"``, ``"falcon_mamba"``, ``"mamba2"`` or ``"bamba"``.
-        layer_types: Per layer, ``"ssm"`` or ``"attention"``.
+        layer_types: Per layer, ``"ssm"``, ``"attention"`` or ``"mlp"`` (a block with only an
+            MLP, Nemotron-H).
+        mlp_types: Per layer, the MLP of the block: ``""`` (none), ``"gated"`` (SwiGLU),
+            ``"plain"`` (``down(act(up(x)))``) or ``"moe"`` (routed experts plus a shared
+            expert). Empty: ``"gated"`` on every layer of a Bamba, none elsewhere.
+        mlp_act: Activation of ``"plain"`` MLPs and experts: ``"silu"`` or ``"relu2"``.
+        use_rope: Whether attention layers rotate queries and keys (Nemotron-H does not).
         d_inner: SSM inner width ``E = expand * d_model``.
         d_state: State size ``N``.
         d_conv: Causal convolution width.
@@ -67,15 +84,32 @@ class SSMConfig(TransformerLensConfig):
     rotary_dim: int = 0
     mlp_bias: bool = False
     pad_token_id: int | None = None
+    mlp_types: list[str] = field(default_factory=list)
+    mlp_act: str = "silu"
+    use_rope: bool = True
+    n_experts: int = 0
+    n_experts_per_tok: int = 0
+    moe_d_mlp: int = 0
+    moe_shared_d_mlp: int = 0
+    moe_n_group: int = 1
+    moe_topk_group: int = 1
+    moe_norm_topk_prob: bool = True
+    moe_routed_scaling_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.layer_types:
             self.layer_types = ["ssm"] * self.n_layers
+        if not self.mlp_types:
+            kind = "gated" if self.architecture == "bamba" else ""
+            self.mlp_types = [kind] * self.n_layers
         super().__post_init__()
 
     def layer_n_heads(self, layer: int) -> int:
-        """Number of heads of ``layer`` (SSM heads, or attention query heads)."""
-        return self.n_attn_heads if self.layer_types[layer] == "attention" else self.n_heads
+        """Number of heads of ``layer`` (SSM heads, attention query heads, 0 for MLP blocks)."""
+        kind = self.layer_types[layer]
+        if kind == "mlp":
+            return 0
+        return self.n_attn_heads if kind == "attention" else self.n_heads
 
     @property
     def is_hybrid(self) -> bool:
@@ -105,7 +139,9 @@ class SSMConfig(TransformerLensConfig):
                 "FalconMambaForCausalLM, Mamba2ForCausalLM, BambaForCausalLM). For Transformer "
                 "architectures use gna_lens.load_model(...), which returns a TransformerBridge."
             )
-        act = getattr(hf_config, "hidden_act", "silu")
+        act = getattr(hf_config, "hidden_act", None) or getattr(
+            hf_config, "mamba_hidden_act", "silu"
+        )
         if act != "silu":
             raise ConfigError(
                 f"HookedSSM implements the SiLU activation of the Mamba family; this {model_type} "
@@ -169,6 +205,8 @@ class SSMConfig(TransformerLensConfig):
                 residual_in_fp32=bool(hf_config.residual_in_fp32),
                 d_mlp=0,
             )
+        if arch == "nemotron_h":
+            return cls._from_nemotron_h(hf_config, common)
         # bamba
         rope = dict(getattr(hf_config, "rope_parameters", None) or {})
         rope_type = rope.get("rope_type", "default")
@@ -213,6 +251,67 @@ class SSMConfig(TransformerLensConfig):
             mlp_bias=bool(hf_config.mlp_bias),
             gated_mlp=True,
             positional_embedding_type="rotary",
+        )
+
+    @classmethod
+    def _from_nemotron_h(cls, hf_config: Any, common: dict[str, Any]) -> "SSMConfig":
+        kinds = list(hf_config.layers_block_type)
+        unknown = sorted({k for k in kinds if k not in _NEMOTRON_KINDS})
+        if unknown:
+            raise ConfigError(
+                f"Nemotron-H config has block types {unknown}; HookedSSM knows "
+                f"{sorted(_NEMOTRON_KINDS)}."
+            )
+        if getattr(hf_config, "moe_latent_size", None) is not None:
+            raise ConfigError(
+                "Nemotron-H with moe_latent_size (latent MoE projections) is not supported yet."
+            )
+        act = str(hf_config.mlp_hidden_act)
+        if act not in ("relu2", "silu"):
+            raise ConfigError(f"Nemotron-H mlp_hidden_act={act!r}; HookedSSM knows relu2, silu.")
+        n_heads, d_head = int(hf_config.mamba_num_heads), int(hf_config.mamba_head_dim)
+        attn_d_head = int(
+            getattr(hf_config, "head_dim", None)
+            or hf_config.hidden_size // hf_config.num_attention_heads
+        )
+        mlp_types = {"mlp": "plain", "moe": "moe"}
+        n_experts = int(getattr(hf_config, "n_routed_experts", 0) or 0)
+        return cls(
+            **common,
+            n_ctx=int(getattr(hf_config, "max_position_embeddings", UNBOUNDED_CTX)),
+            layer_types=[_NEMOTRON_KINDS[k] for k in kinds],
+            mlp_types=[mlp_types.get(k, "") for k in kinds],
+            mlp_act=act,
+            use_rope=False,
+            n_heads=n_heads,
+            d_head=d_head,
+            d_inner=n_heads * d_head,
+            d_state=int(hf_config.ssm_state_size),
+            d_conv=int(hf_config.conv_kernel),
+            n_groups=int(hf_config.n_groups),
+            chunk_size=int(hf_config.chunk_size),
+            # HF's Nemotron-H mixer clamps dt to (time_step_min, inf), not time_step_limit.
+            time_step_limit=(float(hf_config.time_step_min), float("inf")),
+            eps=float(hf_config.layer_norm_epsilon),
+            conv_bias=bool(hf_config.use_conv_bias),
+            proj_bias=bool(hf_config.use_bias),
+            residual_in_fp32=False,
+            n_attn_heads=int(hf_config.num_attention_heads),
+            n_attn_kv_heads=int(hf_config.num_key_value_heads),
+            n_key_value_heads=int(hf_config.num_key_value_heads),
+            attn_d_head=attn_d_head,
+            attn_bias=bool(getattr(hf_config, "attention_bias", False)),
+            d_mlp=int(hf_config.intermediate_size),
+            mlp_bias=bool(hf_config.mlp_bias),
+            n_experts=n_experts,
+            n_experts_per_tok=int(getattr(hf_config, "num_experts_per_tok", 0) or 0),
+            moe_d_mlp=int(getattr(hf_config, "moe_intermediate_size", 0) or 0),
+            moe_shared_d_mlp=int(getattr(hf_config, "moe_shared_expert_intermediate_size", 0) or 0),
+            moe_n_group=int(getattr(hf_config, "n_group", 1) or 1),
+            moe_topk_group=int(getattr(hf_config, "topk_group", 1) or 1),
+            moe_norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", True)),
+            moe_routed_scaling_factor=float(getattr(hf_config, "routed_scaling_factor", 1.0)),
+            positional_embedding_type="standard",
         )
 
 

@@ -357,16 +357,15 @@ class Attention(nn.Module):
         self.hook_pattern = HookPoint()  # [batch, head_index, query_pos, key_pos]
         self.hook_z = HookPoint()  # [batch, pos, head_index, d_head]
 
-    def forward(self, h: Tensor, mask: Tensor | None, rope: tuple[Tensor, Tensor]) -> Tensor:
+    def forward(self, h: Tensor, mask: Tensor | None, rope: tuple[Tensor, Tensor] | None) -> Tensor:
         cfg = self.cfg
         b, L, _ = h.shape
         H, KV, d = cfg.n_attn_heads, cfg.n_attn_kv_heads, cfg.attn_d_head
         q = self.hook_q(self.q_proj(h).view(b, L, H, d))
         k = self.hook_k(self.k_proj(h).view(b, L, KV, d))
         v = self.hook_v(self.v_proj(h).view(b, L, KV, d))
-        cos, sin = rope
-        q = self.hook_rot_q(self._rope(q, cos, sin))
-        k = self.hook_rot_k(self._rope(k, cos, sin))
+        q = self.hook_rot_q(self._rope(q, rope))
+        k = self.hook_rot_k(self._rope(k, rope))
         if KV != H:
             k = k.repeat_interleave(H // KV, dim=2)
             v = v.repeat_interleave(H // KV, dim=2)
@@ -381,7 +380,11 @@ class Attention(nn.Module):
         z = self.hook_z(torch.einsum("bhqk,bkhd->bqhd", pattern, v))
         return self.o_proj(z.reshape(b, L, H * d))
 
-    def _rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def _rope(self, x: Tensor, rope: tuple[Tensor, Tensor] | None) -> Tensor:
+        """Rotate ``x`` (``rope=None``: no positional rotation, as in Nemotron-H)."""
+        if rope is None:
+            return x
+        cos, sin = rope
         r = self.cfg.rotary_dim
         x_rot, x_pass = x[..., :r], x[..., r:]
         c, s = cos[None, :, None, :], sin[None, :, None, :]
@@ -407,31 +410,124 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.hook_post(F.silu(pre) * lin))
 
 
+def _mlp_act(name: str) -> Callable[[Tensor], Tensor]:
+    if name == "relu2":
+        return lambda x: torch.square(F.relu(x))
+    return F.silu
+
+
+class PlainMLP(nn.Module):
+    """Non-gated MLP ``down(act(up(x)))`` (Nemotron-H's MLP blocks and shared experts)."""
+
+    def __init__(self, cfg: SSMConfig, d_mlp: int | None = None):
+        super().__init__()
+        d_mlp = int(d_mlp if d_mlp is not None else cfg.d_mlp or 0)
+        self.up_proj = nn.Linear(cfg.d_model, d_mlp, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(d_mlp, cfg.d_model, bias=cfg.mlp_bias)
+        self.act = _mlp_act(cfg.mlp_act)
+        self.hook_pre = HookPoint()  # [batch, pos, d_mlp]
+        self.hook_post = HookPoint()  # [batch, pos, d_mlp]
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(self.hook_post(self.act(self.hook_pre(self.up_proj(x)))))
+
+
+class NemotronMoE(nn.Module):
+    """Nemotron-H MoE: sigmoid top-k routing over expert groups, non-gated experts and a shared
+    expert (``experts.up_proj`` / ``down_proj`` are ``[n_experts, out, in]``)."""
+
+    def __init__(self, cfg: SSMConfig):
+        super().__init__()
+        self.cfg = cfg
+        E, D, M = cfg.n_experts, cfg.d_model, cfg.moe_d_mlp
+        self.gate = nn.Module()
+        self.gate.weight = nn.Parameter(torch.zeros(E, D))
+        self.gate.register_buffer("e_score_correction_bias", torch.zeros(E))
+        self.experts = nn.Module()
+        self.experts.up_proj = nn.Parameter(torch.zeros(E, M, D))
+        self.experts.down_proj = nn.Parameter(torch.zeros(E, D, M))
+        self.shared_experts = PlainMLP(cfg, cfg.moe_shared_d_mlp)
+        self.act = _mlp_act(cfg.mlp_act)
+        self.hook_expert_weights = HookPoint()  # [batch, pos, n_experts], 0 where not routed
+
+    def forward(self, x: Tensor) -> Tensor:
+        cfg = self.cfg
+        b, L, D = x.shape
+        E, K = cfg.n_experts, cfg.n_experts_per_tok
+        flat = x.reshape(-1, D)
+        gate_w: Tensor = self.gate.weight  # type: ignore[assignment]
+        bias: Tensor = self.gate.e_score_correction_bias  # type: ignore[assignment]
+        scores = F.linear(flat.float(), gate_w.float()).sigmoid()
+        choice = scores + bias
+        G = cfg.moe_n_group
+        group_scores = choice.view(-1, G, E // G).topk(2, dim=-1)[0].sum(-1)
+        group_idx = torch.topk(group_scores, k=cfg.moe_topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+        keep = group_mask[:, :, None].expand(-1, G, E // G).reshape(-1, E).bool()
+        idx = torch.topk(choice.masked_fill(~keep, float("-inf")), k=K, dim=-1, sorted=False)[1]
+        w = scores.gather(1, idx)
+        if cfg.moe_norm_topk_prob:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        w = w * cfg.moe_routed_scaling_factor
+        dense = torch.zeros_like(scores).scatter_(1, idx, w)
+        dense = self.hook_expert_weights(dense.view(b, L, E)).reshape(-1, E)
+        up: Tensor = self.experts.up_proj  # type: ignore[assignment]
+        down: Tensor = self.experts.down_proj  # type: ignore[assignment]
+        out = torch.zeros_like(flat, dtype=dense.dtype)
+        for e in range(E):
+            rows = (dense[:, e] != 0).nonzero()[:, 0]
+            if rows.numel() == 0:
+                continue
+            h = F.linear(self.act(F.linear(flat[rows], up[e])), down[e])
+            out.index_add_(0, rows, (h * dense[rows, e, None]).to(out.dtype))
+        return out.to(x.dtype).view(b, L, D) + self.shared_experts(x)
+
+
+def _make_mlp(cfg: SSMConfig, kind: str) -> nn.Module:
+    if kind == "gated":
+        return GatedMLP(cfg)
+    if kind == "plain":
+        return PlainMLP(cfg)
+    if kind == "moe":
+        return NemotronMoE(cfg)
+    raise ConfigError(f"internal: unknown MLP kind {kind!r}")
+
+
 class SSMBlock(nn.Module):
-    """One residual block: an SSM mixer or an attention layer, plus an MLP in hybrids."""
+    """One residual block: an SSM mixer or an attention layer, and/or an MLP.
+
+    Layer kinds (``cfg.layer_types``): ``"ssm"`` and ``"attention"`` blocks have ``ln1`` and a
+    mixer / attention, followed by ``ln2`` and an MLP when ``cfg.mlp_types`` gives the layer one
+    (Bamba); ``"mlp"`` blocks (Nemotron-H) have only ``ln2`` and the MLP.
+    """
 
     def __init__(self, cfg: SSMConfig, layer: int):
         super().__init__()
         self.cfg = cfg
         self.layer = layer
-        self.is_attention = cfg.layer_types[layer] == "attention"
-        self.ln1 = RMSNorm(cfg.d_model, cfg.eps)
+        self.kind = cfg.layer_types[layer]
+        self.is_attention = self.kind == "attention"
+        self.has_mixer = self.kind != "mlp"
         self.hook_resid_pre = HookPoint()  # [batch, pos, d_model]
+        if self.has_mixer:
+            self.ln1 = RMSNorm(cfg.d_model, cfg.eps)
         if self.is_attention:
             self.attn = Attention(cfg)
             self.hook_attn_out = HookPoint()  # [batch, pos, d_model]
-        else:
+        elif self.has_mixer:
             self.mixer: Mamba1Mixer | Mamba2Mixer = (
                 Mamba1Mixer(cfg)
                 if cfg.architecture in ("mamba1", "falcon_mamba")
                 else Mamba2Mixer(cfg)
             )
             self.hook_mixer_out = HookPoint()  # [batch, pos, d_model]
-        self.has_mlp = cfg.architecture == "bamba"
+        mlp_kind = cfg.mlp_types[layer]
+        self.has_mlp = bool(mlp_kind)
         if self.has_mlp:
-            self.hook_resid_mid = HookPoint()  # [batch, pos, d_model]
+            if self.has_mixer:
+                self.hook_resid_mid = HookPoint()  # [batch, pos, d_model]
             self.ln2 = RMSNorm(cfg.d_model, cfg.eps)
-            self.mlp = GatedMLP(cfg)
+            self.mlp = _make_mlp(cfg, mlp_kind)
             self.hook_mlp_out = HookPoint()  # [batch, pos, d_model]
         self.hook_resid_post = HookPoint()  # [batch, pos, d_model]
 
@@ -439,17 +535,18 @@ class SSMBlock(nn.Module):
         self, resid: Tensor, mask: Tensor | None, rope: tuple[Tensor, Tensor] | None
     ) -> Tensor:
         resid = self.hook_resid_pre(resid)
-        normed = self.ln1(resid.to(self.ln1.weight.dtype))
-        if self.cfg.residual_in_fp32:
-            resid = resid.float()
-        if self.is_attention:
-            assert rope is not None
-            resid = resid + self.hook_attn_out(self.attn(normed, mask, rope))
-        else:
-            resid = resid + self.hook_mixer_out(self.mixer(normed, mask))
+        if self.has_mixer:
+            normed = self.ln1(resid.to(self.ln1.weight.dtype))
+            if self.cfg.residual_in_fp32:
+                resid = resid.float()
+            if self.is_attention:
+                resid = resid + self.hook_attn_out(self.attn(normed, mask, rope))
+            else:
+                resid = resid + self.hook_mixer_out(self.mixer(normed, mask))
         if self.has_mlp:
-            resid = self.hook_resid_mid(resid)
-            resid = resid + self.hook_mlp_out(self.mlp(self.ln2(resid)))
+            if self.has_mixer:
+                resid = self.hook_resid_mid(resid)
+            resid = resid + self.hook_mlp_out(self.mlp(self.ln2(resid.to(self.ln2.weight.dtype))))
         return self.hook_resid_post(resid)
 
 
@@ -501,7 +598,7 @@ class HookedSSM(HookedRootModule):
         self.unembed = nn.Linear(cfg.d_model, cfg.d_vocab, bias=False)
         if cfg.tie_word_embeddings:
             self.unembed.weight = self.embed.weight
-        if cfg.is_hybrid:
+        if cfg.is_hybrid and cfg.use_rope:
             r = cfg.rotary_dim
             inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float) / r))
             self.register_buffer("rope_inv_freq", inv_freq, persistent=False)
@@ -926,7 +1023,7 @@ class HookedSSM(HookedRootModule):
                 )
             resid = input
         mask = self._normalize_mask(attention_mask, resid.shape[:2])
-        rope = self._rope(resid.shape[1], resid.device, resid.dtype) if self.cfg.is_hybrid else None
+        rope = self._rope(resid.shape[1], resid.device, resid.dtype) if self._uses_rope else None
         for block in self.blocks[start_at_layer:stop_at_layer]:
             resid = block(resid, mask, rope)
         if stop_at_layer is not None:
@@ -955,6 +1052,10 @@ class HookedSSM(HookedRootModule):
                 f"from {-n} to {n} (negative counts from the end, {n} = after the last block). "
                 f"Fix: pass a layer index of this model, or None."
             )
+
+    @property
+    def _uses_rope(self) -> bool:
+        return bool(self.cfg.is_hybrid and self.cfg.use_rope)
 
     def _rope(self, length: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         inv_freq: Tensor = self.rope_inv_freq  # type: ignore[assignment]
@@ -1087,12 +1188,32 @@ _RENAMES: list[tuple[str, str]] = [
 ]
 
 
+def _nemotron_renames(cfg: SSMConfig) -> list[tuple[str, str]]:
+    """Nemotron-H: one ``norm`` and one ``mixer`` per block, named by the block's kind."""
+    out = [
+        (r"^model\.embeddings\.", "embed."),
+        (r"^backbone\.embeddings\.", "embed."),
+        (r"^(model|backbone)\.norm_f\.", "ln_final."),
+        (r"^lm_head\.", "unembed."),
+    ]
+    sub = {"ssm": ("ln1", "mixer"), "attention": ("ln1", "attn"), "mlp": ("ln2", "mlp")}
+    for layer, kind in enumerate(cfg.layer_types):
+        norm, mod = sub[kind]
+        pre = rf"^(model|backbone)\.layers\.{layer}\."
+        out += [
+            (pre + r"norm\.", f"blocks.{layer}.{norm}."),
+            (pre + r"mixer\.", f"blocks.{layer}.{mod}."),
+        ]
+    return out
+
+
 def _convert_hf_state_dict(cfg: SSMConfig, state: dict[str, Tensor]) -> dict[str, Tensor]:
     """Rename a Hugging Face state dict to HookedSSM parameter names."""
     out: dict[str, Tensor] = {}
+    renames = _nemotron_renames(cfg) if cfg.architecture == "nemotron_h" else _RENAMES
     for key, value in state.items():
         new = key
-        for pattern, repl in _RENAMES:
+        for pattern, repl in renames:
             new, n = re.subn(pattern, repl, new)
             if n:
                 break
