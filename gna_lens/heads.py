@@ -538,7 +538,9 @@ def head_output_weights(model: Any, layer: int) -> Tensor | None:
             return w if isinstance(w, Tensor) and w.shape[:2] == (lh.n_heads, lh.d_head) else None
     except (AttributeError, IndexError, TypeError, RuntimeError):
         return None
-    return weight.T.reshape(lh.n_channels, lh.d_head, -1)
+    w_o = weight.T.reshape(lh.n_channels, lh.d_head, -1)
+    mult = float(getattr(model.cfg, "residual_multiplier", 1.0)) if _is_hooked_ssm(model) else 1.0
+    return w_o if mult == 1.0 else w_o * mult  # out_hook is the output times the multiplier
 
 
 def describe_head_groups(view: HeadView) -> str:

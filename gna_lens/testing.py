@@ -33,7 +33,15 @@ __all__ = [
 ]
 
 #: Architectures the factories can build.
-ARCHITECTURES = ("mamba1", "falcon_mamba", "mamba2", "bamba", "nemotron_h", "llama")
+ARCHITECTURES = (
+    "mamba1",
+    "falcon_mamba",
+    "mamba2",
+    "bamba",
+    "nemotron_h",
+    "granitemoehybrid",
+    "llama",
+)
 
 _CORPUS = [
     "Memorize the following dictionary:\napple:12\nriver:47\nstone:3\n",
@@ -167,6 +175,33 @@ def tiny_hf_config(arch: str, vocab_size: int = 320, **overrides: Any) -> Any:
             n_group=2,
             topk_group=1,
             routed_scaling_factor=1.5,
+            max_position_embeddings=4096,
+        )
+    elif arch == "granitemoehybrid":
+        cls = tf.GraniteMoeHybridConfig
+        kw = dict(
+            hidden_size=32,
+            num_hidden_layers=3,
+            layer_types=["mamba", "attention", "mamba"],
+            intermediate_size=16,
+            shared_intermediate_size=48,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            mamba_n_heads=8,
+            mamba_d_head=8,
+            mamba_n_groups=2,
+            mamba_d_state=8,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_chunk_size=16,
+            position_embedding_type="rope",
+            # Granite's multipliers, away from 1 so the parity tests see them.
+            embedding_multiplier=3.0,
+            attention_multiplier=0.2,
+            residual_multiplier=0.5,
+            logits_scaling=2.0,
             max_position_embeddings=4096,
         )
     elif arch == "llama":

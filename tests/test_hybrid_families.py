@@ -26,7 +26,11 @@ PARITY_ATOL = 1e-4  # the issue's bar; measured below 5e-6 on every case
 CASES = [
     ("nemotron_h", {"n_groups": 1}),
     ("nemotron_h", {"n_groups": 2, "chunk_size": 8}),
+    ("granitemoehybrid", {"mamba_n_groups": 1}),
+    ("granitemoehybrid", {"mamba_n_groups": 2, "mamba_chunk_size": 8}),
+    ("granitemoehybrid", {"num_local_experts": 0, "position_embedding_type": None}),
 ]
+CHUNK = {"nemotron_h": "chunk_size", "granitemoehybrid": "mamba_chunk_size"}
 FAMILIES = sorted({f for f, _ in CASES})
 
 
@@ -68,7 +72,7 @@ def test_logits_match_hf_fast_materialized_and_left_padded(case):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_gradients_match_hf(family):
-    hf, m = _pair(family, {"chunk_size": 8})
+    hf, m = _pair(family, {CHUNK[family]: 8})
     ids = _ids(2, 19, 4)
     # A mean-scaled loss (sum(logits * w) / numel): gradients of order 1e-2, so 1e-5 is a bar
     # fp32 can meet (with a plain sum they are ~1e2 and one float ulp is already ~1e-5).
@@ -89,7 +93,7 @@ def test_gradients_match_hf(family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_pattern_reconstructs_every_ssm_layer_and_edits_take_effect(family):
-    _, m = _pair(family, {"chunk_size": 8}, seed=1)
+    _, m = _pair(family, {CHUNK[family]: 8}, seed=1)
     ids = _ids(2, 30, 1)
     ssm_layers = list(m.ssm_mixers())
     assert ssm_layers
@@ -191,3 +195,32 @@ def test_load_model_routes_the_family(family, tmp_path):
     loaded = load_model(str(path))
     assert isinstance(loaded, HookedSSM)
     assert loaded.cfg.architecture == family
+
+
+def test_granite_layer_kinds_multipliers_and_heads():
+    _, m = _pair("granitemoehybrid", {})
+    cfg = m.cfg
+    assert cfg.layer_types == ["ssm", "attention", "ssm"]
+    assert (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.logits_scaling) == (3, 0.5, 2)
+    assert m.blocks[1].attn.scale == pytest.approx(0.2)
+    view = head_view(m)
+    assert [(lh.kind, lh.n_heads) for lh in view] == [("ssm", 8), ("attention", 4), ("ssm", 8)]
+    for name in (
+        "blocks.0.mlp.shared_mlp.hook_post",
+        "blocks.2.mlp.block_sparse_moe.hook_expert_weights",
+    ):
+        assert name in m.hook_dict
+    # head_output_weights includes the residual multiplier: out_hook == z @ W_O.
+    from gna_lens.heads import head_output_weights
+
+    ids = _ids(1, 9)
+    with torch.no_grad():
+        for layer, (z_name, out_name) in enumerate(
+            [("mixer.hook_z", "hook_mixer_out"), ("attn.hook_z", "hook_attn_out")]
+        ):
+            _, cache = m.run_with_cache(
+                ids, names_filter=[f"blocks.{layer}.{z_name}", f"blocks.{layer}.{out_name}"]
+            )
+            w = head_output_weights(m, layer)
+            out = torch.einsum("bphd,hdm->bpm", cache[f"blocks.{layer}.{z_name}"], w)
+            assert (out - cache[f"blocks.{layer}.{out_name}"]).abs().max().item() < 1e-5

@@ -216,7 +216,7 @@ def _attn_step(
     if KV != H:
         k = k.repeat_interleave(H // KV, dim=2)
         v = v.repeat_interleave(H // KV, dim=2)
-    scores = at.hook_attn_scores(torch.einsum("bqhd,bkhd->bhqk", q, k) * d**-0.5)
+    scores = at.hook_attn_scores(torch.einsum("bqhd,bkhd->bhqk", q, k) * at.scale)
     pattern = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     pattern = _checked_pattern(at.hook_pattern(pattern), pattern, at.hook_pattern.name)
     z = at.hook_z(torch.einsum("bhqk,bkhd->bqhd", pattern, v))
@@ -228,7 +228,7 @@ def ssm_step(model: Any, prefix: SSMPrefix, K: int) -> Tensor:
     cfg = model.cfg
     states = prefix.for_copies(K)
     tok = prefix.last.repeat(K, 1)
-    resid = model.hook_embed(model.embed(tok))
+    resid = model.embed_tokens(tok)
     rope = None
     if model._uses_rope:
         cos, sin = model._rope(prefix.length, resid.device, resid.dtype)
@@ -240,7 +240,7 @@ def ssm_step(model: Any, prefix: SSMPrefix, K: int) -> Tensor:
         elif block.is_attention:
             normed = block.ln1(resid.to(block.ln1.weight.dtype))
             out = _attn_step(block.attn, normed, states[i], rope)
-            resid = resid + block.hook_attn_out(out)
+            resid = resid + block.hook_attn_out(block.scaled(out))
         else:
             normed = block.ln1(resid.to(block.ln1.weight.dtype))
             if cfg.residual_in_fp32:
@@ -253,13 +253,7 @@ def ssm_step(model: Any, prefix: SSMPrefix, K: int) -> Tensor:
                     "with a full forward (positions=None)."
                 )
             step = _mamba1_step if cfg.architecture in ("mamba1", "falcon_mamba") else _mamba2_step
-            resid = resid + block.hook_mixer_out(step(mixer, normed, states[i]))
-        if block.has_mlp:
-            if block.has_mixer:
-                resid = block.hook_resid_mid(resid)
-            resid = resid + block.hook_mlp_out(
-                block.mlp(block.ln2(resid.to(block.ln2.weight.dtype)))
-            )
-        resid = block.hook_resid_post(resid)
-    logits = model.unembed(model.ln_final(resid.to(model.ln_final.weight.dtype)))
+            resid = resid + block.hook_mixer_out(block.scaled(step(mixer, normed, states[i])))
+        resid = block.mlp_part(resid)
+    logits = model.logits_of(resid)
     return logits[:, 0]

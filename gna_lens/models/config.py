@@ -14,6 +14,7 @@ SUPPORTED_MODEL_TYPES: dict[str, str] = {
     "mamba2": "mamba2",
     "bamba": "bamba",
     "nemotron_h": "nemotron_h",
+    "granitemoehybrid": "granitemoehybrid",
 }
 
 #: Nemotron-H block types (``layers_block_type``) -> HookedSSM layer kind.
@@ -48,6 +49,10 @@ class SSMConfig(TransformerLensConfig):
             expert). Empty: ``"gated"`` on every layer of a Bamba, none elsewhere.
         mlp_act: Activation of ``"plain"`` MLPs and experts: ``"silu"`` or ``"relu2"``.
         use_rope: Whether attention layers rotate queries and keys (Nemotron-H does not).
+        attn_scale: Attention score scale; 0 means ``attn_d_head ** -0.5``.
+        embedding_multiplier, residual_multiplier, logits_scaling: Granite's multipliers (the
+            embeddings are multiplied, each block's mixer and MLP outputs are multiplied before
+            ``hook_*_out``, and the logits are divided by ``logits_scaling``).
         d_inner: SSM inner width ``E = expand * d_model``.
         d_state: State size ``N``.
         d_conv: Causal convolution width.
@@ -95,6 +100,10 @@ class SSMConfig(TransformerLensConfig):
     moe_topk_group: int = 1
     moe_norm_topk_prob: bool = True
     moe_routed_scaling_factor: float = 1.0
+    attn_scale: float = 0.0
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -207,6 +216,20 @@ class SSMConfig(TransformerLensConfig):
             )
         if arch == "nemotron_h":
             return cls._from_nemotron_h(hf_config, common)
+        granite: dict[str, Any] = {}
+        if arch == "granitemoehybrid":
+            n_exp = int(getattr(hf_config, "num_local_experts", 0) or 0)
+            granite = dict(
+                mlp_types=["granite_moe" if n_exp else "granite"] * hf_config.num_hidden_layers,
+                use_rope=getattr(hf_config, "position_embedding_type", None) == "rope",
+                attn_scale=float(hf_config.attention_multiplier),
+                embedding_multiplier=float(hf_config.embedding_multiplier),
+                residual_multiplier=float(hf_config.residual_multiplier),
+                logits_scaling=float(hf_config.logits_scaling),
+                n_experts=n_exp,
+                n_experts_per_tok=int(getattr(hf_config, "num_experts_per_tok", 0) or 0),
+                moe_shared_d_mlp=int(hf_config.shared_intermediate_size),
+            )
         # bamba
         rope = dict(getattr(hf_config, "rope_parameters", None) or {})
         rope_type = rope.get("rope_type", "default")
@@ -222,7 +245,8 @@ class SSMConfig(TransformerLensConfig):
         partial = float(rope.get("partial_rotary_factor", 1.0))
         d_inner = int(hf_config.mamba_expand * hf_config.hidden_size)
         layer_types = [
-            "attention" if t == "full_attention" else "ssm" for t in hf_config.layers_block_type
+            "attention" if t in ("full_attention", "attention") else "ssm"
+            for t in hf_config.layers_block_type
         ]
         return cls(
             **common,
@@ -248,9 +272,10 @@ class SSMConfig(TransformerLensConfig):
             rope_theta=float(rope.get("rope_theta", 10000.0)),
             rotary_dim=int(attn_d_head * partial),
             d_mlp=int(hf_config.intermediate_size),
-            mlp_bias=bool(hf_config.mlp_bias),
+            mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
             gated_mlp=True,
             positional_embedding_type="rotary",
+            **granite,
         )
 
     @classmethod

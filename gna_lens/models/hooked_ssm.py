@@ -356,6 +356,8 @@ class Attention(nn.Module):
         self.hook_attn_scores = HookPoint()  # [batch, head_index, query_pos, key_pos]
         self.hook_pattern = HookPoint()  # [batch, head_index, query_pos, key_pos]
         self.hook_z = HookPoint()  # [batch, pos, head_index, d_head]
+        #: Score scale: ``attn_d_head ** -0.5``, or the family's (Granite's attention_multiplier).
+        self.scale = float(cfg.attn_scale or d**-0.5)
 
     def forward(self, h: Tensor, mask: Tensor | None, rope: tuple[Tensor, Tensor] | None) -> Tensor:
         cfg = self.cfg
@@ -369,7 +371,7 @@ class Attention(nn.Module):
         if KV != H:
             k = k.repeat_interleave(H // KV, dim=2)
             v = v.repeat_interleave(H // KV, dim=2)
-        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * d**-0.5
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * self.scale
         allowed = torch.ones(L, L, dtype=torch.bool, device=h.device).tril()[None, None]
         if mask is not None:
             allowed = allowed & mask.bool()[:, None, None, :]
@@ -483,7 +485,91 @@ class NemotronMoE(nn.Module):
         return out.to(x.dtype).view(b, L, D) + self.shared_experts(x)
 
 
+class _GraniteSharedMLP(nn.Module):
+    """Granite's shared MLP: ``output_linear(SiLU(gate) * up)``, ``gate, up = input_linear(x)``."""
+
+    def __init__(self, cfg: SSMConfig):
+        super().__init__()
+        d = cfg.moe_shared_d_mlp
+        self.input_linear = nn.Linear(cfg.d_model, 2 * d, bias=False)
+        self.output_linear = nn.Linear(d, cfg.d_model, bias=False)
+        self.hook_pre = HookPoint()  # [batch, pos, d_mlp], the gate before SiLU
+        self.hook_pre_linear = HookPoint()  # [batch, pos, d_mlp]
+        self.hook_post = HookPoint()  # [batch, pos, d_mlp]
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.input_linear(x).chunk(2, dim=-1)
+        gate, up = self.hook_pre(gate), self.hook_pre_linear(up)
+        return self.output_linear(self.hook_post(F.silu(gate) * up))
+
+
+class _GraniteMoE(nn.Module):
+    """Granite's routed experts: softmax over the top-k router logits, SwiGLU experts
+    (``experts.gate_up_proj`` ``[n_experts, 2 * d_mlp, d_model]``, ``down_proj``)."""
+
+    def __init__(self, cfg: SSMConfig):
+        super().__init__()
+        self.cfg = cfg
+        E, D, M = cfg.n_experts, cfg.d_model, int(cfg.d_mlp or 0)
+        self.router = nn.Module()
+        self.router.weight = nn.Parameter(torch.zeros(E, D))
+        self.experts = nn.Module()
+        self.experts.gate_up_proj = nn.Parameter(torch.zeros(E, 2 * M, D))
+        self.experts.down_proj = nn.Parameter(torch.zeros(E, D, M))
+        self.hook_expert_weights = HookPoint()  # [batch, pos, n_experts], 0 where not routed
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, L, D = x.shape
+        E, K = self.cfg.n_experts, self.cfg.n_experts_per_tok
+        flat = x.reshape(-1, D)
+        router_w: Tensor = self.router.weight  # type: ignore[assignment]
+        logits = F.linear(flat, router_w).float()
+        top, idx = logits.topk(K, dim=-1)
+        w = torch.softmax(top, dim=-1).to(x.dtype)
+        dense = torch.zeros_like(logits, dtype=x.dtype).scatter_(1, idx, w)
+        dense = self.hook_expert_weights(dense.view(b, L, E)).reshape(-1, E)
+        gate_up: Tensor = self.experts.gate_up_proj  # type: ignore[assignment]
+        down: Tensor = self.experts.down_proj  # type: ignore[assignment]
+        return _run_experts(flat, dense, gate_up, down, gated=True).view(b, L, D)
+
+
+def _run_experts(
+    flat: Tensor, dense: Tensor, up: Tensor, down: Tensor, gated: bool, act: Any = F.silu
+) -> Tensor:
+    """``sum_e dense[:, e] * expert_e(flat)`` over the experts some token is routed to."""
+    out = torch.zeros_like(flat, dtype=dense.dtype)
+    for e in range(dense.shape[1]):
+        rows = (dense[:, e] != 0).nonzero()[:, 0]
+        if rows.numel() == 0:
+            continue
+        h = F.linear(flat[rows], up[e])
+        if gated:
+            g, u = h.chunk(2, dim=-1)
+            h = act(g) * u
+        else:
+            h = act(h)
+        out.index_add_(0, rows, (F.linear(h, down[e]) * dense[rows, e, None]).to(out.dtype))
+    return out.to(flat.dtype)
+
+
+class GraniteMLP(nn.Module):
+    """Granite 4.0 hybrid MLP: the routed experts (when the config has any) plus the shared MLP."""
+
+    def __init__(self, cfg: SSMConfig, moe: bool):
+        super().__init__()
+        self.shared_mlp = _GraniteSharedMLP(cfg)
+        self.block_sparse_moe = _GraniteMoE(cfg) if moe else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.shared_mlp(x)
+        if self.block_sparse_moe is not None:
+            out = self.block_sparse_moe(x) + out
+        return out
+
+
 def _make_mlp(cfg: SSMConfig, kind: str) -> nn.Module:
+    if kind in ("granite", "granite_moe"):
+        return GraniteMLP(cfg, moe=kind == "granite_moe")
     if kind == "gated":
         return GatedMLP(cfg)
     if kind == "plain":
@@ -540,13 +626,23 @@ class SSMBlock(nn.Module):
             if self.cfg.residual_in_fp32:
                 resid = resid.float()
             if self.is_attention:
-                resid = resid + self.hook_attn_out(self.attn(normed, mask, rope))
+                resid = resid + self.hook_attn_out(self.scaled(self.attn(normed, mask, rope)))
             else:
-                resid = resid + self.hook_mixer_out(self.mixer(normed, mask))
+                resid = resid + self.hook_mixer_out(self.scaled(self.mixer(normed, mask)))
+        return self.mlp_part(resid)
+
+    def scaled(self, out: Tensor) -> Tensor:
+        """A sublayer's output as added to the residual stream (Granite's residual_multiplier)."""
+        m = self.cfg.residual_multiplier
+        return out if m == 1.0 else out * m
+
+    def mlp_part(self, resid: Tensor) -> Tensor:
+        """The block after its mixer: ``hook_resid_mid``, the MLP, ``hook_resid_post``."""
         if self.has_mlp:
             if self.has_mixer:
                 resid = self.hook_resid_mid(resid)
-            resid = resid + self.hook_mlp_out(self.mlp(self.ln2(resid.to(self.ln2.weight.dtype))))
+            out = self.mlp(self.ln2(resid.to(self.ln2.weight.dtype)))
+            resid = resid + self.hook_mlp_out(self.scaled(out))
         return self.hook_resid_post(resid)
 
 
@@ -1013,7 +1109,7 @@ class HookedSSM(HookedRootModule):
             tokens, text_mask = self._tokens_and_mask(input, prepend_bos, padding_side)
             if attention_mask is None:
                 attention_mask = text_mask
-            resid = self.hook_embed(self.embed(tokens))
+            resid = self.embed_tokens(tokens)
         else:
             if not isinstance(input, Tensor) or input.ndim != 3:
                 raise ValueError(
@@ -1028,7 +1124,7 @@ class HookedSSM(HookedRootModule):
             resid = block(resid, mask, rope)
         if stop_at_layer is not None:
             return resid
-        logits = self.unembed(self.ln_final(resid.to(self.ln_final.weight.dtype)))
+        logits = self.logits_of(resid)
         if return_type is None:
             return None
         if return_type == "logits":
@@ -1052,6 +1148,18 @@ class HookedSSM(HookedRootModule):
                 f"from {-n} to {n} (negative counts from the end, {n} = after the last block). "
                 f"Fix: pass a layer index of this model, or None."
             )
+
+    def embed_tokens(self, tokens: Tensor) -> Tensor:
+        """``hook_embed``: the token embeddings (times Granite's embedding_multiplier)."""
+        emb = self.embed(tokens)
+        m = self.cfg.embedding_multiplier
+        return self.hook_embed(emb if m == 1.0 else emb * m)
+
+    def logits_of(self, resid: Tensor) -> Tensor:
+        """Final norm and unembedding (logits divided by Granite's logits_scaling)."""
+        logits = self.unembed(self.ln_final(resid.to(self.ln_final.weight.dtype)))
+        s = self.cfg.logits_scaling
+        return logits if s == 1.0 else logits / s
 
     @property
     def _uses_rope(self) -> bool:
@@ -1183,6 +1291,9 @@ _RENAMES: list[tuple[str, str]] = [
     (r"^model\.layers\.(\d+)\.mamba\.", r"blocks.\1.mixer."),
     (r"^model\.layers\.(\d+)\.self_attn\.", r"blocks.\1.attn."),
     (r"^model\.layers\.(\d+)\.feed_forward\.", r"blocks.\1.mlp."),
+    (r"^model\.layers\.(\d+)\.post_attention_layernorm\.", r"blocks.\1.ln2."),
+    (r"^model\.layers\.(\d+)\.(shared_mlp|block_sparse_moe)\.", r"blocks.\1.mlp.\2."),
+    (r"^model\.norm\.", "ln_final."),
     (r"^model\.final_layernorm\.", "ln_final."),
     (r"^lm_head\.", "unembed."),
 ]
