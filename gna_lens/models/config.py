@@ -41,7 +41,8 @@ class SSMConfig(TransformerLensConfig):
     :meth:`layer_n_heads` and :attr:`layer_types` for per-layer head counts.
 
     Attributes:
-        architecture: ``"mamba1"``, ``"falcon_mamba"``, ``"mamba2"`` or ``"bamba"``.
+        architecture: ``"mamba1"``, ``"falcon_mamba"``, ``"mamba2"``, ``"bamba"``,
+            ``"nemotron_h"`` or ``"granitemoehybrid"``.
         layer_types: Per layer, ``"ssm"``, ``"attention"`` or ``"mlp"`` (a block with only an
             MLP, Nemotron-H).
         mlp_types: Per layer, the MLP of the block: ``""`` (none), ``"gated"`` (SwiGLU),
@@ -145,7 +146,8 @@ class SSMConfig(TransformerLensConfig):
             raise ConfigError(
                 f"HookedSSM does not support model_type={model_type!r} (architectures={archs}). "
                 f"Supported: {sorted(SUPPORTED_MODEL_TYPES)} (MambaForCausalLM, "
-                "FalconMambaForCausalLM, Mamba2ForCausalLM, BambaForCausalLM). For Transformer "
+                "FalconMambaForCausalLM, Mamba2ForCausalLM, BambaForCausalLM, "
+                "NemotronHForCausalLM, GraniteMoeHybridForCausalLM). For Transformer "
                 "architectures use gna_lens.load_model(...), which returns a TransformerBridge."
             )
         act = getattr(hf_config, "hidden_act", None) or getattr(

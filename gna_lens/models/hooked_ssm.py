@@ -1,4 +1,5 @@
-"""HookedSSM: Mamba-1, Mamba-2 and Bamba hybrids with TransformerLens hooks.
+"""HookedSSM: Mamba-1, Mamba-2 and the Bamba, Nemotron-H and Granite 4.0 hybrids with
+TransformerLens hooks.
 
 The mixers are re-implemented in PyTorch (see :mod:`gna_lens.models.ops`) so that every
 intermediate is a :class:`~transformer_lens.hook_points.HookPoint` and so that the implicit
@@ -653,8 +654,9 @@ ModelInput = str | list[str] | Int[Tensor, "batch pos"] | Float[Tensor, "batch p
 class HookedSSM(HookedRootModule):
     """A Mamba-family language model with TransformerLens hooks and editable implicit attention.
 
-    Supports ``MambaForCausalLM``, ``FalconMambaForCausalLM``, ``Mamba2ForCausalLM`` and
-    ``BambaForCausalLM`` (hybrid). Logits match Hugging Face's to about 1e-6 in fp32.
+    Supports ``MambaForCausalLM``, ``FalconMambaForCausalLM``, ``Mamba2ForCausalLM`` and the
+    hybrids ``BambaForCausalLM``, ``NemotronHForCausalLM`` and ``GraniteMoeHybridForCausalLM``.
+    Logits match Hugging Face's to about 1e-6 in fp32.
 
     Hook points (shapes in the docs' hook table): ``hook_embed``;
     ``blocks.{l}.hook_resid_pre`` / ``hook_resid_post``; SSM layers ``blocks.{l}.hook_mixer_out``
