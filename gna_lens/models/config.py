@@ -109,10 +109,13 @@ class SSMConfig(TransformerLensConfig):
     def __post_init__(self) -> None:
         if not self.layer_types:
             self.layer_types = ["ssm"] * self.n_layers
-        if not self.mlp_types:
-            kind = "gated" if self.architecture == "bamba" else ""
-            self.mlp_types = [kind] * self.n_layers
         super().__post_init__()
+
+    def mlp_type(self, layer: int) -> str:
+        """The MLP kind of ``layer`` (``""``: none); see :attr:`mlp_types`."""
+        if self.mlp_types:
+            return self.mlp_types[layer]
+        return "gated" if self.architecture == "bamba" else ""
 
     def layer_n_heads(self, layer: int) -> int:
         """Number of heads of ``layer`` (SSM heads, attention query heads, 0 for MLP blocks)."""

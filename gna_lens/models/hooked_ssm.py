@@ -608,7 +608,7 @@ class SSMBlock(nn.Module):
                 else Mamba2Mixer(cfg)
             )
             self.hook_mixer_out = HookPoint()  # [batch, pos, d_model]
-        mlp_kind = cfg.mlp_types[layer]
+        mlp_kind = cfg.mlp_type(layer)
         self.has_mlp = bool(mlp_kind)
         if self.has_mlp:
             if self.has_mixer:
