@@ -539,8 +539,9 @@ def head_output_weights(model: Any, layer: int) -> Tensor | None:
     except (AttributeError, IndexError, TypeError, RuntimeError):
         return None
     w_o = weight.T.reshape(lh.n_channels, lh.d_head, -1)
-    mult = float(getattr(model.cfg, "residual_multiplier", 1.0)) if _is_hooked_ssm(model) else 1.0
-    return w_o if mult == 1.0 else w_o * mult  # out_hook is the output times the multiplier
+    # out_hook is the output times the block's multiplier (Granite, Falcon-H1)
+    mult = float(model.blocks[layer].out_multiplier(lh.kind)) if _is_hooked_ssm(model) else 1.0
+    return w_o if mult == 1.0 else w_o * mult
 
 
 def describe_head_groups(view: HeadView) -> str:

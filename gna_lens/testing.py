@@ -40,6 +40,7 @@ ARCHITECTURES = (
     "bamba",
     "nemotron_h",
     "granitemoehybrid",
+    "falcon_h1",
     "llama",
 )
 
@@ -203,6 +204,37 @@ def tiny_hf_config(arch: str, vocab_size: int = 320, **overrides: Any) -> Any:
             residual_multiplier=0.5,
             logits_scaling=2.0,
             max_position_embeddings=4096,
+        )
+    elif arch == "falcon_h1":
+        cls = tf.FalconH1Config
+        kw = dict(
+            hidden_size=32,
+            num_hidden_layers=3,
+            intermediate_size=48,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            mamba_d_ssm=64,
+            mamba_n_heads=8,
+            mamba_d_head=8,
+            mamba_n_groups=2,
+            mamba_d_state=8,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_chunk_size=16,
+            mamba_rms_norm=True,
+            mamba_norm_before_gate=False,
+            max_position_embeddings=4096,
+            # Falcon-H1's multipliers, away from 1 so the parity tests see them.
+            embedding_multiplier=2.0,
+            lm_head_multiplier=0.5,
+            attention_in_multiplier=1.5,
+            attention_out_multiplier=0.7,
+            key_multiplier=0.8,
+            ssm_in_multiplier=1.25,
+            ssm_out_multiplier=0.6,
+            ssm_multipliers=[0.9, 1.1, 1.2, 0.8, 1.3],
+            mlp_multipliers=[1.2, 0.75],
         )
     elif arch == "llama":
         cls = tf.LlamaConfig

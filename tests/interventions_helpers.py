@@ -11,7 +11,15 @@ from gna_lens.tasks import KV_TEMPLATES, Task, build_sample, kv_retrieval
 from gna_lens.tasks._testing import word_tokenizer
 
 KEYS = ("apple", "river", "stone", "cloud", "lamp", "tree", "house", "bird")
-SSM_ARCHS = ("mamba1", "falcon_mamba", "mamba2", "bamba", "nemotron_h", "granitemoehybrid")
+SSM_ARCHS = (
+    "mamba1",
+    "falcon_mamba",
+    "mamba2",
+    "bamba",
+    "nemotron_h",
+    "granitemoehybrid",
+    "falcon_h1",
+)
 _TMP = Path(tempfile.mkdtemp(prefix="gna_lens_interventions_"))
 
 

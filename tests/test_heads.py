@@ -8,7 +8,16 @@ from interventions_helpers import task as make_task
 from gna_lens.errors import GnaLensError, InterventionError, PatternEditError
 from gna_lens.heads import head_view, normalize_head_sets, require_editable
 
-ARCHS = ["llama", "mamba1", "falcon_mamba", "mamba2", "bamba", "nemotron_h", "granitemoehybrid"]
+ARCHS = [
+    "llama",
+    "mamba1",
+    "falcon_mamba",
+    "mamba2",
+    "bamba",
+    "nemotron_h",
+    "granitemoehybrid",
+    "falcon_h1",
+]
 
 
 def test_view_describes_each_architecture():
@@ -21,6 +30,8 @@ def test_view_describes_each_architecture():
         # Mamba-2, attention, MLP-only and MoE blocks (the MLP blocks have no heads).
         "nemotron_h": [("ssm", 8, 8), ("attention", 4, 8), ("ssm", 8, 8)],
         "granitemoehybrid": [("ssm", 8, 8), ("attention", 4, 8), ("ssm", 8, 8)],
+        # Falcon-H1: the SSM heads of each layer (its parallel attention: hook names only).
+        "falcon_h1": [("ssm", 8, 8)] * 3,
     }
     assert sorted(expected) == sorted(ARCHS)  # every architecture the file tests
     for arch, layers in expected.items():

@@ -29,8 +29,16 @@ CASES = [
     ("granitemoehybrid", {"mamba_n_groups": 1}),
     ("granitemoehybrid", {"mamba_n_groups": 2, "mamba_chunk_size": 8}),
     ("granitemoehybrid", {"num_local_experts": 0, "position_embedding_type": None}),
+    ("falcon_h1", {"mamba_n_groups": 1}),
+    ("falcon_h1", {"mamba_n_groups": 2, "mamba_chunk_size": 8}),
+    ("falcon_h1", {"mamba_rms_norm": False}),
+    ("falcon_h1", {"mamba_norm_before_gate": True, "mamba_chunk_size": 8}),
 ]
-CHUNK = {"nemotron_h": "chunk_size", "granitemoehybrid": "mamba_chunk_size"}
+CHUNK = {
+    "nemotron_h": "chunk_size",
+    "granitemoehybrid": "mamba_chunk_size",
+    "falcon_h1": "mamba_chunk_size",
+}
 FAMILIES = sorted({f for f, _ in CASES})
 
 
@@ -224,3 +232,39 @@ def test_granite_layer_kinds_multipliers_and_heads():
             w = head_output_weights(m, layer)
             out = torch.einsum("bphd,hdm->bpm", cache[f"blocks.{layer}.{z_name}"], w)
             assert (out - cache[f"blocks.{layer}.{out_name}"]).abs().max().item() < 1e-5
+
+
+def test_falcon_h1_parallel_attention_multipliers_and_heads():
+    _, m = _pair("falcon_h1", {})
+    cfg = m.cfg
+    assert cfg.layer_types == ["ssm"] * 3 and cfg.parallel_attention
+    assert (cfg.embedding_multiplier, cfg.logits_scaling) == (2.0, 2.0)
+    assert cfg.ssm_multipliers == (0.9, 1.1, 1.2, 0.8, 1.3)
+    view = head_view(m)
+    assert [(lh.kind, lh.n_heads) for lh in view] == [("ssm", 8)] * 3
+    for name in ("blocks.0.attn.hook_pattern", "blocks.0.attn.hook_z", "blocks.0.hook_attn_out"):
+        assert name in m.hook_dict
+    ids = _ids(1, 9)
+    # hook_mixer_out == z @ W_O (head_output_weights includes ssm_out_multiplier), and the
+    # layer adds both parallel outputs to the residual stream.
+    from gna_lens.heads import head_output_weights
+
+    names = [f"blocks.1.{n}" for n in ("mixer.hook_z", "hook_mixer_out", "hook_attn_out")]
+    names += ["blocks.1.hook_resid_pre", "blocks.1.hook_resid_mid"]
+    with torch.no_grad():
+        _, cache = m.run_with_cache(ids, names_filter=names)
+    out = torch.einsum("bphd,hdm->bpm", cache[names[0]], head_output_weights(m, 1))
+    assert (out - cache[names[1]]).abs().max().item() < 1e-5
+    total = cache[names[3]] + cache[names[1]] + cache[names[2]]
+    assert (total - cache[names[4]]).abs().max().item() < 1e-5
+
+    # An edit of the parallel attention's pattern takes effect.
+    def first_key(p, hook):
+        p.zero_()
+        p[..., 0] = 1.0
+        return p
+
+    with torch.no_grad():
+        clean = m(ids)
+        edited = m.run_with_hooks(ids, fwd_hooks=[("blocks.1.attn.hook_pattern", first_key)])
+    assert (edited - clean).abs().max().item() > 1e-4

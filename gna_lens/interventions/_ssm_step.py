@@ -75,9 +75,9 @@ def ssm_prefix(model: Any, tokens: Tensor) -> tuple[Tensor, SSMPrefix | None]:
     for i, block in enumerate(model.blocks):
         if not block.has_mixer:
             continue
-        if block.is_attention:
+        if block.is_attention or block.has_parallel_attn:
             names += [f"blocks.{i}.attn.hook_rot_k", f"blocks.{i}.attn.hook_v"]
-        else:
+        if not block.is_attention:
             pre = f"blocks.{i}.mixer."
             names += [
                 pre + n for n in ("hook_in_proj", "hook_ssm_input", "hook_ssm_dt", "hook_ssm_B")
@@ -129,7 +129,11 @@ def ssm_prefix(model: Any, tokens: Tensor) -> tuple[Tensor, SSMPrefix | None]:
                 x.view(G, P, Gr, hpg, cfg.d_head),
                 B,
             ).reshape(G, H, cfg.d_head, cfg.d_state)
-        layers.append({"conv": _tail(conv_in, P, width), "state": state})
+        entry = {"conv": _tail(conv_in, P, width), "state": state}
+        if block.has_parallel_attn:  # Falcon-H1: the attention beside the mixer
+            entry["k"] = store[f"blocks.{i}.attn.hook_rot_k"][:, :P]
+            entry["v"] = store[f"blocks.{i}.attn.hook_v"][:, :P]
+        layers.append(entry)
     return logits, SSMPrefix(last=tokens[:, -1:], length=L, layers=layers)
 
 
@@ -150,7 +154,7 @@ def _mamba2_step(mx: Any, h: Tensor, st: dict[str, Tensor]) -> Tensor:
     cfg = mx.cfg
     R = h.shape[0]
     E, H, G, N, P = cfg.d_inner, cfg.n_heads, cfg.n_groups, cfg.d_state, cfg.d_head
-    z, xBC, dt_raw = mx.hook_in_proj(mx.in_proj(h)).split([E, mx.conv_dim, H], dim=-1)
+    z, xBC, dt_raw = mx.project(h).split([E, mx.conv_dim, H], dim=-1)
     conv = _conv_last(torch.cat([st["conv"].to(xBC.dtype), xBC], dim=1), mx.conv1d)
     xBC = F.silu(mx.hook_conv(conv))
     x, B, C = xBC.split([E, G * N, G * N], dim=-1)
@@ -169,8 +173,7 @@ def _mamba2_step(mx: Any, h: Tensor, st: dict[str, Tensor]) -> Tensor:
     )
     y = torch.einsum("rhpn,rhn->rhp", state, Ch)[:, None].to(x.dtype)
     y = mx.hook_ssm_out(y + x * mx.D[:, None])
-    z = mx.hook_gate(z)
-    normed = ops.gated_rms_norm(y.reshape(R, 1, E), z, mx.norm.weight, E // G, cfg.eps)
+    normed = mx.gate_norm(y.reshape(R, 1, E), mx.hook_gate(z))
     head_in = mx.hook_z(normed.view(R, 1, H, P))
     return mx.out_proj(head_in.reshape(R, 1, E).to(h.dtype))
 
@@ -207,7 +210,7 @@ def _attn_step(
     R = h.shape[0]
     H, KV, d = cfg.n_attn_heads, cfg.n_attn_kv_heads, cfg.attn_d_head
     q = at.hook_q(at.q_proj(h).view(R, 1, H, d))
-    k = at.hook_k(at.k_proj(h).view(R, 1, KV, d))
+    k = at.hook_k(at.keys(h).view(R, 1, KV, d))
     v = at.hook_v(at.v_proj(h).view(R, 1, KV, d))
     q = at.hook_rot_q(at._rope(q, rope))
     k = at.hook_rot_k(at._rope(k, rope))
@@ -253,7 +256,14 @@ def ssm_step(model: Any, prefix: SSMPrefix, K: int) -> Tensor:
                     "with a full forward (positions=None)."
                 )
             step = _mamba1_step if cfg.architecture in ("mamba1", "falcon_mamba") else _mamba2_step
-            resid = resid + block.hook_mixer_out(block.scaled(step(mixer, normed, states[i])))
+            if block.has_parallel_attn:  # Falcon-H1: mixer and attention on the same input
+                ssm = block.hook_mixer_out(block.scaled(step(mixer, normed, states[i]), "ssm"))
+                out = _attn_step(block.attn, block.attn_input(normed), states[i], rope)
+                attn = block.hook_attn_out(block.scaled(out, "attention"))
+                resid = resid + (ssm + attn)
+            else:
+                out = step(mixer, normed, states[i])
+                resid = resid + block.hook_mixer_out(block.scaled(out))
         resid = block.mlp_part(resid)
     logits = model.logits_of(resid)
     return logits[:, 0]

@@ -15,6 +15,7 @@ SUPPORTED_MODEL_TYPES: dict[str, str] = {
     "bamba": "bamba",
     "nemotron_h": "nemotron_h",
     "granitemoehybrid": "granitemoehybrid",
+    "falcon_h1": "falcon_h1",
 }
 
 #: Nemotron-H block types (``layers_block_type``) -> HookedSSM layer kind.
@@ -54,6 +55,16 @@ class SSMConfig(TransformerLensConfig):
         embedding_multiplier, residual_multiplier, logits_scaling: Granite's multipliers (the
             embeddings are multiplied, each block's mixer and MLP outputs are multiplied before
             ``hook_*_out``, and the logits are divided by ``logits_scaling``).
+        parallel_attention: Falcon-H1: every ``"ssm"`` layer also runs an attention
+            (``blocks.{l}.attn``) on the same normed input; both outputs are added to the
+            residual stream (``hook_mixer_out`` and ``hook_attn_out``).
+        ssm_in_multiplier, ssm_out_multiplier, attn_in_multiplier, attn_out_multiplier,
+            key_multiplier, ssm_multipliers, mlp_multipliers: Falcon-H1's multipliers (the
+            mixer's input / output, the attention's input / output and keys, the muP vector on
+            the sections ``z, x, B, C, dt`` of ``in_proj``, the MLP's gate and down projection).
+        mamba_norm: Mamba-2 output norm: ``"gated"`` (``norm(y * SiLU(z))``), ``"norm_gate"``
+            (``norm(y) * SiLU(z)``) or ``"none"`` (``y * SiLU(z)``, no norm weight).
+        out_proj_bias: Bias of the mixer's ``out_proj`` (``None``: ``proj_bias``).
         d_inner: SSM inner width ``E = expand * d_model``.
         d_state: State size ``N``.
         d_conv: Causal convolution width.
@@ -105,6 +116,16 @@ class SSMConfig(TransformerLensConfig):
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
+    parallel_attention: bool = False
+    ssm_in_multiplier: float = 1.0
+    ssm_out_multiplier: float = 1.0
+    attn_in_multiplier: float = 1.0
+    attn_out_multiplier: float = 1.0
+    key_multiplier: float = 1.0
+    ssm_multipliers: tuple[float, ...] = ()
+    mlp_multipliers: tuple[float, float] = (1.0, 1.0)
+    mamba_norm: str = "gated"
+    out_proj_bias: bool | None = None
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -115,7 +136,7 @@ class SSMConfig(TransformerLensConfig):
         """The MLP kind of ``layer`` (``""``: none); see :attr:`mlp_types`."""
         if self.mlp_types:
             return self.mlp_types[layer]
-        return "gated" if self.architecture == "bamba" else ""
+        return "gated" if self.architecture in ("bamba", "falcon_h1") else ""
 
     def layer_n_heads(self, layer: int) -> int:
         """Number of heads of ``layer`` (SSM heads, attention query heads, 0 for MLP blocks)."""
@@ -126,8 +147,8 @@ class SSMConfig(TransformerLensConfig):
 
     @property
     def is_hybrid(self) -> bool:
-        """Whether some layers are attention layers."""
-        return "attention" in self.layer_types
+        """Whether some layers are attention layers (or run attention beside the SSM mixer)."""
+        return "attention" in self.layer_types or self.parallel_attention
 
     @classmethod
     def from_hf_config(cls, hf_config: Any) -> "SSMConfig":
@@ -222,6 +243,8 @@ class SSMConfig(TransformerLensConfig):
         if arch == "nemotron_h":
             return cls._from_nemotron_h(hf_config, common)
         granite: dict[str, Any] = {}
+        if arch == "falcon_h1":
+            granite = cls._falcon_h1_fields(hf_config)
         if arch == "granitemoehybrid":
             n_exp = int(getattr(hf_config, "num_local_experts", 0) or 0)
             granite = dict(
@@ -253,6 +276,8 @@ class SSMConfig(TransformerLensConfig):
             "attention" if t in ("full_attention", "attention") else "ssm"
             for t in hf_config.layers_block_type
         ]
+        if arch == "falcon_h1":
+            d_inner = int(hf_config.mamba_n_heads * hf_config.mamba_d_head)
         return cls(
             **common,
             n_ctx=int(getattr(hf_config, "max_position_embeddings", UNBOUNDED_CTX)),
@@ -281,6 +306,35 @@ class SSMConfig(TransformerLensConfig):
             gated_mlp=True,
             positional_embedding_type="rotary",
             **granite,
+        )
+
+    @staticmethod
+    def _falcon_h1_fields(hf_config: Any) -> dict[str, Any]:
+        """Falcon-H1: attention beside the Mamba-2 mixer in every layer, and its multipliers."""
+        d_ssm = hf_config.mamba_d_ssm or int(hf_config.mamba_expand * hf_config.hidden_size)
+        if int(hf_config.mamba_n_heads) * int(hf_config.mamba_d_head) != d_ssm:
+            raise ConfigError(
+                f"Falcon-H1 config has mamba_n_heads x mamba_d_head != {d_ssm}; HookedSSM needs "
+                "the heads to tile the SSM width."
+            )
+        if not hf_config.mamba_rms_norm:
+            norm = "none"
+        else:
+            norm = "norm_gate" if hf_config.mamba_norm_before_gate else "gated"
+        return dict(
+            parallel_attention=True,
+            mamba_norm=norm,
+            embedding_multiplier=float(hf_config.embedding_multiplier),
+            # Falcon-H1 multiplies the logits by lm_head_multiplier.
+            logits_scaling=1.0 / float(hf_config.lm_head_multiplier),
+            ssm_in_multiplier=float(hf_config.ssm_in_multiplier),
+            ssm_out_multiplier=float(hf_config.ssm_out_multiplier),
+            attn_in_multiplier=float(hf_config.attention_in_multiplier),
+            attn_out_multiplier=float(hf_config.attention_out_multiplier),
+            key_multiplier=float(hf_config.key_multiplier),
+            ssm_multipliers=tuple(float(v) for v in hf_config.ssm_multipliers),
+            mlp_multipliers=tuple(float(v) for v in hf_config.mlp_multipliers),
+            out_proj_bias=bool(hf_config.projectors_bias),
         )
 
     @classmethod

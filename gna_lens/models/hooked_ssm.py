@@ -229,6 +229,15 @@ class Mamba2Mixer(_SSMMixerBase):
         E, H, G, N = cfg.d_inner, cfg.n_heads, cfg.n_groups, cfg.d_state
         self.conv_dim = E + 2 * G * N
         self.in_proj = nn.Linear(cfg.d_model, E + self.conv_dim + H, bias=cfg.proj_bias)
+        if cfg.ssm_multipliers:  # Falcon-H1's muP vector over the sections z, x, B, C, dt
+            mz, mx, mb, mc, mdt = cfg.ssm_multipliers
+            mup = torch.cat(
+                [torch.full((n,), float(v)) for n, v in ((E, mz), (E, mx), (G * N, mb))]
+                + [torch.full((G * N,), float(mc)), torch.full((H,), float(mdt))]
+            )
+            self.register_buffer("mup_vector", mup, persistent=False)
+        else:
+            self.mup_vector = None
         self.conv1d = nn.Conv1d(
             self.conv_dim,
             self.conv_dim,
@@ -240,8 +249,10 @@ class Mamba2Mixer(_SSMMixerBase):
         self.dt_bias = nn.Parameter(torch.zeros(H))
         self.A_log = nn.Parameter(torch.zeros(H))
         self.D = nn.Parameter(torch.ones(H))
-        self.norm = RMSNorm(E, cfg.eps)
-        self.out_proj = nn.Linear(E, cfg.d_model, bias=cfg.proj_bias)
+        if cfg.mamba_norm != "none":
+            self.norm = RMSNorm(E, cfg.eps)
+        out_bias = cfg.proj_bias if cfg.out_proj_bias is None else cfg.out_proj_bias
+        self.out_proj = nn.Linear(E, cfg.d_model, bias=out_bias)
         self.register_buffer("head_group", torch.arange(H) // (H // G), persistent=False)
         self.hook_in_proj = (
             HookPoint()
@@ -265,7 +276,7 @@ class Mamba2Mixer(_SSMMixerBase):
         E, H, G, N, P = cfg.d_inner, cfg.n_heads, cfg.n_groups, cfg.d_state, cfg.d_head
         if mask is not None:
             h = h * mask[..., None].to(h.dtype)
-        z, xBC, dt_raw = self.hook_in_proj(self.in_proj(h)).split([E, self.conv_dim, H], dim=-1)
+        z, xBC, dt_raw = self.project(h).split([E, self.conv_dim, H], dim=-1)
         conv = ops.causal_conv1d(xBC.transpose(1, 2), self.conv1d.weight, self.conv1d.bias)
         xBC = F.silu(self.hook_conv(conv.transpose(1, 2)))
         if mask is not None:
@@ -280,10 +291,32 @@ class Mamba2Mixer(_SSMMixerBase):
         A = -torch.exp(self.A_log.float())
         y = self._scan(x, dt, A, B, C)
         y = self.hook_ssm_out(y + x * self.D[:, None])
-        z = self.hook_gate(z)
-        normed = ops.gated_rms_norm(y.reshape(b, L, E), z, self.norm.weight, E // G, cfg.eps)
+        normed = self.gate_norm(y.reshape(b, L, E), self.hook_gate(z))
         head_in = self.hook_z(normed.view(b, L, H, P))
         return self.out_proj(head_in.reshape(b, L, E).to(h.dtype))
+
+    def project(self, h: Tensor) -> Tensor:
+        """``hook_in_proj``: ``in_proj`` of the input (with Falcon-H1's multipliers)."""
+        m = self.cfg.ssm_in_multiplier
+        out = self.in_proj(h if m == 1.0 else h * m)
+        if self.mup_vector is not None:
+            out = out * self.mup_vector
+        return self.hook_in_proj(out)
+
+    def gate_norm(self, y: Tensor, z: Tensor) -> Tensor:
+        """The gated output norm of ``y`` ``[..., E]`` (see ``SSMConfig.mamba_norm``)."""
+        cfg = self.cfg
+        E = cfg.d_inner
+        if cfg.mamba_norm == "none":
+            return y * F.silu(z)
+        if cfg.mamba_norm == "gated":
+            return ops.gated_rms_norm(y, z, self.norm.weight, E // cfg.n_groups, cfg.eps)
+        # norm_gate: per-group RMSNorm of y, then the SiLU gate (Falcon-H1, fp32 as HF)
+        shape = y.shape
+        h = y.float().view(*shape[:-1], cfg.n_groups, E // cfg.n_groups)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + cfg.eps)
+        h = self.norm.weight * h.view(shape)
+        return (h * F.silu(z.float())).to(y.dtype)
 
     def _scan(self, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor) -> Tensor:
         materialize = _has_hooks(self.hook_pattern)
@@ -365,7 +398,7 @@ class Attention(nn.Module):
         b, L, _ = h.shape
         H, KV, d = cfg.n_attn_heads, cfg.n_attn_kv_heads, cfg.attn_d_head
         q = self.hook_q(self.q_proj(h).view(b, L, H, d))
-        k = self.hook_k(self.k_proj(h).view(b, L, KV, d))
+        k = self.hook_k(self.keys(h).view(b, L, KV, d))
         v = self.hook_v(self.v_proj(h).view(b, L, KV, d))
         q = self.hook_rot_q(self._rope(q, rope))
         k = self.hook_rot_k(self._rope(k, rope))
@@ -382,6 +415,12 @@ class Attention(nn.Module):
         pattern = _checked_pattern(self.hook_pattern(pattern), pattern, self.hook_pattern.name)
         z = self.hook_z(torch.einsum("bhqk,bkhd->bqhd", pattern, v))
         return self.o_proj(z.reshape(b, L, H * d))
+
+    def keys(self, h: Tensor) -> Tensor:
+        """``k_proj(h)`` (times Falcon-H1's key_multiplier)."""
+        m = self.cfg.key_multiplier
+        k = self.k_proj(h)
+        return k if m == 1.0 else k * m
 
     def _rope(self, x: Tensor, rope: tuple[Tensor, Tensor] | None) -> Tensor:
         """Rotate ``x`` (``rope=None``: no positional rotation, as in Nemotron-H)."""
@@ -406,11 +445,16 @@ class GatedMLP(nn.Module):
         self.hook_pre = HookPoint()  # [batch, pos, d_mlp]
         self.hook_pre_linear = HookPoint()  # [batch, pos, d_mlp]
         self.hook_post = HookPoint()  # [batch, pos, d_mlp]
+        #: Falcon-H1's gate and down-projection multipliers.
+        self.multipliers = tuple(float(v) for v in cfg.mlp_multipliers)
 
     def forward(self, x: Tensor) -> Tensor:
-        pre = self.hook_pre(self.gate_proj(x))
+        gm, dm = self.multipliers
+        gate = self.gate_proj(x)
+        pre = self.hook_pre(gate if gm == 1.0 else gate * gm)
         lin = self.hook_pre_linear(self.up_proj(x))
-        return self.down_proj(self.hook_post(F.silu(pre) * lin))
+        out = self.down_proj(self.hook_post(F.silu(pre) * lin))
+        return out if dm == 1.0 else out * dm
 
 
 def _mlp_act(name: str) -> Callable[[Tensor], Tensor]:
@@ -608,6 +652,11 @@ class SSMBlock(nn.Module):
                 else Mamba2Mixer(cfg)
             )
             self.hook_mixer_out = HookPoint()  # [batch, pos, d_model]
+            if cfg.parallel_attention:  # Falcon-H1: attention beside the mixer
+                self.attn = Attention(cfg)
+                self.hook_attn_out = HookPoint()  # [batch, pos, d_model]
+        #: Whether an attention runs in parallel with the SSM mixer (Falcon-H1).
+        self.has_parallel_attn = self.has_mixer and not self.is_attention and cfg.parallel_attention
         mlp_kind = cfg.mlp_type(layer)
         self.has_mlp = bool(mlp_kind)
         if self.has_mlp:
@@ -628,13 +677,33 @@ class SSMBlock(nn.Module):
                 resid = resid.float()
             if self.is_attention:
                 resid = resid + self.hook_attn_out(self.scaled(self.attn(normed, mask, rope)))
+            elif self.has_parallel_attn:
+                ssm = self.hook_mixer_out(self.scaled(self.mixer(normed, mask), "ssm"))
+                attn_in = self.attn_input(normed)
+                attn = self.hook_attn_out(self.scaled(self.attn(attn_in, mask, rope), "attention"))
+                resid = resid + (ssm + attn)
             else:
                 resid = resid + self.hook_mixer_out(self.scaled(self.mixer(normed, mask)))
         return self.mlp_part(resid)
 
-    def scaled(self, out: Tensor) -> Tensor:
-        """A sublayer's output as added to the residual stream (Granite's residual_multiplier)."""
+    def attn_input(self, normed: Tensor) -> Tensor:
+        """The parallel attention's input (Falcon-H1's attention_in_multiplier)."""
+        m = self.cfg.attn_in_multiplier
+        return normed if m == 1.0 else normed * m
+
+    def out_multiplier(self, kind: str | None = None) -> float:
+        """The factor between a sublayer's output projection and its ``hook_*_out``."""
         m = self.cfg.residual_multiplier
+        if self.has_parallel_attn and kind == "ssm":
+            m *= self.cfg.ssm_out_multiplier
+        elif self.has_parallel_attn and kind == "attention":
+            m *= self.cfg.attn_out_multiplier
+        return m
+
+    def scaled(self, out: Tensor, kind: str | None = None) -> Tensor:
+        """A sublayer's output as added to the residual stream (Granite's residual_multiplier,
+        Falcon-H1's ssm / attention output multipliers)."""
+        m = self.out_multiplier(kind)
         return out if m == 1.0 else out * m
 
     def mlp_part(self, resid: Tensor) -> Tensor:
