@@ -43,7 +43,7 @@ class SSMConfig(TransformerLensConfig):
 
     Attributes:
         architecture: ``"mamba1"``, ``"falcon_mamba"``, ``"mamba2"``, ``"bamba"``,
-            ``"nemotron_h"`` or ``"granitemoehybrid"``.
+            ``"nemotron_h"``, ``"granitemoehybrid"`` or ``"falcon_h1"``.
         layer_types: Per layer, ``"ssm"``, ``"attention"`` or ``"mlp"`` (a block with only an
             MLP, Nemotron-H).
         mlp_types: Per layer, the MLP of the block: ``""`` (none), ``"gated"`` (SwiGLU),
@@ -171,8 +171,9 @@ class SSMConfig(TransformerLensConfig):
                 f"HookedSSM does not support model_type={model_type!r} (architectures={archs}). "
                 f"Supported: {sorted(SUPPORTED_MODEL_TYPES)} (MambaForCausalLM, "
                 "FalconMambaForCausalLM, Mamba2ForCausalLM, BambaForCausalLM, "
-                "NemotronHForCausalLM, GraniteMoeHybridForCausalLM). For Transformer "
-                "architectures use gna_lens.load_model(...), which returns a TransformerBridge."
+                "NemotronHForCausalLM, GraniteMoeHybridForCausalLM, FalconH1ForCausalLM). For "
+                "Transformer architectures use gna_lens.load_model(...), which returns a "
+                "TransformerBridge."
             )
         act = getattr(hf_config, "hidden_act", None) or getattr(
             hf_config, "mamba_hidden_act", "silu"

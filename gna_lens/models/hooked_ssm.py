@@ -1,4 +1,4 @@
-"""HookedSSM: Mamba-1, Mamba-2 and the Bamba, Nemotron-H and Granite 4.0 hybrids with
+"""HookedSSM: Mamba-1, Mamba-2 and the Bamba, Nemotron-H, Granite 4.0 and Falcon-H1 hybrids with
 TransformerLens hooks.
 
 The mixers are re-implemented in PyTorch (see :mod:`gna_lens.models.ops`) so that every
@@ -724,7 +724,8 @@ class HookedSSM(HookedRootModule):
     """A Mamba-family language model with TransformerLens hooks and editable implicit attention.
 
     Supports ``MambaForCausalLM``, ``FalconMambaForCausalLM``, ``Mamba2ForCausalLM`` and the
-    hybrids ``BambaForCausalLM``, ``NemotronHForCausalLM`` and ``GraniteMoeHybridForCausalLM``.
+    hybrids ``BambaForCausalLM``, ``NemotronHForCausalLM``, ``GraniteMoeHybridForCausalLM`` and
+    ``FalconH1ForCausalLM`` (attention beside the SSM mixer in every layer).
     Logits match Hugging Face's to about 1e-6 in fp32.
 
     Hook points (shapes in the docs' hook table): ``hook_embed``;
