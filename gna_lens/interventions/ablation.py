@@ -636,12 +636,10 @@ class CellSweep:
     def batch_bytes(self) -> list[int]:
         """A rough size of what a worker keeps per prompt batch between its shares (the clean
         residual streams the cells start from)."""
+        self.batches()
         d = int(getattr(self.runner.model.cfg, "d_model", 0) or 0)
-        layers = len({min(lay for lay, _ in c) if c else 0 for c in self.cells})
-        out = []
-        for g, _ in self.memo.get("subgroups") or []:
-            out.append(layers * g.tokens.numel() * d * 4)
-        return out
+        layers = len(set(self.start_layers()))
+        return [layers * g.tokens.numel() * d * 4 for g, _ in self.memo["subgroups"]]
 
     def start_layers(self) -> list[int]:
         """Per cell, the first layer it edits (cells of one layer share a run)."""
