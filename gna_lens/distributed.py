@@ -457,6 +457,10 @@ class _Run:
                     )
                     self.in_flight[ref] = (slot, unit)
                     slot.in_flight += 1
+            if not (self.in_flight or self.pending or any(not s.ready for s in self.ex._slots)):
+                raise WorkerError(
+                    f"internal: {len(self.units) - len(self.done)} units neither done nor queued"
+                )
             self.wait_once()
         return self.result()
 

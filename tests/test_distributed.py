@@ -117,7 +117,8 @@ def test_sharded_sweep_equals_one_process_bit_for_bit(llama, pool, positions):
 def test_score_heads_shards_task_and_control_with_the_same_numbers(llama, pool):
     model, task = llama
     control = text_control(model.tokenizer, n_sequences=3, seq_len=12, max_unknown=1.0)
-    kw = dict(control=control, n_examples=0, progress=False)
+    # bfloat16 autocast: the workers must run under the caller's autocast too
+    kw = dict(control=control, n_examples=0, progress=False, sweep_dtype="bfloat16")
     local = score_heads(model, task, **kw)
     sharded = score_heads(model, task, executor=pool, **kw)
     for col in ("ablation_effect", "control_effect", "specificity"):  # NaN: neither effect
