@@ -399,6 +399,8 @@ class RayExecutor:
             sweep.batch_bytes(),
             sweep.plan.budget,
             len(self._slots) * self.units_per_worker,
+            pack=sweep.plan.pack,
+            per_layer=sweep.positions != "last",
         )
         run = _Run(self, ray, sweep, batches, units, [ray.put(job)], sweep_id, bar)
         ok = False
@@ -726,15 +728,24 @@ def plan_units(
     batch_bytes: Sequence[int],
     budget: int,
     target: int,
+    pack: int | None = None,
+    per_layer: bool = True,
 ) -> list[_Unit]:
     """Units of a sharded sweep: blocks of prompt batches whose clean runs fit ``budget``
     together (one block for most prompt sets), each split into about ``target`` contiguous cell
-    ranges, cut where the cells' first ablated layer changes when that is near.
+    ranges.
+
+    A range ends where the cells' first ablated layer changes when that is near. With a pinned
+    ``pack``, ranges end only where a chunk of ``pack`` cells would end in one process (within a
+    layer's cells when ``per_layer``, the all-position path; else in the whole list, the
+    last-position path), so each worker packs its cells exactly as one process does.
 
     Examples:
         >>> units = plan_units([0, 0, 0, 1, 1, 1, 2, 2], [4], [100], 10**9, 3)
         >>> [(u.lo, u.hi, u.parts) for u in units]
         [(0, 3, (0,)), (3, 6, (0,)), (6, 8, (0,))]
+        >>> [(u.lo, u.hi) for u in plan_units([0] * 6 + [1] * 6, [4], [100], 10**9, 6, pack=4)]
+        [(0, 4), (4, 6), (6, 10), (10, 12)]
     """
     blocks: list[list[int]] = []
     used = 0
@@ -744,7 +755,7 @@ def plan_units(
             used = 0
         blocks[-1].append(part)
         used += size
-    ranges = _cell_ranges(list(start_layers), max(1, target))
+    ranges = _cell_ranges(list(start_layers), max(1, target), pack or 1, per_layer)
     units: list[_Unit] = []
     for block in blocks:
         for lo, hi in ranges:
@@ -752,14 +763,22 @@ def plan_units(
     return units
 
 
-def _cell_ranges(start: list[int], target: int) -> list[tuple[int, int]]:
+def _cell_ranges(
+    start: list[int], target: int, pack: int, per_layer: bool
+) -> list[tuple[int, int]]:
     n = len(start)
     size = max(1, math.ceil(n / target))
     slack = size // 2
-    out, lo = [], 0
+    out, lo, first = [], 0, 0  # first: where the current layer's cells begin
     for i in range(1, n):
+        new_layer = start[i] != start[i - 1]
+        if new_layer:
+            first = i
+        offset = (i - first) if per_layer else i
+        if not (new_layer and per_layer) and offset % pack:
+            continue  # not a chunk boundary of one process
         span = i - lo
-        if span >= size and (start[i] != start[i - 1] or span >= size + slack):
+        if span >= size and (new_layer or span >= size + slack):
             out.append((lo, i))
             lo = i
     if n:

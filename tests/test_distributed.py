@@ -97,13 +97,15 @@ def pool(ray_instance, llama):
     ex.close()
 
 
+@pytest.mark.parametrize("pack", [None, 3])
 @pytest.mark.parametrize("positions", [None, "last"])
-def test_sharded_sweep_equals_one_process_bit_for_bit(llama, pool, positions):
+def test_sharded_sweep_equals_one_process_bit_for_bit(llama, pool, positions, pack):
+    """Bit for bit with a pinned pack (guaranteed: each worker packs its cells as one process
+    does); with automatic packing too on these tiny models (real ones: see the recipe)."""
     model, task = llama
-    local = ablation_sweep(model, task, "logit_diff", positions=positions, progress=False)
-    sharded = ablation_sweep(
-        model, task, "logit_diff", positions=positions, progress=False, executor=pool
-    )
+    kw = dict(positions=positions, pack=pack, progress=False)
+    local = ablation_sweep(model, task, "logit_diff", **kw)
+    sharded = ablation_sweep(model, task, "logit_diff", executor=pool, **kw)
     assert sharded.cells == local.cells
     assert torch.equal(sharded.values, local.values)
     assert torch.equal(sharded.baseline, local.baseline)

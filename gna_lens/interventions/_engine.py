@@ -424,7 +424,9 @@ class _LayerRun:
         when it applies and was merely slower).
         """
         G = len(self.g)
-        k = min(8, len(self.ids))
+        # A pinned pack size packs the probe like every other chunk, so the values do not depend
+        # on which layer (or, in a sharded sweep, which worker) happened to probe.
+        k = min(self.ctx.tuners["packed"].fixed or 8, len(self.ids))
         chunk = self.ids[:k]
         # The runner verifies its shortcuts once per model by running both ways: do that on one
         # row first, or the packed timing below includes it and "expand" wins when it is slower.
