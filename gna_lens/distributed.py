@@ -127,16 +127,18 @@ class RayExecutor:
             re-created in a worker.
 
     Examples:
-        A sweep on two local workers, each loading a checkpoint folder (not run here: it starts
-        Ray)::
+        A sweep on two local workers, each loading the model by its provenance (not run here:
+        it starts Ray):
 
-            from gna_lens import ablation_sweep, load_model
-            from gna_lens.distributed import RayExecutor
+        ```python
+        from gna_lens import ablation_sweep, load_model
+        from gna_lens.distributed import RayExecutor
 
-            model = load_model("smollm2-135m")
-            with RayExecutor(workers=2) as ex:  # re-created from the model's provenance
-                result = ablation_sweep(model, task, "logit_diff", executor=ex)
-            result.info["executor"]  # workers, address, restarts
+        model = load_model("smollm2-135m")
+        with RayExecutor(workers=2) as ex:
+            result = ablation_sweep(model, task, "logit_diff", executor=ex)
+        result.info["executor"]  # workers, address, units, restarts, failures
+        ```
     """
 
     def __init__(
