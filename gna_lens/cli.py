@@ -73,6 +73,19 @@ def _scan(args: argparse.Namespace) -> int:
             )
             return 2
         control = path.read_text(encoding="utf-8")
+    executor = None
+    if args.workers is not None or args.ray_address is not None:
+        from gna_lens.distributed import RayExecutor
+
+        if args.workers is not None and args.workers < 1:
+            print(
+                f"gna-lens scan: error: --workers {args.workers}; expected >= 1.", file=sys.stderr
+            )
+            return 2
+        # Each worker loads the model by the name it was loaded with here (its provenance).
+        executor = RayExecutor(
+            workers=args.workers, address=args.ray_address, threads_per_worker=args.threads
+        )
     try:
         t0 = time.perf_counter()
         if progress:
@@ -101,12 +114,15 @@ def _scan(args: argparse.Namespace) -> int:
             command=command,
             name=name,
             progress=progress,
+            executor=executor,
         )
     except (GnaLensError, OSError) as err:
         print(f"gna-lens scan: error: {err}", file=sys.stderr)
         return 2
     finally:
         torch.set_num_threads(before)
+        if executor is not None:
+            executor.close()
     if args.json:
         print(result.json_path.read_text() if result.json_path else result.report.to_json())
         return 0
@@ -130,6 +146,8 @@ def _scan(args: argparse.Namespace) -> int:
             f"{report.n_layers} layers ranked by layer removal)"
         )
     print(f"Heads ablated exactly: {result.n_exact} of {n_heads}{rest}")
+    if "executor" in method:
+        print(f"Sweeps sharded: {method['executor']}")
     if report.has_control:
         print(
             f"Control: {report.control}, baseline {report.control_baseline:.3f} {report.control_unit}; "
@@ -383,8 +401,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--threads",
         type=int,
         default=None,
-        help="torch threads (default: OMP_NUM_THREADS if set, else the idle cores, at least 1)",
+        help="torch threads (default: OMP_NUM_THREADS if set, else the idle cores, at least 1); "
+        "with --workers, also each worker's (default: the cores split among the workers)",
     )
+    sc.add_argument(
+        "--workers", type=int, default=None,
+        help="shard the selection sweeps over N Ray workers, one model copy each (needs "
+        "gna-lens[ray]; default without --ray-address: this process only)",
+    )  # fmt: skip
+    sc.add_argument(
+        "--ray-address", default=None,
+        help="Ray cluster to run the workers on (auto, HEAD:6379, ray://HEAD:10001); default "
+        "with --workers: a local Ray instance",
+    )  # fmt: skip
     sc.add_argument("--json", action="store_true", help="print the JSON report instead of tables")
     sc.set_defaults(func=_scan)
     ev = sub.add_parser(

@@ -30,3 +30,9 @@ class TaskError(GnaLensError, ValueError):
 
 class InterventionError(GnaLensError, ValueError):
     """An intervention (ablation, mask, patch, attribution) asked for with unusable inputs."""
+
+
+class WorkerError(GnaLensError, RuntimeError):
+    """A sweep sharded over workers (:class:`gna_lens.distributed.RayExecutor`) could not
+    finish: its workers failed more often than allowed, could not load the model, or raised an
+    unexpected error. The message names the cells left and the worker's error."""

@@ -402,6 +402,7 @@ def scan(
     command: str | None = None,
     name: str | None = None,
     progress: bool = True,
+    executor: Any = None,
 ) -> ScanResult:
     """Rank every head of ``model`` for in-context retrieval on selection prompts, then measure
     the top heads on held-out prompts; write the report.
@@ -440,6 +441,9 @@ def scan(
         command: The command line, recorded in the report.
         name: The model's name in the report (default: from its config).
         progress: Show progress bars and one line per stage (on stderr).
+        executor: ``None`` (this process) or a :class:`gna_lens.distributed.RayExecutor`:
+            the selection sweeps (every head on the task and the control) are sharded over its
+            Ray workers; the rest runs here.
 
     Returns:
         A :class:`ScanResult`.
@@ -517,6 +521,7 @@ def scan(
         top_layers=top_layers,
         sweep_dtype=sweep_dtype,
         progress=progress,
+        executor=executor,
     )
     timings["heads"] = time.perf_counter() - t
     n_exact = int(report.method.get("n_exact", 0))
@@ -571,6 +576,11 @@ def scan(
             + "</code><br>Versions: "
             + html.escape(_versions())
             + f"<br>Heads ablated exactly: {n_exact} of {n_heads} (strategy {strategy})"
+            + (
+                f"<br>Sweeps sharded: {html.escape(str(report.method['executor']))}"
+                if "executor" in report.method
+                else ""
+            )
             + f"<br>Scan time: {seconds:.1f} s ({html.escape(stages)}; model loading not "
             "included)</p>"
         )

@@ -126,6 +126,26 @@ def expand_hooks(
     return [(lh.z_hook, read_z), (lh.out_hook, expand)]
 
 
+def subgroups(
+    runner: Runner, cells: Sequence[tuple[Head, ...]], groups: Sequence[Group], plan: SweepPlan
+) -> list[tuple[Group, int]]:
+    """The prompt batches a sweep runs, in order: each group split to the rows a forward pass may
+    hold, with that cap (``(batch, cap)``). Depends on the model's config and the whole cell list,
+    never on timing: every worker of a sharded sweep computes the same list."""
+    start_layer = _start_layers(runner.view, cells)
+    out = []
+    for g0 in groups:
+        cap = plan.rows(runner, g0.length, len(set(start_layer)))
+        size = max(1, min(len(g0), cap))
+        for s0 in range(0, len(g0), size):
+            out.append((Group(g0.indices[s0 : s0 + size], g0.tokens[s0 : s0 + size]), cap))
+    return out
+
+
+def _start_layers(view: HeadView, cells: Sequence[tuple[Head, ...]]) -> list[int]:
+    return [min(layer for layer, _ in c) if c else view.n_layers - 1 for c in cells]
+
+
 def run_cells(
     runner: Runner,
     cells: Sequence[tuple[Head, ...]],
@@ -139,6 +159,9 @@ def run_cells(
     baseline_tokens: Callable[[Group], Tensor] | None = None,
     bar: Any = None,
     cell_cols: Sequence[Any] | None = None,
+    only: Sequence[int] | None = None,
+    parts: Sequence[int] | None = None,
+    memo: dict[Any, Any] | None = None,
 ) -> tuple[Tensor, Tensor, dict[str, Any]]:
     """Run every cell on every group; returns (values [cell, sample], baseline [sample], info).
 
@@ -156,8 +179,17 @@ def run_cells(
             corrupted prompts).
         bar: A tqdm bar updated by prompts x cells.
         cell_cols: Per-cell positions overriding ``positions`` (patching position by position).
+        only: Indices of the cells to run (default all; the others stay NaN). A sharded sweep's
+            worker runs its share this way: the plan (prompt batches, rows per forward) is the
+            one of the whole cell list, so each cell is computed as in one process.
+        parts: Indices into :func:`subgroups` of the prompt batches to run (default all; the
+            baseline and values of the other samples stay NaN).
+        memo: Kept by the caller between calls on the same sweep: the clean runs (or prefix
+            states) of the prompt batches and the pack tuners are reused from it.
     """
     n = int(max(int(g.indices.max()) for g in groups)) + 1
+    keep = memo is not None  # else each batch's clean run is dropped once its cells are done
+    memo = {} if memo is None else memo
     ctx = _Ctx(
         runner=runner,
         cells=list(cells),
@@ -166,31 +198,43 @@ def run_cells(
         metric=metric,
         bar=bar,
         info={"forwards": 0, "rows": 0, "incremental_fallbacks": 0, "expanded": False},
-        tuners={"packed": PackTuner(plan.pack), "expand": PackTuner(plan.pack)},
+        tuners=memo.setdefault(
+            "tuners", {"packed": PackTuner(plan.pack), "expand": PackTuner(plan.pack)}
+        ),
+        ids=list(range(len(cells))) if only is None else sorted(set(only)),
     )
-    view = runner.view
-    start_layer = [min(layer for layer, _ in c) if c else view.n_layers - 1 for c in cells]
-    for g0 in groups:
-        cap = plan.rows(runner, g0.length, len(set(start_layer)))
-        size = max(1, min(len(g0), cap))
-        for s0 in range(0, len(g0), size):
-            g = Group(g0.indices[s0 : s0 + size], g0.tokens[s0 : s0 + size])
-            tokens = baseline_tokens(g) if baseline_tokens is not None else g.tokens
-            source, ref_rows = source_for(g)
-            idx = metric_rows(g)
-            if method == "loop":
-                runner.log.used("cells", "loop")
-                _loop(ctx, g, tokens, source, ref_rows, idx, positions, cell_cols)
-                continue
-            if positions == "last":
-                logits, state = runner.prefix(tokens)
+    start_layer = _start_layers(runner.view, cells)
+    batches = memo.get("subgroups")
+    if batches is None:
+        batches = memo["subgroups"] = subgroups(runner, cells, groups, plan)
+    for part in range(len(batches)) if parts is None else parts:
+        g, cap = batches[part]
+        tokens = baseline_tokens(g) if baseline_tokens is not None else g.tokens
+        source, ref_rows = source_for(g)
+        idx = metric_rows(g)
+        if method == "loop":
+            runner.log.used("cells", "loop")
+            _loop(ctx, g, tokens, source, ref_rows, idx, positions, cell_cols)
+            continue
+        if positions == "last":
+            if ("prefix", part) not in memo:
+                memo[("prefix", part)] = runner.prefix(tokens)
                 ctx.info["forwards"] += 1
-                if state is not None:
-                    ctx.baseline[g.indices] = metric(logits, idx)
-                    _steps(ctx, g, state, source, ref_rows, idx, cap)
-                    continue
-                ctx.info["incremental_fallbacks"] += 1
-            _layers(ctx, g, tokens, source, ref_rows, idx, positions, cell_cols, start_layer, cap)
+            logits, state = memo[("prefix", part)]
+            if state is not None:
+                ctx.baseline[g.indices] = metric(logits, idx)
+                _steps(ctx, g, state, source, ref_rows, idx, cap)
+                if not keep:
+                    memo.pop(("prefix", part), None)
+                continue
+            ctx.info["incremental_fallbacks"] += 1
+        _layers(
+            ctx, g, tokens, source, ref_rows, idx, positions, cell_cols, start_layer, cap,
+            memo, part,
+        )  # fmt: skip
+        if not keep:
+            memo.pop(("clean", part), None)
+            memo.pop(("prefix", part), None)
     ctx.info.update(runner.log.as_info())
     return ctx.values, ctx.baseline, ctx.info
 
@@ -205,6 +249,7 @@ class _Ctx:
     bar: Any
     info: dict[str, Any]
     tuners: dict[str, PackTuner]
+    ids: list[int]
 
     def store(self, chunk: Sequence[int], indices: Tensor, v: Tensor) -> None:
         self.values[torch.tensor(list(chunk))[:, None], indices[None, :]] = v.float().cpu()
@@ -227,7 +272,8 @@ def _loop(
     runner, view = ctx.runner, ctx.runner.view
     ctx.baseline[g.indices] = ctx.metric(runner.logits_last(tokens), idx)
     ctx.info["forwards"] += 1
-    for i, cell in enumerate(ctx.cells):
+    for i in ctx.ids:
+        cell = ctx.cells[i]
         cols = column_mask(cell_cols[i] if cell_cols else positions, g.length, "cpu")
         hooks = packed_edit_hooks(view, [cell], len(g), ref_rows, source, cols)
         lg = runner._pick(runner.model.run_with_hooks(tokens, fwd_hooks=hooks))
@@ -239,10 +285,10 @@ def _steps(
 ) -> None:
     runner, view, G = ctx.runner, ctx.runner.view, len(g)
     runner.log.used("cells", "incremental (last token)")
-    K = max(1, min(cap // G, len(ctx.cells)))
+    order = ctx.ids
+    K = max(1, min(cap // G, len(order)))
     if ctx.tuners["packed"].fixed is not None:
         K = ctx.tuners["packed"].fixed or 1
-    order = list(range(len(ctx.cells)))
     for start in range(0, len(order), K):
         chunk = order[start : start + K]
         cs = [ctx.cells[i] for i in chunk] + [()] * (K - len(chunk))  # reuse the expanded state
@@ -263,16 +309,21 @@ def _layers(
     cell_cols: Sequence[Any] | None,
     start_layer: list[int],
     cap: int,
+    memo: dict[Any, Any],
+    part: int,
 ) -> None:
     runner, view, G = ctx.runner, ctx.runner.view, len(g)
     model = runner.model
     layers = sorted(set(start_layer))
-    logits, cache = runner.clean(tokens, [view[layer].resid_pre_hook for layer in layers])
-    ctx.info["forwards"] += 1
+    if ("clean", part) not in memo:
+        names = [view[layer].resid_pre_hook for layer in layers]
+        memo[("clean", part)] = runner.clean(tokens, names)
+        ctx.info["forwards"] += 1
+    logits, cache = memo[("clean", part)]
     ctx.baseline[g.indices] = ctx.metric(logits, idx)
     by_key: dict[tuple[int, Any], list[int]] = {}
-    for i, layer in enumerate(start_layer):  # cells with different positions share a run
-        by_key.setdefault((layer, None), []).append(i)
+    for i in ctx.ids:  # cells with different positions share a run
+        by_key.setdefault((start_layer[i], None), []).append(i)
     for (layer, _), ids in sorted(by_key.items(), key=lambda kv: kv[0][0]):
         run = _LayerRun(
             ctx, g, tokens, source, ref_rows, idx, layer, cap, cache, cell_cols, positions, ids
@@ -373,7 +424,9 @@ class _LayerRun:
         when it applies and was merely slower).
         """
         G = len(self.g)
-        k = min(8, len(self.ids))
+        # A pinned pack size packs the probe like every other chunk, so the values do not depend
+        # on which layer (or, in a sharded sweep, which worker) happened to probe.
+        k = min(self.ctx.tuners["packed"].fixed or 8, len(self.ids))
         chunk = self.ids[:k]
         # The runner verifies its shortcuts once per model by running both ways: do that on one
         # row first, or the packed timing below includes it and "expand" wins when it is slower.

@@ -391,7 +391,7 @@ class Runner:
             cache = copy.deepcopy(state["cache"])
             if K > 1:
                 cache.batch_select_indices(torch.arange(G).repeat(K).to(state["last"].device))
-            state["expanded"][K] = cache
+            state["expanded"] = {K: cache}  # one packing at a time (as the SSM prefix keeps)
         try:
             with hooked(self.model, hooks):
                 out = self.model(

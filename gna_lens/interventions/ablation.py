@@ -36,8 +36,8 @@ from gna_lens.interventions._common import (
     parse_bytes,
     spearman,
 )
-from gna_lens.interventions._engine import SweepPlan, run_cells
-from gna_lens.interventions._runner import Runner
+from gna_lens.interventions._engine import SweepPlan, run_cells, subgroups
+from gna_lens.interventions._runner import Runner, autocast_dtype
 from gna_lens.tasks import Task, TextControl
 
 __all__ = [
@@ -487,6 +487,7 @@ def ablation_sweep(
     max_rows: int = 256,
     memory_budget: int | str = "1GiB",
     progress: bool = True,
+    executor: Any = None,
 ) -> SweepResult:
     """The effect on ``metric`` of ablating each head alone (or each head set) on ``task``.
 
@@ -520,6 +521,11 @@ def ablation_sweep(
         memory_budget: Bytes (or ``"2GiB"``) a forward pass may use; fewer rows are packed when
             a rough estimate exceeds it.
         progress: Show a tqdm progress bar.
+        executor: ``None`` (this process) or a :class:`gna_lens.distributed.RayExecutor`: the
+            cells (and, for large prompt sets, the prompt batches) are sharded over Ray workers,
+            each holding its own copy of the model; the numbers are those of this process (see
+            the "Sweeps on a Ray cluster" recipe) and ``info["executor"]`` records the workers
+            and any restarts.
 
     Returns:
         A :class:`SweepResult` (``.to_dataframe()`` has ``layer, head, kind, effect``).
@@ -546,6 +552,165 @@ def ablation_sweep(
 
     view = head_view(model)
     cells = normalize_head_sets(view, heads)
+    args: dict[str, Any] = dict(
+        task=task, metric=metric, cells=cells, mode=mode, positions=positions,
+        reference=reference, include_bos=include_bos, method=method, pack=pack,
+        max_rows=max_rows, memory_budget=memory_budget,
+    )  # fmt: skip
+    with torch.no_grad():
+        sweep = _plan_ablation(model, **args)
+        bar = tqdm(
+            total=len(cells) * len(task),
+            desc=f"ablation sweep ({len(cells)} cells)",
+            disable=not progress,
+            leave=False,
+        )
+        try:
+            values, baseline, info = _execute(
+                model, sweep, SweepJob("ablation", args), executor, bar
+            )
+        finally:
+            bar.close()
+    used = method
+    if method == "batched":
+        used = (
+            "incremental"
+            if sweep.positions == "last" and not info["incremental_fallbacks"]
+            else "batched"
+        )
+    return SweepResult(
+        cells=tuple(cells),
+        kinds=tuple(cell_kind(view, c) for c in cells),
+        values=values,
+        baseline=baseline,
+        metric=sweep.metric.name,
+        task=describe_task(task),
+        mode=mode,
+        positions=positions_label(sweep.positions),
+        method=used,
+        info=info,
+    )
+
+
+# ----------------------------------------------------------------------------- plans and jobs
+@dataclass(frozen=True)
+class SweepJob:
+    """What a worker needs to plan a sweep again on its own copy of the model: the kind
+    (``"ablation"`` or ``"control"``), the arguments of :func:`_plan_ablation` /
+    :func:`_plan_control`, and the autocast dtype in effect where the sweep was called."""
+
+    kind: str
+    args: dict[str, Any]
+    autocast: torch.dtype | None = field(default_factory=autocast_dtype)
+
+
+@dataclass
+class CellSweep:
+    """One sweep planned on one model: everything :func:`run_cells` needs.
+
+    Built by the caller, and again by each worker of a sharded sweep (from the same
+    :class:`SweepJob`), so that a worker's share of the cells runs exactly as in one process.
+    """
+
+    runner: Runner
+    cells: list[tuple[Head, ...]]
+    groups: list[Group]
+    source_for: Callable[[Group], tuple[Source, Tensor]]
+    metric: Any
+    positions: Any
+    plan: SweepPlan
+    method: str
+    n_samples: int
+    extra: dict[str, Any] = field(default_factory=dict)
+    memo: dict[Any, Any] = field(default_factory=dict)
+
+    def batches(self) -> list[Tensor]:
+        """The sample indices of each prompt batch the sweep runs (the shardable parts)."""
+        out = self.memo.get("subgroups")
+        if out is None:
+            out = self.memo["subgroups"] = subgroups(
+                self.runner, self.cells, self.groups, self.plan
+            )
+        return [g.indices for g, _ in out]
+
+    def batch_bytes(self) -> list[int]:
+        """A rough size of what a worker keeps per prompt batch between its shares (the clean
+        residual streams the cells start from)."""
+        self.batches()
+        d = int(getattr(self.runner.model.cfg, "d_model", 0) or 0)
+        layers = len(set(self.start_layers()))
+        return [layers * g.tokens.numel() * d * 4 for g, _ in self.memo["subgroups"]]
+
+    def start_layers(self) -> list[int]:
+        """Per cell, the first layer it edits (cells of one layer share a run)."""
+        n = self.runner.view.n_layers
+        return [min(lay for lay, _ in c) if c else n - 1 for c in self.cells]
+
+    def run(
+        self,
+        bar: Any = None,
+        only: Sequence[int] | None = None,
+        parts: Sequence[int] | None = None,
+        keep: bool = False,
+    ) -> tuple[Tensor, Tensor, dict[str, Any]]:
+        """Values ``[cell, sample]``, baseline ``[sample]`` and info of the cells ``only`` on
+        the prompt batches ``parts`` (default: all); ``keep``: reuse clean runs between calls
+        (a worker's shares of one sweep)."""
+        memo = self.memo if keep else None
+        if keep and parts is not None:
+            wanted = set(parts)
+            for key in [k for k in self.memo if isinstance(k, tuple) and k[1] not in wanted]:
+                del self.memo[key]  # another block of prompts: drop what the last one kept
+        values, baseline, info = run_cells(
+            self.runner, self.cells, self.groups, self.source_for, self.metric,
+            lambda g: g.indices, self.positions, self.plan, self.method, bar=bar, only=only,
+            parts=parts, memo=memo,
+        )  # fmt: skip
+        return values, baseline, info | self.extra
+
+
+def _execute(
+    model: Any, sweep: CellSweep, job: SweepJob, executor: Any, bar: Any
+) -> tuple[Tensor, Tensor, dict[str, Any]]:
+    """Run a planned sweep here, or through ``executor`` (its workers plan it again)."""
+    if executor is None:
+        return sweep.run(bar)
+    run = getattr(executor, "run_sweep", None)
+    if not callable(run):
+        raise InterventionError(
+            f"executor={type(executor).__name__}; expected None (this process) or a "
+            "gna_lens.distributed.RayExecutor."
+        )
+    values, baseline, info = run(model, job, sweep, bar=bar)
+    return values, baseline, info | sweep.extra
+
+
+def plan_job(model: Any, job: SweepJob) -> CellSweep:
+    """Plan ``job`` on ``model`` (a worker's copy): the same plan the caller made."""
+    if job.kind == "ablation":
+        return _plan_ablation(model, **job.args)
+    if job.kind == "control":
+        return _plan_control(model, **job.args)
+    raise InterventionError(f"internal: unknown sweep kind {job.kind!r}")
+
+
+def _plan_ablation(
+    model: Any,
+    task: Task,
+    metric: Any,
+    cells: list[tuple[Head, ...]],
+    mode: str,
+    positions: Any,
+    reference: Any,
+    include_bos: bool,
+    method: str,
+    pack: int | None,
+    max_rows: int,
+    memory_budget: int | str,
+) -> CellSweep:
+    """Check the arguments of :func:`ablation_sweep` and plan it (the reference's forward
+    passes of mean and resample ablation run here)."""
+    view = head_view(model)
     met = Metric(metric, task)
     positions = check_positions(positions)
     if isinstance(positions, Tensor):
@@ -564,60 +729,23 @@ def ablation_sweep(
     require_editable(model, view, layers, "z")
     device = model_device(model)
     runner = Runner(model, view)
-    with torch.no_grad():
-        source = build_source(
-            model, view, mode, reference, layers, positions, device, include_bos=include_bos
-        )
-        prompts = [s.input_ids for s in task]
-        edited = edit_positions(source, positions, prompts)
-        check_resample_pairs(
-            prompts, source, [i % max(source.n, 1) for i in range(len(task))], "ablation_sweep"
-        )
-        groups = length_groups(task, max_rows, device)
-
-        def source_for(g: Group) -> tuple[Source, Tensor]:
-            return source, g.indices % max(source.n, 1)
-
-        bar = tqdm(
-            total=len(cells) * len(task),
-            desc=f"ablation sweep ({len(cells)} cells)",
-            disable=not progress,
-            leave=False,
-        )
-        try:
-            values, baseline, info = run_cells(
-                runner,
-                cells,
-                groups,
-                source_for,
-                met,
-                lambda g: g.indices,
-                edited,
-                plan,
-                method,
-                bar=bar,
-            )
-        finally:
-            bar.close()
-    used = method
-    if method == "batched":
-        used = (
-            "incremental"
-            if positions == "last" and not info["incremental_fallbacks"]
-            else "batched"
-        )
-    return SweepResult(
-        cells=tuple(cells),
-        kinds=tuple(cell_kind(view, c) for c in cells),
-        values=values,
-        baseline=baseline,
-        metric=met.name,
-        task=describe_task(task),
-        mode=mode,
-        positions=positions_label(positions),
-        method=used,
-        info=info | ablation_info(source, edited),
+    source = build_source(
+        model, view, mode, reference, layers, positions, device, include_bos=include_bos
     )
+    prompts = [s.input_ids for s in task]
+    edited = edit_positions(source, positions, prompts)
+    check_resample_pairs(
+        prompts, source, [i % max(source.n, 1) for i in range(len(task))], "ablation_sweep"
+    )
+    groups = length_groups(task, max_rows, device)
+
+    def source_for(g: Group) -> tuple[Source, Tensor]:
+        return source, g.indices % max(source.n, 1)
+
+    return CellSweep(
+        runner, list(cells), groups, source_for, met, edited, plan, method, len(task),
+        extra=ablation_info(source, edited),
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- control sweep
@@ -657,6 +785,7 @@ def control_sweep(
     max_rows: int = 64,
     memory_budget: int | str = "1GiB",
     progress: bool = True,
+    executor: Any = None,
 ) -> SweepResult:
     """The change in next-token loss (nats/token) on a control when each head (set) is ablated.
 
@@ -694,6 +823,8 @@ def control_sweep(
         max_rows: Rows (windows x ablations) per forward pass.
         memory_budget: Bytes a forward pass may use (full-window logits are large).
         progress: Show a progress bar.
+        executor: ``None`` (this process) or a :class:`gna_lens.distributed.RayExecutor` (see
+            :func:`ablation_sweep`).
 
     Returns:
         A :class:`SweepResult` with ``metric="nll"``: ``values`` are per-window (per-sample)
@@ -740,6 +871,7 @@ def control_sweep(
             max_rows=max_rows,
             memory_budget=memory_budget,
             progress=progress,
+            executor=executor,
         )
         return dataclasses.replace(res, values=-res.values, baseline=-res.baseline, metric="nll")
     if not isinstance(control, TextControl):
@@ -749,6 +881,53 @@ def control_sweep(
         )
     view = head_view(model)
     cells = normalize_head_sets(view, heads)
+    args: dict[str, Any] = dict(
+        control=control, cells=cells, mode=mode, positions=positions, include_bos=include_bos,
+        method=method, n_scored=n_scored, max_rows=max_rows, memory_budget=memory_budget,
+    )  # fmt: skip
+    with torch.no_grad():
+        sweep = _plan_control(model, **args)
+        bar = tqdm(
+            total=len(cells) * sweep.n_samples,
+            desc=f"control sweep ({len(cells)} cells)",
+            disable=not progress,
+            leave=False,
+        )
+        try:
+            values, baseline, info = _execute(
+                model, sweep, SweepJob("control", args), executor, bar
+            )
+        finally:
+            bar.close()
+    last = sweep.positions == "last"
+    return SweepResult(
+        cells=tuple(cells),
+        kinds=tuple(cell_kind(view, c) for c in cells),
+        values=values,
+        baseline=baseline,
+        metric="nll",
+        task=control.describe(),
+        mode=mode,
+        positions=positions_label(sweep.positions),
+        method=method if not last or info["incremental_fallbacks"] else "incremental",
+        info=info,
+    )
+
+
+def _plan_control(
+    model: Any,
+    control: TextControl,
+    cells: list[tuple[Head, ...]],
+    mode: str,
+    positions: Any,
+    include_bos: bool,
+    method: str,
+    n_scored: int | None,
+    max_rows: int,
+    memory_budget: int | str,
+) -> CellSweep:
+    """Check the arguments of :func:`control_sweep` on a text control and plan it."""
+    view = head_view(model)
     positions = check_positions(positions)
     if isinstance(positions, Tensor):
         raise InterventionError(
@@ -776,45 +955,23 @@ def control_sweep(
     runner = Runner(model, view, keep=k)
     metric = _NextTokenNLL(control.tokens, k)
     plan = SweepPlan(parse_bytes(memory_budget), max_rows, None)
-    with torch.no_grad():
-        source = build_source(
-            model, view, mode, None if mode == "zero" else inputs.to(device), layers,
-            positions, device, include_bos=include_bos,
-        )  # fmt: skip
-        rows = inputs.tolist()
-        edited = edit_positions(source, positions, rows)
-        shift = 1 if mode == "resample" else 0
-        check_resample_pairs(rows, source, [(i + shift) % n for i in range(n)], "control_sweep")
-        groups = [
-            Group(torch.arange(s, min(s + max_rows, n)), inputs[s : s + max_rows].to(device))
-            for s in range(0, n, max_rows)
-        ]
+    source = build_source(
+        model, view, mode, None if mode == "zero" else inputs.to(device), layers,
+        positions, device, include_bos=include_bos,
+    )  # fmt: skip
+    rows = inputs.tolist()
+    edited = edit_positions(source, positions, rows)
+    shift = 1 if mode == "resample" else 0
+    check_resample_pairs(rows, source, [(i + shift) % n for i in range(n)], "control_sweep")
+    groups = [
+        Group(torch.arange(s, min(s + max_rows, n)), inputs[s : s + max_rows].to(device))
+        for s in range(0, n, max_rows)
+    ]
 
-        def source_for(g: Group) -> tuple[Source, Tensor]:
-            return source, (g.indices + shift) % max(source.n, 1)
+    def source_for(g: Group) -> tuple[Source, Tensor]:
+        return source, (g.indices + shift) % max(source.n, 1)
 
-        bar = tqdm(
-            total=len(cells) * n,
-            desc=f"control sweep ({len(cells)} cells)",
-            disable=not progress,
-            leave=False,
-        )
-        try:
-            values, baseline, info = run_cells(
-                runner, cells, groups, source_for, metric, lambda g: g.indices, edited, plan,
-                method, bar=bar,
-            )  # fmt: skip
-        finally:
-            bar.close()
-    return SweepResult(
-        cells=tuple(cells),
-        kinds=tuple(cell_kind(view, c) for c in cells),
-        values=values,
-        baseline=baseline,
-        metric="nll",
-        task=control.describe(),
-        mode=mode,
-        positions=positions_label(positions),
-        method=method if not last or info["incremental_fallbacks"] else "incremental",
-        info=info | {"n_scored": k} | ablation_info(source, edited),
-    )
+    return CellSweep(
+        runner, list(cells), groups, source_for, metric, edited, plan, method, n,
+        extra={"n_scored": k} | ablation_info(source, edited),
+    )  # fmt: skip

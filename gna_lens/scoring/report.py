@@ -843,6 +843,28 @@ def _resolve_strategy(strategy: Any, prefilter: Any, top_layers: Any, view: Any)
     return "exact" if view.n_heads_total <= EXACT_ALL_MAX else "coarse_to_fine"
 
 
+def _executor_line(*sweeps: SweepResult | None) -> str:
+    """The sweeps' executor in one line: workers, where, and restarts per sweep."""
+    runs = [
+        (s.metric, s.info["executor"]) for s in sweeps if s is not None and "executor" in s.info
+    ]
+    if not runs:
+        return "this process"
+    ex = runs[0][1]
+    each = (
+        f"{ex['gpus_per_worker']:g} GPU" if ex.get("gpus_per_worker")
+        else f"{ex['threads_per_worker']} CPU thread(s)"
+    )  # fmt: skip
+    restarts = ", ".join(
+        f"{'control' if metric == 'nll' else 'task'} sweep {e['restarts']} restart(s)"
+        for metric, e in runs
+    )
+    return (
+        f"Ray, {ex['workers']} workers x {each} ({ex['address']}); model: {ex['model_source']}; "
+        f"{restarts}"
+    )
+
+
 def _unmeasured(heads: list[Head], targets: list[Head], reason: Any) -> list[UnmeasuredHeads]:
     """Per layer, the heads not in ``targets`` with ``reason(layer)``."""
     chosen = set(targets)
@@ -889,6 +911,7 @@ def score_heads(
     batch_size: int = 8,
     n_examples: int = 4,
     progress: bool = True,
+    executor: Any = None,
 ) -> GnaReport:
     """Score every head of ``model`` on ``task``: pattern scores, retrieval and control effects.
 
@@ -942,6 +965,10 @@ def score_heads(
         batch_size: Prompts per forward pass of the pattern scores.
         n_examples: Top heads whose patterns on the first sample are kept for display.
         progress: Show progress bars.
+        executor: ``None`` (this process) or a :class:`gna_lens.distributed.RayExecutor`: the
+            head ablation sweeps on the task and the control are sharded over its Ray workers
+            (pattern scores, the coarse stage and attribution run here); ``method["executor"]``
+            records the workers and any restarts.
 
     Returns:
         A :class:`GnaReport`.
@@ -1042,13 +1069,14 @@ def score_heads(
         with sweep_precision(model, sweep_dtype) as precision:
             sweep = ablation_sweep(
                 model, task, metric=metric, heads=targets, mode=mode, positions=positions,
-                reference=reference, progress=progress,
+                reference=reference, progress=progress, executor=executor,
             )  # fmt: skip
             ctrl = None
             if resolved is not None:
                 ctrl = control_sweep(
-                    model, resolved, targets, mode=mode, positions=positions, progress=progress
-                )
+                    model, resolved, targets, mode=mode, positions=positions, progress=progress,
+                    executor=executor,
+                )  # fmt: skip
         effect, lo, hi = _scatter(heads, sweep, *_intervals(sweep))
         table.update(ablation_effect=effect, ablation_effect_low=lo, ablation_effect_high=hi)
         baseline = sweep.baseline_mean
@@ -1061,6 +1089,8 @@ def score_heads(
             paths={"ablation": sweep.info.get("paths", {})},
             fallbacks=[f"ablation sweep: {f}" for f in sweep.info.get("fallbacks", [])],
         )
+        if executor is not None:
+            method.update(executor=_executor_line(sweep, ctrl))
         if "mean_over" in sweep.info:  # mean ablation: which positions the mean was taken over
             method.update(mean_over=sweep.info["mean_over"], include_bos=sweep.info["include_bos"])
         method.setdefault("prefilter", "none")

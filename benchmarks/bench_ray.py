@@ -1,0 +1,164 @@
+"""The scan's exact sweep of SmolLM2-135M's 270 heads: 2 Ray workers vs 1 process.
+
+The setting of `gna-lens scan smollm2-135m --n-samples 16`'s selection sweep on the task: KV
+retrieval (question template, 6 word pairs, 16 prompts, seed 0), every head ablated alone at
+every position (zero ablation), metric: the answer's logit difference, float32. Measured side by
+side in one run, interleaved when repeated:
+
+- one process, 1 torch thread: ``ablation_sweep(model, task, "logit_diff")``;
+- 2 Ray workers with 1 torch thread each (``RayExecutor(workers=2, threads_per_worker=1)`` on a
+  local Ray instance of 2 CPUs), each loading the model by name in its own process: the wall
+  time with the workers' start (actor start and model load) and without it (workers warm).
+
+Also printed: ``ray.init`` time, whether the sharded values equal the single-process ones bit for
+bit, the load average before and after, and the CPU time other processes took during each
+measurement (cores' worth, from /proc/stat minus this process tree), so a run on a busy machine
+says so. Prints markdown for benchmarks/RESULTS.md. About 8 minutes per repeat on 2 idle cores.
+
+Usage: python benchmarks/bench_ray.py [--repeats 1] [--n-samples 16]
+"""
+
+import argparse
+import os
+import platform
+import statistics
+import time
+
+import psutil
+import torch
+
+from gna_lens import ablation_sweep, load_model
+from gna_lens.distributed import RayExecutor
+from gna_lens.findings.experiments import smollm2_label
+from gna_lens.tasks import kv_retrieval
+
+
+class CpuMeter:
+    """Cores' worth of CPU used by other processes (not this one or its descendants)."""
+
+    def __init__(self) -> None:
+        self.me = psutil.Process()
+        self.t0 = time.perf_counter()
+        self.busy0, self.ours0 = self._busy(), self._ours()
+        self.load0 = os.getloadavg()[0]
+
+    @staticmethod
+    def _busy() -> float:
+        t = psutil.cpu_times()
+        return t.user + t.nice + t.system + getattr(t, "irq", 0) + getattr(t, "softirq", 0)
+
+    def _ours(self) -> float:
+        total = 0.0
+        for p in [self.me, *self.me.children(recursive=True)]:
+            try:
+                c = p.cpu_times()
+                total += c.user + c.system
+            except psutil.Error:
+                continue
+        return total
+
+    def stop(self) -> dict[str, float]:
+        wall = time.perf_counter() - self.t0
+        others = (self._busy() - self.busy0) - (self._ours() - self.ours0)
+        return {
+            "wall": wall,
+            "others": max(0.0, others) / wall,
+            "load_before": self.load0,
+            "load_after": os.getloadavg()[0],
+        }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--n-samples", type=int, default=16)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    print(f"load average at start: {os.getloadavg()}")
+    import ray
+
+    t0 = time.perf_counter()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    t_init = time.perf_counter() - t0
+    model = load_model("smollm2-135m")
+    tok = model.tokenizer
+    task = kv_retrieval(
+        tok, n_pairs=6, n_samples=args.n_samples, seed=0, template="question", values="words"
+    )
+    tokens = statistics.mean(len(s.input_ids) for s in task)
+    local_runs, sharded_runs, start_runs = [], [], []
+    local = sharded = None
+    for rep in range(args.repeats):
+        order = ("ray", "local") if rep % 2 == 0 else ("local", "ray")
+        for which in order:
+            if which == "local":
+                m = CpuMeter()
+                local = ablation_sweep(model, task, "logit_diff", progress=False)
+                local_runs.append(m.stop())
+                print(f"[{rep}] one process: {local_runs[-1]}", flush=True)
+            else:
+                m = CpuMeter()
+                ex = RayExecutor(workers=2, threads_per_worker=1)
+                ex.start(model)
+                start = m.stop()
+                m2 = CpuMeter()
+                sharded = ablation_sweep(model, task, "logit_diff", progress=False, executor=ex)
+                sweep = m2.stop()
+                ex.close()
+                start_runs.append(start)
+                sharded_runs.append(sweep)
+                print(f"[{rep}] 2 workers: start {start}, sweep {sweep}", flush=True)
+                print(f"    executor: {sharded.info['executor']}", flush=True)
+    assert local is not None and sharded is not None
+    same = torch.equal(local.values, sharded.values) and torch.equal(
+        local.baseline, sharded.baseline
+    )
+    diff = float((local.values - sharded.values).abs().max())
+    t_local = statistics.median(r["wall"] for r in local_runs)
+    t_sweep = statistics.median(r["wall"] for r in sharded_runs)
+    t_start = statistics.median(r["wall"] for r in start_runs)
+    ratios_warm = [a["wall"] / b["wall"] for a, b in zip(local_runs, sharded_runs, strict=True)]
+    ratios_cold = [
+        a["wall"] / (b["wall"] + c["wall"])
+        for a, b, c in zip(local_runs, sharded_runs, start_runs, strict=True)
+    ]
+    n = len(local.cells)
+    info = sharded.info["executor"]
+    print(f"\n{smollm2_label(model)}; {len(task)} prompts of {tokens:.1f} tokens on average")
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+        f"ray {ray.__version__}; sweep path: {local.method}, {local.info['paths']}\n"
+    )
+    print("| measurement | value |")
+    print("|---|---|")
+    print(f"| `ray.init(num_cpus=2)` | {t_init:.1f} s |")
+    print(f"| one process, 1 thread: all {n} heads | {t_local:.1f} s ({t_local / n:.3f} s/head) |")
+    print(
+        f"| 2 Ray workers x 1 thread: start (2 actors, model loaded in each) | {t_start:.1f} s "
+        f"(load {', '.join(f'{s:.1f}' for s in info['load_seconds'])} s) |"
+    )
+    print(
+        f"| 2 Ray workers x 1 thread: the sweep, workers warm | {t_sweep:.1f} s "
+        f"({t_sweep / n:.3f} s/head; {info['units']} units, {info['units_by_worker']} per worker) |"
+    )
+    print(
+        f"| speedup, workers warm / with their start | {statistics.median(ratios_warm):.2f}x / "
+        f"{statistics.median(ratios_cold):.2f}x (goal >= 1.6x) |"
+    )
+    print(f"| sharded values == one process | {same} (max abs diff {diff:.1e}) |")
+    for name, runs in (("one process", local_runs), ("2 workers (sweep)", sharded_runs)):
+        print(
+            f"| load average before / after, {name} | "
+            + "; ".join(f"{r['load_before']:.2f} / {r['load_after']:.2f}" for r in runs)
+            + " |"
+        )
+        print(
+            f"| other processes' CPU during {name} (cores) | "
+            + "; ".join(f"{r['others']:.2f}" for r in runs)
+            + " |"
+        )
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()

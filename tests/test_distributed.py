@@ -1,0 +1,207 @@
+"""Sweeps sharded over Ray workers (gna_lens.distributed.RayExecutor).
+
+One local Ray instance per session (2 CPUs); the workers load a tiny checkpoint folder through
+load_model, as they load a user's model by name or folder.
+"""
+
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from interventions_helpers import KEYS, tok
+
+from gna_lens import ablation_sweep, load_model, score_heads
+from gna_lens.distributed import RayExecutor
+from gna_lens.errors import ConfigError, WorkerError
+from gna_lens.interventions import control_sweep
+from gna_lens.tasks import kv_retrieval, text_control
+from gna_lens.testing import tiny_checkpoint, tiny_hooked_ssm
+
+try:
+    import ray
+except ImportError:  # the extra gna-lens[ray] is not installed
+    ray = None
+
+
+def test_import_gna_lens_never_imports_ray():
+    code = (
+        "import sys, gna_lens, gna_lens.distributed\n"
+        "from gna_lens import RayExecutor\n"
+        "RayExecutor(workers=2)\n"
+        "assert 'ray' not in sys.modules, sorted(m for m in sys.modules if m.startswith('ray'))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
+def test_a_model_built_in_memory_is_refused_before_ray_starts():
+    model = tiny_hooked_ssm("mamba2", vocab_size=len(tok()))
+    task = kv_retrieval(tok(), n_pairs=3, n_samples=2, words=KEYS, seed=0)
+    with pytest.raises(ConfigError, match="model_source=<that folder>"):
+        ablation_sweep(model, task, "logit_diff", progress=False, executor=RayExecutor(workers=2))
+
+
+# ----------------------------------------------------------------------------- on a Ray instance
+@pytest.fixture(scope="module")
+def ray_instance():
+    if ray is None:
+        pytest.skip("needs the extra gna-lens[ray]")
+    started = not ray.is_initialized()
+    if started:
+        t0 = time.perf_counter()
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        print(f"ray.init: {time.perf_counter() - t0:.1f} s")
+    yield
+    if started:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """A tiny Llama (4 layers x 4 heads) loaded from its folder, and a KV task."""
+    path = tiny_checkpoint(
+        "llama", tmp_path_factory.mktemp("llama"), vocab_size=len(tok()), num_hidden_layers=4
+    )
+    tok().save_pretrained(path)
+    model = load_model(path)
+    task = kv_retrieval(tok(), n_pairs=4, n_samples=12, words=KEYS, seed=0)
+    return model, task
+
+
+class _Faulty(RayExecutor):
+    """When armed, acts once right after worker 0's first finished unit (its next unit is then
+    in flight): ``"kill"`` kills it with ray.kill, ``"interrupt"`` raises KeyboardInterrupt (as
+    Ctrl-C in the sweep's loop)."""
+
+    armed = False
+    action = "kill"
+
+    def _unit_done(self, slot, unit):
+        if self.armed and slot.index == 0:
+            self.armed = False
+            self.hit = slot.actor
+            if self.action == "interrupt":
+                raise KeyboardInterrupt
+            ray.kill(slot.actor, no_restart=True)
+
+
+@pytest.fixture(scope="module")
+def pool(ray_instance, llama):
+    """Two workers with one CPU thread each (the instance's 2 CPUs), each with the model loaded.
+    Every test shares them: a second executor would wait for CPUs these hold."""
+    ex = _Faulty(workers=2).start(llama[0])
+    yield ex
+    ex.close()
+
+
+@pytest.mark.parametrize("pack", [None, 3])
+@pytest.mark.parametrize("positions", [None, "last"])
+def test_sharded_sweep_equals_one_process_bit_for_bit(llama, pool, positions, pack):
+    """Bit for bit with a pinned pack (guaranteed: each worker packs its cells as one process
+    does); with automatic packing too on these tiny models (real ones: see the recipe)."""
+    model, task = llama
+    kw = dict(positions=positions, pack=pack, progress=False)
+    local = ablation_sweep(model, task, "logit_diff", **kw)
+    sharded = ablation_sweep(model, task, "logit_diff", executor=pool, **kw)
+    assert sharded.cells == local.cells
+    assert torch.equal(sharded.values, local.values)
+    assert torch.equal(sharded.baseline, local.baseline)
+    assert sharded.method == local.method
+    ex = sharded.info["executor"]
+    assert ex["workers"] == 2 and ex["threads_per_worker"] == 1 and ex["restarts"] == 0
+    assert all(n > 0 for n in ex["units_by_worker"]), ex  # both workers took part
+    assert sum(ex["units_by_worker"]) == ex["units"] > 2
+
+
+def test_score_heads_shards_task_and_control_with_the_same_numbers(llama, pool):
+    model, task = llama
+    control = text_control(model.tokenizer, n_sequences=3, seq_len=12, max_unknown=1.0)
+    # bfloat16 autocast: the workers must run under the caller's autocast too
+    kw = dict(control=control, n_examples=0, progress=False, sweep_dtype="bfloat16")
+    local = score_heads(model, task, **kw)
+    sharded = score_heads(model, task, executor=pool, **kw)
+    for col in ("ablation_effect", "control_effect", "specificity"):  # NaN: neither effect
+        torch.testing.assert_close(
+            sharded.scores[col], local.scores[col], rtol=0, atol=0, equal_nan=True
+        )
+    assert "Ray, 2 workers" in sharded.method["executor"]
+    assert "control sweep 0 restart(s)" in sharded.method["executor"]
+    ctrl = control_sweep(model, control, progress=False, executor=pool)
+    assert torch.equal(ctrl.values, control_sweep(model, control, progress=False).values)
+
+
+def _arm(ex, model, action="kill"):
+    """Start the workers if a test stopped them (and wait for a replaced one), then arm."""
+    ex.start(model)
+    ex.armed, ex.action = True, action
+
+
+def test_a_worker_killed_mid_sweep_is_replaced_and_every_cell_runs_once(llama, pool):
+    model, task = llama
+    local = ablation_sweep(model, task, "logit_diff", progress=False)
+    _arm(pool, model)
+    res = ablation_sweep(model, task, "logit_diff", progress=False, executor=pool)
+    assert not pool.armed  # the kill happened
+    info = res.info["executor"]
+    assert info["restarts"] == 1 and info["reruns"] >= 1
+    assert info["failures"][0].startswith("worker 0: ActorDiedError")
+    assert sum(info["units_by_worker"]) == info["units"]  # no unit lost or counted twice
+    assert torch.equal(res.values, local.values) and torch.equal(res.baseline, local.baseline)
+
+
+def test_too_many_failures_stop_the_sweep_naming_the_cells_left(llama, pool):
+    model, task = llama
+    _arm(pool, model)
+    pool.max_restarts = 0
+    try:
+        with pytest.raises(WorkerError) as err:
+            ablation_sweep(model, task, "logit_diff", progress=False, executor=pool)
+    finally:
+        pool.max_restarts = 3
+    msg = str(err.value)
+    assert "max_restarts=0" in msg and "cells not done:" in msg and "ActorDiedError" in msg
+    assert re.search(r"cells not done: \d+ of 16 cells in \d+ units: L\d+H\d+", msg), msg
+    assert pool._slots == []  # the other worker was stopped too
+
+
+def test_ctrl_c_stops_every_worker(llama, pool):
+    model, task = llama
+    _arm(pool, model, action="interrupt")
+    actors = [s.actor for s in pool._slots]
+    with pytest.raises(KeyboardInterrupt):
+        ablation_sweep(model, task, "logit_diff", progress=False, executor=pool)
+    for actor in actors:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(actor.placed.remote(), timeout=60)
+
+
+def test_a_worker_with_other_weights_refuses_to_run(pool, tmp_path):
+    path = tiny_checkpoint("mamba2", tmp_path / "m", vocab_size=len(tok()))
+    model = load_model(path)
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)  # edited after loading: the folder no longer has it
+    task = kv_retrieval(tok(), n_pairs=3, n_samples=2, words=KEYS, seed=0)
+    with pytest.raises(WorkerError, match="other weights than the caller's"):
+        ablation_sweep(model, task, "logit_diff", progress=False, executor=pool)
+
+
+def test_scan_cli_workers_and_address_reach_the_executor(monkeypatch, tmp_path):
+    from gna_lens import cli, scan
+
+    seen = {}
+
+    def fake_scan(model, task, **kw):
+        seen["executor"] = kw["executor"]
+        raise ConfigError("stop here")
+
+    monkeypatch.setattr(scan, "load_scan_model", lambda name: object())
+    monkeypatch.setattr(scan, "scan", fake_scan)
+    monkeypatch.setattr(RayExecutor, "close", lambda self: seen.setdefault("closed", True))
+    argv = ["scan", "zoo-llama", "--workers", "3", "--ray-address", "auto", "--threads", "2"]
+    assert cli.main([*argv, "--out", str(tmp_path)]) == 2
+    ex = seen["executor"]
+    assert isinstance(ex, RayExecutor) and seen["closed"]
+    assert (ex.workers, ex.address, ex.threads_per_worker) == (3, "auto", 2)
