@@ -193,6 +193,98 @@ STAGES: dict[str, Callable[[Any, Any], dict[str, Any]]] = {
     "pattern_scores": stage_pattern_scores,
     "attribute_heads": stage_attribute_heads,
 }
+#: Stages that run the real ``gna-lens scan`` on a checkpoint written to disk (not a HookedSSM
+#: built in this process): see :func:`run_scan`.
+CLI_STAGES = ("scan",)
+
+
+def scan_tokenizer() -> Any:
+    """A word-level tokenizer covering what ``gna-lens scan --task kv`` feeds a model: both KV
+    templates, the shipped word list (values), numbers 0-99 and the shipped prose (the control).
+
+    Real checkpoints use BPE tokenizers (GPT-NeoX for mamba-130m): prompt lengths in tokens are
+    close (one token per word here; the KV values must be single tokens there too), the control
+    windows are the same length in tokens (8 windows of 48).
+    """
+    from gna_lens.tasks import load_prose, load_words
+    from gna_lens.tasks._testing import word_tokenizer
+
+    texts = [
+        "Below is a list of key-value pairs.\nkey: value\nWhat is the value for key X?\nX:",
+        "Memorize the following dictionary:\nThe value of the key 'X' is",
+        " ".join(load_words()),
+        load_prose(),
+    ]
+    return word_tokenizer(texts)
+
+
+def write_checkpoint(model_name: str, path: str) -> dict[str, Any]:
+    """Write a random-weight Hugging Face checkpoint of ``CONFIGS[model_name]`` and
+    :func:`scan_tokenizer` to ``path`` (``save_pretrained``, safetensors)."""
+    from transformers import AutoModelForCausalLM
+
+    tok = scan_tokenizer()
+    config = CONFIGS[model_name]()
+    if len(tok) > config.vocab_size:
+        raise SystemExit(f"{model_name}: tokenizer {len(tok)} > vocab {config.vocab_size}")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)  # transformers' own Mamba init (A, dt)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.normal_(0, 0.02)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    n_params = sum(p.numel() for p in model.parameters())
+    return {"params": n_params, "tokenizer_vocab": len(tok)}
+
+
+def run_scan(model_name: str, n_prompts: int, scan_args: list[str]) -> dict[str, Any]:
+    """Write the checkpoint, then run ``python -m gna_lens.cli scan <dir> --task kv --n-samples
+    n_prompts`` plus ``scan_args`` (none: the CLI's defaults) as a child process; its wall time,
+    its peak RSS (``RUSAGE_CHILDREN``: the child alone, the checkpoint writer is this process)
+    and the stage timings from its ``report.json``."""
+    import re
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = os.path.join(tmp, model_name)
+        info = write_checkpoint(model_name, ckpt)
+        out = os.path.join(tmp, "report")
+        cmd = [sys.executable, "-m", "gna_lens.cli", "scan", ckpt, "--task", "kv"]
+        cmd += ["--n-samples", str(n_prompts), "--out", out, *scan_args]
+        load_before = os.getloadavg()
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        seconds = time.perf_counter() - t0
+        load_after = os.getloadavg()
+        peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+        if proc.returncode:
+            tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
+            raise SystemExit(f"scan exited {proc.returncode}: {tail}")
+        with open(os.path.join(out, "report.json")) as f:
+            report = json.load(f)
+    threads = re.search(r"\((\d+) torch thread\(s\)[^)]*\)", proc.stderr)
+    method = report["method"]
+    return {
+        "model": model_name,
+        "stage": "scan",
+        "seconds": seconds,
+        "peak_rss_mib": peak,
+        "rss_after_build_mib": float("nan"),
+        "n_prompts": n_prompts,
+        "command": " ".join(["gna-lens", *cmd[3:]]),
+        "threads": threads.group(0) if threads else "?",
+        "loadavg_before": load_before,
+        "loadavg_after": load_after,
+        "timings": report.get("timings", {}),
+        "strategy": method.get("strategy"),
+        "n_exact": report.get("n_exact"),
+        "n_heads": len(report["heads"]),
+        "head_groups": method.get("head_groups", ""),
+        "sweep_dtype": method.get("sweep_dtype"),
+        "top": report.get("top"),
+        "stdout_tail": proc.stdout.strip().splitlines()[-1:],
+        **info,
+    }
 
 
 def _rss_mib() -> float:
@@ -230,7 +322,13 @@ def main() -> None:
         action="store_true",
         help="also measure 1- and 2-layer cuts of Falcon-Mamba-7B and extrapolate to 64 layers",
     )
-    parser.add_argument("--stages", nargs="+", default=list(STAGES), choices=list(STAGES))
+    parser.add_argument("--stages", nargs="+", default=list(STAGES), choices=[*STAGES, *CLI_STAGES])
+    parser.add_argument(
+        "--scan-args",
+        default="",
+        help="scan stage: more arguments for gna-lens scan, one string (default none: the "
+        "CLI's defaults, threads included)",
+    )
     parser.add_argument("--n-prompts", type=int, default=8)
     parser.add_argument(
         "--threads",
@@ -243,7 +341,10 @@ def main() -> None:
     parser.add_argument("--one", nargs=2, metavar=("MODEL", "STAGE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(run_one(*args.one, args.n_prompts, args.threads)))
+        if args.one[1] in CLI_STAGES:
+            print(json.dumps(run_scan(args.one[0], args.n_prompts, args.scan_args.split())))
+        else:
+            print(json.dumps(run_one(*args.one, args.n_prompts, args.threads)))
         return
     import gna_lens
 
@@ -255,6 +356,7 @@ def main() -> None:
         for stage in args.stages:
             cmd = [sys.executable, __file__, "--one", name, stage]
             cmd += ["--n-prompts", str(args.n_prompts), "--threads", str(args.threads)]
+            cmd += [f"--scan-args={args.scan_args}"]
             t0 = time.perf_counter()
             try:
                 proc = subprocess.run(

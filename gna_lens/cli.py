@@ -50,7 +50,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _scan(args: argparse.Namespace) -> int:
     from gna_lens.errors import GnaLensError
-    from gna_lens.scan import load_scan_model, scan
+    from gna_lens.scan import describe_timings, load_scan_model, scan
 
     name = args.model or DEFAULT_SCAN_MODEL
     command = "gna-lens " + " ".join(sys.argv[1:] if args.argv is None else args.argv)
@@ -87,6 +87,7 @@ def _scan(args: argparse.Namespace) -> int:
             exact=args.exact,
             strategy=args.strategy,
             top_layers=args.top_layers,
+            head_groups=args.head_groups,
             out=args.out,
             seed=args.seed,
             metric=args.metric,
@@ -118,6 +119,10 @@ def _scan(args: argparse.Namespace) -> int:
         f"Method: {method['mode']} ablation at {method['positions']} positions, metric "
         f"{report.metric} (baseline {report.baseline:.4f}), sweep {method.get('sweep_dtype')}"
     )
+    if method.get("head_groups"):
+        print(f"Heads: {method['head_groups']}")
+        if method.get("head_groups_choice"):
+            print(f"  head groups {method['head_groups_choice']}")
     n_heads = len(report.heads)
     strategy = method.get("strategy", "exact")
     rest = ""
@@ -153,7 +158,7 @@ def _scan(args: argparse.Namespace) -> int:
         print(f"\nWarning: {w}")
     if result.html_path:
         print(f"\nReport: {result.html_path} (offline HTML), {result.json_path}")
-    stages = ", ".join(f"{k} {v:.1f} s" for k, v in result.timings.items())
+    stages = describe_timings(result.timings, result.report.timings)
     print(f"Time: {load_s + result.seconds:.1f} s (loading {load_s:.1f} s, {stages})")
     return 0
 
@@ -218,6 +223,29 @@ def scan_threads(requested: int | None) -> tuple[int, str]:
     return n, f"{n} torch thread(s): {cores} cores, load average {load:.1f}; --threads to change"
 
 
+def head_groups_arg(text: str) -> str | int | None:
+    """``--head-groups``: ``"auto"``, ``"none"`` (``None``) or a positive int block size.
+
+    Examples:
+        >>> head_groups_arg("auto"), head_groups_arg("none"), head_groups_arg("64")
+        ('auto', None, 64)
+    """
+    value = text.strip().lower()
+    if value in ("auto", "none"):
+        return None if value == "none" else "auto"
+    try:
+        size = int(value)
+    except ValueError:
+        size = 0
+    if size < 1 or not value.isdigit():
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected 'auto' (blocks of 64 channels on Mamba-1 models above 300 "
+            "heads), 'none' (single channels) or a positive int block size that divides the "
+            "model's d_inner, e.g. 64"
+        )
+    return size
+
+
 def _train_zoo(args: argparse.Namespace) -> int:
     from gna_lens.zoo.train import train_zoo_main
 
@@ -280,6 +308,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="coarse_to_fine: layers whose heads are ablated (default 4, fewer where their "
         "heads exceed 300)",
+    )
+    sc.add_argument(
+        "--head-groups",
+        type=head_groups_arg,
+        default="auto",
+        metavar="{auto,none,N}",
+        help="Mamba-1 / FalconMamba heads: auto (default: contiguous blocks of 64 channels on "
+        "models above 300 single-channel heads, e.g. mamba-130m; single channels below), none "
+        "(single channels) or N (blocks of N channels; N divides d_inner)",
     )
     sc.add_argument(
         "--exact",
