@@ -119,6 +119,8 @@ def _scan(args: argparse.Namespace) -> int:
         f"Method: {method['mode']} ablation at {method['positions']} positions, metric "
         f"{report.metric} (baseline {report.baseline:.4f}), sweep {method.get('sweep_dtype')}"
     )
+    if "small model" not in method.get("sweep_dtype_choice", "small model"):
+        print(f"  sweep dtype {method['sweep_dtype_choice']}")
     if method.get("head_groups"):
         print(f"Heads: {method['head_groups']}")
         if method.get("head_groups_choice"):
@@ -344,9 +346,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--random-draws", type=int, default=10, help="random head sets of the baseline (10)"
     )
     sc.add_argument(
-        "--sweep-dtype", default="float32", choices=["float32", "bfloat16"],
-        help="arithmetic of the selection sweeps (bfloat16 autocast: ~2x faster on AVX512-BF16 "
-        "CPUs); held-out numbers are always float32",
+        "--sweep-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+        help="arithmetic of the selection sweeps: auto (default: bfloat16 autocast on models "
+        "above 300 heads where the CPU/GPU has native bfloat16, else float32), float32, or "
+        "bfloat16 (~1.6x faster on AVX512-BF16 CPUs); held-out numbers are always float32",
     )  # fmt: skip
     sc.add_argument("--out", default="gna_lens_report", help="folder for report.html / report.json")
     sc.add_argument("--seed", type=int, default=0)

@@ -403,7 +403,7 @@ def scan(
     control: Any = "prose",
     max_control: float = MAX_CONTROL,
     random_draws: int = RANDOM_DRAWS,
-    sweep_dtype: str | None = None,
+    sweep_dtype: str | None = "auto",
     zoo: bool = False,
     command: str | None = None,
     name: str | None = None,
@@ -447,8 +447,11 @@ def scan(
             :func:`~gna_lens.scoring.resolve_control`; zoo models use their cloze split.
         max_control: Bound of the retrieval-specific ranking (nats/token).
         random_draws: Random head sets of the held-out baseline.
-        sweep_dtype: ``None`` or ``"bfloat16"`` (autocast of the selection sweeps only; the
-            held-out numbers are always computed in the model's dtype).
+        sweep_dtype: ``"auto"`` (default: ``"bfloat16"`` when the model has more than
+            :data:`EXACT_ALL_MAX` heads, float32 weights and a device with native bfloat16, else
+            ``None``; see :func:`~gna_lens.scoring.report.resolve_sweep_dtype`), ``None``
+            (float32) or ``"bfloat16"``: autocast of the selection sweeps only; the held-out
+            numbers are always computed in the model's dtype. The report records the choice.
         zoo: ``model`` is a zoo model (its splits and cloze control, see :func:`build_tasks`).
         command: The command line, recorded in the report.
         name: The model's name in the report (default: from its config).
@@ -517,7 +520,7 @@ def scan(
                 f"of the heads of the top {k}"
             )
         if groups_choice.get("head_group_size"):
-            how += f" heads, each a block of {groups_choice['head_group_size']} channels"
+            how += f"; each head a block of {groups_choice['head_group_size']} channels"
         _stage(
             progress,
             f"scoring heads on {len(probe)} selection prompts and the control ({how}; sweep "

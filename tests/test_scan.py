@@ -259,6 +259,10 @@ def test_scan_cli_coarse_to_fine_above_the_exact_limit_says_what_it_never_measur
     assert "strategy coarse_to_fine" in page
     data = json.loads((out / "report.json").read_text())
     assert data["method"]["strategy"] == "coarse_to_fine" and data["n_exact"] == 3
+    # Large now, so sweep_dtype="auto" tried bfloat16: the hand-built toy fails its check.
+    choice = data["method"]["sweep_dtype_choice"]
+    assert choice.startswith("auto: float32, because bfloat16 fails the check"), choice
+    assert data["method"]["sweep_dtype"] == "float32" and "sweep dtype auto: float32" in text
     assert [(u["layer"], u["head_indices"]) for u in data["unmeasured"]] == [(0, [0, 1, 2])]
     assert [r["layer"] for r in data["layer_ranking"]] == [1, 0]
     assert [r["scanned"] for r in data["layer_ranking"]] == [True, False]
@@ -303,6 +307,7 @@ def mamba1_scan(monkeypatch):
     monkeypatch.setattr(scan_module, "load_scan_model", lambda name: m)
     monkeypatch.setattr(report_module, "EXACT_ALL_MAX", 100)
     monkeypatch.setattr(report_module, "DEFAULT_CHANNEL_GROUP", 16)
+    monkeypatch.setattr(report_module, "native_bfloat16", lambda device: True)
     return m
 
 
@@ -324,6 +329,7 @@ def test_scan_groups_a_large_mamba1_into_channel_blocks_by_default_and_says_so(
     assert data["method"]["head_groups"] == groups and data["method"]["head_group_size"] == 16
     assert "with model.head_groups(16)" in data["method"]["head_groups_choice"]
     assert data["method"]["strategy"] == "exact" and data["n_exact"] == 8
+    assert data["method"]["sweep_dtype_choice"] == "auto: float32 (8 heads: a small model)"
     assert len(data["heads"]) == 8 and data["layer_heads"] == [4, 4]
     assert all(0 <= h < 4 for _, h in data["top"])
     assert set(data["timings_heads"]) >= {"pattern_scores", "ablation_sweep", "control_sweep"}
@@ -339,6 +345,13 @@ def test_scan_groups_a_large_mamba1_into_channel_blocks_by_default_and_says_so(
     data = json.loads((out / "report.json").read_text())
     assert "head_groups" not in data["method"] and data["layer_heads"] == [64, 64]
     assert data["method"]["strategy"] == "coarse_to_fine" and data["n_exact"] == 64
+    # 128 heads > 100: sweep_dtype="auto" sweeps in bfloat16 (native here), after its check.
+    assert data["method"]["sweep_dtype"] == "bfloat16 (autocast)"
+    assert (
+        "because the model is large (128 heads, more than 100)"
+        in (data["method"]["sweep_dtype_choice"])
+        and "; checked: clean logit difference" in data["method"]["sweep_dtype_choice"]
+    )
 
 
 def test_score_heads_groups_a_large_mamba1_by_default(mamba1_scan):

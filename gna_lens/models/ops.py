@@ -209,7 +209,8 @@ def _scan_steps(
     buffer, which stays in cache; the chunked form materializes ``[chunk, batch, channel,
     state]`` decays and writes first (74 MB per layer for 16 prompts of 47 tokens of
     mamba-130m), which made it 5x slower on CPU. Same operations in the same order: the results
-    are bit-identical to the chunked form's. ``starts`` (with ``chunk_size``) collects the state
+    are bit-identical to the chunked form's. The state and read-out are computed in the inputs'
+    promoted dtype even under autocast (as the Mamba kernels keep their scan in float32). ``starts`` (with ``chunk_size``) collects the state
     before every ``chunk_size``-th step (for :class:`Mamba1Scan`'s backward).
     """
     batch, length, channels = u.shape
@@ -222,14 +223,15 @@ def _scan_steps(
     state = torch.zeros(batch, channels, A.shape[-1], dtype=dtype, device=u.device)
     decay, write = torch.empty_like(state), torch.empty_like(state)
     y = torch.empty(length, batch, channels, dtype=dtype, device=u.device)
-    for t in range(length):
-        if starts is not None and t % chunk_size == 0:
-            starts.append(state.clone())
-        torch.mul(d[t, :, :, None], A, out=decay)
-        decay.exp_()
-        torch.mul(du[t, :, :, None], Bt[t, :, None, :], out=write)
-        state, write = write.addcmul_(decay, state), state  # write + decay * state
-        y[t] = torch.matmul(state, Ct[t])[..., 0]
+    with torch.autocast(u.device.type, enabled=False):  # the state and read-out stay in dtype
+        for t in range(length):
+            if starts is not None and t % chunk_size == 0:
+                starts.append(state.clone())
+            torch.mul(d[t, :, :, None], A, out=decay)
+            decay.exp_()
+            torch.mul(du[t, :, :, None], Bt[t, :, None, :], out=write)
+            state, write = write.addcmul_(decay, state), state  # write + decay * state
+            y[t] = torch.matmul(state, Ct[t].to(dtype))[..., 0]
     return y.transpose(0, 1)
 
 

@@ -50,8 +50,11 @@ __all__ = [
     "UnmeasuredHeads",
     "applied_head_groups",
     "auto_head_groups",
+    "check_bfloat16",
     "default_top_layers",
+    "native_bfloat16",
     "resolve_control",
+    "resolve_sweep_dtype",
     "score_heads",
 ]
 
@@ -766,6 +769,84 @@ def resolve_control(
     return text_control(tokenizer, control, n_sequences=n, seq_len=length, split=split)  # type: ignore[arg-type]
 
 
+def native_bfloat16(device: Any) -> bool:
+    """Whether ``device`` multiplies bfloat16 natively: a CUDA GPU that supports it, or a CPU with
+    AVX512-BF16 or AMX-BF16 (read from ``/proc/cpuinfo``; ``False`` where it cannot be read)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    if device.type != "cpu":
+        return False
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_sweep_dtype(model: Any, sweep_dtype: Any) -> tuple[Any, dict[str, Any]]:
+    """The sweep dtype to run (``"auto"`` resolved) and what to record about the choice.
+
+    ``"auto"``: ``"bfloat16"`` autocast where the model is large (more than
+    :data:`EXACT_ALL_MAX` heads, as grouped now), its weights are float32 and the device
+    multiplies bfloat16 natively (:func:`native_bfloat16`); else ``None`` (the model's own
+    arithmetic). Other values are returned as given.
+
+    Examples:
+        >>> from gna_lens.testing import toy_gna_model
+        >>> resolve_sweep_dtype(toy_gna_model(), "auto")
+        (None, {'sweep_dtype_choice': 'auto: float32 (4 heads: a small model)'})
+    """
+    if sweep_dtype != "auto":
+        return sweep_dtype, {}
+    n = head_view(model).n_heads_total
+    if n <= EXACT_ALL_MAX:
+        return None, {"sweep_dtype_choice": f"auto: float32 ({n:,} heads: a small model)"}
+    param = next(iter(model.parameters()), None)
+    if param is None or param.dtype != torch.float32:
+        why = f"weights {param.dtype if param is not None else 'unknown'}"
+        return None, {"sweep_dtype_choice": f"auto: the model's own dtype ({why})"}
+    if not native_bfloat16(param.device):
+        return None, {
+            "sweep_dtype_choice": f"auto: float32 ({param.device.type} without native bfloat16)"
+        }
+    return "bfloat16", {
+        "sweep_dtype_choice": (
+            f"auto: bfloat16 autocast for the selection sweeps (layer removal, head ablation, "
+            f"control) because the model is large ({n:,} heads, more than {EXACT_ALL_MAX}) and "
+            f"its {param.device.type} multiplies bfloat16 natively; "
+            "held-out numbers are float32; --sweep-dtype float32 (sweep_dtype=None) for exact "
+            "arithmetic"
+        )
+    }
+
+
+def check_bfloat16(model: Any, task: Task, n: int = 8) -> tuple[bool, str]:
+    """Whether bfloat16 autocast keeps ``model``'s clean logit differences on the first ``n``
+    prompts of ``task``: the mean absolute change must stay within 0.1 x the mean absolute
+    float32 value + 0.02 logits. Returns ``(ok, the numbers in words)``.
+
+    A guard for ``sweep_dtype="auto"``: trained models run in bfloat16 every day, but a model
+    whose mechanism needs float32 (e.g. a hand-built one with huge weights) must not be swept in
+    it.
+    """
+    from gna_lens.tasks import evaluate
+
+    sub = task[: min(n, len(task))]
+    with torch.no_grad():
+        ref = evaluate(model, sub).logit_diffs.double()
+        with sweep_precision(model, "bfloat16"):
+            low = evaluate(model, sub).logit_diffs.double()
+    change, scale = float((low - ref).abs().mean()), float(ref.abs().mean())
+    ok = change <= 0.1 * scale + 0.02
+    words = (
+        f"clean logit difference on {len(sub)} selection prompts moves by {change:.4f} on "
+        f"average under bfloat16 (float32 mean |value| {scale:.4f}; allowed 0.1 x that + 0.02)"
+    )
+    return ok, words
+
+
 @contextlib.contextmanager
 def sweep_precision(model: Any, dtype: str | None) -> Iterator[str]:
     """Autocast for the ablation sweeps: ``None``/``"float32"`` (none) or ``"bfloat16"``."""
@@ -1046,8 +1127,9 @@ def score_heads(
             block size / ``{layer: ...}`` of :meth:`~gna_lens.models.HookedSSM.set_head_groups`.
             The report's ``(layer, head)`` then address groups (``method["head_groups"]`` says
             which; ablate them inside ``with model.head_groups(size):``).
-        sweep_dtype: ``None`` (the model's dtype) or ``"bfloat16"``: autocast of the ablation
-            sweeps only (about 2x faster on CPUs with AVX512-BF16); recorded in ``method``.
+        sweep_dtype: ``None`` (the model's dtype), ``"bfloat16"`` (autocast of the ablation
+            sweeps only) or ``"auto"`` (bfloat16 on large models where the device has native
+            bfloat16, see :func:`resolve_sweep_dtype`) (about 2x faster on CPUs with AVX512-BF16); recorded in ``method``.
         batch_size: Prompts per forward pass of the pattern scores.
         n_examples: Top heads whose patterns on the first sample are kept for display.
         progress: Show progress bars.
@@ -1110,6 +1192,14 @@ def _score_heads(
     """:func:`score_heads` with the head groups in place."""
     positions = check_positions(positions)
     strategy = _resolve_strategy(strategy, prefilter, top_layers, head_view(model))
+    sweep_dtype, dtype_choice = resolve_sweep_dtype(model, sweep_dtype)
+    if ablation and sweep_dtype == "bfloat16" and dtype_choice:  # auto chose it: check first
+        ok, words = check_bfloat16(model, task)
+        note = dtype_choice["sweep_dtype_choice"]
+        if not ok:
+            sweep_dtype = None
+            note = f"auto: float32, because bfloat16 fails the check ({words})"
+        dtype_choice = {"sweep_dtype_choice": note + ("" if not ok else f"; checked: {words}")}
     if mode == "resample" and (reference is None or reference is task):
         raise InterventionError(
             "score_heads(mode='resample'): reference is the task itself (or None), so every prompt "
@@ -1236,6 +1326,8 @@ def _score_heads(
     if groups:
         method["head_groups"] = groups
     method.update(groups_choice)
+    if ablation:
+        method.update(dtype_choice)
     report = GnaReport(
         model_name=_model_name(model),
         task=describe_task(task),
