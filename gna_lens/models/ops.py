@@ -215,8 +215,8 @@ def _scan_steps(
     """
     batch, length, channels = u.shape
     dtype = u.dtype
-    for t in (delta, A, B, C):
-        dtype = torch.promote_types(dtype, t.dtype)
+    for x in (delta, A, B, C):
+        dtype = torch.promote_types(dtype, x.dtype)
     d = delta.transpose(0, 1)  # [t, b, e]
     du = d * u.transpose(0, 1)
     Bt, Ct = B.transpose(0, 1), C.transpose(0, 1).unsqueeze(-1)  # [t, b, n], [t, b, n, 1]
@@ -224,14 +224,14 @@ def _scan_steps(
     decay, write = torch.empty_like(state), torch.empty_like(state)
     y = torch.empty(length, batch, channels, dtype=dtype, device=u.device)
     with torch.autocast(u.device.type, enabled=False):  # the state and read-out stay in dtype
-        for t in range(length):
-            if starts is not None and t % chunk_size == 0:
+        for step in range(length):
+            if starts is not None and step % chunk_size == 0:
                 starts.append(state.clone())
-            torch.mul(d[t, :, :, None], A, out=decay)
+            torch.mul(d[step, :, :, None], A, out=decay)
             decay.exp_()
-            torch.mul(du[t, :, :, None], Bt[t, :, None, :], out=write)
+            torch.mul(du[step, :, :, None], Bt[step, :, None, :], out=write)
             state, write = write.addcmul_(decay, state), state  # write + decay * state
-            y[t] = torch.matmul(state, Ct[t].to(dtype))[..., 0]
+            y[step] = torch.matmul(state, Ct[step].to(dtype))[..., 0]
     return y.transpose(0, 1)
 
 
