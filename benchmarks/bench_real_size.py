@@ -120,16 +120,69 @@ def falcon_mamba_7b(n_layers: int) -> Callable[[], Any]:
     return config
 
 
+def zamba2_7b_size(kind: str, n_layers: int) -> Callable[[], Any]:
+    """A Bamba (HookedSSM hybrid) stand-in for one kind of Zamba2-7B layer, ``n_layers`` deep.
+
+    APPROXIMATE: Zamba2-7B (d_model 3584, 81 layers, vocab 32000) interleaves Mamba-2 layers
+    (112 heads of 64, d_state 64, 2 groups, no MLP) with applications of 2 shared attention+MLP
+    blocks (32 heads; the real block attends over [hidden, embeddings] concatenated, 224 dims per
+    head, with LoRA per application); gna_lens does not run Zamba2's shared blocks yet. Here
+    ``kind="ssm"``: Bamba Mamba-2 layers of those sizes with a negligible MLP (intermediate 8);
+    ``kind="attn"``: Bamba attention layers (32 heads of 112, default RoPE) with a gated MLP of
+    14336 (4 x 3584). The extrapolation counts 68 of the first and 13 of the second.
+    """
+
+    def config() -> Any:
+        from transformers import BambaConfig
+
+        attn = kind == "attn"
+        return BambaConfig(
+            vocab_size=32000,
+            hidden_size=3584,
+            num_hidden_layers=n_layers,
+            intermediate_size=14336 if attn else 8,
+            num_attention_heads=32,
+            num_key_value_heads=32,
+            attn_layer_indices=list(range(n_layers)) if attn else [],
+            mamba_n_heads=112,
+            mamba_d_head=64,
+            mamba_n_groups=2,
+            mamba_d_state=64,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_chunk_size=256,
+            max_position_embeddings=4096,
+            tie_word_embeddings=False,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+
+    return config
+
+
 CONFIGS: dict[str, Callable[[], Any]] = {
     "mamba1-130m": mamba1_130m,
     "mamba2-130m": mamba2_130m,
     "falcon-mamba-7b-L1": falcon_mamba_7b(1),
     "falcon-mamba-7b-L2": falcon_mamba_7b(2),
+    "zamba2-7b-ssm-L1": zamba2_7b_size("ssm", 1),
+    "zamba2-7b-ssm-L2": zamba2_7b_size("ssm", 2),
+    "zamba2-7b-attn-L1": zamba2_7b_size("attn", 1),
+    "zamba2-7b-attn-L2": zamba2_7b_size("attn", 2),
 }
 #: Models measured by default (the Falcon-Mamba-7B cuts are for ``--extrapolate``).
 DEFAULT_MODELS = ["mamba1-130m", "mamba2-130m"]
 #: ``--extrapolate``: (1-layer cut, 2-layer cut, layers of the full model).
-EXTRAPOLATIONS = {"falcon-mamba-7b": ("falcon-mamba-7b-L1", "falcon-mamba-7b-L2", 64)}
+#: ``--extrapolate``: per full model, its layer kinds as (1-layer cut, 2-layer cut, how many).
+#: The Zamba2-7B-size hybrid is APPROXIMATE (see :func:`zamba2_7b_size`).
+EXTRAPOLATIONS: dict[str, list[tuple[str, str, int]]] = {
+    "falcon-mamba-7b": [("falcon-mamba-7b-L1", "falcon-mamba-7b-L2", 64)],
+    "zamba2-7b-size hybrid": [
+        ("zamba2-7b-ssm-L1", "zamba2-7b-ssm-L2", 68),
+        ("zamba2-7b-attn-L1", "zamba2-7b-attn-L2", 13),
+    ],
+}
 
 
 def build(name: str) -> Any:
@@ -193,6 +246,129 @@ STAGES: dict[str, Callable[[Any, Any], dict[str, Any]]] = {
     "pattern_scores": stage_pattern_scores,
     "attribute_heads": stage_attribute_heads,
 }
+#: Stages that run the real ``gna-lens scan`` on a checkpoint written to disk (not a HookedSSM
+#: built in this process): see :func:`run_scan`.
+CLI_STAGES = ("scan",)
+
+
+def scan_tokenizer() -> Any:
+    """A word-level tokenizer covering what ``gna-lens scan --task kv`` feeds a model: both KV
+    templates, the shipped word list (values), numbers 0-99 and the shipped prose (the control).
+
+    Real checkpoints use BPE tokenizers (GPT-NeoX for mamba-130m): prompt lengths in tokens are
+    close (one token per word here; the KV values must be single tokens there too), the control
+    windows are the same length in tokens (8 windows of 48).
+    """
+    from gna_lens.tasks import load_prose, load_words
+    from gna_lens.tasks._testing import word_tokenizer
+
+    texts = [
+        "Below is a list of key-value pairs.\nkey: value\nWhat is the value for key X?\nX:",
+        "Memorize the following dictionary:\nThe value of the key 'X' is",
+        " ".join(load_words()),
+        load_prose(),
+    ]
+    return word_tokenizer(texts)
+
+
+def write_checkpoint(model_name: str, path: str) -> dict[str, Any]:
+    """Write a random-weight Hugging Face checkpoint of ``CONFIGS[model_name]`` and
+    :func:`scan_tokenizer` to ``path`` (``save_pretrained``, safetensors)."""
+    from transformers import AutoModelForCausalLM
+
+    tok = scan_tokenizer()
+    config = CONFIGS[model_name]()
+    if len(tok) > config.vocab_size:
+        raise SystemExit(f"{model_name}: tokenizer {len(tok)} > vocab {config.vocab_size}")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)  # transformers' own Mamba init (A, dt)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.normal_(0, 0.02)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    n_params = sum(p.numel() for p in model.parameters())
+    return {"params": n_params, "tokenizer_vocab": len(tok)}
+
+
+def _scan_lengths(ckpt: str, n_prompts: int) -> dict[str, Any]:
+    """Token counts of the prompt sets ``gna-lens scan --task kv`` builds (its defaults: 48
+    held-out prompts per task, 8 control windows of 48 tokens), for the cost model."""
+    from transformers import AutoTokenizer
+
+    from gna_lens.scan import build_tasks
+
+    sets = build_tasks(AutoTokenizer.from_pretrained(ckpt), "kv", n_samples=n_prompts, seed=0)
+    return {
+        "selection": [s.n_tokens for s in sets.selection],
+        "held_out": {k: [s.n_tokens for s in v] for k, v in sets.held_out.items()},
+        "control": [8, 48],
+    }
+
+
+def _ranked(report: dict[str, Any], k: int = 10) -> list[list[int]]:
+    """The ``k`` heads with the most negative measured ablation effect (raw order)."""
+    rows = [h for h in report["heads"] if h["ablation_effect"] is not None]
+    rows.sort(key=lambda h: h["ablation_effect"])
+    return [[h["layer"], h["head"]] for h in rows[:k]]
+
+
+def run_scan(model_name: str, n_prompts: int, scan_args: list[str]) -> dict[str, Any]:
+    """Write the checkpoint, then run ``python -m gna_lens.cli scan <dir> --task kv --n-samples
+    n_prompts`` plus ``scan_args`` (none: the CLI's defaults) as a child process; its wall time,
+    its peak RSS (``RUSAGE_CHILDREN``: the child alone, the checkpoint writer is this process)
+    and the stage timings from its ``report.json``."""
+    import re
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = os.path.join(tmp, model_name)
+        info = write_checkpoint(model_name, ckpt)
+        out = os.path.join(tmp, "report")
+        cmd = [sys.executable, "-m", "gna_lens.cli", "scan", ckpt, "--task", "kv"]
+        cmd += ["--n-samples", str(n_prompts), "--out", out, *scan_args]
+        load_before = os.getloadavg()
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        seconds = time.perf_counter() - t0
+        load_after = os.getloadavg()
+        peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+        if proc.returncode:
+            tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
+            raise SystemExit(f"scan exited {proc.returncode}: {tail}")
+        with open(os.path.join(out, "report.json")) as f:
+            report = json.load(f)
+        lengths = _scan_lengths(ckpt, n_prompts)
+    threads = re.search(r"\((\d+) torch thread\(s\)[^)]*\)", proc.stderr)
+    method = report["method"]
+    return {
+        "model": model_name,
+        "stage": "scan",
+        "seconds": seconds,
+        "peak_rss_mib": peak,
+        "rss_after_build_mib": float("nan"),
+        "n_prompts": n_prompts,
+        "command": " ".join(["gna-lens", *cmd[3:]]),
+        "threads": threads.group(0) if threads else "?",
+        "loadavg_before": load_before,
+        "loadavg_after": load_after,
+        "timings": report.get("timings", {}),
+        "strategy": method.get("strategy"),
+        "n_exact": report.get("n_exact"),
+        "n_heads": len(report["heads"]),
+        "head_groups": method.get("head_groups", ""),
+        "sweep_dtype": method.get("sweep_dtype"),
+        "top": report.get("top"),
+        "layer_heads": report["layer_heads"],
+        "layer_ranking": [r["layer"] for r in report.get("layer_ranking", [])],
+        "scanned_layers": [r["layer"] for r in report.get("layer_ranking", []) if r["scanned"]],
+        "ranked_heads": _ranked(report),
+        "sweep_dtype_choice": method.get("sweep_dtype_choice", ""),
+        "lengths": lengths,
+        "random_draws": report["held_out"]["method"].get("random_draws"),
+        "timings_heads": report.get("timings_heads", {}),
+        "stdout_tail": proc.stdout.strip().splitlines()[-1:],
+        **info,
+    }
 
 
 def _rss_mib() -> float:
@@ -230,7 +406,13 @@ def main() -> None:
         action="store_true",
         help="also measure 1- and 2-layer cuts of Falcon-Mamba-7B and extrapolate to 64 layers",
     )
-    parser.add_argument("--stages", nargs="+", default=list(STAGES), choices=list(STAGES))
+    parser.add_argument("--stages", nargs="+", default=list(STAGES), choices=[*STAGES, *CLI_STAGES])
+    parser.add_argument(
+        "--scan-args",
+        default="",
+        help="scan stage: more arguments for gna-lens scan, one string (default none: the "
+        "CLI's defaults, threads included)",
+    )
     parser.add_argument("--n-prompts", type=int, default=8)
     parser.add_argument(
         "--threads",
@@ -243,18 +425,23 @@ def main() -> None:
     parser.add_argument("--one", nargs=2, metavar=("MODEL", "STAGE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(run_one(*args.one, args.n_prompts, args.threads)))
+        if args.one[1] in CLI_STAGES:
+            print(json.dumps(run_scan(args.one[0], args.n_prompts, args.scan_args.split())))
+        else:
+            print(json.dumps(run_one(*args.one, args.n_prompts, args.threads)))
         return
     import gna_lens
 
     rows = []
     models = list(args.models)
     if args.extrapolate:
-        models += [m for cut in EXTRAPOLATIONS.values() for m in cut[:2] if m not in models]
+        cuts = [m for kinds in EXTRAPOLATIONS.values() for cut in kinds for m in cut[:2]]
+        models += [m for m in cuts if m not in models]
     for name in models:
         for stage in args.stages:
             cmd = [sys.executable, __file__, "--one", name, stage]
             cmd += ["--n-prompts", str(args.n_prompts), "--threads", str(args.threads)]
+            cmd += [f"--scan-args={args.scan_args}"]
             t0 = time.perf_counter()
             try:
                 proc = subprocess.run(
@@ -305,33 +492,47 @@ def main() -> None:
 
 
 def extrapolation_table(rows: list[dict[str, Any]]) -> str:
-    """EXTRAPOLATED full-model numbers from the 1- and 2-layer cuts (same prompts, same machine).
+    """EXTRAPOLATED full-model numbers from 1- and 2-layer cuts (same prompts, same machine).
 
-    Time: ``fixed + n_layers * per_layer`` with ``per_layer = t(L2) - t(L1)`` and
-    ``fixed = t(L1) - per_layer`` (embedding, unembedding, task set-up). Peak RSS the same way,
-    which assumes memory grows by the same amount with every layer: true of the weights (and of
-    attribution's saved activations), an overestimate for pattern_scores, which holds one layer's
-    pattern at a time. Both cuts run with every layer's weights in fp32 on the CPU.
+    Per layer kind: ``per_layer = t(L2) - t(L1)``; the fixed part (embedding, unembedding, task
+    set-up) is ``t(L1) - per_layer`` of the first kind; the full model is ``fixed + sum(n_kind *
+    per_layer_kind)``. Peak RSS the same way, which assumes memory grows by the same amount with
+    every layer: true of the weights (and of attribution's saved activations), an overestimate
+    for pattern_scores, which holds one layer's pattern at a time. Every cut runs with fp32
+    weights on the CPU.
     """
     by = {(r["model"], r["stage"]): r for r in rows if "error" not in r}
     out = [
-        "\nEXTRAPOLATED (not measured): full model from its 1- and 2-layer cuts\n",
+        "\nEXTRAPOLATED (not measured): full models from 1- and 2-layer cuts\n",
         "| model | stage | per layer (s) | extrapolated time | per layer (MiB) | "
         "extrapolated peak RSS |",
         "|---|---|---|---|---|---|",
     ]
-    for full, (one, two, n_layers) in EXTRAPOLATIONS.items():
+    for full, kinds in EXTRAPOLATIONS.items():
+        n_total = sum(n for _, _, n in kinds)
         for stage in STAGES:
-            a, b = by.get((one, stage)), by.get((two, stage))
-            if a is None or b is None:
+            pairs = [(by.get((one, stage)), by.get((two, stage)), n) for one, two, n in kinds]
+            if any(a is None or b is None for a, b, _ in pairs):
                 continue
-            dt = b["seconds"] - a["seconds"]
-            dm = b["peak_rss_mib"] - a["peak_rss_mib"]
-            t = a["seconds"] - dt + n_layers * dt
-            m = a["peak_rss_mib"] - dm + n_layers * dm
+            dts = [b["seconds"] - a["seconds"] for a, b, _ in pairs]  # type: ignore[index]
+            dms = [b["peak_rss_mib"] - a["peak_rss_mib"] for a, b, _ in pairs]  # type: ignore[index]
+            first = pairs[0][0]
+            assert first is not None
+            t = (
+                first["seconds"]
+                - dts[0]
+                + sum(n * d for (_, _, n), d in zip(pairs, dts, strict=True))
+            )
+            m = (
+                first["peak_rss_mib"]
+                - dms[0]
+                + sum(n * d for (_, _, n), d in zip(pairs, dms, strict=True))
+            )
+            per_t = " / ".join(f"{d:.2f}" for d in dts)
+            per_m = " / ".join(f"{d:.0f}" for d in dms)
             out.append(
-                f"| {full} ({n_layers} layers) | {stage} | {dt:.1f} | {t / 60:.1f} min | "
-                f"{dm:.0f} | {m / 1024:.1f} GiB |"
+                f"| {full} ({n_total} layers) | {stage} | {per_t} | {t / 60:.1f} min | "
+                f"{per_m} | {m / 1024:.1f} GiB |"
             )
     return "\n".join(out)
 

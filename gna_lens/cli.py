@@ -51,7 +51,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _scan(args: argparse.Namespace) -> int:
     from gna_lens.errors import GnaLensError
-    from gna_lens.scan import load_scan_model, scan
+    from gna_lens.scan import describe_timings, load_scan_model, scan
 
     name = args.model or DEFAULT_SCAN_MODEL
     command = "gna-lens " + " ".join(sys.argv[1:] if args.argv is None else args.argv)
@@ -101,6 +101,7 @@ def _scan(args: argparse.Namespace) -> int:
             exact=args.exact,
             strategy=args.strategy,
             top_layers=args.top_layers,
+            head_groups=args.head_groups,
             out=args.out,
             seed=args.seed,
             metric=args.metric,
@@ -135,6 +136,12 @@ def _scan(args: argparse.Namespace) -> int:
         f"Method: {method['mode']} ablation at {method['positions']} positions, metric "
         f"{report.metric} (baseline {report.baseline:.4f}), sweep {method.get('sweep_dtype')}"
     )
+    if "small model" not in method.get("sweep_dtype_choice", "small model"):
+        print(f"  sweep dtype {method['sweep_dtype_choice']}")
+    if method.get("head_groups"):
+        print(f"Heads: {method['head_groups']}")
+        if method.get("head_groups_choice"):
+            print(f"  head groups {method['head_groups_choice']}")
     n_heads = len(report.heads)
     strategy = method.get("strategy", "exact")
     rest = ""
@@ -172,7 +179,7 @@ def _scan(args: argparse.Namespace) -> int:
         print(f"\nWarning: {w}")
     if result.html_path:
         print(f"\nReport: {result.html_path} (offline HTML), {result.json_path}")
-    stages = ", ".join(f"{k} {v:.1f} s" for k, v in result.timings.items())
+    stages = describe_timings(result.timings, result.report.timings)
     print(f"Time: {load_s + result.seconds:.1f} s (loading {load_s:.1f} s, {stages})")
     return 0
 
@@ -302,6 +309,29 @@ def _lm_eval(args: argparse.Namespace) -> int:
     return int(lm_eval_main(args.rest))
 
 
+def head_groups_arg(text: str) -> str | int | None:
+    """``--head-groups``: ``"auto"``, ``"none"`` (``None``) or a positive int block size.
+
+    Examples:
+        >>> head_groups_arg("auto"), head_groups_arg("none"), head_groups_arg("64")
+        ('auto', None, 64)
+    """
+    value = text.strip().lower()
+    if value in ("auto", "none"):
+        return None if value == "none" else "auto"
+    try:
+        size = int(value)
+    except ValueError:
+        size = 0
+    if size < 1 or not value.isdigit():
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected 'auto' (blocks of 64 channels on Mamba-1 models above 300 "
+            "heads), 'none' (single channels) or a positive int block size that divides the "
+            "model's d_inner, e.g. 64"
+        )
+    return size
+
+
 def _train_zoo(args: argparse.Namespace) -> int:
     from gna_lens.zoo.train import train_zoo_main
 
@@ -366,6 +396,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "heads exceed 300)",
     )
     sc.add_argument(
+        "--head-groups",
+        type=head_groups_arg,
+        default="auto",
+        metavar="{auto,none,N}",
+        help="Mamba-1 / FalconMamba heads: auto (default: contiguous blocks of 64 channels on "
+        "models above 300 single-channel heads, e.g. mamba-130m; single channels below), none "
+        "(single channels) or N (blocks of N channels; N divides d_inner)",
+    )
+    sc.add_argument(
         "--exact",
         type=int,
         default=None,
@@ -391,9 +430,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--random-draws", type=int, default=10, help="random head sets of the baseline (10)"
     )
     sc.add_argument(
-        "--sweep-dtype", default="float32", choices=["float32", "bfloat16"],
-        help="arithmetic of the selection sweeps (bfloat16 autocast: ~2x faster on AVX512-BF16 "
-        "CPUs); held-out numbers are always float32",
+        "--sweep-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+        help="arithmetic of the selection sweeps: auto (default: bfloat16 autocast on models "
+        "above 300 heads where the CPU/GPU has native bfloat16, else float32), float32, or "
+        "bfloat16 (~1.6x faster on AVX512-BF16 CPUs); held-out numbers are always float32",
     )  # fmt: skip
     sc.add_argument("--out", default="gna_lens_report", help="folder for report.html / report.json")
     sc.add_argument("--seed", type=int, default=0)

@@ -264,6 +264,14 @@ class RayExecutor:
     # ------------------------------------------------------------------ the model in a worker
     def _source(self, model: Any) -> tuple[Any, dict[str, Any], str]:
         """(what a worker loads, load_model's keyword arguments, a description)."""
+        groups = getattr(model, "head_group_spec", None)
+        if groups:
+            raise GnaLensError(
+                f"RayExecutor: the model's heads are Mamba-1 channel groups ({groups!r}), which a "
+                "worker's freshly loaded copy would not have, so its cells would address other "
+                "channels. Fix: run this sweep without executor=, or with single channels "
+                "(head_groups=None)."
+            )
         dtype = _param_dtype(model)
         if self.model_source is not None and not isinstance(self.model_source, str | Path):
             name = getattr(self.model_source, "__qualname__", type(self.model_source).__name__)

@@ -553,19 +553,32 @@ def describe_head_groups(view: HeadView) -> str:
         >>> with model.head_groups({0: 16, 1: [[3, 40], [7]]}):
         ...     print(describe_head_groups(head_view(model)))
         Mamba-1 channel groups as heads: layer 0: 4 blocks of 16 channels; layer 1: 2 channel sets (2, 1 channels)
+
+        The same blocks in every SSM layer of a deeper model are one entry:
+
+        >>> model = tiny_hooked_ssm("mamba1", num_hidden_layers=3)
+        >>> with model.head_groups(16):
+        ...     print(describe_head_groups(head_view(model)))
+        Mamba-1 channel groups as heads: every SSM layer (3): 4 blocks of 16 channels
     """
-    parts = []
+    parts: list[tuple[int, str]] = []
     for lh in view:
         if lh.channels is None:
             continue
         sizes = [len(c) for c in lh.channels]
         contiguous = all(c == tuple(range(c[0], c[0] + len(c))) for c in lh.channels)
         if contiguous and len(set(sizes)) == 1 and sum(sizes) == lh.n_channels:
-            parts.append(f"layer {lh.layer}: {lh.n_heads} blocks of {sizes[0]} channels")
+            parts.append((lh.layer, f"{lh.n_heads} blocks of {sizes[0]} channels"))
         else:
             shown = ", ".join(map(str, sizes[:8])) + (", ..." if len(sizes) > 8 else "")
-            parts.append(f"layer {lh.layer}: {lh.n_heads} channel sets ({shown} channels)")
-    return "Mamba-1 channel groups as heads: " + "; ".join(parts) if parts else ""
+            parts.append((lh.layer, f"{lh.n_heads} channel sets ({shown} channels)"))
+    if not parts:
+        return ""
+    head = "Mamba-1 channel groups as heads: "
+    n_ssm = sum(1 for lh in view if lh is not None and lh.kind == "ssm")
+    if len(parts) == n_ssm > 2 and len({text for _, text in parts}) == 1:
+        return head + f"every SSM layer ({n_ssm}): {parts[0][1]}"
+    return head + "; ".join(f"layer {layer}: {text}" for layer, text in parts)
 
 
 def head_patterns(

@@ -41,7 +41,12 @@ from gna_lens.scoring import (
     score_heads,
 )
 from gna_lens.scoring.knowledge import RANDOM_DRAWS
-from gna_lens.scoring.report import EXACT_ALL_MAX, _resolve_strategy, default_top_layers
+from gna_lens.scoring.report import (
+    EXACT_ALL_MAX,
+    _resolve_strategy,
+    applied_head_groups,
+    default_top_layers,
+)
 from gna_lens.tasks import Task, kv_retrieval, load_mmlu, load_records, multiple_choice
 
 __all__ = [
@@ -89,7 +94,7 @@ class ScanResult:
         json_path: The JSON report, when written.
         seconds: Wall time of the scan.
         timings: Seconds per stage: ``tasks``, ``heads`` (pattern scores, ablation sweeps on task
-            and control), ``held_out`` and ``report``.
+            and control; its steps are in ``report.timings``), ``held_out`` and ``report``.
         n_exact: Heads whose effects were measured exactly (the others are listed, with the
             reason, in ``report.unmeasured``).
         tasks: The scan's prompt sets.
@@ -391,13 +396,14 @@ def scan(
     exact: int | None = None,
     strategy: str = "auto",
     top_layers: int | None = None,
+    head_groups: Any = "auto",
     metric: str = "logit_diff",
     mode: str = "zero",
     positions: Any = None,
     control: Any = "prose",
     max_control: float = MAX_CONTROL,
     random_draws: int = RANDOM_DRAWS,
-    sweep_dtype: str | None = None,
+    sweep_dtype: str | None = "auto",
     zoo: bool = False,
     command: str | None = None,
     name: str | None = None,
@@ -428,6 +434,13 @@ def scan(
             :func:`~gna_lens.scoring.score_heads`).
         top_layers: Layers whose heads the coarse-to-fine scan ablates (default
             :func:`~gna_lens.scoring.report.default_top_layers`).
+        head_groups: What a Mamba-1 head is (see :func:`~gna_lens.scoring.score_heads`):
+            ``"auto"`` (default: contiguous blocks of
+            :data:`~gna_lens.scoring.report.DEFAULT_CHANNEL_GROUP` channels on a Mamba-1 model
+            above :data:`EXACT_ALL_MAX` single-channel heads, else the heads as they are),
+            ``None`` (single channels) or a spec of
+            :meth:`~gna_lens.models.HookedSSM.set_head_groups`. It holds for the whole scan (the
+            held-out stage removes the same groups); the report records it.
         metric: Ablation metric of the ranking (``"logit_diff"``, ``"accuracy"``, ...).
         mode: ``"zero"`` or ``"mean"`` ablation (of the ranking and the held-out measurement).
         positions: ``None`` (every position) or ``"last"``.
@@ -435,8 +448,11 @@ def scan(
             :func:`~gna_lens.scoring.resolve_control`; zoo models use their cloze split.
         max_control: Bound of the retrieval-specific ranking (nats/token).
         random_draws: Random head sets of the held-out baseline.
-        sweep_dtype: ``None`` or ``"bfloat16"`` (autocast of the selection sweeps only; the
-            held-out numbers are always computed in the model's dtype).
+        sweep_dtype: ``"auto"`` (default: ``"bfloat16"`` when the model has more than
+            :data:`EXACT_ALL_MAX` heads, float32 weights and a device with native bfloat16, else
+            ``None``; see :func:`~gna_lens.scoring.report.resolve_sweep_dtype`), ``None``
+            (float32) or ``"bfloat16"``: autocast of the selection sweeps only; the held-out
+            numbers are always computed in the model's dtype. The report records the choice.
         zoo: ``model`` is a zoo model (its splits and cloze control, see :func:`build_tasks`).
         command: The command line, recorded in the report.
         name: The model's name in the report (default: from its config).
@@ -477,80 +493,92 @@ def scan(
     c_eval = sets.control_eval if sets.control_eval is not None else control
     c_eval = resolve_control(c_eval, tok, positions=positions, split="eval")
     timings["tasks"] = time.perf_counter() - t0
-    view = head_view(model)
-    n_heads = view.n_heads_total
-    prefilter = None
-    if strategy == "attribution" or (strategy == "auto" and exact is not None and exact < n_heads):
-        prefilter = min(exact or default_exact(top), n_heads)
-        strategy = "attribution"
-    elif exact is not None and exact < n_heads:
-        raise GnaLensError(
-            f"scan(exact={exact}, strategy={strategy!r}): exact is the attribution strategy's "
-            "number of heads confirmed exactly. Fix: strategy='attribution' (or 'auto'), or drop "
-            "exact."
+    with applied_head_groups(model, head_groups) as groups_choice:
+        view = head_view(model)
+        n_heads = view.n_heads_total
+        prefilter = None
+        if strategy == "attribution" or (
+            strategy == "auto" and exact is not None and exact < n_heads
+        ):
+            prefilter = min(exact or default_exact(top), n_heads)
+            strategy = "attribution"
+        elif exact is not None and exact < n_heads:
+            raise GnaLensError(
+                f"scan(exact={exact}, strategy={strategy!r}): exact is the attribution strategy's "
+                "number of heads confirmed exactly. Fix: strategy='attribution' (or 'auto'), or drop "
+                "exact."
+            )
+        elif exact is not None and strategy == "auto":
+            strategy = "exact"  # exact covers every head
+        strategy = _resolve_strategy(strategy, prefilter, top_layers, view)
+        if strategy == "exact":
+            how = f"exact ablation of all {n_heads}"
+        elif strategy == "attribution":
+            how = (
+                f"attribution over all {n_heads}, exact ablation of the {prefilter} it ranks first"
+            )
+        else:
+            k = default_top_layers(view) if top_layers is None else top_layers
+            how = (
+                f"coarse to fine: each of {view.n_layers} layers removed alone, then exact ablation "
+                f"of the heads of the top {k}"
+            )
+        if groups_choice.get("head_group_size"):
+            how += f"; each head a block of {groups_choice['head_group_size']} channels"
+        _stage(
+            progress,
+            f"scoring heads on {len(probe)} selection prompts and the control ({how}; sweep "
+            f"{sweep_dtype or 'float32'})",
         )
-    elif exact is not None and strategy == "auto":
-        strategy = "exact"  # exact covers every head
-    strategy = _resolve_strategy(strategy, prefilter, top_layers, view)
-    if strategy == "exact":
-        how = f"exact ablation of all {n_heads}"
-    elif strategy == "attribution":
-        how = f"attribution over all {n_heads}, exact ablation of the {prefilter} it ranks first"
-    else:
-        k = default_top_layers(view) if top_layers is None else top_layers
-        how = (
-            f"coarse to fine: each of {view.n_layers} layers removed alone, then exact ablation "
-            f"of the heads of the top {k}"
+        t = time.perf_counter()
+        report = score_heads(
+            model,
+            probe,
+            control=c_select,
+            metric=metric,
+            mode=mode,
+            positions=positions,
+            max_control=max_control,
+            prefilter=prefilter,
+            strategy=strategy,
+            top_layers=top_layers,
+            head_groups=head_groups,
+            executor=executor,
+            sweep_dtype=sweep_dtype,
+            progress=progress,
         )
-    _stage(
-        progress,
-        f"scoring heads on {len(probe)} selection prompts and the control ({how}; sweep "
-        f"{sweep_dtype or 'float32'})",
-    )
-    t = time.perf_counter()
-    report = score_heads(
-        model,
-        probe,
-        control=c_select,
-        metric=metric,
-        mode=mode,
-        positions=positions,
-        max_control=max_control,
-        prefilter=prefilter,
-        strategy=strategy,
-        top_layers=top_layers,
-        sweep_dtype=sweep_dtype,
-        progress=progress,
-        executor=executor,
-    )
-    timings["heads"] = time.perf_counter() - t
-    n_exact = int(report.method.get("n_exact", 0))
-    if name:
-        report = dataclasses.replace(report, model_name=name)
-    if report.has_control:
-        top_heads = report.top(top)
-        excluded = report.excluded(top)
-    else:
-        top_heads, excluded = report.top(top, by="ablation_effect"), []
-    _stage(
-        progress,
-        f"held-out prompts: accuracy before / after removing the top {len(top_heads)} heads, "
-        f"control, {random_draws} random draws",
-    )
-    t = time.perf_counter()
-    knowledge = retrieval_vs_knowledge(
-        model, top_heads, sets.held_out, control=c_eval, random_draws=random_draws, seed=seed,
-        mode=mode, positions=positions, progress=progress,
-    )  # fmt: skip
-    timings["held_out"] = time.perf_counter() - t
+        timings["heads"] = time.perf_counter() - t
+        n_exact = int(report.method.get("n_exact", 0))
+        if name:
+            report = dataclasses.replace(report, model_name=name)
+        if report.has_control:
+            top_heads = report.top(top)
+            excluded = report.excluded(top)
+        else:
+            top_heads, excluded = report.top(top, by="ablation_effect"), []
+        _stage(
+            progress,
+            f"held-out prompts: accuracy before / after removing the top {len(top_heads)} heads, "
+            f"control, {random_draws} random draws",
+        )
+        t = time.perf_counter()
+        knowledge = retrieval_vs_knowledge(
+            model, top_heads, sets.held_out, control=c_eval, random_draws=random_draws, seed=seed,
+            mode=mode, positions=positions, progress=progress,
+        )  # fmt: skip
+        timings["held_out"] = time.perf_counter() - t
     warnings = _warnings(report, knowledge, top, len(top_heads))
-    method = report.method | {
-        "selection_prompts": len(probe),
-        "held_out_prompts": {k: len(v) for k, v in sets.held_out.items()},
-        "held_out": "disjoint from the selection prompts (checked by prompt text)",
-        "control_eval": knowledge.control.control if knowledge.control else "none",
-        **{f"tasks_{k}": v for k, v in sets.notes.items()},
-    }
+    method = (
+        report.method
+        | groups_choice
+        | {
+            "selection_prompts": len(probe),
+            "held_out_prompts": {k: len(v) for k, v in sets.held_out.items()},
+            "held_out": "disjoint from the selection prompts (checked by prompt text)",
+            "control_eval": knowledge.control.control if knowledge.control else "none",
+            **{f"tasks_{k}": v for k, v in sets.notes.items()},
+        }
+    )
     report = dataclasses.replace(report, method=method)
     prov = provenance_of(model)
     html_path = json_path = None
@@ -559,7 +587,7 @@ def scan(
         folder = Path(out)
         folder.mkdir(parents=True, exist_ok=True)
         seconds = time.perf_counter() - t0
-        stages = ", ".join(f"{k} {v:.1f} s" for k, v in timings.items())
+        stages = describe_timings(timings, report.timings)
         warn_html = "".join(f"<p><b>Warning:</b> {html.escape(w)}</p>" for w in warnings)
         meta = (
             "<h2>Provenance</h2><p>Weights: "
@@ -581,6 +609,13 @@ def scan(
                 if "executor" in report.method
                 else ""
             )
+            + (
+                "<br>"
+                + html.escape(method["head_groups"])
+                + html.escape(f" (head groups {method.get('head_groups_choice', 'as set')})")
+                if method.get("head_groups")
+                else ""
+            )
             + f"<br>Scan time: {seconds:.1f} s ({html.escape(stages)}; model loading not "
             "included)</p>"
         )
@@ -599,6 +634,7 @@ def scan(
             "command": command,
             "versions": _versions(),
             "timings": timings,
+            "timings_heads": report.timings,
         }
         json_path.write_text(json.dumps(payload, indent=1), encoding="utf-8")
     timings["report"] = time.perf_counter() - t
@@ -607,6 +643,20 @@ def scan(
         report, knowledge, top_heads, html_path, json_path, seconds, timings, n_exact, excluded,
         sets, warnings,
     )  # fmt: skip
+
+
+def describe_timings(timings: dict[str, float], heads: dict[str, float]) -> str:
+    """``"tasks 0.1 s, heads 80.2 s (pattern_scores 2.0 s, ...), held_out 40.0 s"``.
+
+    Examples:
+        >>> describe_timings({"tasks": 0.1, "heads": 3.0}, {"pattern_scores": 1.0})
+        'tasks 0.1 s, heads 3.0 s (pattern_scores 1.0 s)'
+    """
+    parts = []
+    for k, v in timings.items():
+        detail = ", ".join(f"{a} {b:.1f} s" for a, b in heads.items()) if k == "heads" else ""
+        parts.append(f"{k} {v:.1f} s" + (f" ({detail})" if detail else ""))
+    return ", ".join(parts)
 
 
 def _warnings(report: GnaReport, knowledge: KnowledgeTable, asked: int, got: int) -> list[str]:

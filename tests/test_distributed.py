@@ -15,7 +15,7 @@ from interventions_helpers import KEYS, tok
 
 from gna_lens import ablation_sweep, load_model, score_heads
 from gna_lens.distributed import RayExecutor
-from gna_lens.errors import ConfigError, WorkerError
+from gna_lens.errors import ConfigError, GnaLensError, WorkerError
 from gna_lens.interventions import control_sweep
 from gna_lens.tasks import kv_retrieval, text_control
 from gna_lens.testing import tiny_checkpoint, tiny_hooked_ssm
@@ -205,3 +205,11 @@ def test_scan_cli_workers_and_address_reach_the_executor(monkeypatch, tmp_path):
     ex = seen["executor"]
     assert isinstance(ex, RayExecutor) and seen["closed"]
     assert (ex.workers, ex.address, ex.threads_per_worker) == (3, "auto", 2)
+
+
+def test_mamba1_channel_groups_are_refused_before_ray_starts():
+    """A worker's fresh copy would not have the caller's groups: its cells would be channels."""
+    model = tiny_hooked_ssm("mamba1", vocab_size=len(tok()))
+    task = kv_retrieval(tok(), n_pairs=3, n_samples=2, words=KEYS, seed=0)
+    with model.head_groups(16), pytest.raises(GnaLensError, match="channel groups"):
+        ablation_sweep(model, task, "logit_diff", progress=False, executor=RayExecutor(workers=2))

@@ -259,6 +259,10 @@ def test_scan_cli_coarse_to_fine_above_the_exact_limit_says_what_it_never_measur
     assert "strategy coarse_to_fine" in page
     data = json.loads((out / "report.json").read_text())
     assert data["method"]["strategy"] == "coarse_to_fine" and data["n_exact"] == 3
+    # Large now, so sweep_dtype="auto" tried bfloat16: the hand-built toy fails its check.
+    choice = data["method"]["sweep_dtype_choice"]
+    assert choice.startswith("auto: float32, because bfloat16 fails the check"), choice
+    assert data["method"]["sweep_dtype"] == "float32" and "sweep dtype auto: float32" in text
     assert [(u["layer"], u["head_indices"]) for u in data["unmeasured"]] == [(0, [0, 1, 2])]
     assert [r["layer"] for r in data["layer_ranking"]] == [1, 0]
     assert [r["scanned"] for r in data["layer_ranking"]] == [True, False]
@@ -268,3 +272,125 @@ def test_scan_cli_coarse_to_fine_above_the_exact_limit_says_what_it_never_measur
     assert main([*args, "--random-draws", "0", "--strategy", "exact"]) == 0
     text = capsys.readouterr().out
     assert "Heads never measured" not in text and "Heads ablated exactly: 6 of 6" in text
+
+
+@pytest.fixture
+def mamba1_scan(monkeypatch):
+    """``gna-lens scan`` on a tiny random Mamba-1 (2 layers of 64 channels) that counts as large:
+    EXACT_ALL_MAX is 100 (< its 128 single-channel heads) and the auto block size 16."""
+    import torch
+    from interventions_helpers import model as tiny_model
+    from interventions_helpers import task as make_task
+    from interventions_helpers import tok
+
+    import gna_lens.scoring.report as report_module
+    from gna_lens import scan as scan_module
+    from gna_lens.tasks import TextControl
+
+    m = tiny_model("mamba1")
+    ids = [tok().convert_tokens_to_ids(w) for w in ("apple", " river", " stone", " is", ":")]
+    gen = torch.Generator().manual_seed(0)
+    control = TextControl(
+        name="word-chains", tokens=torch.tensor(ids)[torch.randint(5, (8, 12), generator=gen)],
+        source="random chains of the test words", split="all",
+    )  # fmt: skip
+
+    def tasks(tok_, task, n_samples, seed, n_eval=8, zoo=False):
+        return ScanTasks(
+            make_task(n_pairs=4, n_samples=n_samples, seed=seed),
+            {"kv-4": make_task(n_pairs=4, n_samples=n_eval, seed=seed + 1)},
+            control_select=control,
+            control_eval=control,
+        )
+
+    monkeypatch.setattr(scan_module, "build_tasks", tasks)
+    monkeypatch.setattr(scan_module, "load_scan_model", lambda name: m)
+    monkeypatch.setattr(report_module, "EXACT_ALL_MAX", 100)
+    monkeypatch.setattr(report_module, "DEFAULT_CHANNEL_GROUP", 16)
+    monkeypatch.setattr(report_module, "native_bfloat16", lambda device: True)
+    return m
+
+
+def test_scan_groups_a_large_mamba1_into_channel_blocks_by_default_and_says_so(
+    tmp_path, mamba1_scan, capsys
+):
+    out = tmp_path / "report"
+    args = ["scan", "tiny-mamba1", "--n-samples", "4", "--n-eval", "4", "--top", "2"]
+    assert main([*args, "--random-draws", "1", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    groups = (
+        "Mamba-1 channel groups as heads: layer 0: 4 blocks of 16 channels; "
+        "layer 1: 4 blocks of 16 channels"
+    )
+    assert f"Heads: {groups}" in text
+    assert "head groups auto: 128 single-channel heads is more than EXACT_ALL_MAX (100)" in text
+    assert "Heads ablated exactly: 8 of 8" in text  # 8 groups: every one exact
+    data = json.loads((out / "report.json").read_text())
+    assert data["method"]["head_groups"] == groups and data["method"]["head_group_size"] == 16
+    assert "with model.head_groups(16)" in data["method"]["head_groups_choice"]
+    assert data["method"]["strategy"] == "exact" and data["n_exact"] == 8
+    assert data["method"]["sweep_dtype_choice"] == "auto: float32 (8 heads: a small model)"
+    assert len(data["heads"]) == 8 and data["layer_heads"] == [4, 4]
+    assert all(0 <= h < 4 for _, h in data["top"])
+    assert set(data["timings_heads"]) >= {"pattern_scores", "ablation_sweep", "control_sweep"}
+    page = (out / "report.html").read_text()
+    assert "4 blocks of 16 channels" in page and "head groups auto" in page
+    assert mamba1_scan.head_group_spec == {}  # grouped for the scan only
+
+    # An explicit block size, and single channels (then coarse to fine: 128 > 100 heads).
+    assert main([*args, "--random-draws", "0", "--out", str(out), "--head-groups", "32"]) == 0
+    data = json.loads((out / "report.json").read_text())
+    assert data["method"]["head_group_size"] == 32 and data["layer_heads"] == [2, 2]
+    assert main([*args, "--random-draws", "0", "--out", str(out), "--head-groups", "none"]) == 0
+    data = json.loads((out / "report.json").read_text())
+    assert "head_groups" not in data["method"] and data["layer_heads"] == [64, 64]
+    assert data["method"]["strategy"] == "coarse_to_fine" and data["n_exact"] == 64
+    # 128 heads > 100: sweep_dtype="auto" sweeps in bfloat16 (native here), after its check.
+    assert data["method"]["sweep_dtype"] == "bfloat16 (autocast)"
+    assert (
+        "because the model is large (128 heads, more than 100)"
+        in (data["method"]["sweep_dtype_choice"])
+        and "; checked: clean logit difference" in data["method"]["sweep_dtype_choice"]
+    )
+
+
+def test_score_heads_groups_a_large_mamba1_by_default(mamba1_scan):
+    from interventions_helpers import task as make_task
+
+    from gna_lens import score_heads
+
+    t = make_task(n_pairs=4, n_samples=4)
+    report = score_heads(mamba1_scan, t, control=None, progress=False, n_examples=1)
+    assert report.layer_heads == (4, 4) and report.method["head_group_size"] == 16
+    assert report.method["strategy"] == "exact" and mamba1_scan.head_group_spec == {}
+    with mamba1_scan.head_groups(8):  # groups of its own: kept, nothing chosen
+        own = score_heads(mamba1_scan, t, ablation=False, control=None, progress=False)
+    assert own.layer_heads == (8, 8) and "head_groups_choice" not in own.method
+    plain = score_heads(
+        mamba1_scan, t, ablation=False, control=None, progress=False, head_groups=None
+    )
+    assert plain.layer_heads == (64, 64) and "head_groups" not in plain.method
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-3", "1.5", "16x"])
+def test_scan_cli_head_groups_rejects_what_is_not_auto_none_or_a_block_size(value, capsys):
+    with pytest.raises(SystemExit) as err:
+        main(["scan", "x", "--head-groups", value])
+    assert err.value.code == 2
+    msg = capsys.readouterr().err
+    assert f"argument --head-groups: {value!r}: expected 'auto'" in msg
+    assert "'none' (single channels) or a positive int block size" in msg
+
+
+def test_scan_cli_head_groups_the_model_refuses_is_a_clear_error(tmp_path, mamba1_scan, capsys):
+    args = ["scan", "tiny-mamba1", "--n-samples", "4", "--n-eval", "4", "--out", str(tmp_path)]
+    assert main([*args, "--head-groups", "48"]) == 2
+    err = capsys.readouterr().err
+    assert "gna-lens scan: error: set_head_groups: block size 48" in err
+    assert "does not divide d_inner=64" in err
+
+
+def test_scan_head_groups_on_a_model_without_channel_heads_is_refused(tmp_path, toy_scan, capsys):
+    assert main(["scan", "toy", "--out", str(tmp_path), "--head-groups", "16"]) == 2
+    err = capsys.readouterr().err
+    assert "head_groups=16 on a" in err and "channel groups are for Mamba-1" in err

@@ -139,12 +139,14 @@ def mamba1_scan(
 ) -> tuple[Float[Tensor, "batch pos channel"], Tensor | None]:
     """Mamba-1 selective scan ``h_t = exp(Δ_t A) h_{t-1} + Δ_t B_t u_t``, ``y_t = C_t · h_t``.
 
-    Per chunk of ``chunk_size`` positions, the decays and writes of every step are computed in
-    one vectorized pass (time-major layout), the recurrence is one fused multiply-add per step
-    written straight into a preallocated buffer, and the read-out is one contraction. On CPU this
-    beats a log-depth parallel scan, whose extra passes over ``[batch, pos, channel, state]``
-    tensors cost more than the per-step overhead. Memory is ``O(chunk * batch * channel * state)``
-    unless the states are requested. ``D`` and the gate are applied by the caller.
+    Without the states, step by step: each step's decay, write, fused multiply-add and
+    read-out work on one ``[batch, channel, state]`` buffer that stays in cache (5x faster on CPU
+    than materializing a chunk's ``[chunk, batch, channel, state]`` decays and writes first, with
+    bit-identical results); memory is ``O(batch * channel * state)``. With the states, per chunk
+    of ``chunk_size`` positions: decays and writes in one vectorized pass (time-major), the
+    recurrence written into a preallocated buffer, one read-out contraction. Either beats a
+    log-depth parallel scan on CPU, whose extra passes over ``[batch, pos, channel, state]``
+    tensors cost more than the per-step overhead. ``D`` and the gate are applied by the caller.
 
     Differentiable: when gradients are needed (and the states are not requested) the scan runs
     as one autograd function whose backward recomputes each chunk's states from the state saved
@@ -167,6 +169,8 @@ def mamba1_scan(
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (u, delta, A, B, C))
     if needs_grad and not return_states:
         return Mamba1Scan.apply(u, delta, A, B, C, chunk_size), None
+    if not return_states:
+        return _scan_steps(u, delta, A, B, C), None
     batch, length, channels = u.shape
     state = u.new_zeros(batch, channels, A.shape[-1])
     ys: list[Tensor] = []
@@ -188,6 +192,47 @@ def mamba1_scan(
             all_states.append(states.transpose(0, 1))
     y = torch.cat(ys, dim=1)
     return y, (torch.cat(all_states, dim=1) if return_states else None)
+
+
+def _scan_steps(
+    u: Tensor,
+    delta: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    chunk_size: int = 0,
+    starts: list[Tensor] | None = None,
+) -> Tensor:
+    """The scan's outputs ``y [batch, pos, channel]`` step by step, no state kept (no autograd).
+
+    Each step's decay, write, state update and read-out touch one ``[batch, channel, state]``
+    buffer, which stays in cache; the chunked form materializes ``[chunk, batch, channel,
+    state]`` decays and writes first (74 MB per layer for 16 prompts of 47 tokens of
+    mamba-130m), which made it 5x slower on CPU. Same operations in the same order: the results
+    are bit-identical to the chunked form's. The state and read-out are computed in the inputs'
+    promoted dtype even under autocast (as the Mamba kernels keep their scan in float32). ``starts`` (with ``chunk_size``) collects the state
+    before every ``chunk_size``-th step (for :class:`Mamba1Scan`'s backward).
+    """
+    batch, length, channels = u.shape
+    dtype = u.dtype
+    for x in (delta, A, B, C):
+        dtype = torch.promote_types(dtype, x.dtype)
+    d = delta.transpose(0, 1)  # [t, b, e]
+    du = d * u.transpose(0, 1)
+    Bt, Ct = B.transpose(0, 1), C.transpose(0, 1).unsqueeze(-1)  # [t, b, n], [t, b, n, 1]
+    state = torch.zeros(batch, channels, A.shape[-1], dtype=dtype, device=u.device)
+    decay, write = torch.empty_like(state), torch.empty_like(state)
+    y = torch.empty(length, batch, channels, dtype=dtype, device=u.device)
+    with torch.autocast(u.device.type, enabled=False):  # the state and read-out stay in dtype
+        for step in range(length):
+            if starts is not None and step % chunk_size == 0:
+                starts.append(state.clone())
+            torch.mul(d[step, :, :, None], A, out=decay)
+            decay.exp_()
+            torch.mul(du[step, :, :, None], Bt[step, :, None, :], out=write)
+            state, write = write.addcmul_(decay, state), state  # write + decay * state
+            y[step] = torch.matmul(state, Ct[step].to(dtype))[..., 0]
+    return y.transpose(0, 1)
 
 
 def _chunk_terms(u: Tensor, delta: Tensor, A: Tensor, B: Tensor) -> tuple[Tensor, Tensor]:
@@ -227,21 +272,11 @@ class Mamba1Scan(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: Any, u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: int
     ) -> Tensor:
-        batch, length, channels = u.shape
-        state = torch.zeros(
-            batch, channels, A.shape[-1], dtype=torch.result_type(u, A), device=u.device
-        )
-        starts, ys = [], []
-        for start in range(0, length, chunk_size):
-            sl = slice(start, start + chunk_size)
-            starts.append(state)
-            decay, write = _chunk_terms(u[:, sl], delta[:, sl], A, B[:, sl])
-            states = _run_chunk(decay, write, state)
-            state = states[-1].clone()
-            ys.append(torch.einsum("tben,btn->bte", states, C[:, sl]))
+        starts: list[Tensor] = []
+        y = _scan_steps(u, delta, A, B, C, chunk_size, starts)
         ctx.save_for_backward(u, delta, A, B, C, torch.stack(starts))
         ctx.chunk_size = chunk_size
-        return torch.cat(ys, dim=1)
+        return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable

@@ -19,6 +19,7 @@ import contextlib
 import html
 import json
 import math
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,14 +41,20 @@ from gna_lens.stats import bootstrap_interval
 from gna_lens.tasks import Task, TextControl, text_control
 
 __all__ = [
+    "DEFAULT_CHANNEL_GROUP",
     "EXACT_ALL_MAX",
     "MAX_CONTROL",
     "STRATEGIES",
     "ExcludedHead",
     "GnaReport",
     "UnmeasuredHeads",
+    "applied_head_groups",
+    "auto_head_groups",
+    "check_bfloat16",
     "default_top_layers",
+    "native_bfloat16",
     "resolve_control",
+    "resolve_sweep_dtype",
     "score_heads",
 ]
 
@@ -67,6 +74,12 @@ STRATEGIES = ("auto", "exact", "coarse_to_fine", "attribution")
 
 #: Layers whose heads a coarse-to-fine scan ablates, at most (see :func:`default_top_layers`).
 DEFAULT_TOP_LAYERS = 4
+
+#: Channels per head of the contiguous groups that ``head_groups="auto"`` makes on a Mamba-1 /
+#: FalconMamba model above :data:`EXACT_ALL_MAX` single-channel heads: 64, the head width of
+#: Mamba-2 (mamba-130m's 1,536 channels per layer make 24 groups, as many as mamba2-130m's heads;
+#: Falcon-Mamba-7B's 8,192 make 128).
+DEFAULT_CHANNEL_GROUP = 64
 
 #: Heads ablated exactly after attribution patching when ``strategy="attribution"`` is given no
 #: ``prefilter``.
@@ -200,6 +213,10 @@ class GnaReport:
         unmeasured: The heads never ablated exactly, per layer, with the reason (layers below
             the top ``top_layers`` of the coarse stage, or heads below the attribution
             prefilter's cut).
+        timings: Seconds per step of :func:`score_heads`: ``pattern_scores``, ``attribution``,
+            ``layer_sweep`` (the coarse stage), ``ablation_sweep``, ``control_sweep`` and
+            ``examples``, those that ran (not in :meth:`to_dict`: the report's numbers do not
+            depend on them).
     """
 
     model_name: str
@@ -220,6 +237,7 @@ class GnaReport:
     method: dict[str, Any] = field(default_factory=dict)
     layers: LayerSweepResult | None = None
     unmeasured: tuple[UnmeasuredHeads, ...] = ()
+    timings: dict[str, float] = field(default_factory=dict, compare=False)
 
     @property
     def n_unmeasured(self) -> int:
@@ -751,6 +769,84 @@ def resolve_control(
     return text_control(tokenizer, control, n_sequences=n, seq_len=length, split=split)  # type: ignore[arg-type]
 
 
+def native_bfloat16(device: Any) -> bool:
+    """Whether ``device`` multiplies bfloat16 natively: a CUDA GPU that supports it, or a CPU with
+    AVX512-BF16 or AMX-BF16 (read from ``/proc/cpuinfo``; ``False`` where it cannot be read)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    if device.type != "cpu":
+        return False
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_sweep_dtype(model: Any, sweep_dtype: Any) -> tuple[Any, dict[str, Any]]:
+    """The sweep dtype to run (``"auto"`` resolved) and what to record about the choice.
+
+    ``"auto"``: ``"bfloat16"`` autocast where the model is large (more than
+    :data:`EXACT_ALL_MAX` heads, as grouped now), its weights are float32 and the device
+    multiplies bfloat16 natively (:func:`native_bfloat16`); else ``None`` (the model's own
+    arithmetic). Other values are returned as given.
+
+    Examples:
+        >>> from gna_lens.testing import toy_gna_model
+        >>> resolve_sweep_dtype(toy_gna_model(), "auto")
+        (None, {'sweep_dtype_choice': 'auto: float32 (4 heads: a small model)'})
+    """
+    if sweep_dtype != "auto":
+        return sweep_dtype, {}
+    n = head_view(model).n_heads_total
+    if n <= EXACT_ALL_MAX:
+        return None, {"sweep_dtype_choice": f"auto: float32 ({n:,} heads: a small model)"}
+    param = next(iter(model.parameters()), None)
+    if param is None or param.dtype != torch.float32:
+        why = f"weights {param.dtype if param is not None else 'unknown'}"
+        return None, {"sweep_dtype_choice": f"auto: the model's own dtype ({why})"}
+    if not native_bfloat16(param.device):
+        return None, {
+            "sweep_dtype_choice": f"auto: float32 ({param.device.type} without native bfloat16)"
+        }
+    return "bfloat16", {
+        "sweep_dtype_choice": (
+            f"auto: bfloat16 autocast for the selection sweeps (layer removal, head ablation, "
+            f"control) because the model is large ({n:,} heads, more than {EXACT_ALL_MAX}) and "
+            f"its {param.device.type} multiplies bfloat16 natively; "
+            "held-out numbers are float32; --sweep-dtype float32 (sweep_dtype=None) for exact "
+            "arithmetic"
+        )
+    }
+
+
+def check_bfloat16(model: Any, task: Task, n: int = 8) -> tuple[bool, str]:
+    """Whether bfloat16 autocast keeps ``model``'s clean logit differences on the first ``n``
+    prompts of ``task``: the mean absolute change must stay within 0.1 x the mean absolute
+    float32 value + 0.02 logits. Returns ``(ok, the numbers in words)``.
+
+    A guard for ``sweep_dtype="auto"``: trained models run in bfloat16 every day, but a model
+    whose mechanism needs float32 (e.g. a hand-built one with huge weights) must not be swept in
+    it.
+    """
+    from gna_lens.tasks import evaluate
+
+    sub = task[: min(n, len(task))]
+    with torch.no_grad():
+        ref = evaluate(model, sub).logit_diffs.double()
+        with sweep_precision(model, "bfloat16"):
+            low = evaluate(model, sub).logit_diffs.double()
+    change, scale = float((low - ref).abs().mean()), float(ref.abs().mean())
+    ok = change <= 0.1 * scale + 0.02
+    words = (
+        f"clean logit difference on {len(sub)} selection prompts moves by {change:.4f} on "
+        f"average under bfloat16 (float32 mean |value| {scale:.4f}; allowed 0.1 x that + 0.02)"
+    )
+    return ok, words
+
+
 @contextlib.contextmanager
 def sweep_precision(model: Any, dtype: str | None) -> Iterator[str]:
     """Autocast for the ablation sweeps: ``None``/``"float32"`` (none) or ``"bfloat16"``."""
@@ -865,6 +961,91 @@ def _executor_line(*sweeps: SweepResult | None) -> str:
     )
 
 
+def auto_head_groups(model: Any) -> int | None:
+    """The block size ``head_groups="auto"`` gives ``model``, or ``None`` (heads as they are).
+
+    A Mamba-1 / FalconMamba :class:`~gna_lens.models.HookedSSM` without channel groups of its
+    own and with more than :data:`EXACT_ALL_MAX` single-channel heads gets contiguous blocks of
+    :data:`DEFAULT_CHANNEL_GROUP` channels (the largest divisor of ``d_inner`` up to it). Any
+    other model (Transformers, Mamba-2, hybrids, a small Mamba-1, a Mamba-1 whose groups were
+    set with ``set_head_groups``) gets ``None``.
+
+    Examples:
+        >>> from gna_lens.testing import tiny_hooked_ssm
+        >>> auto_head_groups(tiny_hooked_ssm("mamba1")) is None  # 128 channels: exact as they are
+        True
+    """
+    from gna_lens.heads import _is_hooked_ssm
+
+    if not _is_hooked_ssm(model) or model.cfg.architecture not in ("mamba1", "falcon_mamba"):
+        return None
+    if model.head_group_spec or head_view(model).n_heads_total <= EXACT_ALL_MAX:
+        return None
+    d_inner = int(model.cfg.d_inner)
+    return max(k for k in range(1, DEFAULT_CHANNEL_GROUP + 1) if d_inner % k == 0)
+
+
+@contextlib.contextmanager
+def applied_head_groups(model: Any, head_groups: Any) -> Iterator[dict[str, Any]]:
+    """Inside the block, ``model``'s heads are grouped as ``head_groups`` says; yields what to
+    record in a report's ``method`` (``{}`` when nothing changed).
+
+    Args:
+        model: Any model :func:`~gna_lens.head_view` takes.
+        head_groups: ``"auto"`` (:func:`auto_head_groups`), ``None`` / ``"none"`` (single
+            channels on a Mamba-1 model, even where ``set_head_groups`` grouped them; nothing on
+            other models), or a spec of :meth:`~gna_lens.models.HookedSSM.set_head_groups` (an
+            int block size or ``{layer: size or channel sets}``; Mamba-1 / FalconMamba only).
+
+    Raises:
+        InterventionError: For another value, or a spec the model refuses (a Mamba-2 model, a
+            size that does not divide ``d_inner``, ...).
+    """
+    from gna_lens.heads import _is_hooked_ssm
+
+    if isinstance(head_groups, str) and head_groups not in ("auto", "none"):
+        raise InterventionError(
+            f"head_groups={head_groups!r}; expected 'auto' (contiguous blocks of "
+            f"{DEFAULT_CHANNEL_GROUP} channels on a Mamba-1 model above {EXACT_ALL_MAX} heads), "
+            "None / 'none' (single channels), an int block size or {layer: size or channel sets}."
+        )
+    mamba1 = _is_hooked_ssm(model) and model.cfg.architecture in ("mamba1", "falcon_mamba")
+    if head_groups == "auto":
+        size = auto_head_groups(model)
+        if size is None:
+            yield {}
+            return
+        n = head_view(model).n_heads_total
+        note = (
+            f"auto: {n:,} single-channel heads is more than EXACT_ALL_MAX ({EXACT_ALL_MAX}), so "
+            f"each head is a contiguous block of {size} channels (head_groups=None for single "
+            f"channels); these (layer, head) indices address blocks: reuse them inside "
+            f"`with model.head_groups({size}):`"
+        )
+        with model.head_groups(size):
+            yield {"head_groups_choice": note, "head_group_size": size}
+        return
+    if head_groups is None or head_groups == "none":
+        if not mamba1 or not model.head_group_spec:
+            yield {}
+            return
+        with model.head_groups(None):
+            yield {"head_groups_choice": "none: single channels (the model's groups set aside)"}
+        return
+    if not mamba1:
+        raise InterventionError(
+            f"head_groups={head_groups!r} on a {type(model).__name__}"
+            + (f" ({model.cfg.architecture})" if _is_hooked_ssm(model) else "")
+            + ": channel groups are for Mamba-1 / FalconMamba models, whose heads are single "
+            "channels; other models' heads are real heads. Fix: head_groups='auto' or None."
+        )
+    with model.head_groups(head_groups):
+        choice: dict[str, Any] = {"head_groups_choice": f"given: {head_groups!r}"}
+        if isinstance(head_groups, int):
+            choice["head_group_size"] = head_groups
+        yield choice
+
+
 def _unmeasured(heads: list[Head], targets: list[Head], reason: Any) -> list[UnmeasuredHeads]:
     """Per layer, the heads not in ``targets`` with ``reason(layer)``."""
     chosen = set(targets)
@@ -907,6 +1088,7 @@ def score_heads(
     prefilter: int | None = None,
     strategy: str = "auto",
     top_layers: int | None = None,
+    head_groups: Any = "auto",
     sweep_dtype: str | None = None,
     batch_size: int = 8,
     n_examples: int = 4,
@@ -960,8 +1142,17 @@ def score_heads(
         top_layers: Layers whose heads a coarse-to-fine scan ablates (default
             :func:`default_top_layers`: 4, fewer where their heads would exceed
             :data:`EXACT_ALL_MAX`).
-        sweep_dtype: ``None`` (the model's dtype) or ``"bfloat16"``: autocast of the ablation
-            sweeps only (about 2x faster on CPUs with AVX512-BF16); recorded in ``method``.
+        head_groups: What a Mamba-1 head is, for this call only (:func:`applied_head_groups`):
+            ``"auto"`` (default: on a Mamba-1 / FalconMamba model with more than
+            :data:`EXACT_ALL_MAX` single-channel heads and no groups of its own, contiguous
+            blocks of :data:`DEFAULT_CHANNEL_GROUP` channels, e.g. 24 per layer of mamba-130m;
+            otherwise the model's heads as they are), ``None`` (single channels), or an int
+            block size / ``{layer: ...}`` of :meth:`~gna_lens.models.HookedSSM.set_head_groups`.
+            The report's ``(layer, head)`` then address groups (``method["head_groups"]`` says
+            which; ablate them inside ``with model.head_groups(size):``).
+        sweep_dtype: ``None`` (the model's dtype), ``"bfloat16"`` (autocast of the ablation
+            sweeps only) or ``"auto"`` (bfloat16 on large models where the device has native
+            bfloat16, see :func:`resolve_sweep_dtype`) (about 2x faster on CPUs with AVX512-BF16); recorded in ``method``.
         batch_size: Prompts per forward pass of the pattern scores.
         n_examples: Top heads whose patterns on the first sample are kept for display.
         progress: Show progress bars.
@@ -995,8 +1186,48 @@ def score_heads(
         >>> report.method["strategy"], report.n_unmeasured, report.unmeasured[0].layer
         ('coarse_to_fine', 2, 1)
     """
+    with applied_head_groups(model, head_groups) as groups_choice:
+        return _score_heads(
+            model, task, ablation, control=control, metric=metric, mode=mode,
+            positions=positions, reference=reference, max_control=max_control,
+            prefilter=prefilter, strategy=strategy, top_layers=top_layers,
+            sweep_dtype=sweep_dtype, batch_size=batch_size, n_examples=n_examples,
+            progress=progress, groups_choice=groups_choice, executor=executor,
+        )  # fmt: skip
+
+
+def _score_heads(
+    model: Any,
+    task: Task,
+    ablation: bool,
+    *,
+    control: Any,
+    metric: str,
+    mode: str,
+    positions: Any,
+    reference: Any,
+    max_control: float,
+    prefilter: int | None,
+    strategy: str,
+    top_layers: int | None,
+    sweep_dtype: str | None,
+    batch_size: int,
+    n_examples: int,
+    progress: bool,
+    groups_choice: dict[str, Any],
+    executor: Any = None,
+) -> GnaReport:
+    """:func:`score_heads` with the head groups in place."""
     positions = check_positions(positions)
     strategy = _resolve_strategy(strategy, prefilter, top_layers, head_view(model))
+    sweep_dtype, dtype_choice = resolve_sweep_dtype(model, sweep_dtype)
+    if ablation and sweep_dtype == "bfloat16" and dtype_choice:  # auto chose it: check first
+        ok, words = check_bfloat16(model, task)
+        note = dtype_choice["sweep_dtype_choice"]
+        if not ok:
+            sweep_dtype = None
+            note = f"auto: float32, because bfloat16 fails the check ({words})"
+        dtype_choice = {"sweep_dtype_choice": note + ("" if not ok else f"; checked: {words}")}
     if mode == "resample" and (reference is None or reference is task):
         raise InterventionError(
             "score_heads(mode='resample'): reference is the task itself (or None), so every prompt "
@@ -1006,7 +1237,10 @@ def score_heads(
         )
     if mode == "mean" and reference is None:
         reference = task
+    timings: dict[str, float] = {}
+    clock = time.perf_counter()
     scores = pattern_scores(model, task, batch_size=batch_size, progress=progress)
+    timings["pattern_scores"] = time.perf_counter() - clock
     heads = list(scores.heads)
     view = head_view(model)
     n = len(heads)
@@ -1034,7 +1268,9 @@ def score_heads(
         resolved = resolve_control(control, getattr(model, "tokenizer", None), positions=positions)
         if strategy == "attribution":
             cut = DEFAULT_PREFILTER if prefilter is None else prefilter
+            clock = time.perf_counter()
             est = attribute_heads(model, task, metric="logit_diff", batch_size=batch_size)
+            timings["attribution"] = time.perf_counter() - clock
             by_head = {c[0]: e for c, e in zip(est.cells, est.effects.tolist(), strict=True)}
             attribution = torch.tensor([by_head.get(h, math.nan) for h in heads])
             table["attribution"] = attribution
@@ -1048,11 +1284,13 @@ def score_heads(
             method.update(prefilter=f"attribution patching, top {cut}")
         if strategy == "coarse_to_fine":
             k = default_top_layers(view) if top_layers is None else top_layers
+            clock = time.perf_counter()
             with sweep_precision(model, sweep_dtype):
                 layers = layer_sweep(
                     model, task, metric, [lh.layer for lh in view], positions=positions,
                     control=resolved, progress=progress,
                 )  # fmt: skip
+            timings["layer_sweep"] = time.perf_counter() - clock
             ranked = [c[0] for c in layers.ranking()]
             chosen = set(ranked[:k])
             targets = [h for h in heads if h[0] in chosen]
@@ -1067,16 +1305,20 @@ def score_heads(
                 ),
             )  # fmt: skip
         with sweep_precision(model, sweep_dtype) as precision:
+            clock = time.perf_counter()
             sweep = ablation_sweep(
                 model, task, metric=metric, heads=targets, mode=mode, positions=positions,
                 reference=reference, progress=progress, executor=executor,
             )  # fmt: skip
+            timings["ablation_sweep"] = time.perf_counter() - clock
             ctrl = None
             if resolved is not None:
+                clock = time.perf_counter()
                 ctrl = control_sweep(
                     model, resolved, targets, mode=mode, positions=positions, progress=progress,
                     executor=executor,
                 )  # fmt: skip
+                timings["control_sweep"] = time.perf_counter() - clock
         effect, lo, hi = _scatter(heads, sweep, *_intervals(sweep))
         table.update(ablation_effect=effect, ablation_effect_low=lo, ablation_effect_high=hi)
         baseline = sweep.baseline_mean
@@ -1114,6 +1356,9 @@ def score_heads(
     groups = describe_head_groups(view)
     if groups:
         method["head_groups"] = groups
+    method.update(groups_choice)
+    if ablation:
+        method.update(dtype_choice)
     report = GnaReport(
         model_name=_model_name(model),
         task=describe_task(task),
@@ -1131,8 +1376,10 @@ def score_heads(
         method=method,
         layers=layers,
         unmeasured=tuple(unmeasured),
+        timings=timings,
     )
     if n_examples:
+        clock = time.perf_counter()
         if ablation and report.has_control:
             top = report.top(min(n_examples, n))
         else:
@@ -1141,4 +1388,5 @@ def score_heads(
             )
         if top:
             object.__setattr__(report, "examples", _examples(model, task, top))
+        timings["examples"] = time.perf_counter() - clock
     return report
