@@ -3,6 +3,7 @@
 import hashlib
 import importlib.util
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -139,6 +140,22 @@ def test_gguf_round_trip_tiny_llama(tiny_gguf, tmp_path, monkeypatch):
     assert type(bridge).__name__ == "TransformerBridge"
     with torch.no_grad():
         torch.testing.assert_close(bridge(ids), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_provenance_names_the_file_loaded_not_the_one_first_converted(tiny_gguf, tmp_path, monkeypatch):
+    """The conversion cache is keyed by content: a copy elsewhere reuses it, and provenance must
+    name the copy that was loaded (CI once failed on a cache made from another checkout)."""
+    from gna_lens.models import provenance_of
+
+    _, _, path = tiny_gguf
+    monkeypatch.setenv("GNA_LENS_CACHE", str(tmp_path / "cache"))
+    first = provenance_of(load_model(path))
+    copy = tmp_path / "elsewhere" / path.name
+    copy.parent.mkdir()
+    shutil.copyfile(path, copy)
+    second = provenance_of(load_model(copy))
+    assert first.location == str(path) and second.location == str(copy)
+    assert second.files == first.files and second.quantization == first.quantization
 
 
 def test_changed_gguf_gets_a_new_conversion(tmp_path):

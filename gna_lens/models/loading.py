@@ -138,7 +138,9 @@ def _resolve_with_note(name: str) -> tuple[str, dict[str, str]]:
                 f"load_model({name!r}): no such .gguf file. Expected the path of a GGUF file, a "
                 "checkpoint directory or a hub name."
             )
-        return str(gguf.convert_gguf(name, progress=True)), {}
+        # The file read now, not the one the cached conversion was first made from (the cache
+        # is keyed by content, so another checkout's copy of the same file may have made it).
+        return str(gguf.convert_gguf(name, progress=True)), {"location": str(Path(name))}
     if name in gguf.PACKAGED_MODELS and not Path(name).exists():
         spec = gguf.PACKAGED_MODELS[name]
         hub_name, path = gguf.resolve_packaged(name)
@@ -158,7 +160,7 @@ def _resolve_with_note(name: str) -> tuple[str, dict[str, str]]:
             f"copy packaged in {dist}, not the hub's full-precision weights"
         )
         folder = str(gguf.convert_gguf(path, progress=True))
-        return folder, {"note": note, "package": f"{dist} {version}"}
+        return folder, {"note": note, "package": f"{dist} {version}", "location": str(path)}
     if name.startswith("zoo-") and not Path(name).exists():
         # The zoo's checkpoints are package data: found by path, without importing gna_lens.zoo.
         zoo_folder = _ZOO_ROOT / name
