@@ -376,6 +376,39 @@ def _probe_tokens(model: Any) -> Tensor:
     return ((torch.arange(6) * 7 + 3) % vocab)[None].to(device)
 
 
+def uncomparable_outputs(base: Any, out: Any, call: str) -> str | None:
+    """Why a probe's outputs without and with an edit cannot show the edit's effect, or ``None``.
+
+    The editability probes fail closed: unless both outputs are finite tensors of one shape,
+    the edit is not shown to take effect and the caller refuses the layer.
+
+    Args:
+        base: The output without the edit.
+        out: The output with the edit.
+        call: The call that produced them, for the message.
+
+    Examples:
+        >>> uncomparable_outputs(torch.zeros(2), torch.ones(2), "f(x)") is None
+        True
+        >>> uncomparable_outputs(torch.zeros(2), (torch.ones(2),), "f(x)")
+        'cannot be shown to take effect: f(x) returned (Tensor, tuple) without and with the edit, not tensors to compare'
+    """
+    if not isinstance(out, Tensor) or not isinstance(base, Tensor):
+        got = ", ".join(type(x).__name__ for x in (base, out))
+        return (
+            f"cannot be shown to take effect: {call} returned ({got}) without and with the "
+            "edit, not tensors to compare"
+        )
+    if out.shape != base.shape:
+        return (
+            f"cannot be shown to take effect: the output of {call} has shape "
+            f"{tuple(base.shape)} without the edit and {tuple(out.shape)} with it"
+        )
+    if not bool(torch.isfinite(base).all()) or not bool(torch.isfinite(out).all()):
+        return f"cannot be shown to take effect: the output of {call} is not finite"
+    return None
+
+
 def _probe(model: Any, lh: LayerHeads, target: EditTarget) -> str | None:
     """Run a tiny forward with and without an edit of ``target``; the reason it fails, or None.
 
@@ -403,24 +436,9 @@ def _probe(model: Any, lh: LayerHeads, target: EditTarget) -> str | None:
     if not fired:
         return f"would be silently ignored: the hook {name} never fired during a forward pass"
     # Fail closed: an edit counts as effective only when it is shown to change the output.
-    if not isinstance(out, Tensor) or not isinstance(base, Tensor):
-        got = ", ".join(type(x).__name__ for x in (base, out))
-        return (
-            f"cannot be shown to take effect: model(tokens, stop_at_layer={stop}) returned "
-            f"({got}) without and with the edit, "
-            "not tensors to compare"
-        )
-    if out.shape != base.shape:
-        return (
-            f"cannot be shown to take effect: the output of model(tokens, "
-            f"stop_at_layer={stop}) has shape {tuple(base.shape)} without the edit "
-            f"and {tuple(out.shape)} with it"
-        )
-    if not bool(torch.isfinite(base).all()) or not bool(torch.isfinite(out).all()):
-        return (
-            f"cannot be shown to take effect: the output of model(tokens, "
-            f"stop_at_layer={stop}) is not finite"
-        )
+    failure = uncomparable_outputs(base, out, f"model(tokens, stop_at_layer={stop})")
+    if failure is not None:
+        return failure
     scale = float(base.abs().max()) + 1e-12
     if float((out - base).abs().max()) <= 1e-6 * scale:
         return (

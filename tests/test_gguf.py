@@ -142,7 +142,9 @@ def test_gguf_round_trip_tiny_llama(tiny_gguf, tmp_path, monkeypatch):
         torch.testing.assert_close(bridge(ids), ref, atol=1e-4, rtol=1e-4)
 
 
-def test_provenance_names_the_file_loaded_not_the_one_first_converted(tiny_gguf, tmp_path, monkeypatch):
+def test_provenance_names_the_file_loaded_not_the_one_first_converted(
+    tiny_gguf, tmp_path, monkeypatch
+):
     """The conversion cache is keyed by content: a copy elsewhere reuses it, and provenance must
     name the copy that was loaded (CI once failed on a cache made from another checkout)."""
     from gna_lens.models import provenance_of

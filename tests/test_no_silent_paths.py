@@ -190,6 +190,83 @@ def test_editability_probe_fails_closed_when_it_cannot_compare_outputs():
         I.mask_patterns(m, {(0, 0): torch.ones(4, 4, dtype=torch.bool)}).__enter__()
 
 
+def test_layer_probe_fails_closed_when_it_cannot_compare_outputs():
+    """A layer intervention on a model whose output the probe cannot compare is refused."""
+    from interventions_helpers import model as helper_model
+
+    from gna_lens.interventions import layers as layers_module
+
+    m = helper_model("llama")
+    layers_module._VERDICTS.pop(m, None)
+    forward = m.forward
+    m.forward = lambda *a, **k: (forward(*a, **k),)  # a tuple: nothing to compare
+    try:
+        for target in ("mixer", "block"):
+            with pytest.raises(PatternEditError, match=r"cannot be shown to take effect.*tuple"):
+                _enter(I.ablate_layers(m, [0], target=target))
+    finally:
+        m.forward = forward
+        layers_module._VERDICTS.pop(m, None)  # the refusal is cached per model
+    assert not any(h for hp in m.hook_dict.values() for h in hp.fwd_hooks)
+
+
+_T = make_task(n_samples=2)
+_REF = other_key(_T)
+
+
+def _enter(cm, model=None):
+    """Enter and leave ``cm``; with ``model``, run a forward on a task prompt inside it."""
+    with torch.no_grad(), cm:
+        if model is not None:
+            model(torch.tensor([_T[0].input_ids]))
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        pytest.param(lambda m, bad: _enter(I.ablate_heads(m, **bad), m), id="ablate_heads"),
+        pytest.param(
+            lambda m, bad: I.ablation_sweep(m, _T, "logit_diff", progress=False, **bad),
+            id="ablation_sweep",
+        ),
+        pytest.param(
+            lambda m, bad: I.control_sweep(m, _T, progress=False, **bad),
+            id="control_sweep",
+        ),
+        pytest.param(
+            lambda m, bad: I.patch_heads(m, _T, _REF, progress=False, **bad), id="patch_heads"
+        ),
+        pytest.param(lambda m, bad: I.attribute_heads(m, _T, **bad), id="attribute_heads"),
+    ],
+)
+@pytest.mark.parametrize(
+    "bad, names",
+    [
+        ({"heads": [(0, 99)]}, "99"),
+        ({"heads": [(9, 0)]}, "layer 9"),
+        ({"heads": [(0, 0)], "positions": [999]}, "999"),
+    ],
+    ids=["head", "layer", "position"],
+)
+def test_out_of_range_heads_layers_and_positions_raise_everywhere(call, bad, names):
+    m = _fresh()
+    with pytest.raises(InterventionError, match=names):
+        call(m, bad)
+    assert not any(h for hp in m.hook_dict.values() for h in hp.fwd_hooks)
+
+
+def test_out_of_range_layers_raise_in_layer_interventions_and_patching():
+    m = _fresh()
+    with pytest.raises(InterventionError, match="9"):
+        _enter(I.ablate_layers(m, [9]))
+    with pytest.raises(InterventionError, match="-1"):
+        I.patch_residual(m, _T, _REF, layers=[-1], progress=False)
+    with pytest.raises(InterventionError, match="999"):
+        I.patch_residual(m, _T, _REF, layers=[0], positions=[999], progress=False)
+    with pytest.raises(InterventionError, match="layer 9"):
+        _enter(I.mask_patterns(m, {(9, 0): torch.eye(4, dtype=torch.bool)}))
+
+
 # ----------------------------------------------------------------------------- fallbacks
 def test_a_bug_inside_a_shortcut_propagates_instead_of_falling_back(monkeypatch):
     m = _fresh()
@@ -290,3 +367,65 @@ def test_attribution_records_its_path(arch):
     res = I.attribute_heads(_fresh(arch), make_task(n_samples=2), heads=[(0, 0)])
     assert res.info["paths"] == {"gradient": ["the model's own forward"]}
     assert res.info["fallbacks"] == []
+
+
+def test_layer_sweep_records_its_paths_and_a_fallback(monkeypatch):
+    """Layer sweeps record which path ran, and a shortcut that does not reproduce the plain
+    path is a recorded fallback with its reason, on the task and the control alike."""
+    from interventions_helpers import model as helper_model
+
+    from gna_lens.interventions import _runner
+
+    m = helper_model("llama")
+    t = make_task(n_samples=2)
+    from gna_lens.tasks import text_control
+
+    texts = [tok().decode(s.input_ids) for s in make_task(n_samples=8, seed=5)]  # in-vocab
+    control = text_control(tok(), texts, n_sequences=2, seq_len=16)
+    monkeypatch.delitem(_runner._INJECT_VERDICT, m, raising=False)
+    ok = I.layer_sweep(m, t, control=None, progress=False)
+    assert "residual swap" in ok.method["paths"]["from_layer"] and ok.method["fallbacks"] == []
+
+    real = _runner.Runner._inject
+
+    def off_by_one(self, *args, **kwargs):
+        return real(self, *args, **kwargs) + 1.0
+
+    monkeypatch.setattr(_runner.Runner, "_inject", off_by_one)
+    monkeypatch.delitem(_runner._INJECT_VERDICT, m)
+    for control_arg in (None, control):
+        bad = I.layer_sweep(m, t, control=control_arg, progress=False)
+        loop = I.layer_sweep(m, t, control=control_arg, method="loop", progress=False)
+        assert (bad.values - loop.values).abs().max() <= 1e-5  # the plain path was used
+        assert bad.method["paths"]["from_layer"] == ["start_at_layer"]
+        assert any(
+            why.startswith("from_layer: start_at_layer") and "does not reproduce" in why
+            for why in bad.method["fallbacks"]
+        )
+    monkeypatch.delitem(_runner._INJECT_VERDICT, m)
+
+
+def test_the_knowledge_table_carries_the_sweeps_paths_and_fallbacks(monkeypatch):
+    from gna_lens import retrieval_vs_knowledge
+
+    m = _fresh()
+    t = make_task(n_samples=2)
+    ok = retrieval_vs_knowledge(m, [(0, 1)], {"kv": t}, random_draws=1, progress=False)
+    assert ok.method["paths"]["kv"]["cells"] and ok.method["fallbacks"] == []
+
+    real = _engine.expand_hooks
+
+    def mismatched(*args, **kwargs):
+        (z_name, read_z), (out_name, _) = real(*args, **kwargs)
+
+        def expand(out, hook):
+            raise RuntimeError("The size of tensor a (8) must match the size of tensor b (1)")
+
+        return [(z_name, read_z), (out_name, expand)]
+
+    monkeypatch.setattr(_engine, "expand_hooks", mismatched)
+    m = _fresh()
+    table = retrieval_vs_knowledge(m, [(0, 1)], {"kv": t}, random_draws=1, progress=False)
+    assert table.after == ok.after
+    (why,) = table.method["fallbacks"]
+    assert why.startswith("kv: cells:") and "must match the size" in why

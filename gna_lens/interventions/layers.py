@@ -47,7 +47,14 @@ from jaxtyping import Float
 from torch import Tensor
 
 from gna_lens.errors import InterventionError, PatternEditError
-from gna_lens.heads import HeadView, LayerHeads, _is_hooked_ssm, _probe_tokens, head_view
+from gna_lens.heads import (
+    HeadView,
+    LayerHeads,
+    _is_hooked_ssm,
+    _probe_tokens,
+    head_view,
+    uncomparable_outputs,
+)
 from gna_lens.interventions._common import (
     Group,
     Metric,
@@ -62,7 +69,7 @@ from gna_lens.interventions._common import (
     mean_positions,
     reference_rows,
 )
-from gna_lens.interventions._runner import Runner
+from gna_lens.interventions._runner import PathLog, Runner
 from gna_lens.interventions.ablation import (
     _InputRows,
     _NextTokenNLL,
@@ -193,11 +200,14 @@ def _probe(model: Any, name: str, watch: str | None) -> str | None:
             out = model(tokens)
     for hook_name in (name, watch):
         if hook_name and hook_name not in fired:
-            return f"the hook {hook_name} never fired during a forward pass"
-    if not isinstance(out, Tensor) or not isinstance(base, Tensor) or out.shape != base.shape:
-        return None
+            return (
+                f"would be silently ignored: the hook {hook_name} never fired during a forward pass"
+            )
+    failure = uncomparable_outputs(base, out, "model(tokens)")  # fails closed
+    if failure is not None:
+        return failure
     if float((out - base).abs().max()) <= 1e-6 * (float(base.abs().max()) + 1e-12):
-        return f"zeroing {name} did not change the logits (the model discards the edit)"
+        return f"would be silently ignored: zeroing {name} did not change the logits"
     return None
 
 
@@ -220,9 +230,9 @@ def _require_editable(
             verdicts[name] = _probe(model, name, watch)
         if verdicts[name] is not None:
             raise PatternEditError(
-                f"{type(model).__name__} layer {layer}: a {target} intervention would be "
-                f"silently ignored: {verdicts[name]}. Refusing instead of returning unchanged "
-                "results. Fix: load the model as a gna_lens.HookedSSM or with an architecture "
+                f"{type(model).__name__} layer {layer}: a {target} intervention is refused, "
+                f"since it {verdicts[name]}: refusing instead of returning results the edit may "
+                "not have changed. Fix: load the model as a gna_lens.HookedSSM or with an architecture "
                 "whose TransformerBridge blocks pass hook edits on (Llama, Qwen2, GPT-2, ...)."
             )
 
@@ -1022,6 +1032,7 @@ def _sweep_cells(
     )
     c_values = c_base = None
     mean_info: dict[str, Any] = {}
+    runner = Runner(model, view)  # its log records which path computed each step
     try:
         with torch.no_grad():
             hooks, mean_info = _cell_hooks(
@@ -1029,13 +1040,13 @@ def _sweep_cells(
                 [s.input_ids for s in task],
             )  # fmt: skip
             values, baseline, forwards = _run(
-                Runner(model, view), infos, cells, hooks, base_hooks,
+                runner, infos, cells, hooks, base_hooks,
                 length_groups(task, max_rows, device), met, method, bar,
             )  # fmt: skip
             if resolved is not None:
                 c_values, c_base, c_forwards, c_info = _control_run(
                     model, infos, view, resolved, cells, target, mode, positions, include_bos,
-                    base_hooks, layers, method, max_rows, device, bar,
+                    base_hooks, layers, method, max_rows, device, bar, runner.log,
                 )  # fmt: skip
                 forwards += c_forwards
                 mean_info |= {f"control_{k}": v for k, v in c_info.items()}
@@ -1080,7 +1091,7 @@ def _sweep_cells(
         if method == "batched" else "loop (a full forward per cell)",
         "forwards": forwards,
         "seconds": round(time.perf_counter() - t0, 3),
-    } | mean_info  # fmt: skip
+    } | runner.log.as_info() | mean_info  # fmt: skip
     return LayerSweepResult(
         cells=tuple(cells),
         kinds=tuple(_cell_kind(infos, c) for c in cells),
@@ -1116,9 +1127,10 @@ def _control_run(
     max_rows: int,
     device: Any,
     bar: Any,
+    log: PathLog,
 ) -> tuple[Tensor, Tensor, int, dict[str, Any]]:
     """The cells on the control: per-window (per-answer) losses, and what the mean was taken
-    over (mean ablation: over the control's own windows / samples)."""
+    over (mean ablation: over the control's own windows / samples). Paths go to ``log``."""
     if isinstance(control, TextControl):
         last = positions == "last"
         inputs = control.tokens[:, :-1]
@@ -1140,6 +1152,7 @@ def _control_run(
         prompts = [s.input_ids for s in control]
     else:  # pragma: no cover - resolve_control returns one of the two
         raise InterventionError(f"control of type {type(control).__name__}")
+    runner.log = log
     hooks, info = _cell_hooks(
         model, infos, cells, layers, target, mode, ref, positions, include_bos, prompts
     )

@@ -362,10 +362,11 @@ def _per_sample_correct(
     reference: Any,
     batch_size: int,
     progress: bool,
-) -> tuple[Tensor, Tensor, str]:
-    """``(baseline [n], values [cells, n], path)``: per-prompt correctness without and with each
-    head set removed. Single-token choices go through the batched ablation sweep (last-position
-    logits only, runs from the lowest ablated layer); others through :func:`evaluate`."""
+) -> tuple[Tensor, Tensor, str, dict[str, Any]]:
+    """``(baseline [n], values [cells, n], path, info)``: per-prompt correctness without and
+    with each head set removed, and the sweep's ``paths`` / ``fallbacks``. Single-token choices
+    go through the batched ablation sweep (last-position logits only, runs from the lowest
+    ablated layer); others through :func:`evaluate`."""
     single = all(s.single_token_choices for s in task) and all(
         s.query_position == s.n_tokens - 1 for s in task
     )
@@ -374,14 +375,15 @@ def _per_sample_correct(
             model, task, "accuracy", [list(c) for c in cells], mode=mode, positions=positions,
             reference=reference, progress=progress,
         )  # fmt: skip
-        return res.baseline, res.values, f"ablation_sweep ({res.method})"
+        path_info = {k: res.info.get(k, {} if k == "paths" else []) for k in ("paths", "fallbacks")}
+        return res.baseline, res.values, f"ablation_sweep ({res.method})", path_info
     base = evaluate(model, task, batch_size=batch_size, progress=progress).correct.float()
     values = []
     for cell in cells:
         with ablate_heads(model, list(cell), mode=mode, positions=positions, reference=reference):
             res_c = evaluate(model, task, batch_size=batch_size, progress=progress)
         values.append(res_c.correct.float())
-    return base, torch.stack(values), "evaluate + ablate_heads"
+    return base, torch.stack(values), "evaluate + ablate_heads", {"paths": {}, "fallbacks": []}
 
 
 def retrieval_vs_knowledge(
@@ -446,11 +448,15 @@ def retrieval_vs_knowledge(
     cells = [checked, *sets]
     rows = []
     paths = set()
+    step_paths: dict[str, Any] = {}
+    fallbacks: list[str] = []
     for name, task in tasks.items():
-        base, values, path = _per_sample_correct(
+        base, values, path, path_info = _per_sample_correct(
             model, task, cells, mode, positions, reference, batch_size, progress
         )
         paths.add(path)
+        step_paths[name] = path_info["paths"]
+        fallbacks += [f"{name}: {why}" for why in path_info["fallbacks"]]
         n = len(task)
         after = values[0]
         rand_after = values[1:].mean(-1) if sets else None
@@ -478,6 +484,8 @@ def retrieval_vs_knowledge(
     if control is not None:
         res = control_sweep(model, control, [list(c) for c in cells], mode=mode,
                             positions=positions, progress=progress)  # fmt: skip
+        step_paths["control"] = res.info.get("paths", {})
+        fallbacks += [f"control: {why}" for why in res.info.get("fallbacks", [])]
         diffs = res.values.double() - res.baseline.double()[None]
         control_row = ControlRow(
             control=control.describe()
@@ -507,6 +515,8 @@ def retrieval_vs_knowledge(
             "random_draws": random_draws,
             "random_sets": drawn.describe() if random_draws else "none",
             "accuracy_path": ", ".join(sorted(paths)),
+            "paths": step_paths,
+            "fallbacks": fallbacks,
             "intervals": "Wilson 95% for accuracies; paired bootstrap 95% for changes; "
             "bootstrap over draws for the random baseline",
         },
