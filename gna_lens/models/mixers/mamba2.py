@@ -250,6 +250,24 @@ class Mamba2Mixer(SSMMixer):
 
         Fires the same hook points as :meth:`forward` with ``pos = 1`` (not ``hook_pattern`` or
         ``hook_ssm_state``: a hook on those raises).
+
+        Examples:
+            The step from the state of the first 5 positions gives the forward's 6th output:
+
+            >>> import torch
+            >>> from gna_lens.testing import tiny_hooked_ssm
+            >>> model = tiny_hooked_ssm("mamba2")
+            >>> mixer = model.blocks[0].mixer
+            >>> h = torch.randn(2, 6, model.cfg.d_model, generator=torch.Generator().manual_seed(0))
+            >>> acts = {}
+            >>> keep = lambda x, hook: acts.setdefault(hook.name.split(".")[-1], x)
+            >>> names = [f"blocks.0.mixer.{n}" for n in mixer.prefix_hooks]
+            >>> with torch.no_grad(), model.hooks(fwd_hooks=[(n, keep) for n in names]):
+            ...     full = mixer(h, None)
+            >>> with torch.no_grad():
+            ...     last = mixer.step(mixer.prefix_state(acts, 5), h[:, 5:])
+            >>> torch.allclose(last, full[:, 5:], atol=1e-5)
+            True
         """
         self._refuse_step_patterns()
         cfg = self.cfg
