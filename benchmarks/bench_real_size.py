@@ -196,7 +196,7 @@ def build(name: str) -> Any:
     with torch.no_grad():
         model.embed.weight.normal_(0, 0.02)
         for mixer in model.ssm_mixers().values():
-            if cfg.architecture in ("mamba1", "falcon_mamba"):
+            if mixer.channel_heads:  # Mamba-1: per-channel A and dt_proj
                 n = mixer.A_log.shape[-1]
                 mixer.A_log.copy_(torch.log(torch.arange(1, n + 1.0)).expand_as(mixer.A_log))
                 bias = mixer.dt_proj.bias

@@ -321,7 +321,7 @@ def load_scan_model(name: str) -> Any:
 def _check_architecture(name: str, resolved: str, hint: str) -> tuple[Any, list[str]]:
     """Refuse, before loading weights, a model that is not a decoder-only causal LM; else its
     ``model_type`` and ``architectures``."""
-    from gna_lens.models.config import SUPPORTED_MODEL_TYPES
+    from gna_lens.models.families import SUPPORTED_MODEL_TYPES
 
     model_type, archs = _declared_architecture(resolved)
     try:

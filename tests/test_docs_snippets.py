@@ -65,3 +65,12 @@ def test_channel_groups_recipe_block_runs_and_prints_what_it_says(capsys):
     assert len(blocks) == 1
     exec(compile(blocks[0], "ablate_a_head.md", "exec"), {})
     assert capsys.readouterr().out.split() == ["4", "True", "64"]
+
+
+def test_adding_a_family_page_shows_the_shipped_family_module():
+    """The worked example is the FalconMamba module as shipped, and Mamba's weight names."""
+    from gna_lens.models.families import falcon_mamba, mamba
+
+    blocks = _blocks("adding_a_family.md")
+    assert blocks[0] == Path(falcon_mamba.__file__).read_text(encoding="utf-8")
+    assert blocks[1] in Path(mamba.__file__).read_text(encoding="utf-8")

@@ -12,9 +12,10 @@ Two kinds of reuse, for both model kinds (TransformerBridge, HookedSSM):
 - :meth:`Runner.prefix` / :meth:`Runner.step`: an edit at the final position only leaves every
   earlier position unchanged, so the prompt minus its last token runs once; each edit then
   recomputes only the last token: from the Hugging Face KV cache (bridge) or from the SSM states,
-  convolution windows and attention keys/values of the prefix (HookedSSM, see
-  :mod:`gna_lens.interventions._ssm_step`). The step is checked against the full forward on
-  every group; on a mismatch the caller falls back to full recomputation.
+  convolution windows and attention keys/values of the prefix (HookedSSM's own
+  ``prefix_state`` / ``step``, built from its mixers' single-token steps). The step is checked
+  against the full forward on every group; on a mismatch the caller falls back to full
+  recomputation.
 
 Only the logits at the last position are computed where the model allows it (HookedSSM: final
 norm and unembedding on one position; bridge: ``logits_to_keep=1``).
@@ -299,9 +300,7 @@ class Runner:
         if self.keep != 1:
             raise InterventionError("internal: the incremental path returns the last position only")
         if self.is_ssm:
-            from gna_lens.interventions._ssm_step import ssm_prefix
-
-            logits, state = ssm_prefix(self.model, tokens)
+            logits, state = self.model.prefix_state(tokens)
             path = "SSM state step"
         else:
             try:
@@ -335,10 +334,8 @@ class Runner:
     def step(self, state: Any, K: int, hooks: Hooks) -> Tensor:
         """Last-token logits ``[K * G, d_vocab]`` of ``K`` packed copies (cell-major)."""
         if self.is_ssm:
-            from gna_lens.interventions._ssm_step import ssm_step
-
             with hooked(self.model, hooks):
-                return ssm_step(self.model, state, K)
+                return self.model.step(state, K)
         return self._bridge_step(state, K, hooks)
 
     def _bridge_prefix(self, tokens: Tensor) -> tuple[Tensor, Any]:

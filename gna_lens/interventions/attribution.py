@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from gna_lens.errors import InterventionError
-from gna_lens.heads import head_view, normalize_head_sets, require_editable
+from gna_lens.heads import _is_hooked_ssm, head_view, normalize_head_sets, require_editable
 from gna_lens.interventions._common import (
     Metric,
     build_source,
@@ -208,14 +208,9 @@ def _bind(fn: Any, layer: int) -> Any:
 
 
 def _gradient_path(model: Any) -> str:
-    """How the backward pass runs, for ``info["paths"]``."""
-    arch = getattr(getattr(model, "cfg", None), "architecture", "")
-    if arch in ("mamba1", "falcon_mamba"):
-        return (
-            "the model's own forward; Mamba-1 scans through their chunked autograd function "
-            "(recomputing backward, no materialized pattern)"
-        )
-    return "the model's own forward"
+    """How the backward pass runs, for ``info["paths"]`` (the model says, where it can)."""
+    describe = getattr(model, "gradient_path", None) if _is_hooked_ssm(model) else None
+    return describe() if callable(describe) else "the model's own forward"
 
 
 def _collect(model: Any, view: Any, layers: list[int], tokens: Tensor) -> dict[int, Tensor]:

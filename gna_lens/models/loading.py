@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from gna_lens.errors import ConfigError
-from gna_lens.models.config import SUPPORTED_MODEL_TYPES
+from gna_lens.models.families import SUPPORTED_MODEL_TYPES
 from gna_lens.models.hooked_ssm import HookedSSM
 from gna_lens.models.provenance import (
     Provenance,

@@ -977,7 +977,7 @@ def auto_head_groups(model: Any) -> int | None:
     """
     from gna_lens.heads import _is_hooked_ssm
 
-    if not _is_hooked_ssm(model) or model.cfg.architecture not in ("mamba1", "falcon_mamba"):
+    if not _is_hooked_ssm(model) or not model.channel_heads:
         return None
     if model.head_group_spec or head_view(model).n_heads_total <= EXACT_ALL_MAX:
         return None
@@ -1009,7 +1009,7 @@ def applied_head_groups(model: Any, head_groups: Any) -> Iterator[dict[str, Any]
             f"{DEFAULT_CHANNEL_GROUP} channels on a Mamba-1 model above {EXACT_ALL_MAX} heads), "
             "None / 'none' (single channels), an int block size or {layer: size or channel sets}."
         )
-    mamba1 = _is_hooked_ssm(model) and model.cfg.architecture in ("mamba1", "falcon_mamba")
+    mamba1 = _is_hooked_ssm(model) and model.channel_heads
     if head_groups == "auto":
         size = auto_head_groups(model)
         if size is None:

@@ -1,0 +1,153 @@
+"""One residual block of a HookedSSM, assembled from the family's mixers (see
+:mod:`gna_lens.models.families`): its full forward and its single-token step."""
+
+from torch import Tensor, nn
+from transformer_lens.hook_points import HookPoint
+
+from gna_lens.models.config import SSMConfig
+from gna_lens.models.families import family_of
+from gna_lens.models.mixers.attention import Attention, Rope
+from gna_lens.models.mixers.base import RMSNorm, SSMMixer, StepState
+from gna_lens.models.mixers.mlp import make_mlp
+
+__all__ = ["SSMBlock"]
+
+
+class SSMBlock(nn.Module):
+    """One residual block: an SSM mixer or an attention layer, and/or an MLP.
+
+    Layer kinds (``cfg.layer_types``): ``"ssm"`` and ``"attention"`` blocks have ``ln1`` and a
+    mixer / attention, followed by ``ln2`` and an MLP when ``cfg.mlp_types`` gives the layer one
+    (Bamba); ``"mlp"`` blocks (Nemotron-H) have only ``ln2`` and the MLP. The SSM mixer's class
+    is the family's (``Family.ssm_mixer``).
+    """
+
+    def __init__(self, cfg: SSMConfig, layer: int):
+        super().__init__()
+        self.cfg = cfg
+        self.layer = layer
+        self.kind = cfg.layer_types[layer]
+        self.is_attention = self.kind == "attention"
+        self.has_mixer = self.kind != "mlp"
+        self.hook_resid_pre = HookPoint()  # [batch, pos, d_model]
+        if self.has_mixer:
+            self.ln1 = RMSNorm(cfg.d_model, cfg.eps)
+        if self.is_attention:
+            self.attn = Attention(cfg)
+            self.hook_attn_out = HookPoint()  # [batch, pos, d_model]
+        elif self.has_mixer:
+            self.mixer: SSMMixer = family_of(cfg.architecture).ssm_mixer(cfg)
+            self.hook_mixer_out = HookPoint()  # [batch, pos, d_model]
+            if cfg.parallel_attention:  # Falcon-H1: attention beside the mixer
+                self.attn = Attention(cfg)
+                self.hook_attn_out = HookPoint()  # [batch, pos, d_model]
+        #: Whether an attention runs in parallel with the SSM mixer (Falcon-H1).
+        self.has_parallel_attn = self.has_mixer and not self.is_attention and cfg.parallel_attention
+        mlp_kind = cfg.mlp_type(layer)
+        self.has_mlp = bool(mlp_kind)
+        if self.has_mlp:
+            if self.has_mixer:
+                self.hook_resid_mid = HookPoint()  # [batch, pos, d_model]
+            self.ln2 = RMSNorm(cfg.d_model, cfg.eps)
+            self.mlp = make_mlp(cfg, mlp_kind)
+            self.hook_mlp_out = HookPoint()  # [batch, pos, d_model]
+        self.hook_resid_post = HookPoint()  # [batch, pos, d_model]
+
+    def forward(self, resid: Tensor, mask: Tensor | None, rope: Rope) -> Tensor:
+        resid = self.hook_resid_pre(resid)
+        if self.has_mixer:
+            normed = self.ln1(resid.to(self.ln1.weight.dtype))
+            if self.cfg.residual_in_fp32:
+                resid = resid.float()
+            if self.is_attention:
+                resid = resid + self.hook_attn_out(self.scaled(self.attn(normed, mask, rope)))
+            elif self.has_parallel_attn:
+                ssm = self.hook_mixer_out(self.scaled(self.mixer(normed, mask), "ssm"))
+                attn_in = self.attn_input(normed)
+                attn = self.hook_attn_out(self.scaled(self.attn(attn_in, mask, rope), "attention"))
+                resid = resid + (ssm + attn)
+            else:
+                resid = resid + self.hook_mixer_out(self.scaled(self.mixer(normed, mask)))
+        return self.mlp_part(resid)
+
+    def attn_input(self, normed: Tensor) -> Tensor:
+        """The parallel attention's input (Falcon-H1's attention_in_multiplier)."""
+        m = self.cfg.attn_in_multiplier
+        return normed if m == 1.0 else normed * m
+
+    def out_multiplier(self, kind: str | None = None) -> float:
+        """The factor between a sublayer's output projection and its ``hook_*_out``."""
+        m = self.cfg.residual_multiplier
+        if self.has_parallel_attn and kind == "ssm":
+            m *= self.cfg.ssm_out_multiplier
+        elif self.has_parallel_attn and kind == "attention":
+            m *= self.cfg.attn_out_multiplier
+        return m
+
+    def scaled(self, out: Tensor, kind: str | None = None) -> Tensor:
+        """A sublayer's output as added to the residual stream (Granite's residual_multiplier,
+        Falcon-H1's ssm / attention output multipliers)."""
+        m = self.out_multiplier(kind)
+        return out if m == 1.0 else out * m
+
+    def mlp_part(self, resid: Tensor) -> Tensor:
+        """The block after its mixer: ``hook_resid_mid``, the MLP, ``hook_resid_post``."""
+        if self.has_mlp:
+            if self.has_mixer:
+                resid = self.hook_resid_mid(resid)
+            out = self.mlp(self.ln2(resid.to(self.ln2.weight.dtype)))
+            resid = resid + self.hook_mlp_out(self.scaled(out))
+        return self.hook_resid_post(resid)
+
+    # ------------------------------------------------------------------ incremental
+    def prefix_hooks(self) -> list[str]:
+        """The hook points (model-level names) whose full-prompt activations
+        :meth:`prefix_state` reads."""
+        names: list[str] = []
+        if not self.has_mixer:
+            return names
+        pre = f"blocks.{self.layer}."
+        if self.is_attention or self.has_parallel_attn:
+            names += [pre + "attn." + n for n in Attention.prefix_hooks]
+        if not self.is_attention:
+            names += [pre + "mixer." + n for n in self.mixer.prefix_hooks]
+        return names
+
+    def prefix_state(self, acts: dict[str, Tensor], length: int) -> StepState:
+        """What the token after the first ``length`` positions needs from them, from the full
+        prompt's activations ``acts`` (keyed by :meth:`prefix_hooks`' names)."""
+        pre = f"blocks.{self.layer}."
+        state: StepState = {}
+        if not self.has_mixer:
+            return state
+        if not self.is_attention:
+            names = self.mixer.prefix_hooks
+            state |= self.mixer.prefix_state({n: acts[pre + "mixer." + n] for n in names}, length)
+        if self.is_attention or self.has_parallel_attn:
+            names = Attention.prefix_hooks
+            state |= self.attn.prefix_state({n: acts[pre + "attn." + n] for n in names}, length)
+        return state
+
+    def step(self, resid: Tensor, state: StepState, rope: Rope) -> Tensor:
+        """:meth:`forward` for one token after the prefix whose ``state`` it is
+        (``resid`` ``[batch, 1, d_model]``; ``rope`` of that token's position)."""
+        resid = self.hook_resid_pre(resid)
+        if not self.has_mixer:
+            pass
+        elif self.is_attention:
+            normed = self.ln1(resid.to(self.ln1.weight.dtype))
+            out = self.attn.step(state, normed, rope)
+            resid = resid + self.hook_attn_out(self.scaled(out))
+        else:
+            normed = self.ln1(resid.to(self.ln1.weight.dtype))
+            if self.cfg.residual_in_fp32:
+                resid = resid.float()
+            if self.has_parallel_attn:  # Falcon-H1: mixer and attention on the same input
+                ssm = self.hook_mixer_out(self.scaled(self.mixer.step(state, normed), "ssm"))
+                out = self.attn.step(state, self.attn_input(normed), rope)
+                attn = self.hook_attn_out(self.scaled(out, "attention"))
+                resid = resid + (ssm + attn)
+            else:
+                out = self.mixer.step(state, normed)
+                resid = resid + self.hook_mixer_out(self.scaled(out))
+        return self.mlp_part(resid)

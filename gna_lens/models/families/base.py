@@ -1,0 +1,50 @@
+"""What a model family declares: :class:`Family`."""
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gna_lens.models.config import SSMConfig
+from gna_lens.models.mixers.base import SSMMixer
+
+__all__ = ["Family", "Renames", "time_step_limit"]
+
+#: ``(regex, replacement)`` pairs renaming Hugging Face weight names to HookedSSM's; the first
+#: pattern that matches a name renames it.
+Renames = Sequence[tuple[str, str]]
+
+
+@dataclass(frozen=True)
+class Family:
+    """One Hugging Face model family, as HookedSSM assembles it.
+
+    A family module (``gna_lens/models/families/<model_type>.py``) defines one ``FAMILY`` and
+    the registry (:data:`gna_lens.models.families.FAMILIES`) lists it.
+
+    Attributes:
+        model_type: The Hugging Face ``model_type`` (``"mamba"``).
+        architecture: ``SSMConfig.architecture`` of its models (``"mamba1"``).
+        hf_class: The ``transformers`` class, for messages (``"MambaForCausalLM"``).
+        config_fields: The Hugging Face config -> the :class:`~gna_lens.models.SSMConfig`
+            fields of this family (layer kinds, sizes, norms, multipliers), beyond the ones
+            every family shares (``d_model``, ``n_layers``, ``d_vocab``, ...). Raises
+            :class:`~gna_lens.errors.ConfigError` for an option HookedSSM does not implement.
+        weight_renames: The config -> the weight-name mapping (:data:`Renames`).
+        ssm_mixer: The class of the SSM layers' mixer (an
+            :class:`~gna_lens.models.mixers.SSMMixer`).
+    """
+
+    model_type: str
+    architecture: str
+    hf_class: str
+    config_fields: Callable[[Any], dict[str, Any]]
+    weight_renames: Callable[[SSMConfig], Renames]
+    ssm_mixer: type[SSMMixer]
+
+
+def time_step_limit(value: Any) -> tuple[float, float]:
+    """A Hugging Face ``time_step_limit`` (``None`` or ``(lo, hi)``) as floats."""
+    if value is None:
+        return (0.0, float("inf"))
+    lo, hi = value
+    return (float(lo), float(hi))

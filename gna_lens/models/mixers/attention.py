@@ -1,0 +1,125 @@
+"""Causal grouped-query attention of the hybrids, with TransformerBridge hook names.
+
+Its pattern is always materialized (it is the softmax), so ``materialize`` is the forward's own
+``hook_pattern``; its single-token step reads the prefix's rotated keys and values.
+"""
+
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor, nn
+from transformer_lens.hook_points import HookPoint
+
+from gna_lens.models.config import SSMConfig
+from gna_lens.models.mixers.base import StepState, checked_pattern
+
+__all__ = ["Attention"]
+
+#: RoPE's ``(cos, sin)`` ``[pos, rotary_dim]``, or ``None`` (no rotation, as in Nemotron-H).
+Rope = tuple[Tensor, Tensor] | None
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention with (partial) RoPE; TransformerBridge hook names."""
+
+    #: The hook points whose full-prompt activations :meth:`prefix_state` reads.
+    prefix_hooks: tuple[str, ...] = ("hook_rot_k", "hook_v")
+
+    def __init__(self, cfg: SSMConfig):
+        super().__init__()
+        self.cfg = cfg
+        H, KV, d = cfg.n_attn_heads, cfg.n_attn_kv_heads, cfg.attn_d_head
+        self.q_proj = nn.Linear(cfg.d_model, H * d, bias=cfg.attn_bias)
+        self.k_proj = nn.Linear(cfg.d_model, KV * d, bias=cfg.attn_bias)
+        self.v_proj = nn.Linear(cfg.d_model, KV * d, bias=cfg.attn_bias)
+        self.o_proj = nn.Linear(H * d, cfg.d_model, bias=cfg.attn_bias)
+        self.hook_q = HookPoint()  # [batch, pos, head_index, d_head]
+        self.hook_k = HookPoint()  # [batch, pos, kv_head_index, d_head]
+        self.hook_v = HookPoint()  # [batch, pos, kv_head_index, d_head]
+        self.hook_rot_q = HookPoint()  # [batch, pos, head_index, d_head]
+        self.hook_rot_k = HookPoint()  # [batch, pos, kv_head_index, d_head]
+        self.hook_attn_scores = HookPoint()  # [batch, head_index, query_pos, key_pos]
+        self.hook_pattern = HookPoint()  # [batch, head_index, query_pos, key_pos]
+        self.hook_z = HookPoint()  # [batch, pos, head_index, d_head]
+        #: Score scale: ``attn_d_head ** -0.5``, or the family's (Granite's attention_multiplier).
+        self.scale = float(cfg.attn_scale or d**-0.5)
+
+    def _qkv(self, h: Tensor, rope: Rope) -> tuple[Tensor, Tensor, Tensor]:
+        """Rotated queries and keys, and values, through their hook points."""
+        cfg = self.cfg
+        b, L, _ = h.shape
+        H, KV, d = cfg.n_attn_heads, cfg.n_attn_kv_heads, cfg.attn_d_head
+        q = self.hook_q(self.q_proj(h).view(b, L, H, d))
+        k = self.hook_k(self.keys(h).view(b, L, KV, d))
+        v = self.hook_v(self.v_proj(h).view(b, L, KV, d))
+        q = self.hook_rot_q(self._rope(q, rope))
+        k = self.hook_rot_k(self._rope(k, rope))
+        return q, k, v
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None) -> Tensor:
+        """Scores, ``hook_pattern``, ``hook_z`` and ``o_proj`` (``allowed``: the key mask)."""
+        cfg = self.cfg
+        b, L = q.shape[:2]
+        H, KV, d = cfg.n_attn_heads, cfg.n_attn_kv_heads, cfg.attn_d_head
+        if KV != H:
+            k = k.repeat_interleave(H // KV, dim=2)
+            v = v.repeat_interleave(H // KV, dim=2)
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * self.scale
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+        scores = self.hook_attn_scores(scores)
+        pattern = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        pattern = checked_pattern(self.hook_pattern(pattern), pattern, self.hook_pattern.name)
+        z = self.hook_z(torch.einsum("bhqk,bkhd->bqhd", pattern, v))
+        return self.o_proj(z.reshape(b, L, H * d))
+
+    def forward(self, h: Tensor, mask: Tensor | None, rope: Rope) -> Tensor:
+        L = h.shape[1]
+        q, k, v = self._qkv(h, rope)
+        allowed = torch.ones(L, L, dtype=torch.bool, device=h.device).tril()[None, None]
+        if mask is not None:
+            allowed = allowed & mask.bool()[:, None, None, :]
+        return self._attend(q, k, v, allowed)
+
+    def keys(self, h: Tensor) -> Tensor:
+        """``k_proj(h)`` (times Falcon-H1's key_multiplier)."""
+        m = self.cfg.key_multiplier
+        k = self.k_proj(h)
+        return k if m == 1.0 else k * m
+
+    def _rope(self, x: Tensor, rope: Rope) -> Tensor:
+        """Rotate ``x`` (``rope=None``: no positional rotation, as in Nemotron-H)."""
+        if rope is None:
+            return x
+        cos, sin = rope
+        r = self.cfg.rotary_dim
+        x_rot, x_pass = x[..., :r], x[..., r:]
+        c, s = cos[None, :, None, :], sin[None, :, None, :]
+        return torch.cat([x_rot * c + _rotate_half(x_rot) * s, x_pass], dim=-1)
+
+    def prefix_state(self, acts: Mapping[str, Tensor], length: int) -> StepState:
+        """The rotated keys and the values of the first ``length`` positions.
+
+        Args:
+            acts: The full prompt's ``hook_rot_k`` and ``hook_v`` (``[G, L, kv_head, d_head]``).
+            length: The prefix length ``P``.
+
+        Returns:
+            ``{"k": [G, P, kv_head, d_head], "v": [G, P, kv_head, d_head]}``.
+        """
+        return {"k": acts["hook_rot_k"][:, :length], "v": acts["hook_v"][:, :length]}
+
+    def step(self, state: StepState, h: Tensor, rope: Rope) -> Tensor:
+        """One token after the prefix (``rope``: its position's rotation): ``[batch, 1, d_model]``.
+
+        Fires the same hook points as :meth:`forward`, with ``query_pos = 1`` and every key.
+        """
+        q, k, v = self._qkv(h, rope)
+        k = torch.cat([state["k"].to(k.dtype), k], dim=1)
+        v = torch.cat([state["v"].to(v.dtype), v], dim=1)
+        return self._attend(q, k, v, None)

@@ -1,0 +1,236 @@
+"""What every mixer shares: the SSM mixer interface, pattern selection, and small helpers.
+
+An SSM mixer (:class:`SSMMixer`) has three ways to compute its output, all on the same weights
+and hook points:
+
+- ``forward(h, mask)``: the whole sequence, on a fast scan unless ``hook_pattern`` (or
+  ``hook_ssm_state``) is hooked; then the layer builds its implicit attention with
+  :meth:`SSMMixer.materialize`, passes it through ``hook_pattern`` and computes
+  ``y = pattern @ x + D x`` from the returned matrix, so an edit changes the output;
+- ``materialize(dt, A, B, C, heads, rows)``: the implicit attention of the chosen heads and
+  query rows (``None``: all), from the inputs ``hook_ssm_dt`` / ``hook_ssm_B`` / ``hook_ssm_C``
+  hold;
+- ``prefix_state(acts, length)`` and ``step(state, h)``: the incremental path of the sweeps that
+  edit only the last position. ``prefix_state`` rebuilds, from the full prompt's cached
+  activations (the hooks named in ``prefix_hooks``), what the last token needs from the first
+  ``length`` positions; ``step`` computes that token alone, firing the mixer's own hook points
+  with ``pos = 1``.
+"""
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Float
+from torch import Tensor, nn
+from transformer_lens.hook_points import HookPoint
+
+from gna_lens.errors import InterventionError, PatternEditError
+from gna_lens.models import ops
+from gna_lens.models.config import SSMConfig
+
+__all__ = ["PatternSelection", "RMSNorm", "SSMMixer"]
+
+_EXACT_DTYPES = (torch.float32, torch.float64)
+
+#: Which heads / query positions of a pattern to materialize: ``None`` means all.
+PatternSelection = tuple[Tensor | None, Tensor | None]
+
+#: A layer's incremental state: tensors whose first axis is the prompt (``[G, ...]``).
+StepState = dict[str, Tensor]
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with a learned scale (fp32 statistics, as the reference implementations)."""
+
+    def __init__(self, d: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
+
+
+def has_hooks(hook: HookPoint) -> bool:
+    """Whether anything hooks ``hook`` (forward or backward)."""
+    return bool(hook.fwd_hooks or hook.bwd_hooks)
+
+
+def checked_pattern(edited: Any, original: Tensor, name: str | None) -> Tensor:
+    """Refuse a pattern edit that cannot take effect exactly."""
+    if not isinstance(edited, Tensor) or edited.shape != original.shape:
+        got = tuple(edited.shape) if isinstance(edited, Tensor) else type(edited).__name__
+        raise PatternEditError(
+            f"A hook on {name} returned a pattern of shape {got}; expected "
+            f"{tuple(original.shape)} [batch, head_index, query_pos, key_pos] (the shape it was "
+            "given). Edit the tensor in place or return a tensor of the same shape."
+        )
+    return edited.to(original.dtype)
+
+
+def state_through_hook(hook: HookPoint, states: Tensor) -> tuple[Tensor, bool]:
+    """Pass ``states`` through ``hook``; also say whether the hook edited them.
+
+    Edited: the hook returned another tensor, or changed this one in place (torch's version
+    counter moved). A caching hook (``run_with_cache``) returns ``None`` and edits nothing.
+    """
+    version = states._version  # type: ignore[attr-defined]
+    out = hook(states)
+    return out, out is not states or states._version != version  # type: ignore[attr-defined]
+
+
+def scatter_rows_heads(
+    y: Tensor | None, y_sel: Tensor, heads: Tensor | None, rows: Tensor | None, head_dim: int
+) -> Tensor:
+    """Write the materialized rows / heads ``y_sel`` into the fast-path output ``y``."""
+    if heads is None and rows is None:
+        return y_sel
+    assert y is not None
+    out = y.clone()
+    if rows is None:
+        out.index_copy_(head_dim, heads, y_sel)  # type: ignore[arg-type]
+        return out
+    block = out.index_select(1, rows)
+    if heads is None:
+        block = y_sel
+    else:
+        block.index_copy_(head_dim, heads, y_sel)
+    out.index_copy_(1, rows, block)
+    return out
+
+
+def conv_tail(x: Tensor, length: int, width: int) -> Tensor:
+    """Positions ``[length - width, length)`` of ``x`` ``[G, L, C]``, zero-padded on the left
+    (the convolution window the token after position ``length - 1`` reads)."""
+    lo = length - width
+    out = x[:, max(lo, 0) : length]
+    if lo < 0:
+        out = F.pad(out, (0, 0, -lo, 0))
+    return out
+
+
+def conv_last(window: Tensor, conv1d: nn.Conv1d) -> Tensor:
+    """The causal convolution's output at the last position of ``window`` ``[R, d_conv, C]``."""
+    out = ops.causal_conv1d(window.transpose(1, 2), conv1d.weight, conv1d.bias)
+    return out[..., -1:].transpose(1, 2)  # [R, 1, C]
+
+
+def reverse_segsum(a: Tensor) -> Tensor:
+    """``S[:, j] = sum_{k=j+1..n-1} a[:, k]`` along dim 1 (reverse cumsum, no subtraction)."""
+    rev = a.flip(1).cumsum(1).flip(1)
+    return torch.cat([rev[:, 1:], torch.zeros_like(rev[:, :1])], dim=1)
+
+
+class SSMMixer(nn.Module):
+    """The interface of an SSM mixer, and its pattern selection (see the module docstring).
+
+    Subclasses define the weights, the hook points ``hook_in_proj``, ``hook_conv``,
+    ``hook_ssm_input``, ``hook_ssm_dt``, ``hook_ssm_B``, ``hook_ssm_C``, ``hook_ssm_state``,
+    ``hook_pattern``, ``hook_ssm_out``, ``hook_gate`` and ``hook_z``, and the methods
+    ``forward``, ``materialize``, ``prefix_state`` and ``step``.
+
+    Attributes:
+        channel_heads: Each head is one channel (Mamba-1): ``HookedSSM.set_head_groups`` may group
+            them, and ``head_groups="auto"`` does above a size.
+        backward_note: How gradients run through the fast path, for ``info["paths"]`` of
+            attribution (``None``: the plain autograd of the forward).
+        prefix_hooks: The mixer's hook points whose full-prompt activations ``prefix_state``
+            reads.
+        pattern_heads: Heads ``hook_pattern`` holds (``None``: all), set by
+            ``HookedSSM.pattern_selection``.
+        pattern_rows: Query positions ``hook_pattern`` holds (``None``: all).
+        last_pattern_index: Head and query-position indices of the last materialized pattern.
+    """
+
+    channel_heads: ClassVar[bool] = False
+    backward_note: ClassVar[str | None] = None
+    prefix_hooks: ClassVar[tuple[str, ...]] = (
+        "hook_in_proj",
+        "hook_ssm_input",
+        "hook_ssm_dt",
+        "hook_ssm_B",
+    )
+
+    cfg: SSMConfig
+    A_log: nn.Parameter
+    D: nn.Parameter
+    out_proj: nn.Linear
+    hook_pattern: HookPoint
+    hook_ssm_state: HookPoint
+
+    def __init__(self, cfg: SSMConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.pattern_heads: Tensor | None = None
+        self.pattern_rows: list[int] | None = None
+        #: Head and query-position indices of the last materialized pattern (``None`` = all).
+        self.last_pattern_index: PatternSelection = (None, None)
+
+    def materialize(
+        self,
+        dt: Tensor,
+        A: Tensor,
+        B: Tensor,
+        C: Tensor,
+        heads: Tensor | None = None,
+        rows: Tensor | None = None,
+    ) -> Float[Tensor, "batch head_index query_pos key_pos"]:
+        """The implicit attention of ``heads`` at query positions ``rows`` (``None``: all)."""
+        raise NotImplementedError
+
+    def prefix_state(self, acts: Mapping[str, Tensor], length: int) -> StepState:
+        """What the token after the first ``length`` positions needs from them."""
+        raise NotImplementedError
+
+    def step(self, state: StepState, h: Float[Tensor, "batch 1 d_model"]) -> Tensor:
+        """The mixer's output ``[batch, 1, d_model]`` for one token after the prefix."""
+        raise NotImplementedError
+
+    def _selection(self, length: int, device: torch.device) -> PatternSelection:
+        heads = None if self.pattern_heads is None else self.pattern_heads.to(device)
+        rows = None
+        if self.pattern_rows is not None:
+            bad = [r for r in self.pattern_rows if not -length <= r < length]
+            if bad:
+                raise InterventionError(
+                    f"pattern_selection(query_positions={self.pattern_rows!r}): positions {bad} "
+                    f"are out of range for this input of {length} positions (valid: {-length} "
+                    f"to {length - 1}; negative counts from the end). Fix: pass positions of the "
+                    "input you run, or 'last'."
+                )
+            resolved = sorted({r % length for r in self.pattern_rows})
+            rows = torch.tensor(resolved, dtype=torch.long, device=device)
+        self.last_pattern_index = (heads, rows)
+        return heads, rows
+
+    def _refuse_state_edit(self) -> None:
+        """A state edit and a materialized pattern in one forward: the edit would be dropped."""
+        raise PatternEditError(
+            f"A hook on {self.hook_ssm_state.name} edited the SSM states while "
+            f"{self.hook_pattern.name} is hooked in the same forward pass. With hook_pattern "
+            "hooked, the layer's output is computed from the pattern (y = pattern @ x + D x), "
+            "which is built from dt, A, B and C, not from the states, so the state edit would be "
+            "silently discarded (for the materialized heads and rows). Fix: run the state edit "
+            "and the pattern hook in separate forward passes, or express the edit on the pattern "
+            "only (or on hook_ssm_input / hook_ssm_dt / hook_ssm_B / hook_ssm_C, which both paths "
+            "read). Reading the states (run_with_cache) together with the pattern is fine."
+        )
+
+    def _check_dtype(self, dtype: torch.dtype) -> None:
+        if dtype not in _EXACT_DTYPES:
+            raise PatternEditError(
+                f"{self.hook_pattern.name} is hooked but the model runs in {dtype}; the "
+                "materialized path computes y = pattern @ x + D x exactly only in float32 or "
+                "float64. Fix: model.to(torch.float32) before reading or editing hook_pattern."
+            )
+
+    def _refuse_step_patterns(self) -> None:
+        """The last-token step runs no materialized pattern: refuse hooks that need one."""
+        if self.hook_pattern.fwd_hooks or self.hook_ssm_state.fwd_hooks:
+            raise InterventionError(
+                f"{self.hook_pattern.name} / hook_ssm_state is hooked during a "
+                "last-token step, which does not materialize SSM patterns; edit patterns "
+                "with a full forward (positions=None)."
+            )

@@ -1,0 +1,220 @@
+"""The Mamba-1 (S6) mixer: fast forward, materialized implicit attention, single-token step.
+
+Mamba-1 has no heads: each of its ``d_inner`` channels has its own scalar recurrence, so each
+channel is a "head" (``hook_pattern`` is ``[batch, d_inner, query_pos, key_pos]``, ``hook_z``
+``[batch, pos, d_inner, 1]``). ``HookedSSM.set_head_groups`` can make groups of channels the heads.
+"""
+
+from collections.abc import Mapping
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Float
+from torch import Tensor, nn
+from transformer_lens.hook_points import HookPoint
+
+from gna_lens.models import ops
+from gna_lens.models.config import SSMConfig
+from gna_lens.models.mixers.base import (
+    SSMMixer,
+    StepState,
+    checked_pattern,
+    conv_last,
+    conv_tail,
+    has_hooks,
+    reverse_segsum,
+    scatter_rows_heads,
+    state_through_hook,
+)
+
+__all__ = ["Mamba1Mixer"]
+
+
+class Mamba1Mixer(SSMMixer):
+    """Mamba-1 (S6) mixer (FalconMamba's variant adds weightless norms on ``dt``, ``B``, ``C``).
+
+    "Heads" are channels: ``hook_pattern`` is ``[batch, d_inner, query_pos, key_pos]`` and
+    ``hook_z`` is ``[batch, pos, d_inner, 1]``.
+    """
+
+    channel_heads: ClassVar[bool] = True
+    backward_note: ClassVar[str | None] = (
+        "Mamba-1 scans through their chunked autograd function "
+        "(recomputing backward, no materialized pattern)"
+    )
+
+    def __init__(self, cfg: SSMConfig):
+        super().__init__(cfg)
+        E, N, R = cfg.d_inner, cfg.d_state, cfg.dt_rank
+        self.in_proj = nn.Linear(cfg.d_model, 2 * E, bias=cfg.proj_bias)
+        self.conv1d = nn.Conv1d(
+            E, E, cfg.d_conv, groups=E, padding=cfg.d_conv - 1, bias=cfg.conv_bias
+        )
+        self.x_proj = nn.Linear(E, R + 2 * N, bias=False)
+        self.dt_proj = nn.Linear(R, E, bias=True)
+        self.A_log = nn.Parameter(torch.zeros(E, N))
+        self.D = nn.Parameter(torch.ones(E))
+        self.out_proj = nn.Linear(E, cfg.d_model, bias=cfg.proj_bias)
+        self.hook_in_proj = HookPoint()  # [batch, pos, 2 * d_inner]
+        self.hook_conv = HookPoint()  # [batch, pos, d_inner], before SiLU
+        self.hook_ssm_input = HookPoint()  # [batch, pos, d_inner]
+        self.hook_ssm_dt = HookPoint()  # [batch, pos, d_inner], Δ after softplus
+        self.hook_ssm_B = HookPoint()  # [batch, pos, d_state]
+        self.hook_ssm_C = HookPoint()  # [batch, pos, d_state]
+        self.hook_ssm_state = HookPoint()  # [batch, pos, d_inner, d_state]
+        self.hook_pattern = HookPoint()  # [batch, head_index, query_pos, key_pos]
+        self.hook_ssm_out = HookPoint()  # [batch, pos, d_inner], y + D u
+        self.hook_gate = HookPoint()  # [batch, pos, d_inner], z before SiLU
+        self.hook_z = HookPoint()  # [batch, pos, head_index, d_head=1]
+
+    # ------------------------------------------------------------------ shared by both paths
+    def norm_dt_B_C(self, dt_low: Tensor, B: Tensor, C: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """A variant's transform of ``x_proj``'s outputs (identity here; FalconMamba's norms)."""
+        return dt_low, B, C
+
+    def _dt_B_C(self, u: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``hook_ssm_dt``, ``hook_ssm_B``, ``hook_ssm_C`` of the SSM input ``u``."""
+        cfg = self.cfg
+        dt_low, B, C = torch.split(self.x_proj(u), [cfg.dt_rank, cfg.d_state, cfg.d_state], dim=-1)
+        dt_low, B, C = self.norm_dt_B_C(dt_low, B, C)
+        delta = self.hook_ssm_dt(F.softplus(self.dt_proj(dt_low)))
+        return delta, self.hook_ssm_B(B), self.hook_ssm_C(C)
+
+    def _output(self, y: Tensor, u: Tensor, z: Tensor, dtype: torch.dtype) -> Tensor:
+        """``D`` skip, gate, ``hook_z`` and ``out_proj`` of the scan output ``y``."""
+        b, L = y.shape[:2]
+        y = self.hook_ssm_out(y + u * self.D)
+        z = self.hook_gate(z)
+        head_in = self.hook_z((y * F.silu(z)).view(b, L, -1, 1))
+        return self.out_proj(head_in.view(b, L, -1).to(dtype))
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self, h: Float[Tensor, "batch pos d_model"], mask: Tensor | None
+    ) -> Float[Tensor, "batch pos d_model"]:
+        if mask is not None:
+            h = h * mask[..., None].to(h.dtype)
+        xs, z = self.hook_in_proj(self.in_proj(h)).chunk(2, dim=-1)
+        conv = ops.causal_conv1d(xs.transpose(1, 2), self.conv1d.weight, self.conv1d.bias)
+        u = F.silu(self.hook_conv(conv.transpose(1, 2)))
+        if mask is not None:
+            u = u * mask[..., None].to(u.dtype)
+        u = self.hook_ssm_input(u)
+        delta, B, C = self._dt_B_C(u)
+        A = -torch.exp(self.A_log.float())
+        y = self._scan(u, delta, A, B, C)
+        return self._output(y, u, z, h.dtype)
+
+    def _scan(self, u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor) -> Tensor:
+        materialize = has_hooks(self.hook_pattern)
+        heads, rows = self._selection(u.shape[1], u.device) if materialize else (None, None)
+        y: Tensor | None = None
+        if has_hooks(self.hook_ssm_state):
+            _, states = ops.mamba1_scan(u, delta, A, B, C, self.cfg.chunk_size, return_states=True)
+            assert states is not None
+            states, edited = state_through_hook(self.hook_ssm_state, states)
+            if edited and materialize:
+                self._refuse_state_edit()
+            y = torch.einsum("blen,bln->ble", states, C)
+        elif not materialize or heads is not None or rows is not None:
+            y, _ = ops.mamba1_scan(u, delta, A, B, C, self.cfg.chunk_size)
+        if not materialize:
+            assert y is not None
+            return y
+        self._check_dtype(u.dtype)
+        pattern = self.materialize(delta, A, B, C, heads, rows).to(u.dtype)
+        pattern = checked_pattern(self.hook_pattern(pattern), pattern, self.hook_pattern.name)
+        u_sel = u if heads is None else u.index_select(-1, heads)
+        y_sel = torch.einsum("berj,bje->bre", pattern, u_sel)  # [b, R, e]
+        return scatter_rows_heads(y, y_sel, heads, rows, head_dim=-1)
+
+    def materialize(
+        self,
+        dt: Float[Tensor, "batch pos d_inner"],
+        A: Float[Tensor, "d_inner d_state"],
+        B: Float[Tensor, "batch pos d_state"],
+        C: Float[Tensor, "batch pos d_state"],
+        heads: Tensor | None = None,
+        rows: Tensor | None = None,
+    ) -> Float[Tensor, "batch head_index query_pos key_pos"]:
+        """The implicit attention ``α_e[i, j] = C_i · (exp(A_e Σ_{k=j+1..i} Δ_k) Δ_j B_j)`` of
+        channels ``heads`` at query positions ``rows`` (``None``: all), in fp32 or wider.
+
+        Args:
+            dt: ``Δ`` after softplus (``hook_ssm_dt``).
+            A: ``-exp(A_log)``.
+            B: ``hook_ssm_B``.
+            C: ``hook_ssm_C``.
+            heads: Channel indices (sorted), or ``None``.
+            rows: Query positions (sorted, non-negative), or ``None``.
+
+        Returns:
+            ``[batch, len(heads), len(rows), key_pos]``.
+
+        Examples:
+            >>> import torch
+            >>> from gna_lens.testing import tiny_hooked_ssm
+            >>> model = tiny_hooked_ssm("mamba1")
+            >>> mixer = model.blocks[0].mixer
+            >>> names = [f"blocks.0.mixer.hook_{n}" for n in ("ssm_dt", "ssm_B", "ssm_C", "pattern")]
+            >>> _, cache = model.run_with_cache("a b c", names_filter=names)
+            >>> dt, B, C, pattern = (cache[n] for n in names)
+            >>> A = -torch.exp(mixer.A_log.float())
+            >>> rows = torch.tensor([2])
+            >>> mine = mixer.materialize(dt, A, B, C, heads=torch.tensor([5]), rows=rows)
+            >>> tuple(mine.shape), torch.allclose(mine, pattern[:, 5:6, 2:3], atol=1e-6)
+            ((1, 1, 1, 4), True)
+        """
+        d_sel = dt if heads is None else dt.index_select(-1, heads)
+        A_sel = A if heads is None else A.index_select(0, heads)
+        return ops.mamba1_pattern(d_sel, A_sel, B, C, rows)
+
+    # ------------------------------------------------------------------ incremental
+    def prefix_state(self, acts: Mapping[str, Tensor], length: int) -> StepState:
+        """The recurrent state after position ``length - 1`` (rebuilt exactly from the cached
+        ``hook_ssm_input``, ``hook_ssm_dt`` and ``hook_ssm_B``, with reverse cumulative sums as the
+        scan's own kernel) and the last ``d_conv - 1`` convolution inputs.
+
+        Args:
+            acts: The full prompt's activations of :attr:`prefix_hooks` (``[G, L, ...]``,
+                keyed by the hook's name in the mixer, e.g. ``"hook_ssm_dt"``).
+            length: The prefix length ``P`` (usually ``L - 1``).
+
+        Returns:
+            ``{"conv": [G, d_conv - 1, d_inner], "state": [G, d_inner, d_state]}``.
+        """
+        cfg = self.cfg
+        P = length
+        x = acts["hook_ssm_input"][:, :P].float()
+        dt = acts["hook_ssm_dt"][:, :P].float()
+        B = acts["hook_ssm_B"][:, :P].float()
+        A = -torch.exp(self.A_log.float())
+        E = cfg.d_inner
+        conv_in = acts["hook_in_proj"][..., :E]
+        seg = reverse_segsum(dt)  # [G, P, E]
+        state = x.new_zeros(x.shape[0], E, cfg.d_state)
+        for j0 in range(0, P, 128):
+            j1 = min(j0 + 128, P)
+            decay = torch.exp(seg[:, j0:j1, :, None] * A)  # [G, t, E, N]
+            write = (dt[:, j0:j1] * x[:, j0:j1])[..., None] * B[:, j0:j1, None, :]
+            state = state + (decay * write).sum(1)
+        return {"conv": conv_tail(conv_in, P, cfg.d_conv - 1), "state": state}
+
+    def step(self, state: StepState, h: Float[Tensor, "batch 1 d_model"]) -> Tensor:
+        """One token after the prefix: the mixer's output ``[batch, 1, d_model]``.
+
+        Fires the same hook points as :meth:`forward` with ``pos = 1`` (not ``hook_pattern`` or
+        ``hook_ssm_state``: a hook on those raises).
+        """
+        self._refuse_step_patterns()
+        xs, z = self.hook_in_proj(self.in_proj(h)).chunk(2, dim=-1)
+        conv = conv_last(torch.cat([state["conv"].to(xs.dtype), xs], dim=1), self.conv1d)
+        u = self.hook_ssm_input(F.silu(self.hook_conv(conv)))
+        delta, B, C = self._dt_B_C(u)
+        A = -torch.exp(self.A_log.float())
+        d = delta[:, 0]
+        write = (d * u[:, 0])[..., None] * B[:, 0, None, :]  # [R, E, N]
+        s = torch.addcmul(write, torch.exp(d[..., None] * A), state["state"].to(write.dtype))
+        y = torch.einsum("ren,rn->re", s, C[:, 0])[:, None]
+        return self._output(y, u, z, h.dtype)

@@ -1,0 +1,288 @@
+"""The Mamba-2 (SSD) mixer: fast forward, materialized implicit attention, single-token step.
+
+Used by Mamba-2 and by the hybrids (Bamba, Nemotron-H, Granite 4.0, Falcon-H1); the families'
+variations (Falcon-H1's multipliers, the output norm's kind) are fields of
+:class:`~gna_lens.models.SSMConfig`.
+"""
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Float
+from torch import Tensor, nn
+from transformer_lens.hook_points import HookPoint
+
+from gna_lens.models import ops
+from gna_lens.models.config import SSMConfig
+from gna_lens.models.mixers.base import (
+    RMSNorm,
+    SSMMixer,
+    StepState,
+    checked_pattern,
+    conv_last,
+    conv_tail,
+    has_hooks,
+    reverse_segsum,
+    scatter_rows_heads,
+    state_through_hook,
+)
+
+__all__ = ["Mamba2Mixer"]
+
+
+class Mamba2Mixer(SSMMixer):
+    """Mamba-2 (SSD) mixer with grouped ``B``/``C`` and the gated RMSNorm.
+
+    ``hook_pattern`` is ``[batch, head_index, query_pos, key_pos]`` in the form
+    ``M = (C_i · B_j) exp(A Σ_{k=j+1..i} dt_k) dt_j`` (``y = M @ x + D x``).
+    """
+
+    def __init__(self, cfg: SSMConfig):
+        super().__init__(cfg)
+        E, H, G, N = cfg.d_inner, cfg.n_heads, cfg.n_groups, cfg.d_state
+        self.conv_dim = E + 2 * G * N
+        self.in_proj = nn.Linear(cfg.d_model, E + self.conv_dim + H, bias=cfg.proj_bias)
+        if cfg.ssm_multipliers:  # Falcon-H1's muP vector over the sections z, x, B, C, dt
+            mz, mx, mb, mc, mdt = cfg.ssm_multipliers
+            mup = torch.cat(
+                [torch.full((n,), float(v)) for n, v in ((E, mz), (E, mx), (G * N, mb))]
+                + [torch.full((G * N,), float(mc)), torch.full((H,), float(mdt))]
+            )
+            self.register_buffer("mup_vector", mup, persistent=False)
+        else:
+            self.mup_vector = None
+        self.conv1d = nn.Conv1d(
+            self.conv_dim,
+            self.conv_dim,
+            cfg.d_conv,
+            groups=self.conv_dim,
+            padding=cfg.d_conv - 1,
+            bias=cfg.conv_bias,
+        )
+        self.dt_bias = nn.Parameter(torch.zeros(H))
+        self.A_log = nn.Parameter(torch.zeros(H))
+        self.D = nn.Parameter(torch.ones(H))
+        if cfg.mamba_norm != "none":
+            self.norm = RMSNorm(E, cfg.eps)
+        out_bias = cfg.proj_bias if cfg.out_proj_bias is None else cfg.out_proj_bias
+        self.out_proj = nn.Linear(E, cfg.d_model, bias=out_bias)
+        self.register_buffer("head_group", torch.arange(H) // (H // G), persistent=False)
+        self.hook_in_proj = (
+            HookPoint()
+        )  # [batch, pos, 2 * d_inner + 2 * n_groups * d_state + n_heads]
+        self.hook_conv = HookPoint()  # [batch, pos, conv_dim], before SiLU
+        self.hook_ssm_input = HookPoint()  # [batch, pos, head_index, d_head]
+        self.hook_ssm_dt = HookPoint()  # [batch, pos, head_index]
+        self.hook_ssm_B = HookPoint()  # [batch, pos, n_groups, d_state]
+        self.hook_ssm_C = HookPoint()  # [batch, pos, n_groups, d_state]
+        self.hook_ssm_state = HookPoint()  # [batch, pos, head_index, d_head, d_state]
+        self.hook_pattern = HookPoint()  # [batch, head_index, query_pos, key_pos]
+        self.hook_ssm_out = HookPoint()  # [batch, pos, head_index, d_head], y + D x
+        self.hook_gate = HookPoint()  # [batch, pos, d_inner], z before SiLU
+        self.hook_z = HookPoint()  # [batch, pos, head_index, d_head]
+
+    # ------------------------------------------------------------------ shared by both paths
+    def project(self, h: Tensor) -> Tensor:
+        """``hook_in_proj``: ``in_proj`` of the input (with Falcon-H1's multipliers)."""
+        m = self.cfg.ssm_in_multiplier
+        out = self.in_proj(h if m == 1.0 else h * m)
+        if self.mup_vector is not None:
+            out = out * self.mup_vector
+        return self.hook_in_proj(out)
+
+    def gate_norm(self, y: Tensor, z: Tensor) -> Tensor:
+        """The gated output norm of ``y`` ``[..., E]`` (see ``SSMConfig.mamba_norm``)."""
+        cfg = self.cfg
+        E = cfg.d_inner
+        if cfg.mamba_norm == "none":
+            return y * F.silu(z)
+        if cfg.mamba_norm == "gated":
+            return ops.gated_rms_norm(y, z, self.norm.weight, E // cfg.n_groups, cfg.eps)
+        # norm_gate: per-group RMSNorm of y, then the SiLU gate (Falcon-H1, fp32 as HF)
+        shape = y.shape
+        h = y.float().view(*shape[:-1], cfg.n_groups, E // cfg.n_groups)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + cfg.eps)
+        h = self.norm.weight * h.view(shape)
+        return (h * F.silu(z.float())).to(y.dtype)
+
+    def _ssm_inputs(self, xBC: Tensor, dt_raw: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """``hook_ssm_input``, ``hook_ssm_B``, ``hook_ssm_C``, ``hook_ssm_dt`` of the activated
+        convolution output ``xBC`` and the raw ``dt``."""
+        cfg = self.cfg
+        b, L = xBC.shape[:2]
+        E, H, G, N, P = cfg.d_inner, cfg.n_heads, cfg.n_groups, cfg.d_state, cfg.d_head
+        x, B, C = xBC.split([E, G * N, G * N], dim=-1)
+        x = self.hook_ssm_input(x.reshape(b, L, H, P))
+        B = self.hook_ssm_B(B.reshape(b, L, G, N))
+        C = self.hook_ssm_C(C.reshape(b, L, G, N))
+        lo, hi = cfg.time_step_limit
+        dt = F.softplus(dt_raw + self.dt_bias).clamp(min=lo, max=hi)
+        return x, B, C, self.hook_ssm_dt(dt)
+
+    def _output(self, y: Tensor, x: Tensor, z: Tensor, dtype: torch.dtype) -> Tensor:
+        """``D`` skip, gated norm, ``hook_z`` and ``out_proj`` of the scan output ``y``."""
+        cfg = self.cfg
+        b, L = y.shape[:2]
+        E, H, P = cfg.d_inner, cfg.n_heads, cfg.d_head
+        y = self.hook_ssm_out(y + x * self.D[:, None])
+        normed = self.gate_norm(y.reshape(b, L, E), self.hook_gate(z))
+        head_in = self.hook_z(normed.view(b, L, H, P))
+        return self.out_proj(head_in.reshape(b, L, E).to(dtype))
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self, h: Float[Tensor, "batch pos d_model"], mask: Tensor | None
+    ) -> Float[Tensor, "batch pos d_model"]:
+        cfg = self.cfg
+        if mask is not None:
+            h = h * mask[..., None].to(h.dtype)
+        z, xBC, dt_raw = self.project(h).split([cfg.d_inner, self.conv_dim, cfg.n_heads], dim=-1)
+        conv = ops.causal_conv1d(xBC.transpose(1, 2), self.conv1d.weight, self.conv1d.bias)
+        xBC = F.silu(self.hook_conv(conv.transpose(1, 2)))
+        if mask is not None:
+            xBC = xBC * mask[..., None].to(xBC.dtype)
+        x, B, C, dt = self._ssm_inputs(xBC, dt_raw)
+        A = -torch.exp(self.A_log.float())
+        y = self._scan(x, dt, A, B, C)
+        return self._output(y, x, z, h.dtype)
+
+    def _scan(self, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor) -> Tensor:
+        materialize = has_hooks(self.hook_pattern)
+        heads, rows = self._selection(x.shape[1], x.device) if materialize else (None, None)
+        y: Tensor | None = None
+        if has_hooks(self.hook_ssm_state):
+            states = ops.mamba2_recurrent(x, dt, A, B, C)
+            states, edited = state_through_hook(self.hook_ssm_state, states)
+            if edited and materialize:
+                self._refuse_state_edit()
+            Ch = C.repeat_interleave(self.cfg.n_heads // self.cfg.n_groups, dim=2)
+            y = torch.einsum("blhpn,blhn->blhp", states, Ch)
+        elif not materialize or heads is not None or rows is not None:
+            y = ops.mamba2_ssd(x, dt, A, B, C, self.cfg.chunk_size)
+        if not materialize:
+            assert y is not None
+            return y
+        self._check_dtype(x.dtype)
+        pattern = self.materialize(dt, A, B, C, heads, rows).to(x.dtype)
+        pattern = checked_pattern(self.hook_pattern(pattern), pattern, self.hook_pattern.name)
+        x_sel = x if heads is None else x.index_select(2, heads)
+        y_sel = torch.einsum("bhrj,bjhp->brhp", pattern, x_sel)
+        return scatter_rows_heads(y, y_sel, heads, rows, head_dim=2)
+
+    def materialize(
+        self,
+        dt: Float[Tensor, "batch pos head_index"],
+        A: Float[Tensor, " head_index"],
+        B: Float[Tensor, "batch pos n_groups d_state"],
+        C: Float[Tensor, "batch pos n_groups d_state"],
+        heads: Tensor | None = None,
+        rows: Tensor | None = None,
+    ) -> Float[Tensor, "batch head_index query_pos key_pos"]:
+        """The implicit attention ``M_h[i, j] = (C_i · B_j) exp(A_h Σ_{k=j+1..i} dt_k) dt_j`` of
+        ``heads`` at query positions ``rows`` (``None``: all), in fp32 or wider.
+
+        Args:
+            dt: ``dt`` after softplus and clamping (``hook_ssm_dt``).
+            A: ``-exp(A_log)``.
+            B: ``hook_ssm_B``.
+            C: ``hook_ssm_C``.
+            heads: Head indices (sorted), or ``None``.
+            rows: Query positions (sorted, non-negative), or ``None``.
+
+        Returns:
+            ``[batch, len(heads), len(rows), key_pos]``.
+
+        Examples:
+            >>> import torch
+            >>> from gna_lens.testing import tiny_hooked_ssm
+            >>> model = tiny_hooked_ssm("mamba2")
+            >>> mixer = model.blocks[0].mixer
+            >>> names = [f"blocks.0.mixer.hook_{n}" for n in ("ssm_dt", "ssm_B", "ssm_C", "pattern")]
+            >>> _, cache = model.run_with_cache("a b c", names_filter=names)
+            >>> dt, B, C, pattern = (cache[n] for n in names)
+            >>> mine = mixer.materialize(dt, -torch.exp(mixer.A_log.float()), B, C)
+            >>> torch.allclose(mine, pattern, atol=1e-6)
+            True
+        """
+        head_group: Tensor = self.head_group  # type: ignore[assignment]
+        dt_sel, A_sel, hg = dt, A, head_group
+        if heads is not None:
+            dt_sel, A_sel = dt.index_select(2, heads), A.index_select(0, heads)
+            hg = head_group.index_select(0, heads)
+        return ops.mamba2_pattern(dt_sel, A_sel, B, C, hg, rows)
+
+    # ------------------------------------------------------------------ incremental
+    def prefix_state(self, acts: Mapping[str, Tensor], length: int) -> StepState:
+        """The recurrent state after position ``length - 1`` (rebuilt exactly from the cached
+        ``hook_ssm_input``, ``hook_ssm_dt`` and ``hook_ssm_B``) and the last ``d_conv - 1``
+        convolution inputs.
+
+        Args:
+            acts: The full prompt's activations of :attr:`prefix_hooks` (``[G, L, ...]``,
+                keyed by the hook's name in the mixer, e.g. ``"hook_ssm_dt"``).
+            length: The prefix length ``P`` (usually ``L - 1``).
+
+        Returns:
+            ``{"conv": [G, d_conv - 1, conv_dim], "state": [G, n_heads, d_head, d_state]}``.
+        """
+        cfg = self.cfg
+        P = length
+        x = acts["hook_ssm_input"][:, :P].float()
+        dt = acts["hook_ssm_dt"][:, :P].float()
+        B = acts["hook_ssm_B"][:, :P].float()
+        A = -torch.exp(self.A_log.float())
+        G = x.shape[0]
+        E, H, Gr = cfg.d_inner, cfg.n_heads, cfg.n_groups
+        conv_in = acts["hook_in_proj"][..., E : E + self.conv_dim]
+        hpg = H // Gr
+        w = torch.exp(reverse_segsum(dt * A)) * dt  # [G, P, H]
+        state = torch.einsum(
+            "bjgm,bjgmp,bjgn->bgmpn",
+            w.view(G, P, Gr, hpg),
+            x.view(G, P, Gr, hpg, cfg.d_head),
+            B,
+        ).reshape(G, H, cfg.d_head, cfg.d_state)
+        return {"conv": conv_tail(conv_in, P, cfg.d_conv - 1), "state": state}
+
+    def step(self, state: StepState, h: Float[Tensor, "batch 1 d_model"]) -> Tensor:
+        """One token after the prefix: the mixer's output ``[batch, 1, d_model]``.
+
+        Fires the same hook points as :meth:`forward` with ``pos = 1`` (not ``hook_pattern`` or
+        ``hook_ssm_state``: a hook on those raises).
+
+        Examples:
+            The step from the state of the first 5 positions gives the forward's 6th output:
+
+            >>> import torch
+            >>> from gna_lens.testing import tiny_hooked_ssm
+            >>> model = tiny_hooked_ssm("mamba2")
+            >>> mixer = model.blocks[0].mixer
+            >>> h = torch.randn(2, 6, model.cfg.d_model, generator=torch.Generator().manual_seed(0))
+            >>> acts = {}
+            >>> keep = lambda x, hook: acts.setdefault(hook.name.split(".")[-1], x)
+            >>> names = [f"blocks.0.mixer.{n}" for n in mixer.prefix_hooks]
+            >>> with torch.no_grad(), model.hooks(fwd_hooks=[(n, keep) for n in names]):
+            ...     full = mixer(h, None)
+            >>> with torch.no_grad():
+            ...     last = mixer.step(mixer.prefix_state(acts, 5), h[:, 5:])
+            >>> torch.allclose(last, full[:, 5:], atol=1e-5)
+            True
+        """
+        self._refuse_step_patterns()
+        cfg = self.cfg
+        H, G = cfg.n_heads, cfg.n_groups
+        z, xBC, dt_raw = self.project(h).split([cfg.d_inner, self.conv_dim, H], dim=-1)
+        conv = conv_last(torch.cat([state["conv"].to(xBC.dtype), xBC], dim=1), self.conv1d)
+        xBC = F.silu(self.hook_conv(conv))
+        x, B, C, dt = self._ssm_inputs(xBC, dt_raw)
+        A = -torch.exp(self.A_log.float())
+        hpg = H // G
+        Bh = B[:, 0].float().repeat_interleave(hpg, dim=1)  # [R, H, N]
+        Ch = C[:, 0].float().repeat_interleave(hpg, dim=1)
+        d = dt[:, 0].float()  # [R, H]
+        s = torch.exp(d * A)[..., None, None] * state["state"] + (
+            d[..., None, None] * x[:, 0].float()[..., None] * Bh[:, :, None, :]
+        )
+        y = torch.einsum("rhpn,rhn->rhp", s, Ch)[:, None].to(x.dtype)
+        return self._output(y, x, z, h.dtype)
