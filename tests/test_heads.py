@@ -17,6 +17,7 @@ ARCHS = [
     "nemotron_h",
     "granitemoehybrid",
     "falcon_h1",
+    "jamba",
 ]
 
 
@@ -32,6 +33,14 @@ def test_view_describes_each_architecture():
         "granitemoehybrid": [("ssm", 8, 8), ("attention", 4, 8), ("ssm", 8, 8)],
         # Falcon-H1: the SSM heads of each layer (its parallel attention: hook names only).
         "falcon_h1": [("ssm", 8, 8)] * 3,
+        # Mamba-1 layers (channels are the heads) and attention layers without RoPE.
+        "jamba": [
+            ("ssm", 64, 1),
+            ("attention", 4, 8),
+            ("ssm", 64, 1),
+            ("ssm", 64, 1),
+            ("attention", 4, 8),
+        ],
     }
     assert sorted(expected) == sorted(ARCHS)  # every architecture the file tests
     for arch, layers in expected.items():

@@ -436,7 +436,7 @@ class HookedSSM(HookedRootModule):
             if layer not in layers:
                 raise InterventionError(
                     f"set_head_groups: layer {layer!r} is not an SSM layer of this "
-                    f"{cfg.n_layers}-layer model (SSM layers: 0..{cfg.n_layers - 1})."
+                    f"{cfg.n_layers}-layer model (SSM layers: {layers})."
                 )
             if isinstance(item, int) and not isinstance(item, bool):
                 if item <= 0 or E % item:
