@@ -21,7 +21,9 @@ from gna_lens.testing import tiny_checkpoint, tiny_hf_model, tiny_tokenizer
 
 PATTERN = lambda name: name.endswith("hook_pattern")  # noqa: E731
 IDENTITY = lambda t, hook: t  # noqa: E731
-PARITY_ATOL = 1e-4  # the issue's bar; measured below 5e-6 on every case
+#: The issue's bar; measured below 5e-6 on the Mamba-2 hybrids and below 1e-5 on Jamba (whose
+#: five layers' fp32 rounding puts HF's logits 2e-5 from fp64 at 300 tokens, and ours as far).
+PARITY_ATOL = 1e-4
 
 # (family, overrides): n_groups 1 and 2, chunks shorter than the sequences.
 CASES = [
@@ -343,16 +345,30 @@ def test_jamba_channel_groups_beside_attention_heads():
     assert m.head_group_spec == {} and hook_count(m) == 0
 
 
-def test_score_heads_groups_a_large_jamba_by_default():
-    """Above EXACT_ALL_MAX (300) heads, score_heads ranks blocks of 64 channels of the Mamba-1
-    layers, as on Mamba-1, and the attention heads as they are."""
+def test_scan_groups_a_large_jamba_by_default(tmp_path, monkeypatch):
+    """Above EXACT_ALL_MAX (300) heads, ``gna-lens scan`` ranks blocks of 64 channels of the
+    Mamba-1 layers, as on Mamba-1, beside the attention heads as they are, and writes the report."""
+    import json
+
     from interventions_helpers import tok
 
-    from gna_lens import score_heads
+    from gna_lens import scan as scan_module
     from gna_lens.testing import tiny_hooked_ssm
 
     m = tiny_hooked_ssm("jamba", vocab_size=len(tok()), mamba_expand=4)  # 3 x 128 channels
     assert head_view(m).n_heads_total > 300
-    report = score_heads(m, make_task(), control=None, progress=False, n_examples=1)
-    assert report.layer_heads == (2, 4, 2, 2, 4) and report.method["head_group_size"] == 64
+
+    def tasks(tok_, task, n_samples, seed, n_eval=8, zoo=False):
+        held_out = {"kv-4": make_task(n_pairs=4, n_samples=n_eval, seed=seed + 1)}
+        return scan_module.ScanTasks(make_task(n_pairs=4, n_samples=n_samples), held_out)
+
+    monkeypatch.setattr(scan_module, "build_tasks", tasks)
+    result = scan_module.scan(
+        m, n_samples=4, n_eval=4, top=2, out=tmp_path, control=None, random_draws=1,
+        progress=False,
+    )  # fmt: skip
+    data = json.loads(result.json_path.read_text())
+    assert data["layer_heads"] == [2, 4, 2, 2, 4] and data["method"]["head_group_size"] == 64
+    assert data["method"]["head_groups"].endswith("every SSM layer (3): 2 blocks of 64 channels")
+    assert "CircuitsVis" in result.html_path.read_text()
     assert m.head_group_spec == {} and hook_count(m) == 0

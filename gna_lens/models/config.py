@@ -20,12 +20,13 @@ class SSMConfig(TransformerLensConfig):
 
     Attributes:
         architecture: ``"mamba1"``, ``"falcon_mamba"``, ``"mamba2"``, ``"bamba"``,
-            ``"nemotron_h"``, ``"granitemoehybrid"`` or ``"falcon_h1"``.
+            ``"nemotron_h"``, ``"granitemoehybrid"``, ``"falcon_h1"`` or ``"jamba"``.
         layer_types: Per layer, ``"ssm"``, ``"attention"`` or ``"mlp"`` (a block with only an
             MLP, Nemotron-H).
         mlp_types: Per layer, the MLP of the block: ``""`` (none), ``"gated"`` (SwiGLU),
-            ``"plain"`` (``down(act(up(x)))``) or ``"moe"`` (routed experts plus a shared
-            expert). Empty: ``"gated"`` on every layer of a Bamba, none elsewhere.
+            ``"plain"`` (``down(act(up(x)))``), ``"moe"`` (routed experts plus a shared
+            expert, Nemotron-H), ``"granite"`` / ``"granite_moe"`` (Granite's shared MLP, without
+            / with routed experts) or ``"jamba_moe"`` (Jamba's routed experts). Empty: ``"gated"`` on every layer of a Bamba, none elsewhere.
         mlp_act: Activation of ``"plain"`` MLPs and experts: ``"silu"`` or ``"relu2"``.
         use_rope: Whether attention layers rotate queries and keys (Nemotron-H does not).
         attn_scale: Attention score scale; 0 means ``attn_d_head ** -0.5``.
@@ -136,8 +137,8 @@ class SSMConfig(TransformerLensConfig):
 
         Args:
             hf_config: A ``MambaConfig``, ``FalconMambaConfig``, ``Mamba2Config``,
-                ``BambaConfig``, ``NemotronHConfig``, ``GraniteMoeHybridConfig`` or
-                ``FalconH1Config``.
+                ``BambaConfig``, ``NemotronHConfig``, ``GraniteMoeHybridConfig``,
+                ``FalconH1Config`` or ``JambaConfig``.
 
         Returns:
             The matching :class:`SSMConfig`.

@@ -964,11 +964,12 @@ def _executor_line(*sweeps: SweepResult | None) -> str:
 def auto_head_groups(model: Any) -> int | None:
     """The block size ``head_groups="auto"`` gives ``model``, or ``None`` (heads as they are).
 
-    A Mamba-1 / FalconMamba :class:`~gna_lens.models.HookedSSM` without channel groups of its
-    own and with more than :data:`EXACT_ALL_MAX` single-channel heads gets contiguous blocks of
-    :data:`DEFAULT_CHANNEL_GROUP` channels (the largest divisor of ``d_inner`` up to it). Any
-    other model (Transformers, Mamba-2, hybrids, a small Mamba-1, a Mamba-1 whose groups were
-    set with ``set_head_groups``) gets ``None``.
+    A :class:`~gna_lens.models.HookedSSM` with Mamba-1 layers (Mamba-1, FalconMamba, Jamba)
+    without channel groups of its own and with more than :data:`EXACT_ALL_MAX` heads gets
+    contiguous blocks of :data:`DEFAULT_CHANNEL_GROUP` channels (the largest divisor of
+    ``d_inner`` up to it) in its Mamba-1 layers. Any other model (Transformers, Mamba-2, the
+    Mamba-2 hybrids, a small Mamba-1, a Mamba-1 whose groups were set with ``set_head_groups``)
+    gets ``None``.
 
     Examples:
         >>> from gna_lens.testing import tiny_hooked_ssm
@@ -1036,8 +1037,9 @@ def applied_head_groups(model: Any, head_groups: Any) -> Iterator[dict[str, Any]
         raise InterventionError(
             f"head_groups={head_groups!r} on a {type(model).__name__}"
             + (f" ({model.cfg.architecture})" if _is_hooked_ssm(model) else "")
-            + ": channel groups are for Mamba-1 / FalconMamba models, whose heads are single "
-            "channels; other models' heads are real heads. Fix: head_groups='auto' or None."
+            + ": channel groups are for Mamba-1 layers (Mamba-1, FalconMamba, Jamba), whose "
+            "heads are single channels; other models' heads are real heads. Fix: "
+            "head_groups='auto' or None."
         )
     with model.head_groups(head_groups):
         choice: dict[str, Any] = {"head_groups_choice": f"given: {head_groups!r}"}
