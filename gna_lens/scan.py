@@ -333,8 +333,8 @@ def _check_architecture(name: str, resolved: str, hint: str) -> tuple[Any, list[
             raise ConfigError(
                 f"gna-lens scan {name!r}: its config.json declares model_type {model_type!r}, "
                 f"which this transformers version does not know ({err.__class__.__name__}). "
-                "gna_lens scans decoder-only causal LMs: Mamba, Mamba-2, FalconMamba, Bamba, "
-                "or a Transformer that TransformerLens's TransformerBridge supports (Llama, "
+                "gna_lens scans decoder-only causal LMs: Mamba, Mamba-2, FalconMamba, the "
+                "hybrids Bamba, Nemotron-H, Granite 4.0, Falcon-H1 and Jamba, or a Transformer that TransformerLens's TransformerBridge supports (Llama, "
                 f"Qwen2, GPT-2, ...). {hint}"
             ) from err
         raise ConfigError(
@@ -367,7 +367,8 @@ def _unsupported(name: str, model_type: Any, archs: list[str], why: str) -> Conf
     return ConfigError(
         f"gna-lens scan {name!r}: unsupported architecture {archs or model_type!r} "
         f"(model_type {model_type!r}): {why}. gna_lens scans decoder-only causal LMs: Mamba, "
-        "Mamba-2, FalconMamba and Bamba checkpoints (HookedSSM), or a Transformer that "
+        "Mamba-2, FalconMamba and hybrid (Bamba, Nemotron-H, Granite 4.0, Falcon-H1, Jamba) "
+        "checkpoints (HookedSSM), or a Transformer that "
         "TransformerLens's TransformerBridge supports (Llama, Qwen2, GPT-2, ...). Pass such a "
         "model, e.g. 'smollm2-135m' or 'zoo-llama'."
     )

@@ -26,7 +26,8 @@ class SSMConfig(TransformerLensConfig):
         mlp_types: Per layer, the MLP of the block: ``""`` (none), ``"gated"`` (SwiGLU),
             ``"plain"`` (``down(act(up(x)))``), ``"moe"`` (routed experts plus a shared
             expert, Nemotron-H), ``"granite"`` / ``"granite_moe"`` (Granite's shared MLP, without
-            / with routed experts) or ``"jamba_moe"`` (Jamba's routed experts). Empty: ``"gated"`` on every layer of a Bamba, none elsewhere.
+            / with routed experts) or ``"jamba_moe"`` (Jamba's routed experts). Empty:
+            ``"gated"`` on every layer of a Bamba, none elsewhere.
         mlp_act: Activation of ``"plain"`` MLPs and experts: ``"silu"`` or ``"relu2"``.
         use_rope: Whether attention layers rotate queries and keys (Nemotron-H does not).
         attn_scale: Attention score scale; 0 means ``attn_d_head ** -0.5``.

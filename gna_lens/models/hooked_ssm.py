@@ -81,8 +81,8 @@ class HookedSSM(HookedRootModule):
     """A Mamba-family language model with TransformerLens hooks and editable implicit attention.
 
     Supports ``MambaForCausalLM``, ``FalconMambaForCausalLM``, ``Mamba2ForCausalLM`` and the
-    hybrids ``BambaForCausalLM``, ``NemotronHForCausalLM``, ``GraniteMoeHybridForCausalLM`` and
-    ``FalconH1ForCausalLM`` (attention beside the SSM mixer in every layer), and
+    hybrids ``BambaForCausalLM``, ``NemotronHForCausalLM``, ``GraniteMoeHybridForCausalLM``,
+    ``FalconH1ForCausalLM`` (attention beside the SSM mixer in every layer) and
     ``JambaForCausalLM`` (Mamba-1 and attention layers, MoE MLPs).
     Logits match Hugging Face's to about 1e-6 in fp32.
 
