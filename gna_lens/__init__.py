@@ -49,6 +49,7 @@ _SUBMODULES = frozenset(
         "errors",
         "findings",
         "heads",
+        "hybrid",
         "interventions",
         "lm_eval",
         "models",

@@ -17,6 +17,11 @@ residual in        ``blocks.{l}.hook_resid_pre``          ``blocks.{l}.hook_resi
 attention; Mamba-1 channels with ``d_head = 1``). Nothing else in the package special-cases
 architectures.
 
+**Mixed layers.** A layer of a hybrid student (:func:`gna_lens.hybrid.build_hybrid`) holds
+attention heads and SSM heads in one ``blocks.{l}.mixer.hook_pattern`` / ``hook_z``: its
+:attr:`LayerHeads.kind` is ``"mixed"`` and :meth:`HeadView.kind_of` gives each head's own kind
+(``"attention"`` or ``"ssm"``), which is what every function that branches on kind reads.
+
 **Mamba-1 channel groups.** A Mamba-1 layer's heads are its channels unless the model groups them
 (:meth:`HookedSSM.set_head_groups <gna_lens.models.HookedSSM.set_head_groups>`: contiguous blocks,
 or explicit channel sets per layer). Then ``(layer, g)`` is group ``g``, and

@@ -331,7 +331,7 @@ def state_bytes(
         >>> from gna_lens.testing import tiny_hooked_ssm
         >>> sb = state_bytes(tiny_hooked_ssm("bamba"))
         >>> sb.kv_bytes_per_token, sb.total_bytes(128) == sb.recurrent_bytes + 128 * sb.kv_bytes_per_token
-        (64, True)
+        (128, True)
     """
     lengths = tuple(int(L) for L in lengths)
     if not lengths or any(L < 1 for L in lengths):

@@ -85,7 +85,9 @@ class HookedSSM(HookedRootModule):
 
     Supports ``MambaForCausalLM``, ``FalconMambaForCausalLM``, ``Mamba2ForCausalLM`` and the
     hybrids ``BambaForCausalLM``, ``NemotronHForCausalLM``, ``GraniteMoeHybridForCausalLM`` and
-    ``FalconH1ForCausalLM`` (attention beside the SSM mixer in every layer).
+    ``FalconH1ForCausalLM`` (attention beside the SSM mixer in every layer), and the hybrid
+    students of :func:`gna_lens.hybrid.build_hybrid` (each head of a Llama teacher kept as
+    attention or turned into an SSM head; :meth:`save_pretrained` writes them).
     Logits match Hugging Face's to about 1e-6 in fp32.
 
     Hook points (shapes in the docs' hook table): ``hook_embed``;
