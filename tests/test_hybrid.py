@@ -231,6 +231,22 @@ def test_step_from_the_prefix_equals_the_full_forward(keep):
     assert (ablated_full - full).abs().max().item() > 1e-4
 
 
+def test_a_bf16_student_runs_forward_step_and_backward():
+    hf = tiny_hf_model("llama", seed=1)
+    ref = build_hybrid(hf, KEEP, d_state=8)
+    low = build_hybrid(hf, KEEP, d_state=8, dtype=torch.bfloat16)
+    ids = _ids(2, 40)
+    with torch.no_grad():
+        out = low(ids)
+        step = low.step(low.prefix_state(ids)[1])
+        assert out.dtype == torch.bfloat16
+        assert (out.float() - ref(ids)).abs().max().item() < 0.2  # bf16 rounding of logits ~4
+        assert (step.float() - out[:, -1].float()).abs().max().item() < 0.1
+    ref.train()
+    ref(ids, return_type="loss").backward()
+    assert all(p.grad is not None and p.grad.abs().max() > 0 for p in ref.parameters())
+
+
 # ----------------------------------------------------------------------------- analyses
 @pytest.mark.parametrize("positions", [None, "last"])
 @pytest.mark.parametrize("mode", ["zero", "mean", "resample"])

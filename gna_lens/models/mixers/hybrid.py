@@ -402,14 +402,17 @@ class HybridMixer(SSMMixer):
             x, B, C, dt = self._ssm_inputs(h, mask)
             A = -torch.exp(self.A_log.float())
             Bh, Ch = self._heads_of(B), self._heads_of(C)
+            # the scans run in fp32 or wider (a bf16 / fp16 student: cast back after)
+            wide = torch.promote_types(x.dtype, torch.float32)
+            xw, dtw, Bw, Cw = (t.to(wide) for t in (x, dt, Bh, Ch))
             if has_hooks(self.hook_ssm_state):
-                states = ops.mamba2_recurrent(x, dt, A, Bh, Ch)
+                states = ops.mamba2_recurrent(xw, dtw, A, Bw, Cw)
                 states, edited = state_through_hook(self.hook_ssm_state, states)
                 if edited and materialize:
                     self._refuse_state_edit()
-                y_ssm = torch.einsum("blhpn,blhn->blhp", states, Ch)
+                y_ssm = torch.einsum("blhpn,blhn->blhp", states, Cw).to(x.dtype)
             elif need_fast:
-                y_ssm = ops.mamba2_ssd(x, dt, A, Bh, Ch, self.cfg.chunk_size)
+                y_ssm = ops.mamba2_ssd(xw, dtw, A, Bw, Cw, self.cfg.chunk_size).to(x.dtype)
         y = self._combine(y_attn, y_ssm, h) if need_fast else None
         if materialize:
             self._check_dtype(h.dtype)
