@@ -50,6 +50,7 @@ _SUBMODULES = frozenset(
         "errors",
         "findings",
         "heads",
+        "hybrid",
         "interventions",
         "lm_eval",
         "models",

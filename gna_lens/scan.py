@@ -292,6 +292,7 @@ def load_scan_model(name: str) -> Any:
             decoder-only causal LM, or one TransformerLens cannot bridge), or no tokenizer.
     """
     from gna_lens.models import load_model
+    from gna_lens.models.families import checkpoint_family
     from gna_lens.models.loading import _find_mamba_ssm, _resolve
 
     hint = (
@@ -302,7 +303,10 @@ def load_scan_model(name: str) -> Any:
     resolved = _resolve(name)  # ConfigError for unknown zoo names and missing .gguf files
     model_type: Any = "mamba_ssm"
     archs: list[str] = []
-    if _find_mamba_ssm(resolved) is None:  # mamba_ssm checkpoints are Mamba / Mamba-2 LMs
+    own = checkpoint_family(resolved)  # gna_lens's own format (hybrid students)
+    if own is not None:
+        model_type, archs = own.model_type, [own.hf_class]
+    elif _find_mamba_ssm(resolved) is None:  # mamba_ssm checkpoints are Mamba / Mamba-2 LMs
         model_type, archs = _check_architecture(name, resolved, hint)
     try:
         model = load_model(name)  # by its own name: the provenance records what it resolved to

@@ -36,7 +36,7 @@ class SSMBlock(nn.Module):
             self.attn = Attention(cfg)
             self.hook_attn_out = HookPoint()  # [batch, pos, d_model]
         elif self.has_mixer:
-            self.mixer: SSMMixer = family_of(cfg.architecture).ssm_mixer(cfg)
+            self.mixer: SSMMixer = family_of(cfg.architecture).ssm_mixer.for_layer(cfg, layer)
             self.hook_mixer_out = HookPoint()  # [batch, pos, d_model]
             if cfg.parallel_attention:  # Falcon-H1: attention beside the mixer
                 self.attn = Attention(cfg)
@@ -67,7 +67,12 @@ class SSMBlock(nn.Module):
                 attn = self.hook_attn_out(self.scaled(self.attn(attn_in, mask, rope), "attention"))
                 resid = resid + (ssm + attn)
             else:
-                resid = resid + self.hook_mixer_out(self.scaled(self.mixer(normed, mask)))
+                out = (
+                    self.mixer(normed, mask, rope)
+                    if self.mixer.uses_rope
+                    else self.mixer(normed, mask)
+                )
+                resid = resid + self.hook_mixer_out(self.scaled(out))
         return self.mlp_part(resid)
 
     def attn_input(self, normed: Tensor) -> Tensor:
@@ -121,8 +126,12 @@ class SSMBlock(nn.Module):
         if not self.has_mixer:
             return state
         if not self.is_attention:
-            names = self.mixer.prefix_hooks
-            state |= self.mixer.prefix_state({n: acts[pre + "mixer." + n] for n in names}, length)
+            fired = {
+                n: acts[pre + "mixer." + n]
+                for n in self.mixer.prefix_hooks
+                if pre + "mixer." + n in acts
+            }
+            state |= self.mixer.prefix_state(fired, length)
         if self.is_attention or self.has_parallel_attn:
             names = Attention.prefix_hooks
             state |= self.attn.prefix_state({n: acts[pre + "attn." + n] for n in names}, length)
@@ -148,6 +157,9 @@ class SSMBlock(nn.Module):
                 attn = self.hook_attn_out(self.scaled(out, "attention"))
                 resid = resid + (ssm + attn)
             else:
-                out = self.mixer.step(state, normed)
+                if self.mixer.uses_rope:
+                    out = self.mixer.step(state, normed, rope)  # type: ignore[call-arg]
+                else:
+                    out = self.mixer.step(state, normed)
                 resid = resid + self.hook_mixer_out(self.scaled(out))
         return self.mlp_part(resid)

@@ -30,6 +30,9 @@ class SSMConfig(TransformerLensConfig):
             ``"gated"`` on every layer of a Bamba, none elsewhere.
         mlp_act: Activation of ``"plain"`` MLPs and experts: ``"silu"`` or ``"relu2"``.
         use_rope: Whether attention layers rotate queries and keys (Nemotron-H does not).
+        rope_scaling: The RoPE variant beyond ``rope_theta`` (``{}``: plain RoPE; else a Hugging
+            Face ``rope_parameters`` dict of a type :func:`gna_lens.models.ops.rope_inv_freq`
+            computes: ``"linear"``, ``"llama3"``).
         attn_scale: Attention score scale; 0 means ``attn_d_head ** -0.5``.
         embedding_multiplier, residual_multiplier, logits_scaling: Granite's multipliers (the
             embeddings are multiplied, each block's mixer and MLP outputs are multiplied before
@@ -83,6 +86,7 @@ class SSMConfig(TransformerLensConfig):
     mlp_types: list[str] = field(default_factory=list)
     mlp_act: str = "silu"
     use_rope: bool = True
+    rope_scaling: dict[str, Any] = field(default_factory=dict)
     n_experts: int = 0
     n_experts_per_tok: int = 0
     moe_d_mlp: int = 0

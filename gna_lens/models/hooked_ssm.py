@@ -14,6 +14,7 @@ import difflib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -24,10 +25,12 @@ from transformer_lens.hook_points import HookPoint
 from transformer_lens.HookedRootModule import HookedRootModule
 
 from gna_lens.errors import ConfigError, HookError, InterventionError
+from gna_lens.models import ops
 from gna_lens.models.block import SSMBlock
 from gna_lens.models.config import SSMConfig
 
 # Importable from here as before the mixers and families had their own modules.
+from gna_lens.models.families import FAMILIES, checkpoint_family, family_of
 from gna_lens.models.families import SUPPORTED_MODEL_TYPES as SUPPORTED_MODEL_TYPES
 from gna_lens.models.families import convert_hf_state_dict as _convert_hf_state_dict
 from gna_lens.models.mixers import Attention as Attention
@@ -83,7 +86,9 @@ class HookedSSM(HookedRootModule):
     Supports ``MambaForCausalLM``, ``FalconMambaForCausalLM``, ``Mamba2ForCausalLM`` and the
     hybrids ``BambaForCausalLM``, ``NemotronHForCausalLM``, ``GraniteMoeHybridForCausalLM``,
     ``FalconH1ForCausalLM`` (attention beside the SSM mixer in every layer) and
-    ``JambaForCausalLM`` (Mamba-1 and attention layers, MoE MLPs).
+    ``JambaForCausalLM`` (Mamba-1 and attention layers, MoE MLPs), and the hybrid students of
+    :func:`gna_lens.hybrid.build_hybrid` (each head of a Llama teacher kept as attention or
+    turned into an SSM head; :meth:`save_pretrained` writes them).
     Logits match Hugging Face's to about 1e-6 in fp32.
 
     Hook points (shapes in the docs' hook table): ``hook_embed``;
@@ -124,9 +129,8 @@ class HookedSSM(HookedRootModule):
         self.unembed = nn.Linear(cfg.d_model, cfg.d_vocab, bias=False)
         if cfg.tie_word_embeddings:
             self.unembed.weight = self.embed.weight
-        if cfg.is_hybrid and cfg.use_rope:
-            r = cfg.rotary_dim
-            inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float) / r))
+        if self._uses_rope:
+            inv_freq = ops.rope_inv_freq(cfg.rope_theta, cfg.rotary_dim, cfg.rope_scaling)
             self.register_buffer("rope_inv_freq", inv_freq, persistent=False)
         #: Resolved Mamba-1 channel groups, ``{layer: ((channel, ...), ...)}``; empty: every
         #: channel is its own head. Set with :meth:`set_head_groups` / :meth:`head_groups`.
@@ -204,6 +208,15 @@ class HookedSSM(HookedRootModule):
         """
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+        own = checkpoint_family(name_or_path)
+        if own is not None and own.load is not None:  # gna_lens's own format (hybrid students)
+            if hf_kwargs:
+                raise ConfigError(
+                    f"HookedSSM.from_pretrained({str(name_or_path)!r}): option(s) "
+                    f"{sorted(hf_kwargs)} do not apply to a {own.model_type} checkpoint (gna_lens "
+                    "reads it, not transformers); accepted: dtype, device, tokenizer."
+                )
+            return own.load(Path(name_or_path), dtype=dtype, device=device, tokenizer=tokenizer)
         config = AutoConfig.from_pretrained(name_or_path)
         SSMConfig.from_hf_config(config)  # fail early, before loading weights
         hf_model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, **hf_kwargs)
@@ -215,6 +228,31 @@ class HookedSSM(HookedRootModule):
         model = cls.from_hf_model(hf_model, tokenizer, dtype=dtype, device=device)
         model.cfg.model_name = str(name_or_path)
         return model
+
+    def save_pretrained(self, path: str | Path) -> Path:
+        """Save the model to the folder ``path`` (weights, config, tokenizer), for the families
+        whose checkpoints are gna_lens's own format: the hybrid students of
+        :func:`gna_lens.hybrid.build_hybrid`. :func:`gna_lens.load_model` and
+        :meth:`from_pretrained` read it back bit-identically.
+
+        Returns:
+            The folder.
+
+        Raises:
+            ConfigError: For a model of another family (it loads from its Hugging Face
+                checkpoint; there is nothing of gna_lens's to save).
+        """
+        family = family_of(self.cfg.architecture)
+        if family.save is None:
+            own = sorted(f.model_type for f in FAMILIES.values() if f.save is not None)
+            raise ConfigError(
+                f"save_pretrained: this is a {family.hf_class} ({self.cfg.architecture}), which "
+                "loads from its Hugging Face checkpoint (save the transformers model instead). "
+                f"HookedSSM writes only the families of gna_lens's own format: {own}."
+            )
+        folder = Path(path)
+        family.save(self, folder)
+        return folder
 
     # ------------------------------------------------------------------ hooks
     def _check_hook_name(self, name: Any) -> None:
@@ -613,7 +651,10 @@ class HookedSSM(HookedRootModule):
 
     @property
     def _uses_rope(self) -> bool:
-        return bool(self.cfg.is_hybrid and self.cfg.use_rope)
+        """Whether attention layers or a mixer's attention heads (``SSMMixer.uses_rope``) need
+        RoPE."""
+        mixers = self.ssm_mixers().values()
+        return bool(self.cfg.use_rope and (self.cfg.is_hybrid or any(m.uses_rope for m in mixers)))
 
     def _rope(self, length: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         inv_freq: Tensor = self.rope_inv_freq  # type: ignore[assignment]

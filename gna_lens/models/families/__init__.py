@@ -13,7 +13,9 @@ Examples:
     ['ssm', 'attention', 'ssm']
 """
 
+import json
 import re
+from pathlib import Path
 from typing import Any
 
 from gna_lens.errors import ConfigError
@@ -22,6 +24,7 @@ from gna_lens.models.families import (
     bamba,
     falcon_h1,
     falcon_mamba,
+    gna_hybrid,
     granitemoehybrid,
     jamba,
     mamba,
@@ -34,6 +37,7 @@ __all__ = [
     "FAMILIES",
     "SUPPORTED_MODEL_TYPES",
     "Family",
+    "checkpoint_family",
     "config_from_hf",
     "convert_hf_state_dict",
     "family_of",
@@ -51,6 +55,7 @@ FAMILIES: dict[str, Family] = {
         granitemoehybrid.FAMILY,
         falcon_h1.FAMILY,
         jamba.FAMILY,
+        gna_hybrid.FAMILY,
     )
 }
 
@@ -117,7 +122,23 @@ def config_from_hf(hf_config: Any, config_cls: type[SSMConfig] = SSMConfig) -> S
         default_prepend_bos=False,
         device="cpu",
     )
-    return config_cls(**common, **family.config_fields(hf_config))
+    return (family.config_class or config_cls)(**common, **family.config_fields(hf_config))
+
+
+def checkpoint_family(path: Any) -> Family | None:
+    """The family of a folder holding a checkpoint in gna_lens's own format (a family with a
+    ``load``: no ``transformers`` class reads it), else ``None``.
+
+    Examples:
+        >>> checkpoint_family("no/such/folder") is None
+        True
+    """
+    try:
+        data = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, TypeError):
+        return None
+    family = FAMILIES.get(str(data.get("model_type"))) if isinstance(data, dict) else None
+    return family if family is not None and family.load is not None else None
 
 
 def convert_hf_state_dict(cfg: SSMConfig, state: dict[str, Any]) -> dict[str, Any]:

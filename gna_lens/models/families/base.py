@@ -2,6 +2,7 @@
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from gna_lens.models.config import SSMConfig
@@ -32,6 +33,13 @@ class Family:
         weight_renames: The config -> the weight-name mapping (:data:`Renames`).
         ssm_mixer: The class of the SSM layers' mixer (an
             :class:`~gna_lens.models.mixers.SSMMixer`).
+        config_class: The :class:`~gna_lens.models.SSMConfig` subclass of its models, when the
+            family needs fields of its own (``None``: ``SSMConfig``).
+        save: For a family whose checkpoints are gna_lens's own format (no ``transformers``
+            class loads them): ``save(model, folder)`` writes one
+            (``HookedSSM.save_pretrained``).
+        load: ``load(folder, dtype=, device=, tokenizer=)`` reads one back
+            (``HookedSSM.from_pretrained`` and ``load_model`` route such folders here).
     """
 
     model_type: str
@@ -40,6 +48,9 @@ class Family:
     config_fields: Callable[[Any], dict[str, Any]]
     weight_renames: Callable[[SSMConfig], Renames]
     ssm_mixer: type[SSMMixer]
+    config_class: type[SSMConfig] | None = None
+    save: Callable[[Any, Path], None] | None = None
+    load: Callable[..., Any] | None = None
 
 
 def time_step_limit(value: Any) -> tuple[float, float]:
