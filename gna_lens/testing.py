@@ -41,6 +41,7 @@ ARCHITECTURES = (
     "nemotron_h",
     "granitemoehybrid",
     "falcon_h1",
+    "zamba2",
     "llama",
 )
 
@@ -96,7 +97,8 @@ def tiny_hf_config(arch: str, vocab_size: int = 320, **overrides: Any) -> Any:
     """A small Hugging Face config of ``arch`` (one of :data:`ARCHITECTURES`).
 
     Args:
-        arch: ``"mamba1"``, ``"falcon_mamba"``, ``"mamba2"``, ``"bamba"`` or ``"llama"``.
+        arch: One of :data:`ARCHITECTURES`: an SSM or hybrid (``"mamba1"``, ...,
+            ``"zamba2"``) or ``"llama"``.
         vocab_size: Vocabulary size (match the tokenizer's).
         **overrides: Config fields to change (e.g. ``n_groups=2``, ``chunk_size=8``).
 
@@ -236,6 +238,27 @@ def tiny_hf_config(arch: str, vocab_size: int = 320, **overrides: Any) -> Any:
             ssm_multipliers=[0.9, 1.1, 1.2, 0.8, 1.3],
             mlp_multipliers=[1.2, 0.75],
         )
+    elif arch == "zamba2":
+        cls = tf.Zamba2Config
+        kw = dict(
+            hidden_size=32,
+            num_hidden_layers=5,
+            # Mamba-2, hybrid (shared block 0), Mamba-2, hybrid (block 1), hybrid (block 0 again).
+            layers_block_type=["linear_attention", "hybrid"] * 2 + ["hybrid"],
+            num_mem_blocks=2,
+            use_shared_attention_adapter=True,
+            adapter_rank=4,
+            use_mem_rope=True,
+            intermediate_size=48,
+            num_attention_heads=4,
+            n_mamba_heads=8,
+            mamba_ngroups=2,
+            mamba_d_state=8,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            chunk_size=16,
+            max_position_embeddings=4096,
+        )
     elif arch == "llama":
         cls = tf.LlamaConfig
         kw = dict(
@@ -285,7 +308,9 @@ def tiny_hf_model(arch: str, seed: int = 0, **overrides: Any) -> Any:
             elif name.endswith(".D"):
                 p.copy_(torch.randn(p.shape, generator=gen))
             elif p.ndim >= 2:
-                p.copy_(torch.randn(p.shape, generator=gen) * (0.5 / p.shape[-1] ** 0.5) * 2)
+                # Low-rank adapters (Zamba2) are small corrections of the weights they adapt.
+                scale = 0.25 if "adapter" in name else 1.0
+                p.copy_(torch.randn(p.shape, generator=gen) * (scale / p.shape[-1] ** 0.5))
     return model.eval()
 
 
@@ -312,7 +337,8 @@ def tiny_hooked_ssm(arch: str = "mamba2", seed: int = 0, **overrides: Any) -> An
     """A tiny random :class:`~gna_lens.models.HookedSSM` with a tokenizer, built in memory.
 
     Args:
-        arch: ``"mamba1"``, ``"falcon_mamba"``, ``"mamba2"`` or ``"bamba"``.
+        arch: One of :data:`ARCHITECTURES` but ``"llama"`` (``"mamba1"``, ``"mamba2"``,
+            ``"bamba"``, ..., ``"zamba2"``).
         seed: Random seed.
         **overrides: Config fields to change.
 
