@@ -266,6 +266,8 @@ class Zamba2HybridBlock(SSMBlock):
                 "token embeddings: pass the rows' token ids with start_at_layer "
                 "(model(resid, start_at_layer=k, tokens=ids))."
             )
+        if embed.shape[0] == 1 < resid.shape[0]:  # rows that copy one prompt (expanded sweeps)
+            embed = embed.expand(resid.shape[0], -1, -1)
         dtype = self.ln_attn.weight.dtype
         x = self.ln_attn(torch.cat([resid, embed.to(resid.dtype)], dim=-1).to(dtype))
         attn = self.hook_attn_out(attend(x))
