@@ -20,7 +20,8 @@ from gna_lens.testing import tiny_checkpoint, tiny_hf_model, tiny_tokenizer
 
 PATTERN = lambda name: name.endswith("hook_pattern")  # noqa: E731
 IDENTITY = lambda t, hook: t  # noqa: E731
-PARITY_ATOL = 1e-4  # the bar; measured below 5e-6 on every case
+PARITY_ATOL = 1e-4  # the bar; measured below 5e-6 on every case but Zamba2 (3e-5: its tiny
+# random model amplifies rounding, HF's own logits move by ~3e-5 under half-ulp input noise)
 
 # (family, overrides): n_groups 1 and 2, chunks shorter than the sequences.
 CASES = [
