@@ -47,6 +47,7 @@ from torch import Tensor
 from gna_lens.errors import InterventionError, PatternEditError
 
 __all__ = [
+    "HeadList",
     "HeadView",
     "LayerHeads",
     "describe_head_groups",
@@ -141,6 +142,47 @@ class LayerHeads:
         return self.scores_hook
 
 
+#: Mamba-1 channel groups as a view records them: ``((layer, ((channel, ...), ...)), ...)``,
+#: one entry per grouped layer; ``()`` when every head is a real head or a single channel.
+GroupSpec = tuple[tuple[int, tuple[tuple[int, ...], ...]], ...]
+
+
+class HeadList(list):  # type: ignore[type-arg]
+    """``(layer, head)`` pairs that remember what a head was when they were chosen.
+
+    On a Mamba-1 model with channel groups (:meth:`~gna_lens.models.HookedSSM.set_head_groups`),
+    ``(3, 1)`` means group 1 of layer 3, without groups channel 1: the same pair names other
+    weights. :meth:`gna_lens.GnaReport.top` returns a ``HeadList`` carrying the groups the report
+    was scored under, and every function that takes heads (:meth:`HeadView.check_heads`) refuses
+    it on a model whose groups differ instead of ablating other channels. Slices keep the
+    groups; ``list(heads)`` drops them (and the check).
+
+    Examples:
+        >>> from gna_lens.testing import tiny_hooked_ssm
+        >>> model = tiny_hooked_ssm("mamba1")
+        >>> with model.head_groups(16):
+        ...     heads = HeadList([(0, 1)], head_view(model).group_spec)
+        >>> head_view(model).check_heads(heads)
+        Traceback (most recent call last):
+        ...
+        gna_lens.errors.InterventionError: heads [(0, 1)] were chosen with Mamba-1 channel groups as heads: layer 0: 4 blocks of 16 channels; layer 1: 4 blocks of 16 channels, but the model now has single channels as heads: the same (layer, head) pairs would name other channels. Fix: use them inside `with model.head_groups(spec):` with the groups they were chosen under (for a report: `model.head_groups(report.head_groups_spec())`), or pass list(heads) to mean the model's current heads.
+        >>> with model.head_groups(16):
+        ...     head_view(model).check_heads(heads[:1])
+        [(0, 1)]
+    """
+
+    def __init__(self, heads: Iterable[Any] = (), head_groups: GroupSpec = ()) -> None:
+        super().__init__(heads)
+        self.head_groups: GroupSpec = tuple(head_groups)
+
+    def __getitem__(self, index: Any) -> Any:
+        out = super().__getitem__(index)
+        return HeadList(out, self.head_groups) if isinstance(index, slice) else out
+
+    def __repr__(self) -> str:
+        return super().__repr__()
+
+
 @dataclass(frozen=True)
 class HeadView:
     """Per layer, the heads of a model and the hooks that hold them.
@@ -206,12 +248,38 @@ class HeadView:
         """Number of heads over all layers."""
         return sum(lh.n_heads for lh in self)
 
+    @property
+    def group_spec(self) -> GroupSpec:
+        """The Mamba-1 channel groups of this view (``()``: none), as :class:`HeadList` keeps."""
+        return tuple((lh.layer, lh.channels) for lh in self if lh.channels is not None)
+
+    def check_group_origin(self, heads: Any, what: str = "heads") -> None:
+        """Refuse a :class:`HeadList` chosen under other Mamba-1 channel groups than the view's.
+
+        Raises:
+            InterventionError: Naming both groupings and the fix.
+        """
+        chosen = getattr(heads, "head_groups", None)
+        if chosen is not None and tuple(chosen) != self.group_spec:
+            raise InterventionError(
+                f"{what} {list(heads)!r} were chosen with "
+                f"{describe_group_spec(tuple(chosen), self) or 'single channels as heads'}, "
+                "but the model now has "
+                f"{describe_group_spec(self.group_spec, self) or 'single channels as heads'}: "
+                "the same (layer, head) pairs would name other channels. Fix: use them "
+                "inside `with model.head_groups(spec):` with the groups they were chosen under "
+                "(for a report: `model.head_groups(report.head_groups_spec())`), or pass "
+                "list(heads) to mean the model's current heads."
+            )
+
     def check_heads(self, heads: Iterable[Any], what: str = "heads") -> list[Head]:
         """Validate a list of ``(layer, head)`` pairs; returns them as int tuples.
 
         Raises:
-            InterventionError: For anything but ``(layer, head)`` pairs of existing heads.
+            InterventionError: For anything but ``(layer, head)`` pairs of existing heads, or a
+                :class:`HeadList` chosen under other Mamba-1 channel groups than the view's.
         """
+        self.check_group_origin(heads, what)
         if isinstance(heads, tuple) and len(heads) == 2 and all(isinstance(x, int) for x in heads):
             raise InterventionError(
                 f"{what}={heads!r} is one (layer, head) pair; expected a list of pairs, e.g. "
@@ -512,6 +580,7 @@ def normalize_head_sets(view: HeadView, heads: Any, what: str = "heads") -> list
         return [(h,) for h in view.heads()]
     if isinstance(heads, tuple) and len(heads) == 2 and all(isinstance(x, int) for x in heads):
         view.check_heads(heads, what)  # raises with the right message
+    view.check_group_origin(heads, what)
     items = list(heads)
     if not items:
         raise InterventionError(f"{what}=[] is empty; expected (layer, head) pairs or head sets.")
@@ -525,6 +594,7 @@ def normalize_head_sets(view: HeadView, heads: Any, what: str = "heads") -> list
         if is_pair:
             out.append(tuple(view.check_heads([item], what)))
         elif isinstance(item, Sequence | set | frozenset) and not isinstance(item, str):
+            view.check_group_origin(item, what)
             group = view.check_heads(list(item), what)
             if not group:
                 raise InterventionError(f"{what} contains an empty head set; drop it.")
@@ -579,17 +649,20 @@ def describe_head_groups(view: HeadView) -> str:
         ...     print(describe_head_groups(head_view(model)))
         Mamba-1 channel groups as heads: every SSM layer (3): 4 blocks of 16 channels
     """
+    return describe_group_spec(view.group_spec, view)
+
+
+def describe_group_spec(spec: GroupSpec, view: HeadView) -> str:
+    """:func:`describe_head_groups` of the groups ``spec`` on ``view``'s model (``""``: none)."""
     parts: list[tuple[int, str]] = []
-    for lh in view:
-        if lh.channels is None:
-            continue
-        sizes = [len(c) for c in lh.channels]
-        contiguous = all(c == tuple(range(c[0], c[0] + len(c))) for c in lh.channels)
-        if contiguous and len(set(sizes)) == 1 and sum(sizes) == lh.n_channels:
-            parts.append((lh.layer, f"{lh.n_heads} blocks of {sizes[0]} channels"))
+    for layer, channels in spec:
+        sizes = [len(c) for c in channels]
+        contiguous = all(c == tuple(range(c[0], c[0] + len(c))) for c in channels)
+        if contiguous and len(set(sizes)) == 1 and sum(sizes) == view[layer].n_channels:
+            parts.append((layer, f"{len(channels)} blocks of {sizes[0]} channels"))
         else:
             shown = ", ".join(map(str, sizes[:8])) + (", ..." if len(sizes) > 8 else "")
-            parts.append((lh.layer, f"{lh.n_heads} channel sets ({shown} channels)"))
+            parts.append((layer, f"{len(channels)} channel sets ({shown} channels)"))
     if not parts:
         return ""
     head = "Mamba-1 channel groups as heads: "

@@ -41,6 +41,7 @@ ARCHITECTURES = (
     "nemotron_h",
     "granitemoehybrid",
     "falcon_h1",
+    "jamba",
     "zamba2",
     "llama",
 )
@@ -97,8 +98,7 @@ def tiny_hf_config(arch: str, vocab_size: int = 320, **overrides: Any) -> Any:
     """A small Hugging Face config of ``arch`` (one of :data:`ARCHITECTURES`).
 
     Args:
-        arch: One of :data:`ARCHITECTURES`: an SSM or hybrid (``"mamba1"``, ...,
-            ``"zamba2"``) or ``"llama"``.
+        arch: One of :data:`ARCHITECTURES` (``"mamba1"``, ..., ``"jamba"``, ``"llama"``).
         vocab_size: Vocabulary size (match the tokenizer's).
         **overrides: Config fields to change (e.g. ``n_groups=2``, ``chunk_size=8``).
 
@@ -238,6 +238,28 @@ def tiny_hf_config(arch: str, vocab_size: int = 320, **overrides: Any) -> Any:
             ssm_multipliers=[0.9, 1.1, 1.2, 0.8, 1.3],
             mlp_multipliers=[1.2, 0.75],
         )
+    elif arch == "jamba":
+        cls = tf.JambaConfig
+        kw = dict(
+            hidden_size=32,
+            # Mamba-1 + dense MLP, attention + MoE, Mamba-1 + dense, Mamba-1 + MoE,
+            # attention + dense.
+            num_hidden_layers=5,
+            attn_layer_period=3,
+            attn_layer_offset=1,
+            expert_layer_period=2,
+            expert_layer_offset=1,
+            num_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=48,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            mamba_d_state=8,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_dt_rank=4,
+            max_position_embeddings=4096,
+        )
     elif arch == "zamba2":
         cls = tf.Zamba2Config
         kw = dict(
@@ -307,6 +329,9 @@ def tiny_hf_model(arch: str, seed: int = 0, **overrides: Any) -> Any:
                 p.copy_(torch.rand(p.shape, generator=gen) * 2.0 - 1.5)
             elif name.endswith(".D"):
                 p.copy_(torch.randn(p.shape, generator=gen))
+            elif name.endswith(("dt_layernorm.weight", "b_layernorm.weight", "c_layernorm.weight")):
+                # Jamba's norms inside the mixer: away from 1 so the parity tests see them.
+                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
             elif p.ndim >= 2:
                 # Low-rank adapters (Zamba2) are small corrections of the weights they adapt.
                 scale = 0.25 if "adapter" in name else 1.0
@@ -337,8 +362,7 @@ def tiny_hooked_ssm(arch: str = "mamba2", seed: int = 0, **overrides: Any) -> An
     """A tiny random :class:`~gna_lens.models.HookedSSM` with a tokenizer, built in memory.
 
     Args:
-        arch: One of :data:`ARCHITECTURES` but ``"llama"`` (``"mamba1"``, ``"mamba2"``,
-            ``"bamba"``, ..., ``"zamba2"``).
+        arch: One of :data:`ARCHITECTURES` but ``"llama"``.
         seed: Random seed.
         **overrides: Config fields to change.
 

@@ -19,6 +19,7 @@ SSM_ARCHS = (
     "nemotron_h",
     "granitemoehybrid",
     "falcon_h1",
+    "jamba",
     "zamba2",
 )
 _TMP = Path(tempfile.mkdtemp(prefix="gna_lens_interventions_"))

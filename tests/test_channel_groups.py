@@ -182,3 +182,37 @@ def test_score_heads_ranks_groups_and_says_so():
         assert torch.allclose(torch.tensor(rows).sum(-1), torch.ones(len(rows))), name
     plain = score_heads(m, t, ablation=False, control=None, progress=False, n_examples=0)
     assert "head_groups" not in plain.method and len(plain.heads) == 2 * m.cfg.d_inner
+
+
+def test_a_ranking_made_on_groups_is_refused_on_single_channels_and_back():
+    """A grouped report's heads name groups: used on the ungrouped model they would name single
+    channels (the findings once measured channels 0-3 instead of the ranked 64-channel blocks)."""
+    from gna_lens import GnaReport, retrieval_vs_knowledge, score_heads
+
+    m, t = model("mamba1"), make_task(n_pairs=4, n_samples=4)
+    with m.head_groups(16):
+        report = score_heads(m, t, control=None, progress=False, n_examples=0)
+    heads = report.top(2, by="ablation_effect")
+    assert heads.head_groups == report.head_groups and report.head_groups
+    for call in (
+        lambda h: I.ablate_heads(m, h).__enter__(),
+        lambda h: I.ablation_sweep(m, t, "logit_diff", [h], progress=False),
+        lambda h: retrieval_vs_knowledge(m, h, {"kv": t}, random_draws=0, progress=False),
+    ):
+        for given in (heads, heads[:1]):  # slices keep the groups
+            with pytest.raises(InterventionError, match="were chosen with Mamba-1 channel groups"):
+                call(given)
+    assert hook_count(m) == 0
+    with m.head_groups(report.head_groups_spec()):
+        grouped = retrieval_vs_knowledge(m, heads, {"kv": t}, random_draws=0, progress=False)
+    with m.head_groups(16):
+        again = retrieval_vs_knowledge(m, list(heads), {"kv": t}, random_draws=0, progress=False)
+    assert grouped.after == again.after
+    # A single-channel ranking is refused on a grouped model too; list() opts out of the check.
+    plain = score_heads(m, t, ablation=False, control=None, progress=False, n_examples=0)
+    ranked = plain.top(1, by="aggregate_score")
+    with m.head_groups(16), pytest.raises(InterventionError, match="single channels as heads"):
+        I.ablate_heads(m, ranked).__enter__()
+    # The JSON records the groups.
+    assert report.to_dict()["head_groups"]["0"][1][:2] == [16, 17]
+    assert isinstance(report, GnaReport) and "head_groups" not in plain.to_dict()

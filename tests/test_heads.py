@@ -17,6 +17,7 @@ ARCHS = [
     "nemotron_h",
     "granitemoehybrid",
     "falcon_h1",
+    "jamba",
     "zamba2",
 ]
 
@@ -33,6 +34,14 @@ def test_view_describes_each_architecture():
         "granitemoehybrid": [("ssm", 8, 8), ("attention", 4, 8), ("ssm", 8, 8)],
         # Falcon-H1: the SSM heads of each layer (its parallel attention: hook names only).
         "falcon_h1": [("ssm", 8, 8)] * 3,
+        # Mamba-1 layers (channels are the heads) and attention layers without RoPE.
+        "jamba": [
+            ("ssm", 64, 1),
+            ("attention", 4, 8),
+            ("ssm", 64, 1),
+            ("ssm", 64, 1),
+            ("attention", 4, 8),
+        ],
         # Zamba2: Mamba-2 layers, and hybrid layers whose heads are the shared transformer
         # block's attention heads as invoked there (its mixer: hook names only).
         "zamba2": [("ssm", 8, 8), ("attention", 4, 16)] * 2 + [("attention", 4, 16)],

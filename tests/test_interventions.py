@@ -14,7 +14,7 @@ from gna_lens.interventions._common import Metric
 from gna_lens.tasks import evaluate
 
 SWEEP_ARCHS = ["llama", "mamba2", "bamba"]  # Transformer (bridge), SSM, hybrid
-ALL_ARCHS = ["llama", "mamba1", "falcon_mamba", "mamba2", "bamba"]
+ALL_ARCHS = ["llama", "mamba1", "falcon_mamba", "mamba2", "bamba", "jamba"]
 
 
 class PassCounter:
@@ -293,7 +293,7 @@ def test_mask_errors_are_explained():
         pass
 
 
-@pytest.mark.parametrize("arch", [*SWEEP_ARCHS, "mamba1"])
+@pytest.mark.parametrize("arch", [*SWEEP_ARCHS, "mamba1", "jamba"])
 def test_patching_restores_the_clean_run_exactly(arch):
     m = model(arch)
     view = head_view(m)
@@ -358,7 +358,7 @@ def test_patch_heads_equals_manual_patching(arch):
     assert {"kind", "value", "effect", "recovered"} <= set(table.columns)
 
 
-@pytest.mark.parametrize("arch", [*SWEEP_ARCHS, "mamba1"])
+@pytest.mark.parametrize("arch", [*SWEEP_ARCHS, "mamba1", "jamba"])
 def test_attribution_is_the_directional_derivative_of_ablation_in_at_most_four_forwards(
     arch, monkeypatch
 ):

@@ -355,3 +355,35 @@ def test_ranking_computed_on_the_fly_when_none_is_given(tmp_path, monkeypatch):
     assert "computed on the fly" in table.method["ranking_source"]
     assert table.method["local_tasks"] == {}  # only the tasks asked for are written
     assert table.cell(2, "toy_kv").value.value < table.cell(0, "toy_kv").value.value
+
+
+def test_a_ranking_of_channel_groups_removes_the_groups(tmp_path, checkpoints):
+    """A scan of a large Mamba-1 ranks 64-channel blocks; its report.json must remove those
+    blocks in lm-eval, not the single channels with the same indices."""
+    from interventions_helpers import task as kv_task
+    from interventions_helpers import tok
+
+    from gna_lens.scoring import score_heads
+
+    folder = tiny_checkpoint("mamba1", tmp_path / "m1", vocab_size=len(tok()))
+    tok().save_pretrained(folder)
+    mamba1 = gl.GnaLM(pretrained=str(folder)).model
+    task, control = kv_task(n_samples=4), kv_task(n_samples=4, seed=1)
+    with mamba1.head_groups(16):
+        report = score_heads(mamba1, task, control=control, progress=False)
+    path = tmp_path / "report.json"
+    report.to_json(path)
+    heads, source = gl.load_ranking(path)
+    assert heads.head_groups == report.head_groups and "channel groups" in source
+    table = gl.evaluate_table(mamba1, ["gna_mmlu_cloze"], [0, 1], ranking=path, limit=6,
+                              progress=False)  # fmt: skip
+    assert table.method["head_groups"] == report.head_groups_spec()
+    assert mamba1.head_group_spec == {}  # the groups were set for the rows only
+    expected = table.cells[1].items
+    with mamba1.head_groups(16):
+        again = gl.evaluate_table(mamba1, ["gna_mmlu_cloze"], [0, 1], ranking=list(heads),
+                                  limit=6, progress=False)  # fmt: skip
+    assert again.cells[1].items == expected
+    llama = gl.GnaLM(pretrained=checkpoints["llama"]).model
+    with pytest.raises(ConfigError, match="addresses Mamba-1 channel groups"):
+        gl.evaluate_table(llama, ["gna_mmlu_cloze"], [0, 1], ranking=path, limit=6)

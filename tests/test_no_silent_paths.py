@@ -364,8 +364,12 @@ def test_hooked_keeps_the_original_error_when_hooks_leak():
 
 @pytest.mark.parametrize("arch", SSM_ARCHS[2:])
 def test_attribution_records_its_path(arch):
-    res = I.attribute_heads(_fresh(arch), make_task(n_samples=2), heads=[(0, 0)])
-    assert res.info["paths"] == {"gradient": ["the model's own forward"]}
+    m = _fresh(arch)
+    res = I.attribute_heads(m, make_task(n_samples=2), heads=[(0, 0)])
+    path = "the model's own forward"
+    if m.channel_heads:  # Jamba's Mamba-1 layers: their scan's own backward
+        path += "; " + m.ssm_mixers()[0].backward_note
+    assert res.info["paths"] == {"gradient": [path]}
     assert res.info["fallbacks"] == []
 
 

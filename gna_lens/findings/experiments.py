@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from gna_lens.heads import Head, head_view
+from gna_lens.heads import Head, describe_head_groups, head_view
 from gna_lens.models.provenance import provenance_of
 from gna_lens.scoring import (
     GnaReport,
@@ -234,11 +234,38 @@ def rank_zoo_model(
     model, tasks = _zoo(name)
     probe = probe or _probe_name(model, tasks, n_rank)
     n = head_view(model).n_heads_total
+    # Mamba-1 heads are single channels here (head_groups=None): the unit the zoo findings have
+    # always used, and the one the held-out removals below address (a ranking of channel
+    # blocks would need the same blocks set on the model; see HeadList).
     report = score_heads(
         model, tasks[probe][:n_rank], control=zoo.control(name, "select"),
         prefilter=ZOO_MAX_EXACT if n > ZOO_MAX_EXACT else None, n_examples=0, progress=progress,
+        head_groups=None,
     )  # fmt: skip
+    report.method["head_unit"] = head_unit(model)
     return model, tasks, probe, report
+
+
+def head_unit(model: Any) -> str:
+    """What one ``(layer, head)`` of ``model`` is, in words, for the findings page.
+
+    Examples:
+        >>> from gna_lens.testing import tiny_hooked_ssm
+        >>> head_unit(tiny_hooked_ssm("mamba1"))
+        'single SSM channels (Mamba-1 has no heads: each of its 64 channels per layer is one)'
+        >>> head_unit(tiny_hooked_ssm("mamba2"))
+        'heads'
+    """
+    view = head_view(model)
+    if view.group_spec:
+        return describe_head_groups(view)
+    if getattr(model, "channel_heads", False):
+        width = max(lh.n_channels for lh in view)
+        return (
+            f"single SSM channels (Mamba-1 has no heads: each of its {width} channels per layer "
+            "is one)"
+        )
+    return "heads"
 
 
 def _held_out(tasks: Mapping[str, Task], probe: str, n_rank: int) -> dict[str, Task]:

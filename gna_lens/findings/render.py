@@ -221,7 +221,7 @@ def status_rows(results: Mapping[str, Any]) -> list[dict[str, str]]:
         out.append(
             {
                 "claim": "Retrieval falls, knowledge (cloze) stays",
-                "model": r["model"],
+                "model": r["model"] + _unit_note(r),
                 "numbers": f"{r['probe']} top {rem['k']}: {_pct(row['before'])} -> "
                 f"{_pct(row['after'])}, random {_pts(row.get('random_change'))}; cloze "
                 f"{_pts(cloze['change'])}",
@@ -557,6 +557,19 @@ def _share(v: Any) -> str:
     return "n/a" if v is None else f"{100 * v:.1f}%"
 
 
+def _unit_note(r: Mapping[str, Any]) -> str:
+    """`` (heads: single SSM channels)`` where a model's heads are not heads, else ``""``.
+
+    Examples:
+        >>> _unit_note({"method": {"head_unit": "single SSM channels (Mamba-1 has no heads)"}})
+        ' (heads: single SSM channels)'
+        >>> _unit_note({"method": {}})
+        ''
+    """
+    unit = str(r.get("method", {}).get("head_unit", "heads"))
+    return "" if unit == "heads" else f" (heads: {unit.split(' (')[0]})"
+
+
 def _zoo_section(results: Sequence[Mapping[str, Any]]) -> list[str]:
     lines = [
         "## 2. Zoo: retrieval falls, knowledge stays?",
@@ -573,7 +586,12 @@ def _zoo_section(results: Sequence[Mapping[str, Any]]) -> list[str]:
         lines += [
             f"### {r['model']}",
             "",
-            f"Ranked on {r['probe']} ({r['n_rank']} prompts).",
+            f"Ranked on {r['probe']} ({r['n_rank']} prompts)"
+            + (
+                f"; heads here are {r['method']['head_unit']}."
+                if r.get("method", {}).get("head_unit", "heads") != "heads"
+                else "."
+            ),
             "",
             *_heads_table(r["top_heads"]),
             "",

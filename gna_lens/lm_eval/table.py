@@ -8,6 +8,7 @@ per-item results (Wilson for 0/1 metrics, else a bootstrap), and its change from
 ablation, absolute (paired bootstrap over the same items) and relative.
 """
 
+import contextlib
 import importlib.metadata
 import json
 import logging
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 
 from gna_lens.errors import ConfigError, GnaLensError
-from gna_lens.heads import Head
+from gna_lens.heads import Head, HeadList
 from gna_lens.lm_eval._model import GnaLM, _device, _dtype, format_heads, parse_heads
 from gna_lens.lm_eval.tasks import LOCAL_TASKS, is_local, write_tasks
 from gna_lens.stats import Interval, bootstrap_interval, wilson_interval
@@ -366,7 +367,7 @@ def _esc(text: str) -> str:
 
 
 # ----------------------------------------------------------------------------- ranking
-def load_ranking(path: str | Path) -> tuple[tuple[Head, ...], str]:
+def load_ranking(path: str | Path) -> tuple[Sequence[Head], str]:
     """The retrieval-specific head ranking of a ``gna-lens scan`` report (``report.json``).
 
     The report lists every head's ablation and control effects; the ranking is the scan's own
@@ -379,7 +380,9 @@ def load_ranking(path: str | Path) -> tuple[tuple[Head, ...], str]:
         path: The JSON file.
 
     Returns:
-        ``(heads, description of the source)``.
+        ``(heads, description of the source)``; ``heads`` is a :class:`~gna_lens.heads.HeadList`
+        that carries the report's Mamba-1 channel groups when its heads were groups
+        (:func:`evaluate_table` sets them on the model).
 
     Raises:
         ConfigError: For a file that is missing, not JSON, or holds no ranking.
@@ -433,13 +436,19 @@ def load_ranking(path: str | Path) -> tuple[tuple[Head, ...], str]:
         )
     task = data.get("task", "")
     model = data.get("model_name", "")
-    return heads, f"gna-lens scan report {file} ({model}, {task}; {how})"
+    groups = data.get("head_groups") or {}
+    spec = tuple(
+        (int(layer), tuple(tuple(int(c) for c in chans) for chans in sets))
+        for layer, sets in sorted(groups.items(), key=lambda kv: int(kv[0]))
+    )
+    unit = "; heads are Mamba-1 channel groups" if spec else ""
+    return HeadList(heads, spec), f"gna-lens scan report {file} ({model}, {task}; {how}{unit})"
 
 
 def _compute_ranking(
     model: Any, k: int, *, mode: str, positions: Any, n_samples: int, seed: int,
     sweep_dtype: str | None, progress: bool,
-) -> tuple[tuple[Head, ...], str]:  # fmt: skip
+) -> tuple[Sequence[Head], str]:  # fmt: skip
     """Rank heads on KV-retrieval selection prompts, as ``gna-lens scan`` does."""
     from gna_lens.heads import head_view
     from gna_lens.scan import EXACT_ALL_MAX, build_tasks, default_exact
@@ -453,7 +462,7 @@ def _compute_ranking(
         prefilter=None if n_heads <= EXACT_ALL_MAX else min(default_exact(k), n_heads),
         sweep_dtype=sweep_dtype, progress=progress,
     )  # fmt: skip
-    heads = tuple(report.top(k))
+    heads = report.top(k)  # a HeadList: keeps the channel groups the report was scored under
     return heads, (
         f"computed on the fly: score_heads on {len(sets.selection)} KV-retrieval prompts "
         f"(question template, seed {seed}), {mode} ablation, prose control; {report.criterion}"
@@ -613,6 +622,7 @@ def evaluate_table(
         if progress:
             print(f"gna-lens evaluate: {text}", file=sys.stderr, flush=True)
 
+    heads: Sequence[Head]
     if ranking is None:
         stage(f"ranking heads on {ranking_samples} KV-retrieval prompts (score_heads)")
         heads, source = _compute_ranking(
@@ -622,7 +632,16 @@ def evaluate_table(
     elif isinstance(ranking, str | Path):
         heads, source = load_ranking(ranking)
     else:
-        heads, source = parse_heads(ranking, "ranking"), "heads given by the caller"
+        given = parse_heads(ranking, "ranking")
+        heads, source = HeadList(given, getattr(ranking, "head_groups", ())), "heads given"
+        source += " by the caller"
+    groups = tuple(getattr(heads, "head_groups", ()))
+    if groups and not getattr(model, "channel_heads", False):
+        raise ConfigError(
+            f"the ranking ({source}) addresses Mamba-1 channel groups, but the model "
+            f"({type(model).__name__}) has no channel heads. Fix: evaluate the model the "
+            "ranking was made on."
+        )
     if len(heads) < max(ks):
         raise ConfigError(
             f"remove_top={list(ks)} needs {max(ks)} ranked heads but the ranking ({source}) has "
@@ -631,6 +650,13 @@ def evaluate_table(
     heads = heads[: max(ks)]
     times: dict[str, float] = {}
     tmp = None
+    stack = contextlib.ExitStack()
+    # A ranking of channel groups removes the same groups: the model's heads become them here.
+    grouping = (
+        model.head_groups({layer: [list(c) for c in sets] for layer, sets in groups})
+        if groups
+        else contextlib.nullcontext()
+    )
     try:
         local = [t for t in tasks if is_local(t)]
         if task_dir is None:
@@ -646,6 +672,7 @@ def evaluate_table(
             include_path=str(task_dir), include_defaults=any(t not in found for t in tasks)
         )
         outputs = {}
+        stack.enter_context(grouping)
         for k in ks:
             t = time.perf_counter()
             stage(f"lm-eval with the top {k} heads removed ({format_heads(heads[:k]) or 'none'})")
@@ -664,6 +691,7 @@ def evaluate_table(
             outputs[k] = result
             times[f"k={k}"] = time.perf_counter() - t
     finally:
+        stack.close()
         log.setLevel(level)
         if tmp is not None:
             tmp.cleanup()
@@ -723,6 +751,7 @@ def evaluate_table(
         "positions": positions,
         "ranking_source": source,
         "ranking": format_heads(heads),
+        "head_groups": {layer: [list(c) for c in sets] for layer, sets in groups},
         "weights": prov.describe(),
         "provenance": prov.to_dict(),
         "limit": limit,
@@ -742,7 +771,7 @@ def evaluate_table(
         model=str(prov.name if prov.name else getattr(model.cfg, "model_name", "model")),
         tasks=tuple(tasks),
         remove_top=ks,
-        ranking=heads,
+        ranking=tuple(heads),
         cells=tuple(cells),
         method=method,
         seconds=times,

@@ -20,13 +20,16 @@ class SSMConfig(TransformerLensConfig):
 
     Attributes:
         architecture: ``"mamba1"``, ``"falcon_mamba"``, ``"mamba2"``, ``"bamba"``,
-            ``"nemotron_h"``, ``"granitemoehybrid"``, ``"falcon_h1"`` or ``"zamba2"``.
+            ``"nemotron_h"``, ``"granitemoehybrid"``, ``"falcon_h1"``, ``"jamba"`` or
+            ``"zamba2"``.
         layer_types: Per layer, ``"ssm"``, ``"attention"`` or ``"mlp"`` (a block with only an
             MLP, Nemotron-H). Zamba2's hybrid layers are ``"attention"``: their heads are those
             of the shared transformer block invoked there (the layer's Mamba-2 mixer follows).
         mlp_types: Per layer, the MLP of the block: ``""`` (none), ``"gated"`` (SwiGLU),
-            ``"plain"`` (``down(act(up(x)))``) or ``"moe"`` (routed experts plus a shared
-            expert). Empty: ``"gated"`` on every layer of a Bamba, none elsewhere.
+            ``"plain"`` (``down(act(up(x)))``), ``"moe"`` (routed experts plus a shared
+            expert, Nemotron-H), ``"granite"`` / ``"granite_moe"`` (Granite's shared MLP, without
+            / with routed experts) or ``"jamba_moe"`` (Jamba's routed experts). Empty:
+            ``"gated"`` on every layer of a Bamba, none elsewhere.
         mlp_act: Activation of ``"plain"`` MLPs and experts: ``"silu"`` or ``"relu2"``; of
             Zamba2's shared MLP: ``"gelu"`` or ``"silu"``.
         use_rope: Whether attention layers rotate queries and keys (Nemotron-H does not).
@@ -146,7 +149,7 @@ class SSMConfig(TransformerLensConfig):
         Args:
             hf_config: A ``MambaConfig``, ``FalconMambaConfig``, ``Mamba2Config``,
                 ``BambaConfig``, ``NemotronHConfig``, ``GraniteMoeHybridConfig``,
-                ``FalconH1Config`` or ``Zamba2Config``.
+                ``FalconH1Config``, ``JambaConfig`` or ``Zamba2Config``.
 
         Returns:
             The matching :class:`SSMConfig`.

@@ -1,4 +1,4 @@
-"""HookedSSM: Mamba-1, Mamba-2 and the Bamba, Nemotron-H, Granite 4.0, Falcon-H1 and Zamba2
+"""HookedSSM: Mamba-1, Mamba-2 and the Bamba, Nemotron-H, Granite 4.0, Falcon-H1, Jamba and Zamba2
 hybrids with TransformerLens hooks.
 
 The model assembles the blocks of its family (:mod:`gna_lens.models.families`): each block holds
@@ -84,7 +84,8 @@ class HookedSSM(HookedRootModule):
     Supports ``MambaForCausalLM``, ``FalconMambaForCausalLM``, ``Mamba2ForCausalLM`` and the
     hybrids ``BambaForCausalLM``, ``NemotronHForCausalLM``, ``GraniteMoeHybridForCausalLM``,
     ``FalconH1ForCausalLM`` (attention beside the SSM mixer in every layer) and
-    ``Zamba2ForCausalLM`` (shared transformer blocks invoked before some layers' mixers).
+    ``JambaForCausalLM`` (Mamba-1 and attention layers, MoE MLPs) and ``Zamba2ForCausalLM``
+    (shared transformer blocks invoked before some layers' mixers).
     Logits match Hugging Face's to about 1e-6 in fp32.
 
     Hook points (shapes in the docs' hook table): ``hook_embed``;
@@ -149,8 +150,8 @@ class HookedSSM(HookedRootModule):
         """Build a HookedSSM from a loaded Hugging Face model (weights are copied).
 
         Args:
-            hf_model: A ``MambaForCausalLM``, ``FalconMambaForCausalLM``, ``Mamba2ForCausalLM``
-                or one of the hybrids (see the class docstring).
+            hf_model: A model of a supported family (``MambaForCausalLM``, ...,
+                ``JambaForCausalLM``; see :data:`SUPPORTED_MODEL_TYPES`).
             tokenizer: Its tokenizer (optional; needed for string inputs).
             dtype: Target dtype (default: the HF model's).
             device: Target device (default: the HF model's).
@@ -421,7 +422,8 @@ class HookedSSM(HookedRootModule):
         if not self.channel_heads:
             raise InterventionError(
                 f"set_head_groups({spec!r}): this is a {cfg.architecture} model; channel groups "
-                "are for Mamba-1 / FalconMamba, whose heads are single channels. Mamba-2 heads "
+                "are for Mamba-1 layers (Mamba-1, FalconMamba, Jamba), whose heads are single "
+                "channels. Mamba-2 heads "
                 "(and attention heads) are real heads already: address them as (layer, head)."
             )
         layers = list(self.ssm_mixers())
@@ -440,7 +442,7 @@ class HookedSSM(HookedRootModule):
             if layer not in layers:
                 raise InterventionError(
                     f"set_head_groups: layer {layer!r} is not an SSM layer of this "
-                    f"{cfg.n_layers}-layer model (SSM layers: 0..{cfg.n_layers - 1})."
+                    f"{cfg.n_layers}-layer model (SSM layers: {layers})."
                 )
             if isinstance(item, int) and not isinstance(item, bool):
                 if item <= 0 or E % item:
@@ -499,7 +501,7 @@ class HookedSSM(HookedRootModule):
 
     @property
     def channel_heads(self) -> bool:
-        """Whether the SSM heads are single channels (Mamba-1, FalconMamba), which
+        """Whether the SSM heads are single channels (Mamba-1, FalconMamba, Jamba), which
         :meth:`set_head_groups` can group (``SSMMixer.channel_heads``).
 
         Examples:

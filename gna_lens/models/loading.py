@@ -34,8 +34,8 @@ def load_model(
 ) -> Any:
     """Load a causal LM for analysis: a HookedSSM for Mamba-family checkpoints, else a bridge.
 
-    Mamba, FalconMamba, Mamba-2 and the hybrids' checkpoints (Bamba, Nemotron-H, Granite 4.0,
-    Falcon-H1, Zamba2: ``SUPPORTED_MODEL_TYPES``) load as :class:`HookedSSM`; every other
+    Mamba, FalconMamba, Mamba-2 and hybrid (Bamba, Nemotron-H, Granite 4.0, Falcon-H1, Jamba,
+    Zamba2) checkpoints load as :class:`HookedSSM` (``SUPPORTED_MODEL_TYPES``); every other
     architecture loads as TransformerLens's ``TransformerBridge`` (``boot_transformers``), so the
     rest of gna_lens sees one (layer, head) interface.
 

@@ -30,7 +30,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from gna_lens.errors import GnaLensError, InterventionError
-from gna_lens.heads import describe_head_groups, head_view
+from gna_lens.heads import GroupSpec, HeadList, describe_head_groups, head_view
 from gna_lens.interventions import ablation_sweep, attribute_heads, control_sweep
 from gna_lens.interventions._common import check_positions, describe_task
 from gna_lens.interventions.ablation import SweepResult, positions_label
@@ -238,6 +238,23 @@ class GnaReport:
     layers: LayerSweepResult | None = None
     unmeasured: tuple[UnmeasuredHeads, ...] = ()
     timings: dict[str, float] = field(default_factory=dict, compare=False)
+    head_groups: GroupSpec = ()
+
+    def head_groups_spec(self) -> dict[int, list[list[int]]] | None:
+        """The Mamba-1 channel groups the report's heads address, as
+        :meth:`~gna_lens.models.HookedSSM.head_groups` takes them (``None``: heads are the
+        model's own heads, or single channels).
+
+        Examples:
+            >>> report = GnaReport("m", "t", heads=((0, 0), (0, 1)), kinds=("ssm", "ssm"),
+            ...                    scores={}, metric="none", baseline=math.nan, n_layers=1,
+            ...                    layer_heads=(2,), head_groups=((0, ((0, 1), (2, 3))),))
+            >>> report.head_groups_spec()
+            {0: [[0, 1], [2, 3]]}
+        """
+        if not self.head_groups:
+            return None
+        return {layer: [list(c) for c in sets] for layer, sets in self.head_groups}
 
     @property
     def n_unmeasured(self) -> int:
@@ -310,7 +327,9 @@ class GnaReport:
                 lowest first, other scores highest first).
 
         Returns:
-            ``[(layer, head), ...]``.
+            ``[(layer, head), ...]``, a :class:`~gna_lens.heads.HeadList` that remembers the
+            Mamba-1 channel groups the report was scored under (functions given these heads
+            refuse a model whose groups differ).
 
         Raises:
             GnaLensError: For an unknown column, one that was not measured, or the default
@@ -338,7 +357,9 @@ class GnaReport:
             ok = self._eligible()
             key = values.masked_fill(~ok, math.inf)
             order = torch.argsort(key, stable=True).tolist()
-            return [self.heads[i] for i in order[: min(k, int(ok.sum()))]]
+            return HeadList(
+                [self.heads[i] for i in order[: min(k, int(ok.sum()))]], self.head_groups
+            )
         if by not in self.scores:
             raise GnaLensError(
                 f"GnaReport.top(by={by!r}); expected None (retrieval-specific) or one of "
@@ -353,7 +374,7 @@ class GnaReport:
         ascending = by in _LOWER_FIRST
         key = values.nan_to_num(nan=math.inf if ascending else -math.inf)
         order = torch.argsort(key if ascending else -key, stable=True).tolist()
-        return [self.heads[i] for i in order[:k]]
+        return HeadList([self.heads[i] for i in order[:k]], self.head_groups)
 
     def excluded(self, k: int = 10) -> list[ExcludedHead]:
         """The heads the default :meth:`top` ``(k)`` passes over for being generic.
@@ -420,6 +441,8 @@ class GnaReport:
             ],
             "unmeasured": [u.to_dict() for u in self.unmeasured],
         }
+        if self.head_groups:
+            out["head_groups"] = {str(k): v for k, v in (self.head_groups_spec() or {}).items()}
         if self.layers is not None:
             ranking = self.layer_ranking()
             out["layer_ranking"] = [
@@ -964,11 +987,12 @@ def _executor_line(*sweeps: SweepResult | None) -> str:
 def auto_head_groups(model: Any) -> int | None:
     """The block size ``head_groups="auto"`` gives ``model``, or ``None`` (heads as they are).
 
-    A Mamba-1 / FalconMamba :class:`~gna_lens.models.HookedSSM` without channel groups of its
-    own and with more than :data:`EXACT_ALL_MAX` single-channel heads gets contiguous blocks of
-    :data:`DEFAULT_CHANNEL_GROUP` channels (the largest divisor of ``d_inner`` up to it). Any
-    other model (Transformers, Mamba-2, hybrids, a small Mamba-1, a Mamba-1 whose groups were
-    set with ``set_head_groups``) gets ``None``.
+    A :class:`~gna_lens.models.HookedSSM` with Mamba-1 layers (Mamba-1, FalconMamba, Jamba)
+    without channel groups of its own and with more than :data:`EXACT_ALL_MAX` heads gets
+    contiguous blocks of :data:`DEFAULT_CHANNEL_GROUP` channels (the largest divisor of
+    ``d_inner`` up to it) in its Mamba-1 layers. Any other model (Transformers, Mamba-2, the
+    Mamba-2 hybrids, a small Mamba-1, a Mamba-1 whose groups were set with ``set_head_groups``)
+    gets ``None``.
 
     Examples:
         >>> from gna_lens.testing import tiny_hooked_ssm
@@ -1036,8 +1060,9 @@ def applied_head_groups(model: Any, head_groups: Any) -> Iterator[dict[str, Any]
         raise InterventionError(
             f"head_groups={head_groups!r} on a {type(model).__name__}"
             + (f" ({model.cfg.architecture})" if _is_hooked_ssm(model) else "")
-            + ": channel groups are for Mamba-1 / FalconMamba models, whose heads are single "
-            "channels; other models' heads are real heads. Fix: head_groups='auto' or None."
+            + ": channel groups are for Mamba-1 layers (Mamba-1, FalconMamba, Jamba), whose "
+            "heads are single channels; other models' heads are real heads. Fix: "
+            "head_groups='auto' or None."
         )
     with model.head_groups(head_groups):
         choice: dict[str, Any] = {"head_groups_choice": f"given: {head_groups!r}"}
@@ -1377,6 +1402,7 @@ def _score_heads(
         layers=layers,
         unmeasured=tuple(unmeasured),
         timings=timings,
+        head_groups=view.group_spec,
     )
     if n_examples:
         clock = time.perf_counter()

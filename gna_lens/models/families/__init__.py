@@ -23,6 +23,7 @@ from gna_lens.models.families import (
     falcon_h1,
     falcon_mamba,
     granitemoehybrid,
+    jamba,
     mamba,
     mamba2,
     nemotron_h,
@@ -50,6 +51,7 @@ FAMILIES: dict[str, Family] = {
         nemotron_h.FAMILY,
         granitemoehybrid.FAMILY,
         falcon_h1.FAMILY,
+        jamba.FAMILY,
         zamba2.FAMILY,
     )
 }

@@ -32,7 +32,7 @@ __all__ = ["Mamba1Mixer"]
 
 
 class Mamba1Mixer(SSMMixer):
-    """Mamba-1 (S6) mixer (FalconMamba's variant adds weightless norms on ``dt``, ``B``, ``C``).
+    """Mamba-1 (S6) mixer (FalconMamba's and Jamba's variants add norms on ``dt``, ``B``, ``C``).
 
     "Heads" are channels: ``hook_pattern`` is ``[batch, d_inner, query_pos, key_pos]`` and
     ``hook_z`` is ``[batch, pos, d_inner, 1]``.
@@ -70,7 +70,8 @@ class Mamba1Mixer(SSMMixer):
 
     # ------------------------------------------------------------------ shared by both paths
     def norm_dt_B_C(self, dt_low: Tensor, B: Tensor, C: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """A variant's transform of ``x_proj``'s outputs (identity here; FalconMamba's norms)."""
+        """A variant's transform of ``x_proj``'s outputs (identity here; FalconMamba's and
+        Jamba's norms)."""
         return dt_low, B, C
 
     def _dt_B_C(self, u: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -2,7 +2,8 @@
 
 ``"gated"``: SwiGLU (Bamba, Falcon-H1); ``"plain"``: ``down(act(up(x)))`` (Nemotron-H);
 ``"moe"``: Nemotron-H's routed experts and shared expert; ``"granite"`` / ``"granite_moe"``:
-Granite 4.0's shared MLP, with or without routed experts.
+Granite 4.0's shared MLP, with or without routed experts; ``"jamba_moe"``: Jamba's routed
+experts.
 """
 
 from collections.abc import Callable
@@ -16,7 +17,7 @@ from transformer_lens.hook_points import HookPoint
 from gna_lens.errors import ConfigError
 from gna_lens.models.config import SSMConfig
 
-__all__ = ["GatedMLP", "GraniteMLP", "NemotronMoE", "PlainMLP", "make_mlp"]
+__all__ = ["GatedMLP", "GraniteMLP", "JambaMoE", "NemotronMoE", "PlainMLP", "make_mlp"]
 
 
 class GatedMLP(nn.Module):
@@ -149,15 +150,19 @@ class _GraniteMoE(nn.Module):
         self.experts.down_proj = nn.Parameter(torch.zeros(E, D, M))
         self.hook_expert_weights = HookPoint()  # [batch, pos, n_experts], 0 where not routed
 
+    def route(self, logits: Tensor) -> Tensor:
+        """The routing weights ``[tokens, n_experts]`` (0 where not routed) of the router's
+        logits: a softmax over the top-k logits."""
+        top, idx = logits.float().topk(self.cfg.n_experts_per_tok, dim=-1)
+        w = torch.softmax(top, dim=-1)
+        return logits.new_zeros(logits.shape, dtype=w.dtype).scatter_(1, idx, w)
+
     def forward(self, x: Tensor) -> Tensor:
         b, L, D = x.shape
-        E, K = self.cfg.n_experts, self.cfg.n_experts_per_tok
+        E = self.cfg.n_experts
         flat = x.reshape(-1, D)
         router_w: Tensor = self.router.weight  # type: ignore[assignment]
-        logits = F.linear(flat, router_w).float()
-        top, idx = logits.topk(K, dim=-1)
-        w = torch.softmax(top, dim=-1).to(x.dtype)
-        dense = torch.zeros_like(logits, dtype=x.dtype).scatter_(1, idx, w)
+        dense = self.route(F.linear(flat, router_w)).to(x.dtype)
         dense = self.hook_expert_weights(dense.view(b, L, E)).reshape(-1, E)
         gate_up: Tensor = self.experts.gate_up_proj  # type: ignore[assignment]
         down: Tensor = self.experts.down_proj  # type: ignore[assignment]
@@ -198,6 +203,16 @@ class GraniteMLP(nn.Module):
         return out
 
 
+class JambaMoE(_GraniteMoE):
+    """Jamba's mixture of experts (``"jamba_moe"``): the top-k of the softmax over all router
+    logits, not renormalized; SwiGLU experts laid out as Granite's."""
+
+    def route(self, logits: Tensor) -> Tensor:
+        probs = torch.softmax(logits.float(), dim=-1)
+        top, idx = probs.topk(self.cfg.n_experts_per_tok, dim=-1)
+        return torch.zeros_like(probs).scatter_(1, idx, top)
+
+
 def make_mlp(cfg: SSMConfig, kind: str) -> nn.Module:
     """The MLP of kind ``kind`` (see ``SSMConfig.mlp_types``)."""
     if kind in ("granite", "granite_moe"):
@@ -208,4 +223,6 @@ def make_mlp(cfg: SSMConfig, kind: str) -> nn.Module:
         return PlainMLP(cfg)
     if kind == "moe":
         return NemotronMoE(cfg)
+    if kind == "jamba_moe":
+        return JambaMoE(cfg)
     raise ConfigError(f"internal: unknown MLP kind {kind!r}")
