@@ -5,7 +5,6 @@ from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
 from gna_lens.models.config import SSMConfig
-from gna_lens.models.families import family_of
 from gna_lens.models.mixers.attention import Attention, Rope
 from gna_lens.models.mixers.base import RMSNorm, SSMMixer, StepState
 from gna_lens.models.mixers.mlp import make_mlp
@@ -22,7 +21,14 @@ class SSMBlock(nn.Module):
     is the family's (``Family.ssm_mixer``).
     """
 
+    #: Whether the block reads the token embeddings (``forward`` / ``step``'s ``embed``: Zamba2's
+    #: shared transformer blocks); ``HookedSSM`` computes them only when such a block runs.
+    reads_embed: bool = False
+
     def __init__(self, cfg: SSMConfig, layer: int):
+        # Imported here: a family module may subclass SSMBlock (the registry imports it).
+        from gna_lens.models.families import family_of
+
         super().__init__()
         self.cfg = cfg
         self.layer = layer
@@ -53,7 +59,11 @@ class SSMBlock(nn.Module):
             self.hook_mlp_out = HookPoint()  # [batch, pos, d_model]
         self.hook_resid_post = HookPoint()  # [batch, pos, d_model]
 
-    def forward(self, resid: Tensor, mask: Tensor | None, rope: Rope) -> Tensor:
+    def forward(
+        self, resid: Tensor, mask: Tensor | None, rope: Rope, embed: Tensor | None = None
+    ) -> Tensor:
+        """The block on ``resid`` ``[batch, pos, d_model]`` (``embed``: the token embeddings, for
+        blocks that read them, :attr:`reads_embed`)."""
         resid = self.hook_resid_pre(resid)
         if self.has_mixer:
             normed = self.ln1(resid.to(self.ln1.weight.dtype))
@@ -137,7 +147,9 @@ class SSMBlock(nn.Module):
             state |= self.attn.prefix_state({n: acts[pre + "attn." + n] for n in names}, length)
         return state
 
-    def step(self, resid: Tensor, state: StepState, rope: Rope) -> Tensor:
+    def step(
+        self, resid: Tensor, state: StepState, rope: Rope, embed: Tensor | None = None
+    ) -> Tensor:
         """:meth:`forward` for one token after the prefix whose ``state`` it is
         (``resid`` ``[batch, 1, d_model]``; ``rope`` of that token's position)."""
         resid = self.hook_resid_pre(resid)

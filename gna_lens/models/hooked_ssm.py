@@ -1,4 +1,4 @@
-"""HookedSSM: Mamba-1, Mamba-2 and the Bamba, Nemotron-H, Granite 4.0, Falcon-H1 and Jamba
+"""HookedSSM: Mamba-1, Mamba-2 and the Bamba, Nemotron-H, Granite 4.0, Falcon-H1, Jamba and Zamba2
 hybrids with TransformerLens hooks.
 
 The model assembles the blocks of its family (:mod:`gna_lens.models.families`): each block holds
@@ -86,7 +86,8 @@ class HookedSSM(HookedRootModule):
     Supports ``MambaForCausalLM``, ``FalconMambaForCausalLM``, ``Mamba2ForCausalLM`` and the
     hybrids ``BambaForCausalLM``, ``NemotronHForCausalLM``, ``GraniteMoeHybridForCausalLM``,
     ``FalconH1ForCausalLM`` (attention beside the SSM mixer in every layer) and
-    ``JambaForCausalLM`` (Mamba-1 and attention layers, MoE MLPs), and the hybrid students of
+    ``JambaForCausalLM`` (Mamba-1 and attention layers, MoE MLPs), ``Zamba2ForCausalLM``
+    (shared transformer blocks invoked before some layers' mixers), and the hybrid students of
     :func:`gna_lens.hybrid.build_hybrid` (each head of a Llama teacher kept as attention or
     turned into an SSM head; :meth:`save_pretrained` writes them).
     Logits match Hugging Face's to about 1e-6 in fp32.
@@ -124,7 +125,9 @@ class HookedSSM(HookedRootModule):
         self.tokenizer = tokenizer
         self.embed = nn.Embedding(cfg.d_vocab, cfg.d_model)
         self.hook_embed = HookPoint()  # [batch, pos, d_model]
-        self.blocks = nn.ModuleList([SSMBlock(cfg, layer) for layer in range(cfg.n_layers)])
+        build = family_of(cfg.architecture).build_blocks
+        blocks = build(cfg) if build else [SSMBlock(cfg, layer) for layer in range(cfg.n_layers)]
+        self.blocks = nn.ModuleList(blocks)
         self.ln_final = RMSNorm(cfg.d_model, cfg.eps)
         self.unembed = nn.Linear(cfg.d_model, cfg.d_vocab, bias=False)
         if cfg.tie_word_embeddings:
@@ -564,6 +567,7 @@ class HookedSSM(HookedRootModule):
         prepend_bos: bool | None = None,
         padding_side: Literal["left", "right"] | None = None,
         loss_per_token: bool = False,
+        tokens: Int[Tensor, "batch pos"] | None = None,
     ) -> Any:
         """Run the model.
 
@@ -579,6 +583,9 @@ class HookedSSM(HookedRootModule):
             padding_side: For a list of texts: ``"left"`` or ``"right"`` (default: the
                 tokenizer's).
             loss_per_token: Return the per-token loss ``[batch, pos - 1]``.
+            tokens: With ``start_at_layer``: the rows' token ids, for the blocks that read the
+                token embeddings (Zamba2's shared transformer blocks); ``hook_embed`` fires on
+                them only when a block that runs needs them.
 
         Returns:
             Logits ``[batch, pos, d_vocab]``, the loss, both, ``None``, or the residual stream when
@@ -586,7 +593,8 @@ class HookedSSM(HookedRootModule):
         """
         self._check_layer_bound("start_at_layer", start_at_layer)
         self._check_layer_bound("stop_at_layer", stop_at_layer)
-        tokens: Tensor | None = None
+        blocks = self._blocks()[start_at_layer:stop_at_layer]
+        embed: Tensor | None = None
         if start_at_layer is None:
             if isinstance(input, Tensor) and input.is_floating_point():
                 raise ValueError(
@@ -598,6 +606,8 @@ class HookedSSM(HookedRootModule):
             if attention_mask is None:
                 attention_mask = text_mask
             resid = self.embed_tokens(tokens)
+            if any(block.reads_embed for block in blocks):
+                embed = resid.clone()  # a hook editing the residual in place leaves it as it is
         else:
             if not isinstance(input, Tensor) or input.ndim != 3:
                 raise ValueError(
@@ -606,10 +616,13 @@ class HookedSSM(HookedRootModule):
                     f"{tuple(input.shape) if isinstance(input, Tensor) else type(input).__name__}."
                 )
             resid = input
+            if tokens is not None and any(block.reads_embed for block in blocks):
+                embed = self._row_embeddings(tokens, resid)
+            tokens = None  # no loss without token input
         mask = self._normalize_mask(attention_mask, resid.shape[:2])
         rope = self._rope(resid.shape[1], resid.device, resid.dtype) if self._uses_rope else None
-        for block in self.blocks[start_at_layer:stop_at_layer]:
-            resid = block(resid, mask, rope)
+        for block in blocks:
+            resid = block(resid, mask, rope, embed)
         if stop_at_layer is not None:
             return resid
         logits = self.logits_of(resid)
@@ -636,6 +649,16 @@ class HookedSSM(HookedRootModule):
                 f"from {-n} to {n} (negative counts from the end, {n} = after the last block). "
                 f"Fix: pass a layer index of this model, or None."
             )
+
+    def _row_embeddings(self, tokens: Tensor, resid: Tensor) -> Tensor:
+        """``hook_embed`` of ``tokens`` ``[rows, pos]``, the ids of ``resid``'s rows."""
+        if not isinstance(tokens, Tensor) or tuple(tokens.shape) != tuple(resid.shape[:2]):
+            got = tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__
+            raise ValueError(
+                f"tokens has shape {got}; expected the token ids of the residual stream's rows, "
+                f"[batch, pos] = {tuple(resid.shape[:2])}."
+            )
+        return self.embed_tokens(tokens.to(self.embed.weight.device))
 
     def embed_tokens(self, tokens: Tensor) -> Tensor:
         """``hook_embed``: the token embeddings (times Granite's embedding_multiplier)."""
@@ -739,8 +762,10 @@ class HookedSSM(HookedRootModule):
         if self._uses_rope:
             cos, sin = self._rope(prefix.length, resid.device, resid.dtype)
             rope = (cos[-1:], sin[-1:])
-        for block, state in zip(self._blocks(), states, strict=True):
-            resid = block.step(resid, state, rope)
+        blocks = self._blocks()
+        embed = resid.clone() if any(block.reads_embed for block in blocks) else None
+        for block, state in zip(blocks, states, strict=True):
+            resid = block.step(resid, state, rope, embed)
         logits = self.logits_of(resid)
         return logits[:, 0]
 

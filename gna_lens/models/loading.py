@@ -34,8 +34,8 @@ def load_model(
 ) -> Any:
     """Load a causal LM for analysis: a HookedSSM for Mamba-family checkpoints, else a bridge.
 
-    Mamba, FalconMamba, Mamba-2 and hybrid (Bamba, Nemotron-H, Granite 4.0, Falcon-H1, Jamba)
-    checkpoints load as :class:`HookedSSM` (``SUPPORTED_MODEL_TYPES``); every other
+    Mamba, FalconMamba, Mamba-2 and hybrid (Bamba, Nemotron-H, Granite 4.0, Falcon-H1, Jamba,
+    Zamba2) checkpoints load as :class:`HookedSSM` (``SUPPORTED_MODEL_TYPES``); every other
     architecture loads as TransformerLens's ``TransformerBridge`` (``boot_transformers``), so the
     rest of gna_lens sees one (layer, head) interface. A folder saved by
     ``HookedSSM.save_pretrained`` (a hybrid student of :func:`gna_lens.hybrid.build_hybrid`,

@@ -30,6 +30,7 @@ from gna_lens.models.families import (
     mamba,
     mamba2,
     nemotron_h,
+    zamba2,
 )
 from gna_lens.models.families.base import Family
 
@@ -56,6 +57,7 @@ FAMILIES: dict[str, Family] = {
         falcon_h1.FAMILY,
         jamba.FAMILY,
         gna_hybrid.FAMILY,
+        zamba2.FAMILY,
     )
 }
 
@@ -102,10 +104,10 @@ def config_from_hf(hf_config: Any, config_cls: type[SSMConfig] = SSMConfig) -> S
             "TransformerBridge."
         )
     act = getattr(hf_config, "hidden_act", None) or getattr(hf_config, "mamba_hidden_act", "silu")
-    if act != "silu":
+    if act not in family.hidden_acts:
         raise ConfigError(
-            f"HookedSSM implements the SiLU activation of the Mamba family; this {model_type} "
-            f"config has hidden_act={act!r}."
+            f"HookedSSM implements the {'/'.join(family.hidden_acts)} activation of {model_type} "
+            f"models; this config has hidden_act={act!r}."
         )
     common: dict[str, Any] = dict(
         architecture=family.architecture,
