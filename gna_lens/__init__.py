@@ -1,8 +1,8 @@
 """gna_lens: Gather-and-Aggregate interpretability for Transformers, SSMs and hybrids.
 
 A TransformerLens plugin. :class:`HookedSSM` runs Mamba-1, FalconMamba, Mamba-2 and the hybrid
-(Bamba, Nemotron-H, Granite 4.0, Falcon-H1, Jamba) checkpoints with TransformerLens hooks and an
-editable implicit attention (``hook_pattern``); :func:`load_model` returns a HookedSSM or a
+(Bamba, Nemotron-H, Granite 4.0, Falcon-H1, Jamba, Zamba2) checkpoints with TransformerLens hooks
+and an editable implicit attention (``hook_pattern``); :func:`load_model` returns a HookedSSM or a
 TransformerLens ``TransformerBridge``. Every function below addresses attention heads and SSM
 heads alike as ``(layer, head)``.
 """
@@ -50,6 +50,7 @@ _SUBMODULES = frozenset(
         "errors",
         "findings",
         "heads",
+        "hybrid",
         "interventions",
         "lm_eval",
         "models",

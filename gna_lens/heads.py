@@ -17,6 +17,11 @@ residual in        ``blocks.{l}.hook_resid_pre``          ``blocks.{l}.hook_resi
 attention; Mamba-1 channels with ``d_head = 1``). Nothing else in the package special-cases
 architectures.
 
+**Mixed layers.** A layer of a hybrid student (:func:`gna_lens.hybrid.build_hybrid`) holds
+attention heads and SSM heads in one ``blocks.{l}.mixer.hook_pattern`` / ``hook_z``: its
+:attr:`LayerHeads.kind` is ``"mixed"`` and :meth:`HeadView.kind_of` gives each head's own kind
+(``"attention"`` or ``"ssm"``), which is what every function that branches on kind reads.
+
 **Mamba-1 channel groups.** A Mamba-1 layer's heads are its channels unless the model groups them
 (:meth:`HookedSSM.set_head_groups <gna_lens.models.HookedSSM.set_head_groups>`: contiguous blocks,
 or explicit channel sets per layer). Then ``(layer, g)`` is group ``g``, and
@@ -58,6 +63,9 @@ __all__ = [
 ]
 
 HeadKind = Literal["attention", "ssm"]
+#: A layer's kind: its heads' kind, or ``"mixed"`` for a layer with heads of both kinds (a hybrid
+#: student of :func:`gna_lens.hybrid.build_hybrid`).
+LayerKind = Literal["attention", "ssm", "mixed"]
 EditTarget = Literal["pattern", "scores", "z"]
 Head = tuple[int, int]
 
@@ -68,7 +76,8 @@ class LayerHeads:
 
     Attributes:
         layer: Layer index.
-        kind: ``"attention"`` or ``"ssm"``.
+        kind: ``"attention"`` or ``"ssm"``, or ``"mixed"`` for a layer with heads of both kinds
+            (see :attr:`head_kinds`).
         n_heads: Number of heads (query heads for grouped-query attention; channels for Mamba-1).
         d_head: Width of each head's output in ``hook_z``.
         pattern_hook: ``[batch, head_index, query_pos, key_pos]``: the attention pattern
@@ -88,10 +97,14 @@ class LayerHeads:
             (channels) it covers; ``None`` when head ``h`` is index ``h`` (every other layer).
         n_channels: Size of the head axis of ``hook_z`` / ``hook_pattern`` (``d_inner`` for a
             grouped Mamba-1 layer; ``n_heads`` otherwise).
+        head_kinds: Per head, ``"attention"`` or ``"ssm"``, for a layer whose heads the mixer
+            reports one by one (the hybrid students: one ``hook_pattern`` / ``hook_z`` holds
+            both kinds); ``None`` when every head is of kind :attr:`kind`. Read it with
+            :meth:`kind_of`.
     """
 
     layer: int
-    kind: HeadKind
+    kind: LayerKind
     n_heads: int
     d_head: int
     pattern_hook: str
@@ -102,10 +115,17 @@ class LayerHeads:
     out_hook: str | None = None
     channels: tuple[tuple[int, ...], ...] | None = None
     n_channels: int = 0
+    head_kinds: tuple[HeadKind, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.n_channels:
             object.__setattr__(self, "n_channels", self.n_heads)
+
+    def kind_of(self, head: int) -> HeadKind:
+        """``"attention"`` or ``"ssm"``: the kind of ``head`` (in a ``"mixed"`` layer, its own)."""
+        if self.head_kinds is not None:
+            return self.head_kinds[head]
+        return "attention" if self.kind == "attention" else "ssm"
 
     def members(self, head: int) -> tuple[int, ...]:
         """The hook-axis indices (Mamba-1 channels) of ``head``; ``(head,)`` without groups."""
@@ -137,7 +157,8 @@ class LayerHeads:
             raise PatternEditError(
                 f"Layer {self.layer} is an {self.kind} layer: it has no pre-softmax scores hook. "
                 "Pre-softmax edits exist for attention layers only; SSM matrices are unnormalized "
-                "(use the pattern, mode='post')."
+                "(use the pattern, mode='post'; mask_patterns(mode='pre') renormalizes the "
+                "attention heads of a mixed layer through the pattern)."
             )
         return self.scores_hook
 
@@ -230,17 +251,36 @@ class HeadView:
             )
         return lh
 
-    def kind(self, layer: int) -> HeadKind:
-        """``"attention"`` or ``"ssm"``."""
+    def kind(self, layer: int) -> LayerKind:
+        """``"attention"`` or ``"ssm"``; ``"mixed"`` for a layer with heads of both kinds (ask
+        :meth:`kind_of` for a head's own kind)."""
         return self[layer].kind
+
+    def kind_of(self, head: Head) -> HeadKind:
+        """``"attention"`` or ``"ssm"``: the kind of the head ``(layer, head)``.
+
+        Examples:
+            >>> from gna_lens.testing import tiny_hooked_ssm
+            >>> view = head_view(tiny_hooked_ssm("bamba"))
+            >>> view.kind_of((1, 0)), view.kind_of((2, 5))
+            ('attention', 'ssm')
+        """
+        layer, h = head
+        lh = self[layer]
+        if not 0 <= h < lh.n_heads:
+            raise InterventionError(
+                f"head ({layer}, {h}) is out of range: layer {layer} ({lh.kind}) has "
+                f"{lh.n_heads} heads (0..{lh.n_heads - 1})."
+            )
+        return lh.kind_of(h)
 
     def heads(self, kind: HeadKind | None = None) -> list[Head]:
         """Every ``(layer, head)`` of the model (only those of ``kind`` when given)."""
         return [
             (lh.layer, h)
             for lh in self
-            if kind is None or lh.kind == kind
             for h in range(lh.n_heads)
+            if kind is None or lh.kind_of(h) == kind
         ]
 
     @property
@@ -307,7 +347,8 @@ class HeadView:
         return out
 
     def to_dataframe(self) -> Any:
-        """One row per layer with heads: layer, kind, n_heads, d_head and the hook names."""
+        """One row per layer with heads: layer, kind, n_heads, d_head and the hook names (a
+        ``"mixed"`` layer also lists its ``attention_heads``)."""
         import pandas as pd
 
         return pd.DataFrame(
@@ -320,6 +361,11 @@ class HeadView:
                     "pattern_hook": lh.pattern_hook,
                     "z_hook": lh.z_hook,
                     "scores_hook": lh.scores_hook,
+                    "attention_heads": [
+                        h for h in range(lh.n_heads) if lh.kind_of(h) == "attention"
+                    ]
+                    if lh.kind == "mixed"
+                    else None,
                 }
                 for lh in self
             ]
@@ -380,20 +426,26 @@ def head_view(model: Any) -> HeadView:
             else:
                 pre = f"blocks.{layer}.mixer."
                 sets = groups.get(layer)
+                # A mixer with heads of both kinds (hybrid students) reports them one by one.
+                kinds = model.blocks[layer].mixer.head_kinds
+                found = set(kinds or ("ssm",))
+                layer_kind: LayerKind = "mixed" if len(found) > 1 else found.pop()  # type: ignore[assignment]
                 layers.append(
                     LayerHeads(
                         layer=layer,
-                        kind="ssm",
+                        kind=layer_kind,
                         n_heads=int(cfg.n_heads) if sets is None else len(sets),
                         d_head=int(cfg.d_head),
                         pattern_hook=pre + "hook_pattern",
                         z_hook=pre + "hook_z",
-                        scores_hook=None,
+                        # pre-softmax scores cover every head only when all are attention heads
+                        scores_hook=pre + "hook_attn_scores" if layer_kind == "attention" else None,
                         resid_pre_hook=f"blocks.{layer}.hook_resid_pre",
                         verified=True,
                         out_hook=f"blocks.{layer}.hook_mixer_out",
                         channels=sets,
                         n_channels=int(cfg.n_heads),
+                        head_kinds=tuple(kinds) if kinds is not None else None,  # type: ignore[arg-type]
                     )
                 )
     else:
@@ -612,14 +664,16 @@ def head_output_weights(model: Any, layer: int) -> Tensor | None:
     is ``einsum(z, W_O) + bias``; ``None`` when the model does not expose it. Indexed like
     ``hook_z`` (per channel for Mamba-1, whether or not its channels are grouped).
 
-    HookedSSM: the mixer's ``out_proj`` (SSM layers) or the attention's ``o_proj``; other models:
-    ``blocks[layer].attn.W_O`` (TransformerLens's convention).
+    HookedSSM: the mixer's ``out_proj`` (SSM layers and the hybrid students' mixed layers) or
+    the attention's ``o_proj``; other models: ``blocks[layer].attn.W_O`` (TransformerLens's
+    convention).
     """
     lh = head_view(model)[layer]
+    in_attn = lh.z_hook.startswith(f"blocks.{layer}.attn.")  # else the mixer's hook_z
     try:
         if _is_hooked_ssm(model):
             block = model.blocks[layer]
-            proj = block.attn.o_proj if lh.kind == "attention" else block.mixer.out_proj
+            proj = block.attn.o_proj if in_attn else block.mixer.out_proj
             weight = proj.weight
         else:
             w = model.blocks[layer].attn.W_O
@@ -628,7 +682,8 @@ def head_output_weights(model: Any, layer: int) -> Tensor | None:
         return None
     w_o = weight.T.reshape(lh.n_channels, lh.d_head, -1)
     # out_hook is the output times the block's multiplier (Granite, Falcon-H1)
-    mult = float(model.blocks[layer].out_multiplier(lh.kind)) if _is_hooked_ssm(model) else 1.0
+    which = "attention" if in_attn else "ssm"
+    mult = float(model.blocks[layer].out_multiplier(which)) if _is_hooked_ssm(model) else 1.0
     return w_o if mult == 1.0 else w_o * mult
 
 

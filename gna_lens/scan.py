@@ -292,6 +292,7 @@ def load_scan_model(name: str) -> Any:
             decoder-only causal LM, or one TransformerLens cannot bridge), or no tokenizer.
     """
     from gna_lens.models import load_model
+    from gna_lens.models.families import checkpoint_family
     from gna_lens.models.loading import _find_mamba_ssm, _resolve
 
     hint = (
@@ -302,7 +303,10 @@ def load_scan_model(name: str) -> Any:
     resolved = _resolve(name)  # ConfigError for unknown zoo names and missing .gguf files
     model_type: Any = "mamba_ssm"
     archs: list[str] = []
-    if _find_mamba_ssm(resolved) is None:  # mamba_ssm checkpoints are Mamba / Mamba-2 LMs
+    own = checkpoint_family(resolved)  # gna_lens's own format (hybrid students)
+    if own is not None:
+        model_type, archs = own.model_type, [own.hf_class]
+    elif _find_mamba_ssm(resolved) is None:  # mamba_ssm checkpoints are Mamba / Mamba-2 LMs
         model_type, archs = _check_architecture(name, resolved, hint)
     try:
         model = load_model(name)  # by its own name: the provenance records what it resolved to
@@ -333,8 +337,8 @@ def _check_architecture(name: str, resolved: str, hint: str) -> tuple[Any, list[
             raise ConfigError(
                 f"gna-lens scan {name!r}: its config.json declares model_type {model_type!r}, "
                 f"which this transformers version does not know ({err.__class__.__name__}). "
-                "gna_lens scans decoder-only causal LMs: Mamba, Mamba-2, FalconMamba, the "
-                "hybrids Bamba, Nemotron-H, Granite 4.0, Falcon-H1 and Jamba, or a Transformer that TransformerLens's TransformerBridge supports (Llama, "
+                f"gna_lens scans decoder-only causal LMs: {_hooked_ssm_classes()} (HookedSSM), "
+                "or a Transformer that TransformerLens's TransformerBridge supports (Llama, "
                 f"Qwen2, GPT-2, ...). {hint}"
             ) from err
         raise ConfigError(
@@ -366,12 +370,18 @@ def _declared_architecture(path: str) -> tuple[str | None, list[str]]:
 def _unsupported(name: str, model_type: Any, archs: list[str], why: str) -> ConfigError:
     return ConfigError(
         f"gna-lens scan {name!r}: unsupported architecture {archs or model_type!r} "
-        f"(model_type {model_type!r}): {why}. gna_lens scans decoder-only causal LMs: Mamba, "
-        "Mamba-2, FalconMamba and hybrid (Bamba, Nemotron-H, Granite 4.0, Falcon-H1, Jamba) "
-        "checkpoints (HookedSSM), or a Transformer that "
+        f"(model_type {model_type!r}): {why}. gna_lens scans decoder-only causal LMs: "
+        f"{_hooked_ssm_classes()} checkpoints (HookedSSM), or a Transformer that "
         "TransformerLens's TransformerBridge supports (Llama, Qwen2, GPT-2, ...). Pass such a "
         "model, e.g. 'smollm2-135m' or 'zoo-llama'."
     )
+
+
+def _hooked_ssm_classes() -> str:
+    """The Hugging Face classes HookedSSM runs (its family registry), for messages."""
+    from gna_lens.models.families import FAMILIES
+
+    return ", ".join(f.hf_class for f in FAMILIES.values())
 
 
 def default_exact(top: int) -> int:

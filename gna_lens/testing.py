@@ -42,6 +42,7 @@ ARCHITECTURES = (
     "granitemoehybrid",
     "falcon_h1",
     "jamba",
+    "zamba2",
     "llama",
 )
 
@@ -259,6 +260,27 @@ def tiny_hf_config(arch: str, vocab_size: int = 320, **overrides: Any) -> Any:
             mamba_dt_rank=4,
             max_position_embeddings=4096,
         )
+    elif arch == "zamba2":
+        cls = tf.Zamba2Config
+        kw = dict(
+            hidden_size=32,
+            num_hidden_layers=5,
+            # Mamba-2, hybrid (shared block 0), Mamba-2, hybrid (block 1), hybrid (block 0 again).
+            layers_block_type=["linear_attention", "hybrid"] * 2 + ["hybrid"],
+            num_mem_blocks=2,
+            use_shared_attention_adapter=True,
+            adapter_rank=4,
+            use_mem_rope=True,
+            intermediate_size=48,
+            num_attention_heads=4,
+            n_mamba_heads=8,
+            mamba_ngroups=2,
+            mamba_d_state=8,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            chunk_size=16,
+            max_position_embeddings=4096,
+        )
     elif arch == "llama":
         cls = tf.LlamaConfig
         kw = dict(
@@ -311,7 +333,9 @@ def tiny_hf_model(arch: str, seed: int = 0, **overrides: Any) -> Any:
                 # Jamba's norms inside the mixer: away from 1 so the parity tests see them.
                 p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
             elif p.ndim >= 2:
-                p.copy_(torch.randn(p.shape, generator=gen) * (0.5 / p.shape[-1] ** 0.5) * 2)
+                # Low-rank adapters (Zamba2) are small corrections of the weights they adapt.
+                scale = 0.25 if "adapter" in name else 1.0
+                p.copy_(torch.randn(p.shape, generator=gen) * (scale / p.shape[-1] ** 0.5))
     return model.eval()
 
 

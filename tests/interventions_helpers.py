@@ -20,6 +20,7 @@ SSM_ARCHS = (
     "granitemoehybrid",
     "falcon_h1",
     "jamba",
+    "zamba2",
 )
 _TMP = Path(tempfile.mkdtemp(prefix="gna_lens_interventions_"))
 

@@ -74,3 +74,13 @@ def test_adding_a_family_page_shows_the_shipped_family_module():
     blocks = _blocks("adding_a_family.md")
     assert blocks[0] == Path(falcon_mamba.__file__).read_text(encoding="utf-8")
     assert blocks[1] in Path(mamba.__file__).read_text(encoding="utf-8")
+
+
+def test_hybrids_page_blocks_run_and_print_what_the_page_says(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    blocks = _blocks("hybrids.md")
+    assert len(blocks) == 1
+    exec(compile(blocks[0], "hybrids.md", "exec"), {})
+    printed = capsys.readouterr().out.splitlines()
+    comments = [line[2:] for line in blocks[0].splitlines() if line.startswith("# ")]
+    assert printed == comments

@@ -18,6 +18,7 @@ ARCHS = [
     "granitemoehybrid",
     "falcon_h1",
     "jamba",
+    "zamba2",
 ]
 
 
@@ -41,6 +42,9 @@ def test_view_describes_each_architecture():
             ("ssm", 64, 1),
             ("attention", 4, 8),
         ],
+        # Zamba2: Mamba-2 layers, and hybrid layers whose heads are the shared transformer
+        # block's attention heads as invoked there (its mixer: hook names only).
+        "zamba2": [("ssm", 8, 8), ("attention", 4, 16)] * 2 + [("attention", 4, 16)],
     }
     assert sorted(expected) == sorted(ARCHS)  # every architecture the file tests
     for arch, layers in expected.items():
@@ -75,7 +79,10 @@ def test_every_view_hook_fires_with_its_shape_and_edits_change_the_output(arch):
                         return torch.full_like(x, torch.finfo(x.dtype).min).index_fill(
                             -1, torch.tensor([0]), 0.0
                         )
-                    return x * 0.5
+                    # A scale that differs across heads: Zamba2's shared block normalizes the
+                    # attention's output, so a scale shared by every head would change nothing.
+                    w = torch.linspace(0.25, 1.0, x.shape[2 if target == "z" else 1])
+                    return x * (w[:, None] if target == "z" else w[:, None, None])
 
                 out = m.run_with_hooks(ids, fwd_hooks=[(name, edit)])
                 assert shapes, f"{name} never fired"

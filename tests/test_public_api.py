@@ -18,7 +18,7 @@ def test_public_submodules_are_attributes_loaded_lazily():
     import subprocess
     import sys
 
-    lazy = ["findings", "plots", "scan", "testing", "zoo"]
+    lazy = ["findings", "hybrid", "plots", "scan", "testing", "zoo"]
     code = (
         "import sys, gna_lens\n"
         f"lazy = {lazy!r}\n"

@@ -430,7 +430,7 @@ def hybrid_roles(
         model, tasks, probe, report = rank_zoo_model(name, n_rank=n_rank, progress=progress)
     _, aggregates = pair_candidates(report, top)
     view = head_view(model)
-    kinds = [view.kind(h[0]) for h in aggregates]
+    kinds = [view.kind_of(h) for h in aggregates]
     held = _held_out(tasks, probe, n_rank)
     masking = {}
     for task_name in ("kv-8", "letter", "cloze"):

@@ -732,9 +732,9 @@ def row_bytes(model: Any, view: HeadView, length: int, logits_positions: int) ->
     itemsize = torch.finfo(getattr(cfg, "dtype", torch.float32) or torch.float32).bits // 8
     worst = 0
     for lh in view:
-        if lh.kind == "attention":
+        if lh.kind != "ssm":  # attention heads' patterns (all of a mixed layer's, at worst)
             worst = max(worst, 4 * lh.n_heads * length)
-        else:
+        if lh.kind != "attention":
             d_inner = int(getattr(cfg, "d_inner", 0) or lh.n_channels * lh.d_head)
             chunk = int(getattr(cfg, "chunk_size", 64) or 64)
             worst = max(worst, 8 * d_inner + 4 * lh.n_channels * min(chunk, length))

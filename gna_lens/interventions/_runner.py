@@ -247,8 +247,15 @@ class Runner:
         """``shortcut``: this run tries a shortcut (its failures raise ShortcutNotApplicable)."""
         model = self.model
         if self.is_ssm:
+            # The rows' token ids, for blocks that read the embeddings (Zamba2's shared blocks):
+            # ``resid`` holds copies of the prompts ``tokens``, cell-major.
+            ids = (
+                tokens.repeat(len(resid) // len(tokens), 1)
+                if len(resid) % len(tokens) == 0
+                else None
+            )
             with shortcut_run(shortcut) if shortcut else nullcontext(), hooked(model, hooks):
-                final = model(resid, start_at_layer=layer, stop_at_layer=self.n_layers)
+                final = model(resid, start_at_layer=layer, stop_at_layer=self.n_layers, tokens=ids)
             self.log.used("from_layer", "start_at_layer")
             return self._final(final)
         if model not in _INJECT_VERDICT:

@@ -315,7 +315,8 @@ class SweepResult:
 
     Attributes:
         cells: The head sets, one per result row (a single head is a one-element set).
-        kinds: Per cell, ``"attention"``, ``"ssm"`` or ``"mixed"``.
+        kinds: Per cell, its heads' kind, ``"attention"`` or ``"ssm"``, or ``"mixed"`` for a
+            cell of both kinds.
         values: The metric under each intervention, per sample ``[cell, sample]``.
         baseline: The metric without intervention, per sample ``[sample]``.
         metric: The metric's name.
@@ -447,7 +448,7 @@ def _label(cell: Sequence[Head]) -> str:
 
 
 def cell_kind(view: HeadView, cell: Sequence[Head]) -> str:
-    kinds = {view.kind(layer) for layer, _ in cell}
+    kinds = {view.kind_of(h) for h in cell}
     return kinds.pop() if len(kinds) == 1 else "mixed"
 
 

@@ -105,7 +105,8 @@ class LayerInfo:
 
     Attributes:
         layer: Layer index.
-        kind: ``"attention"``, ``"ssm"`` or ``"block"`` (a layer without addressable heads).
+        kind: ``"attention"``, ``"ssm"``, ``"mixed"`` (a hybrid student's layer with heads of
+            both kinds) or ``"block"`` (a layer without addressable heads).
         resid_pre_hook: ``[batch, pos, d_model]`` residual entering the block.
         resid_post_hook: ``[batch, pos, d_model]`` residual leaving it.
         mixer_hook: The attention's / SSM mixer's output before the residual add, or ``None``.

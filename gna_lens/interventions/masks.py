@@ -19,7 +19,10 @@ padding, and padding rows / columns left at ``True``.
 - ``mode="pre"`` sets removed scores to the dtype's minimum before the softmax of attention heads
   (renormalized over the kept keys; a query row with no kept key gets an all-zero row). SSM heads
   have no softmax: their implicit attention is unnormalized, so ``"pre"`` multiplies the
-  materialized matrix exactly as ``"post"`` does.
+  materialized matrix exactly as ``"post"`` does. In a layer of a hybrid student whose heads are of
+  both kinds (one ``hook_pattern`` holds them all, no scores hook covers every head), ``"pre"``
+  on an attention head keeps the entries a mask keeps and divides each row by its sum: the
+  softmax over the kept keys, the same numbers.
 
 SSM heads are edited through HookedSSM's materialized ``hook_pattern`` (only the masked heads and
 the query rows a mask changes are materialized, see ``HookedSSM.pattern_selection``); the model must
@@ -265,13 +268,14 @@ def pattern_mask_hooks(
     view = head_view(model)
     per_layer = _check_masks(view, masks)
     attn_layers = [layer for layer in per_layer if view.kind(layer) == "attention"]
-    ssm_layers = [layer for layer in per_layer if view.kind(layer) == "ssm"]
+    # SSM layers and mixed layers (hybrid students) are edited through the pattern
+    other_layers = [layer for layer in per_layer if view.kind(layer) != "attention"]
     if mode == "pre" and attn_layers:
         require_editable(model, view, attn_layers, "scores")
     if mode == "post" and attn_layers:
         require_editable(model, view, attn_layers, "pattern")
-    if ssm_layers:
-        require_editable(model, view, ssm_layers, "pattern")
+    if other_layers:
+        require_editable(model, view, other_layers, "pattern")
     mixers = model.ssm_mixers() if _is_hooked_ssm(model) else {}
     hooks: list[tuple[str, HookFn]] = []
     for layer, heads in sorted(per_layer.items()):
@@ -284,11 +288,22 @@ def pattern_mask_hooks(
                 require_editable(model, view, [layer], "pattern")
                 hooks.append((lh.pattern_hook, _zero_rows_hook(layer, heads, empty)))
         else:
-            hooks.append((lh.pattern_hook, _pattern_hook(layer, heads, mixer)))
+            # "pre" on the attention heads of a mixed layer: keep, then renormalize the rows
+            renorm = frozenset(
+                h
+                for h in heads
+                if mode == "pre" and lh.kind == "mixed" and lh.kind_of(h) == "attention"
+            )
+            heads = {h: (m != 0) if h in renorm else m for h, m in heads.items()}
+            hooks.append((lh.pattern_hook, _pattern_hook(layer, heads, mixer, renorm)))
     return hooks
 
 
-def _pattern_hook(layer: int, heads: dict[int, Tensor], mixer: Any) -> HookFn:
+def _pattern_hook(
+    layer: int, heads: dict[int, Tensor], mixer: Any, renorm: frozenset[int] = frozenset()
+) -> HookFn:
+    """Multiply the pattern by the keep masks; the rows of the heads in ``renorm`` are then
+    divided by their sums (the softmax over the kept keys; an empty row stays zero)."""
     cache: dict[Any, tuple[Tensor, Tensor]] = {}
 
     def hook(pattern: Tensor, hook: Any) -> Tensor:
@@ -304,7 +319,15 @@ def _pattern_hook(layer: int, heads: dict[int, Tensor], mixer: Any) -> HookFn:
             cache.clear()
             cache[key] = _mask_for(layer, heads, pattern.shape, head_idx, row_idx, pattern.device)
         keep, _ = cache[key]
-        return pattern * keep.to(pattern.dtype)
+        out = pattern * keep.to(pattern.dtype)
+        if renorm:
+            chosen = range(pattern.shape[1]) if head_idx is None else head_idx.tolist()
+            pos = torch.tensor([i for i, c in enumerate(chosen) if c in renorm], device=out.device)
+            rows = out.index_select(1, pos)
+            total = rows.sum(-1, keepdim=True)
+            rows = torch.where(total > 0, rows / total.clamp(min=torch.finfo(rows.dtype).tiny), 0.0)
+            out = out.index_copy(1, pos, rows)
+        return out
 
     return hook
 
@@ -342,12 +365,13 @@ def _zero_rows_hook(layer: int, heads: dict[int, Tensor], empty: dict[int, Tenso
 
 
 def _selection(model: Any, view: HeadView, masks: Mapping[Head, Tensor]) -> Any:
-    """(heads per SSM layer, query rows any mask changes) for ``pattern_selection``."""
+    """(heads per mixer layer, query rows any mask changes) for ``pattern_selection``."""
     heads: dict[int, list[int]] = {}
     rows: set[int] = set()
     whole = False
+    mixers = model.ssm_mixers()
     for (layer, head), m in masks.items():
-        if view.kind(layer) != "ssm":
+        if layer not in mixers:  # attention layers always materialize their pattern
             continue
         heads.setdefault(layer, []).extend(view[layer].members(head))
         idx = _changed_rows(m).nonzero().flatten().tolist()

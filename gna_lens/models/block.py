@@ -5,7 +5,6 @@ from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
 from gna_lens.models.config import SSMConfig
-from gna_lens.models.families import family_of
 from gna_lens.models.mixers.attention import Attention, Rope
 from gna_lens.models.mixers.base import RMSNorm, SSMMixer, StepState
 from gna_lens.models.mixers.mlp import make_mlp
@@ -22,7 +21,14 @@ class SSMBlock(nn.Module):
     is the family's (``Family.ssm_mixer``).
     """
 
+    #: Whether the block reads the token embeddings (``forward`` / ``step``'s ``embed``: Zamba2's
+    #: shared transformer blocks); ``HookedSSM`` computes them only when such a block runs.
+    reads_embed: bool = False
+
     def __init__(self, cfg: SSMConfig, layer: int):
+        # Imported here: a family module may subclass SSMBlock (the registry imports it).
+        from gna_lens.models.families import family_of
+
         super().__init__()
         self.cfg = cfg
         self.layer = layer
@@ -36,7 +42,7 @@ class SSMBlock(nn.Module):
             self.attn = Attention(cfg)
             self.hook_attn_out = HookPoint()  # [batch, pos, d_model]
         elif self.has_mixer:
-            self.mixer: SSMMixer = family_of(cfg.architecture).ssm_mixer(cfg)
+            self.mixer: SSMMixer = family_of(cfg.architecture).ssm_mixer.for_layer(cfg, layer)
             self.hook_mixer_out = HookPoint()  # [batch, pos, d_model]
             if cfg.parallel_attention:  # Falcon-H1: attention beside the mixer
                 self.attn = Attention(cfg)
@@ -53,7 +59,11 @@ class SSMBlock(nn.Module):
             self.hook_mlp_out = HookPoint()  # [batch, pos, d_model]
         self.hook_resid_post = HookPoint()  # [batch, pos, d_model]
 
-    def forward(self, resid: Tensor, mask: Tensor | None, rope: Rope) -> Tensor:
+    def forward(
+        self, resid: Tensor, mask: Tensor | None, rope: Rope, embed: Tensor | None = None
+    ) -> Tensor:
+        """The block on ``resid`` ``[batch, pos, d_model]`` (``embed``: the token embeddings, for
+        blocks that read them, :attr:`reads_embed`)."""
         resid = self.hook_resid_pre(resid)
         if self.has_mixer:
             normed = self.ln1(resid.to(self.ln1.weight.dtype))
@@ -67,7 +77,12 @@ class SSMBlock(nn.Module):
                 attn = self.hook_attn_out(self.scaled(self.attn(attn_in, mask, rope), "attention"))
                 resid = resid + (ssm + attn)
             else:
-                resid = resid + self.hook_mixer_out(self.scaled(self.mixer(normed, mask)))
+                out = (
+                    self.mixer(normed, mask, rope)
+                    if self.mixer.uses_rope
+                    else self.mixer(normed, mask)
+                )
+                resid = resid + self.hook_mixer_out(self.scaled(out))
         return self.mlp_part(resid)
 
     def attn_input(self, normed: Tensor) -> Tensor:
@@ -121,14 +136,20 @@ class SSMBlock(nn.Module):
         if not self.has_mixer:
             return state
         if not self.is_attention:
-            names = self.mixer.prefix_hooks
-            state |= self.mixer.prefix_state({n: acts[pre + "mixer." + n] for n in names}, length)
+            fired = {
+                n: acts[pre + "mixer." + n]
+                for n in self.mixer.prefix_hooks
+                if pre + "mixer." + n in acts
+            }
+            state |= self.mixer.prefix_state(fired, length)
         if self.is_attention or self.has_parallel_attn:
             names = Attention.prefix_hooks
             state |= self.attn.prefix_state({n: acts[pre + "attn." + n] for n in names}, length)
         return state
 
-    def step(self, resid: Tensor, state: StepState, rope: Rope) -> Tensor:
+    def step(
+        self, resid: Tensor, state: StepState, rope: Rope, embed: Tensor | None = None
+    ) -> Tensor:
         """:meth:`forward` for one token after the prefix whose ``state`` it is
         (``resid`` ``[batch, 1, d_model]``; ``rope`` of that token's position)."""
         resid = self.hook_resid_pre(resid)
@@ -148,6 +169,9 @@ class SSMBlock(nn.Module):
                 attn = self.hook_attn_out(self.scaled(out, "attention"))
                 resid = resid + (ssm + attn)
             else:
-                out = self.mixer.step(state, normed)
+                if self.mixer.uses_rope:
+                    out = self.mixer.step(state, normed, rope)  # type: ignore[call-arg]
+                else:
+                    out = self.mixer.step(state, normed)
                 resid = resid + self.hook_mixer_out(self.scaled(out))
         return self.mlp_part(resid)

@@ -20,16 +20,22 @@ class SSMConfig(TransformerLensConfig):
 
     Attributes:
         architecture: ``"mamba1"``, ``"falcon_mamba"``, ``"mamba2"``, ``"bamba"``,
-            ``"nemotron_h"``, ``"granitemoehybrid"``, ``"falcon_h1"`` or ``"jamba"``.
+            ``"nemotron_h"``, ``"granitemoehybrid"``, ``"falcon_h1"``, ``"jamba"`` or
+            ``"zamba2"``.
         layer_types: Per layer, ``"ssm"``, ``"attention"`` or ``"mlp"`` (a block with only an
-            MLP, Nemotron-H).
+            MLP, Nemotron-H). Zamba2's hybrid layers are ``"attention"``: their heads are those
+            of the shared transformer block invoked there (the layer's Mamba-2 mixer follows).
         mlp_types: Per layer, the MLP of the block: ``""`` (none), ``"gated"`` (SwiGLU),
             ``"plain"`` (``down(act(up(x)))``), ``"moe"`` (routed experts plus a shared
             expert, Nemotron-H), ``"granite"`` / ``"granite_moe"`` (Granite's shared MLP, without
             / with routed experts) or ``"jamba_moe"`` (Jamba's routed experts). Empty:
             ``"gated"`` on every layer of a Bamba, none elsewhere.
-        mlp_act: Activation of ``"plain"`` MLPs and experts: ``"silu"`` or ``"relu2"``.
+        mlp_act: Activation of ``"plain"`` MLPs and experts: ``"silu"`` or ``"relu2"``; of
+            Zamba2's shared MLP: ``"gelu"`` or ``"silu"``.
         use_rope: Whether attention layers rotate queries and keys (Nemotron-H does not).
+        rope_scaling: The RoPE variant beyond ``rope_theta`` (``{}``: plain RoPE; else a Hugging
+            Face ``rope_parameters`` dict of a type :func:`gna_lens.models.ops.rope_inv_freq`
+            computes: ``"linear"``, ``"llama3"``).
         attn_scale: Attention score scale; 0 means ``attn_d_head ** -0.5``.
         embedding_multiplier, residual_multiplier, logits_scaling: Granite's multipliers (the
             embeddings are multiplied, each block's mixer and MLP outputs are multiplied before
@@ -44,6 +50,10 @@ class SSMConfig(TransformerLensConfig):
         mamba_norm: Mamba-2 output norm: ``"gated"`` (``norm(y * SiLU(z))``), ``"norm_gate"``
             (``norm(y) * SiLU(z)``) or ``"none"`` (``y * SiLU(z)``, no norm weight).
         out_proj_bias: Bias of the mixer's ``out_proj`` (``None``: ``proj_bias``).
+        shared_blocks, adapter_rank, attn_adapters: Zamba2's shared transformer blocks: how
+            many distinct weight sets the hybrid layers cycle through (``num_mem_blocks``), the
+            rank of each invocation's adapters, and whether the attention's ``q``, ``k``, ``v``
+            have adapters (the MLP's ``gate_up_proj`` always has).
         d_inner: SSM inner width ``E = expand * d_model``.
         d_state: State size ``N``.
         d_conv: Causal convolution width.
@@ -83,6 +93,7 @@ class SSMConfig(TransformerLensConfig):
     mlp_types: list[str] = field(default_factory=list)
     mlp_act: str = "silu"
     use_rope: bool = True
+    rope_scaling: dict[str, Any] = field(default_factory=dict)
     n_experts: int = 0
     n_experts_per_tok: int = 0
     moe_d_mlp: int = 0
@@ -105,6 +116,9 @@ class SSMConfig(TransformerLensConfig):
     mlp_multipliers: tuple[float, float] = (1.0, 1.0)
     mamba_norm: str = "gated"
     out_proj_bias: bool | None = None
+    shared_blocks: int = 0
+    adapter_rank: int = 0
+    attn_adapters: bool = False
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -139,7 +153,7 @@ class SSMConfig(TransformerLensConfig):
         Args:
             hf_config: A ``MambaConfig``, ``FalconMambaConfig``, ``Mamba2Config``,
                 ``BambaConfig``, ``NemotronHConfig``, ``GraniteMoeHybridConfig``,
-                ``FalconH1Config`` or ``JambaConfig``.
+                ``FalconH1Config``, ``JambaConfig`` or ``Zamba2Config``.
 
         Returns:
             The matching :class:`SSMConfig`.

@@ -1,4 +1,4 @@
-"""HookedSSM: Mamba-1, Mamba-2 and the Bamba, Nemotron-H, Granite 4.0, Falcon-H1 and Jamba
+"""HookedSSM: Mamba-1, Mamba-2 and the Bamba, Nemotron-H, Granite 4.0, Falcon-H1, Jamba and Zamba2
 hybrids with TransformerLens hooks.
 
 The model assembles the blocks of its family (:mod:`gna_lens.models.families`): each block holds
@@ -14,6 +14,7 @@ import difflib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -24,10 +25,12 @@ from transformer_lens.hook_points import HookPoint
 from transformer_lens.HookedRootModule import HookedRootModule
 
 from gna_lens.errors import ConfigError, HookError, InterventionError
+from gna_lens.models import ops
 from gna_lens.models.block import SSMBlock
 from gna_lens.models.config import SSMConfig
 
 # Importable from here as before the mixers and families had their own modules.
+from gna_lens.models.families import FAMILIES, checkpoint_family, family_of
 from gna_lens.models.families import SUPPORTED_MODEL_TYPES as SUPPORTED_MODEL_TYPES
 from gna_lens.models.families import convert_hf_state_dict as _convert_hf_state_dict
 from gna_lens.models.mixers import Attention as Attention
@@ -83,7 +86,10 @@ class HookedSSM(HookedRootModule):
     Supports ``MambaForCausalLM``, ``FalconMambaForCausalLM``, ``Mamba2ForCausalLM`` and the
     hybrids ``BambaForCausalLM``, ``NemotronHForCausalLM``, ``GraniteMoeHybridForCausalLM``,
     ``FalconH1ForCausalLM`` (attention beside the SSM mixer in every layer) and
-    ``JambaForCausalLM`` (Mamba-1 and attention layers, MoE MLPs).
+    ``JambaForCausalLM`` (Mamba-1 and attention layers, MoE MLPs), ``Zamba2ForCausalLM``
+    (shared transformer blocks invoked before some layers' mixers), and the hybrid students of
+    :func:`gna_lens.hybrid.build_hybrid` (each head of a Llama teacher kept as attention or
+    turned into an SSM head; :meth:`save_pretrained` writes them).
     Logits match Hugging Face's to about 1e-6 in fp32.
 
     Hook points (shapes in the docs' hook table): ``hook_embed``;
@@ -119,14 +125,15 @@ class HookedSSM(HookedRootModule):
         self.tokenizer = tokenizer
         self.embed = nn.Embedding(cfg.d_vocab, cfg.d_model)
         self.hook_embed = HookPoint()  # [batch, pos, d_model]
-        self.blocks = nn.ModuleList([SSMBlock(cfg, layer) for layer in range(cfg.n_layers)])
+        build = family_of(cfg.architecture).build_blocks
+        blocks = build(cfg) if build else [SSMBlock(cfg, layer) for layer in range(cfg.n_layers)]
+        self.blocks = nn.ModuleList(blocks)
         self.ln_final = RMSNorm(cfg.d_model, cfg.eps)
         self.unembed = nn.Linear(cfg.d_model, cfg.d_vocab, bias=False)
         if cfg.tie_word_embeddings:
             self.unembed.weight = self.embed.weight
-        if cfg.is_hybrid and cfg.use_rope:
-            r = cfg.rotary_dim
-            inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float) / r))
+        if self._uses_rope:
+            inv_freq = ops.rope_inv_freq(cfg.rope_theta, cfg.rotary_dim, cfg.rope_scaling)
             self.register_buffer("rope_inv_freq", inv_freq, persistent=False)
         #: Resolved Mamba-1 channel groups, ``{layer: ((channel, ...), ...)}``; empty: every
         #: channel is its own head. Set with :meth:`set_head_groups` / :meth:`head_groups`.
@@ -204,6 +211,15 @@ class HookedSSM(HookedRootModule):
         """
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+        own = checkpoint_family(name_or_path)
+        if own is not None and own.load is not None:  # gna_lens's own format (hybrid students)
+            if hf_kwargs:
+                raise ConfigError(
+                    f"HookedSSM.from_pretrained({str(name_or_path)!r}): option(s) "
+                    f"{sorted(hf_kwargs)} do not apply to a {own.model_type} checkpoint (gna_lens "
+                    "reads it, not transformers); accepted: dtype, device, tokenizer."
+                )
+            return own.load(Path(name_or_path), dtype=dtype, device=device, tokenizer=tokenizer)
         config = AutoConfig.from_pretrained(name_or_path)
         SSMConfig.from_hf_config(config)  # fail early, before loading weights
         hf_model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, **hf_kwargs)
@@ -215,6 +231,31 @@ class HookedSSM(HookedRootModule):
         model = cls.from_hf_model(hf_model, tokenizer, dtype=dtype, device=device)
         model.cfg.model_name = str(name_or_path)
         return model
+
+    def save_pretrained(self, path: str | Path) -> Path:
+        """Save the model to the folder ``path`` (weights, config, tokenizer), for the families
+        whose checkpoints are gna_lens's own format: the hybrid students of
+        :func:`gna_lens.hybrid.build_hybrid`. :func:`gna_lens.load_model` and
+        :meth:`from_pretrained` read it back bit-identically.
+
+        Returns:
+            The folder.
+
+        Raises:
+            ConfigError: For a model of another family (it loads from its Hugging Face
+                checkpoint; there is nothing of gna_lens's to save).
+        """
+        family = family_of(self.cfg.architecture)
+        if family.save is None:
+            own = sorted(f.model_type for f in FAMILIES.values() if f.save is not None)
+            raise ConfigError(
+                f"save_pretrained: this is a {family.hf_class} ({self.cfg.architecture}), which "
+                "loads from its Hugging Face checkpoint (save the transformers model instead). "
+                f"HookedSSM writes only the families of gna_lens's own format: {own}."
+            )
+        folder = Path(path)
+        family.save(self, folder)
+        return folder
 
     # ------------------------------------------------------------------ hooks
     def _check_hook_name(self, name: Any) -> None:
@@ -526,6 +567,7 @@ class HookedSSM(HookedRootModule):
         prepend_bos: bool | None = None,
         padding_side: Literal["left", "right"] | None = None,
         loss_per_token: bool = False,
+        tokens: Int[Tensor, "batch pos"] | None = None,
     ) -> Any:
         """Run the model.
 
@@ -541,6 +583,9 @@ class HookedSSM(HookedRootModule):
             padding_side: For a list of texts: ``"left"`` or ``"right"`` (default: the
                 tokenizer's).
             loss_per_token: Return the per-token loss ``[batch, pos - 1]``.
+            tokens: With ``start_at_layer``: the rows' token ids, for the blocks that read the
+                token embeddings (Zamba2's shared transformer blocks); ``hook_embed`` fires on
+                them only when a block that runs needs them.
 
         Returns:
             Logits ``[batch, pos, d_vocab]``, the loss, both, ``None``, or the residual stream when
@@ -548,7 +593,8 @@ class HookedSSM(HookedRootModule):
         """
         self._check_layer_bound("start_at_layer", start_at_layer)
         self._check_layer_bound("stop_at_layer", stop_at_layer)
-        tokens: Tensor | None = None
+        blocks = self._blocks()[start_at_layer:stop_at_layer]
+        embed: Tensor | None = None
         if start_at_layer is None:
             if isinstance(input, Tensor) and input.is_floating_point():
                 raise ValueError(
@@ -560,6 +606,8 @@ class HookedSSM(HookedRootModule):
             if attention_mask is None:
                 attention_mask = text_mask
             resid = self.embed_tokens(tokens)
+            if any(block.reads_embed for block in blocks):
+                embed = resid.clone()  # a hook editing the residual in place leaves it as it is
         else:
             if not isinstance(input, Tensor) or input.ndim != 3:
                 raise ValueError(
@@ -568,10 +616,13 @@ class HookedSSM(HookedRootModule):
                     f"{tuple(input.shape) if isinstance(input, Tensor) else type(input).__name__}."
                 )
             resid = input
+            if tokens is not None and any(block.reads_embed for block in blocks):
+                embed = self._row_embeddings(tokens, resid)
+            tokens = None  # no loss without token input
         mask = self._normalize_mask(attention_mask, resid.shape[:2])
         rope = self._rope(resid.shape[1], resid.device, resid.dtype) if self._uses_rope else None
-        for block in self.blocks[start_at_layer:stop_at_layer]:
-            resid = block(resid, mask, rope)
+        for block in blocks:
+            resid = block(resid, mask, rope, embed)
         if stop_at_layer is not None:
             return resid
         logits = self.logits_of(resid)
@@ -599,6 +650,16 @@ class HookedSSM(HookedRootModule):
                 f"Fix: pass a layer index of this model, or None."
             )
 
+    def _row_embeddings(self, tokens: Tensor, resid: Tensor) -> Tensor:
+        """``hook_embed`` of ``tokens`` ``[rows, pos]``, the ids of ``resid``'s rows."""
+        if not isinstance(tokens, Tensor) or tuple(tokens.shape) != tuple(resid.shape[:2]):
+            got = tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__
+            raise ValueError(
+                f"tokens has shape {got}; expected the token ids of the residual stream's rows, "
+                f"[batch, pos] = {tuple(resid.shape[:2])}."
+            )
+        return self.embed_tokens(tokens.to(self.embed.weight.device))
+
     def embed_tokens(self, tokens: Tensor) -> Tensor:
         """``hook_embed``: the token embeddings (times Granite's embedding_multiplier)."""
         emb = self.embed(tokens)
@@ -613,7 +674,10 @@ class HookedSSM(HookedRootModule):
 
     @property
     def _uses_rope(self) -> bool:
-        return bool(self.cfg.is_hybrid and self.cfg.use_rope)
+        """Whether attention layers or a mixer's attention heads (``SSMMixer.uses_rope``) need
+        RoPE."""
+        mixers = self.ssm_mixers().values()
+        return bool(self.cfg.use_rope and (self.cfg.is_hybrid or any(m.uses_rope for m in mixers)))
 
     def _rope(self, length: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         inv_freq: Tensor = self.rope_inv_freq  # type: ignore[assignment]
@@ -698,8 +762,10 @@ class HookedSSM(HookedRootModule):
         if self._uses_rope:
             cos, sin = self._rope(prefix.length, resid.device, resid.dtype)
             rope = (cos[-1:], sin[-1:])
-        for block, state in zip(self._blocks(), states, strict=True):
-            resid = block.step(resid, state, rope)
+        blocks = self._blocks()
+        embed = resid.clone() if any(block.reads_embed for block in blocks) else None
+        for block, state in zip(blocks, states, strict=True):
+            resid = block.step(resid, state, rope, embed)
         logits = self.logits_of(resid)
         return logits[:, 0]
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from gna_lens.errors import ConfigError
-from gna_lens.models.families import SUPPORTED_MODEL_TYPES
+from gna_lens.models.families import SUPPORTED_MODEL_TYPES, checkpoint_family
 from gna_lens.models.hooked_ssm import HookedSSM
 from gna_lens.models.provenance import (
     Provenance,
@@ -34,10 +34,12 @@ def load_model(
 ) -> Any:
     """Load a causal LM for analysis: a HookedSSM for Mamba-family checkpoints, else a bridge.
 
-    Mamba, FalconMamba, Mamba-2 and hybrid (Bamba, Nemotron-H, Granite 4.0, Falcon-H1, Jamba)
-    checkpoints load as :class:`HookedSSM` (``SUPPORTED_MODEL_TYPES``); every other
+    Mamba, FalconMamba, Mamba-2 and hybrid (Bamba, Nemotron-H, Granite 4.0, Falcon-H1, Jamba,
+    Zamba2) checkpoints load as :class:`HookedSSM` (``SUPPORTED_MODEL_TYPES``); every other
     architecture loads as TransformerLens's ``TransformerBridge`` (``boot_transformers``), so the
-    rest of gna_lens sees one (layer, head) interface.
+    rest of gna_lens sees one (layer, head) interface. A folder saved by
+    ``HookedSSM.save_pretrained`` (a hybrid student of :func:`gna_lens.hybrid.build_hybrid`,
+    gna_lens's own format, which ``AutoConfig`` does not know) loads as a HookedSSM.
 
     Besides hub names and checkpoint folders, ``name_or_path`` may be a ``.gguf`` file (converted
     once to an fp32 folder in the user cache, see :func:`gna_lens.models.gguf.convert_gguf`), a
@@ -92,6 +94,10 @@ def load_model(
             model, stored = _load_mamba_ssm(name, folder, dtype=dtype, device=device, **kwargs)
         prov = _provenance(given, name, packaged, model, mamba_ssm=(folder, revision, stored))
         return attach(model, prov)
+    if checkpoint_family(name) is not None:  # gna_lens's own format: AutoConfig does not know it
+        with contextlib.nullcontext() if progress else _no_progress_bars():
+            model = HookedSSM.from_pretrained(name, dtype=dtype, device=device, **kwargs)
+        return attach(model, _provenance(given, name, packaged, model))
     try:
         config = AutoConfig.from_pretrained(name, revision=kwargs.get("revision"))
     except (OSError, ValueError) as err:
@@ -337,7 +343,7 @@ def _folder_fields(folder: Path) -> dict[str, Any]:
     zoo = folder.resolve().parent == _ZOO_ROOT
     return dict(
         source="zoo" if zoo else "local",
-        format="transformers",
+        format="gna_lens" if checkpoint_family(folder) is not None else "transformers",
         location=folder.name if zoo else str(folder),
         stored_dtype=safetensors_dtypes(files),
         files=tuple((f.name, sha256_of(f)) for f in files),

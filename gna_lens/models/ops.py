@@ -10,6 +10,7 @@ of two prefix sums, so the decays stay accurate at long sequence lengths (the pl
 ``cumsum_i - cumsum_j`` loses about 3e-5 relative at L=4096 in fp32).
 """
 
+import math
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ __all__ = [
     "mamba2_recurrent",
     "mamba2_ssd",
     "rms_norm",
+    "rope_inv_freq",
     "segsum_rows",
 ]
 
@@ -625,3 +627,51 @@ def mamba2_recurrent(
         state = decay[:, t, :, None, None] * state + write
         states.append(state)
     return torch.stack(states, dim=1)
+
+
+#: RoPE variants :func:`rope_inv_freq` computes (``rope_type`` of a Hugging Face config).
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_inv_freq(theta: float, dim: int, scaling: dict[str, Any] | None = None) -> Tensor:
+    """RoPE inverse frequencies ``[dim / 2]`` (fp32), as Hugging Face computes them.
+
+    Args:
+        theta: The base (``rope_theta``).
+        dim: The rotated width (``rotary_dim``).
+        scaling: ``{}`` / ``None`` or ``{"rope_type": "default"}``: plain RoPE;
+            ``{"rope_type": "linear", "factor": f}``: frequencies divided by ``f``;
+            ``{"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+            "original_max_position_embeddings"}``: Llama 3.1's smoothed scaling.
+
+    Returns:
+        The inverse frequencies.
+
+    Raises:
+        ValueError: For another ``rope_type`` (dynamic, YaRN, LongRoPE change with the length
+            or scale the rotation itself).
+
+    Examples:
+        >>> rope_inv_freq(10000.0, 4)
+        tensor([1.0000, 0.0100])
+        >>> rope_inv_freq(10000.0, 4, {"rope_type": "linear", "factor": 2.0})
+        tensor([0.5000, 0.0050])
+    """
+    scaling = dict(scaling or {})
+    kind = scaling.get("rope_type", "default")
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if kind == "default":
+        return inv
+    if kind == "linear":
+        return inv / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / low, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / high) * ~(wavelen > old / low)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"rope_type={kind!r}; implemented: {list(ROPE_TYPES)}.")

@@ -58,8 +58,9 @@ class Provenance:
             hub name, ``"zoo-llama"``), or the model's own name when it was not loaded by it.
         source: ``"hub"``, ``"local"`` (a checkpoint folder), ``"gguf"`` (a GGUF file), ``"zoo"``
             (a model shipped with gna_lens) or :data:`UNKNOWN`.
-        format: The checkpoint format: ``"transformers"``, ``"gguf"`` or ``"mamba_ssm"``
-            (state-spaces' original format, converted on the fly); ``""`` when unknown.
+        format: The checkpoint format: ``"transformers"``, ``"gguf"``, ``"mamba_ssm"``
+            (state-spaces' original format, converted on the fly) or ``"gna_lens"`` (a hybrid
+            student saved by ``HookedSSM.save_pretrained``); ``""`` when unknown.
         location: The hub name, folder or file the weights were read from.
         dtype: The dtype of the model's parameters (``"float32"``).
         stored_dtype: The dtype(s) of the weights as stored (``"bfloat16"``, ``"float32"``), or

@@ -121,12 +121,12 @@ def matched_random_sets(
     by_kind: dict[Any, list[Head]] = {}
     for h in free:
         by_layer.setdefault(h[0], []).append(h)
-        by_kind.setdefault(view.kind(h[0]), []).append(h)
+        by_kind.setdefault(view.kind_of(h), []).append(h)
     need_layer: dict[Any, int] = {}
     need_kind: dict[Any, int] = {}
-    for layer, _ in taken:
-        need_layer[layer] = need_layer.get(layer, 0) + 1
-        need_kind[view.kind(layer)] = need_kind.get(view.kind(layer), 0) + 1
+    for head in taken:
+        need_layer[head[0]] = need_layer.get(head[0], 0) + 1
+        need_kind[view.kind_of(head)] = need_kind.get(view.kind_of(head), 0) + 1
     for key in need_layer:
         by_layer.setdefault(key, [])
     for key in need_kind:

@@ -412,7 +412,7 @@ def pattern_scores(
     cols = {name: means[:, i] for i, name in enumerate(SCORE_NAMES)}
     return PatternScores(
         heads=tuple(wanted),
-        kinds=tuple(view[layer].kind for layer, _ in wanted),
+        kinds=tuple(view.kind_of(h) for h in wanted),
         **cols,  # type: ignore[arg-type]
         roles=_roles(per_sample),
         per_sample=per_sample.float(),

@@ -728,7 +728,7 @@ def _examples(model: Any, task: Task, heads: list[Head]) -> dict[str, Any]:
     patterns = {}
     for layer, h in heads:
         p = head_patterns(store[layer], view[layer])[0, h].float()  # Mamba-1 groups: aggregated
-        if view[layer].kind == "ssm":
+        if view.kind_of((layer, h)) == "ssm":
             p = p.abs().tril()
             p = p / p.sum(-1, keepdim=True).clamp(min=1e-30)
         patterns[f"L{layer}H{h}"] = p.cpu().tolist()

@@ -13,7 +13,9 @@ Examples:
     ['ssm', 'attention', 'ssm']
 """
 
+import json
 import re
+from pathlib import Path
 from typing import Any
 
 from gna_lens.errors import ConfigError
@@ -22,11 +24,13 @@ from gna_lens.models.families import (
     bamba,
     falcon_h1,
     falcon_mamba,
+    gna_hybrid,
     granitemoehybrid,
     jamba,
     mamba,
     mamba2,
     nemotron_h,
+    zamba2,
 )
 from gna_lens.models.families.base import Family
 
@@ -34,6 +38,7 @@ __all__ = [
     "FAMILIES",
     "SUPPORTED_MODEL_TYPES",
     "Family",
+    "checkpoint_family",
     "config_from_hf",
     "convert_hf_state_dict",
     "family_of",
@@ -51,6 +56,8 @@ FAMILIES: dict[str, Family] = {
         granitemoehybrid.FAMILY,
         falcon_h1.FAMILY,
         jamba.FAMILY,
+        gna_hybrid.FAMILY,
+        zamba2.FAMILY,
     )
 }
 
@@ -97,10 +104,10 @@ def config_from_hf(hf_config: Any, config_cls: type[SSMConfig] = SSMConfig) -> S
             "TransformerBridge."
         )
     act = getattr(hf_config, "hidden_act", None) or getattr(hf_config, "mamba_hidden_act", "silu")
-    if act != "silu":
+    if act not in family.hidden_acts:
         raise ConfigError(
-            f"HookedSSM implements the SiLU activation of the Mamba family; this {model_type} "
-            f"config has hidden_act={act!r}."
+            f"HookedSSM implements the {'/'.join(family.hidden_acts)} activation of {model_type} "
+            f"models; this config has hidden_act={act!r}."
         )
     common: dict[str, Any] = dict(
         architecture=family.architecture,
@@ -117,7 +124,23 @@ def config_from_hf(hf_config: Any, config_cls: type[SSMConfig] = SSMConfig) -> S
         default_prepend_bos=False,
         device="cpu",
     )
-    return config_cls(**common, **family.config_fields(hf_config))
+    return (family.config_class or config_cls)(**common, **family.config_fields(hf_config))
+
+
+def checkpoint_family(path: Any) -> Family | None:
+    """The family of a folder holding a checkpoint in gna_lens's own format (a family with a
+    ``load``: no ``transformers`` class reads it), else ``None``.
+
+    Examples:
+        >>> checkpoint_family("no/such/folder") is None
+        True
+    """
+    try:
+        data = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, TypeError):
+        return None
+    family = FAMILIES.get(str(data.get("model_type"))) if isinstance(data, dict) else None
+    return family if family is not None and family.load is not None else None
 
 
 def convert_hf_state_dict(cfg: SSMConfig, state: dict[str, Any]) -> dict[str, Any]:

@@ -2,7 +2,10 @@
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+from torch import nn
 
 from gna_lens.models.config import SSMConfig
 from gna_lens.models.mixers.base import SSMMixer
@@ -32,6 +35,18 @@ class Family:
         weight_renames: The config -> the weight-name mapping (:data:`Renames`).
         ssm_mixer: The class of the SSM layers' mixer (an
             :class:`~gna_lens.models.mixers.SSMMixer`).
+        config_class: The :class:`~gna_lens.models.SSMConfig` subclass of its models, when the
+            family needs fields of its own (``None``: ``SSMConfig``).
+        save: For a family whose checkpoints are gna_lens's own format (no ``transformers``
+            class loads them): ``save(model, folder)`` writes one
+            (``HookedSSM.save_pretrained``).
+        load: ``load(folder, dtype=, device=, tokenizer=)`` reads one back
+            (``HookedSSM.from_pretrained`` and ``load_model`` route such folders here).
+        build_blocks: The config -> the model's blocks, for a family whose blocks are not one
+            :class:`~gna_lens.models.block.SSMBlock` per layer (Zamba2: shared transformer
+            blocks with tied weights); ``None``: ``SSMBlock(cfg, layer)`` for every layer.
+        hidden_acts: The ``hidden_act`` values of the Hugging Face config the family
+            implements (other values raise :class:`~gna_lens.errors.ConfigError`).
     """
 
     model_type: str
@@ -40,6 +55,11 @@ class Family:
     config_fields: Callable[[Any], dict[str, Any]]
     weight_renames: Callable[[SSMConfig], Renames]
     ssm_mixer: type[SSMMixer]
+    config_class: type[SSMConfig] | None = None
+    save: Callable[[Any, Path], None] | None = None
+    load: Callable[..., Any] | None = None
+    build_blocks: Callable[[SSMConfig], list[nn.Module]] | None = None
+    hidden_acts: tuple[str, ...] = ("silu",)
 
 
 def time_step_limit(value: Any) -> tuple[float, float]:

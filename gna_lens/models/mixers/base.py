@@ -137,7 +137,9 @@ class SSMMixer(nn.Module):
         backward_note: How gradients run through the fast path, for ``info["paths"]`` of
             attribution (``None``: the plain autograd of the forward).
         prefix_hooks: The mixer's hook points whose full-prompt activations ``prefix_state``
-            reads.
+            reads (a hook that does not fire in a forward pass is left out of ``acts``).
+        uses_rope: The block passes RoPE's ``(cos, sin)`` to ``forward`` and ``step`` as a
+            third argument (a mixer with attention heads: the hybrid students).
         pattern_heads: Heads ``hook_pattern`` holds (``None``: all), set by
             ``HookedSSM.pattern_selection``.
         pattern_rows: Query positions ``hook_pattern`` holds (``None``: all).
@@ -145,6 +147,7 @@ class SSMMixer(nn.Module):
     """
 
     channel_heads: ClassVar[bool] = False
+    uses_rope: ClassVar[bool] = False
     backward_note: ClassVar[str | None] = None
     prefix_hooks: ClassVar[tuple[str, ...]] = (
         "hook_in_proj",
@@ -167,6 +170,18 @@ class SSMMixer(nn.Module):
         self.pattern_rows: list[int] | None = None
         #: Head and query-position indices of the last materialized pattern (``None`` = all).
         self.last_pattern_index: PatternSelection = (None, None)
+
+    @classmethod
+    def for_layer(cls, cfg: SSMConfig, layer: int) -> "SSMMixer":
+        """The mixer of layer ``layer`` (a mixer whose weights differ per layer overrides it)."""
+        del layer
+        return cls(cfg)
+
+    @property
+    def head_kinds(self) -> tuple[str, ...] | None:
+        """Per head, ``"attention"`` or ``"ssm"`` for a mixer whose heads are of both kinds;
+        ``None`` when every head is an SSM head."""
+        return None
 
     def materialize(
         self,

@@ -1,7 +1,7 @@
 """The Mamba-2 (SSD) mixer: fast forward, materialized implicit attention, single-token step.
 
-Used by Mamba-2 and by the hybrids (Bamba, Nemotron-H, Granite 4.0, Falcon-H1); the families'
-variations (Falcon-H1's multipliers, the output norm's kind) are fields of
+Used by Mamba-2 and by the hybrids (Bamba, Nemotron-H, Granite 4.0, Falcon-H1, Zamba2); the
+families' variations (Falcon-H1's multipliers, the output norm's kind) are fields of
 :class:`~gna_lens.models.SSMConfig`.
 """
 
