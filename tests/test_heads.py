@@ -32,8 +32,8 @@ def test_view_describes_each_architecture():
         # Mamba-2, attention, MLP-only and MoE blocks (the MLP blocks have no heads).
         "nemotron_h": [("ssm", 8, 8), ("attention", 4, 8), ("ssm", 8, 8)],
         "granitemoehybrid": [("ssm", 8, 8), ("attention", 4, 8), ("ssm", 8, 8)],
-        # Falcon-H1: the SSM heads of each layer (its parallel attention: hook names only).
-        "falcon_h1": [("ssm", 8, 8)] * 3,
+        # Falcon-H1: each layer's 8 SSM heads, then its parallel attention's 4 (two parts).
+        "falcon_h1": [("mixed", 12, 8)] * 3,
         # Mamba-1 layers (channels are the heads) and attention layers without RoPE.
         "jamba": [
             ("ssm", 64, 1),
@@ -43,8 +43,9 @@ def test_view_describes_each_architecture():
             ("attention", 4, 8),
         ],
         # Zamba2: Mamba-2 layers, and hybrid layers whose heads are the shared transformer
-        # block's attention heads as invoked there (its mixer: hook names only).
-        "zamba2": [("ssm", 8, 8), ("attention", 4, 16)] * 2 + [("attention", 4, 16)],
+        # block's attention heads as invoked there, then the layer's mixer's SSM heads (two
+        # parts whose d_head differ: 0 at the layer).
+        "zamba2": [("ssm", 8, 8), ("mixed", 12, 0)] * 2 + [("mixed", 12, 0)],
     }
     assert sorted(expected) == sorted(ARCHS)  # every architecture the file tests
     for arch, layers in expected.items():
@@ -66,7 +67,7 @@ def test_every_view_hook_fires_with_its_shape_and_edits_change_the_output(arch):
     b, L = ids.shape
     with torch.no_grad():
         clean = m(ids)
-        for lh in view:
+        for lh in (part for layer in view for part in layer.parts):
             targets = [("z", lh.z_hook), ("pattern", lh.pattern_hook)]
             if lh.scores_hook is not None:
                 targets.append(("scores", lh.scores_hook))

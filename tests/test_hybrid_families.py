@@ -277,20 +277,23 @@ def test_falcon_h1_parallel_attention_multipliers_and_heads():
     assert (cfg.embedding_multiplier, cfg.logits_scaling) == (2.0, 2.0)
     assert cfg.ssm_multipliers == (0.9, 1.1, 1.2, 0.8, 1.3)
     view = head_view(m)
-    assert [(lh.kind, lh.n_heads) for lh in view] == [("ssm", 8)] * 3
+    assert [(lh.kind, lh.n_heads) for lh in view] == [("mixed", 12)] * 3
     for name in ("blocks.0.attn.hook_pattern", "blocks.0.attn.hook_z", "blocks.0.hook_attn_out"):
         assert name in m.hook_dict
     ids = _ids(1, 9)
-    # hook_mixer_out == z @ W_O (head_output_weights includes ssm_out_multiplier), and the
-    # layer adds both parallel outputs to the residual stream.
+    # hook_mixer_out == z @ W_O (head_output_weights includes ssm_out_multiplier; part 0 is
+    # the SSM heads, part 1 the attention's, with attention_out_multiplier), and the layer adds
+    # both parallel outputs to the residual stream.
     from gna_lens.heads import head_output_weights
 
     names = [f"blocks.1.{n}" for n in ("mixer.hook_z", "hook_mixer_out", "hook_attn_out")]
-    names += ["blocks.1.hook_resid_pre", "blocks.1.hook_resid_mid"]
+    names += ["blocks.1.hook_resid_pre", "blocks.1.hook_resid_mid", "blocks.1.attn.hook_z"]
     with torch.no_grad():
         _, cache = m.run_with_cache(ids, names_filter=names)
-    out = torch.einsum("bphd,hdm->bpm", cache[names[0]], head_output_weights(m, 1))
+    out = torch.einsum("bphd,hdm->bpm", cache[names[0]], head_output_weights(m, 1, part=0))
     assert (out - cache[names[1]]).abs().max().item() < 1e-5
+    attn = torch.einsum("bphd,hdm->bpm", cache[names[5]], head_output_weights(m, 1, part=1))
+    assert (attn - cache[names[2]]).abs().max().item() < 1e-5
     total = cache[names[3]] + cache[names[1]] + cache[names[2]]
     assert (total - cache[names[4]]).abs().max().item() < 1e-5
 
@@ -406,12 +409,12 @@ def test_zamba2_shared_block_invocations_are_distinct_heads_and_edits_stay_local
     view = head_view(m)
     assert [(lh.layer, lh.kind) for lh in view] == [
         (0, "ssm"),
-        (1, "attention"),
+        (1, "mixed"),
         (2, "ssm"),
-        (3, "attention"),
-        (4, "attention"),
+        (3, "mixed"),
+        (4, "mixed"),
     ]
-    assert len({view[i].z_hook for i in (1, 3, 4)}) == 3
+    assert len({view[i].parts[0].z_hook for i in (1, 3, 4)}) == 3
     weights = {k: v.clone() for k, v in m.state_dict().items()}
     ids = _ids(2, 17, 5)
     names = [f"blocks.{i}.{n}" for i in (1, 4) for n in ("hook_resid_pre", "hook_shared_out")]
