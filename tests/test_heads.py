@@ -142,3 +142,42 @@ def test_view_and_probe_leave_model_untouched():
     require_editable(m, head_view(m), [0, 1], "scores")
     assert hook_count(m) == before
     assert all(torch.equal(w[k], v) for k, v in m.state_dict().items())
+
+
+@pytest.mark.parametrize("arch", ["falcon_h1", "zamba2"])
+def test_a_layer_of_two_parts_numbers_its_heads_part_after_part(arch):
+    """A layer whose heads live behind two hook sets: heads are the layer's indices, parts
+    translate them to their own; asking the layer for one hook or mask refuses, naming the
+    parts, instead of editing the wrong hook."""
+    from gna_lens.heads import head_output_weights
+
+    m = model(arch)
+    view = head_view(m)
+    lh = next(lh for lh in view if len(lh.parts) == 2)
+    first, second = lh.parts
+    assert (first.offset, second.offset) == (0, first.n_heads)
+    assert lh.n_heads == first.n_heads + second.n_heads and lh.multipart
+    last = lh.n_heads - 1
+    assert lh.split([last, 1, first.n_heads]) == [(first, [1]), (second, [second.n_heads - 1, 0])]
+    assert lh.split([2]) == [(first, [2])]
+    assert view.part_of((lh.layer, first.n_heads + 2)) == (second, 2)
+    assert view.parts_of([(lh.layer, last), (lh.layer, 0), (lh.layer, 1)]) == [first, second]
+    single = head_view(model("bamba"))[1]  # a single-part layer is its own part
+    assert single.parts == (single,) and single.split([3]) == [(single, [3])]
+    assert single.part_of(3) == (single, 3) and single.hook("z") == single.z_hook
+    for call in (
+        lambda: lh.hook_mask([0]),
+        lambda: lh.members(0),
+        lambda: lh.membership(),
+        lambda: lh.hook("z"),
+    ):
+        with pytest.raises(InterventionError, match=rf"layer {lh.layer}: .* 2 sets of hooks"):
+            call()
+    with pytest.raises(InterventionError, match=r"has 2 parts.*part=i"):
+        head_output_weights(m, lh.layer)
+    with pytest.raises(InterventionError, match=rf"\({lh.layer}, 99\).*has {lh.n_heads} heads"):
+        view.check_heads([(lh.layer, 99)])
+    df = view.to_dataframe()
+    rows = df[df["layer"] == lh.layer]
+    assert list(rows["z_hook"]) == [first.z_hook, second.z_hook]
+    assert list(rows["first_head"]) == [0, first.n_heads]
