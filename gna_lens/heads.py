@@ -22,6 +22,14 @@ attention heads and SSM heads in one ``blocks.{l}.mixer.hook_pattern`` / ``hook_
 :attr:`LayerHeads.kind` is ``"mixed"`` and :meth:`HeadView.kind_of` gives each head's own kind
 (``"attention"`` or ``"ssm"``), which is what every function that branches on kind reads.
 
+**Layers of several parts.** A layer whose heads live behind two sets of hooks (Falcon-H1: the
+Mamba-2 mixer's SSM heads, then the parallel attention's; a Zamba2 hybrid layer: the shared
+block's attention heads, which run first, then the layer's Mamba-2 heads) lists them all, part
+after part: :attr:`LayerHeads.parts` has one :class:`LayerHeads` per hook set, each knowing its
+``offset`` (the layer's index of its first head) and using its own head indices.
+:meth:`LayerHeads.split` / :meth:`HeadView.part_of` translate; every intervention edits each part
+through its own hooks. A model family declares its blocks' parts in ``SSMBlock.head_parts``.
+
 **Mamba-1 channel groups.** A Mamba-1 layer's heads are its channels unless the model groups them
 (:meth:`HookedSSM.set_head_groups <gna_lens.models.HookedSSM.set_head_groups>`: contiguous blocks,
 or explicit channel sets per layer). Then ``(layer, g)`` is group ``g``, and

@@ -803,3 +803,31 @@ def test_score_heads_pairs_and_report_widgets_cover_both_parts(family, tmp_path)
         got = torch.tensor(examples["patterns"][f"L{head[0]}H{head[1]}"])
         assert torch.allclose(got, p.float(), atol=1e-6), head
     assert hook_count(m) == 0
+
+
+@pytest.mark.parametrize("family", sorted(MULTIPART))
+def test_scan_ranks_both_parts_of_every_layer(family, tmp_path, monkeypatch):
+    """``gna-lens scan`` on a model of two-part layers: every head of both kinds is scored and
+    ranked, the report written, and the top heads removed on held-out prompts."""
+    import json
+
+    from gna_lens import scan as scan_module
+
+    m = model(family)
+    view = head_view(m)
+
+    def tasks(tok_, task, n_samples, seed, n_eval=8, zoo=False):
+        held_out = {"kv-4": make_task(n_pairs=4, n_samples=n_eval, seed=seed + 1)}
+        return scan_module.ScanTasks(make_task(n_pairs=4, n_samples=n_samples), held_out)
+
+    monkeypatch.setattr(scan_module, "build_tasks", tasks)
+    result = scan_module.scan(
+        m, n_samples=4, n_eval=4, top=3, out=tmp_path, control=None, random_draws=1,
+        progress=False,
+    )  # fmt: skip
+    data = json.loads(result.json_path.read_text())
+    assert data["layer_heads"] == [lh.n_heads if lh else 0 for lh in view.layers]
+    scored = {(r["layer"], r["head"]): r["kind"] for r in data["heads"]}
+    assert scored == {h: view.kind_of(h) for h in view.heads()}
+    assert "CircuitsVis" in result.html_path.read_text()
+    assert hook_count(m) == 0
