@@ -16,6 +16,7 @@ from interventions_helpers import hook_count, model, other_key, tok, tokens
 from interventions_helpers import task as make_task
 
 import gna_lens.interventions as I
+from gna_lens.errors import InterventionError
 from gna_lens.heads import head_view
 from gna_lens.models import HookedSSM, load_model
 from gna_lens.models.hooked_ssm import _convert_hf_state_dict
@@ -830,4 +831,137 @@ def test_scan_ranks_both_parts_of_every_layer(family, tmp_path, monkeypatch):
     scored = {(r["layer"], r["head"]): r["kind"] for r in data["heads"]}
     assert scored == {h: view.kind_of(h) for h in view.heads()}
     assert "CircuitsVis" in result.html_path.read_text()
+    assert hook_count(m) == 0
+
+
+# ----------------------------------------------------------------------------- layer targets
+def _zero(x, hook):
+    return torch.zeros_like(x)
+
+
+def _mean_of(m, name, ref, cols):
+    """The mean of hook ``name`` over the reference ids' positions ``cols`` (bool ``[pos]``:
+    the ablated positions; the reference has the inputs' length and no BOS)."""
+    with torch.no_grad():
+        _, cache = m.run_with_cache(ref, names_filter=name)
+    return cache[name][:, cols].reshape(-1, m.cfg.d_model).double().mean(0).float()
+
+
+@pytest.mark.parametrize("family", sorted(MULTIPART))
+@pytest.mark.parametrize("positions", [None, "last", [1, -2]])
+def test_mixer_target_of_a_two_part_layer_replaces_both_parts(family, positions):
+    """target='mixer' on a two-part layer replaces the outputs of both parts (Falcon-H1: the
+    Mamba-2 mixer and the parallel attention; Zamba2: the shared block's attention and the
+    layer's mixer), each by zero or by its own mean: the logits of hand-written hooks on both;
+    'attn' / 'ssm' replace one part's only."""
+    m = model(family)
+    view = head_view(m)
+    ids = tokens(make_task())[:3]
+    ref = tokens(make_task(seed=5))
+    L = ids.shape[1]
+    assert ref.shape[1] == L
+    cols = torch.zeros(L, dtype=torch.bool)
+    cols[[-1] if positions == "last" else slice(None) if positions is None else positions] = True
+    two = [lh.layer for lh in view if len(lh.parts) == 2]
+    assert two == ([0, 1, 2] if family == "falcon_h1" else [1, 3, 4])
+    for layer in two:
+        out = {p.kind: p.out_hook for p in view[layer].parts}
+        for mode in ("zero", "mean"):
+            means = {k: _mean_of(m, n, ref, cols) for k, n in out.items()} if mode == "mean" else {}
+
+            def hand(kind, mode=mode, means=means, out=out):
+                def edit(x, hook):
+                    value = means[kind] if mode == "mean" else torch.zeros(())
+                    return torch.where(cols[None, :, None], value.to(x.dtype), x)
+
+                return (out[kind], edit)
+
+            kw = dict(mode=mode, positions=positions)
+            if mode == "mean":
+                kw["reference"] = ref
+            got = {}
+            with torch.no_grad():
+                clean = m(ids)
+                for target in ("mixer", "attn", "ssm"):
+                    with I.ablate_layers(m, [layer], target=target, **kw):
+                        got[target] = m(ids)
+                both = m.run_with_hooks(ids, fwd_hooks=[hand("attention"), hand("ssm")])
+                attn = m.run_with_hooks(ids, fwd_hooks=[hand("attention")])
+                ssm = m.run_with_hooks(ids, fwd_hooks=[hand("ssm")])
+            tol = 0.0 if mode == "zero" else 1e-5
+            for target, expected in (("mixer", both), ("attn", attn), ("ssm", ssm)):
+                assert (got[target] - expected).abs().max().item() <= tol, (layer, mode, target)
+            # Each part matters, so the whole mixer is neither part alone; but on Zamba2 the
+            # attention reaches the residual only through the mixer: replacing the mixer's
+            # output at every position from the first edited one on hides the attention's edit.
+            hidden = family == "zamba2" and positions in (None, "last")
+            for a, b in (("mixer", "attn"), ("mixer", "ssm"), ("attn", "ssm")):
+                diff = (got[a] - got[b]).abs().max().item()
+                assert diff == 0.0 if hidden and b == "ssm" and a == "mixer" else diff > 1e-4, (
+                    layer, mode, a, b
+                )  # fmt: skip
+            assert (got["mixer"] - clean).abs().max().item() > 1e-4
+    assert hook_count(m) == 0
+
+
+@pytest.mark.parametrize("family", sorted(MULTIPART))
+def test_zeroing_the_mixer_of_a_two_part_layer_leaves_only_its_mlp(family):
+    """Zeroing the whole token mixer at every position: Falcon-H1's residual leaves the mixing
+    sublayer unchanged (resid_mid == resid_pre); a Zamba2 hybrid layer (no MLP of its own after
+    the mixer) becomes the identity, as remove_layers makes it."""
+    m = model(family)
+    layer = 1
+    ids = tokens(make_task())[:2]
+    pre, post = f"blocks.{layer}.hook_resid_pre", f"blocks.{layer}.hook_resid_post"
+    mid = f"blocks.{layer}.hook_resid_mid" if family == "falcon_h1" else post
+    with torch.no_grad(), I.ablate_layers(m, [layer], target="mixer"):
+        _, cache = m.run_with_cache(ids, names_filter=[pre, mid])
+    assert torch.equal(cache[mid], cache[pre])
+    if family == "zamba2":
+        with torch.no_grad():
+            with I.remove_layers(m, [layer]):
+                removed = m(ids)
+            with I.ablate_layers(m, [layer], target="mixer"):
+                no_mixer = m(ids)
+        assert torch.equal(no_mixer, removed)
+        with pytest.raises(InterventionError, match=r"target='attn' at layer 0.*no attention"):
+            I.layer_ablation_hooks(m, [0], target="attn")  # a Mamba-2 layer
+    with pytest.raises(InterventionError, match="expected one of"):
+        I.layer_ablation_hooks(m, [layer], target="shared")
+    assert hook_count(m) == 0
+
+
+@pytest.mark.parametrize("family", sorted(MULTIPART))
+@pytest.mark.parametrize(
+    "target,mode,positions",
+    [("mixer", "zero", None), ("mixer", "mean", None), ("mixer", "zero", "last"),
+     ("mixer", "mean", [2, -1]), ("attn", "zero", None), ("ssm", "mean", "last")],
+)  # fmt: skip
+def test_layer_sweep_of_a_two_part_mixer_equals_a_loop_and_hand_written_hooks(
+    family, target, mode, positions
+):
+    """layer_sweep with target='mixer' (both parts) / 'attn' / 'ssm': the batched sweep (each
+    layer run from its cached residual) equals the loop of full forwards, and each cell equals
+    ablate_layers (itself checked against hand-written hooks above); a set of layers too."""
+    from gna_lens.interventions._common import Metric
+
+    m = model(family)
+    t = make_task()
+    ref = None if mode == "zero" else make_task(seed=5)
+    two = [lh.layer for lh in head_view(m) if len(lh.parts) == 2]
+    cells = [*two, two[:2]] if target != "ssm" else [*two]
+    kw = dict(target=target, mode=mode, positions=positions, reference=ref, control=None,
+              progress=False)  # fmt: skip
+    res = I.layer_sweep(m, t, "logit_diff", cells, **kw)
+    loop = I.layer_sweep(m, t, "logit_diff", cells, method="loop", **kw)
+    assert (res.values - loop.values).abs().max().item() <= 1e-5
+    met, ids, idx = Metric("logit_diff", t), tokens(t), torch.arange(len(t))
+    with torch.no_grad():
+        for row, cell in enumerate(res.cells):
+            with I.ablate_layers(m, list(cell), target=target, mode=mode, positions=positions,
+                                 reference=ref):  # fmt: skip
+                expected = met(m(ids)[:, -1], idx)
+            assert (res.values[row] - expected).abs().max().item() <= 1e-5, cell
+    assert res.effects.abs().min() > 0
+    assert res.method["target"] == target
     assert hook_count(m) == 0
