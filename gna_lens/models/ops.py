@@ -424,7 +424,7 @@ def mamba2_ssd(
 
     # 1. Within chunks: y = (L ∘ C Bᵀ) (x dt).
     seg, causal = segsum_rows(a)  # [b,g,m,c,T,T]
-    decay = torch.exp(seg).masked_fill_(~causal, 0.0)
+    decay = torch.exp(seg) * causal
     CB = torch.einsum("bclgn,bcsgn->bgcls", Cc, Bc)  # [b,g,c,T,T]
     M = decay * CB[:, :, None]  # [b,g,m,c,T,T]
     y = torch.einsum("bgmcls,bcsgmp->bclgmp", M, xdt)
