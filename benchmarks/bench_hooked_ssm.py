@@ -200,7 +200,7 @@ def bench_vs_hf(repeats: int, archs: list[str]) -> list[dict]:
                 baseline_s=statistics.median(t["hf"]),
                 ratio=statistics.median(ratios),
                 goal="<= 1.0",
-                note=f"max |logit diff| {diff:.1e}",
+                note=f"max abs logit diff {diff:.1e}",
             )
         )
         _progress(rows[-1])
