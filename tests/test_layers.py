@@ -379,7 +379,7 @@ def test_ssm_target_refuses_a_mixer_holding_both_kinds_of_heads():
     assert head_view(student)[0].kind == "mixed"
     with pytest.raises(InterventionError, match=r"target='ssm' at layer 0.*attention and SSM"):
         layer_ablation_hooks(student, [0], target="ssm")
-    with pytest.raises(InterventionError, match=r"target='attn' at layer 0.*no attention"):
+    with pytest.raises(InterventionError, match=r"target='attn' at layer 0.*no attention-only"):
         layer_ablation_hooks(student, [0], target="attn")
     assert layer_ablation_hooks(student, [0], target="mixer")
     assert hook_count(student) == 0

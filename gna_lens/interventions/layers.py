@@ -296,18 +296,19 @@ def _target_hooks(info: LayerInfo, target: str) -> tuple[str, ...]:
         f"{n.rsplit('.', 1)[-1]} ({k or 'unknown'} heads)"
         for n, k in zip(info.mixer_hooks, info.mixer_kinds, strict=True)
     )
-    what = {"attn": "attention", "ssm": "SSM mixer"}[target]
+    if "mixed" in info.mixer_kinds and len(info.mixer_hooks) == 1:
+        kind = {"attn": "attention", "ssm": "SSM"}[target]
+        raise InterventionError(
+            f"target={target!r} at layer {info.layer}: its one mixer holds attention and SSM "
+            f"heads together ({has}), so its output has no {kind}-only part. Fix: "
+            f"target='mixer' (the whole mixer), or ablate the {kind} heads "
+            "(gna_lens.interventions.ablate_heads)."
+        )
     if not names:
+        what = {"attn": "attention", "ssm": "SSM mixer"}[target]
         raise InterventionError(
             f"target={target!r} at layer {info.layer}: this layer has no {what} (its token "
             f"mixer: {has}). Fix: target='mixer' (the layer's whole token mixer) or 'block'."
-        )
-    kinds = dict(zip(info.mixer_hooks, info.mixer_kinds, strict=True))
-    if target == "ssm" and kinds[names[0]] == "mixed":
-        raise InterventionError(
-            f"target='ssm' at layer {info.layer}: its one mixer holds attention and SSM heads "
-            f"together ({has}), so its output has no SSM-only part. Fix: target='mixer' (the "
-            "whole mixer), or ablate the SSM heads (gna_lens.interventions.ablate_heads)."
         )
     return names
 
