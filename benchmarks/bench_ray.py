@@ -15,14 +15,24 @@ bit, the load average before and after, and the CPU time other processes took du
 measurement (cores' worth, from /proc/stat minus this process tree), so a run on a busy machine
 says so. Prints markdown for benchmarks/RESULTS.md. About 8 minutes per repeat on 2 idle cores.
 
-Usage: python benchmarks/bench_ray.py [--repeats 1] [--n-samples 16]
+Also: two plain processes (no Ray), 1 thread each, sweeping the even and the odd layers at once:
+the most 2 workers can get from this machine (memory bandwidth and clocks shared), so the
+speedup can be read against it (about 2 more minutes per repeat; ``--no-ceiling`` skips it).
+
+Usage: python benchmarks/bench_ray.py [--repeats 1] [--n-samples 16] [--no-ceiling]
 """
 
 import argparse
+import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
+import tempfile
+import threading
 import time
+from pathlib import Path
 
 import psutil
 import torch
@@ -34,45 +44,116 @@ from gna_lens.tasks import kv_retrieval
 
 
 class CpuMeter:
-    """Cores' worth of CPU used by other processes (not this one or its descendants)."""
+    """Cores' worth of CPU used by other processes (not this one or its descendants).
 
-    def __init__(self) -> None:
+    Our processes' CPU time is sampled per process every ``interval`` seconds by a thread: a
+    process that exits during the measurement (a Ray actor shut down by the step before) keeps
+    the CPU it used within the measurement, and none from before it (summing the live
+    descendants' totals at both ends would count a departed actor's whole life as other
+    processes' use).
+    """
+
+    def __init__(self, interval: float = 0.25) -> None:
         self.me = psutil.Process()
+        self.interval = interval
+        self.first: dict[int, float] = {}
+        self.last: dict[int, float] = {}
+        self.lock = threading.Lock()
+        self.done = threading.Event()
         self.t0 = time.perf_counter()
-        self.busy0, self.ours0 = self._busy(), self._ours()
+        self.busy0 = self._busy()
+        self._sample(initial=True)
         self.load0 = os.getloadavg()[0]
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+        self.thread.start()
 
     @staticmethod
     def _busy() -> float:
         t = psutil.cpu_times()
         return t.user + t.nice + t.system + getattr(t, "irq", 0) + getattr(t, "softirq", 0)
 
-    def _ours(self) -> float:
-        total = 0.0
+    def _sample(self, initial: bool = False) -> None:
         for p in [self.me, *self.me.children(recursive=True)]:
             try:
                 c = p.cpu_times()
-                total += c.user + c.system
             except psutil.Error:
                 continue
-        return total
+            with self.lock:
+                # A process first seen later was born during the measurement: all its time counts.
+                self.first.setdefault(p.pid, c.user + c.system if initial else 0.0)
+                self.last[p.pid] = c.user + c.system
+
+    def _poll(self) -> None:
+        while not self.done.wait(self.interval):
+            self._sample()
 
     def stop(self) -> dict[str, float]:
+        self._sample()
         wall = time.perf_counter() - self.t0
-        others = (self._busy() - self.busy0) - (self._ours() - self.ours0)
+        busy = self._busy() - self.busy0
+        self.done.set()
+        self.thread.join()
+        with self.lock:
+            ours = sum(self.last[pid] - self.first[pid] for pid in self.last)
         return {
             "wall": wall,
-            "others": max(0.0, others) / wall,
+            "others": max(0.0, busy - ours) / wall,
             "load_before": self.load0,
             "load_after": os.getloadavg()[0],
         }
+
+
+def _half(which: int, n_samples: int, out: str) -> None:
+    """Child of the ceiling measurement: sweep the heads of every other layer, alone."""
+    torch.set_num_threads(1)
+    model = load_model("smollm2-135m")
+    task = kv_retrieval(
+        model.tokenizer, n_pairs=6, n_samples=n_samples, seed=0, template="question",
+        values="words",
+    )  # fmt: skip
+    heads = [
+        (layer, h)
+        for layer in range(which, model.cfg.n_layers, 2)
+        for h in range(model.cfg.n_heads)
+    ]
+    t0 = time.time()
+    ablation_sweep(model, task, "logit_diff", heads, progress=False)
+    with open(out, "w") as f:
+        json.dump({"start": t0, "end": time.time(), "heads": len(heads)}, f)
+
+
+def ceiling(n_samples: int) -> dict[str, float]:
+    """Two plain processes (no Ray), 1 thread each, sweeping even / odd layers at once: what 2
+    workers can reach on this machine without any scheduling or transfer cost."""
+    with tempfile.TemporaryDirectory() as tmp:
+        outs = [os.path.join(tmp, f"{i}.json") for i in (0, 1)]
+        cmd = [sys.executable, __file__, "--n-samples", str(n_samples)]
+        procs = [subprocess.Popen([*cmd, "--half", str(i), "--half-out", outs[i]]) for i in (0, 1)]
+        for p in procs:
+            if p.wait() != 0:
+                raise SystemExit(f"ceiling child exited {p.returncode}")
+        got = [json.loads(Path(o).read_text()) for o in outs]
+    start = min(g["start"] for g in got)
+    return {
+        "wall": max(g["end"] for g in got) - start,
+        "skew": max(g["start"] for g in got) - start,
+        "each": [g["end"] - g["start"] for g in got],
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--n-samples", type=int, default=16)
+    parser.add_argument(
+        "--no-ceiling", action="store_true", help="skip the two-process ceiling (no Ray)"
+    )
+    parser.add_argument("--half", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--half-out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.half is not None:
+        _half(args.half, args.n_samples, args.half_out)
+        return
     torch.set_num_threads(1)
     print(f"load average at start: {os.getloadavg()}")
     import ray
@@ -86,12 +167,17 @@ def main() -> None:
         tok, n_pairs=6, n_samples=args.n_samples, seed=0, template="question", values="words"
     )
     tokens = statistics.mean(len(s.input_ids) for s in task)
-    local_runs, sharded_runs, start_runs = [], [], []
+    local_runs, sharded_runs, start_runs, ceiling_runs = [], [], [], []
     local = sharded = None
     for rep in range(args.repeats):
-        order = ("ray", "local") if rep % 2 == 0 else ("local", "ray")
+        order = ["ray", "local"] if rep % 2 == 0 else ["local", "ray"]
+        if not args.no_ceiling:
+            order.insert(rep % 3, "ceiling")
         for which in order:
-            if which == "local":
+            if which == "ceiling":
+                ceiling_runs.append(ceiling(args.n_samples))
+                print(f"[{rep}] two plain processes: {ceiling_runs[-1]}", flush=True)
+            elif which == "local":
                 m = CpuMeter()
                 local = ablation_sweep(model, task, "logit_diff", progress=False)
                 local_runs.append(m.stop())
@@ -145,6 +231,14 @@ def main() -> None:
         f"| speedup, workers warm / with their start | {statistics.median(ratios_warm):.2f}x / "
         f"{statistics.median(ratios_cold):.2f}x (goal >= 1.6x) |"
     )
+    if ceiling_runs:
+        t_ceil = statistics.median(r["wall"] for r in ceiling_runs)
+        ratios_ceil = [a["wall"] / c["wall"] for a, c in zip(local_runs, ceiling_runs, strict=True)]
+        print(
+            f"| ceiling: 2 plain processes x 1 thread (no Ray), even / odd layers, at once | "
+            f"{t_ceil:.1f} s; speedup {statistics.median(ratios_ceil):.2f}x over one process "
+            f"(start skew {statistics.median(r['skew'] for r in ceiling_runs):.1f} s) |"
+        )
     print(f"| sharded values == one process | {same} (max abs diff {diff:.1e}) |")
     for name, runs in (("one process", local_runs), ("2 workers (sweep)", sharded_runs)):
         print(
