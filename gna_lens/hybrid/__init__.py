@@ -25,12 +25,39 @@ import torch
 from torch import Tensor
 
 from gna_lens.errors import ConfigError
+from gna_lens.hybrid._budget import Budget, parse_budget
+from gna_lens.hybrid._data import (
+    DISTILL_SEEDS,
+    EVAL_KV_SEED,
+    EVALUATION_SEEDS,
+    DistillData,
+    default_distill_data,
+)
+from gna_lens.hybrid._distill import DistillResult, distill
+from gna_lens.hybrid._swap import swap_heads
 from gna_lens.models.families import config_from_hf, gna_hybrid
 from gna_lens.models.hooked_ssm import HookedSSM
 from gna_lens.models.mixers import Attention, Mamba1Mixer, Mamba2Mixer
 from gna_lens.models.mixers.hybrid import HEAD_LAYOUTS, HybridMixer
+from gna_lens.models.mixers.swapped import SwappedMamba2Mixer
 
-__all__ = ["DEFAULT_LENGTHS", "HEAD_LAYOUTS", "StateBytes", "build_hybrid", "state_bytes"]
+__all__ = [
+    "DEFAULT_LENGTHS",
+    "DISTILL_SEEDS",
+    "EVALUATION_SEEDS",
+    "EVAL_KV_SEED",
+    "HEAD_LAYOUTS",
+    "Budget",
+    "DistillData",
+    "DistillResult",
+    "StateBytes",
+    "build_hybrid",
+    "default_distill_data",
+    "distill",
+    "parse_budget",
+    "state_bytes",
+    "swap_heads",
+]
 
 Head = tuple[int, int]
 
@@ -352,6 +379,14 @@ def state_bytes(
                 kv += len(mixer.kv_heads)
                 kv_width += 2 * len(mixer.kv_heads) * cfg.d_head
                 recurrent += len(mixer.ssm_heads) * cfg.d_head * cfg.d_state
+            elif isinstance(mixer, SwappedMamba2Mixer):  # swap_heads: before Mamba2Mixer
+                n_attn = len(mixer.attn_heads)
+                attn += n_attn
+                ssm += cfg.n_heads - n_attn
+                kv += n_attn
+                kv_width += n_attn * (cfg.d_state + cfg.d_head)  # k [d_state] and v [d_head]
+                recurrent += (cfg.n_heads - n_attn) * cfg.d_head * cfg.d_state
+                recurrent += (cfg.d_conv - 1) * (mixer.conv_dim + n_attn * mixer.width)
             elif isinstance(mixer, Mamba2Mixer):
                 ssm += cfg.n_heads
                 recurrent += cfg.n_heads * cfg.d_head * cfg.d_state
