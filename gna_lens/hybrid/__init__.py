@@ -34,6 +34,7 @@ from gna_lens.hybrid._data import (
     default_distill_data,
 )
 from gna_lens.hybrid._distill import DistillResult, distill
+from gna_lens.hybrid._experiment import HybridRow, HybridTable, run_experiment
 from gna_lens.hybrid._swap import swap_heads
 from gna_lens.models.families import config_from_hf, gna_hybrid
 from gna_lens.models.hooked_ssm import HookedSSM
@@ -50,11 +51,14 @@ __all__ = [
     "Budget",
     "DistillData",
     "DistillResult",
+    "HybridRow",
+    "HybridTable",
     "StateBytes",
     "build_hybrid",
     "default_distill_data",
     "distill",
     "parse_budget",
+    "run_experiment",
     "state_bytes",
     "swap_heads",
 ]

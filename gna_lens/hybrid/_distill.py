@@ -221,9 +221,8 @@ def _capture(
     try:
         for layer in layers:
             handles.append(twin.blocks[layer].mixer.register_forward_hook(hook_for(layer)))
-        with torch.no_grad():
-            with contextlib.suppress(_Stop):
-                twin(ids)
+        with torch.no_grad(), contextlib.suppress(_Stop):
+            twin(ids)
     finally:
         for h in handles:
             h.remove()
