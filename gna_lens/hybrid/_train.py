@@ -101,11 +101,11 @@ def batches(
     pad = 0 if pad is None else int(pad)
     rows: list[list[int]] = []
     read = 0
-    for text in texts:
+    for index, text in enumerate(texts):
         read += 1
         if not isinstance(text, str):
             raise ConfigError(
-                f"distillation data item {read - 1} is a {type(text).__name__} ({str(text)[:60]!r}); "
+                f"distillation data item {index} is a {type(text).__name__} ({str(text)[:60]!r}); "
                 "expected texts (str), e.g. default_distill_data(tokenizer) or a list of str."
             )
         ids = tokenizer(text, add_special_tokens=True, truncation=True, max_length=max_length)[
