@@ -298,7 +298,7 @@ def default_distill_data(
             if name.startswith("kv-"):
                 # the two templates draw from disjoint halves of the seed blocks
                 blocks = range(0, 500) if name == "kv-paper" else range(500, 1000)
-                args = dict(
+                args: dict[str, Any] = dict(
                     template=name[3:], pairs=(lo, hi), queries=kv_queries, words=kv_words,
                     blocks=blocks,
                 )  # fmt: skip

@@ -199,6 +199,11 @@ def _check_pair(student: Any, twin: HookedSSM) -> None:
 
 
 # ----------------------------------------------------------------------------- losses
+def _mixer(model: HookedSSM, layer: int) -> Any:
+    block: Any = model.blocks[layer]
+    return block.mixer
+
+
 def _capture(
     twin: HookedSSM, ids: Tensor, layers: list[int]
 ) -> tuple[dict[int, tuple[Tensor, Any]], dict[int, Tensor]]:
@@ -220,7 +225,7 @@ def _capture(
 
     try:
         for layer in layers:
-            handles.append(twin.blocks[layer].mixer.register_forward_hook(hook_for(layer)))
+            handles.append(_mixer(twin, layer).register_forward_hook(hook_for(layer)))
         with torch.no_grad(), contextlib.suppress(_Stop):
             twin(ids)
     finally:
@@ -249,12 +254,12 @@ def _ssm_layers(student: HookedSSM) -> list[int]:
     return [
         i
         for i, b in enumerate(student.blocks)
-        if isinstance(getattr(b, "mixer", None), HybridMixer) and b.mixer.ssm_heads
+        if isinstance(getattr(b, "mixer", None), HybridMixer) and _mixer(student, i).ssm_heads
     ]
 
 
 def _layer_params(student: HookedSSM, layer: int) -> list[tuple[str, nn.Parameter]]:
-    mixer = student.blocks[layer].mixer
+    mixer = _mixer(student, layer)
     out = []
     for name, p in mixer.named_parameters():
         if name.split(".")[0] in SSM_PARAMS:
@@ -445,7 +450,7 @@ def distill(
             out: StepLosses = []
             for layer in layers:
                 h, rope = inputs[layer]
-                y = student.blocks[layer].mixer(h, None, rope)
+                y = _mixer(student, layer)(h, None, rope)
                 loss = _nmse(y, targets[layer], mask)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_([p for _, p in per_layer[layer]], grad_clip)
@@ -458,7 +463,7 @@ def distill(
                 losses = [
                     float(
                         _nmse(
-                            student.blocks[i].mixer(inputs[i][0], None, inputs[i][1]),
+                            _mixer(student, i)(inputs[i][0], None, inputs[i][1]),
                             targets[i],
                             mask,
                         )
@@ -504,9 +509,9 @@ def distill(
         "temperature": temperature,
         "grad_clip": grad_clip,
         "student": {
-            "attention_heads": [list(h) for h in cfg.attention_heads],
+            "attention_heads": [list(h) for h in getattr(cfg, "attention_heads", [])],
             "d_state": cfg.d_state,
-            "head_layout": cfg.ssm_head_layout,
+            "head_layout": getattr(cfg, "ssm_head_layout", ""),
         },
     }
     was_training = student.training

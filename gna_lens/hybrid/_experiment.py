@@ -967,7 +967,7 @@ def run_experiment(
     data_info = getattr(data, "info", {}) or {}
     first_param = next(iter(hf.parameters()))
     method = {
-        "teacher": settings["teacher"]
+        "teacher": str(settings["teacher"])
         + f"; {n_layers} layers x {n_heads} heads ({fields['num_key_value_heads']} KV heads)",
         "ranking": f"score_heads, {rank_info.get('criterion', '')}; top 10: {rank_info.get('top', '')}"
         + (f"; {rank_info['filled']}" if "filled" in rank_info else ""),

@@ -22,6 +22,11 @@ __all__ = ["swap_heads"]
 Head = tuple[int, int]
 
 
+def _mixer(model: HookedSSM, layer: int) -> Any:
+    block: Any = model.blocks[layer]
+    return block.mixer
+
+
 def _check_heads(model: HookedSSM, heads: Any) -> dict[int, list[int]]:
     cfg = model.cfg
     ssm_layers = [i for i, t in enumerate(cfg.layer_types) if t == "ssm"]
@@ -163,7 +168,7 @@ def swap_heads(
     params = [
         (f"blocks.{layer}.mixer.{n}", p)
         for layer in per_layer
-        for n, p in new.blocks[layer].mixer.named_parameters()
+        for n, p in _mixer(new, layer).named_parameters()
         if n.split(".")[0] in ("attn_proj", "attn_conv")
     ]
     if train_data is None:
@@ -251,11 +256,11 @@ def swap_heads(
         resumed_at=outcome.resumed_at,
         method=method,
     )
-    new.gna_swap = method | {
+    new.gna_swap = method | {  # type: ignore[assignment]
         "probe": result.probe,
         "totals": result.totals,
         "n_trained": result.n_trained["swap"],
         "complete": result.complete,
     }
-    new.gna_swap_result = result
+    new.gna_swap_result = result  # type: ignore[assignment]
     return new

@@ -178,10 +178,12 @@ def _save(
         "totals": state.totals,
         "complete": state.complete,
     }
-    _atomic_write(
-        folder / PROGRESS,
-        lambda p: Path(p).write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8"),
-    )
+    text = json.dumps(data, indent=1) + "\n"
+
+    def write_progress(p: str) -> None:
+        Path(p).write_text(text, encoding="utf-8")
+
+    _atomic_write(folder / PROGRESS, write_progress)
     for old in folder.glob("weights-*.safetensors"):
         if old.name != wfile:
             old.unlink()

@@ -166,7 +166,7 @@ def load(
     if cfg.tie_word_embeddings and "unembed.weight" not in state:
         state["unembed.weight"] = state["embed.weight"]
     model.load_state_dict(state, strict=True)
-    model.gna_swap = dict(data.get("swap") or {})
+    model.gna_swap = dict(data.get("swap") or {})  # type: ignore[assignment]
     return model.to(device=device, dtype=dtype).eval()
 
 

@@ -136,7 +136,7 @@ class SwappedMamba2Mixer(Mamba2Mixer):
         weight = self.in_proj.weight
         with torch.no_grad():
             m = float(self.cfg.ssm_in_multiplier)
-            mup = self.mup_vector
+            mup: Tensor | None = self.mup_vector
             for i, h in enumerate(self.attn_heads):
                 rows = torch.tensor(self._rows(h), device=weight.device)
                 dst = slice(i * self.width, (i + 1) * self.width)
@@ -150,8 +150,9 @@ class SwappedMamba2Mixer(Mamba2Mixer):
                     self.attn_proj.bias[dst] = self.in_proj.bias[rows] * mu
                 conv = rows - E  # channels of xBC
                 self.attn_conv.weight[dst] = self.conv1d.weight[conv]
-                if self.attn_conv.bias is not None:
-                    self.attn_conv.bias[dst] = self.conv1d.bias[conv]
+                src = self.conv1d.bias
+                if self.attn_conv.bias is not None and src is not None:
+                    self.attn_conv.bias[dst] = src[conv]
 
     @property
     def head_kinds(self) -> tuple[str, ...]:
@@ -186,7 +187,8 @@ class SwappedMamba2Mixer(Mamba2Mixer):
         """Mamba-2's output with the ``D`` skip on the SSM heads only."""
         cfg = self.cfg
         b, L = y.shape[:2]
-        D = (self.D * self.ssm_keep.to(self.D.dtype))[:, None]
+        keep: Tensor = self.ssm_keep  # type: ignore[assignment]
+        D = (self.D * keep.to(self.D.dtype))[:, None]
         y = self.hook_ssm_out(y + x * D)
         normed = self.gate_norm(y.reshape(b, L, cfg.d_inner), self.hook_gate(z))
         head_in = self.hook_z(normed.view(b, L, cfg.n_heads, cfg.d_head))
