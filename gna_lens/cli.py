@@ -340,6 +340,7 @@ def _hybrid(args: argparse.Namespace) -> int:
             d_state=args.d_state,
             head_layout=args.head_layout,
             stages=stages,
+            stage1_share=args.stage1_share,
             seed=args.seed,
             random_draws=args.random_draws,
             kv_pairs=kv_pairs,
@@ -589,6 +590,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     hy.add_argument("--d-state", type=int, default=16, help="SSM heads' state size (16)")
     hy.add_argument("--head-layout", default="head", choices=["head", "kv_group"])
     hy.add_argument("--stages", default="1,2", help="distillation stages (1,2)")
+    hy.add_argument(
+        "--stage1-share", type=float, default=0.25, help="share of the budget for stage 1 (0.25)"
+    )
     hy.add_argument(
         "--train", default="ssm", choices=["ssm", "mixers", "all"], help="what stage 2 trains"
     )

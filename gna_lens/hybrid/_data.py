@@ -272,9 +272,9 @@ def default_distill_data(
         >>> from gna_lens import zoo
         >>> data = default_distill_data(zoo.tokenizer())
         >>> data.sources, sorted(data.info["left_out"])
-        (('kv-paper',), ['kv-question', 'mmlu', 'prose'])
+        (('kv-paper', 'kv-question'), ['mmlu', 'prose'])
         >>> next(iter(data)).splitlines()[:2]
-        ['Memorize the following dictionary:', 'acorn:26']
+        ['Memorize the following dictionary:', 'boy:18']
     """
     known = ("kv-paper", "kv-question", "prose", "mmlu")
     bad = [s for s in sources if s not in known]

@@ -699,6 +699,7 @@ def run_experiment(
     d_state: int = 16,
     head_layout: str = "head",
     stages: Sequence[int] = (1, 2),
+    stage1_share: float = 0.25,
     seed: int = 0,
     random_draws: int = 1,
     kv_pairs: Sequence[int] = (4, 8, 16),
@@ -713,7 +714,7 @@ def run_experiment(
     n_knowledge: int = 100,
     data: Iterable[str] | None = None,
     train: Any = "ssm",
-    lr: Any = (1e-3, 3e-4),
+    lr: Any = (1e-2, 1e-3),
     batch_size: int = 8,
     max_length: int = 256,
     eval_batch_size: int = 16,
@@ -744,6 +745,7 @@ def run_experiment(
         d_state: The SSM heads' state size.
         head_layout: ``"head"`` or ``"kv_group"``.
         stages: Distillation stages.
+        stage1_share: Share of each student's budget for stage 1 (see distill).
         seed: Seed of the data, the random heads and the knowledge sample.
         random_draws: Random-head students per ``k > 0``.
         kv_pairs: Dictionary sizes of the held-out KV tasks.
@@ -843,6 +845,7 @@ def run_experiment(
         "teacher": prov.describe() if prov.known else name,
         "budget": total.describe(),
         "stages": list(stages),
+        "stage1_share": stage1_share,
         "seed": seed,
         "d_state": d_state,
         "head_layout": head_layout,
@@ -923,7 +926,7 @@ def run_experiment(
         t0 = time.perf_counter()
         student = build_hybrid(teacher, heads, d_state=d_state, head_layout=head_layout, seed=seed)
         res = distill(
-            student, twin, data, stages=stages, budget=total, seed=seed,
+            student, twin, data, stages=stages, budget=total, seed=seed, stage1_share=stage1_share,
             checkpoint_dir=folder / "checkpoints" / slug if folder is not None else None,
             resume=resume, progress=progress, train=train, lr=lr, batch_size=batch_size,
             max_length=max_length,
@@ -973,7 +976,8 @@ def run_experiment(
         + (f"; {rank_info['filled']}" if "filled" in rank_info else ""),
         **task_method,
         "distillation": (
-            f"stages {list(stages)}; budget {total.describe()} per student (stage 1 gets 25%); "
+            f"stages {list(stages)}; budget {total.describe()} per student (stage 1 gets "
+            f"{100 * stage1_share:.0f}%); "
             f"stage 2 trains {train}; lr {settings['lr']}; batch {batch_size} texts of at most "
             f"{max_length} tokens; AdamW, warm-up then cosine"
         ),
