@@ -316,6 +316,17 @@ def _lrs(lr: Any) -> tuple[float, float]:
     return vals
 
 
+def _autocast_dtype(value: Any) -> torch.dtype | None:
+    if value is None or value in ("none", "float32", torch.float32):
+        return None
+    if value in ("bfloat16", torch.bfloat16):
+        return torch.bfloat16
+    raise ConfigError(
+        f"distill(autocast={value!r}); expected None or 'bfloat16' (mixed precision of the "
+        "forward and backward passes; weights and optimizer stay float32)."
+    )
+
+
 def _positive_int(value: Any, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"distill({name}={value!r}); expected a positive int.")
@@ -344,6 +355,7 @@ def distill(
     grad_clip: float = 1.0,
     checkpoint_every: int = 50,
     max_steps: int | None = None,
+    autocast: Any = None,
 ) -> DistillResult:
     """Distill ``student`` (trained in place) from ``teacher``: stage 1, then stage 2.
 
@@ -387,6 +399,10 @@ def distill(
         checkpoint_every: Steps between checkpoints.
         max_steps: Stop this call after so many steps (the run stays resumable; the result
             says ``complete=False``).
+        autocast: ``None`` (the student's dtype) or ``"bfloat16"``: the teacher's and the
+            student's forward and backward passes under ``torch.autocast`` in bfloat16 (the
+            weights, optimizer and losses stay float32; the SSM scans run in float32). About
+            2x faster on CPUs with AVX512-BF16 / AMX (SmolLM2-135M, one thread) and on GPUs.
 
     Returns:
         A :class:`DistillResult`.
@@ -428,6 +444,7 @@ def distill(
     tokenizer = student.tokenizer
     if tokenizer is None:
         raise ConfigError("distill: the student has no tokenizer (student.tokenizer is None).")
+    amp = _autocast_dtype(autocast)
     if data is None:
         from gna_lens.hybrid._data import default_distill_data
 
@@ -435,6 +452,12 @@ def distill(
     data_text = data.describe() if hasattr(data, "describe") else type(data).__name__
     torch.manual_seed(seed)
     device = next(iter(student.parameters())).device
+
+    def ctx() -> Any:
+        if amp is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=device.type, dtype=amp)
+
     layers = _ssm_layers(student)
     run: list[Stage] = []
     n_trained: dict[str, int] = {}
@@ -450,11 +473,13 @@ def distill(
         word = f"SSM heads of layers {layers[0]}-{layers[-1]}, each alone"
 
         def step1(ids: Tensor, mask: Tensor) -> StepLosses:
-            inputs, targets = _capture(twin, ids, layers)
+            with ctx():
+                inputs, targets = _capture(twin, ids, layers)
             out: StepLosses = []
             for layer in layers:
                 h, rope = inputs[layer]
-                y = _mixer(student, layer)(h, None, rope)
+                with ctx():
+                    y = _mixer(student, layer)(h, None, rope)
                 loss = _nmse(y, targets[layer], mask)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_([p for _, p in per_layer[layer]], grad_clip)
@@ -462,8 +487,9 @@ def distill(
             return out
 
         def probe1(ids: Tensor, mask: Tensor) -> float:
-            inputs, targets = _capture(twin, ids, layers)
-            with torch.no_grad():
+            with ctx():
+                inputs, targets = _capture(twin, ids, layers)
+            with torch.no_grad(), ctx():
                 losses = [
                     float(
                         _nmse(
@@ -484,15 +510,17 @@ def distill(
         params2, word2 = _stage2_params(student, train)
 
         def step2(ids: Tensor, mask: Tensor) -> StepLosses:
-            with torch.no_grad():
+            with torch.no_grad(), ctx():
                 t_logits = twin(ids)
-            loss = _kl(student(ids), t_logits, mask, temperature)
+            with ctx():
+                s_logits = student(ids)
+            loss = _kl(s_logits, t_logits, mask, temperature)
             loss.backward()
             torch.nn.utils.clip_grad_norm_([p for _, p in params2], grad_clip)
             return [(None, float(loss.detach()))]
 
         def probe2(ids: Tensor, mask: Tensor) -> float:
-            with torch.no_grad():
+            with torch.no_grad(), ctx():
                 return float(_kl(student(ids), twin(ids), mask, temperature))
 
         b2 = total.share(1 - stage1_share) if 1 in picked_stages else total
@@ -512,6 +540,7 @@ def distill(
         "warmup": warmup,
         "temperature": temperature,
         "grad_clip": grad_clip,
+        "autocast": None if amp is None else str(amp).removeprefix("torch."),
         "student": {
             "attention_heads": [list(h) for h in getattr(cfg, "attention_heads", [])],
             "d_state": cfg.d_state,

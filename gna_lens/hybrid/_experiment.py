@@ -661,13 +661,19 @@ def _keep_list(keep: Any, n_heads: int) -> list[int]:
 
 
 def _rank(
-    teacher: Any, selection: Any, control: Any, need: int, max_control: float, progress: bool
+    teacher: Any,
+    selection: Any,
+    control: Any,
+    need: int,
+    max_control: float,
+    progress: bool,
+    sweep_dtype: str | None = None,
 ) -> tuple[list[Head], dict[str, Any]]:
     from gna_lens import score_heads
 
     report = score_heads(
         teacher, selection, control=control, max_control=max_control, n_examples=0,
-        progress=progress,
+        progress=progress, sweep_dtype=sweep_dtype,
     )  # fmt: skip
     info: dict[str, Any] = {}
     everything = len(report.heads)
@@ -718,6 +724,8 @@ def run_experiment(
     batch_size: int = 8,
     max_length: int = 256,
     eval_batch_size: int = 16,
+    autocast: Any = None,
+    sweep_dtype: str | None = None,
     lengths: Sequence[int] = (128, 2048, 4096),
     resume: bool = True,
     save_students: bool = False,
@@ -766,6 +774,10 @@ def run_experiment(
         batch_size: Texts per distillation step.
         max_length: Tokens per text.
         eval_batch_size: Prompts per forward pass when measuring.
+        autocast: Distillation in mixed precision (``"bfloat16"``, see distill); measurements
+            are always float32.
+        sweep_dtype: The ranking's ablation sweeps (``"bfloat16"``: autocast, see
+            score_heads); ``None``: float32.
         lengths: Sequence lengths of the state-size columns.
         resume: Reuse finished rows and checkpoints under ``out``.
         save_students: Save each student under ``out/students/<row>``.
@@ -859,6 +871,8 @@ def run_experiment(
         "kv_pairs": list(kv_pairs),
         "control": str(control),
         "max_control": max_control,
+        "autocast": str(autocast),
+        "sweep_dtype": str(sweep_dtype),
     }
     ranking: list[Head] | None = None
     rank_info: dict[str, Any] = {}
@@ -872,7 +886,9 @@ def run_experiment(
     if ranking is None:
         say(f"ranking the teacher's {len(every)} heads on {len(selection)} selection prompts")
         t0 = time.perf_counter()
-        ranking, rank_info = _rank(teacher, selection, ctrl, max(ks), max_control, progress)
+        ranking, rank_info = _rank(
+            teacher, selection, ctrl, max(ks), max_control, progress, sweep_dtype
+        )
         rank_info["seconds"] = round(time.perf_counter() - t0, 1)
         if rank_file is not None:
             rank_file.parent.mkdir(parents=True, exist_ok=True)
@@ -929,7 +945,7 @@ def run_experiment(
             student, twin, data, stages=stages, budget=total, seed=seed, stage1_share=stage1_share,
             checkpoint_dir=folder / "checkpoints" / slug if folder is not None else None,
             resume=resume, progress=progress, train=train, lr=lr, batch_size=batch_size,
-            max_length=max_length,
+            max_length=max_length, autocast=autocast,
         )  # fmt: skip
         kv, prose, know, state = _measure(student, evals, lengths, eval_batch_size)
         summary = {"totals": res.totals, "probe": res.probe, "n_trained": res.n_trained}
@@ -979,7 +995,8 @@ def run_experiment(
             f"stages {list(stages)}; budget {total.describe()} per student (stage 1 gets "
             f"{100 * stage1_share:.0f}%); "
             f"stage 2 trains {train}; lr {settings['lr']}; batch {batch_size} texts of at most "
-            f"{max_length} tokens; AdamW, warm-up then cosine"
+            f"{max_length} tokens; AdamW, warm-up then cosine; autocast {autocast or 'none'}; "
+            f"ranking sweeps {sweep_dtype or 'float32'}"
         ),
         "budget": total.describe(),
         "data": (data.describe() if hasattr(data, "describe") else type(data).__name__)
