@@ -26,7 +26,9 @@ import torch
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget", default="300k tokens")
-    parser.add_argument("--random", type=int, default=4, help="random heads swapped (one model each)")
+    parser.add_argument(
+        "--random", type=int, default=4, help="random heads swapped (one model each)"
+    )
     parser.add_argument("--n-rank", type=int, default=60)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=1e-3)
@@ -59,16 +61,24 @@ def main(argv: list[str] | None = None) -> int:
     randoms = rng.sample([h for h in every if h != top], args.random)
     data = default_distill_data(tok, args.seed)
 
-    def measure(m) -> dict:
+    correct: dict[str, torch.Tensor] = {}
+
+    def measure(m, name: str) -> dict:
         out = {}
-        for name, task in held.items():
+        for task_name, task in held.items():
             res = evaluate(m, task, batch_size=50, progress=False)
-            out[name] = wilson_interval(float(res.correct.sum()), len(res)).to_dict()
+            out[task_name] = wilson_interval(float(res.correct.sum()), len(res)).to_dict()
+            if task_name == "kv-16":
+                correct[name] = res.correct.float()
         return out
 
-    rows = [{"name": "zoo-mamba2 (no swap)", "head": None, **measure(model), "seconds": 0.0}]
+    rows = [
+        {"name": "zoo-mamba2 (no swap)", "head": None, **measure(model, "none"), "seconds": 0.0}
+    ]
     plan = [("top (untrained)", top, 1)]
-    plan += [("top", top, args.budget)] + [(f"random {i + 1}", h, args.budget) for i, h in enumerate(randoms)]
+    plan += [("top", top, args.budget)] + [
+        (f"random {i + 1}", h, args.budget) for i, h in enumerate(randoms)
+    ]
     for name, head, budget in plan:
         t0 = time.perf_counter()
         swapped = swap_heads(
@@ -80,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         row = {
             "name": name,
             "head": list(head),
-            **measure(swapped),
+            **measure(swapped, name),
             "train_tokens": res.totals.get("swap", {}).get("tokens"),
             "train_seconds": round(train_s, 1),
             "loss_before_after": res.probe.get("swap"),
@@ -92,8 +102,20 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
             flush=True,
         )
+    from gna_lens.stats import bootstrap_interval
+
+    paired = {
+        other: bootstrap_interval(correct["top"] - correct[other]).to_dict()  # type: ignore[union-attr]
+        for other in correct
+        if other not in ("top", "top (untrained)")
+    }
     result = {
         "model": "zoo-mamba2",
+        "paired_kv16": {
+            "what": "top swap minus each other model, per kv-16 prompt (same 200 prompts), mean "
+            "with a 95% paired bootstrap interval",
+            **paired,
+        },
         "ranking": {
             "criterion": report.criterion,
             "top8": [list(h) for h in ranking],
@@ -122,6 +144,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         head = "-" if r["head"] is None else f"L{r['head'][0]}H{r['head'][1]}"
         print(f"| {r['name']} | {head} | {cells} |")
+    for other, iv in paired.items():
+        print(
+            f"top - {other} (kv-16, paired): {100 * iv['value']:+.1f} [{100 * iv['low']:+.1f}, {100 * iv['high']:+.1f}] points"
+        )
     return 0
 
 
