@@ -356,6 +356,7 @@ def _hybrid(args: argparse.Namespace) -> int:
             save_students=args.save_students,
             autocast=None if args.autocast == "none" else args.autocast,
             sweep_dtype=None if args.sweep_dtype == "float32" else args.sweep_dtype,
+            device=args.device,
             progress=progress,
         )
     except (GnaLensError, OSError) as err:
@@ -620,6 +621,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--sweep-dtype", default="float32", choices=["float32", "bfloat16"],
         help="arithmetic of the ranking's ablation sweeps (held-out numbers are float32)",
     )  # fmt: skip
+    hy.add_argument(
+        "--device", default=None, help="cpu or cuda (default: where the teacher loads, the CPU)"
+    )
     hy.add_argument("--seed", type=int, default=0)
     hy.add_argument("--threads", type=int, default=None, help="torch threads (as scan)")
     hy.add_argument(

@@ -726,6 +726,7 @@ def run_experiment(
     eval_batch_size: int = 16,
     autocast: Any = None,
     sweep_dtype: str | None = None,
+    device: str | None = None,
     lengths: Sequence[int] = (128, 2048, 4096),
     resume: bool = True,
     save_students: bool = False,
@@ -778,6 +779,8 @@ def run_experiment(
             are always float32.
         sweep_dtype: The ranking's ablation sweeps (``"bfloat16"``: autocast, see
             score_heads); ``None``: float32.
+        device: Where the teacher (loaded by name) and the students run (``"cuda"``);
+            ``None``: the teacher's device (a name loads on the CPU).
         lengths: Sequence lengths of the state-size columns.
         resume: Reuse finished rows and checkpoints under ``out``.
         save_students: Save each student under ``out/students/<row>``.
@@ -828,6 +831,8 @@ def run_experiment(
 
         say(f"loading {teacher}")
         teacher = load_scan_model(str(teacher))
+    if device is not None:
+        teacher = teacher.to(device)
     from gna_lens.hybrid import _teacher_model
     from gna_lens.models.families import gna_hybrid
     from gna_lens.models.provenance import provenance_of
