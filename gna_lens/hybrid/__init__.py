@@ -1,5 +1,5 @@
 """Retrieval-guided hybrids: keep the heads retrieval needs as attention, turn the rest into SSM
-heads.
+heads, distill, and measure.
 
 :func:`build_hybrid` makes, from a Llama-style Transformer (the teacher) and a list of its heads
 to keep, a student :class:`~gna_lens.models.HookedSSM` with the teacher's embeddings, norms and
@@ -10,10 +10,20 @@ teacher's numbering, so the student is scanned, ablated, patched and masked head
 any model (:func:`gna_lens.head_view` gives each head's kind). The student saves with
 ``student.save_pretrained(folder)`` and loads back with :func:`gna_lens.load_model`.
 
-:func:`state_bytes` says what a model keeps per sequence while generating: the SSM heads'
-recurrent states (fixed) and the attention heads' KV cache (growing with the length).
+:func:`distill` trains a student from its teacher: per-layer alignment of each mixer's output to
+the teacher's attention output on the teacher's input, then KL to the teacher's logits; with a
+budget in tokens or minutes (:func:`parse_budget`), checkpoints and bit-identical resume, on
+:func:`default_distill_data` (offline; seeds and splits disjoint from every evaluation set).
 
-See the docs page "Hybrid students" for the method and its sources.
+:func:`swap_heads` does the converse on a pretrained Mamba-2 (or Mamba-2 hybrid): chosen SSM
+heads become attention heads started from the head's own ``C`` / ``B`` / ``x``, and only the new
+parameters train.
+
+:func:`run_experiment` (``gna-lens hybrid``) runs the whole loop: rank the teacher's heads,
+distill students keeping the top-k or k random heads, and measure held-out KV retrieval, prose
+loss, knowledge and :func:`state_bytes` (recurrent states and KV cache per token).
+
+See the docs page "Hybrid students" for the method, its sources and measured tables.
 """
 
 from collections.abc import Iterable, Sequence
