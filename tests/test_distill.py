@@ -81,7 +81,9 @@ def test_both_stages_lower_their_loss_and_train_only_the_ssm_heads():
 
 
 def _key(res):
-    return [(r["stage"], r["step"], r["layer"], r["loss"], r["tokens"], r["lr"]) for r in res.records]
+    return [
+        (r["stage"], r["step"], r["layer"], r["loss"], r["tokens"], r["lr"]) for r in res.records
+    ]
 
 
 @pytest.mark.parametrize("stops", [(3,), (1, 4)], ids=["stage1", "stage1-then-stage2"])
@@ -97,7 +99,9 @@ def test_resume_gives_the_uninterrupted_run_bit_for_bit(tmp_path, stops):
     assert _key(res) == _key(ref_res) and res.probe == ref_res.probe
     # a finished run is read back, not rerun
     again, res2 = _run(checkpoint_dir=tmp_path)
-    assert res2.resumed_at["stage"] == 2 and all(torch.equal(a[k], again.state_dict()[k]) for k in a)
+    assert res2.resumed_at["stage"] == 2 and all(
+        torch.equal(a[k], again.state_dict()[k]) for k in a
+    )
 
 
 def test_a_checkpoint_of_other_settings_is_refused(tmp_path):
@@ -194,7 +198,10 @@ def test_distillation_prompts_are_disjoint_from_the_evaluation_prompts():
     data = default_distill_data(t, kv_pairs=(2, 4), kv_words=KEYS)
     assert data.sources == ("kv-paper",) and "prose" in data.info["left_out"]
     drawn = list(itertools.islice(data, 2000))
-    evals = [kv_retrieval(t, n_pairs=n, n_samples=64, seed=EVAL_KV_SEED + n, words=KEYS) for n in (2, 3, 4)]
+    evals = [
+        kv_retrieval(t, n_pairs=n, n_samples=64, seed=EVAL_KV_SEED + n, words=KEYS)
+        for n in (2, 3, 4)
+    ]
     evals.append(kv_retrieval(t, n_pairs=4, n_samples=64, seed=SELECTION_SEED, words=KEYS))
     prompts = {s.prompt for task in evals for s in task}
     assert not any(text.startswith(p) for text in drawn for p in prompts if len(p) > 60)
@@ -217,19 +224,25 @@ def test_mmlu_distillation_texts_never_hold_a_held_out_question_or_an_answer():
 
     records = load_mmlu()
     rest, held = mmlu_split(records)
-    assert len(rest) + len(held) == len(records) and {r.id for r in rest}.isdisjoint(r.id for r in held)
+    assert len(rest) + len(held) == len(records) and {r.id for r in rest}.isdisjoint(
+        r.id for r in held
+    )
     texts_ = _mmlu_texts()
     assert len(texts_) == len(rest)
     held_questions = {r.question for r in held} - {r.question for r in rest}
     assert not any(t.split("\n")[0] in held_questions for t in texts_[:2000])
-    assert not any("Answer" in t.splitlines()[-1] and t.rstrip()[-1] in "ABCD" for t in texts_[:200])
+    assert not any(
+        "Answer" in t.splitlines()[-1] and t.rstrip()[-1] in "ABCD" for t in texts_[:200]
+    )
 
 
 # ----------------------------------------------------------------------------- swap_heads
 @functools.cache
 def _swapped():
     model = helper_model("mamba2")
-    return model, swap_heads(model, [(1, 0)], train_data=list(texts()), budget=600, batch_size=4, progress=False)
+    return model, swap_heads(
+        model, [(1, 0)], train_data=list(texts()), budget=600, batch_size=4, progress=False
+    )
 
 
 def test_swap_heads_trains_only_the_new_parameters():
@@ -241,7 +254,9 @@ def test_swap_heads_trains_only_the_new_parameters():
         "blocks.1.mixer.attn_conv.bias", "blocks.1.mixer.attn_conv.weight",
         "blocks.1.mixer.attn_proj.weight",
     ]  # fmt: skip
-    init = swap_heads(model, [(1, 0)], train_data=list(texts()), budget=1, batch_size=4, progress=False)
+    init = swap_heads(
+        model, [(1, 0)], train_data=list(texts()), budget=1, batch_size=4, progress=False
+    )
     moved = [k for k in added if not torch.equal(init.state_dict()[k], new[k])]
     assert moved == added  # and the new ones trained
     before, after = swapped.gna_swap_result.loss_change("swap")
@@ -251,10 +266,15 @@ def test_swap_heads_trains_only_the_new_parameters():
 
 def test_a_swapped_head_starts_from_its_own_rows_and_reads_them_as_attention():
     model = helper_model("mamba2")
-    s = swap_heads(model, [(0, 3)], train_data=list(texts()), budget=1, batch_size=4, progress=False)
+    s = swap_heads(
+        model, [(0, 3)], train_data=list(texts()), budget=1, batch_size=4, progress=False
+    )
     mixer = s.blocks[0].mixer
     ids = tokens(make_task())[:2]
-    names = [f"blocks.0.mixer.{n}" for n in ("hook_ssm_input", "hook_ssm_B", "hook_ssm_C", "hook_q", "hook_k", "hook_v")]
+    names = [
+        f"blocks.0.mixer.{n}"
+        for n in ("hook_ssm_input", "hook_ssm_B", "hook_ssm_C", "hook_q", "hook_k", "hook_v")
+    ]
     with torch.no_grad():
         _, cache = s.run_with_cache(ids, names_filter=names)
     x, B, C, q, k, v = (cache[n] for n in names)
@@ -289,7 +309,12 @@ def test_the_swapped_head_is_an_editable_attention_head_of_the_head_view():
     with torch.no_grad():
         edited = s.run_with_hooks(ids, fwd_hooks=[(name, only_self)])
     assert (edited - clean).abs().max() > 1e-3
-    with torch.no_grad(), I.mask_patterns(s, {(1, 0): torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool).tril()}):
+    with (
+        torch.no_grad(),
+        I.mask_patterns(
+            s, {(1, 0): torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool).tril()}
+        ),
+    ):
         same = s(ids)
     assert (same - clean).abs().max() < 1e-5
     with pytest.raises(PatternEditError), torch.no_grad():
@@ -371,14 +396,20 @@ def test_the_hybrid_command_runs_end_to_end_and_writes_the_table(tmp_path, capsy
     args += ["--n-eval", "12", "--n-rank", "6", "--kv-pairs", "2,4", "--n-knowledge", "0"]
     args += ["--batch-size", "4", "--quiet"]
     assert main(args) == 0
-    assert {"table.md", "table.csv", "table.json", "table.svg", "ranking.json"} <= {p.name for p in out.iterdir()}
+    assert {"table.md", "table.csv", "table.json", "table.svg", "ranking.json"} <= {
+        p.name for p in out.iterdir()
+    }
     data = json.loads((out / "table.json").read_text())
     names = [r["name"] for r in data["rows"]]
     assert names == ["teacher", "k=0", "top-2", "random-2"]
     top2 = data["rows"][2]
     assert [tuple(h) for h in top2["heads"]] == sorted(tuple(h) for h in data["ranking"][:2])
     assert set(top2["kv"]) == {"kv-2", "kv-4"} and top2["kv"]["kv-2"]["method"] == "wilson"
-    assert top2["state"]["4096"]["kv_cache_bytes"] > 0 == data["rows"][1]["state"]["4096"]["kv_cache_bytes"]
+    assert (
+        top2["state"]["4096"]["kv_cache_bytes"]
+        > 0
+        == data["rows"][1]["state"]["4096"]["kv_cache_bytes"]
+    )
     assert top2["distill"]["totals"]["stage2"]["tokens"] >= 225
     method = data["method"]
     for key in ("budget", "data", "stages", "seeds", "student", "teacher", "machine"):
@@ -390,7 +421,9 @@ def test_the_hybrid_command_runs_end_to_end_and_writes_the_table(tmp_path, capsy
     assert main([*args[:-1], "--json"]) == 0
     again = json.loads(capsys.readouterr().out)
     assert again["rows"][2]["kv"] == top2["kv"]
-    bad = main(["hybrid", str(teacher), "--keep", "0,99", "--budget", "300", "--out", str(out), "--quiet"])
+    bad = main(
+        ["hybrid", str(teacher), "--keep", "0,99", "--budget", "300", "--out", str(out), "--quiet"]
+    )
     assert bad == 2 and "99 is not a number of heads" in capsys.readouterr().err
 
 
@@ -407,3 +440,23 @@ def test_a_distilled_student_runs_through_score_heads_and_ablate_heads():
         with I.ablate_heads(student, [(1, 2), (0, 0)]):
             ablated = student(ids)
     assert (ablated - clean).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("arch", ["bamba", "nemotron_h"])
+def test_swap_heads_works_in_a_mamba2_hybrid(arch, tmp_path):
+    model = helper_model(arch)
+    layer = model.cfg.layer_types.index("ssm")
+    s = swap_heads(
+        model, [(layer, 1)], train_data=list(texts()), budget=100, batch_size=4, progress=False
+    )
+    assert head_view(s).kind_of((layer, 1)) == "attention"
+    ids = tokens(make_task())[:2]
+    name = PATTERN.format(layer)
+    with torch.no_grad():
+        clean = s(ids)
+        mat = s.run_with_hooks(ids, fwd_hooks=[(name, lambda t, hook: t)])
+        logits, prefix = s.prefix_state(ids)
+    assert (mat - clean).abs().max() < 1e-4 and (logits - clean[:, -1]).abs().max() < 1e-4
+    again = load_model(str(s.save_pretrained(tmp_path / arch)))
+    with torch.no_grad():
+        assert torch.equal(again(ids), clean)
