@@ -415,6 +415,11 @@ def test_the_hybrid_command_runs_end_to_end_and_writes_the_table(tmp_path, capsy
     for key in ("budget", "data", "stages", "seeds", "student", "teacher", "machine"):
         assert key in method, key
     assert "local folder" in method["teacher"] and "prose" in method["notes"]
+    comp = {c["task"]: c for c in data["comparisons"]}
+    assert set(comp) == {"kv-2", "kv-4"} and comp["kv-2"]["k"] == 2
+    paired = comp["kv-2"]["paired_random"]  # over the same held-out prompts
+    top_c, rand_c = (torch.tensor(data["rows"][i]["kv_correct"]["kv-2"]) for i in (2, 3))
+    assert paired["value"] == pytest.approx(float((top_c - rand_c).double().mean()))
     assert (out / "table.md").read_text().count("\n| ") >= 4
     assert (out / "table.svg").read_text().startswith("<svg")
     # a rerun reads the finished rows back (no distillation)

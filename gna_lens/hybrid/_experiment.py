@@ -67,6 +67,8 @@ class HybridRow:
             ``{"recurrent_bytes", "kv_cache_bytes", "total_bytes", "bytes_per_token"}``.
         distill: What distillation did (tokens, seconds, losses before / after per stage).
         seconds: Wall time of this row (distillation and evaluation).
+        kv_correct: Per KV task, each held-out prompt's 0 / 1 (the same prompts in every row,
+            so rows compare paired: :meth:`HybridTable.comparisons`).
     """
 
     name: str
@@ -79,6 +81,7 @@ class HybridRow:
     state: dict[int, dict[str, float]]
     distill: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
+    kv_correct: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -92,6 +95,7 @@ class HybridRow:
             "state": {str(L): v for L, v in self.state.items()},
             "distill": self.distill,
             "seconds": self.seconds,
+            "kv_correct": {k: list(v) for k, v in self.kv_correct.items()},
         }
 
     @classmethod
@@ -108,6 +112,9 @@ class HybridRow:
             state={int(L): v for L, v in d["state"].items()},
             distill=dict(d.get("distill") or {}),
             seconds=float(d.get("seconds", 0.0)),
+            kv_correct={
+                k: tuple(int(x) for x in v) for k, v in (d.get("kv_correct") or {}).items()
+            },
         )
 
 
@@ -184,8 +191,11 @@ class HybridTable:
         return pd.DataFrame(out)
 
     def comparisons(self) -> list[dict[str, Any]]:
-        """Per ``k > 0`` and KV task: the top-k student against the random-k student(s) and
-        against ``k = 0``, and whether the 95% intervals are apart (``"separated"``)."""
+        """Per ``k > 0`` and KV task: the top-k student against the best random-k student and
+        against ``k = 0``: their accuracies, whether the two Wilson intervals are apart
+        (``above_random`` / ``below_random``, ...), and, where the rows kept each prompt's
+        result, the paired difference over the same prompts with a 95% bootstrap interval
+        (``paired_random``, ``paired_k=0``: ``{"value", "low", "high", ...}`` in accuracy)."""
         out = []
         base = next((r for r in self.rows if r.kind == "none"), None)
         ks = sorted({r.k for r in self.rows if r.kind == "top"})
@@ -203,6 +213,14 @@ class HybridTable:
                     entry[label] = b.value
                     entry[f"above_{label}"] = a.low > b.high
                     entry[f"below_{label}"] = a.high < b.low
+                    x, y = top.kv_correct.get(t), best.kv_correct.get(t)
+                    if x and y and len(x) == len(y):
+                        diff = torch.tensor(x, dtype=torch.float64) - torch.tensor(
+                            y, dtype=torch.float64
+                        )
+                        paired = bootstrap_interval(diff)
+                        assert isinstance(paired, Interval)
+                        entry[f"paired_{label}"] = paired.to_dict()
                 out.append(entry)
         return out
 
@@ -236,7 +254,11 @@ class HybridTable:
         ]
         comps = self.comparisons()
         if comps:
-            lines.append("Top-k against random-k and k = 0 (95% intervals apart?):")
+            lines.append(
+                "Top-k against random-k (the best draw) and k = 0: Wilson intervals apart "
+                "(above / below) or overlapping; paired: the difference over the same prompts "
+                "with a 95% bootstrap interval:"
+            )
             lines.append("")
             for c in comps:
                 parts = [f"k={c['k']} {c['task']}: top {100 * c['top']:.1f}%"]
@@ -245,7 +267,14 @@ class HybridTable:
                         sep = "above" if c[f"above_{label}"] else (
                             "below" if c[f"below_{label}"] else "overlapping"
                         )  # fmt: skip
-                        parts.append(f"{label} {100 * c[label]:.1f}% ({sep})")
+                        text = f"{label} {100 * c[label]:.1f}% ({sep}"
+                        pv = c.get(f"paired_{label}")
+                        if pv is not None:
+                            text += (
+                                f"; paired {100 * pv['value']:+.1f} [{100 * pv['low']:+.1f}, "
+                                f"{100 * pv['high']:+.1f}] points"
+                            )
+                        parts.append(text + ")")
                 lines.append("- " + ", ".join(parts))
             lines.append("")
         lines.append("Method:")
@@ -476,11 +505,12 @@ def _device(model: Any) -> torch.device:
     return next(iter(model.parameters())).device
 
 
-def _accuracy(model: Any, task: Any, batch_size: int) -> Interval:
+def _accuracy(model: Any, task: Any, batch_size: int) -> tuple[Interval, tuple[int, ...]]:
     from gna_lens.tasks import evaluate
 
     res = evaluate(model, task, batch_size=batch_size, progress=False)
-    return wilson_interval(float(res.correct.sum()), len(res))
+    per = tuple(int(c) for c in res.correct.tolist())
+    return wilson_interval(float(res.correct.sum()), len(res)), per
 
 
 def _state(model: Any, lengths: Sequence[int]) -> dict[int, dict[str, float]]:
@@ -498,14 +528,27 @@ def _state(model: Any, lengths: Sequence[int]) -> dict[int, dict[str, float]]:
     }
 
 
-def _measure(
-    model: Any, evals: _Evals, lengths: Sequence[int], batch_size: int
-) -> tuple[dict[str, Interval], Interval | None, Interval | None, dict[int, dict[str, float]]]:
+@dataclass
+class _Measured:
+    kv: dict[str, Interval]
+    prose: Interval | None
+    knowledge: Interval | None
+    state: dict[int, dict[str, float]]
+    kv_correct: dict[str, tuple[int, ...]]
+
+
+def _measure(model: Any, evals: _Evals, lengths: Sequence[int], batch_size: int) -> _Measured:
     model.eval()
-    kv = {name: _accuracy(model, task, batch_size) for name, task in evals.kv.items()}
+    got = {name: _accuracy(model, task, batch_size) for name, task in evals.kv.items()}
     prose = _prose_loss(model, evals.prose, batch_size) if evals.prose is not None else None
-    know = _accuracy(model, evals.knowledge, batch_size) if evals.knowledge is not None else None
-    return kv, prose, know, _state(model, lengths)
+    know = _accuracy(model, evals.knowledge, batch_size)[0] if evals.knowledge is not None else None
+    return _Measured(
+        kv={k: v[0] for k, v in got.items()},
+        prose=prose,
+        knowledge=know,
+        state=_state(model, lengths),
+        kv_correct={k: v[1] for k, v in got.items()},
+    )
 
 
 # ----------------------------------------------------------------------------- set-up
@@ -915,19 +958,20 @@ def run_experiment(
     rows: list[HybridRow] = []
     say("measuring the teacher")
     t0 = time.perf_counter()
-    kv, prose, know, state = _measure(teacher, evals, lengths, eval_batch_size)
+    got = _measure(teacher, evals, lengths, eval_batch_size)
     rows.append(
         HybridRow(
             "teacher",
             "teacher",
             len(every),
             (),
-            kv,
-            prose,
-            know,
-            state,
+            got.kv,
+            got.prose,
+            got.knowledge,
+            got.state,
             {},
             time.perf_counter() - t0,
+            got.kv_correct,
         )
     )
     seconds["teacher"] = rows[0].seconds
@@ -952,11 +996,13 @@ def run_experiment(
             resume=resume, progress=progress, train=train, lr=lr, batch_size=batch_size,
             max_length=max_length, autocast=autocast,
         )  # fmt: skip
-        kv, prose, know, state = _measure(student, evals, lengths, eval_batch_size)
+        got = _measure(student, evals, lengths, eval_batch_size)
+        kv, prose = got.kv, got.prose
         summary = {"totals": res.totals, "probe": res.probe, "n_trained": res.n_trained}
         row = HybridRow(
-            label, kind, k, tuple(heads), kv, prose, know, state, summary, time.perf_counter() - t0
-        )
+            label, kind, k, tuple(heads), kv, prose, got.knowledge, got.state, summary,
+            time.perf_counter() - t0, got.kv_correct,
+        )  # fmt: skip
         rows.append(row)
         seconds[label] = row.seconds
         say(
