@@ -1,12 +1,15 @@
 """HookedSSM benchmarks, measured side by side in one run (interleaved repeats, median ratios).
 
-1. Fast-path forward vs Hugging Face transformers' forward on the same weights (batch 8 x 256).
-2. Materialized path (every SSM layer's ``hook_pattern`` hooked) vs fast path, L = 256 and 1024.
+1. Fast-path forward vs Hugging Face transformers' forward on the same weights (batch 8 x 256),
+   for every family HookedSSM loads, with the largest logit difference.
+2. Materialized path (every SSM layer's ``hook_pattern`` hooked) vs fast path: L = 1024 for every
+   Mamba-2 family (and 256 for Mamba-2); Mamba-1 at 256 and 1024, all channels and 16 of them.
 3. Peak memory of materializing one layer's pattern for one query row vs all rows, L up to 4096
    (each measurement in a fresh subprocess: peak RSS (VmHWM, reset after a fast-path warm-up)
    above the RSS at that point).
 
-Run: ``python benchmarks/bench_hooked_ssm.py [--quick]``; prints a Markdown table.
+Run: ``python benchmarks/bench_hooked_ssm.py [--quick] [--archs mamba2,zamba2] [--no-memory]``;
+prints the model sizes and Markdown tables.
 """
 
 import argparse
@@ -23,9 +26,14 @@ import torch
 from gna_lens.models import HookedSSM
 from gna_lens.testing import tiny_hf_model, tiny_tokenizer
 
-# A small but not toy configuration per architecture (about 2-4 M parameters).
-CONFIGS = {
+# A small but not toy configuration per family (d_model 256, 4-6 layers, about 1-8 M parameters;
+# SSM heads of 64 channels, d_state 64 and chunks of 128 for the Mamba-2 families, d_state 16 for
+# Mamba-1; layer mixes after the real checkpoints' patterns, scaled down). ``describe`` prints them.
+_MAMBA2_SSM = dict(mamba_n_heads=8, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=64,
+                   mamba_chunk_size=128)  # fmt: skip
+CONFIGS: dict[str, dict] = {
     "mamba1": dict(hidden_size=256, num_hidden_layers=4, state_size=16, time_step_rank=16),
+    "falcon_mamba": dict(hidden_size=256, num_hidden_layers=4, state_size=16, time_step_rank=16),
     "mamba2": dict(
         hidden_size=256,
         num_hidden_layers=4,
@@ -42,13 +50,80 @@ CONFIGS = {
         attn_layer_indices=[2],
         num_attention_heads=8,
         num_key_value_heads=4,
-        mamba_n_heads=8,
-        mamba_d_head=64,
-        mamba_n_groups=1,
+        **_MAMBA2_SSM,
+    ),
+    # Nemotron-H-8B's pattern (Mamba-2 / MLP pairs, one attention layer), scaled down.
+    "nemotron_h": dict(
+        hidden_size=256,
+        layers_block_type=["mamba", "mlp", "attention", "mlp", "mamba", "mlp"],
+        intermediate_size=1024,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=32,
+        mamba_num_heads=8,
+        mamba_head_dim=64,
+        n_groups=1,
+        ssm_state_size=64,
+        chunk_size=128,
+    ),
+    # Granite 4.0 H: Mamba-2 layers, one attention layer, a shared MLP and routed experts in
+    # every layer.
+    "granitemoehybrid": dict(
+        hidden_size=256,
+        num_hidden_layers=4,
+        layer_types=["mamba", "mamba", "attention", "mamba"],
+        intermediate_size=128,
+        shared_intermediate_size=512,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        **_MAMBA2_SSM,
+    ),
+    # Falcon-H1: attention beside the Mamba-2 mixer in every layer.
+    "falcon_h1": dict(
+        hidden_size=256,
+        num_hidden_layers=4,
+        intermediate_size=512,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=32,
+        mamba_d_ssm=512,
+        **_MAMBA2_SSM,
+    ),
+    # Jamba: Mamba-1 layers, attention in one layer of four, MoE in every second layer.
+    "jamba": dict(
+        hidden_size=256,
+        num_hidden_layers=4,
+        attn_layer_period=4,
+        attn_layer_offset=2,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        num_experts=8,
+        num_experts_per_tok=2,
+        intermediate_size=512,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        mamba_d_state=16,
+        mamba_dt_rank=16,
+    ),
+    # Zamba2: Mamba-2 layers, two hybrid layers invoking the two shared transformer blocks.
+    "zamba2": dict(
+        hidden_size=256,
+        num_hidden_layers=6,
+        layers_block_type=["mamba", "mamba", "hybrid", "mamba", "mamba", "hybrid"],
+        num_mem_blocks=2,
+        adapter_rank=32,
+        intermediate_size=1024,
+        num_attention_heads=8,
+        n_mamba_heads=8,
+        mamba_ngroups=1,
         mamba_d_state=64,
-        mamba_chunk_size=128,
+        chunk_size=128,
     ),
 }
+#: The families with Mamba-2 mixers (the materialized-path goal applies to them).
+MAMBA2_FAMILIES = ("mamba2", "bamba", "nemotron_h", "granitemoehybrid", "falcon_h1", "zamba2")
 
 
 def _pair(arch: str) -> tuple[torch.nn.Module, HookedSSM]:
@@ -68,10 +143,48 @@ def _interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str
     return times
 
 
-def bench_vs_hf(repeats: int) -> list[dict]:
+def describe(archs: list[str]) -> list[str]:
+    """One Markdown row per family: its layers, sizes and parameter count."""
+    rows = []
+    for arch in archs:
+        hf, model = _pair(arch)
+        cfg = model.cfg
+        kinds = ", ".join(f"{n} {k}" for k, n in _counts(cfg.layer_types).items())
+        if arch in ("mamba1", "falcon_mamba", "jamba"):
+            ssm = f"{cfg.d_inner} channels, d_state {cfg.d_state}"
+        else:
+            ssm = f"{cfg.n_heads} heads x {cfg.d_head}, d_state {cfg.d_state}"
+            ssm += f", chunk {cfg.chunk_size}"
+        attn = (
+            f"{cfg.n_attn_heads} heads x {cfg.attn_d_head} ({cfg.n_attn_kv_heads} kv)"
+            if "attention" in cfg.layer_types or cfg.parallel_attention
+            else "-"
+        )
+        n = sum(p.numel() for p in hf.parameters())
+        rows.append(
+            f"| {arch} | {cfg.n_layers} ({kinds}) | {cfg.d_model} | {ssm} | {attn} | "
+            f"{n / 1e6:.1f} M |"
+        )
+    return rows
+
+
+def _progress(row: dict) -> None:
+    """A measured row on stderr, as soon as it is measured (long runs)."""
+    print(f"{row['arch']} {row['benchmark']}: {row['ratio']:.2f}x ({row['note']})", file=sys.stderr)
+    sys.stderr.flush()
+
+
+def _counts(items: list[str]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for item in items:
+        out[item] = out.get(item, 0) + 1
+    return out
+
+
+def bench_vs_hf(repeats: int, archs: list[str]) -> list[dict]:
     rows = []
     tokens = torch.randint(2, 320, (8, 256), generator=torch.Generator().manual_seed(0))
-    for arch in CONFIGS:
+    for arch in archs:
         hf, model = _pair(arch)
         with torch.no_grad():
             t = _interleaved(
@@ -87,21 +200,25 @@ def bench_vs_hf(repeats: int) -> list[dict]:
                 baseline_s=statistics.median(t["hf"]),
                 ratio=statistics.median(ratios),
                 goal="<= 1.0",
-                note=f"max |logit diff| {diff:.1e}",
+                note=f"max abs logit diff {diff:.1e}",
             )
         )
+        _progress(rows[-1])
     return rows
 
 
-def bench_materialized(repeats: int) -> list[dict]:
+def bench_materialized(repeats: int, archs: list[str]) -> list[dict]:
     """Whole forward with every SSM layer's pattern materialized vs the fast path.
 
-    Mamba-2 materializes all heads. Mamba-1 has one matrix per channel (512 here, each a sum of
-    ``d_state`` rank-1 terms), so it is also measured with 16 channels (``pattern_selection``).
+    The Mamba-2 families materialize all heads. Mamba-1 has one matrix per channel (512 here,
+    each a sum of ``d_state`` rank-1 terms), so it is also measured with 16 channels
+    (``pattern_selection``).
     """
     rows = []
-    cases = [("mamba2", 256, None), ("mamba2", 1024, None), ("bamba", 1024, None)]
+    cases: list[tuple[str, int, list[int] | None]] = [("mamba2", 256, None)]
+    cases += [(arch, 1024, None) for arch in MAMBA2_FAMILIES]
     cases += [("mamba1", 256, None), ("mamba1", 1024, None), ("mamba1", 1024, list(range(16)))]
+    cases = [c for c in cases if c[0] in archs]
     models = {arch: _pair(arch)[1] for arch in {c[0] for c in cases}}
     for arch, length, heads in cases:
         model = models[arch]
@@ -130,6 +247,7 @@ def bench_materialized(repeats: int) -> list[dict]:
                 note=which,
             )
         )
+        _progress(rows[-1])
     return rows
 
 
@@ -192,6 +310,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
     parser.add_argument("--memory-child", nargs=3, metavar=("ARCH", "L", "ROWS"))
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--archs", help="comma-separated families (default: all)")
+    parser.add_argument("--no-memory", action="store_true", help="skip the memory table")
     args = parser.parse_args()
     if args.memory_child:
         arch, length, rows = args.memory_child
@@ -203,7 +323,14 @@ def main() -> None:
         f"# HookedSSM benchmarks\n\nMachine: {platform.machine()}, {torch.get_num_threads()} torch "
         f"threads, torch {torch.__version__}, Python {platform.python_version()}\n"
     )
-    timing = bench_vs_hf(repeats) + bench_materialized(repeats)
+    archs = args.archs.split(",") if args.archs else list(CONFIGS)
+    unknown = sorted(set(archs) - set(CONFIGS))
+    if unknown:
+        parser.error(f"unknown --archs {unknown}; known: {list(CONFIGS)}")
+    print("| family | layers | d_model | SSM | attention | parameters |")
+    print("|---|---|---|---|---|---|")
+    print("\n".join(describe(archs)) + "\n", flush=True)
+    timing = bench_vs_hf(repeats, archs) + bench_materialized(repeats, archs)
     print("| benchmark | arch | ours (s) | baseline (s) | ratio (median) | goal | note |")
     print("|---|---|---|---|---|---|---|")
     for r in timing:
@@ -211,10 +338,11 @@ def main() -> None:
             f"| {r['benchmark']} | {r['arch']} | {r['ours_s']:.4f} | {r['baseline_s']:.4f} | "
             f"{r['ratio']:.2f}x | {r['goal']} | {r['note']} |"
         )
-    memory = bench_memory([1024, 2048, 4096])
-    print("\nQuery rows 'none': the fast path alone (no pattern), for reference.\n")
-    print("| arch | query rows | L | pattern shape | peak RSS added (MiB) |")
-    print("|---|---|---|---|---|")
+    memory = [] if args.no_memory else bench_memory([1024, 2048, 4096])
+    if memory:
+        print("\nQuery rows 'none': the fast path alone (no pattern), for reference.\n")
+        print("| arch | query rows | L | pattern shape | peak RSS added (MiB) |")
+        print("|---|---|---|---|---|")
     for r in memory:
         print(f"| {r['arch']} | {r['rows']} | {r['L']} | {tuple(r['shape'])} | {r['delta_mib']} |")
     if args.json:

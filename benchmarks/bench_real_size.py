@@ -17,11 +17,12 @@ Usage::
     python benchmarks/bench_real_size.py                      # every model and stage
     python benchmarks/bench_real_size.py --models mamba1-130m --stages pattern_scores
     python benchmarks/bench_real_size.py --n-prompts 16 --timeout 1200 --json out.json
-    python benchmarks/bench_real_size.py --extrapolate --models   # Falcon-Mamba-7B, extrapolated
+    python benchmarks/bench_real_size.py --extrapolate --models   # 7B models, extrapolated
 
 ``--extrapolate`` measures 1- and 2-layer cuts of Falcon-Mamba-7B's config (d_model 4096,
-d_inner 8192) and extrapolates wall time and peak RSS to its 64 layers, printed as a separate
-table labelled EXTRAPOLATED.
+d_inner 8192) and of Zamba2-7B's two layer kinds (Mamba-2 layers; hybrid layers: a shared
+transformer block application and a Mamba-2 layer), and extrapolates wall time and peak RSS to
+the full models (64 layers; 68 + 13 layers), printed as a separate table labelled EXTRAPOLATED.
 
 To add a model, add an entry to ``CONFIGS`` (a function returning a Hugging Face config); to add a
 stage, add a function to ``STAGES``. ``PYTHONPATH=<other checkout>`` measures another version of
@@ -121,38 +122,44 @@ def falcon_mamba_7b(n_layers: int) -> Callable[[], Any]:
 
 
 def zamba2_7b_size(kind: str, n_layers: int) -> Callable[[], Any]:
-    """A Bamba (HookedSSM hybrid) stand-in for one kind of Zamba2-7B layer, ``n_layers`` deep.
+    """Zamba2-7B's sizes as a ``Zamba2Config`` of ``n_layers`` layers of one kind.
 
-    APPROXIMATE: Zamba2-7B (d_model 3584, 81 layers, vocab 32000) interleaves Mamba-2 layers
-    (112 heads of 64, d_state 64, 2 groups, no MLP) with applications of 2 shared attention+MLP
-    blocks (32 heads; the real block attends over [hidden, embeddings] concatenated, 224 dims per
-    head, with LoRA per application); gna_lens does not run Zamba2's shared blocks yet. Here
-    ``kind="ssm"``: Bamba Mamba-2 layers of those sizes with a negligible MLP (intermediate 8);
-    ``kind="attn"``: Bamba attention layers (32 heads of 112, default RoPE) with a gated MLP of
-    14336 (4 x 3584). The extrapolation counts 68 of the first and 13 of the second.
+    The sizes of Zamba2-7B as published (d_model 3584, 81 layers of which 13 are hybrid, vocab
+    32000; Mamba-2 layers of 112 heads of 64, d_state 64, 2 groups; 2 shared transformer blocks,
+    32 heads over [hidden, embeddings] (224 dims per head), gated MLP 14336, LoRA adapters of
+    rank 128 per application, RoPE in the shared attention), written here from the model card's
+    numbers, not read from the hub. ``kind="mamba"``: Mamba-2 layers only; ``kind="hybrid"``: a
+    shared-block application, its adapters and projection, then the layer's Mamba-2 mixer. The
+    extrapolation counts 68 of the first and 13 of the second. Shared weights are counted once
+    per block in the full model but grow with every hybrid layer in the linear extrapolation of
+    memory (an overestimate: the 13 applications share 2 blocks).
     """
 
     def config() -> Any:
-        from transformers import BambaConfig
+        from transformers import Zamba2Config
 
-        attn = kind == "attn"
-        return BambaConfig(
+        return Zamba2Config(
             vocab_size=32000,
             hidden_size=3584,
             num_hidden_layers=n_layers,
-            intermediate_size=14336 if attn else 8,
-            num_attention_heads=32,
-            num_key_value_heads=32,
-            attn_layer_indices=list(range(n_layers)) if attn else [],
-            mamba_n_heads=112,
-            mamba_d_head=64,
-            mamba_n_groups=2,
+            layers_block_type=[kind] * n_layers,
             mamba_d_state=64,
             mamba_d_conv=4,
             mamba_expand=2,
-            mamba_chunk_size=256,
+            mamba_ngroups=2,
+            n_mamba_heads=112,
+            chunk_size=256,
+            intermediate_size=14336,
+            num_attention_heads=32,
+            num_key_value_heads=32,
+            num_mem_blocks=2,
+            use_shared_attention_adapter=True,
+            adapter_rank=128,
+            use_mem_rope=True,
             max_position_embeddings=4096,
-            tie_word_embeddings=False,
+            hidden_act="gelu",
+            use_mamba_kernels=False,
+            tie_word_embeddings=True,
             pad_token_id=0,
             bos_token_id=1,
             eos_token_id=2,
@@ -166,21 +173,19 @@ CONFIGS: dict[str, Callable[[], Any]] = {
     "mamba2-130m": mamba2_130m,
     "falcon-mamba-7b-L1": falcon_mamba_7b(1),
     "falcon-mamba-7b-L2": falcon_mamba_7b(2),
-    "zamba2-7b-ssm-L1": zamba2_7b_size("ssm", 1),
-    "zamba2-7b-ssm-L2": zamba2_7b_size("ssm", 2),
-    "zamba2-7b-attn-L1": zamba2_7b_size("attn", 1),
-    "zamba2-7b-attn-L2": zamba2_7b_size("attn", 2),
+    "zamba2-7b-mamba-L1": zamba2_7b_size("mamba", 1),
+    "zamba2-7b-mamba-L2": zamba2_7b_size("mamba", 2),
+    "zamba2-7b-hybrid-L1": zamba2_7b_size("hybrid", 1),
+    "zamba2-7b-hybrid-L2": zamba2_7b_size("hybrid", 2),
 }
 #: Models measured by default (the Falcon-Mamba-7B cuts are for ``--extrapolate``).
 DEFAULT_MODELS = ["mamba1-130m", "mamba2-130m"]
-#: ``--extrapolate``: (1-layer cut, 2-layer cut, layers of the full model).
 #: ``--extrapolate``: per full model, its layer kinds as (1-layer cut, 2-layer cut, how many).
-#: The Zamba2-7B-size hybrid is APPROXIMATE (see :func:`zamba2_7b_size`).
 EXTRAPOLATIONS: dict[str, list[tuple[str, str, int]]] = {
     "falcon-mamba-7b": [("falcon-mamba-7b-L1", "falcon-mamba-7b-L2", 64)],
-    "zamba2-7b-size hybrid": [
-        ("zamba2-7b-ssm-L1", "zamba2-7b-ssm-L2", 68),
-        ("zamba2-7b-attn-L1", "zamba2-7b-attn-L2", 13),
+    "zamba2-7b": [
+        ("zamba2-7b-mamba-L1", "zamba2-7b-mamba-L2", 68),
+        ("zamba2-7b-hybrid-L1", "zamba2-7b-hybrid-L2", 13),
     ],
 }
 
@@ -404,7 +409,8 @@ def main() -> None:
     parser.add_argument(
         "--extrapolate",
         action="store_true",
-        help="also measure 1- and 2-layer cuts of Falcon-Mamba-7B and extrapolate to 64 layers",
+        help="also measure 1- and 2-layer cuts of Falcon-Mamba-7B and Zamba2-7B and extrapolate "
+        "to the full models",
     )
     parser.add_argument("--stages", nargs="+", default=list(STAGES), choices=[*STAGES, *CLI_STAGES])
     parser.add_argument(

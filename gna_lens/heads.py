@@ -22,6 +22,14 @@ attention heads and SSM heads in one ``blocks.{l}.mixer.hook_pattern`` / ``hook_
 :attr:`LayerHeads.kind` is ``"mixed"`` and :meth:`HeadView.kind_of` gives each head's own kind
 (``"attention"`` or ``"ssm"``), which is what every function that branches on kind reads.
 
+**Layers of several parts.** A layer whose heads live behind two sets of hooks (Falcon-H1: the
+Mamba-2 mixer's SSM heads, then the parallel attention's; a Zamba2 hybrid layer: the shared
+block's attention heads, which run first, then the layer's Mamba-2 heads) lists them all, part
+after part: :attr:`LayerHeads.parts` has one :class:`LayerHeads` per hook set, each knowing its
+``offset`` (the layer's index of its first head) and using its own head indices.
+:meth:`LayerHeads.split` / :meth:`HeadView.part_of` translate; every intervention edits each part
+through its own hooks. A model family declares its blocks' parts in ``SSMBlock.head_parts``.
+
 **Mamba-1 channel groups.** A Mamba-1 layer's heads are its channels unless the model groups them
 (:meth:`HookedSSM.set_head_groups <gna_lens.models.HookedSSM.set_head_groups>`: contiguous blocks,
 or explicit channel sets per layer). Then ``(layer, g)`` is group ``g``, and
@@ -74,22 +82,32 @@ Head = tuple[int, int]
 class LayerHeads:
     """The heads of one layer and the hook points that hold them.
 
+    A layer's heads live behind one set of hooks (one ``hook_pattern`` / ``hook_z``), or behind
+    several: a **multi-part** layer (Falcon-H1: the Mamba-2 mixer and the attention beside it;
+    Zamba2's hybrid layers: the shared block's attention, then the layer's Mamba-2 mixer). Each
+    part is a :class:`LayerHeads` of its own (:attr:`parts`), holding the layer's heads
+    ``offset .. offset + n_heads - 1`` behind its hooks, with part-local indices
+    ``0 .. n_heads - 1`` in its methods; the layer numbers its heads part after part, in the
+    order of :attr:`parts`. A single-part layer is its own only part (``offset == 0``).
+
     Attributes:
         layer: Layer index.
         kind: ``"attention"`` or ``"ssm"``, or ``"mixed"`` for a layer with heads of both kinds
             (see :attr:`head_kinds`).
         n_heads: Number of heads (query heads for grouped-query attention; channels for Mamba-1).
-        d_head: Width of each head's output in ``hook_z``.
+        d_head: Width of each head's output in ``hook_z`` (a multi-part layer whose parts differ:
+            ``0``; read each part's).
         pattern_hook: ``[batch, head_index, query_pos, key_pos]``: the attention pattern
-            (post-softmax) or the SSM's materialized implicit attention.
+            (post-softmax) or the SSM's materialized implicit attention. ``""`` for a
+            multi-part layer (each part has its own).
         z_hook: ``[batch, pos, head_index, d_head]``: each head's slice of the output projection's
-            input; editing it ablates or patches a head.
+            input; editing it ablates or patches a head. ``""`` for a multi-part layer.
         scores_hook: ``[batch, head_index, query_pos, key_pos]`` pre-softmax scores (attention
             only), or ``None``.
         resid_pre_hook: ``[batch, pos, d_model]``: the residual stream entering the layer.
         out_hook: ``[batch, pos, d_model]``: the heads' combined output (the output
             projection of ``hook_z``), before it is added to the residual stream; ``None`` if the
-            model has no such hook.
+            model has no such hook (and for a multi-part layer: each part has its own).
         verified: ``True`` when edits of the pattern, scores and ``hook_z`` are known to change
             the output (HookedSSM); ``False`` when :func:`require_editable` checks them on first
             use (TransformerBridge and other hooked models).
@@ -97,10 +115,16 @@ class LayerHeads:
             (channels) it covers; ``None`` when head ``h`` is index ``h`` (every other layer).
         n_channels: Size of the head axis of ``hook_z`` / ``hook_pattern`` (``d_inner`` for a
             grouped Mamba-1 layer; ``n_heads`` otherwise).
-        head_kinds: Per head, ``"attention"`` or ``"ssm"``, for a layer whose heads the mixer
-            reports one by one (the hybrid students: one ``hook_pattern`` / ``hook_z`` holds
-            both kinds); ``None`` when every head is of kind :attr:`kind`. Read it with
-            :meth:`kind_of`.
+        head_kinds: Per head, ``"attention"`` or ``"ssm"``, for a layer whose heads are not all
+            of kind :attr:`kind` (the hybrid students, whose one ``hook_pattern`` / ``hook_z``
+            holds both kinds; multi-part layers); ``None`` when every head is of kind
+            :attr:`kind`. Read it with :meth:`kind_of`.
+        subparts: A multi-part layer's parts, in head order (``()`` for a single-part layer);
+            read :attr:`parts`, which is never empty.
+        offset: The layer's index of this part's first head (``0`` for a single-part layer).
+        ssm_mixer: Whether the hooks are a HookedSSM SSM mixer's (``blocks.{l}.mixer.*``):
+            ``HookedSSM.pattern_selection`` restricts which heads and query rows its
+            ``hook_pattern`` holds, and the mixer's ``last_pattern_index`` says which.
     """
 
     layer: int
@@ -116,10 +140,30 @@ class LayerHeads:
     channels: tuple[tuple[int, ...], ...] | None = None
     n_channels: int = 0
     head_kinds: tuple[HeadKind, ...] | None = None
+    subparts: tuple["LayerHeads", ...] = ()
+    offset: int = 0
+    ssm_mixer: bool = False
 
     def __post_init__(self) -> None:
         if not self.n_channels:
             object.__setattr__(self, "n_channels", self.n_heads)
+        if len(self.subparts) == 1:
+            raise InterventionError(
+                f"LayerHeads of layer {self.layer}: subparts holds one part; a single-part "
+                "layer is its own part (subparts=())."
+            )
+
+    @property
+    def parts(self) -> tuple["LayerHeads", ...]:
+        """The hook sets holding the layer's heads, in head order: ``(self,)`` for a
+        single-part layer; for a multi-part layer one :class:`LayerHeads` per part, whose
+        ``offset`` is the layer's index of its first head."""
+        return self.subparts or (self,)
+
+    @property
+    def multipart(self) -> bool:
+        """Whether the heads live behind several sets of hooks (see :attr:`parts`)."""
+        return bool(self.subparts)
 
     def kind_of(self, head: int) -> HeadKind:
         """``"attention"`` or ``"ssm"``: the kind of ``head`` (in a ``"mixed"`` layer, its own)."""
@@ -127,12 +171,53 @@ class LayerHeads:
             return self.head_kinds[head]
         return "attention" if self.kind == "attention" else "ssm"
 
+    def local(self, heads: Iterable[int]) -> list[int]:
+        """This part's indices of those of the layer's ``heads`` that it holds (in order).
+
+        A single-part layer holds every head, with the same indices.
+        """
+        lo, hi = self.offset, self.offset + self.n_heads
+        return [h - lo for h in heads if lo <= h < hi]
+
+    def split(self, heads: Iterable[int]) -> list[tuple["LayerHeads", list[int]]]:
+        """``heads`` (the layer's indices) grouped by part: ``[(part, part-local heads), ...]``
+        in part order, parts holding none of them left out. A single-part layer gives
+        ``[(self, heads)]``."""
+        chosen = list(heads)
+        out = [(part, part.local(chosen)) for part in self.parts]
+        return [(part, local) for part, local in out if local]
+
+    def part_of(self, head: int) -> tuple["LayerHeads", int]:
+        """The part holding the layer's head ``head``, and its index there."""
+        for part in self.parts:
+            if part.offset <= head < part.offset + part.n_heads:
+                return part, head - part.offset
+        raise InterventionError(
+            f"head ({self.layer}, {head}) is out of range: layer {self.layer} ({self.kind}) "
+            f"has {self.n_heads} heads (0..{self.n_heads - 1})."
+        )
+
+    def _single(self, what: str) -> None:
+        if self.subparts:
+            described = "; ".join(
+                f"{p.kind} heads {p.offset}..{p.offset + p.n_heads - 1} at {p.z_hook}"
+                for p in self.subparts
+            )
+            raise InterventionError(
+                f"LayerHeads.{what} of layer {self.layer}: its heads live behind "
+                f"{len(self.subparts)} sets of hooks ({described}). Fix: ask each part "
+                "(lh.parts, lh.split(heads) or lh.part_of(head)), with the part's own head "
+                "indices."
+            )
+
     def members(self, head: int) -> tuple[int, ...]:
         """The hook-axis indices (Mamba-1 channels) of ``head``; ``(head,)`` without groups."""
+        self._single("members")
         return (head,) if self.channels is None else self.channels[head]
 
     def hook_mask(self, heads: Iterable[int]) -> Tensor:
         """``[n_channels]`` bool: the entries of the hook tensors' head axis ``heads`` cover."""
+        self._single("hook_mask")
         mask = torch.zeros(self.n_channels, dtype=torch.bool)
         for h in heads:
             mask[list(self.members(h))] = True
@@ -140,6 +225,7 @@ class LayerHeads:
 
     def membership(self) -> Tensor:
         """``[n_heads, n_channels]`` 0/1 float matrix: row ``h`` marks head ``h``'s channels."""
+        self._single("membership")
         if self.channels is None:
             return torch.eye(self.n_heads)
         out = torch.zeros(self.n_heads, self.n_channels)
@@ -149,6 +235,7 @@ class LayerHeads:
 
     def hook(self, target: EditTarget) -> str:
         """The hook name holding ``target`` (``"pattern"``, ``"scores"`` or ``"z"``)."""
+        self._single("hook")
         if target == "pattern":
             return self.pattern_hook
         if target == "z":
@@ -274,6 +361,31 @@ class HeadView:
             )
         return lh.kind_of(h)
 
+    def part_of(self, head: Head) -> tuple[LayerHeads, int]:
+        """The part of its layer holding ``head`` (:attr:`LayerHeads.parts`) and its index
+        there; for a single-part layer, ``(view[layer], head)``.
+
+        Examples:
+            >>> from gna_lens.testing import tiny_hooked_ssm
+            >>> view = head_view(tiny_hooked_ssm("falcon_h1"))
+            >>> [(p.kind, p.offset, p.n_heads) for p in view[1].parts]
+            [('ssm', 0, 8), ('attention', 8, 4)]
+            >>> part, h = view.part_of((1, 9))
+            >>> part.z_hook, h
+            ('blocks.1.attn.hook_z', 1)
+        """
+        layer, h = head
+        return self[layer].part_of(h)
+
+    def parts_of(self, heads: Iterable[Head]) -> list[LayerHeads]:
+        """The parts holding ``heads`` (each once), in layer and head order: the hook sets an
+        edit of those heads touches."""
+        seen: dict[tuple[int, int], LayerHeads] = {}
+        for layer, h in heads:
+            part = self[layer].part_of(h)[0]
+            seen.setdefault((layer, part.offset), part)
+        return [seen[k] for k in sorted(seen)]
+
     def heads(self, kind: HeadKind | None = None) -> list[Head]:
         """Every ``(layer, head)`` of the model (only those of ``kind`` when given)."""
         return [
@@ -347,27 +459,31 @@ class HeadView:
         return out
 
     def to_dataframe(self) -> Any:
-        """One row per layer with heads: layer, kind, n_heads, d_head and the hook names (a
-        ``"mixed"`` layer also lists its ``attention_heads``)."""
+        """One row per part of each layer with heads (one row per layer, except for
+        multi-part layers): layer, kind, n_heads, d_head, the hook names, the layer's index of
+        the part's first head (``first_head``) and, for a ``"mixed"`` part, its
+        ``attention_heads``."""
         import pandas as pd
 
         return pd.DataFrame(
             [
                 {
                     "layer": lh.layer,
-                    "kind": lh.kind,
-                    "n_heads": lh.n_heads,
-                    "d_head": lh.d_head,
-                    "pattern_hook": lh.pattern_hook,
-                    "z_hook": lh.z_hook,
-                    "scores_hook": lh.scores_hook,
+                    "kind": part.kind,
+                    "n_heads": part.n_heads,
+                    "d_head": part.d_head,
+                    "pattern_hook": part.pattern_hook,
+                    "z_hook": part.z_hook,
+                    "scores_hook": part.scores_hook,
+                    "first_head": part.offset,
                     "attention_heads": [
-                        h for h in range(lh.n_heads) if lh.kind_of(h) == "attention"
+                        h for h in range(part.n_heads) if part.kind_of(h) == "attention"
                     ]
-                    if lh.kind == "mixed"
+                    if part.kind == "mixed"
                     else None,
                 }
                 for lh in self
+                for part in lh.parts
             ]
         )
 
@@ -376,6 +492,82 @@ def _is_hooked_ssm(model: Any) -> bool:
     from gna_lens.models import HookedSSM
 
     return isinstance(model, HookedSSM)
+
+
+def _hooked_ssm_part(
+    model: Any, layer: int, name: str, sets: tuple[tuple[int, ...], ...] | None, offset: int
+) -> LayerHeads:
+    """The heads of HookedSSM block ``layer`` behind the hooks of its submodule ``name``
+    (``"attn"``: an attention; ``"mixer"``: an SSM mixer), the first being the layer's head
+    ``offset``."""
+    cfg = model.cfg
+    resid_pre = f"blocks.{layer}.hook_resid_pre"
+    if name == "attn":
+        pre = f"blocks.{layer}.attn."
+        return LayerHeads(
+            layer=layer,
+            kind="attention",
+            n_heads=int(cfg.n_attn_heads),
+            d_head=int(cfg.attn_d_head),
+            pattern_hook=pre + "hook_pattern",
+            z_hook=pre + "hook_z",
+            scores_hook=pre + "hook_attn_scores",
+            resid_pre_hook=resid_pre,
+            verified=True,
+            out_hook=f"blocks.{layer}.hook_attn_out",
+            offset=offset,
+        )
+    if name != "mixer":
+        raise InterventionError(
+            f"internal: block {layer} names head part {name!r}; expected 'attn' or 'mixer'."
+        )
+    pre = f"blocks.{layer}.mixer."
+    # A mixer with heads of both kinds (hybrid students) reports them one by one.
+    kinds = model.blocks[layer].mixer.head_kinds
+    found = set(kinds or ("ssm",))
+    layer_kind: LayerKind = "mixed" if len(found) > 1 else found.pop()  # type: ignore[assignment]
+    return LayerHeads(
+        layer=layer,
+        kind=layer_kind,
+        n_heads=int(cfg.n_heads) if sets is None else len(sets),
+        d_head=int(cfg.d_head),
+        pattern_hook=pre + "hook_pattern",
+        z_hook=pre + "hook_z",
+        # pre-softmax scores cover every head only when all are attention heads
+        scores_hook=pre + "hook_attn_scores" if layer_kind == "attention" else None,
+        resid_pre_hook=resid_pre,
+        verified=True,
+        out_hook=f"blocks.{layer}.hook_mixer_out",
+        channels=sets,
+        n_channels=int(cfg.n_heads),
+        head_kinds=tuple(kinds) if kinds is not None else None,  # type: ignore[arg-type]
+        offset=offset,
+        ssm_mixer=True,
+    )
+
+
+def _layer_of_parts(layer: int, parts: Sequence[LayerHeads]) -> LayerHeads | None:
+    """A layer from its parts: ``None`` (no heads), the one part, or a multi-part layer."""
+    if not parts:
+        return None
+    if len(parts) == 1:
+        return parts[0]
+    kinds = tuple(p.kind_of(h) for p in parts for h in range(p.n_heads))
+    d_heads = {p.d_head for p in parts}
+    mixed = len(set(kinds)) > 1
+    return LayerHeads(
+        layer=layer,
+        kind="mixed" if mixed else kinds[0],
+        n_heads=len(kinds),
+        d_head=d_heads.pop() if len(d_heads) == 1 else 0,
+        pattern_hook="",
+        z_hook="",
+        scores_hook=None,
+        resid_pre_hook=parts[0].resid_pre_hook,
+        verified=all(p.verified for p in parts),
+        head_kinds=kinds if mixed else None,
+        subparts=tuple(parts),
+    )
 
 
 def head_view(model: Any) -> HeadView:
@@ -404,50 +596,14 @@ def head_view(model: Any) -> HeadView:
     layers: list[LayerHeads | None] = []
     if _is_hooked_ssm(model):
         groups = model.head_group_spec
-        for layer, kind in enumerate(cfg.layer_types):
-            if kind == "mlp":  # an MLP-only block (Nemotron-H): no heads
-                layers.append(None)
-            elif kind == "attention":
-                pre = f"blocks.{layer}.attn."
-                layers.append(
-                    LayerHeads(
-                        layer=layer,
-                        kind="attention",
-                        n_heads=int(cfg.n_attn_heads),
-                        d_head=int(cfg.attn_d_head),
-                        pattern_hook=pre + "hook_pattern",
-                        z_hook=pre + "hook_z",
-                        scores_hook=pre + "hook_attn_scores",
-                        resid_pre_hook=f"blocks.{layer}.hook_resid_pre",
-                        verified=True,
-                        out_hook=f"blocks.{layer}.hook_attn_out",
-                    )
-                )
-            else:
-                pre = f"blocks.{layer}.mixer."
-                sets = groups.get(layer)
-                # A mixer with heads of both kinds (hybrid students) reports them one by one.
-                kinds = model.blocks[layer].mixer.head_kinds
-                found = set(kinds or ("ssm",))
-                layer_kind: LayerKind = "mixed" if len(found) > 1 else found.pop()  # type: ignore[assignment]
-                layers.append(
-                    LayerHeads(
-                        layer=layer,
-                        kind=layer_kind,
-                        n_heads=int(cfg.n_heads) if sets is None else len(sets),
-                        d_head=int(cfg.d_head),
-                        pattern_hook=pre + "hook_pattern",
-                        z_hook=pre + "hook_z",
-                        # pre-softmax scores cover every head only when all are attention heads
-                        scores_hook=pre + "hook_attn_scores" if layer_kind == "attention" else None,
-                        resid_pre_hook=f"blocks.{layer}.hook_resid_pre",
-                        verified=True,
-                        out_hook=f"blocks.{layer}.hook_mixer_out",
-                        channels=sets,
-                        n_channels=int(cfg.n_heads),
-                        head_kinds=tuple(kinds) if kinds is not None else None,  # type: ignore[arg-type]
-                    )
-                )
+        for layer, block in enumerate(model.blocks):
+            # The block names the submodules holding its heads, in numbering order
+            # (SSMBlock.head_parts): one for most layers, two for Falcon-H1 and Zamba2.
+            parts: list[LayerHeads] = []
+            for name in block.head_parts:
+                offset = sum(p.n_heads for p in parts)
+                parts.append(_hooked_ssm_part(model, layer, name, groups.get(layer), offset))
+            layers.append(_layer_of_parts(layer, parts))
     else:
         for layer in range(n_layers):
             pre = f"blocks.{layer}.attn."
@@ -604,7 +760,10 @@ def require_editable(model: Any, view: HeadView, layers: Iterable[int], target: 
             continue
         key = (layer, target)
         if key not in verdicts:
-            verdicts[key] = _probe(model, lh, target)
+            # Every part holding the target (a multi-part layer's scores: its attention parts)
+            parts = [p for p in lh.parts if target != "scores" or p.scores_hook is not None]
+            probes = (_probe(model, p, target) for p in parts or lh.parts[:1])
+            verdicts[key] = next((r for r in probes if r is not None), None)
         reason = verdicts[key]
         if reason is not None:
             what = {
@@ -659,7 +818,7 @@ def normalize_head_sets(view: HeadView, heads: Any, what: str = "heads") -> list
     return out
 
 
-def head_output_weights(model: Any, layer: int) -> Tensor | None:
+def head_output_weights(model: Any, layer: int, part: int | None = None) -> Tensor | None:
     """``W_O`` of ``layer``: ``[head_index, d_head, d_model]``, so that the layer's ``out_hook``
     is ``einsum(z, W_O) + bias``; ``None`` when the model does not expose it. Indexed like
     ``hook_z`` (per channel for Mamba-1, whether or not its channels are grouped).
@@ -667,8 +826,35 @@ def head_output_weights(model: Any, layer: int) -> Tensor | None:
     HookedSSM: the mixer's ``out_proj`` (SSM layers and the hybrid students' mixed layers) or
     the attention's ``o_proj``; other models: ``blocks[layer].attn.W_O`` (TransformerLens's
     convention).
+
+    Args:
+        model: The model.
+        layer: The layer.
+        part: For a multi-part layer (:attr:`LayerHeads.parts`), which part's ``W_O`` (its
+            ``hook_z`` and ``out_hook``); ``None`` for a single-part layer.
+
+    Raises:
+        InterventionError: For a multi-part layer without ``part``, or a part it does not have.
+
+    Examples:
+        >>> from gna_lens.testing import tiny_hooked_ssm
+        >>> model = tiny_hooked_ssm("falcon_h1")  # SSM heads, then the parallel attention's
+        >>> [tuple(head_output_weights(model, 1, part=i).shape) for i in (0, 1)]
+        [(8, 8, 32), (4, 8, 32)]
     """
-    lh = head_view(model)[layer]
+    layer_heads = head_view(model)[layer]
+    if part is None and layer_heads.multipart:
+        raise InterventionError(
+            f"head_output_weights(model, {layer}): layer {layer} has {len(layer_heads.parts)} "
+            "parts, each with its own hook_z and output projection; pass part=i for "
+            f"head_view(model)[{layer}].parts[i] (0..{len(layer_heads.parts) - 1})."
+        )
+    if part is not None and not 0 <= part < len(layer_heads.parts):
+        raise InterventionError(
+            f"head_output_weights(model, {layer}, part={part}): layer {layer} has "
+            f"{len(layer_heads.parts)} part(s) (0..{len(layer_heads.parts) - 1})."
+        )
+    lh = layer_heads.parts[part or 0]
     in_attn = lh.z_hook.startswith(f"blocks.{layer}.attn.")  # else the mixer's hook_z
     try:
         if _is_hooked_ssm(model):

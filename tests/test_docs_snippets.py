@@ -48,7 +48,7 @@ def test_ablate_a_head_recipe_blocks_run_and_the_mean_is_the_last_token_mean(tmp
 def test_layers_recipe_blocks_run_and_match_their_comments(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     blocks = _blocks("recipes/layers.md")
-    assert len(blocks) == 4
+    assert len(blocks) == 5
     scope: dict = {}
     exec(compile("\n".join(blocks), "layers.md", "exec"), scope)
     out = capsys.readouterr().out.splitlines()
@@ -58,6 +58,8 @@ def test_layers_recipe_blocks_run_and_match_their_comments(tmp_path, monkeypatch
     report = scope["report"]
     assert report.top(1) == [(1, 0)]
     assert out[-1].startswith("L0 (3 heads): layer ranked 2 of 2 by layer removal")
+    # Two-part layers: the whole mixer is not its attention part alone.
+    assert (scope["no_mixer"] - scope["no_attn"]).abs().max() > 1e-4
 
 
 def test_channel_groups_recipe_block_runs_and_prints_what_it_says(capsys):
@@ -84,3 +86,41 @@ def test_hybrids_page_blocks_run_and_print_what_the_page_says(tmp_path, monkeypa
     printed = capsys.readouterr().out.splitlines()
     comments = [line[2:] for line in blocks[0].splitlines() if line.startswith("# ")]
     assert printed == comments
+
+
+def test_hybrid_aggregate_recipe_runs_offline_on_every_hybrid_family(tmp_path, monkeypatch, capsys):
+    """The offline blocks run on tiny random models of the five families and print what the page
+    says; the Colab block names a real checkpoint of each family and reads only attributes the
+    report has."""
+    import ast
+
+    from gna_lens.scoring import GnaReport
+
+    monkeypatch.chdir(tmp_path)
+    blocks = _blocks("recipes/hybrid_aggregate.md")
+    offline = [b for b in blocks if "load_model(" not in b]
+    (colab,) = [b for b in blocks if "load_model(" in b]
+    assert len(offline) == 4
+    scope: dict = {}
+    exec(compile("\n".join(offline), "hybrid_aggregate.md", "exec"), scope)
+    out = capsys.readouterr().out.splitlines()
+    models = scope["models"]
+    assert set(models) == {"zamba2", "falcon_h1", "nemotron_h", "granitemoehybrid", "jamba"}
+    assert out[0] == "zamba2 {'attention': 12, 'ssm': 40}"
+    assert out[4] == "jamba {'attention': 8, 'ssm': 192}"
+    best = scope["best"]
+    assert set(best) == {"attention", "ssm"} and all(len(h) == 2 for h in best.values())
+    view = scope["gna_lens"].head_view(scope["model"])
+    assert all(view.kind_of(h) == kind for kind, heads in best.items() for h in heads)
+    assert str(best) in out  # the comment's value
+    assert all(0.0 <= a <= 1.0 for a in scope["accuracy"].values())
+    assert out[-2:] == ["attention True", "ssm True"]
+    # The Colab block: valid Python, one checkpoint per family in the page's table.
+    ast.parse(colab)
+    text = (DOCS / "recipes/hybrid_aggregate.md").read_text(encoding="utf-8")
+    for name in ("Zyphra/Zamba2-1.2B", "Zyphra/Zamba2-2.7B", "Zyphra/Zamba2-7B",
+                 "tiiuae/Falcon-H1-0.5B", "nvidia/Nemotron-H-8B", "ibm-granite/granite-4.0-h-tiny",
+                 "ai21labs/AI21-Jamba-Mini"):  # fmt: skip
+        assert name in text, name
+    fields = GnaReport.__dataclass_fields__
+    assert {"heads", "kinds"} <= set(fields)

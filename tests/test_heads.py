@@ -32,8 +32,8 @@ def test_view_describes_each_architecture():
         # Mamba-2, attention, MLP-only and MoE blocks (the MLP blocks have no heads).
         "nemotron_h": [("ssm", 8, 8), ("attention", 4, 8), ("ssm", 8, 8)],
         "granitemoehybrid": [("ssm", 8, 8), ("attention", 4, 8), ("ssm", 8, 8)],
-        # Falcon-H1: the SSM heads of each layer (its parallel attention: hook names only).
-        "falcon_h1": [("ssm", 8, 8)] * 3,
+        # Falcon-H1: each layer's 8 SSM heads, then its parallel attention's 4 (two parts).
+        "falcon_h1": [("mixed", 12, 8)] * 3,
         # Mamba-1 layers (channels are the heads) and attention layers without RoPE.
         "jamba": [
             ("ssm", 64, 1),
@@ -43,8 +43,9 @@ def test_view_describes_each_architecture():
             ("attention", 4, 8),
         ],
         # Zamba2: Mamba-2 layers, and hybrid layers whose heads are the shared transformer
-        # block's attention heads as invoked there (its mixer: hook names only).
-        "zamba2": [("ssm", 8, 8), ("attention", 4, 16)] * 2 + [("attention", 4, 16)],
+        # block's attention heads as invoked there, then the layer's mixer's SSM heads (two
+        # parts whose d_head differ: 0 at the layer).
+        "zamba2": [("ssm", 8, 8), ("mixed", 12, 0)] * 2 + [("mixed", 12, 0)],
     }
     assert sorted(expected) == sorted(ARCHS)  # every architecture the file tests
     for arch, layers in expected.items():
@@ -66,7 +67,7 @@ def test_every_view_hook_fires_with_its_shape_and_edits_change_the_output(arch):
     b, L = ids.shape
     with torch.no_grad():
         clean = m(ids)
-        for lh in view:
+        for lh in (part for layer in view for part in layer.parts):
             targets = [("z", lh.z_hook), ("pattern", lh.pattern_hook)]
             if lh.scores_hook is not None:
                 targets.append(("scores", lh.scores_hook))
@@ -141,3 +142,42 @@ def test_view_and_probe_leave_model_untouched():
     require_editable(m, head_view(m), [0, 1], "scores")
     assert hook_count(m) == before
     assert all(torch.equal(w[k], v) for k, v in m.state_dict().items())
+
+
+@pytest.mark.parametrize("arch", ["falcon_h1", "zamba2"])
+def test_a_layer_of_two_parts_numbers_its_heads_part_after_part(arch):
+    """A layer whose heads live behind two hook sets: heads are the layer's indices, parts
+    translate them to their own; asking the layer for one hook or mask refuses, naming the
+    parts, instead of editing the wrong hook."""
+    from gna_lens.heads import head_output_weights
+
+    m = model(arch)
+    view = head_view(m)
+    lh = next(lh for lh in view if len(lh.parts) == 2)
+    first, second = lh.parts
+    assert (first.offset, second.offset) == (0, first.n_heads)
+    assert lh.n_heads == first.n_heads + second.n_heads and lh.multipart
+    last = lh.n_heads - 1
+    assert lh.split([last, 1, first.n_heads]) == [(first, [1]), (second, [second.n_heads - 1, 0])]
+    assert lh.split([2]) == [(first, [2])]
+    assert view.part_of((lh.layer, first.n_heads + 2)) == (second, 2)
+    assert view.parts_of([(lh.layer, last), (lh.layer, 0), (lh.layer, 1)]) == [first, second]
+    single = head_view(model("bamba"))[1]  # a single-part layer is its own part
+    assert single.parts == (single,) and single.split([3]) == [(single, [3])]
+    assert single.part_of(3) == (single, 3) and single.hook("z") == single.z_hook
+    for call in (
+        lambda: lh.hook_mask([0]),
+        lambda: lh.members(0),
+        lambda: lh.membership(),
+        lambda: lh.hook("z"),
+    ):
+        with pytest.raises(InterventionError, match=rf"layer {lh.layer}: .* 2 sets of hooks"):
+            call()
+    with pytest.raises(InterventionError, match=r"has 2 parts.*part=i"):
+        head_output_weights(m, lh.layer)
+    with pytest.raises(InterventionError, match=rf"\({lh.layer}, 99\).*has {lh.n_heads} heads"):
+        view.check_heads([(lh.layer, 99)])
+    df = view.to_dataframe()
+    rows = df[df["layer"] == lh.layer]
+    assert list(rows["z_hook"]) == [first.z_hook, second.z_hook]
+    assert list(rows["first_head"]) == [0, first.n_heads]

@@ -8,12 +8,15 @@ recomputed independently through the edited matrix; a batched ablation sweep equ
 single ablations; no hook remains after calls and errors.
 """
 
+import dataclasses
+
 import pytest
 import torch
-from interventions_helpers import hook_count, model, tokens
+from interventions_helpers import hook_count, model, other_key, tok, tokens
 from interventions_helpers import task as make_task
 
 import gna_lens.interventions as I
+from gna_lens.errors import InterventionError
 from gna_lens.heads import head_view
 from gna_lens.models import HookedSSM, load_model
 from gna_lens.models.hooked_ssm import _convert_hf_state_dict
@@ -277,20 +280,23 @@ def test_falcon_h1_parallel_attention_multipliers_and_heads():
     assert (cfg.embedding_multiplier, cfg.logits_scaling) == (2.0, 2.0)
     assert cfg.ssm_multipliers == (0.9, 1.1, 1.2, 0.8, 1.3)
     view = head_view(m)
-    assert [(lh.kind, lh.n_heads) for lh in view] == [("ssm", 8)] * 3
+    assert [(lh.kind, lh.n_heads) for lh in view] == [("mixed", 12)] * 3
     for name in ("blocks.0.attn.hook_pattern", "blocks.0.attn.hook_z", "blocks.0.hook_attn_out"):
         assert name in m.hook_dict
     ids = _ids(1, 9)
-    # hook_mixer_out == z @ W_O (head_output_weights includes ssm_out_multiplier), and the
-    # layer adds both parallel outputs to the residual stream.
+    # hook_mixer_out == z @ W_O (head_output_weights includes ssm_out_multiplier; part 0 is
+    # the SSM heads, part 1 the attention's, with attention_out_multiplier), and the layer adds
+    # both parallel outputs to the residual stream.
     from gna_lens.heads import head_output_weights
 
     names = [f"blocks.1.{n}" for n in ("mixer.hook_z", "hook_mixer_out", "hook_attn_out")]
-    names += ["blocks.1.hook_resid_pre", "blocks.1.hook_resid_mid"]
+    names += ["blocks.1.hook_resid_pre", "blocks.1.hook_resid_mid", "blocks.1.attn.hook_z"]
     with torch.no_grad():
         _, cache = m.run_with_cache(ids, names_filter=names)
-    out = torch.einsum("bphd,hdm->bpm", cache[names[0]], head_output_weights(m, 1))
+    out = torch.einsum("bphd,hdm->bpm", cache[names[0]], head_output_weights(m, 1, part=0))
     assert (out - cache[names[1]]).abs().max().item() < 1e-5
+    attn = torch.einsum("bphd,hdm->bpm", cache[names[5]], head_output_weights(m, 1, part=1))
+    assert (attn - cache[names[2]]).abs().max().item() < 1e-5
     total = cache[names[3]] + cache[names[1]] + cache[names[2]]
     assert (total - cache[names[4]]).abs().max().item() < 1e-5
 
@@ -406,12 +412,12 @@ def test_zamba2_shared_block_invocations_are_distinct_heads_and_edits_stay_local
     view = head_view(m)
     assert [(lh.layer, lh.kind) for lh in view] == [
         (0, "ssm"),
-        (1, "attention"),
+        (1, "mixed"),
         (2, "ssm"),
-        (3, "attention"),
-        (4, "attention"),
+        (3, "mixed"),
+        (4, "mixed"),
     ]
-    assert len({view[i].z_hook for i in (1, 3, 4)}) == 3
+    assert len({view[i].parts[0].z_hook for i in (1, 3, 4)}) == 3
     weights = {k: v.clone() for k, v in m.state_dict().items()}
     ids = _ids(2, 17, 5)
     names = [f"blocks.{i}.{n}" for i in (1, 4) for n in ("hook_resid_pre", "hook_shared_out")]
@@ -465,3 +471,497 @@ def test_zamba2_biases_match_hf():
     ids = _ids(2, 21, 6)
     with torch.no_grad():
         assert (m(ids) - hf(ids).logits).abs().max().item() < PARITY_ATOL
+
+
+# ----------------------------------------------------------------------------- multi-part layers
+#: The families whose layers hold heads behind two sets of hooks, and the order of the parts:
+#: Falcon-H1's SSM heads then its parallel attention's; Zamba2's shared-block attention heads
+#: (they run first) then the hybrid layer's Mamba-2 heads.
+MULTIPART = {"falcon_h1": ("ssm", "attention"), "zamba2": ("attention", "ssm")}
+
+
+def _two_part_layer(view):
+    return next(lh.layer for lh in view if len(lh.parts) == 2)
+
+
+def _both(view, layer):
+    """An attention head and an SSM head of ``layer`` (the layer's indices): each part's head
+    1 and 3 (not its first, so an offset mistake shows)."""
+    by_kind = {p.kind: p for p in view[layer].parts}
+    return (layer, by_kind["attention"].offset + 1), (layer, by_kind["ssm"].offset + 3)
+
+
+@pytest.mark.parametrize("family", sorted(MULTIPART))
+def test_two_part_layers_list_both_kinds_with_their_counts_and_hooks(family):
+    """Every SSM mixer's heads and every attention's heads are (layer, head) entries, numbered
+    part after part, each part naming its own hooks."""
+    m = model(family)
+    cfg, view = m.cfg, head_view(m)
+    n = {"attention": cfg.n_attn_heads, "ssm": cfg.n_heads}
+    pre = {"attention": "attn.", "ssm": "mixer."}
+    out = {"attention": "hook_attn_out", "ssm": "hook_mixer_out"}
+    with_attn = [i for i, b in enumerate(m.blocks) if hasattr(b, "attn")]
+    assert len(view.heads("ssm")) == n["ssm"] * len(m.ssm_mixers())
+    assert len(view.heads("attention")) == n["attention"] * len(with_attn)
+    two = [lh.layer for lh in view if len(lh.parts) == 2]
+    assert two == (with_attn if family == "falcon_h1" else [1, 3, 4])
+    for layer in two:
+        lh = view[layer]
+        first, second = MULTIPART[family]
+        assert (lh.kind, lh.n_heads) == ("mixed", n[first] + n[second])
+        assert [lh.kind_of(h) for h in range(lh.n_heads)] == [first] * n[first] + [second] * n[
+            second
+        ]
+        for part, kind, offset in zip(lh.parts, (first, second), (0, n[first]), strict=True):
+            p = f"blocks.{layer}.{pre[kind]}"
+            assert (part.layer, part.kind, part.offset, part.n_heads) == (
+                layer,
+                kind,
+                offset,
+                n[kind],
+            )
+            assert (part.pattern_hook, part.z_hook) == (p + "hook_pattern", p + "hook_z")
+            assert part.scores_hook == (p + "hook_attn_scores" if kind == "attention" else None)
+            assert part.out_hook == f"blocks.{layer}.{out[kind]}"
+            assert part.ssm_mixer == (kind == "ssm")
+            assert part.resid_pre_hook == f"blocks.{layer}.hook_resid_pre"
+
+
+@pytest.mark.parametrize("family", sorted(MULTIPART))
+def test_ablating_an_attention_or_an_ssm_head_of_one_layer_zeroes_its_slice_only(family):
+    """ablate_heads on either part's head == a hand-written hook zeroing that slice of that
+    part's hook_z; the head's neighbours in the hook are untouched, and so is the other part
+    where it does not read the edited one (parallel in Falcon-H1; upstream in Zamba2)."""
+    m = model(family)
+    view = head_view(m)
+    layer = _two_part_layer(view)
+    ids = tokens(make_task())[:2]
+    names = [p.z_hook for p in view[layer].parts]
+    for head in _both(view, layer):
+        part, i = view.part_of(head)
+        (other,) = [p for p in view[layer].parts if p is not part]
+
+        def zero(z, hook, i=i):
+            z = z.clone()
+            z[:, :, i] = 0.0
+            return z
+
+        with torch.no_grad():
+            clean, before = m.run_with_cache(ids, names_filter=names)
+            with I.ablate_heads(m, [head]):
+                ablated, after = m.run_with_cache(ids, names_filter=names)
+            by_hand = m.run_with_hooks(ids, fwd_hooks=[(part.z_hook, zero)])
+        assert torch.equal(ablated, by_hand), head
+        assert (ablated - clean).abs().max().item() > 1e-4, head
+        z, z0 = after[part.z_hook], before[part.z_hook]
+        assert (z[:, :, i] == 0).all()
+        keep = [j for j in range(part.n_heads) if j != i]
+        assert torch.equal(z[:, :, keep], z0[:, :, keep])
+        untouched = family == "falcon_h1" or other.offset < part.offset
+        assert torch.equal(after[other.z_hook], before[other.z_hook]) == untouched, head
+    assert hook_count(m) == 0
+
+
+SWEEP_CASES = [("zero", None, "packed"), ("mean", None, "packed"), ("zero", None, "expand")]
+SWEEP_CASES += [("mean", None, "expand"), ("zero", "last", None), ("mean", "last", None)]
+
+
+@pytest.mark.parametrize("family", sorted(MULTIPART))
+@pytest.mark.parametrize("mode,positions,strategy", SWEEP_CASES)
+def test_sweep_over_both_parts_equals_a_loop_of_single_ablations(family, mode, positions, strategy):
+    """Every head of a two-part layer, sets spanning both parts and another layer: the batched
+    sweep (packed, or expanded at each part's output, or incremental from the prefix state)
+    equals a loop of ablate_heads."""
+    from gna_lens.interventions import _engine
+    from gna_lens.interventions._common import Metric
+    from gna_lens.testing import tiny_hooked_ssm
+
+    m = tiny_hooked_ssm(family, vocab_size=len(tok()))  # its own strategy verdicts
+    if strategy is not None:
+        _engine._STRATEGY[m] = {False: strategy}
+    view = head_view(m)
+    layer = _two_part_layer(view)
+    ha, hs = _both(view, layer)
+    cells = [[(layer, h)] for h in range(view[layer].n_heads)]
+    cells += [[ha, hs], [(0, 2), hs], [ha, (layer + 1, 0)]]
+    t, ref = make_task(), None if mode == "zero" else make_task(seed=5)
+    res = I.ablation_sweep(
+        m, t, "logit_diff", cells, mode=mode, positions=positions, reference=ref, pack=4,
+        progress=False,
+    )  # fmt: skip
+    if strategy == "expand":
+        assert res.info["paths"]["cells"] == ["expanded at the layer's output"], res.info
+    if positions == "last":
+        assert res.method == "incremental", res.info
+    met, ids, idx = Metric("logit_diff", t), tokens(t), torch.arange(len(t))
+    loop = []
+    with torch.no_grad():
+        for cell in res.cells:
+            with I.ablate_heads(m, list(cell), mode=mode, positions=positions, reference=ref):
+                loop.append(met(m(ids)[:, -1], idx))
+    assert (res.values - torch.stack(loop)).abs().max().item() <= 1e-5
+    assert res.effects.abs().min() > 0
+    kinds = dict(zip(res.cells, res.kinds, strict=True))
+    assert (kinds[(ha,)], kinds[(hs,)], kinds[tuple(sorted([ha, hs]))]) == (
+        "attention",
+        "ssm",
+        "mixed",
+    )
+    assert hook_count(m) == 0
+
+
+@pytest.mark.parametrize("family", sorted(MULTIPART))
+@pytest.mark.parametrize("mode", ["post", "pre"])
+def test_masks_on_both_parts_equal_hand_written_pattern_edits(family, mode):
+    """A mask on an attention head edits its part's pattern (pre: its scores), a mask on an
+    SSM head of the same layer its mixer's materialized pattern (only that head and the rows
+    the mask changes are materialized): the logits of hand-written edits of the full patterns."""
+    from gna_lens.interventions import mask_patterns
+
+    m = model(family)
+    view = head_view(m)
+    layer = _two_part_layer(view)
+    ha, hs = _both(view, layer)
+    ids = tokens(make_task())[:2]
+    L = ids.shape[1]
+    keep = torch.ones(L, L, dtype=torch.bool)
+    keep[-1, : L - 3] = False  # the query reads its last 3 keys only
+    keep[6, 1:4] = False
+
+    def by_hand(head):
+        part, i = view.part_of(head)
+        if part.kind == "attention" and mode == "pre":
+
+            def edit(s, hook, i=i):
+                s = s.clone()
+                s[:, i] = s[:, i].masked_fill(~keep, torch.finfo(s.dtype).min)
+                return s
+
+            return part.scores_hook, edit
+
+        def edit(p, hook, i=i):
+            p = p.clone()
+            p[:, i] = p[:, i] * keep
+            return p
+
+        return part.pattern_hook, edit
+
+    with torch.no_grad():
+        clean = m(ids)
+        for heads in ([ha], [hs], [ha, hs]):
+            with mask_patterns(m, {h: keep for h in heads}, mode=mode):
+                got = m(ids)
+            expected = m.run_with_hooks(ids, fwd_hooks=[by_hand(h) for h in heads])
+            assert (got - expected).abs().max().item() < 1e-5, heads
+            assert (got - clean).abs().max().item() > 1e-4, heads
+    assert hook_count(m) == 0
+
+
+@pytest.mark.parametrize("family", sorted(MULTIPART))
+@pytest.mark.parametrize("positions", [None, "last"])
+def test_patching_heads_of_both_parts_equals_hand_written_patches(family, positions):
+    from gna_lens.interventions._common import Metric
+
+    m = model(family)
+    view = head_view(m)
+    layer = _two_part_layer(view)
+    ha, hs = _both(view, layer)
+    t = make_task()
+    x = other_key(t)
+    res = I.patch_heads(m, t, x, "logit_diff", heads=[ha, hs, [ha, hs]], positions=positions,
+                        progress=False)  # fmt: skip
+    met, idx = Metric("logit_diff", t), torch.arange(len(t))
+    names = [view.part_of(h)[0].z_hook for h in (ha, hs)]
+    cols = slice(None) if positions is None else slice(-1, None)
+    with torch.no_grad():
+        _, cache = m.run_with_cache(tokens(t), names_filter=names)
+        for row, cell in enumerate(([ha], [hs], [ha, hs])):
+            hooks = []
+            for head in cell:
+                part, i = view.part_of(head)
+
+                def patch(z, hook, name=part.z_hook, i=i):
+                    z = z.clone()
+                    z[:, cols, i] = cache[name][:, cols, i]
+                    return z
+
+                hooks.append((part.z_hook, patch))
+            expected = met(m.run_with_hooks(tokens(x), fwd_hooks=hooks)[:, -1], idx)
+            assert (res.values[row] - expected).abs().max().item() < 1e-5, cell
+    assert list(res.index_df["kind"]) == ["attention", "ssm", "mixed"]
+    assert hook_count(m) == 0
+
+
+@pytest.mark.parametrize("family", sorted(MULTIPART))
+def test_attribution_of_both_parts_is_the_gradient_times_the_edit(family):
+    """attribute_heads (zero ablation, and patching from the clean run) on an attention and an
+    SSM head of one layer: each estimate is Σ (z' - z) · ∂metric/∂z over that head's slice of
+    its own part's hook_z, computed here by hand."""
+    from gna_lens.interventions._common import Metric
+
+    m = model(family)
+    view = head_view(m)
+    layer = _two_part_layer(view)
+    heads = list(_both(view, layer))
+    t = make_task()
+    x = other_key(t)
+    met, idx = Metric("logit_diff", t), torch.arange(len(t))
+    parts = [view.part_of(h) for h in heads]
+    names = [p.z_hook for p, _ in parts]
+    with torch.no_grad():
+        _, clean = m.run_with_cache(tokens(t), names_filter=names)
+    for corrupted in (None, x):
+        res = I.attribute_heads(m, t, "logit_diff", corrupted=corrupted, heads=heads,
+                                batch_size=len(t))  # fmt: skip
+        leaves, acts = {}, {}
+
+        def grab(z, hook, leaves=leaves, acts=acts):
+            leaves[hook.name] = leaf = torch.zeros_like(z, requires_grad=True)
+            acts[hook.name] = z.detach()
+            return z + leaf
+
+        ids = tokens(t if corrupted is None else corrupted)
+        with torch.enable_grad():
+            values = met(m.run_with_hooks(ids, fwd_hooks=[(n, grab) for n in names])[:, -1], idx)
+            grads = torch.autograd.grad(values.sum(), [leaves[n] for n in names])
+        for row, ((part, i), grad) in enumerate(zip(parts, grads, strict=True)):
+            z = acts[part.z_hook]
+            new = torch.zeros_like(z) if corrupted is None else clean[part.z_hook]
+            est = ((new - z)[:, :, i] * grad[:, :, i]).sum((1, 2))
+            assert (res.values[row] - res.baseline - est).abs().max().item() < 1e-5
+        assert res.kinds == ("attention", "ssm")
+    assert hook_count(m) == 0
+
+
+@pytest.mark.parametrize("family", sorted(MULTIPART))
+def test_pattern_scores_of_both_parts_equal_scores_of_the_full_patterns(family):
+    """pattern_scores streams each part's pattern (the SSM part materializing only the scored
+    rows of the wanted heads): the same per-sample scores as every part's whole pattern."""
+    from gna_lens.scoring import pattern_scores
+    from gna_lens.scoring.patterns import _capture_part_patterns, _sample_scores
+
+    m = model(family)
+    view = head_view(m)
+    t = make_task(n_samples=4)
+    layer = _two_part_layer(view)
+    wanted = [(0, 1), *_both(view, layer), (layer, 0)]
+    got = pattern_scores(m, t, heads=wanted, batch_size=2, progress=False)
+    assert got.heads == tuple(wanted)
+    assert got.kinds == tuple(view.kind_of(h) for h in wanted)
+    parts = view.parts_of(wanted)
+    bos = t.tokenizer.bos_token_id
+    per = {(p.layer, p.offset): [] for p in parts}
+    for batch in t.batches(4, padding_side="left"):
+        with torch.no_grad(), _capture_part_patterns(m, view, parts) as store:
+            m(batch.input_ids, attention_mask=batch.attention_mask)
+        for key, rows in per.items():
+            for b, (sample, off) in enumerate(zip(batch.samples, batch.offsets, strict=True)):
+                n = sample.n_tokens
+                sink = bos is not None and sample.input_ids[0] == bos
+                P = store[key][b, :, off : off + n, off : off + n].double()
+                rows.append(_sample_scores(P, sample, sink))
+    where = [view.part_of(h) for h in wanted]
+    ref = torch.stack([torch.stack(per[(p.layer, p.offset)])[:, i] for p, i in where], 1)
+    assert torch.allclose(got.per_sample, ref.float(), atol=1e-5, equal_nan=True)
+    assert hook_count(m) == 0
+
+
+@pytest.mark.parametrize("family", sorted(MULTIPART))
+def test_score_heads_pairs_and_report_widgets_cover_both_parts(family, tmp_path):
+    """score_heads ranks every head of both kinds, find_gna_pairs runs its masks on them, and
+    the report's pattern widgets show an attention and an SSM head of one layer (SSM rows as
+    normalized |M|), read from their own parts' hooks."""
+    from gna_lens import find_gna_pairs, score_heads
+    from gna_lens.scoring.report import _examples
+
+    m = model(family)
+    view = head_view(m)
+    layer = _two_part_layer(view)
+    ha, hs = _both(view, layer)
+    t = make_task(n_samples=4)
+    report = score_heads(m, t, control=None, n_examples=2, progress=False)
+    df = report.to_dataframe()
+    assert len(df) == view.n_heads_total
+    rows = df[df["layer"] == layer].sort_values("head")
+    assert list(rows["kind"]) == [view.kind_of((layer, h)) for h in range(view[layer].n_heads)]
+    assert not rows["ablation_effect"].isna().any()
+    assert not rows["aggregate_score"].isna().any()
+    find_gna_pairs(m, t, report=report, n_candidates=2, progress=False)
+    examples = _examples(m, t, [ha, hs])
+    html = dataclasses.replace(report, examples=examples).to_html(tmp_path / "report.html")
+    text = html.read_text()
+    assert "CircuitsVis" in text and f"L{layer}H{ha[1]}" in text and f"L{layer}H{hs[1]}" in text
+    ids = torch.tensor([t[0].input_ids])
+    names = {h: view.part_of(h)[0].pattern_hook for h in (ha, hs)}
+    with torch.no_grad():
+        _, cache = m.run_with_cache(ids, names_filter=list(names.values()))
+    for head in (ha, hs):
+        part, i = view.part_of(head)
+        p = cache[part.pattern_hook][0, i]
+        if part.kind == "ssm":
+            p = p.abs().tril()
+            p = p / p.sum(-1, keepdim=True)
+        got = torch.tensor(examples["patterns"][f"L{head[0]}H{head[1]}"])
+        assert torch.allclose(got, p.float(), atol=1e-6), head
+    assert hook_count(m) == 0
+
+
+@pytest.mark.parametrize("family", sorted(MULTIPART))
+def test_scan_ranks_both_parts_of_every_layer(family, tmp_path, monkeypatch):
+    """``gna-lens scan`` on a model of two-part layers: every head of both kinds is scored and
+    ranked, the report written, and the top heads removed on held-out prompts."""
+    import json
+
+    from gna_lens import scan as scan_module
+
+    m = model(family)
+    view = head_view(m)
+
+    def tasks(tok_, task, n_samples, seed, n_eval=8, zoo=False):
+        held_out = {"kv-4": make_task(n_pairs=4, n_samples=n_eval, seed=seed + 1)}
+        return scan_module.ScanTasks(make_task(n_pairs=4, n_samples=n_samples), held_out)
+
+    monkeypatch.setattr(scan_module, "build_tasks", tasks)
+    result = scan_module.scan(
+        m, n_samples=4, n_eval=4, top=3, out=tmp_path, control=None, random_draws=1,
+        progress=False,
+    )  # fmt: skip
+    data = json.loads(result.json_path.read_text())
+    assert data["layer_heads"] == [lh.n_heads if lh else 0 for lh in view.layers]
+    scored = {(r["layer"], r["head"]): r["kind"] for r in data["heads"]}
+    assert scored == {h: view.kind_of(h) for h in view.heads()}
+    assert "CircuitsVis" in result.html_path.read_text()
+    assert hook_count(m) == 0
+
+
+# ----------------------------------------------------------------------------- layer targets
+def _zero(x, hook):
+    return torch.zeros_like(x)
+
+
+def _mean_of(m, name, ref, cols):
+    """The mean of hook ``name`` over the reference ids' positions ``cols`` (bool ``[pos]``:
+    the ablated positions; the reference has the inputs' length and no BOS)."""
+    with torch.no_grad():
+        _, cache = m.run_with_cache(ref, names_filter=name)
+    return cache[name][:, cols].reshape(-1, m.cfg.d_model).double().mean(0).float()
+
+
+@pytest.mark.parametrize("family", sorted(MULTIPART))
+@pytest.mark.parametrize("positions", [None, "last", [1, -2]])
+def test_mixer_target_of_a_two_part_layer_replaces_both_parts(family, positions):
+    """target='mixer' on a two-part layer replaces the outputs of both parts (Falcon-H1: the
+    Mamba-2 mixer and the parallel attention; Zamba2: the shared block's attention and the
+    layer's mixer), each by zero or by its own mean: the logits of hand-written hooks on both;
+    'attn' / 'ssm' replace one part's only."""
+    m = model(family)
+    view = head_view(m)
+    ids = tokens(make_task())[:3]
+    ref = tokens(make_task(seed=5))
+    L = ids.shape[1]
+    assert ref.shape[1] == L
+    cols = torch.zeros(L, dtype=torch.bool)
+    cols[[-1] if positions == "last" else slice(None) if positions is None else positions] = True
+    two = [lh.layer for lh in view if len(lh.parts) == 2]
+    assert two == ([0, 1, 2] if family == "falcon_h1" else [1, 3, 4])
+    for layer in two:
+        out = {p.kind: p.out_hook for p in view[layer].parts}
+        for mode in ("zero", "mean"):
+            means = {k: _mean_of(m, n, ref, cols) for k, n in out.items()} if mode == "mean" else {}
+
+            def hand(kind, mode=mode, means=means, out=out):
+                def edit(x, hook):
+                    value = means[kind] if mode == "mean" else torch.zeros(())
+                    return torch.where(cols[None, :, None], value.to(x.dtype), x)
+
+                return (out[kind], edit)
+
+            kw = dict(mode=mode, positions=positions)
+            if mode == "mean":
+                kw["reference"] = ref
+            got = {}
+            with torch.no_grad():
+                clean = m(ids)
+                for target in ("mixer", "attn", "ssm"):
+                    with I.ablate_layers(m, [layer], target=target, **kw):
+                        got[target] = m(ids)
+                both = m.run_with_hooks(ids, fwd_hooks=[hand("attention"), hand("ssm")])
+                attn = m.run_with_hooks(ids, fwd_hooks=[hand("attention")])
+                ssm = m.run_with_hooks(ids, fwd_hooks=[hand("ssm")])
+            tol = 0.0 if mode == "zero" else 1e-5
+            for target, expected in (("mixer", both), ("attn", attn), ("ssm", ssm)):
+                assert (got[target] - expected).abs().max().item() <= tol, (layer, mode, target)
+            # Each part matters, so the whole mixer is neither part alone; but on Zamba2 the
+            # attention reaches the residual only through the mixer: replacing the mixer's
+            # output at every position from the first edited one on hides the attention's edit.
+            hidden = family == "zamba2" and positions in (None, "last")
+            for a, b in (("mixer", "attn"), ("mixer", "ssm"), ("attn", "ssm")):
+                diff = (got[a] - got[b]).abs().max().item()
+                assert diff == 0.0 if hidden and b == "ssm" and a == "mixer" else diff > 1e-4, (
+                    layer, mode, a, b
+                )  # fmt: skip
+            assert (got["mixer"] - clean).abs().max().item() > 1e-4
+    assert hook_count(m) == 0
+
+
+@pytest.mark.parametrize("family", sorted(MULTIPART))
+def test_zeroing_the_mixer_of_a_two_part_layer_leaves_only_its_mlp(family):
+    """Zeroing the whole token mixer at every position: Falcon-H1's residual leaves the mixing
+    sublayer unchanged (resid_mid == resid_pre); a Zamba2 hybrid layer (no MLP of its own after
+    the mixer) becomes the identity, as remove_layers makes it."""
+    m = model(family)
+    layer = 1
+    ids = tokens(make_task())[:2]
+    pre, post = f"blocks.{layer}.hook_resid_pre", f"blocks.{layer}.hook_resid_post"
+    mid = f"blocks.{layer}.hook_resid_mid" if family == "falcon_h1" else post
+    with torch.no_grad(), I.ablate_layers(m, [layer], target="mixer"):
+        _, cache = m.run_with_cache(ids, names_filter=[pre, mid])
+    assert torch.equal(cache[mid], cache[pre])
+    if family == "zamba2":
+        with torch.no_grad():
+            with I.remove_layers(m, [layer]):
+                removed = m(ids)
+            with I.ablate_layers(m, [layer], target="mixer"):
+                no_mixer = m(ids)
+        assert torch.equal(no_mixer, removed)
+        with pytest.raises(InterventionError, match=r"target='attn' at layer 0.*no attention"):
+            I.layer_ablation_hooks(m, [0], target="attn")  # a Mamba-2 layer
+    with pytest.raises(InterventionError, match="expected one of"):
+        I.layer_ablation_hooks(m, [layer], target="shared")
+    assert hook_count(m) == 0
+
+
+@pytest.mark.parametrize("family", sorted(MULTIPART))
+@pytest.mark.parametrize(
+    "target,mode,positions",
+    [("mixer", "zero", None), ("mixer", "mean", None), ("mixer", "zero", "last"),
+     ("mixer", "mean", [2, -1]), ("attn", "zero", None), ("ssm", "mean", "last")],
+)  # fmt: skip
+def test_layer_sweep_of_a_two_part_mixer_equals_a_loop_and_hand_written_hooks(
+    family, target, mode, positions
+):
+    """layer_sweep with target='mixer' (both parts) / 'attn' / 'ssm': the batched sweep (each
+    layer run from its cached residual) equals the loop of full forwards, and each cell equals
+    ablate_layers (itself checked against hand-written hooks above); a set of layers too."""
+    from gna_lens.interventions._common import Metric
+
+    m = model(family)
+    t = make_task()
+    ref = None if mode == "zero" else make_task(seed=5)
+    two = [lh.layer for lh in head_view(m) if len(lh.parts) == 2]
+    cells = [*two, two[:2]] if target != "ssm" else [*two]
+    kw = dict(target=target, mode=mode, positions=positions, reference=ref, control=None,
+              progress=False)  # fmt: skip
+    res = I.layer_sweep(m, t, "logit_diff", cells, **kw)
+    loop = I.layer_sweep(m, t, "logit_diff", cells, method="loop", **kw)
+    assert (res.values - loop.values).abs().max().item() <= 1e-5
+    met, ids, idx = Metric("logit_diff", t), tokens(t), torch.arange(len(t))
+    with torch.no_grad():
+        for row, cell in enumerate(res.cells):
+            with I.ablate_layers(m, list(cell), target=target, mode=mode, positions=positions,
+                                 reference=ref):  # fmt: skip
+                expected = met(m(ids)[:, -1], idx)
+            assert (res.values[row] - expected).abs().max().item() <= 1e-5, cell
+    assert res.effects.abs().min() > 0
+    assert res.method["target"] == target
+    assert hook_count(m) == 0

@@ -142,6 +142,17 @@ def test_mixer_and_mlp_targets():
             torch.testing.assert_close(neither, removed, atol=1e-5, rtol=0)
     with pytest.raises(InterventionError, match=r"has no MLP.*target='block'"):
         layer_ablation_hooks(mamba2, [0], target="mlp")
+    # One-part layers: 'attn' / 'ssm' name the one mixer there is, or refuse.
+    with torch.no_grad():
+        for layer, part in ((0, "ssm"), (1, "attn")):
+            with ablate_layers(bamba, [layer], target="mixer"):
+                mixer = bamba(TOKENS)
+            with ablate_layers(bamba, [layer], target=part):
+                assert torch.equal(bamba(TOKENS), mixer)
+    with pytest.raises(InterventionError, match=r"target='attn' at layer 0.*no attention"):
+        layer_ablation_hooks(bamba, [0], target="attn")
+    with pytest.raises(InterventionError, match=r"target='ssm' at layer 1.*no SSM mixer"):
+        layer_ablation_hooks(bamba, [1], target="ssm")
     with pytest.raises(InterventionError, match="one layer"):
         layer_ablation_hooks(mamba2, 0)
     with pytest.raises(InterventionError, match=r"0\.\.2"):
@@ -183,7 +194,7 @@ def _layer_out(m, layer: int, target: str, ids: torch.Tensor, **ablate) -> torch
     info = layer_infos(m)[layer]
     names = {
         "block": [info.resid_pre_hook, info.resid_post_hook],
-        "mixer": [info.mixer_hook],
+        "mixer": list(info.mixer_hooks),
         "mlp": [info.mlp_hook],
     }[target]
     with torch.no_grad():
@@ -356,6 +367,22 @@ def test_layer_sweep_batched_equals_loop_and_direct_evaluation(arch):
         torch.testing.assert_close(a.values, b.values, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(a.control_values, b.control_values, atol=1e-4, rtol=1e-4)
         assert float(a.effects.abs().max()) > 1e-4, kw
+
+
+def test_ssm_target_refuses_a_mixer_holding_both_kinds_of_heads():
+    """A hybrid student's layer mixes attention and SSM heads in one mixer (one hook_mixer_out):
+    'ssm' cannot ablate its SSM heads alone and says so; 'mixer' ablates the whole mixer."""
+    from gna_lens.heads import head_view
+    from gna_lens.hybrid import build_hybrid
+
+    student = build_hybrid(model("llama"), [(0, 1)], d_state=8)
+    assert head_view(student)[0].kind == "mixed"
+    with pytest.raises(InterventionError, match=r"target='ssm' at layer 0.*attention and SSM"):
+        layer_ablation_hooks(student, [0], target="ssm")
+    with pytest.raises(InterventionError, match=r"target='attn' at layer 0.*no attention-only"):
+        layer_ablation_hooks(student, [0], target="attn")
+    assert layer_ablation_hooks(student, [0], target="mixer")
+    assert hook_count(student) == 0
 
 
 def test_individual_removal_on_a_pruned_model_and_gradual_pruning():

@@ -246,6 +246,14 @@ def test_scan_cli_coarse_to_fine_above_the_exact_limit_says_what_it_never_measur
     import gna_lens.scoring.report as report_module
 
     monkeypatch.setattr(report_module, "EXACT_ALL_MAX", 4)  # the toy's 6 heads are now "many"
+    verdicts = []
+    check = report_module.check_bfloat16
+
+    def recorded(model, task, n=8):
+        verdicts.append(check(model, task, n))
+        return verdicts[-1]
+
+    monkeypatch.setattr(report_module, "check_bfloat16", recorded)
     out = tmp_path / "report"
     args = ["scan", "toy", "--n-samples", "8", "--top", "1", "--out", str(out)]
     assert main([*args, "--random-draws", "2"]) == 0
@@ -259,19 +267,28 @@ def test_scan_cli_coarse_to_fine_above_the_exact_limit_says_what_it_never_measur
     assert "strategy coarse_to_fine" in page
     data = json.loads((out / "report.json").read_text())
     assert data["method"]["strategy"] == "coarse_to_fine" and data["n_exact"] == 3
-    # Large now, so sweep_dtype="auto" tried bfloat16: the hand-built toy fails its check.
+    # Large now, so sweep_dtype="auto" tried bfloat16 after checking it on the clean logit
+    # differences: the hand-built toy passes (its attention runs fused, accumulating in float32).
     choice = data["method"]["sweep_dtype_choice"]
-    assert choice.startswith("auto: float32, because bfloat16 fails the check"), choice
-    assert data["method"]["sweep_dtype"] == "float32" and "sweep dtype auto: float32" in text
+    ((ok, words),) = verdicts
+    assert ok and choice.startswith("auto: bfloat16 autocast"), choice
+    assert choice.endswith(f"; checked: {words}")
+    assert data["method"]["sweep_dtype"] == "bfloat16 (autocast)"
     assert [(u["layer"], u["head_indices"]) for u in data["unmeasured"]] == [(0, [0, 1, 2])]
     assert [r["layer"] for r in data["layer_ranking"]] == [1, 0]
     assert [r["scanned"] for r in data["layer_ranking"]] == [True, False]
     assert all(h["ablation_effect"] is None for h in data["heads"] if h["layer"] == 0)
     assert data["top"] == [[1, 0]]
 
+    # A model that fails the check is swept in float32, and the report says why.
+    monkeypatch.setattr(report_module, "check_bfloat16", lambda m, t, n=8: (False, "moved by 9"))
     assert main([*args, "--random-draws", "0", "--strategy", "exact"]) == 0
     text = capsys.readouterr().out
     assert "Heads never measured" not in text and "Heads ablated exactly: 6 of 6" in text
+    data = json.loads((out / "report.json").read_text())
+    choice = data["method"]["sweep_dtype_choice"]
+    assert choice == "auto: float32, because bfloat16 fails the check (moved by 9)", choice
+    assert data["method"]["sweep_dtype"] == "float32" and "sweep dtype auto: float32" in text
 
 
 @pytest.fixture

@@ -330,3 +330,24 @@ def test_findings_status_of_masks_and_removals_follows_their_numbers():
     assert _retrieval_status(removal(0.19, 0.2, (0.0, -0.05, 0.05), (0, 0, 0)))[0] == (
         "not testable offline"
     )
+
+
+def test_the_shipped_findings_page_records_the_weights_it_measured():
+    """docs/findings.{json,md}, as committed, say which weights every model held (issue 17):
+    a page regenerated before provenance existed, or by a run that lost it, fails here."""
+    import json
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    results = json.loads((docs / "findings.json").read_text(encoding="utf-8"))
+    page = (docs / "findings.md").read_text(encoding="utf-8")
+    models = {}
+    for key in ("1", "2"):
+        for r in results[key] if isinstance(results[key], list) else [results[key]]:
+            models[r["model"]] = r["provenance"]
+    smollm2 = next(m for m in models if m.startswith("SmolLM2-135M"))
+    assert {smollm2, "zoo-llama", "zoo-mamba2", "zoo-mamba1", "zoo-bamba"} <= set(models)
+    for name, prov in models.items():
+        assert prov["source"] in ("gguf", "zoo", "hub", "local") and prov["dtype"], name
+        assert prov["description"] in page, name
+    assert models[smollm2]["quantization"] in ("Q4_1", "")  # "" only with hub weights

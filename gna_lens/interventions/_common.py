@@ -249,15 +249,17 @@ def column_mask(positions: Any, length: int, device: Any) -> Tensor | None:
 class Source:
     """What replaces a head's output: zero, a mean, or per-sample activations.
 
-    ``samples[layer][r]`` holds reference row ``r``'s ``hook_z`` (``[L_r, H, d]``, or
-    ``[1, H, d]`` at its query position when ``last_only``).
+    Keyed by what is replaced: the ``hook_z`` name of each part of a layer
+    (:attr:`gna_lens.heads.LayerHeads.parts`) for head interventions, the layer for layer
+    interventions. ``samples[key][r]`` holds reference row ``r``'s activation (``hook_z``:
+    ``[L_r, H, d]``, or ``[1, H, d]`` at its query position when ``last_only``).
     """
 
     def __init__(
         self,
         kind: Literal["zero", "mean", "samples"],
-        mean: dict[int, Tensor] | None = None,
-        samples: dict[int, list[Tensor]] | None = None,
+        mean: dict[Any, Tensor] | None = None,
+        samples: dict[Any, list[Tensor]] | None = None,
         last_only: bool = False,
         label: str = "",
         tokens: list[tuple[int, ...]] | None = None,
@@ -290,16 +292,17 @@ class Source:
         """Whether edits leave BOS positions alone (mean ablation without ``include_bos``)."""
         return self.kind == "mean" and not self.include_bos and self.bos_id is not None
 
-    def value(self, layer: int, ref: Tensor, length: int, at_last: bool, like: Tensor) -> Tensor:
-        """Replacement broadcastable to ``[rows, pos, H, d]`` for rows mapped to ``ref`` rows.
+    def value(self, key: Any, ref: Tensor, length: int, at_last: bool, like: Tensor) -> Tensor:
+        """Replacement broadcastable to ``[rows, pos, H, d]`` for rows mapped to ``ref`` rows
+        (``key``: the ``hook_z`` name, or the layer, as the source was built).
 
         ``at_last``: the edited tensor holds only the last position (incremental step).
         """
         if self.kind == "zero":
             return like.new_zeros(())
         if self.kind == "mean":
-            return self.mean[layer].to(like)[None, None]
-        rows = [self.samples[layer][int(r)] for r in ref]
+            return self.mean[key].to(like)[None, None]
+        rows = [self.samples[key][int(r)] for r in ref]
         if self.last_only or at_last:
             return torch.stack([r[-1:] for r in rows]).to(like)
         bad = [(int(r), x.shape[0]) for r, x in zip(ref, rows, strict=True) if x.shape[0] != length]
@@ -314,42 +317,45 @@ class Source:
 
 def collect_z(
     model: Any,
-    view: HeadView,
-    layers: Sequence[int],
+    parts: Sequence[LayerHeads],
     groups: Sequence[Group],
     last_only: bool,
     n_rows: int,
     embeds: list[Tensor | None] | None = None,
-) -> dict[int, list[Tensor]]:
-    """Run the groups and keep each row's ``hook_z`` of ``layers`` (CPU copies are not made).
+) -> dict[str, list[Tensor]]:
+    """Run the groups and keep each row's ``hook_z`` of ``parts`` (parts of layers, see
+    :meth:`gna_lens.heads.HeadView.parts_of`), keyed by the ``hook_z`` name (CPU copies are
+    not made).
 
     ``embeds``: a list of ``n_rows`` filled with each row's ``hook_embed`` output, where the
     model has that hook.
     """
-    store: dict[int, list[Tensor | None]] = {layer: [None] * n_rows for layer in layers}
+    names = list(dict.fromkeys(part.z_hook for part in parts))
+    store: dict[str, list[Tensor | None]] = {name: [None] * n_rows for name in names}
     want_embed = embeds is not None and EMBED_HOOK in getattr(model, "hook_dict", {})
     for g in groups:
-        current: dict[int, Tensor] = {}
+        current: dict[str, Tensor] = {}
 
-        def keep(z: Tensor, hook: Any, layer: int, current: dict[int, Tensor] = current) -> None:
-            current[layer] = z[:, -1:].clone() if last_only else z.clone()
+        def keep(z: Tensor, hook: Any, name: str, current: dict[str, Tensor] = current) -> None:
+            current[name] = z[:, -1:].clone() if last_only else z.clone()
 
-        def keep_embed(x: Tensor, hook: Any, current: dict[int, Tensor] = current) -> None:
-            current[-1] = x.detach().clone()
+        def keep_embed(x: Tensor, hook: Any, current: dict[str, Tensor] = current) -> None:
+            current[EMBED_HOOK] = x.detach().clone()
 
-        hooks = [(view[layer].z_hook, _bind(keep, layer=layer)) for layer in sorted(set(layers))]
+        # Bound to the requested name: a bridge's hook.name can be an alias.
+        hooks = [(name, _bind(keep, name=name)) for name in names]
         if want_embed:
             hooks.append((EMBED_HOOK, keep_embed))
         with hooked(model, hooks):
             model(g.tokens)
-        for layer, z in current.items():
+        for name, z in current.items():
             for j, i in enumerate(g.indices.tolist()):
-                if layer == -1:
+                if name == EMBED_HOOK:
                     assert embeds is not None
                     embeds[i] = z[j]
                 else:
-                    store[layer][i] = z[j]
-    return {layer: [t for t in rows if t is not None] for layer, rows in store.items()}
+                    store[name][i] = z[j]
+    return {name: [t for t in rows if t is not None] for name, rows in store.items()}
 
 
 #: The hook whose output is the token embeddings ``[batch, pos, d_model]`` (HookedSSM and
@@ -496,16 +502,18 @@ def mean_positions(
 
 def build_source(
     model: Any,
-    view: HeadView,
     mode: Any,
     reference: Any,
-    layers: Sequence[int],
+    parts: Sequence[LayerHeads],
     positions: Any,
     device: Any,
     max_samples: int = 16,
     include_bos: bool = False,
 ) -> Source:
     """The replacement for ``mode``: zero, the reference's mean, or its per-sample activations.
+
+    ``parts``: the parts of layers whose heads are replaced (:meth:`HeadView.parts_of
+    <gna_lens.heads.HeadView.parts_of>`); the source is keyed by their ``hook_z`` names.
 
     The mean is taken over the ablated position class (:func:`class_positions`): the reference
     prompts' last tokens for ``positions="last"`` (or a per-row tensor, read as the query
@@ -538,7 +546,7 @@ def build_source(
     embeds: list[Tensor | None] = [None] * n
     with torch.no_grad():
         per_row = collect_z(
-            model, view, layers, groups, last_only=last, n_rows=n,
+            model, parts, groups, last_only=last, n_rows=n,
             embeds=embeds if mode == "resample" else None,
         )  # fmt: skip
     if mode == "resample":
@@ -551,9 +559,9 @@ def build_source(
     if last:  # last-only rows hold one position: the last
         picks = [[0] if p else [] for p in picks]
     mean = {}
-    for layer, zs in per_row.items():
+    for name, zs in per_row.items():
         cat = torch.cat([z[p] for z, p in zip(zs, picks, strict=True) if p])  # [tokens, H, d]
-        mean[layer] = cat.float().mean(0).to(zs[0].dtype)
+        mean[name] = cat.float().mean(0).to(zs[0].dtype)
     return Source(
         "mean", mean=mean, label=label, tokens=rows, bos_id=bos_id, include_bos=include_bos,
         info=info, forwards=len(groups),
@@ -606,13 +614,49 @@ def check_resample_pairs(
 
 
 # ----------------------------------------------------------------------------- packed edits
-def layer_selection(cells: Sequence[tuple[Head, ...]], layer: int, lh: LayerHeads) -> Tensor:
-    """``[cells, n_channels]`` bool: which entries of ``layer``'s ``hook_z`` head axis each cell
-    edits (a Mamba-1 channel group edits all its channels)."""
-    sel = torch.zeros(len(cells), lh.n_channels, dtype=torch.bool)
+def part_selection(cells: Sequence[tuple[Head, ...]], layer: int, part: LayerHeads) -> Tensor:
+    """``[cells, n_channels]`` bool: which entries of the head axis of ``part``'s ``hook_z``
+    (a part of ``layer``, :attr:`~gna_lens.heads.LayerHeads.parts`) each cell edits (a Mamba-1
+    channel group edits all its channels)."""
+    sel = torch.zeros(len(cells), part.n_channels, dtype=torch.bool)
     for k, cell in enumerate(cells):
-        sel[k] = lh.hook_mask(h for lay, h in cell if lay == layer)
+        sel[k] = part.hook_mask(part.local(h for lay, h in cell if lay == layer))
     return sel
+
+
+def edited_parts(
+    view: HeadView, cells: Sequence[tuple[Head, ...]], skip_layer: int | None = None
+) -> list[tuple[int, LayerHeads]]:
+    """``(layer, part)`` of every part holding a head of ``cells`` (layers in order, parts in
+    head order), but those of ``skip_layer``."""
+    heads = [h for cell in cells for h in cell if h[0] != skip_layer]
+    return [(part.layer, part) for part in view.parts_of(heads)]
+
+
+def edit_packed(
+    z: Tensor,
+    sel: Tensor,
+    value: Tensor,
+    group_size: int,
+    cols: Tensor | None,
+    what: str,
+) -> Tensor:
+    """``z`` ``[K * G, P, H, d]`` (cell-major) with cell ``k``'s selected heads ``sel[k]``
+    replaced by ``value`` at the columns ``cols`` (``None``: all)."""
+    R, P, H, d = z.shape
+    K, G = sel.shape[0], group_size
+    if R != K * G or sel.shape[1] != H:
+        raise InterventionError(
+            f"internal: {what} has shape {tuple(z.shape)}; expected [{K * G}, pos, {sel.shape[1]}, "
+            "d_head]."
+        )
+    if value.ndim == 4:  # per-sample: [G, P|1, H, d] -> broadcast over cells
+        value = value[None]
+    where = sel.to(z.device)[:, None, None, :, None]  # [K, 1, 1, H, 1]
+    if cols is not None:
+        where = where & col_where(cols, z.device)
+    out = torch.where(where, value, z.view(K, G, P, H, d))
+    return out.reshape(R, P, H, d)
 
 
 def packed_edit_hooks(
@@ -627,40 +671,30 @@ def packed_edit_hooks(
 ) -> list[tuple[str, Callable[..., Tensor]]]:
     """Hooks on ``hook_z`` editing, for packed cell ``k`` (rows ``k*G .. k*G+G-1``), its heads.
 
+    One hook per part of a layer holding a head of the cells (a multi-part layer's heads live
+    behind several ``hook_z``).
+
     Args:
         view: The head view.
         cells: Head sets, one per block of ``group_size`` rows (cell-major packing).
         group_size: Rows per cell ``G``.
         ref_rows: ``[G]`` reference row of each sample (for per-sample sources).
-        source: The replacement.
+        source: The replacement (keyed by ``hook_z`` name).
         cols: ``[pos]`` bool mask of edited positions, or ``[cells, pos]`` per cell (``None``:
             all positions).
         at_last: The run is an incremental step (the one position is the last).
         skip_layer: A layer edited otherwise (no hook there).
     """
     hooks = []
-    layers = sorted({lay for cell in cells for lay, _ in cell} - {skip_layer})
-    K, G = len(cells), group_size
-    for layer in layers:
-        sel = layer_selection(cells, layer, view[layer])
+    for layer, part in edited_parts(view, cells, skip_layer):
+        sel = part_selection(cells, layer, part)
 
-        def hook(z: Tensor, hook: Any, layer: int = layer, sel: Tensor = sel) -> Tensor:
-            R, P, H, d = z.shape
-            if R != K * G or sel.shape[1] != H:
-                raise InterventionError(
-                    f"internal: hook_z of layer {layer} has shape {tuple(z.shape)}; expected "
-                    f"[{K * G}, pos, {sel.shape[1]}, d_head]."
-                )
-            value = source.value(layer, ref_rows, P, at_last, z)
-            if value.ndim == 4:  # per-sample: [G, P|1, H, d] -> broadcast over cells
-                value = value[None]
-            where = sel.to(z.device)[:, None, None, :, None]  # [K, 1, 1, H, 1]
-            if cols is not None and not at_last:
-                where = where & col_where(cols, z.device)
-            out = torch.where(where, value, z.view(K, G, P, H, d))
-            return out.reshape(R, P, H, d)
+        def hook(z: Tensor, hook: Any, name: str = part.z_hook, sel: Tensor = sel) -> Tensor:
+            value = source.value(name, ref_rows, z.shape[1], at_last, z)
+            edited = None if at_last else cols
+            return edit_packed(z, sel, value, group_size, edited, f"{name} (packed)")
 
-        hooks.append((view[layer].z_hook, hook))
+        hooks.append((part.z_hook, hook))
     return hooks
 
 
@@ -731,7 +765,7 @@ def row_bytes(model: Any, view: HeadView, length: int, logits_positions: int) ->
     d = int(cfg.d_model)
     itemsize = torch.finfo(getattr(cfg, "dtype", torch.float32) or torch.float32).bits // 8
     worst = 0
-    for lh in view:
+    for lh in (part for layer in view for part in layer.parts):
         if lh.kind != "ssm":  # attention heads' patterns (all of a mixed layer's, at worst)
             worst = max(worst, 4 * lh.n_heads * length)
         if lh.kind != "attention":

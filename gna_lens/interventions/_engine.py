@@ -31,15 +31,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gna_lens.heads import Head, HeadView, head_output_weights
+from gna_lens.heads import Head, HeadView, LayerHeads, head_output_weights
 from gna_lens.interventions._common import (
     Group,
     Metric,
     Source,
     col_where,
     column_mask,
-    layer_selection,
+    edit_packed,
     packed_edit_hooks,
+    part_selection,
     plan_rows,
 )
 from gna_lens.interventions._runner import Runner, _attempt, _close, shortcut_run
@@ -96,34 +97,68 @@ class PackTuner:
 def expand_hooks(
     view: HeadView,
     layer: int,
-    W: Tensor,
+    W: Sequence[Tensor],
     cells: Sequence[tuple[Head, ...]],
     ref_rows: Tensor,
     source: Source,
     cols: Tensor | None,
 ) -> list[tuple[str, Callable[..., Tensor]]]:
-    """Hooks turning one prompt's run into ``len(cells)`` rows at ``layer``'s output."""
-    lh = view[layer]
-    assert lh.out_hook is not None
-    sel = layer_selection(cells, layer, lh)
-    store: dict[str, Tensor] = {}
+    """Hooks turning one prompt's run into ``len(cells)`` rows at ``layer``'s output.
 
-    def read_z(z: Tensor, hook: Any) -> Tensor:
-        store["z"] = z
-        return z
+    ``W``: per part of the layer (:attr:`~gna_lens.heads.LayerHeads.parts`), its ``W_O``. Each
+    part's ``hook_z`` is read and its ``out_hook`` gets every cell's edit, ``out + (z_edit - z)
+    @ W_O``, growing the batch from 1 to ``K`` rows. A part that runs after the rows grew (Zamba2:
+    the mixer reads the shared block's attention) has ``K`` rows already in its ``hook_z``:
+    there each cell's row is edited in place, as in a packed run of one prompt.
+    """
+    K = len(cells)
+    hooks: list[tuple[str, Callable[..., Tensor]]] = []
+    for part, W_part in zip(view[layer].parts, W, strict=True):
+        assert part.out_hook is not None
+        sel = part_selection(cells, layer, part)
+        store: dict[str, Tensor] = {}
 
-    def expand(out: Tensor, hook: Any) -> Tensor:
-        z = store.pop("z")  # [1, P, H, d]
-        P = z.shape[1]
-        value = source.value(layer, ref_rows, P, False, z)
-        where = sel.to(z.device)[:, None, None, :, None]  # [K, 1, 1, H, 1]
-        if cols is not None:
-            where = where & col_where(cols, z.device)
-        edited = torch.where(where, value if value.ndim < 4 else value[None], z[None])
-        delta = torch.einsum("kbphd,hdm->kbpm", edited - z[None], W.to(z.dtype))
-        return out + delta.reshape(len(cells), P, -1).to(out.dtype)
+        def read_z(
+            z: Tensor, hook: Any, name: str = part.z_hook, sel: Tensor = sel, store: dict = store
+        ) -> Tensor:
+            if z.shape[0] == K > 1:  # an earlier part of the layer grew the batch already
+                value = source.value(name, ref_rows, z.shape[1], False, z)
+                return edit_packed(z, sel, value, 1, cols, f"{name} (expanded)")
+            store["z"] = z
+            return z
 
-    return [(lh.z_hook, read_z), (lh.out_hook, expand)]
+        def expand(
+            out: Tensor,
+            hook: Any,
+            name: str = part.z_hook,
+            sel: Tensor = sel,
+            store: dict = store,
+            W: Tensor = W_part,
+        ) -> Tensor:
+            z = store.pop("z", None)  # [1, P, H, d]
+            if z is None:
+                return out
+            P = z.shape[1]
+            value = source.value(name, ref_rows, P, False, z)
+            where = sel.to(z.device)[:, None, None, :, None]  # [K, 1, 1, H, 1]
+            if cols is not None:
+                where = where & col_where(cols, z.device)
+            edited = torch.where(where, value if value.ndim < 4 else value[None], z[None])
+            delta = torch.einsum("kbphd,hdm->kbpm", edited - z[None], W.to(z.dtype))
+            return out + delta.reshape(K, P, -1).to(out.dtype)
+
+        hooks += [(part.z_hook, read_z), (part.out_hook, expand)]
+    return hooks
+
+
+def output_weights(model: Any, lh: LayerHeads) -> list[Tensor] | None:
+    """``W_O`` of each part of a layer (:func:`~gna_lens.heads.head_output_weights`), or
+    ``None`` when a part has no ``out_hook`` or no exposed ``W_O``."""
+    if any(part.out_hook is None for part in lh.parts):
+        return None
+    many = lh.multipart
+    out = [head_output_weights(model, lh.layer, i if many else None) for i in range(len(lh.parts))]
+    return None if any(w is None for w in out) else out  # type: ignore[return-value]
 
 
 def subgroups(
@@ -328,7 +363,7 @@ def _layers(
         run = _LayerRun(
             ctx, g, tokens, source, ref_rows, idx, layer, cap, cache, cell_cols, positions, ids
         )
-        W = head_output_weights(model, layer) if view[layer].out_hook else None
+        W = output_weights(model, view[layer])  # per part of the layer
         chosen = _STRATEGY.setdefault(model, {})
         why_not = _STRATEGY_WHY.setdefault(model, {})
         strategy = "packed" if W is None else chosen.get(runner.keep > 1)
@@ -403,7 +438,7 @@ class _LayerRun:
         lg = runner.from_layer(self.layer, self.resid.repeat(len(cs), 1, 1), self.tokens, hooks)
         return lg, time.perf_counter() - t0
 
-    def expanded(self, W: Tensor, chunk: Sequence[int], r: int) -> tuple[Tensor, float]:
+    def expanded(self, W: Sequence[Tensor], chunk: Sequence[int], r: int) -> tuple[Tensor, float]:
         """Last logits ``[k, V]`` of ``chunk``'s cells on prompt ``r`` alone, expanded at the
         layer's output."""
         runner, view = self.ctx.runner, self.ctx.runner.view
@@ -417,7 +452,7 @@ class _LayerRun:
         lg = runner.from_layer(self.layer, self.resid[one], self.tokens[one], hooks)
         return lg, time.perf_counter() - t0
 
-    def choose(self, W: Tensor) -> tuple[str, list[int], str | None]:
+    def choose(self, W: Sequence[Tensor]) -> tuple[str, list[int], str | None]:
         """Run the first chunk both ways (results kept), check they agree, pick the faster.
 
         Returns the strategy, the cells still to run, and why "expand" was ruled out (``None``
@@ -476,7 +511,7 @@ class _LayerRun:
             self._store_packed(chunk, lg)
             pos += k
 
-    def expand_all(self, W: Tensor, ids: Sequence[int], r: int) -> None:
+    def expand_all(self, W: Sequence[Tensor], ids: Sequence[int], r: int) -> None:
         tuner = self.ctx.tuners["expand"]
         one = slice(r, r + 1)
         pos = 0

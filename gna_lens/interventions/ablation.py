@@ -110,16 +110,17 @@ def head_ablation_hooks(
     layers = sorted({layer for layer, _ in checked})
     require_editable(model, view, layers, "z")
     device = model_device(model)
+    parts = view.parts_of(checked)  # one hook_z per part of a layer (two in Falcon-H1, Zamba2)
     with torch.no_grad():
         source = build_source(
-            model, view, mode, reference, layers, positions, device, include_bos=include_bos
+            model, mode, reference, parts, positions, device, include_bos=include_bos
         )
     inputs = _InputRows(model, source, positions, device)
     hooks: list[tuple[str, HookFn]] = inputs.hooks()
-    for layer in layers:
-        head_mask = view[layer].hook_mask(h for lay, h in checked if lay == layer)
+    for part in parts:
+        head_mask = part.hook_mask(part.local(h for lay, h in checked if lay == part.layer))
         hooks.append(
-            (view[layer].z_hook, _ablation_hook(layer, head_mask, source, positions, view, inputs))
+            (part.z_hook, _ablation_hook(part.z_hook, head_mask, source, positions, inputs))
         )
     return hooks
 
@@ -184,7 +185,7 @@ class _InputRows:
             )
         return ~bos if cols is None else cols[None, :] & ~bos
 
-    def check_pairs(self, R: int, P: int, ref: Tensor, layer: int) -> None:
+    def check_pairs(self, R: int, P: int, ref: Tensor, where: Any) -> None:
         if not self.check_self:
             return
         e = self.current(R, P)
@@ -198,7 +199,7 @@ class _InputRows:
         if same:
             b = same[0]
             raise InterventionError(
-                f"resample ablation at layer {layer}: input row {b} is the same prompt as "
+                f"resample ablation at {where}: input row {b} is the same prompt as "
                 f"{self.source.label} row {int(ref[b])} (row b takes reference row b % "
                 f"{self.source.n}), so its heads would take their own outputs and nothing would "
                 f"be ablated ({len(same)} of {R} rows). Fix: a reference of other prompts (e.g. "
@@ -219,19 +220,20 @@ def _embedding_of(model: Any, token: int, device: Any) -> Tensor | None:
 
 
 def _ablation_hook(
-    layer: int,
+    name: str,
     head_mask: Tensor,
     source: Source,
     positions: Any,
-    view: HeadView,
     inputs: _InputRows,
 ) -> HookFn:
+    """The hook on ``name`` (a ``hook_z``) replacing the heads ``head_mask`` by ``source``."""
+
     def hook(z: Tensor, hook: Any) -> Tensor:
         R, P, H, _ = z.shape
         if head_mask.shape[0] != H:
             raise InterventionError(
-                f"hook_z of layer {layer} has {H} heads (shape {tuple(z.shape)}); the head "
-                f"view expected {head_mask.shape[0]}."
+                f"{name} has {H} heads (shape {tuple(z.shape)}); the head view expected "
+                f"{head_mask.shape[0]}."
             )
         where = head_mask.to(z.device)[None, None, :, None]
         if isinstance(positions, Tensor):
@@ -257,8 +259,8 @@ def _ablation_hook(
             elif cols is not None:
                 where = where & cols[None, :, None, None]
         ref = torch.arange(R) % max(source.n, 1)
-        inputs.check_pairs(R, P, ref, layer)
-        value = source.value(layer, ref, P, False, z)
+        inputs.check_pairs(R, P, ref, name)
+        value = source.value(name, ref, P, False, z)
         return torch.where(where, value, z)
 
     return hook
@@ -731,8 +733,9 @@ def _plan_ablation(
     device = model_device(model)
     runner = Runner(model, view)
     source = build_source(
-        model, view, mode, reference, layers, positions, device, include_bos=include_bos
-    )
+        model, mode, reference, view.parts_of(h for c in cells for h in c), positions, device,
+        include_bos=include_bos,
+    )  # fmt: skip
     prompts = [s.input_ids for s in task]
     edited = edit_positions(source, positions, prompts)
     check_resample_pairs(
@@ -957,8 +960,8 @@ def _plan_control(
     metric = _NextTokenNLL(control.tokens, k)
     plan = SweepPlan(parse_bytes(memory_budget), max_rows, None)
     source = build_source(
-        model, view, mode, None if mode == "zero" else inputs.to(device), layers,
-        positions, device, include_bos=include_bos,
+        model, mode, None if mode == "zero" else inputs.to(device),
+        view.parts_of(h for c in cells for h in c), positions, device, include_bos=include_bos,
     )  # fmt: skip
     rows = inputs.tolist()
     edited = edit_positions(source, positions, rows)

@@ -108,6 +108,9 @@ def attribute_heads(
         raise InterventionError(f"batch_size={batch_size!r}; expected a positive int.")
     layers = sorted({layer for c in cells for layer, _ in c})
     require_editable(model, view, layers, "z")
+    # The hook_z of each part of those layers holding a head of the cells (Falcon-H1 and Zamba2
+    # layers have two), keyed by name.
+    parts = {part.z_hook: part for part in view.parts_of(h for c in cells for h in c)}
     device = model_device(model)
     n = len(task)
     if corrupted is not None:
@@ -115,13 +118,12 @@ def attribute_heads(
     else:
         groups = length_groups(task, batch_size, device)
     with torch.no_grad():
-        source = (
-            build_source(
-                model, view, mode, reference, layers, positions, device, include_bos=include_bos
-            )
-            if corrupted is None
-            else None
-        )
+        source = None
+        if corrupted is None:
+            source = build_source(
+                model, mode, reference, list(parts.values()), positions, device,
+                include_bos=include_bos,
+            )  # fmt: skip
     edited = (
         edit_positions(source, positions, [s.input_ids for s in task])
         if source is not None
@@ -133,50 +135,49 @@ def attribute_heads(
     forwards = float(source.forwards) if source is not None else 0.0  # the reference's passes
     for g in groups:
         tokens = g.tokens if corrupted is None else tokens_of(corrupted, g.indices, device)
-        clean_z: dict[int, Tensor] = {}
+        clean_z: dict[str, Tensor] = {}
         if corrupted is not None:
             with torch.no_grad():
-                clean_z = _collect(model, view, layers, g.tokens)
+                clean_z = _collect(model, list(parts), layers, g.tokens)
             forwards += 1
-        leaves: dict[int, Tensor] = {}
-        acts: dict[int, Tensor] = {}
+        leaves: dict[str, Tensor] = {}
+        acts: dict[str, Tensor] = {}
 
         def grab(
             z: Tensor,
             hook: Any,
-            layer: int,
-            leaves: dict[int, Tensor] = leaves,
-            acts: dict[int, Tensor] = acts,
+            name: str,
+            leaves: dict[str, Tensor] = leaves,
+            acts: dict[str, Tensor] = acts,
         ) -> Tensor:
             leaf = torch.zeros_like(z, requires_grad=True)
-            leaves[layer] = leaf
-            acts[layer] = z.detach()
+            leaves[name] = leaf
+            acts[name] = z.detach()
             return z + leaf
 
-        hooks: list[tuple[Any, Any]] = [
-            (view[layer].z_hook, _bind(grab, layer)) for layer in layers
-        ]
+        hooks: list[tuple[Any, Any]] = [(name, _bind(grab, name)) for name in parts]
         with torch.enable_grad(), hooked(model, hooks):
             logits = model(tokens)[:, -1]
             values = met(logits, g.indices)
-            grads = torch.autograd.grad(values.sum(), [leaves[layer] for layer in layers])
+            grads = torch.autograd.grad(values.sum(), [leaves[name] for name in parts])
         forwards += 3
         baseline[g.indices] = values.detach().float().cpu()
-        for layer, grad in zip(layers, grads, strict=True):
-            z = acts[layer]
+        for (name, part), grad in zip(parts.items(), grads, strict=True):
+            z = acts[name]
             if corrupted is not None:
-                delta = clean_z[layer] - z
+                delta = clean_z[name] - z
             else:
                 assert source is not None
-                value = source.value(layer, g.indices, z.shape[1], False, z)
+                value = source.value(name, g.indices, z.shape[1], False, z)
                 delta = value - z
             cols = column_mask(edited, z.shape[1], z.device)
             if cols is not None:
                 delta = delta * cols[None, :, None, None]
             contrib = (delta * grad).sum(dim=(1, 3)).float().cpu()  # [G, n_channels]
-            if view[layer].channels is not None:  # Mamba-1 channel groups: sum their channels
-                contrib = contrib @ view[layer].membership().T
-            est[layer][g.indices] = contrib
+            if part.channels is not None:  # Mamba-1 channel groups: sum their channels
+                contrib = contrib @ part.membership().T
+            heads = slice(part.offset, part.offset + part.n_heads)  # the layer's indices
+            est[part.layer][g.indices, heads] = contrib
     values_out = torch.stack(
         [baseline + sum((est[layer][:, h] for layer, h in cell), torch.zeros(n)) for cell in cells]
     )
@@ -200,9 +201,9 @@ def attribute_heads(
     )
 
 
-def _bind(fn: Any, layer: int) -> Any:
+def _bind(fn: Any, key: Any) -> Any:
     def bound(z: Tensor, hook: Any) -> Tensor:
-        return fn(z, hook, layer)
+        return fn(z, hook, key)
 
     return bound
 
@@ -213,12 +214,13 @@ def _gradient_path(model: Any) -> str:
     return describe() if callable(describe) else "the model's own forward"
 
 
-def _collect(model: Any, view: Any, layers: list[int], tokens: Tensor) -> dict[int, Tensor]:
-    out: dict[int, Tensor] = {}
+def _collect(model: Any, names: list[str], layers: list[int], tokens: Tensor) -> dict[str, Tensor]:
+    """The clean run's ``hook_z`` of ``names`` (in ``layers``), keyed by name."""
+    out: dict[str, Tensor] = {}
 
-    def keep(z: Tensor, hook: Any, layer: int) -> None:
-        out[layer] = z.clone()
+    def keep(z: Tensor, hook: Any, name: str) -> None:
+        out[name] = z.clone()
 
-    with hooked(model, [(view[layer].z_hook, _bind(keep, layer)) for layer in layers]):
+    with hooked(model, [(name, _bind(keep, name)) for name in names]):
         model(tokens, **({"stop_at_layer": max(layers) + 1} if layers else {}))
     return out

@@ -9,11 +9,23 @@ target       what is replaced                                    hooks
 ``block``    the block's contribution to the residual stream     ``blocks.{l}.hook_resid_pre``,
              (``resid_post - resid_pre``): ``"zero"`` makes the  ``blocks.{l}.hook_resid_post``
              block the identity (the layer is *removed*)
-``mixer``    the token mixer's output: attention                 ``blocks.{l}.hook_attn_out`` /
-             (``hook_attn_out``) or SSM mixer                    ``blocks.{l}.hook_mixer_out``
-             (``hook_mixer_out``), before the residual add
+``mixer``    the whole token-mixing sublayer: the attention's    ``blocks.{l}.hook_attn_out``
+             or the SSM mixer's output; on a two-part layer      and / or
+             (Falcon-H1, Zamba2's hybrid layers) the outputs of  ``blocks.{l}.hook_mixer_out``
+             both parts
+``attn``     the attention part only                             ``blocks.{l}.hook_attn_out``
+``ssm``      the SSM mixer part only                             ``blocks.{l}.hook_mixer_out``
 ``mlp``      the MLP's output, where the block has one           ``blocks.{l}.hook_mlp_out``
 ===========  ==================================================  ===============================
+
+**Two-part layers.** A layer whose heads live behind two sets of hooks
+(:attr:`gna_lens.heads.LayerHeads.parts`) mixes tokens with both: Falcon-H1 adds its Mamba-2
+mixer's output (``hook_mixer_out``) and its parallel attention's (``hook_attn_out``) to the
+residual stream; a Zamba2 hybrid layer runs the shared transformer block's attention
+(``hook_attn_out``, then the shared MLP ``hook_mlp_out`` and ``hook_shared_out``), whose result
+enters the layer's Mamba-2 mixer (``hook_mixer_out``). ``target="mixer"`` replaces both outputs,
+each by zero or by its own mean; ``"attn"`` and ``"ssm"`` address one part (on a one-part layer,
+the one its mixer is: ``"mixer"`` there). On Zamba2, ``"mlp"`` is the shared block's MLP.
 
 ``mode="zero"`` replaces it by zero, ``mode="mean"`` by its mean over a reference, taken over the
 positions that are ablated (the reference prompts' last tokens for ``positions="last"``, the listed
@@ -90,7 +102,9 @@ __all__ = [
 ]
 
 #: What a layer intervention replaces.
-LAYER_TARGETS = ("block", "mixer", "mlp")
+LAYER_TARGETS = ("block", "mixer", "attn", "ssm", "mlp")
+#: The output hook of each part a target may name (``"mixer"``: every part).
+_PART_HOOKS = {"attn": "hook_attn_out", "ssm": "hook_mixer_out"}
 #: What it replaces it with.
 LAYER_MODES = ("zero", "mean")
 
@@ -109,7 +123,13 @@ class LayerInfo:
             both kinds) or ``"block"`` (a layer without addressable heads).
         resid_pre_hook: ``[batch, pos, d_model]`` residual entering the block.
         resid_post_hook: ``[batch, pos, d_model]`` residual leaving it.
-        mixer_hook: The attention's / SSM mixer's output before the residual add, or ``None``.
+        mixer_hooks: The token-mixing sublayer's outputs ``[batch, pos, d_model]``, one per part
+            in head order (:attr:`gna_lens.heads.LayerHeads.parts`): the attention's
+            ``hook_attn_out`` or the SSM mixer's ``hook_mixer_out``; both on a two-part layer
+            (Falcon-H1: mixer, attention; Zamba2 hybrid layers: attention, mixer); ``()``:
+            none.
+        mixer_kinds: Per entry of :attr:`mixer_hooks`, its heads' kind (``"attention"``,
+            ``"ssm"``, ``"mixed"`` for a hybrid student's mixer holding both; ``""`` unknown).
         mlp_hook: The MLP's output before the residual add, or ``None``.
         verified: Edits are known to take effect (HookedSSM); else checked on first use.
     """
@@ -118,7 +138,8 @@ class LayerInfo:
     kind: str
     resid_pre_hook: str
     resid_post_hook: str
-    mixer_hook: str | None
+    mixer_hooks: tuple[str, ...]
+    mixer_kinds: tuple[str, ...]
     mlp_hook: str | None
     verified: bool
 
@@ -153,14 +174,19 @@ def layer_infos(model: Any) -> tuple[LayerInfo, ...]:
             )
         lh = heads.layers[layer] if heads is not None else None
         kind = lh.kind if lh is not None else "block"
-        mixer = next(
-            (
+        # The mixing sublayer's outputs: each head part's (two on Falcon-H1 / Zamba2 layers),
+        # else the one hook the block has.
+        parts = [p for p in lh.parts if p.out_hook in hook_dict] if lh is not None else []
+        if lh is not None and len(parts) == len(lh.parts):
+            mixers = tuple(str(p.out_hook) for p in parts)
+            kinds = tuple(str(p.kind) for p in parts)
+        else:
+            mixers = tuple(
                 name
                 for name in (f"blocks.{layer}.hook_attn_out", f"blocks.{layer}.hook_mixer_out")
                 if name in hook_dict
-            ),
-            None,
-        )
+            )[:1]
+            kinds = (kind if lh is not None else "",) * len(mixers)
         mlp = f"blocks.{layer}.hook_mlp_out"
         out.append(
             LayerInfo(
@@ -168,7 +194,8 @@ def layer_infos(model: Any) -> tuple[LayerInfo, ...]:
                 kind=kind,
                 resid_pre_hook=pre,
                 resid_post_hook=post,
-                mixer_hook=mixer,
+                mixer_hooks=mixers,
+                mixer_kinds=kinds,
                 mlp_hook=mlp if mlp in hook_dict else None,
                 verified=ssm,
             )
@@ -224,37 +251,66 @@ def _require_editable(
         info = infos[layer]
         if info.verified:
             continue
-        name, watch = _target_hook(info, target), None
-        if target == "block":
-            name, watch = info.resid_post_hook, info.resid_pre_hook
-        if name not in verdicts:
-            verdicts[name] = _probe(model, name, watch)
-        if verdicts[name] is not None:
-            raise PatternEditError(
-                f"{type(model).__name__} layer {layer}: a {target} intervention is refused, "
-                f"since it {verdicts[name]}: refusing instead of returning results the edit may "
-                "not have changed. Fix: load the model as a gna_lens.HookedSSM or with an architecture "
-                "whose TransformerBridge blocks pass hook edits on (Llama, Qwen2, GPT-2, ...)."
-            )
+        for name in _target_hooks(info, target):
+            watch = info.resid_pre_hook if target == "block" else None
+            if name not in verdicts:
+                verdicts[name] = _probe(model, name, watch)
+            if verdicts[name] is not None:
+                raise PatternEditError(
+                    f"{type(model).__name__} layer {layer}: a {target} intervention is refused, "
+                    f"since it {verdicts[name]}: refusing instead of returning results the edit "
+                    "may not have changed. Fix: load the model as a gna_lens.HookedSSM or with "
+                    "an architecture whose TransformerBridge blocks pass hook edits on (Llama, "
+                    "Qwen2, GPT-2, ...)."
+                )
 
 
-def _target_hook(info: LayerInfo, target: str) -> str:
+def _target_hooks(info: LayerInfo, target: str) -> tuple[str, ...]:
+    """The hooks whose tensors ``target`` replaces at ``info``'s layer (``"block"``: the
+    ``hook_resid_post`` it restores; ``"mixer"``: every part's output).
+
+    Raises:
+        InterventionError: If the layer has nothing ``target`` names.
+    """
     if target == "block":
-        return info.resid_post_hook
-    name = info.mixer_hook if target == "mixer" else info.mlp_hook
-    if name is None:
-        has = (
-            f"blocks.{info.layer}.hook_attn_out / hook_mixer_out hook"
-            if target == "mixer"
-            else f"MLP (no blocks.{info.layer}.hook_mlp_out)"
-        )
+        return (info.resid_post_hook,)
+    if target == "mlp":
+        if info.mlp_hook is None:
+            raise InterventionError(
+                f"target='mlp' at layer {info.layer}: this layer has no MLP (no "
+                f"blocks.{info.layer}.hook_mlp_out; kind {info.kind!r}). Fix: target='block' "
+                "(the whole layer)" + (", or 'mixer'" if info.mixer_hooks else "") + "."
+            )
+        return (info.mlp_hook,)
+    if not info.mixer_hooks:
         raise InterventionError(
-            f"target={target!r} at layer {info.layer}: this layer has no {has} (kind "
-            f"{info.kind!r}). Fix: target='block' (the whole layer)"
-            + (", or 'mixer'" if target == "mlp" and info.mixer_hook else "")
-            + "."
+            f"target={target!r} at layer {info.layer}: this layer has no token mixer (no "
+            f"blocks.{info.layer}.hook_attn_out / hook_mixer_out hook; kind {info.kind!r}). "
+            "Fix: target='block' (the whole layer)" + (", or 'mlp'" if info.mlp_hook else "") + "."
         )
-    return name
+    if target == "mixer":
+        return info.mixer_hooks
+    suffix = _PART_HOOKS[target]
+    names = tuple(n for n in info.mixer_hooks if n.endswith("." + suffix))
+    has = " and ".join(
+        f"{n.rsplit('.', 1)[-1]} ({k or 'unknown'} heads)"
+        for n, k in zip(info.mixer_hooks, info.mixer_kinds, strict=True)
+    )
+    if "mixed" in info.mixer_kinds and len(info.mixer_hooks) == 1:
+        kind = {"attn": "attention", "ssm": "SSM"}[target]
+        raise InterventionError(
+            f"target={target!r} at layer {info.layer}: its one mixer holds attention and SSM "
+            f"heads together ({has}), so its output has no {kind}-only part. Fix: "
+            f"target='mixer' (the whole mixer), or ablate the {kind} heads "
+            "(gna_lens.interventions.ablate_heads)."
+        )
+    if not names:
+        what = {"attn": "attention", "ssm": "SSM mixer"}[target]
+        raise InterventionError(
+            f"target={target!r} at layer {info.layer}: this layer has no {what} (its token "
+            f"mixer: {has}). Fix: target='mixer' (the layer's whole token mixer) or 'block'."
+        )
+    return names
 
 
 # ----------------------------------------------------------------------------- validation
@@ -285,7 +341,8 @@ def _check_target_mode(target: Any, mode: Any, include_bos: Any = False) -> None
     if target not in LAYER_TARGETS:
         raise InterventionError(
             f"target={target!r}; expected one of {LAYER_TARGETS}: 'block' (the whole layer; "
-            "mode='zero' removes it), 'mixer' (attention or SSM mixer output), 'mlp'."
+            "mode='zero' removes it), 'mixer' (the token mixer's output: attention, SSM mixer, "
+            "or both parts of a two-part layer), 'attn' / 'ssm' (one part), 'mlp'."
         )
     if mode not in LAYER_MODES:
         raise InterventionError(
@@ -315,8 +372,8 @@ def _layer_source(
     include_bos: bool = False,
     max_rows: int = 16,
 ) -> Source:
-    """The mean over ``reference`` of what ``target`` replaces (``source.mean[layer]``:
-    ``[d_model]``), taken over the positions that are ablated, as for head ablation
+    """The mean over ``reference`` of what ``target`` replaces (``source.mean[name]``:
+    ``[d_model]``, per replaced hook: ``hook_resid_post`` for a block), taken over the positions that are ablated, as for head ablation
     (:func:`~gna_lens.interventions._common.mean_positions`): the reference prompts' last tokens
     for ``positions="last"``, the listed positions (counted from each prompt's own end), or every
     position; a leading BOS is left out unless ``include_bos`` (a list naming it raises)."""
@@ -330,13 +387,13 @@ def _layer_source(
     )
     bos_id = bos_token_id(model, reference)
     picks, info = mean_positions(rows, positions, bos_id, include_bos, label)
-    sums: dict[int, Tensor] = {}
+    sums: dict[str, Tensor] = {}
     pre: dict[int, Tensor] = {}
     picked: dict[str, Tensor] = {}
 
-    def add(layer: int, x: Tensor) -> None:
+    def add(name: str, x: Tensor) -> None:
         flat = x.detach()[picked["rows"].to(x.device)].double()  # [tokens, d_model]
-        sums[layer] = sums.get(layer, 0) + flat.sum(0)  # type: ignore[assignment]
+        sums[name] = sums.get(name, 0) + flat.sum(0)  # type: ignore[assignment]
 
     hooks: list[tuple[str, HookFn]] = []
     for layer in layers:
@@ -347,15 +404,16 @@ def _layer_source(
                 pre[layer] = x
 
             def delta(x: Tensor, hook: Any, layer: int = layer) -> None:
-                add(layer, x - pre.pop(layer).to(x.dtype))
+                add(infos[layer].resid_post_hook, x - pre.pop(layer).to(x.dtype))
 
             hooks += [(info_l.resid_pre_hook, keep), (info_l.resid_post_hook, delta)]
         else:
+            for name in _target_hooks(info_l, target):
 
-            def value(x: Tensor, hook: Any, layer: int = layer) -> None:
-                add(layer, x)
+                def value(x: Tensor, hook: Any, name: str = name) -> None:
+                    add(name, x)
 
-            hooks.append((_target_hook(info_l, target), value))
+                hooks.append((name, value))
     with torch.no_grad(), hooked(model, hooks):
         for g in groups:
             mask = torch.zeros(len(g), g.length, dtype=torch.bool)
@@ -364,7 +422,7 @@ def _layer_source(
             picked["rows"] = mask
             model(g.tokens)
     n = info["mean_tokens"]
-    mean = {layer: (sums[layer] / n).float() for layer in layers}
+    mean = {name: (total / n).float() for name, total in sums.items()}
     return Source(
         "mean", mean=mean, label=label, tokens=rows, bos_id=bos_id, include_bos=include_bos,
         info=info, forwards=len(groups),
@@ -374,11 +432,12 @@ def _layer_source(
 def _edit_hooks(
     info: LayerInfo,
     target: str,
-    mean: Tensor | None,
+    means: dict[Any, Tensor] | None,
     positions: Any,
     inputs: _InputRows | None = None,
 ) -> list[tuple[str, HookFn]]:
-    """The hooks replacing ``target`` of one layer by zero (``mean=None``) or ``mean``.
+    """The hooks replacing ``target`` of one layer by zero (``means=None``) or by each replaced
+    hook's mean (``means[name]``).
 
     ``positions``: ``None``, ``"last"``, a list, or a :class:`SkipBos` (a sweep's known prompts
     all start with BOS). ``inputs``: for mean ablation of unknown inputs without ``include_bos``,
@@ -395,6 +454,7 @@ def _edit_hooks(
         return None if cols is None else cols[-P:][None]
 
     if target == "block":
+        mean = None if means is None else means[info.resid_post_hook]
         store: dict[str, Tensor] = {}
 
         def keep(x: Tensor, hook: Any) -> None:
@@ -424,7 +484,7 @@ def _edit_hooks(
     def measure(x: Tensor, hook: Any) -> None:
         length["pos"] = x.shape[1]
 
-    def replace(x: Tensor, hook: Any) -> Tensor:
+    def replace(x: Tensor, hook: Any, mean: Tensor | None) -> Tensor:
         value = x.new_zeros(()) if mean is None else mean.to(device=x.device, dtype=x.dtype)
         P = x.shape[1]
         # A runner may keep only the last positions after the last mixer: the MLP's output then
@@ -434,7 +494,10 @@ def _edit_hooks(
             return value.expand_as(x).clone()
         return torch.where(where[:, :, None], value, x)
 
-    hooks: list[tuple[str, HookFn]] = [(_target_hook(info, target), replace)]
+    hooks: list[tuple[str, HookFn]] = [
+        (name, _bind(replace, mean=None if means is None else means[name]))
+        for name in _target_hooks(info, target)
+    ]
     return [(info.resid_pre_hook, measure), *hooks] if positions is not None or skip else hooks
 
 
@@ -448,8 +511,8 @@ def _hooks_for(
 ) -> list[tuple[str, HookFn]]:
     hooks: list[tuple[str, HookFn]] = []
     for layer in layers:
-        mean = None if source is None else source.mean[layer]
-        hooks += _edit_hooks(infos[layer], target, mean, positions, inputs)
+        means = None if source is None else source.mean
+        hooks += _edit_hooks(infos[layer], target, means, positions, inputs)
     return hooks
 
 
@@ -471,7 +534,10 @@ def layer_ablation_hooks(
         layers: Layer indices, e.g. ``[16, 17]``.
         target: ``"block"`` (the block's contribution to the residual stream; with
             ``mode="zero"`` the block is the identity: the layer is removed), ``"mixer"`` (the
-            attention's or SSM mixer's output) or ``"mlp"`` (the MLP's output).
+            whole token mixer's output: the attention's or the SSM mixer's, or both parts'
+            outputs on a two-part layer, Falcon-H1 and Zamba2's hybrid layers), ``"attn"`` /
+            ``"ssm"`` (one part: ``hook_attn_out`` / ``hook_mixer_out``) or ``"mlp"`` (the
+            MLP's output).
         mode: ``"zero"`` or ``"mean"``: the mean of the replaced quantity over ``reference``,
             taken over the positions that are ablated (the reference prompts' last tokens for
             ``positions="last"``, the listed positions of each prompt for a list, every position
@@ -489,7 +555,8 @@ def layer_ablation_hooks(
 
     Returns:
         A list of ``(hook name, hook function)`` pairs (two per removed block: one reads
-        ``hook_resid_pre``, the other returns it from ``hook_resid_post``; for mean ablation
+        ``hook_resid_pre``, the other returns it from ``hook_resid_post``; one per replaced
+        output otherwise, two for the mixer of a two-part layer; for mean ablation
         without ``include_bos``, also a read-only hook on ``hook_embed`` that finds BOS).
 
     Raises:
@@ -505,7 +572,7 @@ def layer_ablation_hooks(
     _check_target_mode(target, mode, include_bos)
     positions = _check_layer_positions(positions)
     for layer in checked:
-        _target_hook(infos[layer], target)
+        _target_hooks(infos[layer], target)
     if mode == "zero" and reference is not None:
         raise InterventionError("mode='zero' takes no reference; pass mode='mean' to use one.")
     _require_editable(model, infos, checked, target)
@@ -532,7 +599,8 @@ def ablate_layers(
     Args:
         model: A TransformerBridge or a HookedSSM.
         layers: Layer indices.
-        target: ``"block"``, ``"mixer"`` or ``"mlp"`` (see :func:`layer_ablation_hooks`).
+        target: ``"block"``, ``"mixer"``, ``"attn"``, ``"ssm"`` or ``"mlp"`` (see
+            :func:`layer_ablation_hooks`).
         mode: ``"zero"`` or ``"mean"`` (over the ablated positions of ``reference``, BOS
             excluded and unedited; see :func:`layer_ablation_hooks`).
         positions: ``None`` (all), ``"last"`` or a list of positions.
@@ -1017,7 +1085,7 @@ def _sweep_cells(
     met = Metric(metric, task)
     layers = sorted({layer for c in cells for layer in c})
     for layer in layers:
-        _target_hook(infos[layer], target)
+        _target_hooks(infos[layer], target)
     _require_editable(model, infos, layers, target)
     if removed:
         _require_editable(model, infos, removed, "block")
@@ -1063,8 +1131,13 @@ def _sweep_cells(
     what = {
         ("block", "zero"): "block removed: the identity on the residual stream",
         ("block", "mean"): "block's residual contribution replaced by its mean",
-        ("mixer", "zero"): "mixer (attention / SSM) output zeroed",
-        ("mixer", "mean"): "mixer (attention / SSM) output replaced by its mean",
+        ("mixer", "zero"): "mixer output zeroed (attention / SSM; both parts of a two-part layer)",
+        ("mixer", "mean"): "mixer output replaced by its mean (attention / SSM; both parts of "
+        "a two-part layer, each by its own mean)",
+        ("attn", "zero"): "attention output zeroed",
+        ("attn", "mean"): "attention output replaced by its mean",
+        ("ssm", "zero"): "SSM mixer output zeroed",
+        ("ssm", "mean"): "SSM mixer output replaced by its mean",
         ("mlp", "zero"): "MLP output zeroed",
         ("mlp", "mean"): "MLP output replaced by its mean",
     }[(target, mode)]
@@ -1256,7 +1329,8 @@ def layer_sweep(
         layers: ``None`` (every layer not in ``removed``, alone), ``[l, ...]`` (each alone) or
             layer sets ``[[16, 17], ...]`` (each set ablated together).
         target: ``"block"`` (default: with ``mode="zero"`` the layer is removed), ``"mixer"``
-            or ``"mlp"`` (see :func:`layer_ablation_hooks`).
+            (both parts of a two-part layer), ``"attn"``, ``"ssm"`` or ``"mlp"`` (see
+            :func:`layer_ablation_hooks`).
         mode: ``"zero"`` or ``"mean"``: the mean over ``reference`` (the control's own windows
             for the control) at the ablated positions, BOS excluded and unedited unless
             ``include_bos`` (see :func:`layer_ablation_hooks`; ``method["mean_over"]`` says
@@ -1328,7 +1402,7 @@ def prune_from_end(
         task: The task.
         metric: As in :func:`layer_sweep`.
         n_steps: Pruning steps (default ``n_layers - 1``: every step that leaves a layer).
-        target: ``"block"`` (default), ``"mixer"`` or ``"mlp"``.
+        target: ``"block"`` (default), ``"mixer"``, ``"attn"``, ``"ssm"`` or ``"mlp"``.
         mode: ``"zero"`` or ``"mean"`` (as in :func:`layer_sweep`).
         positions: ``None``, ``"last"`` or a list of positions.
         reference: Task or token ids for ``mode="mean"``.

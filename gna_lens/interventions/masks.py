@@ -162,13 +162,17 @@ def aggregate_mask(
 
 
 # ----------------------------------------------------------------------------- applying masks
-def _check_masks(view: HeadView, masks: Mapping[Head, Any]) -> dict[int, dict[int, Tensor]]:
+def _check_masks(
+    view: HeadView, masks: Mapping[Head, Any]
+) -> dict[tuple[int, int], dict[int, Tensor]]:
+    """The masks per part of a layer, keyed ``(layer, part index)`` (a single-part layer's part
+    is 0), and within it by the hook tensors' head-axis index."""
     if not isinstance(masks, Mapping) or not masks:
         raise InterventionError(
             f"masks={type(masks).__name__}; expected a non-empty dict {{(layer, head): mask}}, "
             "e.g. {(3, 2): gna_lens.gather_mask(batch)}."
         )
-    per_layer: dict[int, dict[int, Tensor]] = {}
+    per_part: dict[tuple[int, int], dict[int, Tensor]] = {}
     for key, mask in masks.items():
         (layer, head) = view.check_heads([key], "masks")[0]
         if not isinstance(mask, Tensor) or mask.ndim not in (2, 3):
@@ -185,9 +189,11 @@ def _check_masks(view: HeadView, masks: Mapping[Head, Any]) -> dict[int, dict[in
         m = mask if mask.ndim == 3 else mask[None]
         if m.dtype != torch.bool and not m.is_floating_point():
             m = m != 0
-        for channel in view[layer].members(head):  # a Mamba-1 group masks each of its channels
-            per_layer.setdefault(layer, {})[channel] = m
-    return per_layer
+        part, local = view.part_of((layer, head))
+        index = view[layer].parts.index(part)
+        for channel in part.members(local):  # a Mamba-1 group masks each of its channels
+            per_part.setdefault((layer, index), {})[channel] = m
+    return per_part
 
 
 def _mask_for(
@@ -197,8 +203,10 @@ def _mask_for(
     head_idx: Tensor | None,
     row_idx: Tensor | None,
     device: torch.device,
+    offset: int = 0,
 ) -> tuple[Tensor, Tensor]:
-    """(keep ``[b|1, H_sel, R_sel, L]`` as float, which-heads ``[H_sel]``) for one pattern."""
+    """(keep ``[b|1, H_sel, R_sel, L]`` as float, which-heads ``[H_sel]``) for one pattern
+    (``offset``: the layer's index of the pattern's first head, for messages)."""
     b, H, R, L = shape
     sel_heads = head_idx.tolist() if head_idx is not None else list(range(H))
     keep = torch.ones((1, H, R, L), device=device)
@@ -206,7 +214,7 @@ def _mask_for(
     for h, m in heads.items():
         if h not in sel_heads:
             raise PatternEditError(
-                f"the mask for ({layer}, {h}) would be silently dropped: this forward pass "
+                f"the mask for ({layer}, {offset + h}) would be silently dropped: this forward pass "
                 f"materializes only heads {sel_heads} of layer {layer} (an enclosing "
                 "model.pattern_selection(heads=...)). Fix: apply masks with "
                 "gna_lens.mask_patterns, which selects the masked heads and rows itself, or "
@@ -214,14 +222,14 @@ def _mask_for(
             )
         if m.shape[-1] != L or m.shape[0] not in (1, b):
             raise PatternEditError(
-                f"the mask for ({layer}, {h}) has shape {tuple(m.shape)} but the pattern of this "
+                f"the mask for ({layer}, {offset + h}) has shape {tuple(m.shape)} but the pattern of this "
                 f"forward pass is [batch={b}, head_index, query_pos={L if row_idx is None else 'sel'}"
                 f", key_pos={L}]; expected [{L}, {L}] or [{b}, {L}, {L}]. Build masks for the "
                 "inputs you run (e.g. gna_lens.gather_mask(batch) for that batch)."
             )
         mm = m.to(device=device, dtype=torch.float32)
         if row_idx is not None:
-            _check_rows_selected(layer, h, mm, row_idx.to(device))
+            _check_rows_selected(layer, offset + h, mm, row_idx.to(device))
             mm = mm.index_select(1, row_idx.to(device))
         if keep.shape[0] != mm.shape[0]:
             keep = keep.expand(mm.shape[0], -1, -1, -1).clone()
@@ -266,10 +274,11 @@ def pattern_mask_hooks(
     if mode not in ("post", "pre"):
         raise InterventionError(f"mode={mode!r}; expected 'post' or 'pre'.")
     view = head_view(model)
-    per_layer = _check_masks(view, masks)
-    attn_layers = [layer for layer in per_layer if view.kind(layer) == "attention"]
-    # SSM layers and mixed layers (hybrid students) are edited through the pattern
-    other_layers = [layer for layer in per_layer if view.kind(layer) != "attention"]
+    per_part = _check_masks(view, masks)
+    parts = {key: view[key[0]].parts[key[1]] for key in per_part}
+    attn_layers = sorted({key[0] for key, part in parts.items() if part.kind == "attention"})
+    # SSM parts and mixed ones (hybrid students) are edited through the pattern
+    other_layers = sorted({key[0] for key, part in parts.items() if part.kind != "attention"})
     if mode == "pre" and attn_layers:
         require_editable(model, view, attn_layers, "scores")
     if mode == "post" and attn_layers:
@@ -278,11 +287,12 @@ def pattern_mask_hooks(
         require_editable(model, view, other_layers, "pattern")
     mixers = model.ssm_mixers() if _is_hooked_ssm(model) else {}
     hooks: list[tuple[str, HookFn]] = []
-    for layer, heads in sorted(per_layer.items()):
-        lh = view[layer]
-        mixer = mixers.get(layer)
+    for (layer, index), heads in sorted(per_part.items()):
+        lh = parts[(layer, index)]
+        # the mixer whose pattern_selection says which heads and rows its pattern holds
+        mixer = mixers.get(layer) if lh.ssm_mixer else None
         if lh.kind == "attention" and mode == "pre":
-            hooks.append((lh.hook("scores"), _scores_hook(layer, heads)))
+            hooks.append((lh.hook("scores"), _scores_hook(layer, heads, lh.offset)))
             empty = _empty_rows(heads)
             if empty is not None:
                 require_editable(model, view, [layer], "pattern")
@@ -295,12 +305,16 @@ def pattern_mask_hooks(
                 if mode == "pre" and lh.kind == "mixed" and lh.kind_of(h) == "attention"
             )
             heads = {h: (m != 0) if h in renorm else m for h, m in heads.items()}
-            hooks.append((lh.pattern_hook, _pattern_hook(layer, heads, mixer, renorm)))
+            hooks.append((lh.pattern_hook, _pattern_hook(layer, heads, mixer, renorm, lh.offset)))
     return hooks
 
 
 def _pattern_hook(
-    layer: int, heads: dict[int, Tensor], mixer: Any, renorm: frozenset[int] = frozenset()
+    layer: int,
+    heads: dict[int, Tensor],
+    mixer: Any,
+    renorm: frozenset[int] = frozenset(),
+    offset: int = 0,
 ) -> HookFn:
     """Multiply the pattern by the keep masks; the rows of the heads in ``renorm`` are then
     divided by their sums (the softmax over the kept keys; an empty row stays zero)."""
@@ -317,7 +331,9 @@ def _pattern_hook(
         )
         if key not in cache:
             cache.clear()
-            cache[key] = _mask_for(layer, heads, pattern.shape, head_idx, row_idx, pattern.device)
+            cache[key] = _mask_for(
+                layer, heads, pattern.shape, head_idx, row_idx, pattern.device, offset
+            )
         keep, _ = cache[key]
         out = pattern * keep.to(pattern.dtype)
         if renorm:
@@ -332,9 +348,9 @@ def _pattern_hook(
     return hook
 
 
-def _scores_hook(layer: int, heads: dict[int, Tensor]) -> HookFn:
+def _scores_hook(layer: int, heads: dict[int, Tensor], offset: int = 0) -> HookFn:
     def hook(scores: Tensor, hook: Any) -> Tensor:
-        keep, touched = _mask_for(layer, heads, scores.shape, None, None, scores.device)
+        keep, touched = _mask_for(layer, heads, scores.shape, None, None, scores.device, offset)
         removed = (keep == 0) & touched[None, :, None, None]
         return scores.masked_fill(removed, torch.finfo(scores.dtype).min)
 
@@ -369,11 +385,11 @@ def _selection(model: Any, view: HeadView, masks: Mapping[Head, Tensor]) -> Any:
     heads: dict[int, list[int]] = {}
     rows: set[int] = set()
     whole = False
-    mixers = model.ssm_mixers()
     for (layer, head), m in masks.items():
-        if layer not in mixers:  # attention layers always materialize their pattern
+        part, local = view.part_of((layer, head))
+        if not part.ssm_mixer:  # attention always materializes its pattern
             continue
-        heads.setdefault(layer, []).extend(view[layer].members(head))
+        heads.setdefault(layer, []).extend(part.members(local))
         idx = _changed_rows(m).nonzero().flatten().tolist()
         if not idx:
             whole = True  # an all-ones mask still runs through the materialized path

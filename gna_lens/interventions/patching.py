@@ -143,8 +143,9 @@ class PatchResult:
 
 
 def _clean_run_source(
-    model: Any, view: Any, clean: Task, layers: list[int], positions: Any, device: Any
+    model: Any, parts: list[Any], clean: Task, positions: Any, device: Any
 ) -> Source:
+    """The clean run's ``hook_z`` of ``parts`` (parts of layers), per sample."""
     by_len: dict[int, list[int]] = {}
     for i, s in enumerate(clean):
         by_len.setdefault(s.n_tokens, []).append(i)
@@ -152,7 +153,7 @@ def _clean_run_source(
         Group(torch.tensor(ids), tokens_of(clean, torch.tensor(ids), device))
         for ids in by_len.values()
     ]
-    samples = collect_z(model, view, layers, groups, positions == "last", len(clean))
+    samples = collect_z(model, parts, groups, positions == "last", len(clean))
     return Source("samples", samples=samples, last_only=positions == "last", label="clean run")
 
 
@@ -225,7 +226,8 @@ def patch_heads(
     plan = SweepPlan(parse_bytes(memory_budget), max_rows, pack)
     runner = Runner(model, view)
     with torch.no_grad():
-        source = _clean_run_source(model, view, clean, layers, positions, device)
+        parts = view.parts_of(h for c in cells for h in c)  # two hook_z in some hybrid layers
+        source = _clean_run_source(model, parts, clean, positions, device)
         clean_base = _baseline(runner, clean, groups, met, device)
 
         def source_for(g: Group) -> tuple[Source, Tensor]:

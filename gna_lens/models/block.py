@@ -49,6 +49,15 @@ class SSMBlock(nn.Module):
                 self.hook_attn_out = HookPoint()  # [batch, pos, d_model]
         #: Whether an attention runs in parallel with the SSM mixer (Falcon-H1).
         self.has_parallel_attn = self.has_mixer and not self.is_attention and cfg.parallel_attention
+        #: The submodules whose hooks hold the block's heads, in the order the head view
+        #: numbers them (``"attn"``: ``blocks.{l}.attn.*``, ``"mixer"``: ``blocks.{l}.mixer.*``;
+        #: ``()``: no heads). Two entries make a multi-part layer: Falcon-H1's SSM heads come
+        #: first (``0 .. n_heads - 1``), then its parallel attention's.
+        self.head_parts: tuple[str, ...] = ()
+        if self.is_attention:
+            self.head_parts = ("attn",)
+        elif self.has_mixer:
+            self.head_parts = ("mixer", "attn") if self.has_parallel_attn else ("mixer",)
         mlp_kind = cfg.mlp_type(layer)
         self.has_mlp = bool(mlp_kind)
         if self.has_mlp:

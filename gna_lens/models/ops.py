@@ -122,12 +122,12 @@ def segsum_rows(
     q = _rows_tensor(rows, length, a.device)
     j = torch.arange(length, device=a.device)
     causal = j[None, :] <= q[:, None]  # [R, L]
-    # a_k counted for k in (j, q]: mask positions k > q, then reverse cumsum from k = q down.
-    keep = causal.to(a.dtype)
-    masked = a.unsqueeze(-2) * keep  # [..., R, L]
-    rev = masked.flip(-1).cumsum(-1).flip(-1)  # rev[r, j] = sum_{k=j..q} a_k
-    seg = torch.cat([rev[..., 1:], torch.zeros_like(rev[..., :1])], dim=-1)  # sum_{k=j+1..q}
-    return seg * keep, causal
+    # a_k counted for k in (j, q]: shift a one place left (b_k = a_{k+1}), keep b_k for k < q,
+    # then reverse cumsum from the end down to j: 0 + a_q + ... + a_{j+1} (0 where j >= q).
+    shifted = torch.cat([a[..., 1:], torch.zeros_like(a[..., :1])], dim=-1)  # [..., L]
+    keep = (j[None, :] < q[:, None]).to(a.dtype)
+    masked = shifted.unsqueeze(-2) * keep  # [..., R, L]
+    return masked.flip(-1).cumsum(-1).flip(-1), causal
 
 
 def mamba1_scan(

@@ -56,7 +56,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from gna_lens.errors import InterventionError
-from gna_lens.heads import HeadView, head_view
+from gna_lens.heads import HeadView, LayerHeads, head_view
 from gna_lens.interventions._common import describe_task
 from gna_lens.tasks import Sample, Task
 
@@ -306,7 +306,8 @@ def _roles(per_sample: Tensor, chunk: int = 1024) -> tuple[str, ...]:
 def _capture_patterns(
     model: Any, view: HeadView, layers: Sequence[int]
 ) -> Iterator[dict[int, Tensor]]:
-    """Hooks that store each layer's pattern (keyed by layer: hook names can be aliases)."""
+    """Hooks that store each single-part layer's pattern (keyed by layer: hook names can be
+    aliases); :func:`_capture_part_patterns` for layers of several parts."""
     store: dict[int, Tensor] = {}
 
     def saver(layer: int) -> Callable[..., None]:
@@ -315,7 +316,26 @@ def _capture_patterns(
 
         return save
 
-    hooks = [(view[layer].pattern_hook, saver(layer)) for layer in layers]
+    hooks = [(view[layer].hook("pattern"), saver(layer)) for layer in layers]
+    with model.hooks(fwd_hooks=hooks):
+        yield store
+
+
+@contextmanager
+def _capture_part_patterns(
+    model: Any, view: HeadView, parts: Sequence[LayerHeads]
+) -> Iterator[dict[tuple[int, int], Tensor]]:
+    """Hooks that store the pattern of each of ``parts`` (parts of layers,
+    :attr:`~gna_lens.heads.LayerHeads.parts`), keyed by ``(layer, offset)``."""
+    store: dict[tuple[int, int], Tensor] = {}
+
+    def saver(key: tuple[int, int]) -> Callable[..., None]:
+        def save(pattern: Tensor, hook: Any) -> None:
+            store[key] = pattern.detach()
+
+        return save
+
+    hooks = [(p.pattern_hook, saver((p.layer, p.offset))) for p in parts]
     with model.hooks(fwd_hooks=hooks):
         yield store
 
@@ -362,19 +382,23 @@ def pattern_scores(
     """
     view = head_view(model)
     wanted = view.check_heads(heads) if heads is not None else view.heads()
-    layers = sorted({layer for layer, _ in wanted})
-    layer_heads = {layer: sorted({h for lay, h in wanted if lay == layer}) for layer in layers}
-    per_layer: dict[int, list[Tensor]] = {layer: [] for layer in layers}
+    # Scored per part of a layer (one hook_pattern each; Falcon-H1 and Zamba2 layers have two),
+    # keyed (layer, offset), with the part's own head indices.
+    parts = {(p.layer, p.offset): p for p in view.parts_of(wanted)}
+    part_heads = {
+        key: sorted({h - key[1] for lay, h in wanted if lay == key[0] and p.local([h])})
+        for key, p in parts.items()
+    }
+    per_part: dict[tuple[int, int], list[Tensor]] = {key: [] for key in parts}
     device = next(model.parameters()).device
     bos = getattr(task.tokenizer or getattr(model, "tokenizer", None), "bos_token_id", None)
     mixers = model.ssm_mixers() if hasattr(model, "pattern_selection") else {}
-    # SSM layers materialize only the channels of the wanted heads (None: all of them).
+    # SSM mixers materialize only the channels of the wanted heads (None: all of them).
     channels = {}
-    for layer in layers:
-        lh = view[layer]
-        if layer in mixers:
-            chans = sorted({c for h in layer_heads[layer] for c in lh.members(h)})
-            channels[layer] = None if len(chans) == lh.n_channels else chans
+    for key, p in parts.items():
+        if p.ssm_mixer and key[0] in mixers:
+            chans = sorted({c for h in part_heads[key] for c in p.members(h)})
+            channels[key[0]] = None if len(chans) == p.n_channels else chans
     n_done = 0
     batches = task.batches(batch_size, padding_side=padding_side)  # type: ignore[arg-type]
     bar = tqdm(total=len(task), desc="pattern scores", disable=not progress, leave=False)
@@ -386,8 +410,8 @@ def pattern_scores(
             padded = sorted(
                 {off + r for off, rs in zip(batch.offsets, rows, strict=True) for r in rs}
             )
-            scorer = _Scorer(view, layer_heads, mixers, batch, rows, bos, per_layer)
-            hooks = [(view[layer].pattern_hook, scorer.hook(layer)) for layer in layers]
+            scorer = _Scorer(parts, part_heads, mixers, batch, rows, bos, per_part)
+            hooks = [(p.pattern_hook, scorer.hook(key)) for key, p in parts.items()]
             with ExitStack() as stack:
                 if mixers:
                     heads_sel = {k: v for k, v in channels.items() if v is not None}
@@ -396,18 +420,21 @@ def pattern_scores(
                     )
                 stack.enter_context(model.hooks(fwd_hooks=hooks))
                 model(ids, attention_mask=mask)
-            missing = [layer for layer in layers if scorer.done.get(layer) != 1]
+            missing = [parts[key].pattern_hook for key in parts if scorer.done.get(key) != 1]
             if missing:
                 raise InterventionError(
-                    f"pattern_scores: the pattern hooks of layers {missing} did not fire exactly "
-                    "once in a forward pass; their patterns cannot be scored."
+                    f"pattern_scores: the pattern hooks {missing} did not fire exactly once in a "
+                    "forward pass; their patterns cannot be scored."
                 )
             n_done += len(batch)
             bar.update(len(batch))
     bar.close()
-    stacked = {layer: torch.stack(rows) for layer, rows in per_layer.items()}  # [S, H_l, C]
-    col = {layer: {h: i for i, h in enumerate(layer_heads[layer])} for layer in layers}
-    per_sample = torch.stack([stacked[layer][:, col[layer][h]] for layer, h in wanted], 1)
+    stacked = {key: torch.stack(rows) for key, rows in per_part.items()}  # [S, H_part, C]
+    col = {key: {h: i for i, h in enumerate(part_heads[key])} for key in parts}
+    where = [view.part_of(h) for h in wanted]
+    per_sample = torch.stack(
+        [stacked[(p.layer, p.offset)][:, col[(p.layer, p.offset)][h]] for p, h in where], 1
+    )
     means = per_sample.mean(0).float()  # NaN nulls stay NaN
     cols = {name: means[:, i] for i, name in enumerate(SCORE_NAMES)}
     return PatternScores(
@@ -426,34 +453,35 @@ class _Scorer:
 
     One layer's pattern is alive at a time (the hook keeps only the per-sample scores), and of
     an SSM layer only the rows the scores read (:func:`scored_rows`, through
-    ``HookedSSM.pattern_selection``) and the wanted heads' channels are materialized.
+    ``HookedSSM.pattern_selection``) and the wanted heads' channels are materialized. Keyed by
+    part of a layer, ``(layer, offset)``.
     """
 
     def __init__(
         self,
-        view: HeadView,
-        layer_heads: dict[int, list[int]],
+        parts: dict[tuple[int, int], LayerHeads],
+        part_heads: dict[tuple[int, int], list[int]],
         mixers: dict[int, Any],
         batch: Any,
         rows: list[list[int]],
         bos: int | None,
-        out: dict[int, list[Tensor]],
+        out: dict[tuple[int, int], list[Tensor]],
     ):
-        self.view, self.layer_heads, self.mixers = view, layer_heads, mixers
+        self.parts, self.part_heads, self.mixers = parts, part_heads, mixers
         self.batch, self.rows, self.bos, self.out = batch, rows, bos, out
-        self.done: dict[int, int] = {}
+        self.done: dict[tuple[int, int], int] = {}
 
-    def hook(self, layer: int) -> Callable[..., None]:
+    def hook(self, key: tuple[int, int]) -> Callable[..., None]:
         def score(pattern: Tensor, hook: Any) -> None:
-            self.done[layer] = self.done.get(layer, 0) + 1
-            self.score(layer, pattern.detach())
+            self.done[key] = self.done.get(key, 0) + 1
+            self.score(key, pattern.detach())
 
         return score
 
-    def score(self, layer: int, pattern: Tensor) -> None:
-        lh = self.view[layer]
+    def score(self, key: tuple[int, int], pattern: Tensor) -> None:
+        lh = self.parts[key]
         head_idx, row_idx = (None, None)
-        mixer = self.mixers.get(layer)
+        mixer = self.mixers.get(lh.layer) if lh.ssm_mixer else None
         if mixer is not None:
             head_idx, row_idx = mixer.last_pattern_index
         length = pattern.shape[-1]
@@ -461,7 +489,7 @@ class _Scorer:
         row_of = {p: r for r, p in enumerate(row_pos)}
         chan_pos = list(range(pattern.shape[1])) if head_idx is None else head_idx.tolist()
         chan_of = {c: i for i, c in enumerate(chan_pos)}
-        heads = self.layer_heads[layer]
+        heads = self.part_heads[key]
         for b, (sample, off) in enumerate(zip(self.batch.samples, self.batch.offsets, strict=True)):
             n, rs = sample.n_tokens, self.rows[b]
             sink = self.bos is not None and sample.input_ids[0] == self.bos
@@ -472,7 +500,7 @@ class _Scorer:
                 P = P.index_select(0, sel)
             else:
                 P = _group_rows(P, rs, [[chan_of[c] for c in lh.members(h)] for h in heads], sink)
-            self.out[layer].append(_sample_scores(P, sample, sink, rs).cpu())
+            self.out[key].append(_sample_scores(P, sample, sink, rs).cpu())
 
 
 def _group_rows(P: Tensor, positions: Sequence[int], groups: list[list[int]], sink: bool) -> Tensor:

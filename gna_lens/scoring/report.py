@@ -717,17 +717,19 @@ def _model_name(model: Any) -> str:
 def _examples(model: Any, task: Task, heads: list[Head]) -> dict[str, Any]:
     """Patterns of ``heads`` on the task's first sample (SSM rows as |M| normalized)."""
     from gna_lens.heads import head_patterns
-    from gna_lens.scoring.patterns import _capture_patterns
+    from gna_lens.scoring.patterns import _capture_part_patterns
 
     view = head_view(model)
     sample = task[0]
     device = next(model.parameters()).device
-    layers = sorted({layer for layer, _ in heads})
-    with torch.no_grad(), _capture_patterns(model, view, layers) as store:
+    parts = view.parts_of(heads)  # one hook_pattern per part of a layer
+    with torch.no_grad(), _capture_part_patterns(model, view, parts) as store:
         model(torch.tensor([sample.input_ids], device=device))
     patterns = {}
     for layer, h in heads:
-        p = head_patterns(store[layer], view[layer])[0, h].float()  # Mamba-1 groups: aggregated
+        part, i = view.part_of((layer, h))
+        # Mamba-1 groups: aggregated
+        p = head_patterns(store[(layer, part.offset)], part)[0, i].float()
         if view.kind_of((layer, h)) == "ssm":
             p = p.abs().tril()
             p = p / p.sum(-1, keepdim=True).clamp(min=1e-30)

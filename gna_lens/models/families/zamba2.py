@@ -1,8 +1,9 @@
 """Zamba2 (``Zamba2ForCausalLM``): Mamba-2 layers, and hybrid layers where a shared transformer
 block runs before the layer's Mamba-2 mixer.
 
-A hybrid layer ``l`` (``"attention"`` in ``SSMConfig.layer_types``: its heads are the shared
-block's attention heads as invoked there) computes
+A hybrid layer ``l`` (``"attention"`` in ``SSMConfig.layer_types``; its heads are the shared
+block's attention heads as invoked there, ``0 .. n_attn_heads - 1``, then the layer's Mamba-2
+heads) computes
 
     x     = ln_attn(concat(resid, embed))         # embed: the token embeddings (hook_embed)
     a     = attn(x)                               # hook_attn_out
@@ -15,8 +16,8 @@ The weights of ``ln_attn``, ``attn`` and ``mlp`` (and ``ln2``) are shared: hybri
 ``nn.Parameter`` objects in every block that invokes it. Each invocation has its own low-rank
 adapters (``attn.{q,k,v}_proj.adapter`` when ``use_shared_attention_adapter``,
 ``mlp.gate_up_proj.adapter`` always), its own ``shared_proj`` and its own hook points, so its
-heads are distinct ``(layer, head)`` entries of the head view and an edit at one invocation
-leaves the others unchanged.
+attention heads are distinct ``(layer, head)`` entries of the head view and an edit at one
+invocation leaves the others unchanged.
 
 Examples:
     >>> from gna_lens.testing import tiny_hooked_ssm
@@ -230,8 +231,10 @@ class Zamba2HybridBlock(SSMBlock):
     """A hybrid layer: one invocation of a shared transformer block, then the layer's Mamba-2
     mixer (see the module docstring for the computation and hook points).
 
-    Its attention (``attn``) gives the layer's heads; its mixer (``mixer``) has every SSM hook
-    point (``hook_pattern`` editable, ``hook_z``), as in the Mamba-2 layers.
+    Its heads are in two parts (:attr:`head_parts`): the attention heads of the invocation
+    (``attn``, the layer's heads ``0 .. n_attn_heads - 1``), then its mixer's SSM heads
+    (``mixer``, every SSM hook point as in the Mamba-2 layers; heads ``n_attn_heads ..
+    n_attn_heads + n_heads - 1``).
     """
 
     reads_embed = True
@@ -247,6 +250,8 @@ class Zamba2HybridBlock(SSMBlock):
         self.hook_shared_out = HookPoint()  # [batch, pos, d_model]
         self.mixer = Zamba2Mixer(cfg)
         self.hook_mixer_out = HookPoint()  # [batch, pos, d_model]
+        # The invocation's attention heads first (they run first), then the mixer's SSM heads.
+        self.head_parts = ("attn", "mixer")
 
     def share_weights(self, source: "Zamba2HybridBlock") -> None:
         """Make this invocation use ``source``'s shared-block parameters (the same tensors; the

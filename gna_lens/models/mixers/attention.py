@@ -1,17 +1,23 @@
 """Causal grouped-query attention of the hybrids, with TransformerBridge hook names.
 
-Its pattern is always materialized (it is the softmax), so ``materialize`` is the forward's own
-``hook_pattern``; its single-token step reads the prefix's rotated keys and values.
+Its pattern is the softmax itself: when anything hooks ``hook_attn_scores`` or ``hook_pattern``
+(a cache, an edit, a mask) the forward computes the scores and the pattern explicitly and runs
+them through those hooks. Otherwise, on an unpadded input, it takes the fused path
+(``torch.nn.functional.scaled_dot_product_attention``, what Hugging Face runs by default): the same
+function up to float rounding, without a ``[batch, head, pos, pos]`` tensor. Every other hook
+(``hook_q`` ... ``hook_z``) fires on both paths. Its single-token step reads the prefix's rotated
+keys and values.
 """
 
 from collections.abc import Mapping
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
 from gna_lens.models.config import SSMConfig
-from gna_lens.models.mixers.base import StepState, checked_pattern
+from gna_lens.models.mixers.base import StepState, checked_pattern, has_hooks
 
 __all__ = ["Attention"]
 
@@ -81,10 +87,29 @@ class Attention(nn.Module):
     def forward(self, h: Tensor, mask: Tensor | None, rope: Rope) -> Tensor:
         L = h.shape[1]
         q, k, v = self._qkv(h, rope)
+        if mask is None and not (has_hooks(self.hook_attn_scores) or has_hooks(self.hook_pattern)):
+            return self._fused(q, k, v)
         allowed = torch.ones(L, L, dtype=torch.bool, device=h.device).tril()[None, None]
         if mask is not None:
             allowed = allowed & mask.bool()[:, None, None, :]
         return self._attend(q, k, v, allowed)
+
+    def _fused(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Causal attention without the pattern tensor (nothing reads it): ``hook_z`` and
+        ``o_proj``."""
+        cfg = self.cfg
+        b, L = q.shape[:2]
+        H, KV, d = cfg.n_attn_heads, cfg.n_attn_kv_heads, cfg.attn_d_head
+        z = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            is_causal=True,
+            scale=self.scale,
+            enable_gqa=KV != H,
+        ).transpose(1, 2)
+        z = self.hook_z(z)
+        return self.o_proj(z.reshape(b, L, H * d))
 
     def keys(self, h: Tensor) -> Tensor:
         """``k_proj(h)`` (times Falcon-H1's key_multiplier)."""
