@@ -109,6 +109,14 @@ def main(argv: list[str] | None = None) -> int:
         for other in correct
         if other not in ("top", "top (untrained)")
     }
+    # Against "a random head": per prompt, the top swap's 0 / 1 minus the mean over the random
+    # swaps (the same prompts), one paired bootstrap interval.
+    random_names = [f"random {i + 1}" for i in range(len(randoms))]
+    if random_names:
+        mean_random = torch.stack([correct[n] for n in random_names]).mean(0)
+        paired["mean of the random swaps"] = bootstrap_interval(
+            correct["top"] - mean_random
+        ).to_dict()  # type: ignore[union-attr]
     result = {
         "model": "zoo-mamba2",
         "paired_kv16": {
@@ -132,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "held_out": "zoo kv-16 (200 prompts, seed 10016), kv-8 after the selection prompts, cloze eval half; 95% Wilson intervals",
         "rows": rows,
+        "kv16_correct": {name: [int(x) for x in c.tolist()] for name, c in correct.items()},
         "machine": f"{platform.machine()}, 1 torch thread, torch {torch.__version__}",
         "wall_seconds": round(time.perf_counter() - t_all, 1),
     }

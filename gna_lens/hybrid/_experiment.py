@@ -922,12 +922,15 @@ def run_experiment(
         "autocast": str(autocast),
         "sweep_dtype": str(sweep_dtype),
     }
+    # The ranking depends on these only: a rerun with another budget or student reuses it.
+    rank_keys = ("teacher", "seed", "n_rank", "rank_pairs", "control", "max_control", "sweep_dtype")
+    rank_settings = {key: settings[key] for key in rank_keys}
     ranking: list[Head] | None = None
     rank_info: dict[str, Any] = {}
     rank_file = folder / "ranking.json" if folder is not None else None
     if rank_file is not None and resume and rank_file.is_file():
         saved = json.loads(rank_file.read_text(encoding="utf-8"))
-        if saved.get("settings") == settings:
+        if saved.get("settings") == rank_settings and len(saved["ranking"]) >= max(ks):
             ranking = [(int(a), int(b)) for a, b in saved["ranking"]]
             rank_info = saved["info"]
             say("ranking read back from " + str(rank_file))
@@ -941,7 +944,9 @@ def run_experiment(
         if rank_file is not None:
             rank_file.parent.mkdir(parents=True, exist_ok=True)
             rank_file.write_text(
-                json.dumps({"settings": settings, "ranking": ranking, "info": rank_info}, indent=1),
+                json.dumps(
+                    {"settings": rank_settings, "ranking": ranking, "info": rank_info}, indent=1
+                ),
                 encoding="utf-8",
             )
     seconds["ranking"] = float(rank_info.get("seconds", 0.0))
@@ -956,24 +961,37 @@ def run_experiment(
             label = f"random-{k}" + (f" #{d + 1}" if d else "")
             plan.append((label, "random", k, sorted(rng.sample(every, k))))
     rows: list[HybridRow] = []
-    say("measuring the teacher")
-    t0 = time.perf_counter()
-    got = _measure(teacher, evals, lengths, eval_batch_size)
-    rows.append(
-        HybridRow(
-            "teacher",
-            "teacher",
-            len(every),
-            (),
-            got.kv,
-            got.prose,
-            got.knowledge,
-            got.state,
-            {},
-            time.perf_counter() - t0,
-            got.kv_correct,
-        )
-    )
+    # The teacher's row depends on the evaluation settings only (read back under other budgets).
+    teacher_key = {
+        key: settings[key] for key in ("teacher", "seed", "n_eval", "kv_pairs", "control")
+    } | {
+        "kv_template": str(kv_template),
+        "n_knowledge": n_knowledge,
+        "prose_windows": prose_windows,
+        "prose_len": prose_len,
+        "lengths": list(lengths),
+    }
+    teacher_file = folder / "rows" / "teacher.json" if folder is not None else None
+    if teacher_file is not None and resume and teacher_file.is_file():
+        saved = json.loads(teacher_file.read_text(encoding="utf-8"))
+        if saved.get("fingerprint") == teacher_key:
+            rows.append(HybridRow.from_dict(saved["row"]))
+            say(f"teacher: read back from {teacher_file}")
+    if not rows:
+        say("measuring the teacher")
+        t0 = time.perf_counter()
+        got = _measure(teacher, evals, lengths, eval_batch_size)
+        row = HybridRow(
+            "teacher", "teacher", len(every), (), got.kv, got.prose, got.knowledge, got.state,
+            {}, time.perf_counter() - t0, got.kv_correct,
+        )  # fmt: skip
+        rows.append(row)
+        if teacher_file is not None:
+            teacher_file.parent.mkdir(parents=True, exist_ok=True)
+            teacher_file.write_text(
+                json.dumps({"fingerprint": teacher_key, "row": rows[0].to_dict()}, indent=1),
+                encoding="utf-8",
+            )
     seconds["teacher"] = rows[0].seconds
     twin = teacher_twin(teacher)
     for label, kind, k, heads in plan:
