@@ -426,6 +426,28 @@ def test_the_hybrid_command_runs_end_to_end_and_writes_the_table(tmp_path, capsy
     assert main([*args[:-1], "--json"]) == 0
     again = json.loads(capsys.readouterr().out)
     assert again["rows"][2]["kv"] == top2["kv"]
+    # another budget re-distills the students but reads back the ranking and the teacher's row,
+    # which do not depend on it
+    import gna_lens.hybrid._experiment as experiment
+
+    def refuse(*a, **k):
+        raise AssertionError("ranked or measured the teacher again")
+
+    real_measure = experiment._measure
+    calls = []
+
+    def measure(model, *a, **k):
+        calls.append(type(model).__name__)
+        return real_measure(model, *a, **k)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(experiment, "_rank", refuse)
+        mp.setattr(experiment, "_measure", measure)
+        assert main([*[a if a != "300" else "240" for a in args[:-1]], "--json"]) == 0
+    other = json.loads(capsys.readouterr().out)
+    assert other["rows"][0] == data["rows"][0] and other["ranking"] == data["ranking"]
+    assert calls == ["HookedSSM"] * 3  # the three students, not the teacher
+    assert other["rows"][2]["distill"]["totals"]["stage2"]["tokens"] < 240
     bad = main(
         ["hybrid", str(teacher), "--keep", "0,99", "--budget", "300", "--out", str(out), "--quiet"]
     )

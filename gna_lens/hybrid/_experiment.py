@@ -552,6 +552,15 @@ def _measure(model: Any, evals: _Evals, lengths: Sequence[int], batch_size: int)
 
 
 # ----------------------------------------------------------------------------- set-up
+def _digest(settings: dict[str, Any]) -> str:
+    """A short name for a student's settings: runs under other settings (another budget, other
+    heads) keep their own checkpoints in the same output folder."""
+    import hashlib
+
+    text = json.dumps(settings, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:10]
+
+
 def _is_zoo(model: Any) -> bool:
     from gna_lens.models.provenance import provenance_of
 
@@ -1010,7 +1019,9 @@ def run_experiment(
         student = build_hybrid(teacher, heads, d_state=d_state, head_layout=head_layout, seed=seed)
         res = distill(
             student, twin, data, stages=stages, budget=total, seed=seed, stage1_share=stage1_share,
-            checkpoint_dir=folder / "checkpoints" / slug if folder is not None else None,
+            checkpoint_dir=folder / "checkpoints" / f"{slug}-{_digest(fingerprint)}"
+            if folder is not None
+            else None,
             resume=resume, progress=progress, train=train, lr=lr, batch_size=batch_size,
             max_length=max_length, autocast=autocast,
         )  # fmt: skip
@@ -1055,7 +1066,7 @@ def run_experiment(
     data_info = getattr(data, "info", {}) or {}
     first_param = next(iter(hf.parameters()))
     method = {
-        "teacher": str(settings["teacher"])
+        "teacher": str(settings["teacher"]).rstrip(".")
         + f"; {n_layers} layers x {n_heads} heads ({fields['num_key_value_heads']} KV heads)",
         "ranking": f"score_heads, {rank_info.get('criterion', '')}; top 10: {rank_info.get('top', '')}"
         + (f"; {rank_info['filled']}" if "filled" in rank_info else ""),
