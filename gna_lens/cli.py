@@ -1,5 +1,6 @@
 """Command line interface: ``gna-lens scan`` (the main job), ``gna-lens evaluate`` (lm-eval
-benchmarks with the top heads removed), ``gna-lens lm-eval`` (lm-eval's own command with the
+benchmarks with the top heads removed), ``gna-lens hybrid`` (students keeping the top-k heads
+as attention, distilled and measured), ``gna-lens lm-eval`` (lm-eval's own command with the
 ``gna_lens`` model registered), ``gna-lens train-zoo`` and ``gna-lens demo``."""
 
 import argparse
@@ -303,6 +304,76 @@ def _evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        return [int(k) for k in text.split(",") if k.strip()]
+    except ValueError:
+        raise SystemExit(
+            f"gna-lens hybrid: error: {flag} {text!r}; expected numbers separated by commas, "
+            "e.g. 0,4,8."
+        ) from None
+
+
+def _hybrid(args: argparse.Namespace) -> int:
+    from gna_lens.errors import GnaLensError
+    from gna_lens.hybrid import parse_budget, run_experiment
+
+    keep = _ints(args.keep, "--keep")
+    kv_pairs = _ints(args.kv_pairs, "--kv-pairs")
+    stages = _ints(args.stages, "--stages")
+    budget: Any = args.budget.strip()
+    if budget.replace("_", "").isdigit():
+        budget = int(budget.replace("_", ""))
+    threads, why = scan_threads(args.threads)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    progress = not args.quiet
+    try:
+        parse_budget(budget, where="--budget")
+        if progress:
+            print(f"gna-lens hybrid: {args.teacher} ({why})", file=sys.stderr, flush=True)
+        table = run_experiment(
+            args.teacher,
+            keep,
+            budget=budget,
+            out=args.out,
+            d_state=args.d_state,
+            head_layout=args.head_layout,
+            stages=stages,
+            stage1_share=args.stage1_share,
+            seed=args.seed,
+            random_draws=args.random_draws,
+            kv_pairs=kv_pairs,
+            kv_template=args.kv_template,
+            n_rank=args.n_rank,
+            n_eval=args.n_eval,
+            n_knowledge=args.n_knowledge,
+            prose_windows=args.prose_windows,
+            train=args.train,
+            batch_size=args.batch_size,
+            max_length=args.max_length,
+            resume=not args.restart,
+            save_students=args.save_students,
+            autocast=None if args.autocast == "none" else args.autocast,
+            sweep_dtype=None if args.sweep_dtype == "float32" else args.sweep_dtype,
+            device=args.device,
+            progress=progress,
+        )
+    except (GnaLensError, OSError) as err:
+        print(f"gna-lens hybrid: error: {err}", file=sys.stderr)
+        return 2
+    finally:
+        torch.set_num_threads(before)
+    if args.json:
+        import json
+
+        print(json.dumps(table.to_dict(), indent=1))
+    elif progress:
+        print(table.to_markdown())
+        print(f"Written: {args.out}/table.md, table.csv, table.json, table.svg")
+    return 0
+
+
 def _lm_eval(args: argparse.Namespace) -> int:
     from gna_lens.lm_eval.__main__ import main as lm_eval_main
 
@@ -501,6 +572,69 @@ def main(argv: Sequence[str] | None = None) -> int:
     ev.add_argument("--threads", type=int, default=None, help="torch threads (as scan)")
     ev.add_argument("--quiet", action="store_true", help="no progress, no table on stdout")
     ev.set_defaults(func=_evaluate)
+    hy = sub.add_parser(
+        "hybrid",
+        help="students keeping the top-k retrieval heads (or k random ones) as attention, the "
+        "rest SSM heads: distill and measure",
+    )
+    hy.add_argument(
+        "teacher", nargs="?", default="smollm2-135m",
+        help="Llama-style teacher: smollm2-135m (default), a local HF folder, a .gguf file, a zoo "
+        "name (zoo-llama) or a hub name",
+    )  # fmt: skip
+    hy.add_argument(
+        "--keep", default="0,4,8", help="heads kept as attention, one student per k (0,4,8)"
+    )
+    hy.add_argument(
+        "--budget", default="200k tokens",
+        help="distillation budget per student: tokens (200000, '2M tokens') or time ('20 min')",
+    )  # fmt: skip
+    hy.add_argument("--out", default="gna_lens_hybrid", help="folder for table.md/csv/json/svg")
+    hy.add_argument("--d-state", type=int, default=16, help="SSM heads' state size (16)")
+    hy.add_argument("--head-layout", default="head", choices=["head", "kv_group"])
+    hy.add_argument("--stages", default="1,2", help="distillation stages (1,2)")
+    hy.add_argument(
+        "--stage1-share", type=float, default=0.25, help="share of the budget for stage 1 (0.25)"
+    )
+    hy.add_argument(
+        "--train", default="ssm", choices=["ssm", "mixers", "all"], help="what stage 2 trains"
+    )
+    hy.add_argument("--random-draws", type=int, default=1, help="random-head students per k (1)")
+    hy.add_argument("--kv-pairs", default="4,8,16", help="held-out dictionary sizes (4,8,16)")
+    hy.add_argument(
+        "--kv-template", default=None, choices=["question", "paper"],
+        help="held-out KV template (default question; zoo teachers: their own splits)",
+    )  # fmt: skip
+    hy.add_argument("--n-rank", type=int, default=24, help="selection prompts (24)")
+    hy.add_argument("--n-eval", type=int, default=64, help="held-out prompts per KV size (64)")
+    hy.add_argument(
+        "--n-knowledge", type=int, default=100, help="MMLU cloze questions (100; 0: none)"
+    )
+    hy.add_argument("--prose-windows", type=int, default=16, help="held-out prose windows (16)")
+    hy.add_argument("--batch-size", type=int, default=8, help="texts per distillation step (8)")
+    hy.add_argument("--max-length", type=int, default=256, help="tokens per text (256)")
+    hy.add_argument(
+        "--autocast", default="none", choices=["none", "bfloat16"],
+        help="distillation in mixed precision (bfloat16: ~2x faster on AVX512-BF16 CPUs and GPUs)",
+    )  # fmt: skip
+    hy.add_argument(
+        "--sweep-dtype", default="float32", choices=["float32", "bfloat16"],
+        help="arithmetic of the ranking's ablation sweeps (held-out numbers are float32)",
+    )  # fmt: skip
+    hy.add_argument(
+        "--device", default=None, help="cpu or cuda (default: where the teacher loads, the CPU)"
+    )
+    hy.add_argument("--seed", type=int, default=0)
+    hy.add_argument("--threads", type=int, default=None, help="torch threads (as scan)")
+    hy.add_argument(
+        "--save-students", action="store_true", help="save each student under OUT/students"
+    )
+    hy.add_argument(
+        "--restart", action="store_true", help="ignore finished rows and checkpoints in OUT"
+    )
+    hy.add_argument("--quiet", action="store_true", help="no progress, no table on stdout")
+    hy.add_argument("--json", action="store_true", help="print the table as JSON")
+    hy.set_defaults(func=_hybrid)
     le = sub.add_parser(
         "lm-eval",
         add_help=False,

@@ -1,5 +1,5 @@
 """Retrieval-guided hybrids: keep the heads retrieval needs as attention, turn the rest into SSM
-heads.
+heads, distill, and measure.
 
 :func:`build_hybrid` makes, from a Llama-style Transformer (the teacher) and a list of its heads
 to keep, a student :class:`~gna_lens.models.HookedSSM` with the teacher's embeddings, norms and
@@ -10,10 +10,20 @@ teacher's numbering, so the student is scanned, ablated, patched and masked head
 any model (:func:`gna_lens.head_view` gives each head's kind). The student saves with
 ``student.save_pretrained(folder)`` and loads back with :func:`gna_lens.load_model`.
 
-:func:`state_bytes` says what a model keeps per sequence while generating: the SSM heads'
-recurrent states (fixed) and the attention heads' KV cache (growing with the length).
+:func:`distill` trains a student from its teacher: per-layer alignment of each mixer's output to
+the teacher's attention output on the teacher's input, then KL to the teacher's logits; with a
+budget in tokens or minutes (:func:`parse_budget`), checkpoints and bit-identical resume, on
+:func:`default_distill_data` (offline; seeds and splits disjoint from every evaluation set).
 
-See the docs page "Hybrid students" for the method and its sources.
+:func:`swap_heads` does the converse on a pretrained Mamba-2 (or Mamba-2 hybrid): chosen SSM
+heads become attention heads started from the head's own ``C`` / ``B`` / ``x``, and only the new
+parameters train.
+
+:func:`run_experiment` (``gna-lens hybrid``) runs the whole loop: rank the teacher's heads,
+distill students keeping the top-k or k random heads, and measure held-out KV retrieval, prose
+loss, knowledge and :func:`state_bytes` (recurrent states and KV cache per token).
+
+See the docs page "Hybrid students" for the method, its sources and measured tables.
 """
 
 from collections.abc import Iterable, Sequence
@@ -25,12 +35,43 @@ import torch
 from torch import Tensor
 
 from gna_lens.errors import ConfigError
+from gna_lens.hybrid._budget import Budget, parse_budget
+from gna_lens.hybrid._data import (
+    DISTILL_SEEDS,
+    EVAL_KV_SEED,
+    EVALUATION_SEEDS,
+    DistillData,
+    default_distill_data,
+)
+from gna_lens.hybrid._distill import DistillResult, distill
+from gna_lens.hybrid._experiment import HybridRow, HybridTable, run_experiment
+from gna_lens.hybrid._swap import swap_heads
 from gna_lens.models.families import config_from_hf, gna_hybrid
 from gna_lens.models.hooked_ssm import HookedSSM
 from gna_lens.models.mixers import Attention, Mamba1Mixer, Mamba2Mixer
 from gna_lens.models.mixers.hybrid import HEAD_LAYOUTS, HybridMixer
+from gna_lens.models.mixers.swapped import SwappedMamba2Mixer
 
-__all__ = ["DEFAULT_LENGTHS", "HEAD_LAYOUTS", "StateBytes", "build_hybrid", "state_bytes"]
+__all__ = [
+    "DEFAULT_LENGTHS",
+    "DISTILL_SEEDS",
+    "EVALUATION_SEEDS",
+    "EVAL_KV_SEED",
+    "HEAD_LAYOUTS",
+    "Budget",
+    "DistillData",
+    "DistillResult",
+    "HybridRow",
+    "HybridTable",
+    "StateBytes",
+    "build_hybrid",
+    "default_distill_data",
+    "distill",
+    "parse_budget",
+    "run_experiment",
+    "state_bytes",
+    "swap_heads",
+]
 
 Head = tuple[int, int]
 
@@ -352,6 +393,14 @@ def state_bytes(
                 kv += len(mixer.kv_heads)
                 kv_width += 2 * len(mixer.kv_heads) * cfg.d_head
                 recurrent += len(mixer.ssm_heads) * cfg.d_head * cfg.d_state
+            elif isinstance(mixer, SwappedMamba2Mixer):  # swap_heads: before Mamba2Mixer
+                n_attn = len(mixer.attn_heads)
+                attn += n_attn
+                ssm += cfg.n_heads - n_attn
+                kv += n_attn
+                kv_width += n_attn * (cfg.d_state + cfg.d_head)  # k [d_state] and v [d_head]
+                recurrent += (cfg.n_heads - n_attn) * cfg.d_head * cfg.d_state
+                recurrent += (cfg.d_conv - 1) * (mixer.conv_dim + n_attn * mixer.width)
             elif isinstance(mixer, Mamba2Mixer):
                 ssm += cfg.n_heads
                 recurrent += cfg.n_heads * cfg.d_head * cfg.d_state

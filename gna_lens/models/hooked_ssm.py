@@ -235,7 +235,8 @@ class HookedSSM(HookedRootModule):
     def save_pretrained(self, path: str | Path) -> Path:
         """Save the model to the folder ``path`` (weights, config, tokenizer), for the families
         whose checkpoints are gna_lens's own format: the hybrid students of
-        :func:`gna_lens.hybrid.build_hybrid`. :func:`gna_lens.load_model` and
+        :func:`gna_lens.hybrid.build_hybrid` and the models with heads swapped by
+        :func:`gna_lens.hybrid.swap_heads`. :func:`gna_lens.load_model` and
         :meth:`from_pretrained` read it back bit-identically.
 
         Returns:
@@ -246,6 +247,8 @@ class HookedSSM(HookedRootModule):
                 checkpoint; there is nothing of gna_lens's to save).
         """
         family = family_of(self.cfg.architecture)
+        claims = [f for f in FAMILIES.values() if f.saves is not None and f.saves(self)]
+        family = claims[0] if claims else family  # e.g. a model with swapped heads
         if family.save is None:
             own = sorted(f.model_type for f in FAMILIES.values() if f.save is not None)
             raise ConfigError(

@@ -25,6 +25,7 @@ from gna_lens.models.families import (
     falcon_h1,
     falcon_mamba,
     gna_hybrid,
+    gna_swapped,
     granitemoehybrid,
     jamba,
     mamba,
@@ -57,6 +58,7 @@ FAMILIES: dict[str, Family] = {
         falcon_h1.FAMILY,
         jamba.FAMILY,
         gna_hybrid.FAMILY,
+        gna_swapped.FAMILY,
         zamba2.FAMILY,
     )
 }

@@ -47,6 +47,9 @@ class Family:
             blocks with tied weights); ``None``: ``SSMBlock(cfg, layer)`` for every layer.
         hidden_acts: The ``hidden_act`` values of the Hugging Face config the family
             implements (other values raise :class:`~gna_lens.errors.ConfigError`).
+        saves: For a family with a ``save``: ``saves(model) -> bool`` says whether it saves a
+            model of another architecture (one whose heads :func:`gna_lens.hybrid.swap_heads`
+            swapped: ``HookedSSM.save_pretrained`` asks every such family first).
     """
 
     model_type: str
@@ -60,6 +63,7 @@ class Family:
     load: Callable[..., Any] | None = None
     build_blocks: Callable[[SSMConfig], list[nn.Module]] | None = None
     hidden_acts: tuple[str, ...] = ("silu",)
+    saves: Callable[[Any], bool] | None = None
 
 
 def time_step_limit(value: Any) -> tuple[float, float]:

@@ -1,0 +1,266 @@
+"""Swap SSM heads of a pretrained Mamba-2 (or Mamba-2 hybrid) for attention heads, and train only
+the new parameters: :func:`swap_heads`."""
+
+import copy
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from gna_lens.errors import ConfigError
+from gna_lens.hybrid._budget import parse_budget
+from gna_lens.hybrid._distill import DistillResult, _positive_int
+from gna_lens.hybrid._train import Stage, StepLosses, run_stages
+from gna_lens.models.hooked_ssm import HookedSSM
+from gna_lens.models.mixers.swapped import SwappedMamba2Mixer
+
+__all__ = ["swap_heads"]
+
+Head = tuple[int, int]
+
+
+def _mixer(model: HookedSSM, layer: int) -> Any:
+    block: Any = model.blocks[layer]
+    return block.mixer
+
+
+def _check_heads(model: HookedSSM, heads: Any) -> dict[int, list[int]]:
+    cfg = model.cfg
+    ssm_layers = [i for i, t in enumerate(cfg.layer_types) if t == "ssm"]
+    where = (
+        f"the model's SSM layers are {ssm_layers} with {cfg.n_heads} heads each "
+        f"(0..{cfg.n_heads - 1})"
+    )
+    if isinstance(heads, str | bytes) or not isinstance(heads, Iterable):
+        raise ConfigError(
+            f"swap_heads(heads={heads!r}); expected a list of (layer, head) pairs ({where})."
+        )
+    items = list(heads)
+    if len(items) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in items):
+        raise ConfigError(
+            f"swap_heads(heads={heads!r}) is one (layer, head) pair; expected a list of pairs, "
+            f"e.g. [{tuple(items)!r}]."
+        )
+    if not items:
+        raise ConfigError(f"swap_heads(heads=[]): no head to swap ({where}).")
+    out: dict[int, list[int]] = {}
+    for item in items:
+        ok = (
+            isinstance(item, tuple | list)
+            and len(item) == 2
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in item)
+        )
+        if not ok:
+            raise ConfigError(
+                f"swap_heads(heads=...) contains {item!r}; expected (layer, head) pairs ({where})."
+            )
+        layer, head = int(item[0]), int(item[1])
+        if layer not in ssm_layers or not 0 <= head < cfg.n_heads:
+            raise ConfigError(
+                f"swap_heads(heads=...) contains ({layer}, {head}), not an SSM head: {where}."
+            )
+        mixer = model.blocks[layer].mixer
+        if isinstance(mixer, SwappedMamba2Mixer):
+            raise ConfigError(
+                f"swap_heads: layer {layer} already has swapped heads {mixer.attn_heads}; swap all "
+                "the heads of a layer in one call, on the model before any swap."
+            )
+        out.setdefault(layer, [])
+        if head not in out[layer]:
+            out[layer].append(head)
+    return {layer: sorted(hs) for layer, hs in sorted(out.items())}
+
+
+def swap_heads(
+    model: HookedSSM,
+    heads: Iterable[Head],
+    *,
+    train_data: Iterable[str] | None = None,
+    budget: Any = "100k tokens",
+    seed: int = 0,
+    lr: float = 1e-3,
+    batch_size: int = 8,
+    max_length: int = 256,
+    warmup: int = 10,
+    grad_clip: float = 1.0,
+    checkpoint_dir: str | Path | None = None,
+    resume: bool = True,
+    checkpoint_every: int = 50,
+    max_steps: int | None = None,
+    progress: bool = True,
+) -> HookedSSM:
+    """A copy of ``model`` whose ``heads`` are attention heads, their new parameters trained.
+
+    Each swapped head becomes a causal softmax attention head with its own query / key / value
+    projections and convolution, started from the head's own ``C`` / ``B`` / ``x`` rows of
+    ``in_proj`` and convolution channels (``q <- C`` of its group, ``k <- B``, ``v <- x``; see
+    :class:`~gna_lens.models.mixers.swapped.SwappedMamba2Mixer`). Only those new parameters
+    train (next-token cross-entropy on ``train_data``, AdamW, warm-up then cosine over the
+    budget); every other parameter keeps its value bit for bit. The result is a HookedSSM with
+    the usual hooks: :func:`~gna_lens.head_view` gives the swapped heads kind ``"attention"``,
+    ``hook_pattern`` holds their softmax pattern (editable), ``save_pretrained`` writes it and
+    :func:`~gna_lens.load_model` reads it back.
+
+    Args:
+        model: A HookedSSM whose chosen layers are Mamba-2 layers (Mamba-2, Bamba, Nemotron-H,
+            Granite 4.0, Falcon-H1); it is not modified.
+        heads: ``(layer, head)`` pairs to swap.
+        train_data: Texts (any iterable of str); ``None``:
+            :func:`~gna_lens.hybrid.default_distill_data` ``(model.tokenizer, seed)`` (for a
+            zoo model, its KV-retrieval texts).
+        budget: Tokens or time (:func:`~gna_lens.hybrid.parse_budget`).
+        seed: Data seed (and torch's).
+        lr: Peak learning rate.
+        batch_size: Texts per step.
+        max_length: Tokens per text at most.
+        warmup: Warm-up steps.
+        grad_clip: Gradient norm clip.
+        checkpoint_dir: Checkpoints of the training (resumable, as
+            :func:`~gna_lens.hybrid.distill`'s).
+        resume: Resume from ``checkpoint_dir``.
+        checkpoint_every: Steps between checkpoints.
+        max_steps: Stop this call after so many steps.
+        progress: Show a progress bar.
+
+    Returns:
+        The new model (eval mode); ``model.gna_swap`` says what was done (JSON-ready, saved with
+        it) and ``model.gna_swap_result`` holds the training record (a
+        :class:`~gna_lens.hybrid.DistillResult` with stage ``"swap"``).
+
+    Raises:
+        ConfigError: For heads that are not SSM heads of Mamba-2 layers, a layer swapped
+            before, a bad budget, or no tokenizer.
+
+    Examples:
+        >>> from gna_lens import head_view
+        >>> from gna_lens.testing import tiny_hooked_ssm
+        >>> model = tiny_hooked_ssm("mamba2")
+        >>> texts = ["a b c d e f g h"] * 40
+        >>> swapped = swap_heads(model, [(1, 0)], train_data=texts, budget=200, progress=False)
+        >>> head_view(swapped).kind_of((1, 0)), head_view(swapped).kind(1), head_view(model).kind(1)
+        ('attention', 'mixed', 'ssm')
+    """
+    if not isinstance(model, HookedSSM):
+        raise ConfigError(
+            f"swap_heads(model={type(model).__name__}); expected a HookedSSM (a Mamba-2 or "
+            "Mamba-2 hybrid loaded with gna_lens.load_model)."
+        )
+    per_layer = _check_heads(model, heads)
+    total = parse_budget(budget)
+    batch_size = _positive_int(batch_size, "batch_size")
+    max_length = _positive_int(max_length, "max_length")
+    tokenizer = model.tokenizer
+    if tokenizer is None:
+        raise ConfigError("swap_heads: the model has no tokenizer (model.tokenizer is None).")
+    from gna_lens.models.families.gna_swapped import install
+
+    try:  # the copy shares the tokenizer (deep-copying a tokenizer is slow and pointless)
+        model.tokenizer = None
+        new = copy.deepcopy(model)
+    finally:
+        model.tokenizer = tokenizer
+    new.tokenizer = tokenizer
+    install(new, per_layer)
+    new.eval()
+    params = [
+        (f"blocks.{layer}.mixer.{n}", p)
+        for layer in per_layer
+        for n, p in _mixer(new, layer).named_parameters()
+        if n.split(".")[0] in ("attn_proj", "attn_conv")
+    ]
+    if train_data is None:
+        from gna_lens.hybrid._data import default_distill_data
+
+        train_data = default_distill_data(tokenizer, seed)
+    data_text = (
+        train_data.describe() if hasattr(train_data, "describe") else type(train_data).__name__
+    )
+    swapped = [(layer, h) for layer, hs in per_layer.items() for h in hs]
+    word = "new attention heads " + ", ".join(f"L{a}H{b}" for a, b in swapped)
+
+    def lm_loss(ids: Tensor, mask: Tensor) -> Tensor:
+        logits = new(ids)[:, :-1].float()
+        target = ids[:, 1:].masked_fill(~mask[:, 1:], -100)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+    def step(ids: Tensor, mask: Tensor) -> StepLosses:
+        loss = lm_loss(ids, mask)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for _, p in params], grad_clip)
+        return [(None, float(loss.detach()))]
+
+    def probe(ids: Tensor, mask: Tensor) -> float:
+        with torch.no_grad():
+            return float(lm_loss(ids, mask))
+
+    torch.manual_seed(seed)
+    settings = {
+        "heads": [list(h) for h in swapped],
+        "budget": total.to_dict(),
+        "seed": seed,
+        "lr": lr,
+        "batch_size": batch_size,
+        "max_length": max_length,
+        "warmup": warmup,
+        "grad_clip": grad_clip,
+    }
+    device = next(iter(new.parameters())).device
+    outcome = run_stages(
+        new,
+        [Stage("swap", params, step, probe, total, lr, word)],
+        train_data,
+        tokenizer,
+        batch_size=batch_size,
+        max_length=_positive_int(max_length, "max_length"),
+        warmup=warmup,
+        checkpoint_dir=checkpoint_dir,
+        resume=resume,
+        progress=progress,
+        max_steps=max_steps,
+        checkpoint_every=_positive_int(checkpoint_every, "checkpoint_every"),
+        fingerprint=settings,
+        device=device,
+    )
+    state = outcome.state
+    from gna_lens.models.provenance import provenance_of
+
+    prov = provenance_of(model)
+    source = {
+        "name": str(model.cfg.model_name or ""),
+        "architecture": model.cfg.architecture,
+        "provenance": prov.describe() if prov.known else "",
+    }
+    method = settings | {
+        "data": data_text,
+        "loss": "next-token cross-entropy on every token of the texts",
+        "optimizer": "AdamW (betas 0.9, 0.98, no weight decay), linear warm-up then cosine to "
+        "lr / 10 over the budget",
+        "init": "q <- C rows of the head's group, k <- B rows, v <- x rows of in_proj, with the "
+        "same channels' causal convolution and SiLU; softmax scale 1/sqrt(d_state)",
+        "source": source,
+        "torch_threads": torch.get_num_threads(),
+    }
+    result = DistillResult(
+        stages=(),
+        budget=total,
+        seed=seed,
+        records=tuple(state.records or ()),
+        probe=dict(state.probe or {}),
+        totals=dict(state.totals or {}),
+        trained={"swap": word},
+        n_trained={"swap": sum(p.numel() for _, p in params)},
+        complete=state.complete,
+        resumed_at=outcome.resumed_at,
+        method=method,
+    )
+    new.gna_swap = method | {  # type: ignore[assignment]
+        "probe": result.probe,
+        "totals": result.totals,
+        "n_trained": result.n_trained["swap"],
+        "complete": result.complete,
+    }
+    new.gna_swap_result = result  # type: ignore[assignment]
+    return new
