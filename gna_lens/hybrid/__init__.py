@@ -45,6 +45,7 @@ from gna_lens.hybrid._data import (
 )
 from gna_lens.hybrid._distill import DistillResult, distill
 from gna_lens.hybrid._experiment import HybridRow, HybridTable, run_experiment
+from gna_lens.hybrid._pairs import head_pairs
 from gna_lens.hybrid._swap import swap_heads
 from gna_lens.models.families import config_from_hf, gna_hybrid
 from gna_lens.models.hooked_ssm import HookedSSM
@@ -219,29 +220,8 @@ def _teacher_model(teacher: Any) -> tuple[Any, Any, dict[str, Any]]:
 def _check_keep(keep: Any, n_layers: int, n_heads: int) -> list[Head]:
     """Validate ``keep``: ``(layer, head)`` pairs of the teacher."""
     where = f"the teacher has {n_layers} layers (0..{n_layers - 1}) of {n_heads} heads (0..{n_heads - 1})"
-    if isinstance(keep, str | bytes) or not isinstance(keep, Iterable):
-        raise ConfigError(
-            f"build_hybrid(keep={keep!r}); expected a list of (layer, head) pairs ({where})."
-        )
-    items = list(keep)
-    if len(items) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in items):
-        raise ConfigError(
-            f"build_hybrid(keep={keep!r}) is one (layer, head) pair; expected a list of pairs, "
-            f"e.g. [{tuple(items)!r}]."
-        )
     out: list[Head] = []
-    for item in items:
-        ok = (
-            isinstance(item, tuple | list)
-            and len(item) == 2
-            and all(isinstance(x, int) and not isinstance(x, bool) for x in item)
-        )
-        if not ok:
-            raise ConfigError(
-                f"build_hybrid(keep=...) contains {item!r}; expected (layer, head) pairs of ints "
-                f"({where}), e.g. [(3, 2), (4, 0)]."
-            )
-        layer, head = int(item[0]), int(item[1])
+    for layer, head in head_pairs(keep, "build_hybrid(keep", where):
         if not (0 <= layer < n_layers and 0 <= head < n_heads):
             raise ConfigError(
                 f"build_hybrid(keep=...) contains ({layer}, {head}), which is not a head of the "

@@ -13,6 +13,7 @@ from torch import Tensor
 from gna_lens.errors import ConfigError
 from gna_lens.hybrid._budget import parse_budget
 from gna_lens.hybrid._distill import DistillResult, _positive_int
+from gna_lens.hybrid._pairs import head_pairs
 from gna_lens.hybrid._train import Stage, StepLosses, run_stages
 from gna_lens.models.hooked_ssm import HookedSSM
 from gna_lens.models.mixers.swapped import SwappedMamba2Mixer
@@ -34,30 +35,11 @@ def _check_heads(model: HookedSSM, heads: Any) -> dict[int, list[int]]:
         f"the model's SSM layers are {ssm_layers} with {cfg.n_heads} heads each "
         f"(0..{cfg.n_heads - 1})"
     )
-    if isinstance(heads, str | bytes) or not isinstance(heads, Iterable):
-        raise ConfigError(
-            f"swap_heads(heads={heads!r}); expected a list of (layer, head) pairs ({where})."
-        )
-    items = list(heads)
-    if len(items) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in items):
-        raise ConfigError(
-            f"swap_heads(heads={heads!r}) is one (layer, head) pair; expected a list of pairs, "
-            f"e.g. [{tuple(items)!r}]."
-        )
+    items = head_pairs(heads, "swap_heads(heads", where)
     if not items:
         raise ConfigError(f"swap_heads(heads=[]): no head to swap ({where}).")
     out: dict[int, list[int]] = {}
-    for item in items:
-        ok = (
-            isinstance(item, tuple | list)
-            and len(item) == 2
-            and all(isinstance(x, int) and not isinstance(x, bool) for x in item)
-        )
-        if not ok:
-            raise ConfigError(
-                f"swap_heads(heads=...) contains {item!r}; expected (layer, head) pairs ({where})."
-            )
-        layer, head = int(item[0]), int(item[1])
+    for layer, head in items:
         if layer not in ssm_layers or not 0 <= head < cfg.n_heads:
             raise ConfigError(
                 f"swap_heads(heads=...) contains ({layer}, {head}), not an SSM head: {where}."

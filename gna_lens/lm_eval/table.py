@@ -345,19 +345,9 @@ class BenchmarkTable:
         Returns:
             ``{"markdown": ..., "csv": ..., "json": ..., "svg": ...}``.
         """
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        paths = {
-            "markdown": folder / "table.md",
-            "csv": folder / "table.csv",
-            "json": folder / "table.json",
-            "svg": folder / "table.svg",
-        }
-        paths["markdown"].write_text(self.to_markdown(), encoding="utf-8")
-        self.to_dataframe().to_csv(paths["csv"], index=False)
-        paths["json"].write_text(json.dumps(self.to_dict(), indent=1), encoding="utf-8")
-        paths["svg"].write_text(self.to_svg(), encoding="utf-8")
-        return paths
+        from gna_lens._tables import write_table_files
+
+        return write_table_files(self, folder)
 
 
 def _esc(text: str) -> str:

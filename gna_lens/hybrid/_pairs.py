@@ -1,0 +1,38 @@
+"""Validation of ``(layer, head)`` lists shared by :func:`~gna_lens.hybrid.build_hybrid` and
+:func:`~gna_lens.hybrid.swap_heads`."""
+
+from collections.abc import Iterable
+from typing import Any
+
+from gna_lens.errors import ConfigError
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def head_pairs(value: Any, call: str, where: str) -> list[tuple[int, int]]:
+    """``value`` as a list of ``(layer, head)`` int pairs, or a ConfigError that repeats it.
+
+    Args:
+        value: What the caller passed.
+        call: How to name the argument in errors, e.g. ``"build_hybrid(keep"``.
+        where: Which heads exist, in words (appended to every error).
+    """
+    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
+        raise ConfigError(f"{call}={value!r}); expected a list of (layer, head) pairs ({where}).")
+    items = list(value)
+    if len(items) == 2 and all(_is_int(x) for x in items):
+        raise ConfigError(
+            f"{call}={value!r}) is one (layer, head) pair; expected a list of pairs, "
+            f"e.g. [{tuple(items)!r}]."
+        )
+    out = []
+    for item in items:
+        if not (isinstance(item, tuple | list) and len(item) == 2 and all(map(_is_int, item))):
+            raise ConfigError(
+                f"{call}=...) contains {item!r}; expected (layer, head) pairs of ints ({where}), "
+                "e.g. [(3, 2), (4, 0)]."
+            )
+        out.append((int(item[0]), int(item[1])))
+    return out
