@@ -420,7 +420,11 @@ def test_the_hybrid_command_runs_end_to_end_and_writes_the_table(tmp_path, capsy
     paired = comp["kv-2"]["paired_random"]  # over the same held-out prompts
     top_c, rand_c = (torch.tensor(data["rows"][i]["kv_correct"]["kv-2"]) for i in (2, 3))
     assert paired["value"] == pytest.approx(float((top_c - rand_c).double().mean()))
-    assert (out / "table.md").read_text().count("\n| ") >= 4
+    md = (out / "table.md").read_text()
+    assert md.count("\n| ") >= 4 and "bytes/token L=4096 (state + KV)" in md
+    s = top2["state"]["4096"]
+    kv_part = f"{s['recurrent_bytes'] / 4096:,.0f} + {s['kv_cache_bytes'] / 4096:,.0f})"
+    assert kv_part in md
     assert (out / "table.svg").read_text().startswith("<svg")
     # a rerun reads the finished rows back (no distillation)
     assert main([*args[:-1], "--json"]) == 0

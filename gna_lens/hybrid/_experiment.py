@@ -181,6 +181,8 @@ class HybridTable:
                 d[f"{name}_high"] = iv.high if iv else math.nan
             for L, s in sorted(r.state.items()):
                 d[f"bytes_per_token_L{L}"] = s["bytes_per_token"]
+                d[f"state_bytes_per_token_L{L}"] = s["recurrent_bytes"] / L
+                d[f"kv_bytes_per_token_L{L}"] = s["kv_cache_bytes"] / L
             for _, s in sorted(r.state.items())[:1]:
                 d["recurrent_bytes"] = s["recurrent_bytes"]
             d["distill_tokens"] = sum(
@@ -230,7 +232,7 @@ class HybridTable:
         head = ["model", "k", "heads kept"]
         head += [f"{t} (%)" for t in self.kv_tasks]
         head += ["prose loss (nats/token)", f"{self.knowledge_task or 'knowledge'} (%)"]
-        head += [f"bytes/token L={L}" for L in lengths]
+        head += [f"bytes/token L={L} (state + KV)" for L in lengths]
         lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
         for r in self.rows:
             cells = [r.name, "all" if r.kind == "teacher" else str(r.k)]
@@ -240,7 +242,11 @@ class HybridTable:
             cells.append(
                 r.knowledge.format(percent=True).replace("%", "") if r.knowledge else "n/a"
             )
-            cells += [f"{r.state[L]['bytes_per_token']:,.0f}" for L in lengths]
+            cells += [
+                f"{r.state[L]['bytes_per_token']:,.0f} ({r.state[L]['recurrent_bytes'] / L:,.0f} + "
+                f"{r.state[L]['kv_cache_bytes'] / L:,.0f})"
+                for L in lengths
+            ]
             lines.append("| " + " | ".join(cells) + " |")
         chance = ", ".join(f"{k} {100 * v:.1f}%" for k, v in self.chance.items())
         m = self.method
@@ -248,7 +254,8 @@ class HybridTable:
             "",
             "Accuracies over the choices with 95% Wilson intervals; prose loss: mean next-token "
             "loss with a 95% bootstrap interval over the windows; bytes/token: (recurrent state "
-            "+ KV cache) / L per sequence while generating, at the stored dtype "
+            "+ KV cache) / L per sequence while generating, each part in parentheses, at the stored "
+            "dtype "
             f"({m.get('state_dtype', '')}). Chance: {chance}.",
             "",
         ]
