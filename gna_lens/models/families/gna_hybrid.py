@@ -247,18 +247,23 @@ def _config_dict(cfg: HybridConfig, dtype: torch.dtype) -> dict[str, Any]:
 
 def save(model: Any, path: Path) -> None:
     """Write ``model`` (a hybrid student) to the folder ``path`` (see the module docstring)."""
+    dtype = next(iter(model.parameters())).dtype
+    write_checkpoint(model, path, MODEL_TYPE, _config_dict(model.cfg, dtype), indent=2)
+
+
+def write_checkpoint(
+    model: Any, path: Path, model_type: str, config: dict[str, Any], indent: int
+) -> None:
+    """gna_lens's own checkpoint of a HookedSSM in ``path``: ``model.safetensors`` (HookedSSM's
+    parameter names, the tied unembedding left out), ``config.json`` and the tokenizer."""
     from safetensors.torch import save_file
 
-    cfg = model.cfg
     path.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    if cfg.tie_word_embeddings:
+    if model.cfg.tie_word_embeddings:
         state.pop("unembed.weight", None)
-    save_file(state, str(path / WEIGHTS), metadata={"format": "pt", "gna_lens": MODEL_TYPE})
-    dtype = next(iter(model.parameters())).dtype
-    (path / "config.json").write_text(
-        json.dumps(_config_dict(cfg, dtype), indent=2) + "\n", encoding="utf-8"
-    )
+    save_file(state, str(path / WEIGHTS), metadata={"format": "pt", "gna_lens": model_type})
+    (path / "config.json").write_text(json.dumps(config, indent=indent) + "\n", encoding="utf-8")
     if model.tokenizer is not None and hasattr(model.tokenizer, "save_pretrained"):
         model.tokenizer.save_pretrained(str(path))
 

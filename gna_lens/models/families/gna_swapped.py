@@ -102,26 +102,18 @@ def _config_from(data: dict[str, Any]) -> SSMConfig:
 
 def save(model: Any, path: Path) -> None:
     """Write ``model`` (a HookedSSM with swapped heads) to the folder ``path``."""
-    from safetensors.torch import save_file
+    from gna_lens.models.families.gna_hybrid import write_checkpoint
 
-    cfg = model.cfg
-    path.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    if cfg.tie_word_embeddings:
-        state.pop("unembed.weight", None)
-    save_file(state, str(path / WEIGHTS), metadata={"format": "pt", "gna_lens": MODEL_TYPE})
     dtype = next(iter(model.parameters())).dtype
     data = {
         "model_type": MODEL_TYPE,
         "architectures": [HF_CLASS],
-        "ssm_config": _config_dict(cfg),
+        "ssm_config": _config_dict(model.cfg),
         "swapped_heads": [list(h) for h in swapped_heads_of(model)],
         "swap": dict(getattr(model, "gna_swap", None) or {}),
         "dtype": str(dtype).removeprefix("torch."),
     }
-    (path / "config.json").write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
-    if model.tokenizer is not None and hasattr(model.tokenizer, "save_pretrained"):
-        model.tokenizer.save_pretrained(str(path))
+    write_checkpoint(model, path, MODEL_TYPE, data, indent=1)
 
 
 def load(

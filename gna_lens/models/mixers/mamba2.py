@@ -134,6 +134,15 @@ class Mamba2Mixer(SSMMixer):
     def forward(
         self, h: Float[Tensor, "batch pos d_model"], mask: Tensor | None
     ) -> Float[Tensor, "batch pos d_model"]:
+        z, x, B, C, dt, A = self._sequence_inputs(h, mask)
+        y = self._scan(x, dt, A, B, C)
+        return self._output(y, x, z, h.dtype)
+
+    def _sequence_inputs(
+        self, h: Tensor, mask: Tensor | None
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """``z, x, B, C, dt, A`` of a whole sequence (in_proj, causal convolution, SiLU; padded
+        positions zeroed before and after the convolution)."""
         cfg = self.cfg
         if mask is not None:
             h = h * mask[..., None].to(h.dtype)
@@ -143,9 +152,7 @@ class Mamba2Mixer(SSMMixer):
         if mask is not None:
             xBC = xBC * mask[..., None].to(xBC.dtype)
         x, B, C, dt = self._ssm_inputs(xBC, dt_raw)
-        A = -torch.exp(self.A_log.float())
-        y = self._scan(x, dt, A, B, C)
-        return self._output(y, x, z, h.dtype)
+        return z, x, B, C, dt, -torch.exp(self.A_log.float())
 
     def _scan(self, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor) -> Tensor:
         materialize = has_hooks(self.hook_pattern)
@@ -270,6 +277,12 @@ class Mamba2Mixer(SSMMixer):
             True
         """
         self._refuse_step_patterns()
+        z, x, y = self._step_scan(state, h)
+        return self._output(y, x, z, h.dtype)
+
+    def _step_scan(self, state: StepState, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``z``, ``x`` and the SSM heads' output ``y`` ``[R, 1, H, P]`` of one token after the
+        prefix whose convolution window and SSM state are in ``state``."""
         cfg = self.cfg
         H, G = cfg.n_heads, cfg.n_groups
         z, xBC, dt_raw = self.project(h).split([cfg.d_inner, self.conv_dim, H], dim=-1)
@@ -285,4 +298,4 @@ class Mamba2Mixer(SSMMixer):
             d[..., None, None] * x[:, 0].float()[..., None] * Bh[:, :, None, :]
         )
         y = torch.einsum("rhpn,rhn->rhp", s, Ch)[:, None].to(x.dtype)
-        return self._output(y, x, z, h.dtype)
+        return z, x, y

@@ -198,16 +198,9 @@ class SwappedMamba2Mixer(Mamba2Mixer):
     def forward(
         self, h: Float[Tensor, "batch pos d_model"], mask: Tensor | None
     ) -> Float[Tensor, "batch pos d_model"]:
-        cfg = self.cfg
+        z, x, B, C, dt, A = self._sequence_inputs(h, mask)
         if mask is not None:
             h = h * mask[..., None].to(h.dtype)
-        z, xBC, dt_raw = self.project(h).split([cfg.d_inner, self.conv_dim, cfg.n_heads], dim=-1)
-        conv = ops.causal_conv1d(xBC.transpose(1, 2), self.conv1d.weight, self.conv1d.bias)
-        xBC = F.silu(self.hook_conv(conv.transpose(1, 2)))
-        if mask is not None:
-            xBC = xBC * mask[..., None].to(xBC.dtype)
-        x, B, C, dt = self._ssm_inputs(xBC, dt_raw)
-        A = -torch.exp(self.A_log.float())
         q, k, v = self._attn_qkv(h, mask)
         L = h.shape[1]
         allowed = torch.ones(L, L, dtype=torch.bool, device=h.device).tril()[None, None]
@@ -276,21 +269,7 @@ class SwappedMamba2Mixer(Mamba2Mixer):
         """One token after the prefix (the same hook points as :meth:`forward`, ``pos = 1``;
         not ``hook_pattern`` or ``hook_ssm_state``)."""
         self._refuse_step_patterns()
-        cfg = self.cfg
-        H, G = cfg.n_heads, cfg.n_groups
-        z, xBC, dt_raw = self.project(h).split([cfg.d_inner, self.conv_dim, H], dim=-1)
-        conv = conv_last(torch.cat([state["conv"].to(xBC.dtype), xBC], dim=1), self.conv1d)
-        xBC = F.silu(self.hook_conv(conv))
-        x, B, C, dt = self._ssm_inputs(xBC, dt_raw)
-        A = -torch.exp(self.A_log.float())
-        hpg = H // G
-        Bh = B[:, 0].float().repeat_interleave(hpg, dim=1)
-        Ch = C[:, 0].float().repeat_interleave(hpg, dim=1)
-        d = dt[:, 0].float()
-        s = torch.exp(d * A)[..., None, None] * state["state"] + (
-            d[..., None, None] * x[:, 0].float()[..., None] * Bh[:, :, None, :]
-        )
-        y = torch.einsum("rhpn,rhn->rhp", s, Ch)[:, None].to(x.dtype)
+        z, x, y = self._step_scan(state, h)
         pre = self.hook_attn_in(self.attn_proj(h))
         window = torch.cat([state["attn_conv"].to(pre.dtype), pre], dim=1)
         q, k, v = self._split(F.silu(conv_last(window, self.attn_conv)))
