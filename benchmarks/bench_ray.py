@@ -161,7 +161,14 @@ def main() -> None:
     t0 = time.perf_counter()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     t_init = time.perf_counter() - t0
-    model = load_model("smollm2-135m")
+
+    def fresh():
+        # Each measurement starts from a freshly loaded model (not timed), as a user's first
+        # sweep does: the per-model checks and timings cached on a model object by an earlier
+        # measurement would otherwise favour whichever ran second.
+        return load_model("smollm2-135m")
+
+    model = fresh()
     tok = model.tokenizer
     task = kv_retrieval(
         tok, n_pairs=6, n_samples=args.n_samples, seed=0, template="question", values="words"
@@ -178,11 +185,13 @@ def main() -> None:
                 ceiling_runs.append(ceiling(args.n_samples))
                 print(f"[{rep}] two plain processes: {ceiling_runs[-1]}", flush=True)
             elif which == "local":
+                model = fresh()
                 m = CpuMeter()
                 local = ablation_sweep(model, task, "logit_diff", progress=False)
                 local_runs.append(m.stop())
                 print(f"[{rep}] one process: {local_runs[-1]}", flush=True)
             else:
+                model = fresh()
                 m = CpuMeter()
                 ex = RayExecutor(workers=2, threads_per_worker=1)
                 ex.start(model)
@@ -190,6 +199,7 @@ def main() -> None:
                 m2 = CpuMeter()
                 sharded = ablation_sweep(model, task, "logit_diff", progress=False, executor=ex)
                 sweep = m2.stop()
+                sweep["executor"] = sharded.info["executor"]
                 ex.close()
                 start_runs.append(start)
                 sharded_runs.append(sweep)
@@ -239,6 +249,22 @@ def main() -> None:
             f"{t_ceil:.1f} s; speedup {statistics.median(ratios_ceil):.2f}x over one process "
             f"(start skew {statistics.median(r['skew'] for r in ceiling_runs):.1f} s) |"
         )
+    busy = [r["executor"]["busy_seconds"] for r in sharded_runs]
+    cpu = [r["executor"]["cpu_seconds"] for r in sharded_runs]
+    serial = [r["wall"] - r["executor"]["wall_seconds"] for r in sharded_runs]
+    print(
+        "| 2 Ray workers: each worker's seconds inside its units (CPU seconds) | "
+        + "; ".join(
+            ", ".join(f"{b:.1f} ({c:.1f})" for b, c in zip(bs, cs, strict=True))
+            for bs, cs in zip(busy, cpu, strict=True)
+        )
+        + " |"
+    )
+    print(
+        "| 2 Ray workers: the caller's own time before the workers start (planning) | "
+        + "; ".join(f"{x:.1f} s" for x in serial)
+        + " |"
+    )
     print(f"| sharded values == one process | {same} (max abs diff {diff:.1e}) |")
     for name, runs in (("one process", local_runs), ("2 workers (sweep)", sharded_runs)):
         print(

@@ -199,6 +199,7 @@ class RayExecutor:
         self._slots: list[_Slot] = []
         self._pool_key: Any = None
         self._spec: dict[str, Any] = {}
+        self._fp_cache: tuple[Any, tuple[int, float, float]] | None = None
         self._started_ray = False
         self._sweep_ids = itertools.count()
 
@@ -328,7 +329,7 @@ class RayExecutor:
         return {"workers": workers, "threads_per_worker": threads, "gpus_per_worker": gpw}
 
     def _ensure_pool(self, ray: Any, model: Any, source: Any, kwargs: Any, label: str) -> None:
-        fingerprint = _fingerprint(model)
+        fingerprint = self._fingerprint_of(model)
         key = (source if isinstance(source, str) else id(source), repr(kwargs), fingerprint)
         if self._slots and self._pool_key == key:
             return
@@ -348,6 +349,18 @@ class RayExecutor:
         self._worker_args = (source, kwargs, spec["threads_per_worker"], fingerprint, label)
         self._slots = [self._new_slot(i) for i in range(spec["workers"])]
         self._pool_key = key
+
+    def _fingerprint_of(self, model: Any) -> tuple[int, float, float]:
+        """The weights' fingerprint, recomputed only when a parameter was replaced or edited in
+        place since the last sweep (its storage or torch's version counter changed): summing
+        every parameter of a large model takes a while, and it is serial time of every sweep."""
+        state = _param_state(model)
+        cached = self._fp_cache
+        if state is not None and cached is not None and cached[0] == (id(model), state):
+            return cached[1]
+        fingerprint = _fingerprint(model)
+        self._fp_cache = None if state is None else ((id(model), state), fingerprint)
+        return fingerprint
 
     def _new_slot(self, index: int) -> _Slot:
         actor = self._remote.remote(*self._worker_args)
@@ -455,6 +468,9 @@ class _Run:
         self.failures: list[str] = []
         self.infos: list[dict[str, Any]] = []
         self.by_worker = [0] * len(ex._slots)
+        self.busy = [0.0] * len(ex._slots)  # seconds each worker spent inside its units
+        self.cpu = [0.0] * len(ex._slots)  # CPU seconds of each worker's process in them
+        self.t0 = time.perf_counter()
 
     def samples(self, unit: _Unit) -> Tensor:
         return torch.cat([self.batches[p] for p in unit.parts])
@@ -568,6 +584,8 @@ class _Run:
             diff = (self.baseline[samples][known] - baseline[known]).abs().max()
             self.spread = max(self.spread, float(diff))
         self.baseline[samples] = torch.where(known, self.baseline[samples], baseline)
+        self.busy[slot.index] += float(info.pop("unit_seconds", 0.0))
+        self.cpu[slot.index] += float(info.pop("unit_cpu_seconds", 0.0))
         self.infos.append(info)
         self.done.add(unit.id)
         self.by_worker[slot.index] += 1
@@ -635,6 +653,9 @@ class _Run:
             "load_seconds": [s.info.get("load_seconds") for s in self.ex._slots],
             "units": len(self.units),
             "units_by_worker": list(self.by_worker),
+            "wall_seconds": round(time.perf_counter() - self.t0, 3),
+            "busy_seconds": [round(b, 3) for b in self.busy],
+            "cpu_seconds": [round(c, 3) for c in self.cpu],
             "restarts": self.restarts,
             "reruns": self.reruns,
             "failures": list(self.failures),
@@ -705,6 +726,7 @@ class _SweepWorker:
 
         if self.error:
             raise WorkerError(self.error)
+        t0, c0 = time.perf_counter(), time.process_time()
         if self.session is None or self.session[0] != sweep_id:
             import ray
 
@@ -717,6 +739,10 @@ class _SweepWorker:
             values, baseline, info = sweep.run(only=range(lo, hi), parts=parts, keep=True)
         batches = sweep.batches()
         samples = torch.cat([batches[p] for p in parts])
+        info = info | {
+            "unit_seconds": time.perf_counter() - t0,
+            "unit_cpu_seconds": time.process_time() - c0,
+        }
         return values[lo:hi][:, samples].clone(), baseline[samples].clone(), info
 
 
@@ -854,6 +880,19 @@ def _fingerprint(model: Any) -> tuple[int, float, float]:
             total += float(p.sum(dtype=torch.float64))
             absolute += float(p.abs().sum(dtype=torch.float64))
     return n, total, absolute
+
+
+def _param_state(model: Any) -> tuple[tuple[Any, ...], ...] | None:
+    """Per parameter: its storage, version counter (bumped by every in-place edit), shape and
+    dtype: what tells that the weights may have changed without reading them. ``None`` when
+    that cannot be told (inference-mode tensors keep no version counter)."""
+    try:
+        return tuple(
+            (p.data_ptr(), p._version, tuple(p.shape), p.dtype, str(p.device))
+            for p in model.parameters()
+        )
+    except (RuntimeError, AttributeError, TypeError):
+        return None
 
 
 def _same_fingerprint(a: Any, b: Any) -> bool:

@@ -44,6 +44,28 @@ def test_a_model_built_in_memory_is_refused_before_ray_starts():
         ablation_sweep(model, task, "logit_diff", progress=False, executor=RayExecutor(workers=2))
 
 
+def test_the_weights_fingerprint_is_recomputed_only_after_an_edit(monkeypatch):
+    """Summing every parameter is serial time of each sweep: it is skipped when no parameter was
+    replaced or edited in place since the last sweep, and recomputed after either."""
+    from gna_lens import distributed
+
+    model = tiny_hooked_ssm("mamba2", vocab_size=len(tok()))
+    calls = []
+    real = distributed._fingerprint
+    monkeypatch.setattr(distributed, "_fingerprint", lambda m: calls.append(1) or real(m))
+    ex = RayExecutor(workers=2)
+    first = ex._fingerprint_of(model)
+    assert ex._fingerprint_of(model) == first and len(calls) == 1
+    p = next(model.parameters())
+    with torch.no_grad():
+        p.add_(1.0)  # in place: the version counter moves
+    edited = ex._fingerprint_of(model)
+    assert len(calls) == 2 and edited != first
+    p.data = p.data.clone()  # replaced storage, same values
+    assert ex._fingerprint_of(model) == edited and len(calls) == 3
+    assert ex._fingerprint_of(tiny_hooked_ssm("mamba2", vocab_size=len(tok()))) and len(calls) == 4
+
+
 # ----------------------------------------------------------------------------- on a Ray instance
 @pytest.fixture(scope="module")
 def ray_instance():
@@ -114,6 +136,9 @@ def test_sharded_sweep_equals_one_process_bit_for_bit(llama, pool, positions, pa
     assert ex["workers"] == 2 and ex["threads_per_worker"] == 1 and ex["restarts"] == 0
     assert all(n > 0 for n in ex["units_by_worker"]), ex  # both workers took part
     assert sum(ex["units_by_worker"]) == ex["units"] > 2
+    # each worker's time inside its units, and its CPU time there (how well the sharding ran)
+    assert len(ex["busy_seconds"]) == len(ex["cpu_seconds"]) == 2
+    assert all(0 < b <= ex["wall_seconds"] + 0.05 for b in ex["busy_seconds"]), ex
 
 
 def test_score_heads_shards_task_and_control_with_the_same_numbers(llama, pool):

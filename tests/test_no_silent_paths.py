@@ -433,3 +433,33 @@ def test_the_knowledge_table_carries_the_sweeps_paths_and_fallbacks(monkeypatch)
     assert table.after == ok.after
     (why,) = table.method["fallbacks"]
     assert why.startswith("kv: cells:") and "must match the size" in why
+
+
+@pytest.mark.parametrize("slow", ["expand", "packed"])
+def test_the_strategy_probe_reruns_packed_only_when_that_could_change_the_choice(slow, monkeypatch):
+    """The probe times packed once; a second packed timing (it can only favour packed) runs only
+    when expand looked faster, so a process does not redo a chunk of cells it already chose."""
+    m = _fresh()
+    calls = {"packed": 0}
+    real_packed, real_expanded = _engine._LayerRun.packed, _engine._LayerRun.expanded
+    clock = {"t": 0.0}
+    monkeypatch.setattr(_engine.time, "perf_counter", lambda: clock["t"])
+
+    def packed(self, chunk):
+        calls["packed"] += 1
+        lg, _ = real_packed(self, chunk)
+        clock["t"] += 100.0 if slow == "packed" else 0.001
+        return lg, 100.0 if slow == "packed" else 0.001
+
+    def expanded(self, W, chunk, r):
+        lg, _ = real_expanded(self, W, chunk, r)
+        clock["t"] += 100.0 if slow == "expand" else 0.001
+        return lg, 100.0 if slow == "expand" else 0.001
+
+    monkeypatch.setattr(_engine._LayerRun, "packed", packed)
+    monkeypatch.setattr(_engine._LayerRun, "expanded", expanded)
+    heads = [(0, h) for h in range(4)]
+    res = I.ablation_sweep(m, make_task(n_samples=2), "logit_diff", heads, pack=4, progress=False)
+    assert res.info["expanded"] == (slow == "packed")
+    # packed won: one packed run of the 4 cells, kept; expand won: timed twice, then expanded
+    assert calls["packed"] == (1 if slow == "expand" else 2)
