@@ -463,3 +463,42 @@ def test_the_strategy_probe_reruns_packed_only_when_that_could_change_the_choice
     assert res.info["expanded"] == (slow == "packed")
     # packed won: one packed run of the 4 cells, kept; expand won: timed twice, then expanded
     assert calls["packed"] == (1 if slow == "expand" else 2)
+
+
+def test_a_sharded_sweep_checks_edits_in_the_workers_not_twice(monkeypatch):
+    """With an executor the caller does not probe its own copy (serial time of every sharded
+    sweep); each worker's plan of the job does, on the copy it edits, and raises the same error."""
+    from interventions_helpers import model as helper_model
+
+    from gna_lens import heads as heads_mod
+    from gna_lens.interventions import ablation
+    from gna_lens.tasks import text_control
+
+    m = helper_model("llama")  # a TransformerBridge: its layers are probed
+    texts = [tok().decode(s.input_ids) for s in make_task(n_samples=8, seed=5)]
+    control = text_control(tok(), texts, n_sequences=2, seq_len=16)
+    probed = []
+    real = ablation.require_editable
+    monkeypatch.setattr(
+        ablation, "require_editable", lambda *a, **k: probed.append(a[2]) or real(*a, **k)
+    )
+
+    class InProcess:  # what a worker does: plan the job again on its copy, run the cells
+        def run_sweep(self, model, job, sweep, bar=None):
+            probed.append("worker")
+            return ablation.plan_job(model, job).run()
+
+    t = make_task(n_samples=2)
+    for sweep in (
+        lambda ex: I.ablation_sweep(m, t, "logit_diff", [(0, 1)], progress=False, executor=ex),
+        lambda ex: I.control_sweep(m, control, [(0, 1)], progress=False, executor=ex),
+    ):
+        probed.clear()
+        sweep(InProcess())
+        assert probed == ["worker", [0]]  # the caller did not probe; the worker's plan did
+        probed.clear()
+        sweep(None)
+        assert probed == [[0]]
+    monkeypatch.setitem(heads_mod._VERDICTS, m, {(1, "z"): "would be silently ignored: test"})
+    with pytest.raises(PatternEditError, match=r"layer 1: head-output edits .* test"):
+        I.ablation_sweep(m, t, "logit_diff", [(1, 0)], progress=False, executor=InProcess())

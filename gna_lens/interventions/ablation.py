@@ -561,7 +561,9 @@ def ablation_sweep(
         max_rows=max_rows, memory_budget=memory_budget,
     )  # fmt: skip
     with torch.no_grad():
-        sweep = _plan_ablation(model, **args)
+        # With an executor the workers edit their own copies and check them (a probe forward
+        # per layer); checking this copy too would add that to the sweep's serial time.
+        sweep = _plan_ablation(model, **args, check_edits=executor is None)
         bar = tqdm(
             total=len(cells) * len(task),
             desc=f"ablation sweep ({len(cells)} cells)",
@@ -710,9 +712,13 @@ def _plan_ablation(
     pack: int | None,
     max_rows: int,
     memory_budget: int | str,
+    check_edits: bool = True,
 ) -> CellSweep:
     """Check the arguments of :func:`ablation_sweep` and plan it (the reference's forward
-    passes of mean and resample ablation run here)."""
+    passes of mean and resample ablation run here). ``check_edits=False``: skip
+    :func:`~gna_lens.heads.require_editable` here, for a caller whose workers run the cells (each
+    worker plans with the check, on the copy it edits, and raises its error as one process would).
+    """
     view = head_view(model)
     met = Metric(metric, task)
     positions = check_positions(positions)
@@ -729,7 +735,8 @@ def _plan_ablation(
         raise InterventionError(f"max_rows={max_rows!r}; expected a positive int.")
     plan = SweepPlan(parse_bytes(memory_budget), max_rows, pack)
     layers = sorted({layer for c in cells for layer, _ in c})
-    require_editable(model, view, layers, "z")
+    if check_edits:
+        require_editable(model, view, layers, "z")
     device = model_device(model)
     runner = Runner(model, view)
     source = build_source(
@@ -890,7 +897,7 @@ def control_sweep(
         method=method, n_scored=n_scored, max_rows=max_rows, memory_budget=memory_budget,
     )  # fmt: skip
     with torch.no_grad():
-        sweep = _plan_control(model, **args)
+        sweep = _plan_control(model, **args, check_edits=executor is None)  # as ablation_sweep
         bar = tqdm(
             total=len(cells) * sweep.n_samples,
             desc=f"control sweep ({len(cells)} cells)",
@@ -929,8 +936,10 @@ def _plan_control(
     n_scored: int | None,
     max_rows: int,
     memory_budget: int | str,
+    check_edits: bool = True,
 ) -> CellSweep:
-    """Check the arguments of :func:`control_sweep` on a text control and plan it."""
+    """Check the arguments of :func:`control_sweep` on a text control and plan it
+    (``check_edits``: as in :func:`_plan_ablation`)."""
     view = head_view(model)
     positions = check_positions(positions)
     if isinstance(positions, Tensor):
@@ -955,7 +964,8 @@ def _plan_control(
             "resampled from another; expected at least 2 windows."
         )
     layers = sorted({layer for c in cells for layer, _ in c})
-    require_editable(model, view, layers, "z")
+    if check_edits:
+        require_editable(model, view, layers, "z")
     runner = Runner(model, view, keep=k)
     metric = _NextTokenNLL(control.tokens, k)
     plan = SweepPlan(parse_bytes(memory_budget), max_rows, None)
