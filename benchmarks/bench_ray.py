@@ -62,6 +62,7 @@ class CpuMeter:
         self.done = threading.Event()
         self.t0 = time.perf_counter()
         self.busy0 = self._busy()
+        self.steal0 = self._steal()
         self._sample(initial=True)
         self.load0 = os.getloadavg()[0]
         self.thread = threading.Thread(target=self._poll, daemon=True)
@@ -71,6 +72,12 @@ class CpuMeter:
     def _busy() -> float:
         t = psutil.cpu_times()
         return t.user + t.nice + t.system + getattr(t, "irq", 0) + getattr(t, "softirq", 0)
+
+    @staticmethod
+    def _steal() -> float:
+        # Time the hypervisor ran something else while this VM's CPUs wanted to run: the host's
+        # contention, invisible to the in-VM process accounting above.
+        return getattr(psutil.cpu_times(), "steal", 0.0)
 
     def _sample(self, initial: bool = False) -> None:
         for p in [self.me, *self.me.children(recursive=True)]:
@@ -91,6 +98,7 @@ class CpuMeter:
         self._sample()
         wall = time.perf_counter() - self.t0
         busy = self._busy() - self.busy0
+        steal = self._steal() - self.steal0
         self.done.set()
         self.thread.join()
         with self.lock:
@@ -98,6 +106,7 @@ class CpuMeter:
         return {
             "wall": wall,
             "others": max(0.0, busy - ours) / wall,
+            "steal": steal / wall,
             "load_before": self.load0,
             "load_after": os.getloadavg()[0],
         }
@@ -275,6 +284,11 @@ def main() -> None:
         print(
             f"| other processes' CPU during {name} (cores) | "
             + "; ".join(f"{r['others']:.2f}" for r in runs)
+            + " |"
+        )
+        print(
+            f"| CPU taken by the host (steal) during {name} (cores) | "
+            + "; ".join(f"{r['steal']:.3f}" for r in runs)
             + " |"
         )
     ray.shutdown()
