@@ -275,6 +275,44 @@ def read_config(path: Path) -> SimpleNamespace:
     return SimpleNamespace(**data)
 
 
+def checkpoint_weights(path: Path, kind: str) -> Path:
+    """The weights file of a gna_lens checkpoint in ``path`` (``kind`` names it in the error).
+
+    Raises:
+        ConfigError: If the folder has no weights file.
+    """
+    weights = path / WEIGHTS
+    if not weights.is_file():
+        raise ConfigError(f"{path}: a gna_lens {kind} checkpoint without {WEIGHTS}.")
+    return weights
+
+
+def read_checkpoint(
+    path: Path,
+    cfg: SSMConfig,
+    state: dict[str, torch.Tensor],
+    *,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    tokenizer: Any | None,
+    prepare: Any = None,
+) -> Any:
+    """The HookedSSM of a checkpoint written by :func:`write_checkpoint`: built from ``cfg``
+    (``prepare(model)`` then changes its modules, e.g. swapped heads), the weights ``state``
+    loaded strictly, the folder's tokenizer unless one is given; in eval mode."""
+    from gna_lens.models.hooked_ssm import HookedSSM
+
+    if tokenizer is None:
+        tokenizer = _tokenizer(path)
+    cfg.dtype = dtype
+    cfg.device = str(device)
+    model = HookedSSM(cfg, tokenizer)
+    if prepare is not None:
+        prepare(model)
+    model.load_state_dict(state, strict=True)
+    return model.to(device=device, dtype=dtype).eval()
+
+
 def load(
     path: Path,
     *,
@@ -290,20 +328,12 @@ def load(
     from safetensors.torch import load_file
 
     from gna_lens.models.families import config_from_hf, convert_hf_state_dict
-    from gna_lens.models.hooked_ssm import HookedSSM
 
     path = Path(path)
     cfg = config_from_hf(read_config(path))
-    weights = path / WEIGHTS
-    if not weights.is_file():
-        raise ConfigError(f"{path}: a gna_lens hybrid checkpoint without {WEIGHTS}.")
-    if tokenizer is None:
-        tokenizer = _tokenizer(path)
-    cfg.dtype = dtype
-    cfg.device = str(device)
-    model = HookedSSM(cfg, tokenizer)
-    model.load_state_dict(convert_hf_state_dict(cfg, load_file(str(weights))), strict=True)
-    return model.to(device=device, dtype=dtype).eval()
+    weights = checkpoint_weights(path, "hybrid")
+    state = convert_hf_state_dict(cfg, load_file(str(weights)))
+    return read_checkpoint(path, cfg, state, dtype=dtype, device=device, tokenizer=tokenizer)
 
 
 def _tokenizer(path: Path) -> Any:

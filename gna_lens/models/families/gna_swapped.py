@@ -35,7 +35,6 @@ __all__ = ["FAMILY", "MODEL_TYPE", "install", "load", "save"]
 
 MODEL_TYPE = "gna_lens_swapped"
 HF_CLASS = "GnaLensSwappedForCausalLM"
-WEIGHTS = "model.safetensors"
 _SKIP = ("dtype", "device")
 
 
@@ -130,14 +129,11 @@ def load(
     """
     from safetensors.torch import load_file
 
-    from gna_lens.models.families.gna_hybrid import _tokenizer
-    from gna_lens.models.hooked_ssm import HookedSSM
+    from gna_lens.models.families.gna_hybrid import checkpoint_weights, read_checkpoint
 
     path = Path(path)
     data = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    weights = path / WEIGHTS
-    if not weights.is_file():
-        raise ConfigError(f"{path}: a gna_lens swapped checkpoint without {WEIGHTS}.")
+    weights = checkpoint_weights(path, "swapped")
     try:
         cfg = _config_from(data["ssm_config"])
         heads: dict[int, list[int]] = {}
@@ -148,18 +144,15 @@ def load(
             f"{path}/config.json: a malformed gna_lens_swapped config ({err.__class__.__name__}: "
             f"{err}); expected ssm_config and swapped_heads as HookedSSM.save_pretrained writes."
         ) from err
-    if tokenizer is None:
-        tokenizer = _tokenizer(path)
-    cfg.dtype = dtype
-    cfg.device = str(device)
-    model = HookedSSM(cfg, tokenizer)
-    install(model, heads)
     state = load_file(str(weights))
     if cfg.tie_word_embeddings and "unembed.weight" not in state:
         state["unembed.weight"] = state["embed.weight"]
-    model.load_state_dict(state, strict=True)
-    model.gna_swap = dict(data.get("swap") or {})  # type: ignore[assignment]
-    return model.to(device=device, dtype=dtype).eval()
+    model = read_checkpoint(
+        path, cfg, state, dtype=dtype, device=device, tokenizer=tokenizer,
+        prepare=lambda m: install(m, heads),
+    )  # fmt: skip
+    model.gna_swap = dict(data.get("swap") or {})
+    return model
 
 
 FAMILY = Family(

@@ -157,16 +157,7 @@ class Mamba2Mixer(SSMMixer):
     def _scan(self, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor) -> Tensor:
         materialize = has_hooks(self.hook_pattern)
         heads, rows = self._selection(x.shape[1], x.device) if materialize else (None, None)
-        y: Tensor | None = None
-        if has_hooks(self.hook_ssm_state):
-            states = ops.mamba2_recurrent(x, dt, A, B, C)
-            states, edited = state_through_hook(self.hook_ssm_state, states)
-            if edited and materialize:
-                self._refuse_state_edit()
-            Ch = C.repeat_interleave(self.cfg.n_heads // self.cfg.n_groups, dim=2)
-            y = torch.einsum("blhpn,blhn->blhp", states, Ch)
-        elif not materialize or heads is not None or rows is not None:
-            y = ops.mamba2_ssd(x, dt, A, B, C, self.cfg.chunk_size)
+        y = self._scanned(x, dt, A, B, C, materialize, heads, rows)
         if not materialize:
             assert y is not None
             return y
@@ -176,6 +167,31 @@ class Mamba2Mixer(SSMMixer):
         x_sel = x if heads is None else x.index_select(2, heads)
         y_sel = torch.einsum("bhrj,bjhp->brhp", pattern, x_sel)
         return scatter_rows_heads(y, y_sel, heads, rows, head_dim=2)
+
+    def _scanned(
+        self,
+        x: Tensor,
+        dt: Tensor,
+        A: Tensor,
+        B: Tensor,
+        C: Tensor,
+        materialize: bool,
+        heads: Tensor | None,
+        rows: Tensor | None,
+    ) -> Tensor | None:
+        """Every head's ``y`` without the pattern: through ``hook_ssm_state`` when it is hooked,
+        else the chunked scan; ``None`` when the materialized pattern will give every head and
+        row."""
+        if has_hooks(self.hook_ssm_state):
+            states = ops.mamba2_recurrent(x, dt, A, B, C)
+            states, edited = state_through_hook(self.hook_ssm_state, states)
+            if edited and materialize:
+                self._refuse_state_edit()
+            Ch = C.repeat_interleave(self.cfg.n_heads // self.cfg.n_groups, dim=2)
+            return torch.einsum("blhpn,blhn->blhp", states, Ch)
+        if not materialize or heads is not None or rows is not None:
+            return ops.mamba2_ssd(x, dt, A, B, C, self.cfg.chunk_size)
+        return None
 
     def materialize(
         self,

@@ -44,7 +44,6 @@ from gna_lens.models.mixers.base import (
     conv_tail,
     has_hooks,
     scatter_rows_heads,
-    state_through_hook,
 )
 from gna_lens.models.mixers.mamba2 import Mamba2Mixer
 
@@ -218,16 +217,7 @@ class SwappedMamba2Mixer(Mamba2Mixer):
         materialize = has_hooks(self.hook_pattern)
         heads, rows = self._selection(x.shape[1], x.device) if materialize else (None, None)
         index: Tensor = self.attn_index  # type: ignore[assignment]
-        y: Tensor | None = None
-        if has_hooks(self.hook_ssm_state):
-            states = ops.mamba2_recurrent(x, dt, A, B, C)
-            states, edited = state_through_hook(self.hook_ssm_state, states)
-            if edited and materialize:
-                self._refuse_state_edit()
-            Ch = C.repeat_interleave(self.cfg.n_heads // self.cfg.n_groups, dim=2)
-            y = torch.einsum("blhpn,blhn->blhp", states, Ch)
-        elif not materialize or heads is not None or rows is not None:
-            y = ops.mamba2_ssd(x, dt, A, B, C, self.cfg.chunk_size)
+        y = self._scanned(x, dt, A, B, C, materialize, heads, rows)
         if y is not None:
             y_attn = torch.einsum("bhqk,bkhp->bqhp", P_attn.to(v.dtype), v)
             y = y.index_copy(2, index, y_attn.to(y.dtype))
