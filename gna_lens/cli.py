@@ -4,7 +4,6 @@ as attention, distilled and measured), ``gna-lens lm-eval`` (lm-eval's own comma
 ``gna_lens`` model registered), ``gna-lens train-zoo`` and ``gna-lens demo``."""
 
 import argparse
-import os
 import sys
 import tempfile
 import time
@@ -12,6 +11,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+from gna_lens.runtime import choose_threads, cpu_description
 
 __all__ = ["main"]
 
@@ -182,6 +183,7 @@ def _scan(args: argparse.Namespace) -> int:
         print(f"\nReport: {result.html_path} (offline HTML), {result.json_path}")
     stages = describe_timings(result.timings, result.report.timings)
     print(f"Time: {load_s + result.seconds:.1f} s (loading {load_s:.1f} s, {stages})")
+    print(f"Machine: {cpu_description()}; {torch.get_num_threads()} torch thread(s)")
     return 0
 
 
@@ -219,30 +221,11 @@ def _print_coarse(report: Any, max_lines: int = 8) -> None:
 
 
 def scan_threads(requested: int | None) -> tuple[int, str]:
-    """Torch threads for a scan, and why: ``requested``, else ``OMP_NUM_THREADS``, else the cores
-    the load average leaves idle (at least one).
-
-    Torch's threads spin while they wait for each other: on a machine whose cores are busy with
-    other jobs, more threads than idle cores make a scan several times slower (SmolLM2 on two
-    cores shared with a training job: 6.8 min with two threads, under 2 min with one).
-    """
-    if requested is not None:
-        if requested < 1:
-            raise SystemExit(f"gna-lens scan: --threads {requested}; expected a positive int.")
-        return requested, f"{requested} torch thread(s) (--threads)"
-    if os.environ.get("OMP_NUM_THREADS"):
-        n = torch.get_num_threads()
-        return n, f"{n} torch thread(s) (OMP_NUM_THREADS)"
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    try:
-        load = os.getloadavg()[0]
-    except (AttributeError, OSError):
-        return torch.get_num_threads(), f"{torch.get_num_threads()} torch threads"
-    n = max(1, min(cores, round(cores - load)))
-    return n, f"{n} torch thread(s): {cores} cores, load average {load:.1f}; --threads to change"
+    """Torch threads for a scan, and why (:func:`gna_lens.runtime.choose_threads`: ``requested``,
+    else ``OMP_NUM_THREADS``, else the cores idle now, at least one)."""
+    if requested is not None and requested < 1:
+        raise SystemExit(f"gna-lens scan: --threads {requested}; expected a positive int.")
+    return choose_threads(requested)
 
 
 def _evaluate(args: argparse.Namespace) -> int:
@@ -502,9 +485,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     sc.add_argument(
         "--sweep-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-        help="arithmetic of the selection sweeps: auto (default: bfloat16 autocast on models "
-        "above 300 heads where the CPU/GPU has native bfloat16, else float32), float32, or "
-        "bfloat16 (~1.6x faster on AVX512-BF16 CPUs); held-out numbers are always float32",
+        help="arithmetic of the selection sweeps: auto (default: float32 on models of at most 300 "
+        "heads; above, bfloat16 autocast only where a probe on this model and device measures it "
+        "faster and it passes an accuracy check; the report says what was measured), float32, "
+        "or bfloat16 (on a CPU without native bfloat16 it can be 10x slower); held-out numbers "
+        "are always float32",
     )  # fmt: skip
     sc.add_argument("--out", default="gna_lens_report", help="folder for report.html / report.json")
     sc.add_argument("--seed", type=int, default=0)
@@ -562,8 +547,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="KV prompts the ranking is made on when --ranking is not given (16)",
     )  # fmt: skip
     ev.add_argument(
-        "--sweep-dtype", default="float32", choices=["float32", "bfloat16"],
-        help="arithmetic of the ranking sweeps when the ranking is computed here",
+        "--sweep-dtype", default="float32", choices=["auto", "float32", "bfloat16"],
+        help="arithmetic of the ranking sweeps when the ranking is computed here (auto: as scan)",
     )  # fmt: skip
     ev.add_argument("--out", default="gna_lens_table", help="folder for table.md/csv/json/svg")
     ev.add_argument("--dtype", default="float32", help="weights dtype (float32, bfloat16)")
@@ -614,12 +599,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     hy.add_argument("--batch-size", type=int, default=8, help="texts per distillation step (8)")
     hy.add_argument("--max-length", type=int, default=256, help="tokens per text (256)")
     hy.add_argument(
-        "--autocast", default="none", choices=["none", "bfloat16"],
-        help="distillation in mixed precision (bfloat16: ~2x faster on AVX512-BF16 CPUs and GPUs)",
+        "--autocast", default="none", choices=["none", "auto", "bfloat16"],
+        help="distillation in mixed precision: bfloat16 (~2x faster on AVX512-BF16 CPUs and GPUs, "
+        "far slower on CPUs without native bfloat16) or auto (bfloat16 where a timed training "
+        "step says it is faster and its loss stays within 2%%)",
     )  # fmt: skip
     hy.add_argument(
-        "--sweep-dtype", default="float32", choices=["float32", "bfloat16"],
-        help="arithmetic of the ranking's ablation sweeps (held-out numbers are float32)",
+        "--sweep-dtype", default="float32", choices=["auto", "float32", "bfloat16"],
+        help="arithmetic of the ranking's ablation sweeps (auto: as scan; held-out numbers are "
+        "float32)",
     )  # fmt: skip
     hy.add_argument(
         "--device", default=None, help="cpu or cuda (default: where the teacher loads, the CPU)"

@@ -30,8 +30,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from gna_lens.errors import ConfigError, GnaLensError, TaskError
 from gna_lens.models.provenance import provenance_of
+from gna_lens.runtime import cpu_description
 from gna_lens.scoring import (
     MAX_CONTROL,
     GnaReport,
@@ -460,8 +463,9 @@ def scan(
         max_control: Bound of the retrieval-specific ranking (nats/token).
         random_draws: Random head sets of the held-out baseline.
         sweep_dtype: ``"auto"`` (default: ``"bfloat16"`` when the model has more than
-            :data:`EXACT_ALL_MAX` heads, float32 weights and a device with native bfloat16, else
-            ``None``; see :func:`~gna_lens.scoring.report.resolve_sweep_dtype`), ``None``
+            :data:`EXACT_ALL_MAX` heads and float32 weights, and a probe on this model and
+            device measures bfloat16 faster and accurate enough, else ``None``; see
+            :func:`~gna_lens.scoring.report.resolve_sweep_dtype`), ``None``
             (float32) or ``"bfloat16"``: autocast of the selection sweeps only; the held-out
             numbers are always computed in the model's dtype. The report records the choice.
         zoo: ``model`` is a zoo model (its splits and cloze control, see :func:`build_tasks`).
@@ -599,6 +603,7 @@ def scan(
         folder.mkdir(parents=True, exist_ok=True)
         seconds = time.perf_counter() - t0
         stages = describe_timings(timings, report.timings)
+        machine = f"{cpu_description()}; {torch.get_num_threads()} torch thread(s)"
         warn_html = "".join(f"<p><b>Warning:</b> {html.escape(w)}</p>" for w in warnings)
         meta = (
             "<h2>Provenance</h2><p>Weights: "
@@ -614,6 +619,8 @@ def scan(
             + html.escape(command or " ".join(sys.argv))
             + "</code><br>Versions: "
             + html.escape(_versions())
+            + "<br>Machine: "
+            + html.escape(machine)
             + f"<br>Heads ablated exactly: {n_exact} of {n_heads} (strategy {strategy})"
             + (
                 f"<br>Sweeps sharded: {html.escape(str(report.method['executor']))}"
@@ -644,6 +651,7 @@ def scan(
             "provenance": prov.to_dict(),
             "command": command,
             "versions": _versions(),
+            "machine": machine,
             "timings": timings,
             "timings_heads": report.timings,
         }

@@ -33,6 +33,7 @@ from gna_lens.hybrid import (
     swap_heads,
 )
 from gna_lens.models import HookedSSM, load_model
+from gna_lens.runtime import override_speed_probe
 
 KEEP = [(0, 1), (1, 2)]
 PATTERN = "blocks.{}.mixer.hook_pattern"
@@ -102,6 +103,30 @@ def test_resume_gives_the_uninterrupted_run_bit_for_bit(tmp_path, stops):
     assert res2.resumed_at["stage"] == 2 and all(
         torch.equal(a[k], again.state_dict()[k]) for k in a
     )
+
+
+@pytest.mark.parametrize("slower", [True, False], ids=["bf16-measured-slower", "bf16-faster"])
+def test_autocast_auto_decides_by_a_timed_step_and_leaves_no_trace(slower):
+    """autocast="auto" times one training step both ways (here the clock is overridden, so both
+    branches run on every CPU): bfloat16 measured slower gives exactly the float32 run; faster
+    gives exactly the bfloat16 run; the result says what was measured."""
+    probe = (0.01, 0.105) if slower else (0.02, 0.01)
+    with override_speed_probe(probe):
+        student, res = _run(autocast="auto")
+    same, same_res = _run(autocast=None if slower else "bfloat16")
+    a, b = student.state_dict(), same.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)  # the probe trained nothing, drew no randoms
+    assert _key(res) == _key(same_res) and res.probe == same_res.probe
+    choice = res.method["autocast_choice"]
+    assert res.method["autocast"] == (None if slower else "bfloat16")
+    assert res.method["autocast_probe"]["what"] == "one training step on 4 x 256 tokens"
+    if slower:
+        assert choice.startswith("auto: float32, because bfloat16 autocast 10.50x slower"), choice
+    else:
+        assert choice.startswith("auto: bfloat16 autocast, because bfloat16 autocast 2.00x"), choice
+        assert "; checked: stage-2 KL on the probe batch" in choice
+    with pytest.raises(ConfigError, match=r"autocast='fp8'\); expected None, 'bfloat16'"):
+        _run(autocast="fp8")
 
 
 def test_a_checkpoint_of_other_settings_is_refused(tmp_path):

@@ -39,6 +39,7 @@ from gna_lens.findings.experiments import (
     zoo_ablation,
 )
 from gna_lens.findings.render import render_markdown, status_rows
+from gna_lens.runtime import choose_threads, cpu_description
 
 __all__ = [
     "ZOO_ALL",
@@ -91,7 +92,7 @@ def run_all(
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "threads": torch.get_num_threads(),
-        "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}",
+        "machine": f"{platform.machine()}: {cpu_description()}",
     }
     return results
 
@@ -196,14 +197,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--render", default=None, help="only re-render the page from a results JSON (no runs)"
     )
     parser.add_argument(
-        "--sweep-dtype", default=None, choices=["float32", "bfloat16"],
-        help="arithmetic of SmolLM2's selection sweep (held-out numbers are always float32)",
+        "--sweep-dtype", default=None, choices=["auto", "float32", "bfloat16"],
+        help="arithmetic of SmolLM2's selection sweep (default float32; auto: bfloat16 only where "
+        "measured faster and accurate enough, as gna-lens scan; held-out numbers are float32)",
     )  # fmt: skip
-    parser.add_argument("--threads", type=int, default=None, help="torch threads")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: the cores idle now)"
+    )
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     if args.render:
         stored = json.loads(Path(args.render).read_text(encoding="utf-8"))
         page = render_markdown(stored, stored.get("command", "make findings"))
@@ -212,6 +214,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             Path(args.zoo_page).write_text(zoo_markdown(), encoding="utf-8")
         print(f"wrote {args.out} from {args.render}", file=sys.stderr)
         return 0
+    threads, why = choose_threads(args.threads)
+    torch.set_num_threads(threads)
+    print(f"findings: {why}; {cpu_description()}", file=sys.stderr)
     dtype = None if args.sweep_dtype in (None, "float32") else args.sweep_dtype
     results = run_all(progress=not args.no_progress, only=args.only, sweep_dtype=dtype)
     command = "python -m gna_lens.findings " + " ".join(argv if argv is not None else sys.argv[1:])

@@ -38,6 +38,7 @@ from gna_lens.hybrid._budget import Budget, parse_budget
 from gna_lens.hybrid._train import Stage, StepLosses, run_stages
 from gna_lens.models.hooked_ssm import HookedSSM
 from gna_lens.models.mixers.hybrid import HybridMixer
+from gna_lens.runtime import PrecisionChoice, choose_precision
 
 __all__ = ["SSM_PARAMS", "TRAIN_CHOICES", "DistillResult", "distill", "teacher_twin"]
 
@@ -322,9 +323,65 @@ def _autocast_dtype(value: Any) -> torch.dtype | None:
     if value in ("bfloat16", torch.bfloat16):
         return torch.bfloat16
     raise ConfigError(
-        f"distill(autocast={value!r}); expected None or 'bfloat16' (mixed precision of the "
-        "forward and backward passes; weights and optimizer stay float32)."
+        f"distill(autocast={value!r}); expected None, 'bfloat16' (mixed precision of the "
+        "forward and backward passes; weights and optimizer stay float32) or 'auto' (bfloat16 "
+        "only where a training step is measured faster and its loss stays within 2%)."
     )
+
+
+def choose_autocast(
+    student: HookedSSM,
+    twin: HookedSSM,
+    *,
+    batch_size: int,
+    max_length: int,
+    temperature: float = 1.0,
+    seed: int = 0,
+) -> PrecisionChoice:
+    """``distill(autocast="auto")``: time one stage-2 training step (the teacher's forward, the
+    student's forward, the KL loss and its backward) on a ``batch_size x max_length`` batch of
+    random tokens, in float32 and under bfloat16 autocast on the student's device
+    (:func:`gna_lens.runtime.choose_precision`), and take bfloat16 only where it is measured
+    faster and the KL loss on that batch moves by at most 2% (+ 0.01 nats) under it.
+
+    The probe leaves no trace: gradients are cleared, the random tokens come from a generator of
+    their own, and the weights are not stepped.
+    """
+    device = next(iter(student.parameters())).device
+    gen = torch.Generator().manual_seed(seed)
+    vocab = int(student.cfg.d_vocab)
+    ids = torch.randint(vocab, (batch_size, max_length), generator=gen).to(device)
+    mask = torch.ones(batch_size, max_length, dtype=torch.bool, device=device)
+
+    def step() -> None:
+        with torch.no_grad():
+            t_logits = twin(ids)
+        _kl(student(ids), t_logits, mask, temperature).backward()
+
+    def loss(bf16: bool) -> float:
+        ctx = (
+            torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+        )
+        with torch.no_grad(), ctx:
+            return float(_kl(student(ids), twin(ids), mask, temperature))
+
+    def check() -> tuple[bool, str]:
+        ref, low = loss(False), loss(True)
+        ok = abs(low - ref) <= 0.02 * abs(ref) + 0.01
+        return ok, (
+            f"stage-2 KL on the probe batch {low:.4f} under bfloat16 vs {ref:.4f} in float32 "
+            "(allowed 2% + 0.01)"
+        )
+
+    try:
+        return choose_precision(
+            "auto", run=step, device=device,
+            what=f"one training step on {batch_size} x {max_length} tokens",
+            weights_dtype=next(iter(student.parameters())).dtype, check=check,
+            where="distill(autocast)",
+        )  # fmt: skip
+    finally:
+        student.zero_grad(set_to_none=True)
 
 
 def _positive_int(value: Any, name: str) -> int:
@@ -399,10 +456,14 @@ def distill(
         checkpoint_every: Steps between checkpoints.
         max_steps: Stop this call after so many steps (the run stays resumable; the result
             says ``complete=False``).
-        autocast: ``None`` (the student's dtype) or ``"bfloat16"``: the teacher's and the
+        autocast: ``None`` (the student's dtype), ``"bfloat16"``: the teacher's and the
             student's forward and backward passes under ``torch.autocast`` in bfloat16 (the
-            weights, optimizer and losses stay float32; the SSM scans run in float32). About
-            2x faster on CPUs with AVX512-BF16 / AMX (SmolLM2-135M, one thread) and on GPUs.
+            weights, optimizer and losses stay float32; the SSM scans run in float32), or
+            ``"auto"``: bfloat16 only where one training step is measured faster on this
+            device and shape and passes an accuracy check (:func:`choose_autocast`; the
+            result's ``method["autocast_choice"]`` says what was measured). bfloat16 was about
+            2x faster on a CPU with AVX512-BF16 (SmolLM2-135M, one thread); on a CPU without
+            native bfloat16 (AVX2 only) a bfloat16 matmul can be 10x slower than float32.
 
     Returns:
         A :class:`DistillResult`.
@@ -444,6 +505,13 @@ def distill(
     tokenizer = student.tokenizer
     if tokenizer is None:
         raise ConfigError("distill: the student has no tokenizer (student.tokenizer is None).")
+    precision = None
+    if autocast == "auto":
+        precision = choose_autocast(
+            student, twin, batch_size=batch_size, max_length=max_length,
+            temperature=temperature, seed=seed,
+        )  # fmt: skip
+        autocast = precision.autocast
     amp = _autocast_dtype(autocast)
     if data is None:
         from gna_lens.hybrid._data import default_distill_data
@@ -581,6 +649,9 @@ def distill(
         "torch_threads": torch.get_num_threads(),
         "device": str(device),
     }
+    if precision is not None:
+        method["autocast_choice"] = precision.reason
+        method["autocast_probe"] = None if precision.probe is None else precision.probe.to_dict()
     return DistillResult(
         stages=picked_stages,
         budget=total,

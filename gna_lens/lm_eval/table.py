@@ -566,8 +566,9 @@ def evaluate_table(
             folder); it may hold your own task YAMLs too (e.g. from :func:`write_task`), found
             by file name without lm-eval's built-in index.
         ranking_samples: Selection prompts when the ranking is computed here.
-        sweep_dtype: ``"bfloat16"`` autocast for the ranking sweeps (see
-            :func:`~gna_lens.score_heads`).
+        sweep_dtype: ``None`` (float32), ``"bfloat16"`` autocast for the ranking sweeps, or
+            ``"auto"`` (bfloat16 only where measured faster and accurate enough; see
+            :func:`~gna_lens.scoring.report.resolve_sweep_dtype`).
         seed: Seed of the local tasks' MMLU sample and of the ranking's prompts.
         out: Folder to write the table into (``None``: nothing written).
         dtype: Weights dtype when ``model`` is a name (``"float32"``, ``"bfloat16"``).

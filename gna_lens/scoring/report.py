@@ -36,6 +36,7 @@ from gna_lens.interventions._common import check_positions, describe_task
 from gna_lens.interventions.ablation import SweepResult, positions_label
 from gna_lens.interventions.layers import LayerSweepResult, layer_sweep
 from gna_lens.models.provenance import provenance_method
+from gna_lens.runtime import choose_precision, native_bfloat16
 from gna_lens.scoring.patterns import NORMALIZATION, SCORE_NAMES, Head, pattern_scores
 from gna_lens.stats import bootstrap_interval
 from gna_lens.tasks import Task, TextControl, text_control
@@ -794,29 +795,25 @@ def resolve_control(
     return text_control(tokenizer, control, n_sequences=n, seq_len=length, split=split)  # type: ignore[arg-type]
 
 
-def native_bfloat16(device: Any) -> bool:
-    """Whether ``device`` multiplies bfloat16 natively: a CUDA GPU that supports it, or a CPU with
-    AVX512-BF16 or AMX-BF16 (read from ``/proc/cpuinfo``; ``False`` where it cannot be read)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
-    if device.type != "cpu":
-        return False
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def resolve_sweep_dtype(model: Any, sweep_dtype: Any) -> tuple[Any, dict[str, Any]]:
+def resolve_sweep_dtype(
+    model: Any, sweep_dtype: Any, task: Task | None = None
+) -> tuple[Any, dict[str, Any]]:
     """The sweep dtype to run (``"auto"`` resolved) and what to record about the choice.
 
-    ``"auto"``: ``"bfloat16"`` autocast where the model is large (more than
-    :data:`EXACT_ALL_MAX` heads, as grouped now), its weights are float32 and the device
-    multiplies bfloat16 natively (:func:`native_bfloat16`); else ``None`` (the model's own
-    arithmetic). Other values are returned as given.
+    ``"auto"`` (:func:`gna_lens.runtime.choose_precision`): the model's own arithmetic where
+    the model is small (at most :data:`EXACT_ALL_MAX` heads, as grouped now: its exact sweep is
+    affordable in float32) or its weights are not float32; else a forward pass on ``task``'s
+    first prompts is timed in float32 and under bfloat16 autocast on the model's device, and
+    bfloat16 is taken only where it is measured faster (by
+    :data:`~gna_lens.runtime.MIN_SPEEDUP`) and passes :func:`check_bfloat16` on the same
+    prompts. The record (``sweep_dtype_choice``, ``sweep_dtype_probe``) says what was measured.
+    Other values are returned as given.
+
+    Args:
+        model: The model.
+        sweep_dtype: ``"auto"``, ``None`` / ``"float32"`` or ``"bfloat16"``.
+        task: The selection task (the probe's and the check's prompts); needed by ``"auto"``
+            on a large model.
 
     Examples:
         >>> from gna_lens.testing import toy_gna_model
@@ -826,25 +823,42 @@ def resolve_sweep_dtype(model: Any, sweep_dtype: Any) -> tuple[Any, dict[str, An
     if sweep_dtype != "auto":
         return sweep_dtype, {}
     n = head_view(model).n_heads_total
-    if n <= EXACT_ALL_MAX:
-        return None, {"sweep_dtype_choice": f"auto: float32 ({n:,} heads: a small model)"}
     param = next(iter(model.parameters()), None)
-    if param is None or param.dtype != torch.float32:
-        why = f"weights {param.dtype if param is not None else 'unknown'}"
-        return None, {"sweep_dtype_choice": f"auto: the model's own dtype ({why})"}
-    if not native_bfloat16(param.device):
-        return None, {
-            "sweep_dtype_choice": f"auto: float32 ({param.device.type} without native bfloat16)"
-        }
-    return "bfloat16", {
-        "sweep_dtype_choice": (
-            f"auto: bfloat16 autocast for the selection sweeps (layer removal, head ablation, "
-            f"control) because the model is large ({n:,} heads, more than {EXACT_ALL_MAX}) and "
-            f"its {param.device.type} multiplies bfloat16 natively; "
-            "held-out numbers are float32; --sweep-dtype float32 (sweep_dtype=None) for exact "
-            "arithmetic"
+    if param is None:
+        return None, {"sweep_dtype_choice": "auto: the model's own dtype (no parameters)"}
+    large = n > EXACT_ALL_MAX
+    if large and task is None:
+        raise GnaLensError(
+            "resolve_sweep_dtype(model, 'auto') on a large model needs task= (its prompts are "
+            "what bfloat16 is timed and checked on). Fix: pass the selection task."
         )
-    }
+    sub = task[: min(8, len(task))] if task is not None else None
+
+    def run() -> None:
+        from gna_lens.tasks import evaluate
+
+        assert sub is not None
+        evaluate(model, sub, progress=False)
+
+    choice = choose_precision(
+        "auto",
+        run=run,
+        device=param.device,
+        what=f"clean evaluation of {len(sub) if sub is not None else 0} selection prompts",
+        weights_dtype=param.dtype,
+        worth_it=(large, f"{n:,} heads: a small model"),
+        check=lambda: check_bfloat16(model, task),  # type: ignore[arg-type]
+    )
+    record: dict[str, Any] = {"sweep_dtype_choice": choice.reason}
+    if choice.probe is not None:
+        record["sweep_dtype_probe"] = choice.probe.to_dict()
+        if choice.autocast is not None:
+            record["sweep_dtype_choice"] += (
+                f"; the model is large ({n:,} heads, more than {EXACT_ALL_MAX}); held-out "
+                "numbers are float32; --sweep-dtype float32 (sweep_dtype=None) for exact "
+                "arithmetic"
+            )
+    return choice.autocast, record
 
 
 def check_bfloat16(model: Any, task: Task, n: int = 8) -> tuple[bool, str]:
@@ -881,7 +895,8 @@ def sweep_precision(model: Any, dtype: str | None) -> Iterator[str]:
     if dtype not in ("bfloat16", torch.bfloat16):
         raise GnaLensError(
             f"sweep_dtype={dtype!r}; expected None or 'float32' (exact arithmetic of the model's "
-            "own dtype) or 'bfloat16' (autocast: about 2x faster on CPUs with AVX512-BF16)."
+            "own dtype), 'bfloat16' (autocast: faster only where the device has native bfloat16) "
+            "or 'auto' (bfloat16 where measured faster)."
         )
     device = next(model.parameters()).device.type
     with torch.autocast(device, dtype=torch.bfloat16):
@@ -1178,8 +1193,11 @@ def score_heads(
             The report's ``(layer, head)`` then address groups (``method["head_groups"]`` says
             which; ablate them inside ``with model.head_groups(size):``).
         sweep_dtype: ``None`` (the model's dtype), ``"bfloat16"`` (autocast of the ablation
-            sweeps only) or ``"auto"`` (bfloat16 on large models where the device has native
-            bfloat16, see :func:`resolve_sweep_dtype`) (about 2x faster on CPUs with AVX512-BF16); recorded in ``method``.
+            sweeps only) or ``"auto"`` (on models above :data:`EXACT_ALL_MAX` heads, bfloat16
+            only where a probe on this model and device measures it faster and it passes
+            :func:`check_bfloat16`; see :func:`resolve_sweep_dtype`); recorded in ``method``
+            (``sweep_dtype_choice``, and ``sweep_dtype_probe`` with the timings). bfloat16 was
+            1.1-2x faster on CPUs with AVX512-BF16 and is often 10x slower without.
         batch_size: Prompts per forward pass of the pattern scores.
         n_examples: Top heads whose patterns on the first sample are kept for display.
         progress: Show progress bars.
@@ -1247,14 +1265,9 @@ def _score_heads(
     """:func:`score_heads` with the head groups in place."""
     positions = check_positions(positions)
     strategy = _resolve_strategy(strategy, prefilter, top_layers, head_view(model))
-    sweep_dtype, dtype_choice = resolve_sweep_dtype(model, sweep_dtype)
-    if ablation and sweep_dtype == "bfloat16" and dtype_choice:  # auto chose it: check first
-        ok, words = check_bfloat16(model, task)
-        note = dtype_choice["sweep_dtype_choice"]
-        if not ok:
-            sweep_dtype = None
-            note = f"auto: float32, because bfloat16 fails the check ({words})"
-        dtype_choice = {"sweep_dtype_choice": note + ("" if not ok else f"; checked: {words}")}
+    dtype_choice: dict[str, Any] = {}
+    if ablation:  # pattern scores alone run no sweep
+        sweep_dtype, dtype_choice = resolve_sweep_dtype(model, sweep_dtype, task)
     if mode == "resample" and (reference is None or reference is task):
         raise InterventionError(
             "score_heads(mode='resample'): reference is the task itself (or None), so every prompt "
