@@ -35,7 +35,7 @@ venv: $(STAMP)
 # The tiny-model implicit-attention summary is `gna-lens demo`:
 # $(PY) -m gna_lens.cli demo
 demo: $(STAMP)
-	$(PY) -m gna_lens.cli scan smollm2-135m --task kv --n-samples 16 --n-eval 48 --top 4 --sweep-dtype bfloat16 --out reports/demo
+	$(PY) -m gna_lens.cli scan smollm2-135m --task kv --n-samples 16 --n-eval 48 --top 4 --sweep-dtype auto --out reports/demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -55,6 +55,7 @@ _SUBMODULES = frozenset(
         "lm_eval",
         "models",
         "plots",
+        "runtime",
         "scan",
         "scoring",
         "stats",

@@ -23,7 +23,7 @@ def test_public_submodules_are_attributes_loaded_lazily():
         "import sys, gna_lens\n"
         f"lazy = {lazy!r}\n"
         "assert not [m for m in lazy if 'gna_lens.' + m in sys.modules], 'imported eagerly'\n"
-        "for m in lazy + ['tasks', 'interventions', 'scoring', 'models', 'stats', 'heads']:\n"
+        "for m in lazy + ['tasks', 'interventions', 'scoring', 'models', 'stats', 'heads', 'runtime']:\n"
         "    mod = getattr(gna_lens, m)\n"
         "    assert mod is sys.modules['gna_lens.' + m], m\n"
         "    assert m in dir(gna_lens), m\n"

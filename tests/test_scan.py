@@ -296,9 +296,9 @@ def test_scan_cli_coarse_to_fine_above_the_exact_limit_says_what_it_never_measur
     data = json.loads((out / "report.json").read_text())
     choice = data["method"]["sweep_dtype_choice"]
     assert choice.startswith(
-        "auto: float32, because bfloat16 autocast 10.50x slower than float32 (clean evaluation "
-        "of 8 selection prompts on cpu: 10.0 ms vs 105.0 ms"
+        "auto: float32, because bfloat16 autocast 10.50x slower than float32 (forward of 16 x "
     ), choice
+    assert "selection tokens, last-position logits on cpu: 10.0 ms vs 105.0 ms" in choice
     assert data["method"]["sweep_dtype"] == "float32" and len(verdicts) == 1
     assert "sweep dtype auto: float32, because bfloat16 autocast 10.50x slower" in text
 

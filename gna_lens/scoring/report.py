@@ -832,19 +832,12 @@ def resolve_sweep_dtype(
             "resolve_sweep_dtype(model, 'auto') on a large model needs task= (its prompts are "
             "what bfloat16 is timed and checked on). Fix: pass the selection task."
         )
-    sub = task[: min(8, len(task))] if task is not None else None
-
-    def run() -> None:
-        from gna_lens.tasks import evaluate
-
-        assert sub is not None
-        evaluate(model, sub, progress=False)
-
+    run, what = _probe_forward(model, task) if large and task is not None else (None, "")
     choice = choose_precision(
         "auto",
-        run=run,
+        run=run,  # type: ignore[arg-type]
         device=param.device,
-        what=f"clean evaluation of {len(sub) if sub is not None else 0} selection prompts",
+        what=what,
         weights_dtype=param.dtype,
         worth_it=(large, f"{n:,} heads: a small model"),
         check=lambda: check_bfloat16(model, task),  # type: ignore[arg-type]
@@ -859,6 +852,30 @@ def resolve_sweep_dtype(
                 "arithmetic"
             )
     return choice.autocast, record
+
+
+def _probe_forward(model: Any, task: Task, rows: int = 16) -> tuple[Any, str]:
+    """The work ``sweep_dtype="auto"`` times: a forward pass like the sweep's own (the last
+    position's logits only) on ``rows`` selection prompts of the task's most common length (its
+    prompts repeated where it has fewer). Matrix shapes decide which precision is faster (on one
+    AVX512-BF16 Xeon a 64-row bfloat16 matmul was 2x slower than float32), so the probe runs
+    the sweep's batch, not a toy one."""
+    from collections import Counter
+
+    from gna_lens.interventions._runner import Runner
+
+    ids = [list(s.input_ids) for s in task]
+    length = Counter(len(i) for i in ids).most_common(1)[0][0]
+    same = [i for i in ids if len(i) == length]
+    device = next(iter(model.parameters())).device
+    batch = torch.tensor(same, device=device).repeat(-(-rows // len(same)), 1)[:rows]
+    runner = Runner(model, head_view(model))
+
+    def run() -> None:
+        with torch.no_grad():
+            runner.logits_last(batch)
+
+    return run, f"forward of {len(batch)} x {length} selection tokens, last-position logits"
 
 
 def check_bfloat16(model: Any, task: Task, n: int = 8) -> tuple[bool, str]:
