@@ -11,8 +11,11 @@ In each: a one-thread 64 x 576 by 576 x 1536 matmul (SmolLM2-135M's MLP width; t
 timed on an AVX2-only AMD EPYC: 1.9 ms float32, 20.1 ms bfloat16) in both dtypes, then the probe
 of :func:`gna_lens.scoring.report.resolve_sweep_dtype` on SmolLM2-135M and the demo's 16 selection
 prompts, with the model counted as large (``EXACT_ALL_MAX`` set to 0 for this benchmark; at its
-270 heads the scan keeps float32 without probing). Prints the choice each made and what it
-measured, as JSON and as a markdown table for benchmarks/RESULTS.md. About 1 minute.
+270 heads the scan keeps float32 without probing). With ``BENCH_PRECISION_SWEEP=1`` each process
+also runs the exact ablation sweep of 18 heads (layers 10 and 20) on the 16 prompts in float32
+and in bfloat16, interleaved twice: does the probe point the way the sweep goes? Prints the
+choice each made and what it measured, as JSON and as a markdown table for
+benchmarks/RESULTS.md. About 1 minute (4 with the sweep).
 
 Usage: python benchmarks/bench_precision.py [--threads 2]
 """
@@ -60,7 +63,18 @@ def _child(threads: int) -> dict:
     report.EXACT_ALL_MAX = 0  # count SmolLM2's 270 heads as large: the probe runs
     t0 = time.perf_counter()
     dtype, record = report.resolve_sweep_dtype(model, "auto", task)
+    sweep = {}
+    if os.environ.get("BENCH_PRECISION_SWEEP"):  # the sweep itself, both ways, interleaved
+        from gna_lens.interventions import ablation_sweep
+
+        heads = [(10, h) for h in range(9)] + [(20, h) for h in range(9)]
+        for dt in ("float32", "bfloat16", "float32", "bfloat16"):
+            with report.sweep_precision(model, dt):
+                t1 = time.perf_counter()
+                ablation_sweep(model, task, heads=heads, progress=False)
+                sweep.setdefault(dt, []).append(time.perf_counter() - t1)
     return {
+        "sweep_18_heads_seconds": sweep,
         "machine": cpu_description(),
         "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", "(torch's default)"),
         "torch_threads": threads,
