@@ -52,6 +52,7 @@ import torch
 from torch import Tensor
 
 from gna_lens.errors import ConfigError, GnaLensError, WorkerError
+from gna_lens.runtime import autocast
 
 __all__ = ["RayExecutor"]
 
@@ -749,12 +750,8 @@ class _SweepWorker:
 @contextlib.contextmanager
 def _context(job: Any, device: str) -> Iterator[None]:
     """``torch.no_grad``, and the caller's autocast (``score_heads(sweep_dtype="bfloat16")``)."""
-    with torch.no_grad():
-        if job.autocast is None:
-            yield
-        else:
-            with torch.autocast(device.split(":")[0], dtype=job.autocast):
-                yield
+    with torch.no_grad(), autocast(device, job.autocast):
+        yield
 
 
 # ----------------------------------------------------------------------------- units

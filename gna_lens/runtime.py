@@ -37,6 +37,7 @@ __all__ = [
     "MIN_SPEEDUP",
     "PrecisionChoice",
     "SpeedProbe",
+    "autocast",
     "choose_precision",
     "choose_threads",
     "cpu_description",
@@ -284,6 +285,26 @@ def override_speed_probe(
             _OVERRIDE.remove(fn)  # type: ignore[arg-type]
 
 
+def autocast(device: Any, dtype: Any) -> contextlib.AbstractContextManager[Any]:
+    """The one way gna_lens enters mixed precision: ``torch.autocast`` in ``dtype`` on
+    ``device``'s type (a device, ``"cuda:1"``, ``"cpu"``), or nothing for ``None`` /
+    ``"float32"``.
+
+    Examples:
+        >>> import torch
+        >>> with autocast("cpu", "bfloat16"):
+        ...     torch.is_autocast_enabled("cpu")
+        True
+        >>> with autocast("cpu", None):
+        ...     torch.is_autocast_enabled("cpu")
+        False
+    """
+    if dtype in (None, "float32", "none", torch.float32):
+        return contextlib.nullcontext()
+    low = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    return torch.autocast(torch.device(device).type, dtype=low)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -331,12 +352,9 @@ def measure_speed(
         override = _OVERRIDE[-1] if _OVERRIDE else None
 
     def timed(bf16: bool) -> float:
-        ctx = (
-            torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-        )
         _sync(device)
         start = time.perf_counter()
-        with ctx:
+        with autocast(device, "bfloat16" if bf16 else None):
             run()
         _sync(device)
         return time.perf_counter() - start
@@ -408,7 +426,7 @@ def _requested(value: Any, where: str) -> str:
 def choose_precision(
     requested: Any,
     *,
-    run: Callable[[], Any],
+    run: Callable[[], Any] | None,
     device: Any,
     what: str,
     weights_dtype: torch.dtype = torch.float32,
@@ -427,7 +445,8 @@ def choose_precision(
 
     Args:
         requested: See above.
-        run: The probe's work (a forward pass on the shape that will run).
+        run: The probe's work (a forward pass on the shape that will run); needed only when
+            ``"auto"`` gets as far as timing.
         device: The device ``run`` uses.
         what: ``run`` in words.
         weights_dtype: The model's weights dtype.
@@ -460,6 +479,11 @@ def choose_precision(
     ok, why = worth_it
     if not ok:
         return PrecisionChoice("auto", None, f"auto: float32 ({why})")
+    if run is None:
+        raise ConfigError(
+            f"{where}='auto' needs a probe to time (run=None) for a model worth probing. Fix: "
+            "pass run=, e.g. a forward pass on the prompts the sweep will use."
+        )
     probe = measure_speed(run, device=device, what=what)
     native = native_bfloat16(device)
     hw = f"; {'native' if native else 'no native'} bfloat16 on {probe.hardware or probe.device}"
@@ -470,20 +494,20 @@ def choose_precision(
             f"{hw}",
             probe,
         )  # fmt: skip
-    if check is not None:
-        passed, words = check()
-        if not passed:
-            return PrecisionChoice(
-                "auto", None,
-                f"auto: float32, because bfloat16 fails the check ({words}), although "
-                f"{probe.describe()}",
-                probe, words, False,
-            )  # fmt: skip
-    else:
-        passed, words = True, None  # type: ignore[assignment]
+    if check is None:
+        return PrecisionChoice(
+            "auto", "bfloat16", f"auto: bfloat16 autocast, because {probe.describe()}{hw}", probe
+        )
+    passed, words = check()
+    if not passed:
+        return PrecisionChoice(
+            "auto", None,
+            f"auto: float32, because bfloat16 fails the check ({words}), although "
+            f"{probe.describe()}",
+            probe, words, False,
+        )  # fmt: skip
     return PrecisionChoice(
         "auto", "bfloat16",
-        f"auto: bfloat16 autocast, because {probe.describe()}{hw}"
-        + ("" if words is None else f"; checked: {words}"),
-        probe, words, None if check is None else passed,
+        f"auto: bfloat16 autocast, because {probe.describe()}{hw}; checked: {words}",
+        probe, words, True,
     )  # fmt: skip

@@ -80,6 +80,8 @@ def test_explicit_choices_small_models_and_other_dtypes_measure_nothing():
     assert small.reason == "auto: float32 (4 heads)" and small.probe is None
     half = choose_precision("auto", run=boom, device="cpu", what="w", weights_dtype=torch.bfloat16)
     assert half.autocast is None and "weights torch.bfloat16" in half.reason
+    with pytest.raises(ConfigError, match=r"sweep_dtype='auto' needs a probe to time \(run=None\)"):
+        choose_precision("auto", run=None, device="cpu", what="w")
     with pytest.raises(ConfigError, match=r"sweep_dtype='fp8'; expected 'auto'"):
         choose_precision("fp8", run=boom, device="cpu", what="w")
 

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from gna_lens import runtime
 from gna_lens.errors import ConfigError
 from gna_lens.hybrid._budget import Budget, parse_budget
 from gna_lens.hybrid._train import Stage, StepLosses, run_stages
@@ -359,10 +360,7 @@ def choose_autocast(
         _kl(student(ids), t_logits, mask, temperature).backward()
 
     def loss(bf16: bool) -> float:
-        ctx = (
-            torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-        )
-        with torch.no_grad(), ctx:
+        with torch.no_grad(), runtime.autocast(device, "bfloat16" if bf16 else None):
             return float(_kl(student(ids), twin(ids), mask, temperature))
 
     def check() -> tuple[bool, str]:
@@ -522,9 +520,7 @@ def distill(
     device = next(iter(student.parameters())).device
 
     def ctx() -> Any:
-        if amp is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=device.type, dtype=amp)
+        return runtime.autocast(device, amp)  # the argument `autocast` shadows the name
 
     layers = _ssm_layers(student)
     run: list[Stage] = []

@@ -36,7 +36,7 @@ from gna_lens.interventions._common import check_positions, describe_task
 from gna_lens.interventions.ablation import SweepResult, positions_label
 from gna_lens.interventions.layers import LayerSweepResult, layer_sweep
 from gna_lens.models.provenance import provenance_method
-from gna_lens.runtime import choose_precision, native_bfloat16
+from gna_lens.runtime import autocast, choose_precision, native_bfloat16
 from gna_lens.scoring.patterns import NORMALIZATION, SCORE_NAMES, Head, pattern_scores
 from gna_lens.stats import bootstrap_interval
 from gna_lens.tasks import Task, TextControl, text_control
@@ -802,8 +802,9 @@ def resolve_sweep_dtype(
 
     ``"auto"`` (:func:`gna_lens.runtime.choose_precision`): the model's own arithmetic where
     the model is small (at most :data:`EXACT_ALL_MAX` heads, as grouped now: its exact sweep is
-    affordable in float32) or its weights are not float32; else a forward pass on ``task``'s
-    first prompts is timed in float32 and under bfloat16 autocast on the model's device, and
+    affordable in float32) or its weights are not float32; else a forward pass like the
+    sweep's (:func:`_probe_forward`: 16 of ``task``'s prompts, last-position logits) is timed in
+    float32 and under bfloat16 autocast on the model's device, and
     bfloat16 is taken only where it is measured faster (by
     :data:`~gna_lens.runtime.MIN_SPEEDUP`) and passes :func:`check_bfloat16` on the same
     prompts. The record (``sweep_dtype_choice``, ``sweep_dtype_probe``) says what was measured.
@@ -827,7 +828,7 @@ def resolve_sweep_dtype(
     if param is None:
         return None, {"sweep_dtype_choice": "auto: the model's own dtype (no parameters)"}
     large = n > EXACT_ALL_MAX
-    if large and task is None:
+    if large and task is None and param.dtype == torch.float32:
         raise GnaLensError(
             "resolve_sweep_dtype(model, 'auto') on a large model needs task= (its prompts are "
             "what bfloat16 is timed and checked on). Fix: pass the selection task."
@@ -835,12 +836,12 @@ def resolve_sweep_dtype(
     run, what = _probe_forward(model, task) if large and task is not None else (None, "")
     choice = choose_precision(
         "auto",
-        run=run,  # type: ignore[arg-type]
+        run=run,
         device=param.device,
         what=what,
         weights_dtype=param.dtype,
         worth_it=(large, f"{n:,} heads: a small model"),
-        check=lambda: check_bfloat16(model, task),  # type: ignore[arg-type]
+        check=None if task is None else lambda: check_bfloat16(model, task),
     )
     record: dict[str, Any] = {"sweep_dtype_choice": choice.reason}
     if choice.probe is not None:
@@ -915,8 +916,7 @@ def sweep_precision(model: Any, dtype: str | None) -> Iterator[str]:
             "own dtype), 'bfloat16' (autocast: faster only where the device has native bfloat16) "
             "or 'auto' (bfloat16 where measured faster)."
         )
-    device = next(model.parameters()).device.type
-    with torch.autocast(device, dtype=torch.bfloat16):
+    with autocast(next(model.parameters()).device, "bfloat16"):
         yield "bfloat16 (autocast)"
 
 
@@ -1213,8 +1213,9 @@ def score_heads(
             sweeps only) or ``"auto"`` (on models above :data:`EXACT_ALL_MAX` heads, bfloat16
             only where a probe on this model and device measures it faster and it passes
             :func:`check_bfloat16`; see :func:`resolve_sweep_dtype`); recorded in ``method``
-            (``sweep_dtype_choice``, and ``sweep_dtype_probe`` with the timings). bfloat16 was
-            1.1-2x faster on CPUs with AVX512-BF16 and is often 10x slower without.
+            (``sweep_dtype_choice``, and ``sweep_dtype_probe`` with the timings). On SmolLM2-135M
+            bfloat16 was 1.64x faster on one CPU with AVX512-BF16, 1.78x slower on another,
+            and 10x slower with AVX2 kernels only (benchmarks/RESULTS.md): it is measured.
         batch_size: Prompts per forward pass of the pattern scores.
         n_examples: Top heads whose patterns on the first sample are kept for display.
         progress: Show progress bars.
