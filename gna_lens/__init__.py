@@ -46,6 +46,7 @@ __version__ = "0.1.0"
 #: on first access (PEP 562), so ``import gna_lens`` stays as fast as before.
 _SUBMODULES = frozenset(
     {
+        "device",
         "distributed",
         "errors",
         "findings",

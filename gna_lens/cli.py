@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from gna_lens.runtime import choose_threads, cpu_description
+from gna_lens.device import DevicePolicy
+from gna_lens.runtime import choose_threads
 
 __all__ = ["main"]
 
@@ -92,7 +93,7 @@ def _scan(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         if progress:
             print(f"gna-lens scan: loading {name} ({why})", file=sys.stderr, flush=True)
-        model = load_scan_model(name)
+        model = load_scan_model(name, device=args.device, dtype=args.dtype)
         load_s = time.perf_counter() - t0
         result = scan(
             model,
@@ -183,7 +184,7 @@ def _scan(args: argparse.Namespace) -> int:
         print(f"\nReport: {result.html_path} (offline HTML), {result.json_path}")
     stages = describe_timings(result.timings, result.report.timings)
     print(f"Time: {load_s + result.seconds:.1f} s (loading {load_s:.1f} s, {stages})")
-    print(f"Machine: {cpu_description()}; {torch.get_num_threads()} torch thread(s)")
+    print(f"Machine: {DevicePolicy.of(model).machine()}")
     return 0
 
 
@@ -287,6 +288,18 @@ def _evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _device_flags(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument(
+        "--device", default="auto",
+        help=f"where {what} runs: auto (CUDA where torch sees one, else the CPU), cpu, cuda, "
+        "cuda:N",
+    )  # fmt: skip
+    parser.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+        help="weights dtype (float32); ablation sweeps' arithmetic is --sweep-dtype",
+    )  # fmt: skip
+
+
 def _ints(text: str, flag: str) -> list[int]:
     try:
         return [int(k) for k in text.split(",") if k.strip()]
@@ -340,6 +353,7 @@ def _hybrid(args: argparse.Namespace) -> int:
             autocast=None if args.autocast == "none" else args.autocast,
             sweep_dtype=None if args.sweep_dtype == "float32" else args.sweep_dtype,
             device=args.device,
+            dtype=args.dtype,
             progress=progress,
         )
     except (GnaLensError, OSError) as err:
@@ -510,6 +524,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="Ray cluster to run the workers on (auto, HEAD:6379, ray://HEAD:10001); default "
         "with --workers: a local Ray instance",
     )  # fmt: skip
+    _device_flags(sc, "the model")
     sc.add_argument("--json", action="store_true", help="print the JSON report instead of tables")
     sc.set_defaults(func=_scan)
     ev = sub.add_parser(
@@ -551,8 +566,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="arithmetic of the ranking sweeps when the ranking is computed here (auto: as scan)",
     )  # fmt: skip
     ev.add_argument("--out", default="gna_lens_table", help="folder for table.md/csv/json/svg")
-    ev.add_argument("--dtype", default="float32", help="weights dtype (float32, bfloat16)")
-    ev.add_argument("--device", default=None, help="cpu, cuda (default: cuda if available)")
+    _device_flags(ev, "the model")
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--threads", type=int, default=None, help="torch threads (as scan)")
     ev.add_argument("--quiet", action="store_true", help="no progress, no table on stdout")
@@ -609,9 +623,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="arithmetic of the ranking's ablation sweeps (auto: as scan; held-out numbers are "
         "float32)",
     )  # fmt: skip
-    hy.add_argument(
-        "--device", default=None, help="cpu or cuda (default: where the teacher loads, the CPU)"
-    )
+    _device_flags(hy, "the teacher and the students")
     hy.add_argument("--seed", type=int, default=0)
     hy.add_argument("--threads", type=int, default=None, help="torch threads (as scan)")
     hy.add_argument(

@@ -51,6 +51,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gna_lens.device import HOST, host_full
 from gna_lens.errors import ConfigError, GnaLensError, WorkerError
 from gna_lens.runtime import autocast
 
@@ -457,9 +458,9 @@ class _Run:
         self.ex, self.ray, self.sweep, self.batches = ex, ray, sweep, batches
         self.units, self.job_box, self.sweep_id, self.bar = units, job_box, sweep_id, bar
         n_cells, n = (len(sweep.cells), sweep.n_samples) if sweep is not None else (0, 0)
-        self.values = torch.full((n_cells, n), math.nan)
-        self.baseline = torch.full((n,), math.nan)
-        self.filled = torch.zeros((n_cells, n), dtype=torch.bool)
+        self.values = host_full((n_cells, n))
+        self.baseline = host_full(n)
+        self.filled = torch.zeros((n_cells, n), dtype=torch.bool, device=HOST)
         self.spread = 0.0
         self.pending: deque[_Unit] = deque(units)
         self.in_flight: dict[Any, tuple[_Slot, _Unit]] = {}
@@ -575,7 +576,7 @@ class _Run:
         if unit.id in self.done:  # cannot happen: a unit is in flight once at a time
             raise WorkerError(f"internal: unit {unit.id} finished twice")
         samples = self.samples(unit)
-        rows = torch.arange(unit.lo, unit.hi)[:, None]
+        rows = torch.arange(unit.lo, unit.hi, device=HOST)[:, None]
         if bool(self.filled[rows, samples[None, :]].any()):
             raise WorkerError(f"internal: cells {self.label(unit.lo, unit.hi)} computed twice")
         self.values[rows, samples[None, :]] = values

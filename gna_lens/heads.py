@@ -57,6 +57,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from gna_lens.device import HOST, DevicePolicy
 from gna_lens.errors import InterventionError, PatternEditError
 
 __all__ = [
@@ -218,7 +219,7 @@ class LayerHeads:
     def hook_mask(self, heads: Iterable[int]) -> Tensor:
         """``[n_channels]`` bool: the entries of the hook tensors' head axis ``heads`` cover."""
         self._single("hook_mask")
-        mask = torch.zeros(self.n_channels, dtype=torch.bool)
+        mask = torch.zeros(self.n_channels, dtype=torch.bool, device=HOST)
         for h in heads:
             mask[list(self.members(h))] = True
         return mask
@@ -227,8 +228,8 @@ class LayerHeads:
         """``[n_heads, n_channels]`` 0/1 float matrix: row ``h`` marks head ``h``'s channels."""
         self._single("membership")
         if self.channels is None:
-            return torch.eye(self.n_heads)
-        out = torch.zeros(self.n_heads, self.n_channels)
+            return torch.eye(self.n_heads, device=HOST)
+        out = torch.zeros(self.n_heads, self.n_channels, device=HOST)
         for h, chans in enumerate(self.channels):
             out[h, list(chans)] = 1.0
         return out
@@ -648,8 +649,7 @@ _VERDICTS: "weakref.WeakKeyDictionary[Any, dict[tuple[int, str], str | None]]" =
 
 def _probe_tokens(model: Any) -> Tensor:
     vocab = int(getattr(model.cfg, "d_vocab", 0) or 0) or 2
-    device = getattr(model.cfg, "device", None) or "cpu"
-    return ((torch.arange(6) * 7 + 3) % vocab)[None].to(device)
+    return ((DevicePolicy.of(model).arange(6) * 7 + 3) % vocab)[None]
 
 
 def uncomparable_outputs(base: Any, out: Any, call: str) -> str | None:

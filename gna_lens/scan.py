@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
+from gna_lens.device import DevicePolicy
 from gna_lens.errors import ConfigError, GnaLensError, TaskError
 from gna_lens.models.provenance import provenance_of
-from gna_lens.runtime import cpu_description
 from gna_lens.scoring import (
     MAX_CONTROL,
     GnaReport,
@@ -46,8 +46,9 @@ from gna_lens.scoring import (
 from gna_lens.scoring.knowledge import RANDOM_DRAWS
 from gna_lens.scoring.report import (
     EXACT_ALL_MAX,
-    _resolve_strategy,
+    EXACT_BUDGET_S,
     applied_head_groups,
+    choose_strategy,
     default_top_layers,
 )
 from gna_lens.tasks import Task, kv_retrieval, load_mmlu, load_records, multiple_choice
@@ -280,12 +281,17 @@ def _versions() -> str:
     return ", ".join(found) + f", Python {platform.python_version()}"
 
 
-def load_scan_model(name: str) -> Any:
+def load_scan_model(
+    name: str, *, device: str | torch.device = "auto", dtype: torch.dtype | str | None = None
+) -> Any:
     """Load a model for :func:`scan`, with errors that say what was passed and the fix.
 
     Args:
         name: A zoo name (``"zoo-llama"``), a packaged model (``"smollm2-135m"``), a local
             Hugging Face folder, a ``.gguf`` file or a hub name (where a hub is reachable).
+        device: Where it runs (:func:`~gna_lens.device.resolve_device`: ``"auto"`` is CUDA
+            where there is one).
+        dtype: Weights dtype (default float32).
 
     Returns:
         A ``HookedSSM`` or ``TransformerBridge`` with a tokenizer.
@@ -312,7 +318,9 @@ def load_scan_model(name: str) -> Any:
     elif _find_mamba_ssm(resolved) is None:  # mamba_ssm checkpoints are Mamba / Mamba-2 LMs
         model_type, archs = _check_architecture(name, resolved, hint)
     try:
-        model = load_model(name)  # by its own name: the provenance records what it resolved to
+        model = load_model(  # by its own name: the provenance records what it resolved to
+            name, device=device, dtype=dtype or torch.float32
+        )
     except (ValueError, KeyError, NotImplementedError) as err:
         if isinstance(err, ConfigError):
             raise
@@ -423,6 +431,7 @@ def scan(
     name: str | None = None,
     progress: bool = True,
     executor: Any = None,
+    exact_budget_s: float = EXACT_BUDGET_S,
 ) -> ScanResult:
     """Rank every head of ``model`` for in-context retrieval on selection prompts, then measure
     the top heads on held-out prompts; write the report.
@@ -443,9 +452,12 @@ def scan(
         exact: Heads confirmed by exact ablation after an attribution prefilter: giving it
             (below the number of heads) selects ``strategy="attribution"``; that strategy's
             default is :func:`default_exact`.
-        strategy: ``"auto"`` (default: every head exact up to :data:`EXACT_ALL_MAX` heads, else
+        strategy: ``"auto"`` (default: every head exact up to :data:`EXACT_ALL_MAX` heads, and on
+            a GPU whenever its estimated time fits ``exact_budget_s``; else
             ``"coarse_to_fine"``), ``"exact"``, ``"coarse_to_fine"`` or ``"attribution"`` (see
-            :func:`~gna_lens.scoring.score_heads`).
+            :func:`~gna_lens.scoring.report.choose_strategy`).
+        exact_budget_s: Seconds an exact scan of every head may take on a GPU
+            (:data:`~gna_lens.scoring.report.EXACT_BUDGET_S`).
         top_layers: Layers whose heads the coarse-to-fine scan ablates (default
             :func:`~gna_lens.scoring.report.default_top_layers`).
         head_groups: What a Mamba-1 head is (see :func:`~gna_lens.scoring.score_heads`):
@@ -525,7 +537,10 @@ def scan(
             )
         elif exact is not None and strategy == "auto":
             strategy = "exact"  # exact covers every head
-        strategy = _resolve_strategy(strategy, prefilter, top_layers, view)
+        strategy, strategy_why = choose_strategy(
+            model, probe, strategy, prefilter=prefilter, top_layers=top_layers,
+            exact_budget_s=exact_budget_s,
+        )  # fmt: skip
         if strategy == "exact":
             how = f"exact ablation of all {n_heads}"
         elif strategy == "attribution":
@@ -563,6 +578,8 @@ def scan(
             progress=progress,
         )
         timings["heads"] = time.perf_counter() - t
+        if "strategy_choice" in report.method:  # chosen here, before score_heads ran it
+            report.method["strategy_choice"] = strategy_why
         n_exact = int(report.method.get("n_exact", 0))
         if name:
             report = dataclasses.replace(report, model_name=name)
@@ -603,7 +620,7 @@ def scan(
         folder.mkdir(parents=True, exist_ok=True)
         seconds = time.perf_counter() - t0
         stages = describe_timings(timings, report.timings)
-        machine = f"{cpu_description()}; {torch.get_num_threads()} torch thread(s)"
+        machine = DevicePolicy.of(model).machine()
         warn_html = "".join(f"<p><b>Warning:</b> {html.escape(w)}</p>" for w in warnings)
         meta = (
             "<h2>Provenance</h2><p>Weights: "

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gna_lens.device import HOST
 from gna_lens.errors import GnaLensError
 
 __all__ = ["Interval", "bootstrap_interval", "draws_interval", "wilson_interval"]
@@ -126,9 +127,9 @@ def wilson_interval(successes: float, n: int) -> Interval:
 def _resample_means(values: Tensor, n_boot: int, seed: int) -> Tensor:
     """Bootstrap means ``[..., n_boot]`` of ``values [..., n]`` (same resamples for every row)."""
     n = values.shape[-1]
-    gen = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, n, (n_boot, n), generator=gen)
-    return values[..., idx].mean(-1)
+    gen = torch.Generator(device=HOST).manual_seed(seed)
+    idx = torch.randint(0, n, (n_boot, n), generator=gen, device=HOST)
+    return values[..., idx.to(values.device)].mean(-1)
 
 
 def bootstrap_interval(
@@ -152,7 +153,7 @@ def bootstrap_interval(
         >>> iv.value, iv.low >= 1.0, iv.high <= 4.0
         (2.5, True, True)
     """
-    x = torch.as_tensor(values, dtype=torch.float64)
+    x = torch.as_tensor(values, dtype=torch.float64, device=HOST)
     if x.ndim == 1:
         return _one_bootstrap(x, n_boot, seed)
     if x.ndim != 2:
@@ -198,7 +199,9 @@ def draws_interval(values: Tensor | Any, *, n_boot: int = N_BOOTSTRAP, seed: int
         An :class:`Interval` over the draws.
     """
     out = bootstrap_interval(
-        torch.as_tensor(values, dtype=torch.float64).reshape(-1), n_boot=n_boot, seed=seed
+        torch.as_tensor(values, dtype=torch.float64, device=HOST).reshape(-1),
+        n_boot=n_boot,
+        seed=seed,
     )
     assert isinstance(out, Interval)
     return out

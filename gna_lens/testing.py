@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from gna_lens.device import HOST
+
 __all__ = [
     "ARCHITECTURES",
     "TOY_AGGREGATE_HEAD",
@@ -324,18 +326,20 @@ def tiny_hf_model(arch: str, seed: int = 0, **overrides: Any) -> Any:
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("A_log"):
-                p.copy_(torch.rand(p.shape, generator=gen) * 2.0 - 1.0)
+                p.copy_(torch.rand(p.shape, generator=gen, device=HOST) * 2.0 - 1.0)
             elif name.endswith("dt_bias") or name.endswith("dt_proj.bias"):
-                p.copy_(torch.rand(p.shape, generator=gen) * 2.0 - 1.5)
+                p.copy_(torch.rand(p.shape, generator=gen, device=HOST) * 2.0 - 1.5)
             elif name.endswith(".D"):
-                p.copy_(torch.randn(p.shape, generator=gen))
+                p.copy_(torch.randn(p.shape, generator=gen, device=HOST))
             elif name.endswith(("dt_layernorm.weight", "b_layernorm.weight", "c_layernorm.weight")):
                 # Jamba's norms inside the mixer: away from 1 so the parity tests see them.
-                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
+                p.copy_(torch.rand(p.shape, generator=gen, device=HOST) + 0.5)
             elif p.ndim >= 2:
                 # Low-rank adapters (Zamba2) are small corrections of the weights they adapt.
                 scale = 0.25 if "adapter" in name else 1.0
-                p.copy_(torch.randn(p.shape, generator=gen) * (scale / p.shape[-1] ** 0.5))
+                p.copy_(
+                    torch.randn(p.shape, generator=gen, device=HOST) * (scale / p.shape[-1] ** 0.5)
+                )
     return model.eval()
 
 
@@ -446,7 +450,7 @@ def toy_control(model: Any, n_sequences: int = 8, seq_len: int = 16, seed: int =
         rows.append([ids[(start + i) % len(ids)] for i in range(seq_len)])
     return TextControl(
         name="toy-chains",
-        tokens=torch.tensor(rows, dtype=torch.long),
+        tokens=torch.tensor(rows, dtype=torch.long, device=HOST),
         source="cyclic chains of the toy's key words",
         split="all",
     )

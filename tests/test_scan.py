@@ -35,7 +35,7 @@ def toy_scan(monkeypatch):
         )
 
     monkeypatch.setattr(scan_module, "build_tasks", tasks)
-    monkeypatch.setattr(scan_module, "load_scan_model", lambda name: model)
+    monkeypatch.setattr(scan_module, "load_scan_model", lambda name, **kw: model)
     return model
 
 
@@ -211,7 +211,7 @@ def test_scan_task_errors_name_the_input_and_the_fix(tmp_path):
 def test_scan_cli_empty_task_file_exits_cleanly(tmp_path, monkeypatch, capsys):
     from gna_lens import scan as scan_module
 
-    monkeypatch.setattr(scan_module, "load_scan_model", lambda name: toy_gna_model())
+    monkeypatch.setattr(scan_module, "load_scan_model", lambda name, **kw: toy_gna_model())
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     assert main(["scan", "toy", "--task", str(empty), "--out", str(tmp_path)]) == 2
@@ -344,7 +344,7 @@ def mamba1_scan(monkeypatch):
         )
 
     monkeypatch.setattr(scan_module, "build_tasks", tasks)
-    monkeypatch.setattr(scan_module, "load_scan_model", lambda name: m)
+    monkeypatch.setattr(scan_module, "load_scan_model", lambda name, **kw: m)
     monkeypatch.setattr(report_module, "EXACT_ALL_MAX", 100)
     monkeypatch.setattr(report_module, "DEFAULT_CHANNEL_GROUP", 16)
     with override_speed_probe((0.02, 0.01)):  # bfloat16 "2x faster", whatever this CPU does

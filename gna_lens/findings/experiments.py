@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from gna_lens.device import HOST
 from gna_lens.heads import Head, describe_head_groups, head_view
 from gna_lens.models.provenance import provenance_of
 from gna_lens.scoring import (
@@ -392,7 +393,7 @@ def sharpness_and_capacity(
             model, tasks, _, report = rank_zoo_model(name, "kv-8", n_rank=n_rank, progress=progress)
         heads = report.top(top)
         rows = head_rows(report, heads)
-        vals = torch.tensor([r["sharpness"] for r in rows], dtype=torch.float64)
+        vals = torch.tensor([r["sharpness"] for r in rows], dtype=torch.float64, device=HOST)
         sharp.append(
             {
                 "model": name,

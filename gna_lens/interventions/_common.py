@@ -11,6 +11,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from gna_lens.device import HOST, to_host
 from gna_lens.errors import HookError, InterventionError
 from gna_lens.heads import Head, HeadView, LayerHeads
 from gna_lens.tasks import Sample, Task
@@ -75,18 +76,22 @@ class Metric:
                 )
         self.exact = exact
         n_choices = max(len(s.choice_ids) for s in task)
-        table = torch.full((len(task), max(n_choices, 1)), -1, dtype=torch.long)
+        table = torch.full((len(task), max(n_choices, 1)), -1, dtype=torch.long, device=HOST)
         for i, s in enumerate(task):
-            table[i, : len(s.choice_ids)] = torch.tensor([c[0] for c in s.choice_ids])
+            table[i, : len(s.choice_ids)] = torch.tensor([c[0] for c in s.choice_ids], device=HOST)
         self.choice_ids = table
-        self.answer_index = torch.tensor([s.answer_index for s in task], dtype=torch.long)
-        self.answer_token = torch.tensor([s.answer_ids[0] for s in task], dtype=torch.long)
+        self.answer_index = torch.tensor(
+            [s.answer_index for s in task], dtype=torch.long, device=HOST
+        )
+        self.answer_token = torch.tensor(
+            [s.answer_ids[0] for s in task], dtype=torch.long, device=HOST
+        )
 
     def __call__(self, logits: Tensor, idx: Tensor) -> Tensor:
         """Per-row metric; ``idx`` are the rows' sample indices in the task."""
         if self.user_fn is not None:
             out = self.user_fn(logits, [self.samples[int(i)] for i in idx])
-            out = torch.as_tensor(out)
+            out = torch.as_tensor(out, device=logits.device)
             if out.shape != (logits.shape[0],):
                 raise InterventionError(
                     f"metric {self.name!r} returned shape {tuple(out.shape)} for logits of shape "
@@ -94,7 +99,7 @@ class Metric:
                 )
             return out.float()
         logits = logits.float()
-        idx = idx.to(torch.long).cpu()
+        idx = to_host(idx.to(torch.long))
         ans_tok = self.answer_token[idx].to(logits.device)
         if self.name == "logprob" or (self.exact and self.name == "choice_logprob"):
             return logits.log_softmax(-1).gather(1, ans_tok[:, None])[:, 0]
@@ -153,8 +158,10 @@ def length_groups(task: Task, max_samples: int, device: Any) -> list[Group]:
         ids = by_len[length]
         for start in range(0, len(ids), max(1, max_samples)):
             chunk = ids[start : start + max_samples]
-            tokens = torch.tensor([task[i].input_ids for i in chunk], dtype=torch.long)
-            out.append(Group(torch.tensor(chunk, dtype=torch.long), tokens.to(device)))
+            tokens = torch.tensor(
+                [task[i].input_ids for i in chunk], dtype=torch.long, device=device
+            )
+            out.append(Group(torch.tensor(chunk, dtype=torch.long, device=HOST), tokens))
     return out
 
 
@@ -453,7 +460,9 @@ def reference_rows(
     if isinstance(reference, Tensor) and reference.ndim == 2 and not reference.is_floating_point():
         toks = reference.to(device)
         groups = [
-            Group(torch.arange(s, min(s + max_rows, len(toks))), toks[s : s + max_rows])
+            Group(
+                torch.arange(s, min(s + max_rows, len(toks)), device=HOST), toks[s : s + max_rows]
+            )
             for s in range(0, len(toks), max_rows)
         ]
         label = f"reference tokens {tuple(reference.shape)}"
@@ -586,7 +595,7 @@ def edit_positions(source: Source, positions: Any, prompts: Sequence[Sequence[in
         )
     spec = SkipBos(positions)
     for length in sorted({len(p) for p in prompts}):
-        column_mask(spec, length, "cpu")
+        column_mask(spec, length, HOST)
     return spec
 
 
@@ -618,7 +627,7 @@ def part_selection(cells: Sequence[tuple[Head, ...]], layer: int, part: LayerHea
     """``[cells, n_channels]`` bool: which entries of the head axis of ``part``'s ``hook_z``
     (a part of ``layer``, :attr:`~gna_lens.heads.LayerHeads.parts`) each cell edits (a Mamba-1
     channel group edits all its channels)."""
-    sel = torch.zeros(len(cells), part.n_channels, dtype=torch.bool)
+    sel = torch.zeros(len(cells), part.n_channels, dtype=torch.bool, device=HOST)
     for k, cell in enumerate(cells):
         sel[k] = part.hook_mask(part.local(h for lay, h in cell if lay == layer))
     return sel
@@ -801,8 +810,8 @@ def spearman(a: Tensor, b: Tensor) -> float:
     """Spearman rank correlation (average ranks for ties)."""
     import pandas as pd
 
-    x = pd.Series(a.detach().double().cpu().numpy()).rank()
-    y = pd.Series(b.detach().double().cpu().numpy()).rank()
+    x = pd.Series(to_host(a).double().numpy()).rank()
+    y = pd.Series(to_host(b).double().numpy()).rank()
     r = x.corr(y)
     return float(r) if r == r else math.nan
 

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gna_lens.device import HOST, host_full, to_host
 from gna_lens.heads import Head, HeadView, LayerHeads, head_output_weights
 from gna_lens.interventions._common import (
     Group,
@@ -228,8 +229,8 @@ def run_cells(
     ctx = _Ctx(
         runner=runner,
         cells=list(cells),
-        values=torch.full((len(cells), n), math.nan),
-        baseline=torch.full((n,), math.nan),
+        values=host_full((len(cells), n)),
+        baseline=host_full(n),
         metric=metric,
         bar=bar,
         info={"forwards": 0, "rows": 0, "incremental_fallbacks": 0, "expanded": False},
@@ -257,7 +258,7 @@ def run_cells(
                 ctx.info["forwards"] += 1
             logits, state = memo[("prefix", part)]
             if state is not None:
-                ctx.baseline[g.indices] = metric(logits, idx)
+                ctx.baseline[g.indices] = to_host(metric(logits, idx))
                 _steps(ctx, g, state, source, ref_rows, idx, cap)
                 if not keep:
                     memo.pop(("prefix", part), None)
@@ -287,7 +288,8 @@ class _Ctx:
     ids: list[int]
 
     def store(self, chunk: Sequence[int], indices: Tensor, v: Tensor) -> None:
-        self.values[torch.tensor(list(chunk))[:, None], indices[None, :]] = v.float().cpu()
+        rows = torch.tensor(list(chunk), device=HOST)
+        self.values[rows[:, None], indices[None, :]] = to_host(v.float())
         self.info["forwards"] += 1
         self.info["rows"] += v.numel()
         if self.bar is not None:
@@ -305,11 +307,11 @@ def _loop(
     cell_cols: Sequence[Any] | None,
 ) -> None:
     runner, view = ctx.runner, ctx.runner.view
-    ctx.baseline[g.indices] = ctx.metric(runner.logits_last(tokens), idx)
+    ctx.baseline[g.indices] = to_host(ctx.metric(runner.logits_last(tokens), idx))
     ctx.info["forwards"] += 1
     for i in ctx.ids:
         cell = ctx.cells[i]
-        cols = column_mask(cell_cols[i] if cell_cols else positions, g.length, "cpu")
+        cols = column_mask(cell_cols[i] if cell_cols else positions, g.length, HOST)
         hooks = packed_edit_hooks(view, [cell], len(g), ref_rows, source, cols)
         lg = runner._pick(runner.model.run_with_hooks(tokens, fwd_hooks=hooks))
         ctx.store([i], g.indices, ctx.metric(lg, idx)[None])
@@ -355,7 +357,7 @@ def _layers(
         memo[("clean", part)] = runner.clean(tokens, names)
         ctx.info["forwards"] += 1
     logits, cache = memo[("clean", part)]
-    ctx.baseline[g.indices] = ctx.metric(logits, idx)
+    ctx.baseline[g.indices] = to_host(ctx.metric(logits, idx))
     by_key: dict[tuple[int, Any], list[int]] = {}
     for i in ctx.ids:  # cells with different positions share a run
         by_key.setdefault((start_layer[i], None), []).append(i)
@@ -420,9 +422,9 @@ class _LayerRun:
     def cols(self, chunk: Sequence[int]) -> Tensor | None:
         """Edited positions: ``[pos]`` shared, or ``[cells, pos]`` per cell."""
         if not self.cell_cols:
-            return column_mask(self.positions, self.g.length, "cpu")
-        per = [column_mask(self.cell_cols[i], self.g.length, "cpu") for i in chunk]
-        full = torch.ones(self.g.length, dtype=torch.bool)
+            return column_mask(self.positions, self.g.length, HOST)
+        per = [column_mask(self.cell_cols[i], self.g.length, HOST) for i in chunk]
+        full = torch.ones(self.g.length, dtype=torch.bool, device=HOST)
         return torch.stack([full if c is None else c for c in per])
 
     @property

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gna_lens.device import exact_matmul
 from gna_lens.errors import InterventionError
 from gna_lens.heads import HeadView, _is_hooked_ssm
 from gna_lens.interventions._common import hooked
@@ -228,10 +229,11 @@ class Runner:
         if self.tail_hooks and self.keep not in _TAIL_VERDICT.get(self.model, {}):
             # The plain run first: it settles the bridge's residual-swap verdict without the
             # truncation, so a truncation failure is not blamed on the swap.
-            slow = self._from_layer(layer, resid, tokens, hooks)
             tail = [*hooks, *self.tail_hooks]
             what = "truncating after the last mixer"
-            fast, why = _attempt(lambda: self._from_layer(layer, resid, tokens, tail, what))
+            with exact_matmul():  # a verdict TF32 rounding on one side must not decide
+                slow = self._from_layer(layer, resid, tokens, hooks)
+                fast, why = _attempt(lambda: self._from_layer(layer, resid, tokens, tail, what))
             why = why or _mismatch(fast, slow, 2e-6, what)
             _TAIL_VERDICT.setdefault(self.model, {})[self.keep] = why
             if why is not None:
@@ -260,8 +262,9 @@ class Runner:
             return self._final(final)
         if model not in _INJECT_VERDICT:
             swap = "swapping the residual at hook_resid_pre"
-            fast, why = _attempt(lambda: self._inject(layer, resid, tokens, hooks, swap))
-            slow = self._bridge_start(layer, resid, hooks, shortcut)
+            with exact_matmul():
+                fast, why = _attempt(lambda: self._inject(layer, resid, tokens, hooks, swap))
+                slow = self._bridge_start(layer, resid, hooks, shortcut)
             why = why or _mismatch(fast, slow, 1e-5, "swapping the residual at hook_resid_pre")
             _INJECT_VERDICT[model] = why
             if why is not None:
@@ -394,7 +397,7 @@ class Runner:
         if cache is None:
             cache = copy.deepcopy(state["cache"])
             if K > 1:
-                cache.batch_select_indices(torch.arange(G).repeat(K).to(state["last"].device))
+                cache.batch_select_indices(torch.arange(G, device=state["last"].device).repeat(K))
             state["expanded"] = {K: cache}  # one packing at a time (as the SSM prefix keeps)
         try:
             with hooked(self.model, hooks):

@@ -7,7 +7,6 @@ touched, and no hook survives the call, even when the model or a metric raises.
 """
 
 import dataclasses
-import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from gna_lens.device import HOST, DevicePolicy, host_full, to_host
 from gna_lens.errors import InterventionError
 from gna_lens.heads import Head, HeadView, head_view, normalize_head_sets, require_editable
 from gna_lens.interventions._common import (
@@ -52,10 +52,8 @@ HookFn = Callable[..., Tensor | None]
 
 
 def model_device(model: Any) -> torch.device:
-    dev = getattr(getattr(model, "cfg", None), "device", None)
-    if dev is not None:
-        return torch.device(dev)
-    return next(model.parameters()).device
+    """The model's device (:meth:`gna_lens.device.DevicePolicy.of`)."""
+    return DevicePolicy.of(model).device
 
 
 # ----------------------------------------------------------------------------- hooks for users
@@ -258,7 +256,7 @@ def _ablation_hook(
                 where = where & inputs.edited(cols, positions, R, P, z.device)[:, :, None, None]
             elif cols is not None:
                 where = where & cols[None, :, None, None]
-        ref = torch.arange(R) % max(source.n, 1)
+        ref = torch.arange(R, device=HOST) % max(source.n, 1)
         inputs.check_pairs(R, P, ref, name)
         value = source.value(name, ref, P, False, z)
         return torch.where(where, value, z)
@@ -395,7 +393,7 @@ class SweepResult:
             raise InterventionError("grid() needs single-head cells; this result has head sets.")
         n_layers = max(layer for (layer, _), _ in singles) + 1
         n_heads = max(h for (_, h), _ in singles) + 1
-        out = torch.full((n_layers, n_heads), math.nan)
+        out = host_full((n_layers, n_heads))
         for (layer, h), e in singles:
             out[layer, h] = e
         return out
@@ -411,7 +409,7 @@ class SweepResult:
         if len(pairs) < 2:
             raise InterventionError("correlation needs at least two cells in common.")
         a, b = zip(*pairs, strict=True)
-        return spearman(torch.tensor(a), torch.tensor(b))
+        return spearman(torch.tensor(a, device=HOST), torch.tensor(b, device=HOST))
 
     def to_dataframe(self) -> Any:
         """One row per cell: ``layer, head, kind, effect, value, baseline`` and the context.
@@ -775,7 +773,7 @@ class _NextTokenNLL:
         self.k = k
 
     def __call__(self, logits: Tensor, idx: Tensor) -> Tensor:
-        targets = self.tokens[idx.long().cpu(), -self.k :].to(logits.device)
+        targets = self.tokens[to_host(idx.long()), -self.k :].to(logits.device)
         lg = logits.reshape(len(idx) * self.k, -1)
         # In the logits' own dtype: float32 is exact; under bfloat16 autocast this is 7x faster
         # than an upcast logsumexp and rounds each token's NLL to ~3 significant digits.
@@ -978,7 +976,9 @@ def _plan_control(
     shift = 1 if mode == "resample" else 0
     check_resample_pairs(rows, source, [(i + shift) % n for i in range(n)], "control_sweep")
     groups = [
-        Group(torch.arange(s, min(s + max_rows, n)), inputs[s : s + max_rows].to(device))
+        Group(
+            torch.arange(s, min(s + max_rows, n), device=HOST), inputs[s : s + max_rows].to(device)
+        )
         for s in range(0, n, max_rows)
     ]
 

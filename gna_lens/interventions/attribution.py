@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gna_lens.device import host_full, to_host
 from gna_lens.errors import InterventionError
 from gna_lens.heads import _is_hooked_ssm, head_view, normalize_head_sets, require_editable
 from gna_lens.interventions._common import (
@@ -130,8 +131,8 @@ def attribute_heads(
         else positions
     )
     # Per (layer, head): per-sample estimate.
-    est = {layer: torch.zeros(n, view[layer].n_heads) for layer in layers}
-    baseline = torch.full((n,), float("nan"))
+    est = {layer: host_full((n, view[layer].n_heads), 0.0) for layer in layers}
+    baseline = host_full(n)
     forwards = float(source.forwards) if source is not None else 0.0  # the reference's passes
     for g in groups:
         tokens = g.tokens if corrupted is None else tokens_of(corrupted, g.indices, device)
@@ -161,7 +162,7 @@ def attribute_heads(
             values = met(logits, g.indices)
             grads = torch.autograd.grad(values.sum(), [leaves[name] for name in parts])
         forwards += 3
-        baseline[g.indices] = values.detach().float().cpu()
+        baseline[g.indices] = to_host(values.float())
         for (name, part), grad in zip(parts.items(), grads, strict=True):
             z = acts[name]
             if corrupted is not None:
@@ -173,13 +174,16 @@ def attribute_heads(
             cols = column_mask(edited, z.shape[1], z.device)
             if cols is not None:
                 delta = delta * cols[None, :, None, None]
-            contrib = (delta * grad).sum(dim=(1, 3)).float().cpu()  # [G, n_channels]
+            contrib = to_host((delta * grad).sum(dim=(1, 3)).float())  # [G, n_channels]
             if part.channels is not None:  # Mamba-1 channel groups: sum their channels
                 contrib = contrib @ part.membership().T
             heads = slice(part.offset, part.offset + part.n_heads)  # the layer's indices
             est[part.layer][g.indices, heads] = contrib
     values_out = torch.stack(
-        [baseline + sum((est[layer][:, h] for layer, h in cell), torch.zeros(n)) for cell in cells]
+        [
+            baseline + sum((est[layer][:, h] for layer, h in cell), host_full(n, 0.0))
+            for cell in cells
+        ]
     )
     return SweepResult(
         cells=tuple(cells),

@@ -58,6 +58,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from gna_lens.device import HOST, host_full, to_host
 from gna_lens.errors import InterventionError, PatternEditError
 from gna_lens.heads import (
     HeadView,
@@ -416,10 +417,10 @@ def _layer_source(
                 hooks.append((name, value))
     with torch.no_grad(), hooked(model, hooks):
         for g in groups:
-            mask = torch.zeros(len(g), g.length, dtype=torch.bool)
+            mask = torch.zeros(len(g), g.length, dtype=torch.bool, device=HOST)
             for j, i in enumerate(g.indices.tolist()):
                 mask[j, picks[i]] = True
-            picked["rows"] = mask
+            picked["rows"] = mask.to(g.tokens.device)
             model(g.tokens)
     n = info["mean_tokens"]
     mean = {name: (total / n).float() for name, total in sums.items()}
@@ -736,7 +737,7 @@ class LayerSweepResult:
     def control_effects(self) -> Float[Tensor, " cell"]:
         """Change of the control's loss (positive: the ablation hurts it); NaN without one."""
         if self.control_values is None or self.control_baseline is None:
-            return torch.full((len(self),), math.nan)
+            return host_full(len(self))
         return self.control_values.float().mean(-1) - self.control_baseline.float().mean()
 
     def effect_intervals(self) -> list[Interval]:
@@ -1000,8 +1001,8 @@ def _run(
     lowest layer; the cell then runs from there. ``loop``: a full forward per cell and group.
     """
     n = int(max(int(g.indices.max()) for g in groups)) + 1
-    values = torch.full((len(cells), n), math.nan)
-    baseline = torch.full((n,), math.nan)
+    values = host_full((len(cells), n))
+    baseline = host_full(n)
     starts = sorted({min(c) for c in cells})
     forwards = 0
     for g in groups:
@@ -1017,7 +1018,7 @@ def _run(
             else []
         )
         logits = runner.logits_last(g.tokens, base_hooks + keepers)
-        baseline[idx] = metric(logits, idx).float().cpu()
+        baseline[idx] = to_host(metric(logits, idx).float())
         forwards += 1
         for k, (cell, hooks) in enumerate(zip(cells, cell_hooks, strict=True)):
             if method == "batched":
@@ -1025,7 +1026,7 @@ def _run(
                 logits = runner.from_layer(start, cache[start], g.tokens, base_hooks + hooks)
             else:
                 logits = runner.logits_last(g.tokens, base_hooks + hooks)
-            values[k, idx] = metric(logits, idx).float().cpu()
+            values[k, idx] = to_host(metric(logits, idx).float())
             forwards += 1
             if bar is not None:
                 bar.update(len(g))
@@ -1045,7 +1046,9 @@ class _NegMetric:
 def _groups_of_windows(tokens: Tensor, max_rows: int, device: Any) -> list[Group]:
     n = tokens.shape[0]
     return [
-        Group(torch.arange(s, min(s + max_rows, n)), tokens[s : s + max_rows].to(device))
+        Group(
+            torch.arange(s, min(s + max_rows, n), device=HOST), tokens[s : s + max_rows].to(device)
+        )
         for s in range(0, n, max_rows)
     ]
 

@@ -38,6 +38,7 @@ import torch
 from jaxtyping import Bool
 from torch import Tensor
 
+from gna_lens.device import HOST
 from gna_lens.errors import InterventionError, PatternEditError
 from gna_lens.heads import Head, HeadView, _is_hooked_ssm, head_view, require_editable
 from gna_lens.interventions._common import hooked
@@ -51,9 +52,9 @@ HookFn = Callable[..., Tensor]
 
 def _sample_gather(s: Sample, complement: bool) -> Tensor:
     n = s.n_tokens
-    m = torch.ones(n, n, dtype=torch.bool)
+    m = torch.ones(n, n, dtype=torch.bool, device=HOST)
     for (a, b), p in zip(s.segments, s.summary_positions, strict=True):
-        inside = torch.zeros(n, dtype=torch.bool)
+        inside = torch.zeros(n, dtype=torch.bool, device=HOST)
         inside[a:b] = True
         m[p] = ~inside if complement else inside
     return m
@@ -61,8 +62,8 @@ def _sample_gather(s: Sample, complement: bool) -> Tensor:
 
 def _sample_aggregate(s: Sample, complement: bool) -> Tensor:
     n = s.n_tokens
-    m = torch.ones(n, n, dtype=torch.bool)
-    summary = torch.zeros(n, dtype=torch.bool)
+    m = torch.ones(n, n, dtype=torch.bool, device=HOST)
+    summary = torch.zeros(n, dtype=torch.bool, device=HOST)
     summary[list(s.summary_positions)] = True
     m[s.query_position] = ~summary if complement else summary
     return m
@@ -89,7 +90,7 @@ def stack_masks(batch: Batch, masks: Sequence[Tensor] | Callable[[Sample], Tenso
         )
     W = int(batch.input_ids.shape[1])
     dtype = torch.bool if all(m.dtype == torch.bool for m in per) else torch.float32
-    out = torch.ones(len(per), W, W, dtype=dtype)
+    out = torch.ones(len(per), W, W, dtype=dtype, device=HOST)
     for b, (m, s, off) in enumerate(zip(per, batch.samples, batch.offsets, strict=True)):
         n = s.n_tokens
         if tuple(m.shape) != (n, n):
@@ -362,7 +363,7 @@ def _empty_rows(heads: dict[int, Tensor]) -> dict[int, Tensor] | None:
     out = {}
     for h, m in heads.items():
         L = m.shape[-1]
-        causal = torch.ones(L, L, dtype=torch.bool).tril()
+        causal = torch.ones(L, L, dtype=torch.bool, device=m.device).tril()
         rows = ~(m.bool() & causal).any(-1)
         if bool(rows.any()):
             out[h] = rows

@@ -16,6 +16,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from gna_lens.device import HOST, host_full, to_host
 from gna_lens.errors import InterventionError
 from gna_lens.heads import head_view, normalize_head_sets, require_editable
 from gna_lens.interventions._common import (
@@ -150,7 +151,7 @@ def _clean_run_source(
     for i, s in enumerate(clean):
         by_len.setdefault(s.n_tokens, []).append(i)
     groups = [
-        Group(torch.tensor(ids), tokens_of(clean, torch.tensor(ids), device))
+        Group(ix := torch.tensor(ids, device=HOST), tokens_of(clean, ix, device))
         for ids in by_len.values()
     ]
     samples = collect_z(model, parts, groups, positions == "last", len(clean))
@@ -270,9 +271,10 @@ def patch_heads(
 
 
 def _baseline(runner: Runner, task: Task, groups: list[Group], met: Metric, device: Any) -> Tensor:
-    out = torch.full((len(task),), float("nan"))
+    out = host_full(len(task))
     for g in groups:
-        out[g.indices] = met(runner.logits_last(tokens_of(task, g.indices, device)), g.indices)
+        logits = runner.logits_last(tokens_of(task, g.indices, device))
+        out[g.indices] = to_host(met(logits, g.indices))
     return out
 
 
@@ -334,13 +336,13 @@ def patch_residual(
     else:
         if positions not in (None, "last"):
             for length in sorted(lengths):
-                column_mask(positions, length, "cpu")  # raises on out-of-range positions
+                column_mask(positions, length, HOST)  # raises on out-of-range positions
         cells = [(layer, positions) for layer in layers]
     runner = Runner(model, view)
     n = len(clean)
-    values = torch.full((len(cells), n), float("nan"))
-    baseline = torch.full((n,), float("nan"))
-    clean_base = torch.full((n,), float("nan"))
+    values = host_full((len(cells), n))
+    baseline = host_full(n)
+    clean_base = host_full(n)
     names = [f"blocks.{layer}.hook_resid_pre" for layer in sorted(set(layers))]
     info: dict[str, Any] = {"forwards": 0}
     bar = tqdm(total=len(cells) * n, desc="patch residual", disable=not progress, leave=False)
@@ -351,8 +353,8 @@ def patch_residual(
                 lg_c, cache_c = runner.clean(g.tokens, names)
                 corrupted_tokens = tokens_of(corrupted, g.indices, device)
                 lg_x, cache_x = runner.clean(corrupted_tokens, names)
-                clean_base[g.indices] = met(lg_c, g.indices)
-                baseline[g.indices] = met(lg_x, g.indices)
+                clean_base[g.indices] = to_host(met(lg_c, g.indices))
+                baseline[g.indices] = to_host(met(lg_x, g.indices))
                 info["forwards"] += 2
                 K = max(1, max_rows // G)
                 for start in range(0, len(cells), K):
@@ -370,7 +372,8 @@ def patch_residual(
                             resid.append(r)
                         lg = runner.from_layer(layer, torch.cat(resid), corrupted_tokens, ())
                         v = met(lg, g.indices.repeat(len(ids))).view(len(ids), G)
-                        values[torch.tensor(ids)[:, None], g.indices[None, :]] = v
+                        rows_k = torch.tensor(ids, device=HOST)
+                        values[rows_k[:, None], g.indices[None, :]] = to_host(v)
                         info["forwards"] += 1
                     bar.update(len(chunk) * G)
     finally:
@@ -401,7 +404,7 @@ def _resid_cols(positions: Any, length: int) -> Any:
         return slice(None)
     if positions == "last":
         return [length - 1]
-    mask = column_mask(positions, length, "cpu")  # raises on out-of-range positions
+    mask = column_mask(positions, length, HOST)  # raises on out-of-range positions
     assert mask is not None
     return mask.nonzero().flatten().tolist()
 

@@ -28,6 +28,7 @@ from lm_eval.models.utils import (
 from torch import Tensor
 from tqdm import tqdm
 
+from gna_lens.device import HOST, DevicePolicy, resolve_device
 from gna_lens.errors import ConfigError, InterventionError
 from gna_lens.heads import Head
 
@@ -207,16 +208,14 @@ def _dtype(value: Any) -> torch.dtype:
 
 
 def _device(device: str | None) -> str:
-    """The device to load on, as lm-eval's ``hf`` backend picks it: the one asked for, except that
-    a CUDA device (lm-eval's CLI default is ``cuda:0``) or none means CUDA where there is one,
-    else the CPU."""
-    if device and not str(device).startswith("cuda"):
-        return str(device)
-    if torch.cuda.is_available():
-        return str(device or "cuda")
-    if device:
+    """The device to load on, as lm-eval's ``hf`` backend picks it: the one asked for
+    (:func:`~gna_lens.device.resolve_device`: none means CUDA where there is one, else the CPU),
+    except that a CUDA device on a machine without one (lm-eval's CLI default is ``cuda:0``)
+    means the CPU."""
+    if device and str(device).startswith("cuda") and not torch.cuda.is_available():
         logging.getLogger(__name__).info("device=%r: no CUDA device here, using the CPU", device)
-    return "cpu"
+        return str(HOST)
+    return str(resolve_device(device))
 
 
 def checkpoint_adds_bos(tokenizer: Any) -> bool | None:
@@ -382,9 +381,8 @@ class GnaLM(TemplateLM):
                 "GnaLM: the model has no tokenizer (model.tokenizer is None); lm-eval requests "
                 "are text. Load it with its tokenizer files, or set model.tokenizer."
             )
-        from gna_lens.interventions.ablation import model_device
-
-        self._device = model_device(model)
+        #: Where the model runs: token ids, masks and ablation positions are made there.
+        self._device = DevicePolicy.of(model).device
         if batch_size in (None, "auto") or str(batch_size).startswith("auto"):
             batch_size = 8
         self.batch_size = int(batch_size)
@@ -523,7 +521,8 @@ class GnaLM(TemplateLM):
                     hooks = self._static_hooks
                 else:
                     last = torch.tensor(
-                        [r.last_context + o for r, o in zip(rows, offsets, strict=True)]
+                        [r.last_context + o for r, o in zip(rows, offsets, strict=True)],
+                        device=self._device,
                     )
                     with torch.no_grad():
                         hooks = self._ablation_hooks(last)
@@ -544,7 +543,7 @@ class GnaLM(TemplateLM):
         iv = self.intervention
         kind = str(iv.mask)
         fn = gather_mask if kind.startswith("gather") else aggregate_mask
-        out = torch.ones(len(rows), width, width, dtype=torch.bool)
+        out = torch.ones(len(rows), width, width, dtype=torch.bool, device=self._device)
         for b, (row, off) in enumerate(zip(rows, offsets, strict=True)):
             if row.context is None:
                 raise InterventionError(
@@ -588,9 +587,10 @@ class GnaLM(TemplateLM):
             [r.tokens for r in rows],
             padding_side="left" if padding == "left" else "right",
             pad_token_id=pad,
+            device=self._device,
         )
         with torch.no_grad(), self.intervened(rows, ids.shape[1], offsets) as model:
-            logits = _logits(model, ids.to(self._device), attn.to(self._device))
+            logits = _logits(model, ids, attn)
         return logits, offsets
 
     # ------------------------------------------------------------------ scoring

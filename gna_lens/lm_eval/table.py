@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from gna_lens.device import HOST
 from gna_lens.errors import ConfigError, GnaLensError
 from gna_lens.heads import Head, HeadList
 from gna_lens.lm_eval._model import GnaLM, _device, _dtype, format_heads, parse_heads
@@ -505,7 +506,7 @@ def _items(out: dict[str, Any], task: str, key: str) -> tuple[list[tuple[str, in
 def _value_interval(values: list[float]) -> Interval:
     if values and all(v in (0.0, 1.0) for v in values):
         return wilson_interval(sum(values), len(values))
-    out = bootstrap_interval(torch.tensor(values, dtype=torch.float64))
+    out = bootstrap_interval(torch.tensor(values, dtype=torch.float64, device=HOST))
     assert isinstance(out, Interval)
     return out
 
@@ -716,7 +717,11 @@ def evaluate_table(
                         f"task {task!r}: the rows scored different items ({len(b_ids)} vs "
                         f"{len(ids)}); cannot pair them."
                     )
-                diff = torch.tensor(values, dtype=torch.float64) - torch.tensor(b_values)
+                # Both in float64: the baseline was rounded to float32 before (exact for 0/1
+                # accuracies, not for other metrics).
+                diff = torch.tensor(values, dtype=torch.float64, device=HOST) - torch.tensor(
+                    b_values, dtype=torch.float64, device=HOST
+                )
                 iv = bootstrap_interval(diff, seed=seed)
                 assert isinstance(iv, Interval)
                 change = iv

@@ -24,6 +24,7 @@ from transformer_lens.ActivationCache import ActivationCache
 from transformer_lens.hook_points import HookPoint
 from transformer_lens.HookedRootModule import HookedRootModule
 
+from gna_lens.device import HOST
 from gna_lens.errors import ConfigError, HookError, InterventionError
 from gna_lens.models import ops
 from gna_lens.models.block import SSMBlock
@@ -133,7 +134,9 @@ class HookedSSM(HookedRootModule):
         if cfg.tie_word_embeddings:
             self.unembed.weight = self.embed.weight
         if self._uses_rope:
-            inv_freq = ops.rope_inv_freq(cfg.rope_theta, cfg.rotary_dim, cfg.rope_scaling)
+            inv_freq = ops.rope_inv_freq(
+                cfg.rope_theta, cfg.rotary_dim, cfg.rope_scaling, device=self.embed.weight.device
+            )
             self.register_buffer("rope_inv_freq", inv_freq, persistent=False)
         #: Resolved Mamba-1 channel groups, ``{layer: ((channel, ...), ...)}``; empty: every
         #: channel is its own head. Set with :meth:`set_head_groups` / :meth:`head_groups`.
@@ -330,12 +333,13 @@ class HookedSSM(HookedRootModule):
             )
         mixers = self.ssm_mixers()
         per_layer = self._selection_heads(heads, list(mixers))
+        device = self.embed.weight.device
         saved = {i: (m.pattern_heads, m.pattern_rows) for i, m in mixers.items()}
         try:
             for i, m in mixers.items():
                 layer_heads = per_layer.get(i)
                 if layer_heads is not None:
-                    m.pattern_heads = torch.tensor(layer_heads, dtype=torch.long)
+                    m.pattern_heads = torch.tensor(layer_heads, dtype=torch.long, device=device)
                 m.pattern_rows = None if rows is None else list(rows)
             yield self
         finally:
@@ -772,6 +776,91 @@ class HookedSSM(HookedRootModule):
         logits = self.logits_of(resid)
         return logits[:, 0]
 
+    @torch.no_grad()
+    def generate(
+        self,
+        input: str | list[str] | Tensor,
+        max_new_tokens: int = 16,
+        *,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        stop_at_eos: bool = True,
+        seed: int | None = None,
+        return_type: Literal["str", "tokens"] | None = None,
+    ) -> Any:
+        """Continue ``input`` by up to ``max_new_tokens`` tokens (greedy, or sampled).
+
+        Each new token comes from a full forward over the text so far, so every hook the user
+        holds (``model.hooks(...)``) fires on every step exactly as in :meth:`forward`: an
+        ablation or a pattern edit shapes the continuation. That costs a forward per token
+        (quadratic in the length), fine for the short continuations interpretability looks at.
+
+        Args:
+            input: A text, a list of texts (left-padded), or token ids ``[batch, pos]``.
+            max_new_tokens: How many tokens to add at most.
+            do_sample: Sample from the softmax instead of taking the argmax.
+            temperature: Softmax temperature when sampling (> 0).
+            top_k: Sample among the ``top_k`` most likely tokens only.
+            stop_at_eos: Stop a row once it produced the tokenizer's EOS (the row is then padded
+                with EOS).
+            seed: Seed of the sampling generator (on the model's device).
+            return_type: ``"str"`` (default for text input) or ``"tokens"`` (default for token
+                ids: ``[batch, pos + new]``).
+
+        Returns:
+            The continued text(s) (prompt included), or the token ids.
+
+        Raises:
+            ConfigError: ``max_new_tokens < 0``, ``temperature <= 0`` or ``top_k < 1``.
+
+        Examples:
+            >>> import torch
+            >>> from gna_lens.testing import tiny_hooked_ssm
+            >>> model = tiny_hooked_ssm("mamba2")
+            >>> out = model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4)
+            >>> out.shape
+            torch.Size([1, 7])
+        """
+        if max_new_tokens < 0 or temperature <= 0 or (top_k is not None and top_k < 1):
+            raise ConfigError(
+                f"generate(max_new_tokens={max_new_tokens}, temperature={temperature}, "
+                f"top_k={top_k}); expected max_new_tokens >= 0, temperature > 0 and top_k >= 1 "
+                "or None."
+            )
+        is_text = not isinstance(input, Tensor)
+        if is_text:
+            tokens, mask = self._tokens_and_mask(input, padding_side="left")
+        else:
+            tokens, mask = self._tokens_and_mask(input)
+        device = self.embed.weight.device
+        mask = torch.ones_like(tokens) if mask is None else mask.to(device)
+        eos = getattr(self.tokenizer, "eos_token_id", None) if stop_at_eos else None
+        done = torch.zeros(tokens.shape[0], dtype=torch.bool, device=device)
+        gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+        for _ in range(max_new_tokens):
+            logits = self(tokens, attention_mask=mask)[:, -1].float()
+            if do_sample:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                nxt = torch.multinomial(logits.softmax(-1), 1, generator=gen)[:, 0]
+            else:
+                nxt = logits.argmax(-1)
+            if eos is not None:
+                nxt = torch.where(done, torch.full_like(nxt, int(eos)), nxt)
+                done = done | (nxt == int(eos))
+            tokens = torch.cat([tokens, nxt[:, None]], dim=1)
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            if eos is not None and bool(done.all()):
+                break
+        if (return_type or ("str" if is_text else "tokens")) == "tokens":
+            return tokens
+        tok = self._require_tokenizer()
+        texts = [tok.decode(row[m.bool()].tolist()) for row, m in zip(tokens, mask, strict=True)]
+        return texts[0] if isinstance(input, str) else texts
+
     # ------------------------------------------------------------------ tokens
     def _require_tokenizer(self) -> Any:
         if self.tokenizer is None:
@@ -802,14 +891,17 @@ class HookedSSM(HookedRootModule):
         width = max(len(r) for r in rows)
         side = padding_side or getattr(tok, "padding_side", "right")
         pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-        tokens = torch.full((len(rows), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, r in enumerate(rows):
-            sl = slice(width - len(r), width) if side == "left" else slice(0, len(r))
-            tokens[i, sl] = torch.tensor(r, dtype=torch.long)
-            mask[i, sl] = 1
+        padded, mask = [], []
+        for r in rows:
+            fill = [pad] * (width - len(r))
+            ones, zeros = [1] * len(r), [0] * (width - len(r))
+            padded.append(fill + r if side == "left" else r + fill)
+            mask.append(zeros + ones if side == "left" else ones + zeros)
         device = self.embed.weight.device
-        return tokens.to(device), mask.to(device)
+        return (
+            torch.tensor(padded, dtype=torch.long, device=device),
+            torch.tensor(mask, dtype=torch.long, device=device),
+        )
 
     def to_tokens(
         self,
@@ -845,7 +937,7 @@ class HookedSSM(HookedRootModule):
     def to_string(self, tokens: Tensor | list[int]) -> str | list[str]:
         """Decode token ids (``[pos]`` or ``[batch, pos]``) back to text."""
         tok = self._require_tokenizer()
-        t = torch.as_tensor(tokens)
+        t = torch.as_tensor(tokens, device=HOST)
         if t.ndim == 2:
             return [tok.decode(row.tolist()) for row in t]
         return tok.decode(t.tolist())

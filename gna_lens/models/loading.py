@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from gna_lens.device import resolve_device, resolve_dtype
 from gna_lens.errors import ConfigError
 from gna_lens.models.families import SUPPORTED_MODEL_TYPES, checkpoint_family
 from gna_lens.models.hooked_ssm import HookedSSM
@@ -27,8 +28,8 @@ __all__ = ["load_model"]
 def load_model(
     name_or_path: str | Path,
     *,
-    dtype: torch.dtype = torch.float32,
-    device: str = "cpu",
+    dtype: torch.dtype | str = torch.float32,
+    device: str | torch.device = "auto",
     progress: bool = False,
     **kwargs: Any,
 ) -> Any:
@@ -58,8 +59,11 @@ def load_model(
     Args:
         name_or_path: A hub name (where a hub is reachable), a local checkpoint directory, a
             ``.gguf`` file, a zoo name or a packaged model name.
-        dtype: Weights dtype.
-        device: Target device.
+        dtype: Weights dtype (a torch dtype or ``"float32"``, ``"bfloat16"``, ``"float16"``).
+        device: Where the model runs: ``"auto"`` (default: CUDA where torch sees one, else the
+            CPU), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``. Every gna_lens function then works on
+            the model's device and returns its results on the CPU
+            (:class:`~gna_lens.device.DevicePolicy`).
         progress: Show transformers' "Loading weights" progress bars (off by default: loading a
             small model prints one bar per load, which buries a notebook's output).
         **kwargs: Passed to the loader (for a mamba_ssm checkpoint: ``tokenizer`` and
@@ -85,6 +89,8 @@ def load_model(
     from transformers import AutoConfig
 
     given = str(name_or_path)
+    device = str(resolve_device(device))
+    dtype = resolve_dtype(dtype) or torch.float32
     model: Any
     name, packaged = _resolve_with_note(given)
     found = _find_mamba_ssm(name, kwargs.get("revision"))

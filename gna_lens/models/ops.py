@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from gna_lens.device import HOST
+
 __all__ = [
     "Mamba1Scan",
     "causal_conv1d",
@@ -633,7 +635,13 @@ def mamba2_recurrent(
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
-def rope_inv_freq(theta: float, dim: int, scaling: dict[str, Any] | None = None) -> Tensor:
+def rope_inv_freq(
+    theta: float,
+    dim: int,
+    scaling: dict[str, Any] | None = None,
+    *,
+    device: torch.device | str = HOST,
+) -> Tensor:
     """RoPE inverse frequencies ``[dim / 2]`` (fp32), as Hugging Face computes them.
 
     Args:
@@ -659,7 +667,7 @@ def rope_inv_freq(theta: float, dim: int, scaling: dict[str, Any] | None = None)
     """
     scaling = dict(scaling or {})
     kind = scaling.get("rope_type", "default")
-    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
     if kind == "default":
         return inv
     if kind == "linear":

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gna_lens.device import HOST, DevicePolicy
 from gna_lens.errors import GnaLensError
 from gna_lens.interventions import aggregate_mask, gather_mask, mask_patterns
 from gna_lens.interventions._common import describe_task
@@ -76,8 +77,8 @@ def _masked_correct(
 ) -> Tensor:
     """Per-sample correctness ``[n]`` (float) under ``masks``."""
     _single_token_choices(task)
-    device = next(model.parameters()).device
-    correct = torch.zeros(len(task))
+    device = DevicePolicy.of(model).device
+    correct = torch.zeros(len(task), device=HOST)
     with torch.no_grad():
         for batch in task.batches(batch_size, padding_side="left"):
             ids = batch.input_ids.to(device)

@@ -55,6 +55,7 @@ from jaxtyping import Float
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from gna_lens.device import HOST, DevicePolicy, to_host
 from gna_lens.errors import InterventionError
 from gna_lens.heads import HeadView, LayerHeads, head_view
 from gna_lens.interventions._common import describe_task
@@ -281,7 +282,7 @@ def _roles(per_sample: Tensor, chunk: int = 1024) -> tuple[str, ...]:
     def beats(a: str, b: str, margin: float, among: Tensor) -> Tensor:
         diff = (per_sample[..., col[a]] - per_sample[..., col[b]]).T.double()  # [head, sample]
         mean = diff.nanmean(-1)
-        out = torch.zeros(n_heads, dtype=torch.bool)
+        out = torch.zeros(n_heads, dtype=torch.bool, device=HOST)
         todo = (among & (mean >= margin - 1e-9)).nonzero().flatten().tolist()  # iv.value decides
         for start in range(0, len(todo), chunk):
             idx = todo[start : start + chunk]
@@ -291,7 +292,7 @@ def _roles(per_sample: Tensor, chunk: int = 1024) -> tuple[str, ...]:
                 out[h] = iv.value >= margin and iv.low > 0
         return out
 
-    every = torch.ones(n_heads, dtype=torch.bool)
+    every = torch.ones(n_heads, dtype=torch.bool, device=HOST)
     gather = beats("gather_share", "gather_null", ROLE_MARGIN, every)
     aggregate = beats("aggregate_score", "aggregate_null", ROLE_MARGIN, every)
     discriminates = beats("correct_share", "correct_chance", 0.0, aggregate)
@@ -390,7 +391,7 @@ def pattern_scores(
         for key, p in parts.items()
     }
     per_part: dict[tuple[int, int], list[Tensor]] = {key: [] for key in parts}
-    device = next(model.parameters()).device
+    device = DevicePolicy.of(model).device
     bos = getattr(task.tokenizer or getattr(model, "tokenizer", None), "bos_token_id", None)
     mixers = model.ssm_mixers() if hasattr(model, "pattern_selection") else {}
     # SSM mixers materialize only the channels of the wanted heads (None: all of them).
@@ -500,7 +501,7 @@ class _Scorer:
                 P = P.index_select(0, sel)
             else:
                 P = _group_rows(P, rs, [[chan_of[c] for c in lh.members(h)] for h in heads], sink)
-            self.out[key].append(_sample_scores(P, sample, sink, rs).cpu())
+            self.out[key].append(to_host(_sample_scores(P, sample, sink, rs)))
 
 
 def _group_rows(P: Tensor, positions: Sequence[int], groups: list[list[int]], sink: bool) -> Tensor:

@@ -29,6 +29,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from gna_lens.device import HOST, DevicePolicy, host_full, to_host
 from gna_lens.errors import GnaLensError, InterventionError
 from gna_lens.heads import GroupSpec, HeadList, describe_head_groups, head_view
 from gna_lens.interventions import ablation_sweep, attribute_heads, control_sweep
@@ -36,7 +37,7 @@ from gna_lens.interventions._common import check_positions, describe_task
 from gna_lens.interventions.ablation import SweepResult, positions_label
 from gna_lens.interventions.layers import LayerSweepResult, layer_sweep
 from gna_lens.models.provenance import provenance_method
-from gna_lens.runtime import autocast, choose_precision, native_bfloat16
+from gna_lens.runtime import choose_precision, native_bfloat16
 from gna_lens.scoring.patterns import NORMALIZATION, SCORE_NAMES, Head, pattern_scores
 from gna_lens.stats import bootstrap_interval
 from gna_lens.tasks import Task, TextControl, text_control
@@ -44,6 +45,7 @@ from gna_lens.tasks import Task, TextControl, text_control
 __all__ = [
     "DEFAULT_CHANNEL_GROUP",
     "EXACT_ALL_MAX",
+    "EXACT_BUDGET_S",
     "MAX_CONTROL",
     "STRATEGIES",
     "ExcludedHead",
@@ -52,6 +54,7 @@ __all__ = [
     "applied_head_groups",
     "auto_head_groups",
     "check_bfloat16",
+    "choose_strategy",
     "default_top_layers",
     "native_bfloat16",
     "resolve_control",
@@ -72,6 +75,12 @@ EXACT_ALL_MAX = 300
 #: of the top layers), ``"attribution"`` (attribution patching ranks every head, the top
 #: ``prefilter`` are ablated).
 STRATEGIES = ("auto", "exact", "coarse_to_fine", "attribution")
+
+#: On a CUDA device, ``strategy="auto"`` ablates every head exactly, even above
+#: :data:`EXACT_ALL_MAX` heads, when :func:`choose_strategy` estimates that the task's and the
+#: control's sweeps take at most this many seconds (a GPU sweeps a mamba2-1.3b's 3,072 heads in
+#: about that; the estimate's basis is recorded in ``method["strategy_choice"]``).
+EXACT_BUDGET_S = 120.0
 
 #: Layers whose heads a coarse-to-fine scan ablates, at most (see :func:`default_top_layers`).
 DEFAULT_TOP_LAYERS = 4
@@ -412,7 +421,7 @@ class GnaReport:
             raise GnaLensError(
                 f"GnaReport.heatmap(by={by!r}); expected one of {sorted(self.scores)}."
             )
-        grid = torch.full((self.n_layers, max(self.layer_heads, default=0)), math.nan)
+        grid = host_full((self.n_layers, max(self.layer_heads, default=0)))
         for (layer, h), v in zip(self.heads, self.scores[by].tolist(), strict=True):
             grid[layer, h] = v
         return grid
@@ -688,7 +697,7 @@ def _circuitsvis_patterns(examples: dict[str, Any]) -> str:
     import circuitsvis.attention as cv
 
     names = list(examples["patterns"])
-    pats = torch.tensor([examples["patterns"][n] for n in names], dtype=torch.float32)
+    pats = torch.tensor([examples["patterns"][n] for n in names], dtype=torch.float32, device=HOST)
     rendered = cv.attention_heads(
         attention=pats, tokens=list(examples["tokens"]), attention_head_names=names
     )
@@ -722,7 +731,7 @@ def _examples(model: Any, task: Task, heads: list[Head]) -> dict[str, Any]:
 
     view = head_view(model)
     sample = task[0]
-    device = next(model.parameters()).device
+    device = DevicePolicy.of(model).device
     parts = view.parts_of(heads)  # one hook_pattern per part of a layer
     with torch.no_grad(), _capture_part_patterns(model, view, parts) as store:
         model(torch.tensor([sample.input_ids], device=device))
@@ -734,7 +743,7 @@ def _examples(model: Any, task: Task, heads: list[Head]) -> dict[str, Any]:
         if view.kind_of((layer, h)) == "ssm":
             p = p.abs().tril()
             p = p / p.sum(-1, keepdim=True).clamp(min=1e-30)
-        patterns[f"L{layer}H{h}"] = p.cpu().tolist()
+        patterns[f"L{layer}H{h}"] = to_host(p).tolist()
     tokenizer = getattr(model, "tokenizer", None)
     tokens = (
         [tokenizer.decode([i]) for i in sample.input_ids]
@@ -868,7 +877,7 @@ def _probe_forward(model: Any, task: Task, rows: int = 16) -> tuple[Any, str]:
     ids = [list(s.input_ids) for s in task]
     length = Counter(len(i) for i in ids).most_common(1)[0][0]
     same = [i for i in ids if len(i) == length]
-    device = next(iter(model.parameters())).device
+    device = DevicePolicy.of(model).device
     batch = torch.tensor(same, device=device).repeat(-(-rows // len(same)), 1)[:rows]
     runner = Runner(model, head_view(model))
 
@@ -916,7 +925,7 @@ def sweep_precision(model: Any, dtype: str | None) -> Iterator[str]:
             "own dtype), 'bfloat16' (autocast: faster only where the device has native bfloat16) "
             "or 'auto' (bfloat16 where measured faster)."
         )
-    with autocast(next(model.parameters()).device, "bfloat16"):
+    with DevicePolicy.of(model).autocast("bfloat16"):
         yield "bfloat16 (autocast)"
 
 
@@ -926,8 +935,8 @@ def _intervals(sweep: SweepResult) -> tuple[Tensor, Tensor]:
     ivs = bootstrap_interval(diffs) if len(sweep) else []
     assert isinstance(ivs, list)
     return (
-        torch.tensor([iv.low for iv in ivs], dtype=torch.float32),
-        torch.tensor([iv.high for iv in ivs], dtype=torch.float32),
+        torch.tensor([iv.low for iv in ivs], dtype=torch.float32, device=HOST),
+        torch.tensor([iv.high for iv in ivs], dtype=torch.float32, device=HOST),
     )
 
 
@@ -936,7 +945,7 @@ def _scatter(heads: list[Head], sweep: SweepResult, *cols: Tensor) -> list[Tenso
     by_cell = {c[0]: i for i, c in enumerate(sweep.cells)}
     out = []
     for col in (sweep.effects, *cols):
-        full = torch.full((len(heads),), math.nan)
+        full = host_full(len(heads))
         for i, h in enumerate(heads):
             j = by_cell.get(h)
             if j is not None:
@@ -994,6 +1003,96 @@ def _resolve_strategy(strategy: Any, prefilter: Any, top_layers: Any, view: Any)
     if prefilter is not None:
         return "attribution"
     return "exact" if view.n_heads_total <= EXACT_ALL_MAX else "coarse_to_fine"
+
+
+def choose_strategy(
+    model: Any,
+    task: Task,
+    strategy: str = "auto",
+    *,
+    prefilter: int | None = None,
+    top_layers: int | None = None,
+    exact_budget_s: float = EXACT_BUDGET_S,
+) -> tuple[str, str]:
+    """Which heads :func:`score_heads` ablates exactly, and why, in words for the report.
+
+    ``"auto"``: every head (``"exact"``) on models with at most :data:`EXACT_ALL_MAX` heads; on a
+    CUDA device also above that whenever the estimated time of the task's and the control's
+    sweeps is at most ``exact_budget_s`` (estimate: one timed forward of 16 selection prompts,
+    per row, times the prompts, times the heads, times the mean share of the layers a head's
+    cell runs through, twice for the control); else ``"coarse_to_fine"`` (CPUs, and models too
+    large for the budget). ``prefilter`` selects ``"attribution"``.
+
+    Args:
+        model: The model (its device decides whether the estimate is made).
+        task: The selection prompts.
+        strategy: One of :data:`STRATEGIES`.
+        prefilter: As :func:`score_heads`.
+        top_layers: As :func:`score_heads`.
+        exact_budget_s: Seconds an exact scan may take on a GPU.
+
+    Returns:
+        ``(strategy, reason)``.
+
+    Examples:
+        >>> from gna_lens.testing import toy_gna_model, toy_gna_task
+        >>> model = toy_gna_model()
+        >>> choose_strategy(model, toy_gna_task(model))
+        ('exact', 'auto: exact, every one of the 4 heads (at most 300)')
+    """
+    view = head_view(model)
+    chosen = _resolve_strategy(strategy, prefilter, top_layers, view)
+    n = view.n_heads_total
+    if strategy != "auto":
+        return chosen, f"{chosen} (asked for)"
+    if chosen != "coarse_to_fine":
+        why = f"every one of the {n} heads (at most {EXACT_ALL_MAX})" if chosen == "exact" else (
+            f"prefilter={prefilter} given"
+        )  # fmt: skip
+        return chosen, f"auto: {chosen}, {why}"
+    policy = DevicePolicy.of(model)
+    if not _estimate_applies(policy):
+        return chosen, (
+            f"auto: coarse_to_fine, {n} heads (more than {EXACT_ALL_MAX}) on "
+            f"{policy.device.type}; an exact scan of every head is chosen only on a GPU whose "
+            "estimated time fits exact_budget_s"
+        )
+    est, basis = _exact_seconds(model, task, view)
+    fits = est <= exact_budget_s
+    return ("exact" if fits else "coarse_to_fine"), (
+        f"auto: {'exact' if fits else 'coarse_to_fine'}, every one of {n} heads estimated at "
+        f"{est:.0f} s on {policy.describe()} ({'within' if fits else 'over'} "
+        f"exact_budget_s={exact_budget_s:g}; {basis})"
+    )
+
+
+def _estimate_applies(policy: DevicePolicy) -> bool:
+    """Whether ``"auto"`` estimates an exact scan (a seam the CPU tests replace)."""
+    return policy.is_cuda
+
+
+def _exact_seconds(model: Any, task: Task, view: Any) -> tuple[float, str]:
+    """Estimated seconds of the task's and the control's exact sweeps over every head."""
+    run, what = _probe_forward(model, task)
+    policy = DevicePolicy.of(model)
+    run()  # warm-up (kernels compiled, memory pools filled)
+    times = []
+    for _ in range(3):
+        policy.synchronize()
+        t0 = time.perf_counter()
+        run()
+        policy.synchronize()
+        times.append(time.perf_counter() - t0)
+    rows = 16
+    per_row = sorted(times)[1] / rows
+    depth = sum((view.n_layers - layer) / view.n_layers for layer, _ in view.heads()) / max(
+        view.n_heads_total, 1
+    )
+    est = 2 * view.n_heads_total * len(task) * depth * per_row
+    return est, (
+        f"{per_row * 1e3:.3f} ms per row of a {what} x {len(task)} prompts x "
+        f"{view.n_heads_total} heads x {depth:.2f} mean depth x 2 for the control"
+    )
 
 
 def _executor_line(*sweeps: SweepResult | None) -> str:
@@ -1153,6 +1252,7 @@ def score_heads(
     n_examples: int = 4,
     progress: bool = True,
     executor: Any = None,
+    exact_budget_s: float = EXACT_BUDGET_S,
 ) -> GnaReport:
     """Score every head of ``model`` on ``task``: pattern scores, retrieval and control effects.
 
@@ -1195,9 +1295,10 @@ def score_heads(
         prefilter: Heads ablated exactly after attribution patching ranks all of them
             (``strategy="attribution"``; default :data:`DEFAULT_PREFILTER`). Given with
             ``strategy="auto"``, it selects ``"attribution"``.
-        strategy: ``"auto"`` (default: ``"exact"`` up to :data:`EXACT_ALL_MAX` heads, else
-            ``"coarse_to_fine"``), ``"exact"``, ``"coarse_to_fine"`` or ``"attribution"``
-            (:data:`STRATEGIES`).
+        strategy: ``"auto"`` (default: ``"exact"`` up to :data:`EXACT_ALL_MAX` heads, and on a
+            CUDA device whenever :func:`choose_strategy` estimates every head fits
+            ``exact_budget_s``; else ``"coarse_to_fine"``), ``"exact"``, ``"coarse_to_fine"`` or
+            ``"attribution"`` (:data:`STRATEGIES`). ``method["strategy_choice"]`` says why.
         top_layers: Layers whose heads a coarse-to-fine scan ablates (default
             :func:`default_top_layers`: 4, fewer where their heads would exceed
             :data:`EXACT_ALL_MAX`).
@@ -1223,6 +1324,8 @@ def score_heads(
             head ablation sweeps on the task and the control are sharded over its Ray workers
             (pattern scores, the coarse stage and attribution run here); ``method["executor"]``
             records the workers and any restarts.
+        exact_budget_s: On a CUDA device, the seconds within which ``"auto"`` ablates every
+            head exactly (:func:`choose_strategy`; default :data:`EXACT_BUDGET_S`).
 
     Returns:
         A :class:`GnaReport`.
@@ -1256,6 +1359,7 @@ def score_heads(
             prefilter=prefilter, strategy=strategy, top_layers=top_layers,
             sweep_dtype=sweep_dtype, batch_size=batch_size, n_examples=n_examples,
             progress=progress, groups_choice=groups_choice, executor=executor,
+            exact_budget_s=exact_budget_s,
         )  # fmt: skip
 
 
@@ -1279,10 +1383,14 @@ def _score_heads(
     progress: bool,
     groups_choice: dict[str, Any],
     executor: Any = None,
+    exact_budget_s: float = EXACT_BUDGET_S,
 ) -> GnaReport:
     """:func:`score_heads` with the head groups in place."""
     positions = check_positions(positions)
-    strategy = _resolve_strategy(strategy, prefilter, top_layers, head_view(model))
+    strategy, strategy_why = choose_strategy(
+        model, task, strategy, prefilter=prefilter, top_layers=top_layers,
+        exact_budget_s=exact_budget_s,
+    )  # fmt: skip
     dtype_choice: dict[str, Any] = {}
     if ablation:  # pattern scores alone run no sweep
         sweep_dtype, dtype_choice = resolve_sweep_dtype(model, sweep_dtype, task)
@@ -1302,7 +1410,7 @@ def _score_heads(
     heads = list(scores.heads)
     view = head_view(model)
     n = len(heads)
-    nan = torch.full((n,), math.nan)
+    nan = host_full(n)
     table: dict[str, Tensor] = {name: getattr(scores, name) for name in SCORE_NAMES}
     for name in SCORE_COLUMNS[len(SCORE_NAMES) :]:
         table[name] = nan.clone()
@@ -1330,7 +1438,7 @@ def _score_heads(
             est = attribute_heads(model, task, metric="logit_diff", batch_size=batch_size)
             timings["attribution"] = time.perf_counter() - clock
             by_head = {c[0]: e for c, e in zip(est.cells, est.effects.tolist(), strict=True)}
-            attribution = torch.tensor([by_head.get(h, math.nan) for h in heads])
+            attribution = torch.tensor([by_head.get(h, math.nan) for h in heads], device=HOST)
             table["attribution"] = attribution
             order = torch.argsort(attribution.nan_to_num(nan=math.inf), stable=True).tolist()
             targets = [heads[i] for i in order[:cut]]
@@ -1382,6 +1490,7 @@ def _score_heads(
         baseline = sweep.baseline_mean
         method.update(
             strategy=strategy,
+            strategy_choice=strategy_why,
             n_exact=len(targets),
             n_unmeasured=n - len(targets),
             sweep_dtype=precision,

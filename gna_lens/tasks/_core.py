@@ -8,6 +8,7 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
+from gna_lens.device import HOST
 from gna_lens.errors import TaskError
 from gna_lens.tasks._tokens import Encoding, continuations, encode, tokenizer_name
 
@@ -132,21 +133,35 @@ class Batch:
 
 
 def pad_sequences(
-    seqs: Sequence[Sequence[int]], *, padding_side: PaddingSide, pad_token_id: int
+    seqs: Sequence[Sequence[int]],
+    *,
+    padding_side: PaddingSide,
+    pad_token_id: int,
+    device: torch.device | str = HOST,
 ) -> tuple[Int[Tensor, "batch pos"], Int[Tensor, "batch pos"], list[int]]:
-    """Pad id lists into a tensor; returns ``(input_ids, attention_mask, left_offsets)``."""
+    """Pad id lists into a tensor; returns ``(input_ids, attention_mask, left_offsets)``.
+
+    The ids and mask are made on ``device`` (the host by default; the model's device for a batch
+    that is fed to a model), each in one transfer.
+    """
     if padding_side not in ("left", "right"):
         raise TaskError(f"padding_side={padding_side!r}; expected 'left' or 'right'.")
     width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), int(pad_token_id), dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    pad = int(pad_token_id)
+    ids: list[list[int]] = []
+    mask: list[list[int]] = []
     offsets = []
-    for b, s in enumerate(seqs):
+    for s in seqs:
         off = width - len(s) if padding_side == "left" else 0
-        ids[b, off : off + len(s)] = torch.tensor(list(s), dtype=torch.long)
-        mask[b, off : off + len(s)] = 1
+        tail = width - off - len(s)
+        ids.append([pad] * off + [int(t) for t in s] + [pad] * tail)
+        mask.append([0] * off + [1] * len(s) + [0] * tail)
         offsets.append(off)
-    return ids, mask, offsets
+    return (
+        torch.tensor(ids, dtype=torch.long, device=device),
+        torch.tensor(mask, dtype=torch.long, device=device),
+        offsets,
+    )
 
 
 def make_batch(
@@ -174,9 +189,13 @@ def make_batch(
             tuple(p + o for p in s.summary_positions) for s, o in zip(samples, offsets, strict=True)
         ),
         query_positions=torch.tensor(
-            [s.query_position + o for s, o in zip(samples, offsets, strict=True)], dtype=torch.long
+            [s.query_position + o for s, o in zip(samples, offsets, strict=True)],
+            dtype=torch.long,
+            device=HOST,
         ),
-        answer_segments=torch.tensor([s.answer_segment for s in samples], dtype=torch.long),
+        answer_segments=torch.tensor(
+            [s.answer_segment for s in samples], dtype=torch.long, device=HOST
+        ),
         padding_side=padding_side,
     )
 

@@ -21,6 +21,7 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
+from gna_lens.device import HOST
 from gna_lens.errors import TaskError
 from gna_lens.tasks._tokens import tokenizer_name
 
@@ -218,7 +219,7 @@ def text_control(
     rows = [([bos] if adds_bos else []) + stream[s : s + body] for s in starts]
     return TextControl(
         name=name or ("prose" if texts is None else "text"),
-        tokens=torch.tensor(rows, dtype=torch.long),
+        tokens=torch.tensor(rows, dtype=torch.long, device=HOST),
         source=source,
         split=split,
         unknown_fraction=unknown,

@@ -8,7 +8,8 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from gna_lens.errors import TaskError
+from gna_lens.device import HOST, DevicePolicy
+from gna_lens.errors import ConfigError, TaskError
 from gna_lens.tasks._core import PaddingSide, Task, pad_sequences
 
 __all__ = ["EvalResult", "evaluate"]
@@ -102,14 +103,12 @@ def _logits(model: Any, ids: Tensor, mask: Tensor) -> Tensor:
 
 
 def _device(model: Any) -> torch.device:
-    cfg = getattr(model, "cfg", None)
-    dev = getattr(cfg, "device", None)
-    if dev is not None:
-        return torch.device(dev)
+    """The model's device (:meth:`DevicePolicy.of`); the host for a plain callable, which has no
+    parameters and no ``cfg.device`` to tell."""
     try:
-        return next(model.parameters()).device
-    except (AttributeError, StopIteration, TypeError):
-        return torch.device("cpu")
+        return DevicePolicy.of(model).device
+    except ConfigError:
+        return HOST
 
 
 def _model_vocab(model: Any) -> int | None:
@@ -272,9 +271,9 @@ def evaluate(
         for start in range(0, len(rows), batch_size):
             chunk = rows[start : start + batch_size]
             batch_ids, mask, offsets = pad_sequences(
-                [r[2] for r in chunk], padding_side=padding_side, pad_token_id=pad
+                [r[2] for r in chunk], padding_side=padding_side, pad_token_id=pad, device=device
             )
-            logits = _logits(model, batch_ids.to(device), mask.to(device))
+            logits = _logits(model, batch_ids, mask)
             _check_vocab(task, max_id, logits.shape[-1])
             for b, (i, c, row, n_prompt) in enumerate(chunk):
                 s = task[i]
@@ -308,10 +307,11 @@ def evaluate(
     finally:
         bar.close()
 
+    answers = torch.tensor([s.answer_index for s in task], dtype=torch.long, device=HOST)
     if task.scoring == "exact":
-        diffs = torch.tensor(exact_margin, dtype=torch.float32)
+        diffs = torch.tensor(exact_margin, dtype=torch.float32, device=HOST)
         correct = diffs > 0
-        preds = torch.tensor(exact_pred, dtype=torch.long)
+        preds = torch.tensor(exact_pred, dtype=torch.long, device=HOST)
         choice_scores: tuple[tuple[float, ...], ...] = ()
     else:
         if use_single and task.length_normalize not in (False,):
@@ -321,13 +321,13 @@ def evaluate(
             ]
         preds_l, diffs_l = [], []
         for i, sc in enumerate(scores):
-            t = torch.tensor(sc, dtype=torch.float64)
+            t = torch.tensor(sc, dtype=torch.float64, device=HOST)
             k = task[i].answer_index
             preds_l.append(int(t.argmax()))
             diffs_l.append(float(t[k]) - _best_other(t, k))
-        preds = torch.tensor(preds_l, dtype=torch.long)
-        diffs = torch.tensor(diffs_l, dtype=torch.float32)
-        correct = preds == torch.tensor([s.answer_index for s in task], dtype=torch.long)
+        preds = torch.tensor(preds_l, dtype=torch.long, device=HOST)
+        diffs = torch.tensor(diffs_l, dtype=torch.float32, device=HOST)
+        correct = preds == answers
         choice_scores = tuple(tuple(sc) for sc in scores)
     return EvalResult(
         task=task.name,
@@ -336,7 +336,7 @@ def evaluate(
         logit_diffs=diffs,
         predictions=preds,
         choice_scores=choice_scores,
-        answer_indices=torch.tensor([s.answer_index for s in task], dtype=torch.long),
+        answer_indices=answers,
         chance=task.chance,
         info={
             "method": "single_pass" if use_single else "per_choice",

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
+from gna_lens.device import HOST
 from gna_lens.errors import TaskError
 from gna_lens.tasks import KV_TEMPLATES, MCRecord, Task, format_question, kv_retrieval
 from gna_lens.tasks import multiple_choice as _multiple_choice
@@ -404,14 +405,15 @@ def training_batches(
             for _ in range(batch_size)
         ]
         n = max(len(r[0]) for r in rows)
-        ids = torch.full((batch_size, n), pad, dtype=torch.long)
-        mask = torch.zeros((batch_size, n), dtype=torch.long)
-        labels = torch.full((batch_size, n), -100, dtype=torch.long)
-        for b, (r, lab) in enumerate(rows):
-            ids[b, : len(r)] = torch.tensor(r)
-            mask[b, : len(r)] = 1
-            labels[b, : len(r)] = torch.tensor(lab)
-        yield ids, mask, labels
+        # A dataset on the host; the training loop puts each batch on the model's device.
+        ids = [r + [pad] * (n - len(r)) for r, _ in rows]
+        mask = [[1] * len(r) + [0] * (n - len(r)) for r, _ in rows]
+        labels = [lab + [-100] * (n - len(lab)) for _, lab in rows]
+        yield (
+            torch.tensor(ids, dtype=torch.long, device=HOST),
+            torch.tensor(mask, dtype=torch.long, device=HOST),
+            torch.tensor(labels, dtype=torch.long, device=HOST),
+        )
         step += 1
 
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from gna_lens.device import HOST, DevicePolicy
 from gna_lens.errors import ConfigError
 from gna_lens.zoo.curriculum import (
     EVAL_SEED,
@@ -391,7 +392,9 @@ def init_like_mamba2(
             if module.conv1d.bias is not None:
                 torch.nn.init.zeros_(module.conv1d.bias)
             torch.nn.init.kaiming_uniform_(module.out_proj.weight, a=math.sqrt(5))
-            u = torch.rand(module.dt_bias.shape)
+            # Drawn on the host from torch's global CPU generator (the recipe's seed), then
+            # copied into the parameter wherever it lives.
+            u = torch.rand(module.dt_bias.shape, device=HOST)
             dt = torch.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
             dt = dt.clamp(min=1e-4)
             module.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
@@ -433,7 +436,7 @@ def _aux_loss(
 ) -> torch.Tensor:
     """Mean cross-entropy of the probes predicting the token ``k`` back (see :class:`Recipe`)."""
     emb = model.get_input_embeddings().weight
-    total = torch.zeros(())
+    total = torch.zeros((), device=emb.device)
     for k, probe in probes.items():
         h = hidden[layer][:, k:]
         target = ids[:, :-k].masked_fill(mask[:, k:] == 0, -100)
@@ -457,10 +460,11 @@ def _loop(
     t0: float,
 ) -> None:
     ema: float | None = None
+    policy = DevicePolicy.of(model)
     for step in bar:
         for g in opt.param_groups:
             g["lr"] = _lr_at(step, recipe)
-        ids, mask, labels = next(data)
+        ids, mask, labels = (policy.put(t) for t in next(data))
         out = model(input_ids=ids, attention_mask=mask, output_hidden_states=bool(aux))
         logits = out.logits
         lm_loss = torch.nn.functional.cross_entropy(
@@ -525,9 +529,10 @@ def train_model(
     n_params = sum(p.numel() for p in model.parameters())
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
+    width = model.config.hidden_size
+    device = DevicePolicy.of(model).device
     aux: dict[int, Any] = {
-        k: torch.nn.Linear(model.config.hidden_size, model.config.hidden_size, bias=False)
-        for k in recipe.aux_prev_tokens
+        k: torch.nn.Linear(width, width, bias=False, device=device) for k in recipe.aux_prev_tokens
     }
     decay += [p for probe in aux.values() for p in probe.parameters()]
     opt = torch.optim.AdamW(

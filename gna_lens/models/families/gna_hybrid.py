@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from gna_lens.device import to_host
 from gna_lens.errors import ConfigError
 from gna_lens.models import ops
 from gna_lens.models.config import SSMConfig
@@ -259,7 +260,7 @@ def write_checkpoint(
     from safetensors.torch import save_file
 
     path.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    state = {k: to_host(v).contiguous() for k, v in model.state_dict().items()}
     if model.cfg.tie_word_embeddings:
         state.pop("unembed.weight", None)
     save_file(state, str(path / WEIGHTS), metadata={"format": "pt", "gna_lens": model_type})

@@ -1,0 +1,128 @@
+"""Guards for gna_lens's device rule, usable without a GPU (CI has none).
+
+The rule (``gna_lens/device.py``): every tensor gna_lens makes says where it goes. A tensor made
+without ``device=`` lands on the CPU (or on whatever default device the user set), and the first
+operation that mixes it with a CUDA model's values fails, on a GPU only, where CI never looks.
+
+- :func:`violations` reads the source (static: every code path, run or not): tensor factories
+  without ``device=`` (module parameters and buffers excepted: they move with their module),
+  ``.cuda()``, and ``.cpu()`` / ``.to("cpu")`` / ``.to("cuda")`` outside ``gna_lens/device.py``.
+- :class:`FactoryGuard` watches a run (dynamic: what actually executes, through every caller):
+  a tensor factory called from gna_lens code without ``device=`` raises at the call.
+"""
+
+import ast
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+ROOT = Path(__file__).resolve().parents[1] / "gna_lens"
+
+#: torch functions that make a new tensor and take ``device=``.
+FACTORIES = frozenset(
+    {
+        "arange", "as_tensor", "empty", "eye", "full", "linspace", "logspace", "ones", "rand",
+        "randint", "randn", "randperm", "range", "tensor", "zeros", "tril_indices",
+        "triu_indices",
+    }
+)  # fmt: skip
+
+#: The one module allowed to move values to the host.
+POLICY_MODULE = ROOT / "device.py"
+
+
+def _is_module_state(parents: list[ast.AST]) -> bool:
+    """The factory's value becomes an ``nn.Parameter`` or a registered buffer (moves with
+    ``module.to``)."""
+    for node in reversed(parents[-3:]):
+        if isinstance(node, ast.Call):
+            name = (
+                node.func.attr
+                if isinstance(node.func, ast.Attribute)
+                else getattr(node.func, "id", "")
+            )
+            if name in ("Parameter", "register_buffer"):
+                return True
+    return False
+
+
+def violations(source: str, filename: str = "<source>") -> list[str]:
+    """Every breach of the device rule in ``source``, as ``"file:line: what"``."""
+    tree = ast.parse(source, filename)
+    found: list[str] = []
+    policy = Path(filename).resolve() == POLICY_MODULE
+
+    def visit(node: ast.AST, parents: list[ast.AST]) -> None:
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            f = node.func
+            kw = {k.arg for k in node.keywords}
+            where = f"{filename}:{node.lineno}"
+            is_torch = isinstance(f.value, ast.Name) and f.value.id == "torch"
+            if is_torch and f.attr in FACTORIES and "device" not in kw:
+                if not _is_module_state(parents):
+                    found.append(f"{where}: torch.{f.attr}(...) without device=")
+            elif f.attr == "cuda" and not is_torch:
+                found.append(f"{where}: .cuda() (use DevicePolicy.put)")
+            elif f.attr == "cpu" and not is_torch and not policy:
+                found.append(f"{where}: .cpu() (use gna_lens.device.to_host)")
+            elif (
+                f.attr == "to"
+                and not policy
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and str(node.args[0].value).split(":")[0] in ("cpu", "cuda")
+            ):
+                found.append(f"{where}: .to({node.args[0].value!r}) (use the DevicePolicy)")
+        for child in ast.iter_child_nodes(node):
+            visit(child, [*parents, node])
+
+    visit(tree, [])
+    return found
+
+
+def library_violations() -> list[str]:
+    """:func:`violations` over every module of gna_lens."""
+    out: list[str] = []
+    for path in sorted(ROOT.rglob("*.py")):
+        out += violations(path.read_text(), str(path))
+    return out
+
+
+class DeviceRuleError(AssertionError):
+    """A gna_lens function made a tensor without saying where it goes."""
+
+
+class FactoryGuard(TorchFunctionMode):
+    """Raise when code under gna_lens/ calls a tensor factory without ``device=``.
+
+    Calls made by torch, transformers or TransformerLens are not judged (their devices are their
+    business); only the frame that called torch matters. A module's ``__init__`` may make its
+    parameters and buffers without a device (they move with ``module.to``), as the static rule
+    allows for ``nn.Parameter`` / ``register_buffer``.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.checked = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in FACTORIES:
+            caller = sys._getframe(1)
+            path = Path(caller.f_code.co_filename).resolve()
+            if ROOT in path.parents and path != POLICY_MODULE:
+                self.checked += 1  # a gna_lens factory call, judged
+                building = caller.f_code.co_name == "__init__" and isinstance(
+                    caller.f_locals.get("self"), torch.nn.Module
+                )  # a module's own state, which moves with module.to()
+                if "device" not in kwargs and not building:
+                    raise DeviceRuleError(
+                        f"{path.relative_to(ROOT.parent)}:{caller.f_lineno}: "
+                        f"torch.{func.__name__}(...) without device=; say where the tensor goes "
+                        "(DevicePolicy.put / device=policy.device for model inputs, host_full / "
+                        "device=HOST for results)."
+                    )
+        return func(*args, **kwargs)
