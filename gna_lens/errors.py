@@ -36,3 +36,10 @@ class WorkerError(GnaLensError, RuntimeError):
     """A sweep sharded over workers (:class:`gna_lens.distributed.RayExecutor`) could not
     finish: its workers failed more often than allowed, could not load the model, or raised an
     unexpected error. The message names the cells left and the worker's error."""
+
+
+class DistillationDiverged(GnaLensError, RuntimeError):
+    """A training stage (:func:`gna_lens.hybrid.distill`) whose loss rose far above where it
+    started, or stopped being finite: the run stops instead of finishing on broken weights. The
+    message names the stage, the step, the starting and the current loss, and the fix (a lower
+    learning rate; float32 instead of bfloat16 autocast to check)."""

@@ -195,7 +195,7 @@ def test_build_hybrid_distill_swap(device, guarded):
     teacher = on("llama", device)
     student = build_hybrid(teacher, [(0, 0), (1, 1)], d_state=8)
     assert DevicePolicy.of(student).device.type == device
-    texts = [" ".join(["apple river stone cloud lamp tree"] * 4)] * 16
+    texts = [" ".join(["apple river stone cloud lamp tree"] * 4)] * 64
     res = distill(student, teacher, texts, budget=600, batch_size=4, progress=False)
     assert res.totals["stage2"]["tokens"] > 0
     base = tiny_hooked_ssm("mamba2").to(device)

@@ -1,7 +1,10 @@
 """Hybrid students, part 2 (gna_lens.hybrid): distill, swap_heads, run_experiment / gna-lens hybrid.
 
-Checked here: both distillation stages lower their loss; a run interrupted and resumed from its
-checkpoint ends on the uninterrupted run's weights bit for bit; budgets parse or are refused with
+Checked here: both distillation stages lower their loss; a stage whose loss runs away (a planted
+learning rate) stops with DistillationDiverged naming the stage, the step and the losses, and a
+healthy run does not; a run interrupted and resumed from its checkpoint ends on the
+uninterrupted run's weights bit for bit; stage 2's blocked KL equals the plain formula, value
+and gradient; budgets parse or are refused with
 the input repeated; the distillation data never shares a seed, a prompt, a prose window or an
 MMLU question with the evaluation sets; swap_heads trains only the new parameters, the swapped
 head is an editable attention head of the head view, the swapped model steps, saves and loads;
@@ -11,6 +14,7 @@ the experiment command runs end to end on a tiny teacher and writes its table.
 import functools
 import itertools
 import json
+import math
 
 import pytest
 import torch
@@ -19,7 +23,7 @@ from interventions_helpers import model as helper_model
 from interventions_helpers import task as make_task
 
 import gna_lens.interventions as I
-from gna_lens.errors import ConfigError, PatternEditError
+from gna_lens.errors import ConfigError, DistillationDiverged, GnaLensError, PatternEditError
 from gna_lens.heads import head_view
 from gna_lens.hybrid import (
     DISTILL_SEEDS,
@@ -79,6 +83,57 @@ def test_both_stages_lower_their_loss_and_train_only_the_ssm_heads():
     assert sorted(set(df[df["stage"] == "stage1"]["layer"])) == [0, 1]  # each layer alone
     assert res.totals["stage1"]["tokens"] >= 400 and res.totals["stage2"]["tokens"] >= 1200
     assert res.complete and res.n_trained["stage1"] == res.n_trained["stage2"]
+
+
+@pytest.mark.parametrize(
+    ("stages", "lr", "says"),
+    [
+        ((1, 2), (0.3, 1e-3), r"stage1 diverged at step 2: its loss rose to [0-9.e+]+ \(mean of "
+         r"steps 1-2\), more than divergence_factor=10 times its starting loss 2\.45"),
+        ((2,), 100.0, r"stage2 diverged at step 2: its loss is nan \(step 2\), not finite; it "
+         r"started at 0\.65"),
+    ],
+    ids=["stage1-rises", "stage2-not-finite"],
+)  # fmt: skip
+def test_a_diverging_stage_stops_with_an_error_naming_the_step_and_the_loss(stages, lr, says):
+    """A planted learning rate blows the loss up within two steps: the run stops there with
+    DistillationDiverged (a GnaLensError), naming the stage, the step, both losses and the fix;
+    with divergence_factor=None the same run finishes on its broken weights, as it used to."""
+    with pytest.raises(DistillationDiverged, match=says) as err:
+        _run(stages=stages, lr=lr, warmup=1)
+    assert isinstance(err.value, GnaLensError)
+    assert "Fix: a lower learning rate" in str(err.value) and "lr=" in str(err.value)
+    _, silent = _run(stages=stages, lr=lr, warmup=1, divergence_factor=None)
+    before, after = silent.loss_change(f"stage{stages[0]}")
+    assert silent.complete and not after < 10 * before  # nan or far above: what went unseen
+
+
+def test_a_healthy_run_does_not_trip_the_divergence_check():
+    _, res = _run(divergence_factor=1.5)  # tighter than the default 10
+    assert res.complete and res.method["divergence_factor"] == 1.5
+    assert all(math.isfinite(r["loss"]) and isinstance(r["loss"], float) for r in res.records)
+    with pytest.raises(ConfigError, match=r"divergence_factor=0\.5\); expected a number above 1"):
+        _run(divergence_factor=0.5)
+
+
+def test_blocked_kl_equals_the_plain_formula_with_its_gradient(monkeypatch):
+    from gna_lens.hybrid import _distill
+
+    monkeypatch.setattr(_distill, "KL_BLOCK", 3 * 50)  # blocks of 3 tokens
+    gen = torch.Generator().manual_seed(0)
+    s = torch.randn(2, 7, 50, generator=gen, dtype=torch.float64).requires_grad_()
+    t = torch.randn(2, 7, 50, generator=gen, dtype=torch.float64)
+    mask = torch.rand(2, 7, generator=gen) > 0.3
+    for temperature in (1.0, 2.0):
+        ls = torch.log_softmax(s.float() / temperature, -1)
+        lt = torch.log_softmax(t.float() / temperature, -1)
+        kl = (lt.exp() * (lt - ls)).sum(-1)
+        plain = (kl * mask).sum() / mask.sum()
+        blocked = _distill._kl(s, t, mask, temperature)
+        assert blocked.item() == plain.item()
+        (g_plain,) = torch.autograd.grad(plain, s)
+        (g_blocked,) = torch.autograd.grad(blocked, s)
+        assert (g_plain - g_blocked).abs().max().item() < 1e-8
 
 
 def _key(res):

@@ -3,8 +3,9 @@
 A student keeps some teacher heads as attention and turns the others into Mamba-2-style SSM heads
 initialized from the head's own q / k / v. Checked here: a student keeping every head computes the
 teacher's logits; an SSM head in the exact case (A = 0, dt = 1, D = 0, N = d_head) is causal
-linear attention of the teacher head; the one hook_pattern reconstructs and edits both kinds of
-heads; the step equals the forward; the student runs through every analysis and sweep; save /
+linear attention of the teacher head; the fast path (fused attention, chunked SSD in bfloat16
+with float32 states) gives the materialized reference path's output and gradients; the one
+hook_pattern reconstructs and edits both kinds of heads; the step equals the forward; the student runs through every analysis and sweep; save /
 load round-trips bit-identically; bad inputs are refused with clear messages; no hook leaks.
 """
 
@@ -229,6 +230,76 @@ def test_step_from_the_prefix_equals_the_full_forward(keep):
     assert (again - full).abs().max().item() < 1e-5
     assert (ablated_step - ablated_full).abs().max().item() < 1e-5
     assert (ablated_full - full).abs().max().item() > 1e-4
+
+
+@pytest.mark.parametrize("layout", ["head", "kv_group"])
+def test_the_fast_path_equals_the_materialized_reference(layout, monkeypatch):
+    """Unhooked, every layer runs one fused attention over its attention heads and one chunked
+    SSD scan over its SSM heads (counted here); with hook_pattern hooked it materializes every
+    head's matrix. Same logits (left- and right-padded rows too) and gradients to float32
+    rounding, at 150 positions (three chunks of 64, the last one short)."""
+    from gna_lens.models.mixers import hybrid as mixer_module
+
+    hf = tiny_hf_model("llama", seed=2)
+    m = build_hybrid(hf, [(0, 1), (1, 0), (1, 3)], d_state=8, head_layout=layout)
+    with torch.no_grad():
+        for block in m.blocks:  # dt depends on the input, as after training
+            block.mixer.dt_proj.weight.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(3))
+    ids = _ids(3, 150)
+    mask = torch.ones(3, 150, dtype=torch.long)
+    mask[0, :20] = 0  # left padding
+    mask[1, 100:] = 0  # right padding
+    calls = {"sdpa": 0, "ssd": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(
+        torch.nn.functional,
+        "scaled_dot_product_attention",
+        counted("sdpa", torch.nn.functional.scaled_dot_product_attention),
+    )
+    monkeypatch.setattr(mixer_module, "ssd_chunked", counted("ssd", mixer_module.ssd_chunked))
+    materialized = [(f"blocks.{i}.mixer.hook_pattern", lambda t, hook: None) for i in range(2)]
+    for attention_mask in (None, mask):
+        fast = m(ids, attention_mask=attention_mask)
+        assert calls == {"sdpa": 2, "ssd": 2}  # both layers mix both kinds: one call each
+        ref = m.run_with_hooks(ids, attention_mask=attention_mask, fwd_hooks=materialized)
+        assert calls == {"sdpa": 2, "ssd": 2}  # the reference path calls neither
+        assert (fast - ref).abs().max().item() < 2e-5 * ref.abs().max().item()
+        calls.update(sdpa=0, ssd=0)
+    ssm = [p for n, p in m.named_parameters() if any(k in n for k in ("c_proj", "A_log", "dt_"))]
+    grads = []
+    for hooks in ([], materialized):
+        with m.hooks(fwd_hooks=hooks):
+            grads.append(torch.autograd.grad(m(ids, return_type="loss"), ssm))
+    for fast_grad, ref_grad in zip(*grads, strict=True):
+        assert (fast_grad - ref_grad).norm() <= 1e-4 * ref_grad.norm()
+    # hook_attn_scores hooked: the explicit softmax, the same output
+    scores = [(f"blocks.{i}.mixer.hook_attn_scores", IDENTITY) for i in range(2)]
+    assert (m.run_with_hooks(ids, fwd_hooks=scores) - m(ids)).abs().max().item() < 1e-5
+
+
+def test_the_ssd_scan_keeps_float32_states_under_bfloat16_autocast():
+    """Under bfloat16 autocast only the within-chunk products run in bfloat16: the result is
+    float32 and within bfloat16 rounding of the float32 scan (of ops.mamba2_ssd, in float64)."""
+    from gna_lens.models.mixers.hybrid import ssd_chunked
+    from gna_lens.models.ops import mamba2_ssd
+
+    gen = torch.Generator().manual_seed(0)
+    x, B, C = (torch.randn(2, 200, 3, k, generator=gen) for k in (16, 8, 8))
+    dt = torch.rand(2, 200, 3, generator=gen) * 0.2
+    A = -torch.tensor([0.5, 2.0, 8.0])
+    ref = mamba2_ssd(*(t.double() for t in (x, dt, A, B, C)), chunk_size=256)
+    assert (ssd_chunked(x, dt, A, B, C) - ref).abs().max().item() < 1e-5 * ref.abs().max().item()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = ssd_chunked(x, dt, A, B, C)
+    assert low.dtype == torch.float32
+    assert (low - ref).abs().max().item() < 2e-2 * ref.abs().max().item()
 
 
 def test_a_bf16_student_runs_forward_step_and_backward():

@@ -13,7 +13,8 @@ any model (:func:`gna_lens.head_view` gives each head's kind). The student saves
 :func:`distill` trains a student from its teacher: per-layer alignment of each mixer's output to
 the teacher's attention output on the teacher's input, then KL to the teacher's logits; with a
 budget in tokens or minutes (:func:`parse_budget`), checkpoints and bit-identical resume, on
-:func:`default_distill_data` (offline; seeds and splits disjoint from every evaluation set).
+:func:`default_distill_data` (offline; seeds and splits disjoint from every evaluation set). A
+stage whose loss runs away stops with :class:`DistillationDiverged`.
 
 :func:`swap_heads` does the converse on a pretrained Mamba-2 (or Mamba-2 hybrid): chosen SSM
 heads become attention heads started from the head's own ``C`` / ``B`` / ``x``, and only the new
@@ -34,7 +35,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gna_lens.errors import ConfigError
+from gna_lens.device import HOST
+from gna_lens.errors import ConfigError, DistillationDiverged
 from gna_lens.hybrid._budget import Budget, parse_budget
 from gna_lens.hybrid._data import (
     DISTILL_SEEDS,
@@ -62,6 +64,7 @@ __all__ = [
     "Budget",
     "DistillData",
     "DistillResult",
+    "DistillationDiverged",
     "HybridRow",
     "HybridTable",
     "StateBytes",
@@ -359,7 +362,7 @@ def state_bytes(
         raise ConfigError(f"state_bytes(lengths={lengths!r}); expected positive lengths.")
     if dtype is None:
         dtype = next(iter(model.parameters())).dtype
-    size = torch.empty((), dtype=dtype).element_size()
+    size = torch.empty((), dtype=dtype, device=HOST).element_size()
     name = str(getattr(getattr(model, "cfg", None), "model_name", "") or type(model).__name__)
     attn = ssm = kv = recurrent = 0  # kv and recurrent in numbers, not bytes
     kv_width = 0

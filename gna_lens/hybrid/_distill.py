@@ -20,6 +20,18 @@ heads and output projections, ``"all"`` every parameter.
 The teacher runs as a HookedSSM that keeps every head as attention (``build_hybrid(teacher,
 every head)``, which computes the teacher's logits to 1e-4), so its hooks and the student's are
 the same kind.
+
+**Speed.** Nothing on the training path hooks a pattern, so every layer runs its fast path
+(:class:`~gna_lens.models.mixers.hybrid.HybridMixer`: fused attention for the attention heads,
+one chunked SSD scan in the compute dtype with float32 states for the SSM heads); stage 2's
+KL is computed over the vocabulary in blocks of tokens, its gradient written directly
+(:func:`kl_per_token`: no float32 copies of the ``[tokens, vocabulary]`` logits kept for the
+backward pass); a step's losses stay on the device and are read back every few steps
+(:mod:`gna_lens.hybrid._train`), so no step waits for the device.
+
+**Safety.** A stage whose loss rises above ``divergence_factor`` (default 10) times its loss
+on the probe batch before it, or stops being finite, raises
+:class:`~gna_lens.errors.DistillationDiverged` with the stage, the step and both losses.
 """
 
 import contextlib
@@ -34,6 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gna_lens import runtime
+from gna_lens.device import HOST, to_host
 from gna_lens.errors import ConfigError
 from gna_lens.hybrid._budget import Budget, parse_budget
 from gna_lens.hybrid._train import Stage, StepLosses, run_stages
@@ -41,7 +54,14 @@ from gna_lens.models.hooked_ssm import HookedSSM
 from gna_lens.models.mixers.hybrid import HybridMixer
 from gna_lens.runtime import PrecisionChoice, choose_precision
 
-__all__ = ["SSM_PARAMS", "TRAIN_CHOICES", "DistillResult", "distill", "teacher_twin"]
+__all__ = [
+    "SSM_PARAMS",
+    "TRAIN_CHOICES",
+    "DistillResult",
+    "distill",
+    "kl_per_token",
+    "teacher_twin",
+]
 
 #: The SSM heads' parameters of a :class:`~gna_lens.models.mixers.hybrid.HybridMixer`.
 SSM_PARAMS = ("c_proj", "b_proj", "x_proj", "dt_proj", "dt_bias", "A_log", "D")
@@ -242,11 +262,87 @@ def _nmse(out: Tensor, target: Tensor, mask: Tensor) -> Tensor:
     return err / ((target.float() ** 2 * m).sum() + 1e-12)
 
 
+#: Elements of a ``[tokens, vocabulary]`` block of the KL in float32 (256 MB): the tokens per
+#: block are this over the vocabulary size.
+KL_BLOCK = 1 << 26
+
+
+def _scaled(logits: Tensor, temperature: float) -> Tensor:
+    """``logits`` in float32 over ``temperature`` (no division at 1: the same numbers)."""
+    x = logits.float()
+    return x if temperature == 1.0 else x / temperature
+
+
+class _BlockedKL(torch.autograd.Function):
+    """``KL(softmax(t / T) || softmax(s / T))`` per row, in blocks of rows, float32.
+
+    Forward: per block, both log-softmaxes and the row sums (nothing of the block's size kept).
+    Backward: per block, the gradient with respect to the student's logits,
+    ``(softmax(s / T) - softmax(t / T)) / T`` times the incoming gradient of the row, written
+    into one tensor of the logits' dtype.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, s_logits: Tensor, t_logits: Tensor, temperature: float, rows: int
+    ) -> Tensor:
+        n = s_logits.shape[0]
+        out = torch.empty(n, dtype=torch.float32, device=s_logits.device)
+        for i in range(0, n, rows):
+            s = F.log_softmax(_scaled(s_logits[i : i + rows], temperature), dim=-1)
+            t = F.log_softmax(_scaled(t_logits[i : i + rows], temperature), dim=-1)
+            out[i : i + rows] = (t.exp() * (t - s)).sum(-1)
+        ctx.save_for_backward(s_logits, t_logits)
+        ctx.temperature, ctx.rows = temperature, rows
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        s_logits, t_logits = ctx.saved_tensors
+        T, rows = ctx.temperature, ctx.rows
+        out = torch.empty_like(s_logits)
+        for i in range(0, s_logits.shape[0], rows):
+            s = torch.softmax(_scaled(s_logits[i : i + rows], T), dim=-1)
+            t = torch.softmax(_scaled(t_logits[i : i + rows], T), dim=-1)
+            out[i : i + rows] = (s.sub_(t).mul_(grad[i : i + rows, None] / T)).to(out.dtype)
+        return out, None, None, None
+
+
+def kl_per_token(student_logits: Tensor, teacher_logits: Tensor, temperature: float) -> Tensor:
+    """``KL(teacher || student)`` of each token's next-token distribution at ``temperature``.
+
+    Computed in float32 over blocks of tokens (:data:`KL_BLOCK` elements each), its gradient
+    with respect to ``student_logits`` written directly, so neither pass keeps a float32 copy
+    of the ``[tokens, vocabulary]`` logits (at a 128k vocabulary and 16 x 512 tokens, each
+    such copy is 4.2 GB).
+
+    Args:
+        student_logits: ``[..., vocabulary]`` (gradients flow to it).
+        teacher_logits: The same shape (no gradient).
+        temperature: Divides both logits before the softmax.
+
+    Returns:
+        ``[...]``, float32, in nats.
+
+    Examples:
+        >>> import torch
+        >>> s = torch.tensor([[0.0, 1.0], [2.0, 0.0]], device="cpu")
+        >>> kl_per_token(s, s.flip(-1), 1.0)
+        tensor([0.4621, 1.5232])
+    """
+    shape = student_logits.shape
+    vocab = shape[-1]
+    rows = max(1, KL_BLOCK // max(1, vocab))
+    s = student_logits.reshape(-1, vocab)
+    t = teacher_logits.detach().reshape(-1, vocab)
+    kl: Tensor = _BlockedKL.apply(s, t, float(temperature), rows)
+    return kl.reshape(shape[:-1])
+
+
 def _kl(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor, temperature: float) -> Tensor:
     """``KL(teacher || student)`` per token at ``temperature``, mean over ``mask``'s tokens."""
-    s = F.log_softmax(student_logits.float() / temperature, dim=-1)
-    t = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
-    kl = (t.exp() * (t - s)).sum(-1)
+    kl = kl_per_token(student_logits, teacher_logits, temperature)
     m = mask.to(kl.dtype)
     return (kl * m).sum() / m.sum().clamp(min=1)
 
@@ -351,7 +447,7 @@ def choose_autocast(
     device = next(iter(student.parameters())).device
     gen = torch.Generator().manual_seed(seed)
     vocab = int(student.cfg.d_vocab)
-    ids = torch.randint(vocab, (batch_size, max_length), generator=gen).to(device)
+    ids = torch.randint(vocab, (batch_size, max_length), generator=gen, device=HOST).to(device)
     mask = torch.ones(batch_size, max_length, dtype=torch.bool, device=device)
 
     def step() -> None:
@@ -411,6 +507,7 @@ def distill(
     checkpoint_every: int = 50,
     max_steps: int | None = None,
     autocast: Any = None,
+    divergence_factor: float | None = 10.0,
 ) -> DistillResult:
     """Distill ``student`` (trained in place) from ``teacher``: stage 1, then stage 2.
 
@@ -456,12 +553,18 @@ def distill(
             says ``complete=False``).
         autocast: ``None`` (the student's dtype), ``"bfloat16"``: the teacher's and the
             student's forward and backward passes under ``torch.autocast`` in bfloat16 (the
-            weights, optimizer and losses stay float32; the SSM scans run in float32), or
+            weights, optimizer and losses stay float32; the SSM scans' within-chunk products
+            run in bfloat16, their decays and states in float32), or
             ``"auto"``: bfloat16 only where one training step is measured faster on this
             device and shape and passes an accuracy check (:func:`choose_autocast`; the
             result's ``method["autocast_choice"]`` says what was measured). bfloat16 was about
             2x faster on a CPU with AVX512-BF16 (SmolLM2-135M, one thread); on a CPU without
             native bfloat16 (AVX2 only) a bfloat16 matmul can be 10x slower than float32.
+        divergence_factor: Stop a stage (:class:`~gna_lens.errors.DistillationDiverged`)
+            whose loss is not finite, or whose mean loss over its last 5 steps, or whose loss on
+            the probe batch after it, is above this many times its loss on the probe batch
+            before it (at least 0.01); checked every 10 steps, at checkpoints and at each
+            stage's end. ``None``: no check.
 
     Returns:
         A :class:`DistillResult`.
@@ -470,6 +573,9 @@ def distill(
         ConfigError: For a student that is not a hybrid student, a teacher it was not built
             from, a bad budget (the message repeats it), bad stages, or a checkpoint of other
             settings.
+        DistillationDiverged: For a stage whose loss rose above ``divergence_factor`` times
+            its start or stopped being finite (the message names the stage, the step, both
+            losses and the fix).
 
     Examples:
         >>> import tempfile
@@ -500,6 +606,16 @@ def distill(
         _positive_int(max_steps, "max_steps")
     if not temperature > 0:
         raise ConfigError(f"distill(temperature={temperature!r}); expected > 0.")
+    if divergence_factor is not None and not (
+        isinstance(divergence_factor, int | float)
+        and not isinstance(divergence_factor, bool)
+        and math.isfinite(divergence_factor)
+        and divergence_factor > 1
+    ):
+        raise ConfigError(
+            f"distill(divergence_factor={divergence_factor!r}); expected a number above 1 (the "
+            "rise over a stage's starting loss that stops it, e.g. 10.0) or None (no check)."
+        )
     tokenizer = student.tokenizer
     if tokenizer is None:
         raise ConfigError("distill: the student has no tokenizer (student.tokenizer is None).")
@@ -540,30 +656,29 @@ def distill(
             with ctx():
                 inputs, targets = _capture(twin, ids, layers)
             out: StepLosses = []
-            for layer in layers:
+            for layer in layers:  # each alone: one layer's activations alive at a time
                 h, rope = inputs[layer]
                 with ctx():
                     y = _mixer(student, layer)(h, None, rope)
                 loss = _nmse(y, targets[layer], mask)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_([p for _, p in per_layer[layer]], grad_clip)
-                out.append((layer, float(loss.detach())))
+                out.append((layer, loss.detach()))  # read back at the next logging point
             return out
 
         def probe1(ids: Tensor, mask: Tensor) -> float:
             with ctx():
                 inputs, targets = _capture(twin, ids, layers)
             with torch.no_grad(), ctx():
-                losses = [
-                    float(
+                per_layer_loss = torch.stack(
+                    [
                         _nmse(
-                            _mixer(student, i)(inputs[i][0], None, inputs[i][1]),
-                            targets[i],
-                            mask,
+                            _mixer(student, i)(inputs[i][0], None, inputs[i][1]), targets[i], mask
                         )
-                    )
-                    for i in layers
-                ]
+                        for i in layers
+                    ]
+                )
+            losses = to_host(per_layer_loss).tolist()  # one synchronization
             return sum(losses) / len(losses)
 
         b1 = total.share(stage1_share) if 2 in picked_stages else total
@@ -581,7 +696,7 @@ def distill(
             loss = _kl(s_logits, t_logits, mask, temperature)
             loss.backward()
             torch.nn.utils.clip_grad_norm_([p for _, p in params2], grad_clip)
-            return [(None, float(loss.detach()))]
+            return [(None, loss.detach())]  # read back at the next logging point
 
         def probe2(ids: Tensor, mask: Tensor) -> float:
             with torch.no_grad(), ctx():
@@ -629,6 +744,8 @@ def distill(
             checkpoint_every=checkpoint_every,
             fingerprint=settings,
             device=device,
+            divergence_factor=divergence_factor,
+            where="distill",
         )
     finally:
         student.train(was_training)
@@ -644,6 +761,7 @@ def distill(
         "stage2_loss": f"KL(teacher || student) per token at temperature {temperature}",
         "torch_threads": torch.get_num_threads(),
         "device": str(device),
+        "divergence_factor": divergence_factor,
     }
     if precision is not None:
         method["autocast_choice"] = precision.reason

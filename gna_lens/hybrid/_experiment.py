@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from gna_lens.device import HOST, DevicePolicy, resolve_device, resolve_dtype
 from gna_lens.errors import ConfigError, GnaLensError, TaskError
 from gna_lens.hybrid._budget import parse_budget
 from gna_lens.hybrid._data import EVAL_KV_SEED, SELECTION_SEED
@@ -217,8 +218,8 @@ class HybridTable:
                     entry[f"below_{label}"] = a.high < b.low
                     x, y = top.kv_correct.get(t), best.kv_correct.get(t)
                     if x and y and len(x) == len(y):
-                        diff = torch.tensor(x, dtype=torch.float64) - torch.tensor(
-                            y, dtype=torch.float64
+                        diff = torch.tensor(x, dtype=torch.float64, device=HOST) - torch.tensor(
+                            y, dtype=torch.float64, device=HOST
                         )
                         paired = bootstrap_interval(diff)
                         assert isinstance(paired, Interval)
@@ -493,7 +494,7 @@ def _prose_loss(model: Any, control: Any, batch_size: int) -> Interval:
             lp = F.log_softmax(logits[:, :-1].float(), dim=-1)
             nll = -lp.gather(-1, ids[:, 1:, None])[..., 0]
             losses += nll.mean(-1).tolist()
-    out = bootstrap_interval(torch.tensor(losses))
+    out = bootstrap_interval(torch.tensor(losses, device=HOST))
     assert isinstance(out, Interval)
     return out
 
@@ -776,6 +777,7 @@ def run_experiment(
     autocast: Any = None,
     sweep_dtype: str | None = None,
     device: str | None = None,
+    dtype: Any = None,
     lengths: Sequence[int] = (128, 2048, 4096),
     resume: bool = True,
     save_students: bool = False,
@@ -828,8 +830,11 @@ def run_experiment(
             are always float32.
         sweep_dtype: The ranking's ablation sweeps (``"bfloat16"``: autocast, see
             score_heads); ``None``: float32.
-        device: Where the teacher (loaded by name) and the students run (``"cuda"``);
+        device: Where the teacher (loaded by name) and the students run (``"cuda"``,
+            ``"auto"``: CUDA where torch sees one; :func:`gna_lens.device.resolve_device`);
             ``None``: the teacher's device (a name loads on the CPU).
+        dtype: The teacher's weights dtype (``"float32"``, ``"bfloat16"``; the students take
+            it); ``None``: as loaded.
         lengths: Sequence lengths of the state-size columns.
         resume: Reuse finished rows and checkpoints under ``out``.
         save_students: Save each student under ``out/students/<row>``.
@@ -879,9 +884,14 @@ def run_experiment(
         from gna_lens.scan import load_scan_model
 
         say(f"loading {teacher}")
-        teacher = load_scan_model(str(teacher))
-    if device is not None:
-        teacher = teacher.to(device)
+        teacher = load_scan_model(
+            str(teacher), device=HOST if device is None else device, dtype=resolve_dtype(dtype)
+        )
+    else:
+        if device is not None:
+            teacher = teacher.to(resolve_device(device))
+        if resolve_dtype(dtype) is not None:
+            teacher = teacher.to(resolve_dtype(dtype))
     from gna_lens.hybrid import _teacher_model
     from gna_lens.models.families import gna_hybrid
     from gna_lens.models.provenance import provenance_of
@@ -1090,6 +1100,7 @@ def run_experiment(
         f"{torch.get_num_threads()} torch thread(s), device {first_param.device}",
         "versions": f"gna_lens {__version__}, torch {torch.__version__}, transformers {transformers.__version__}",
         "state_dtype": str(first_param.dtype).removeprefix("torch."),
+        "device": DevicePolicy.of(hf).describe(),
         "notes": evals.notes,
         "settings": settings,
     }

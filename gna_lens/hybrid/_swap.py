@@ -172,7 +172,7 @@ def swap_heads(
         loss = lm_loss(ids, mask)
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for _, p in params], grad_clip)
-        return [(None, float(loss.detach()))]
+        return [(None, loss.detach())]  # read back at the next logging point
 
     def probe(ids: Tensor, mask: Tensor) -> float:
         with torch.no_grad():

@@ -14,6 +14,15 @@ progress (stage, step, tokens, seconds, texts read, records; ``progress.json``, 
 an interrupted write leaves the previous checkpoint whole). A call with ``resume=True`` loads
 them, skips the texts already read and goes on: with a token budget, it ends on the weights an
 uninterrupted run ends on, bit for bit.
+
+No step waits for the device: a step's losses stay on it as tensors and are read back together
+(one synchronization) every :data:`LOG_EVERY` steps, at checkpoints and at each stage's end,
+where the records are written, the progress bar shows the loss and the divergence check runs.
+**Divergence**: with ``divergence_factor`` set, a stage whose loss is not finite, or whose mean
+loss over the last :data:`DIVERGENCE_WINDOW` steps (or on the probe batch after the stage) is
+above ``divergence_factor`` times its loss on the probe batch before it (or
+:data:`DIVERGENCE_FLOOR`, whichever is larger), stops with
+:class:`~gna_lens.errors.DistillationDiverged` naming the stage, the step and both losses.
 """
 
 import hashlib
@@ -30,16 +39,34 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gna_lens.errors import ConfigError
+from gna_lens.device import HOST, to_host
+from gna_lens.errors import ConfigError, DistillationDiverged
 from gna_lens.hybrid._budget import Budget
 
-__all__ = ["Stage", "TrainState", "batches", "run_stages"]
+__all__ = [
+    "DIVERGENCE_FLOOR",
+    "DIVERGENCE_WINDOW",
+    "LOG_EVERY",
+    "Stage",
+    "TrainState",
+    "batches",
+    "run_stages",
+]
 
 Batch = tuple[Tensor, Tensor]
-#: One step's losses to record: ``[(layer or None, loss), ...]``.
-StepLosses = list[tuple[int | None, float]]
+#: One step's losses to record: ``[(layer or None, loss), ...]``; a loss is a 0-d tensor left on
+#: the device (read back at the next logging point) or a float.
+StepLosses = list[tuple[int | None, Tensor | float]]
 
 PROGRESS = "progress.json"
+#: Steps between logging points (the losses read back from the device in one synchronization,
+#: the progress bar's loss, the divergence check).
+LOG_EVERY = 10
+#: Steps whose mean loss the divergence check compares with the stage's starting loss.
+DIVERGENCE_WINDOW = 5
+#: The starting loss the divergence check scales is at least this (a stage that starts near
+#: zero loss, e.g. a student that keeps every head, is not stopped for a rise to 0.01).
+DIVERGENCE_FLOOR = 0.01
 
 
 @dataclass
@@ -49,7 +76,8 @@ class Stage:
     Attributes:
         name: ``"stage1"``, ``"stage2"`` or ``"swap"``.
         params: ``(name, parameter)`` pairs it trains (the others stay frozen).
-        step: ``step(ids, mask) -> losses``: forward, backward and clipping on one batch.
+        step: ``step(ids, mask) -> losses``: forward, backward and clipping on one batch
+            (its losses 0-d tensors left on the device, or floats: :data:`StepLosses`).
         probe: ``probe(ids, mask) -> loss`` without gradients, measured on the probe batch
             before and after the stage (``None``: not measured).
         budget: The stage's budget.
@@ -88,8 +116,10 @@ class TrainState:
 
 def batches(
     texts: Iterable[Any], tokenizer: Any, batch_size: int, max_length: int, device: Any
-) -> Iterator[tuple[Tensor, Tensor, int]]:
-    """``(ids [batch, pos], mask [batch, pos], texts read)`` from ``texts``, right-padded.
+) -> Iterator[tuple[Tensor, Tensor, int, int]]:
+    """``(ids [batch, pos], mask [batch, pos], texts read, tokens)`` from ``texts``,
+    right-padded, ``ids`` and ``mask`` on ``device`` (``tokens``, the mask's sum, counted on the
+    host: no synchronization).
 
     Each text is tokenized with the tokenizer's special tokens and cut to ``max_length``;
     texts under two tokens are read but not used.
@@ -115,13 +145,21 @@ def batches(
             rows.append(list(ids))
         if len(rows) == batch_size:
             L = max(len(r) for r in rows)
-            out = torch.full((len(rows), L), pad, dtype=torch.long)
-            mask = torch.zeros((len(rows), L), dtype=torch.bool)
+            out = torch.full((len(rows), L), pad, dtype=torch.long, device=HOST)
+            mask = torch.zeros((len(rows), L), dtype=torch.bool, device=HOST)
             for i, r in enumerate(rows):
-                out[i, : len(r)] = torch.tensor(r)
+                out[i, : len(r)] = torch.tensor(r, dtype=torch.long, device=HOST)
                 mask[i, : len(r)] = True
-            yield out.to(device), mask.to(device), read
+            yield _to(out, device), _to(mask, device), read, sum(len(r) for r in rows)
             rows, read = [], 0
+
+
+def _to(t: Tensor, device: Any) -> Tensor:
+    """A batch on ``device``; to CUDA from pinned memory without waiting (a copy from pageable
+    memory would synchronize the stream every step)."""
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def _lr(stage: Stage, step: int, fraction: float, warmup: int) -> float:
@@ -159,7 +197,7 @@ def _save(
     folder.mkdir(parents=True, exist_ok=True)
     tag = f"{state.stage}-{state.step}"
     params = dict(model.named_parameters())
-    weights = {n: params[n].detach().cpu().contiguous() for n in names}
+    weights = {n: to_host(params[n]).contiguous() for n in names}
     wfile, ofile = f"weights-{tag}.safetensors", f"optimizer-{tag}.pt"
     _atomic_write(folder / wfile, lambda p: save_file(weights, p))
     if opt is not None:
@@ -243,6 +281,75 @@ class RunOutcome:
     stopped_early: bool
 
 
+class _Watch:
+    """The divergence check of one stage (see the module docstring)."""
+
+    def __init__(self, stage: Stage, factor: float | None, start: float | None, where: str):
+        self.stage, self.factor, self.start, self.where = stage, factor, start, where
+        self.origin = f"on the probe batch before {stage.name}"
+        self.recent: list[float] = []
+
+    def threshold(self) -> float:
+        assert self.factor is not None and self.start is not None
+        return self.factor * max(self.start, DIVERGENCE_FLOOR)
+
+    def see(self, step: int, loss: float, probe: str | None = None) -> None:
+        """Check the loss of ``step`` (the mean over its records), or a probe loss (``probe``
+        says which)."""
+        if self.factor is None:
+            return
+        if probe is None:
+            self.recent = [*self.recent, loss][-DIVERGENCE_WINDOW:]
+            current = sum(self.recent) / len(self.recent)
+            if self.start is None:  # a stage without a probe: its first step
+                self.start, self.origin = loss, f"at step {step}"
+            first = step - len(self.recent) + 1
+            what = f"mean of steps {first}-{step}" if first < step else f"step {step}"
+        else:
+            current, what = loss, probe
+        if math.isfinite(loss) and (self.start is None or current <= self.threshold()):
+            return
+        name, lr = self.stage.name, self.stage.lr
+        start = "nan" if self.start is None else f"{self.start:.4g}"
+        if math.isfinite(loss):
+            rise = (
+                f"its loss rose to {current:.4g} ({what}), more than divergence_factor="
+                f"{self.factor:g} times its starting loss {start} ({self.origin})"
+            )
+        else:
+            what = probe or f"step {step}"
+            rise = f"its loss is {loss} ({what}), not finite; it started at {start} ({self.origin})"
+        raise DistillationDiverged(
+            f"{self.where}: {name} diverged at step {step}: {rise}. The run stops here instead "
+            f"of training on. Fix: a lower learning rate ({name} peak lr={lr:g}) or a longer "
+            "warm-up; with autocast='bfloat16', check the same run in float32 (autocast=None); "
+            "divergence_factor=None turns the check off."
+        )
+
+
+def _flush(
+    pending: list[tuple[dict[str, Any], StepLosses]],
+    records: list[dict[str, Any]],
+    watch: _Watch,
+    bar: Any,
+) -> None:
+    """Read the pending steps' losses back (one synchronization), record them, check them."""
+    flat = [v for _, losses in pending for _, v in losses]
+    on_device = [v for v in flat if isinstance(v, Tensor)]
+    stacked = [v.detach().float().reshape(()) for v in on_device]
+    read = iter(to_host(torch.stack(stacked)).tolist() if stacked else [])
+    mean = math.nan
+    for record, losses in pending:
+        values = [next(read) if isinstance(v, Tensor) else float(v) for _, v in losses]
+        for (layer, _), value in zip(losses, values, strict=True):
+            records.append(record | {"layer": layer, "loss": value})
+        mean = sum(values) / max(1, len(values))
+        watch.see(record["step"], mean)
+    pending.clear()
+    if math.isfinite(mean):
+        bar.set_postfix(loss=f"{mean:.4f}", refresh=False)
+
+
 def run_stages(
     model: nn.Module,
     stages: list[Stage],
@@ -259,8 +366,16 @@ def run_stages(
     checkpoint_every: int,
     fingerprint: dict[str, Any],
     device: Any,
+    divergence_factor: float | None = None,
+    where: str = "distill",
 ) -> RunOutcome:
-    """Run ``stages`` in order on the text stream ``data`` (see the module docstring)."""
+    """Run ``stages`` in order on the text stream ``data`` (see the module docstring).
+
+    Raises:
+        DistillationDiverged: With ``divergence_factor`` set, for a stage whose loss rises
+            above ``divergence_factor`` times its start or is not finite (``where`` names the
+            caller in the message).
+    """
     from tqdm.auto import tqdm
 
     folder = Path(checkpoint_dir) if checkpoint_dir is not None else None
@@ -305,10 +420,13 @@ def run_stages(
     flags = {n: p.requires_grad for n, p in all_params.items()}
     steps_this_call = 0
     stopped = False
+    # Steps whose losses are still on the device: (record without its loss, the step's losses).
+    pending: list[tuple[dict[str, Any], StepLosses]] = []
     try:
         while state.stage < len(stages):
             stage = stages[state.stage]
             assert state.probe is not None and state.records is not None
+            records = state.records
             trainable = {n for n, _ in stage.params}
             for n, p in all_params.items():
                 p.requires_grad_(n in trainable)
@@ -321,6 +439,7 @@ def run_stages(
             probe = state.probe.setdefault(stage.name, {})
             if stage.probe is not None and "before" not in probe:
                 probe["before"] = stage.probe(*probe_batch)
+            watch = _Watch(stage, divergence_factor, probe.get("before"), where)
             b = stage.budget
             total = b.tokens if b.tokens is not None else b.seconds
             bar = tqdm(
@@ -331,62 +450,66 @@ def run_stages(
                 disable=not progress,
                 mininterval=2,
             )
+
             t0 = time.perf_counter() - state.seconds
-            while not b.spent(state.tokens, state.seconds):
-                if max_steps is not None and steps_this_call >= max_steps:
-                    stopped = True
-                    break
-                got = next(feed, None)
-                if got is None:
-                    raise ConfigError(
-                        f"the distillation data ran out after {state.texts} texts, before the "
-                        f"budget ({stage.name}: {b.describe()}). Fix: more texts, an endless "
-                        "iterable (default_distill_data), or a smaller budget."
-                    )
-                ids, mask, read = got
-                fraction = b.fraction(state.tokens, state.seconds)
-                lr = _lr(stage, state.step, fraction, warmup)
-                for g in opt.param_groups:
-                    g["lr"] = lr
-                losses = stage.step(ids, mask)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                n_tok = int(mask.sum())
-                before = state.tokens
-                state.step += 1
-                state.tokens += n_tok
-                state.texts += read
-                state.seconds = time.perf_counter() - t0
-                steps_this_call += 1
-                for layer, loss in losses:
-                    state.records.append(
-                        {
-                            "stage": stage.name,
-                            "step": state.step,
-                            "layer": layer,
-                            "loss": loss,
-                            "tokens": state.tokens,
-                            "seconds": round(state.seconds, 3),
-                            "lr": lr,
-                            "trained": stage.trained,
-                        }
-                    )
-                if b.tokens is not None:
-                    bar.update(min(state.tokens, b.tokens) - min(before, b.tokens))
-                else:
-                    bar.n = int(min(state.seconds, total or 0))
-                    bar.refresh()
-                mean = sum(v for _, v in losses) / max(1, len(losses))
-                bar.set_postfix(loss=f"{mean:.4f}", refresh=False)
-                if folder is not None and state.step % checkpoint_every == 0:
-                    _save(folder, model, union, opt, state, fingerprint)
-            bar.close()
+            try:
+                while not b.spent(state.tokens, state.seconds):
+                    if max_steps is not None and steps_this_call >= max_steps:
+                        stopped = True
+                        break
+                    got = next(feed, None)
+                    if got is None:
+                        raise ConfigError(
+                            f"the distillation data ran out after {state.texts} texts, before "
+                            f"the budget ({stage.name}: {b.describe()}). Fix: more texts, an "
+                            "endless iterable (default_distill_data), or a smaller budget."
+                        )
+                    ids, mask, read, n_tok = got
+                    fraction = b.fraction(state.tokens, state.seconds)
+                    lr = _lr(stage, state.step, fraction, warmup)
+                    for g in opt.param_groups:
+                        g["lr"] = lr
+                    losses = stage.step(ids, mask)
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    before = state.tokens
+                    state.step += 1
+                    state.tokens += n_tok
+                    state.texts += read
+                    state.seconds = time.perf_counter() - t0
+                    steps_this_call += 1
+                    record = {
+                        "stage": stage.name,
+                        "step": state.step,
+                        "layer": None,
+                        "loss": None,
+                        "tokens": state.tokens,
+                        "seconds": round(state.seconds, 3),
+                        "lr": lr,
+                        "trained": stage.trained,
+                    }
+                    pending.append((record, losses))
+                    if b.tokens is not None:
+                        bar.update(min(state.tokens, b.tokens) - min(before, b.tokens))
+                    else:
+                        bar.n = int(min(state.seconds, total or 0))
+                        bar.refresh()
+                    if folder is not None and state.step % checkpoint_every == 0:
+                        _flush(pending, records, watch, bar)
+                        _save(folder, model, union, opt, state, fingerprint)
+                    elif state.step % LOG_EVERY == 0:
+                        _flush(pending, records, watch, bar)
+                _flush(pending, records, watch, bar)
+            finally:
+                bar.close()
             if stopped:
                 if folder is not None:
                     _save(folder, model, union, opt, state, fingerprint)
                 break
+            state.seconds = time.perf_counter() - t0  # after the read-back: the device's time
             if stage.probe is not None:
                 probe["after"] = stage.probe(*probe_batch)
+                watch.see(state.step, probe["after"], f"on the probe batch after {stage.name}")
             assert state.totals is not None
             state.totals[stage.name] = {
                 "tokens": state.tokens,

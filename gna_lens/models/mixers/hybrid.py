@@ -30,8 +30,13 @@ One ``hook_pattern`` ``[batch, head_index, query_pos, key_pos]`` holds every hea
 softmax pattern of attention heads, ``M = (C_i · B_j) exp(A Σ dt) dt_j`` of SSM heads; an edit
 changes the output of both (``z_h = P_h @ v_h``, ``y_h = M_h @ x_h + D_h x_h``). It is
 materialized only when hooked (and then only the heads and rows of
-``HookedSSM.pattern_selection``); otherwise the attention heads run their einsum and the SSM
-heads the chunked SSD scan.
+``HookedSSM.pattern_selection``: the reference path). Otherwise the layer runs its fast path,
+all heads of a kind at once: the attention heads through fused attention
+(``torch.nn.functional.scaled_dot_product_attention``, causal; the explicit softmax only while
+``hook_attn_scores`` is hooked) and the SSM heads through a chunked SSD scan
+(:func:`ssd_chunked`: the within-chunk products in the compute dtype, bfloat16 under bfloat16
+autocast, the decays and the state carried between chunks in float32). Both paths give the same
+output to float32 rounding (tested).
 """
 
 import math
@@ -45,6 +50,7 @@ from jaxtyping import Float
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
+from gna_lens.device import HOST
 from gna_lens.errors import ConfigError
 from gna_lens.models import ops
 from gna_lens.models.config import SSMConfig
@@ -59,7 +65,7 @@ from gna_lens.models.mixers.base import (
     state_through_hook,
 )
 
-__all__ = ["HEAD_LAYOUTS", "HybridConfig", "HybridMixer"]
+__all__ = ["HEAD_LAYOUTS", "TRAIN_CHUNK", "HybridConfig", "HybridMixer", "ssd_chunked"]
 
 #: How the SSM heads of a layer get ``B`` and ``C``: one pair per head, or one pair per teacher
 #: KV group (the heads that read the same teacher key / value head share them).
@@ -69,6 +75,109 @@ HEAD_LAYOUTS = ("head", "kv_group")
 #: ``[DT_MIN, DT_MAX]`` (floored at ``DT_FLOOR``), ``A`` uniform in ``A_INIT``, ``D = 1``.
 DT_MIN, DT_MAX, DT_FLOOR = 0.001, 0.1, 1e-4
 A_INIT = (1.0, 16.0)
+
+#: Chunk length of the fast path's SSD scan (:func:`ssd_chunked`; at most ``cfg.chunk_size``).
+#: Its within-chunk work and memory grow with the chunk (``[chunk, chunk]`` per head and chunk),
+#: the carry between chunks with their number; 64 was the fastest of 32 / 64 / 128 / 256 for the
+#: scan's forward and backward at 2 x 512 positions, 14 heads, d_state 64 (58 ms against 166 ms
+#: at 256 on one thread of an Intel Xeon; 156 ms for ``ops.mamba2_ssd`` in float32), and is the
+#: chunk of Mamba-2's own kernels' inner blocks.
+TRAIN_CHUNK = 64
+
+
+def _segsum_exp(a: Tensor) -> Tensor:
+    """``exp(Σ_{k=j+1..i} a_k)`` for ``j <= i``, 0 above the diagonal: ``[..., T] -> [..., T, T]``.
+
+    Each segment sum is a cumulative sum over the segment itself (``a_i`` kept below the
+    diagonal, summed down the rows), never a difference of prefix sums.
+    """
+    T = a.shape[-1]
+    lower = torch.ones(T, T, dtype=torch.bool, device=a.device).tril()
+    strict = lower.tril(-1)
+    seg = a[..., :, None].expand(*a.shape, T).masked_fill(~strict, 0.0).cumsum(-2)
+    return torch.exp(seg).masked_fill(~lower, 0.0)
+
+
+def ssd_chunked(
+    x: Float[Tensor, "batch pos head d_head"],
+    dt: Float[Tensor, "batch pos head"],
+    A: Float[Tensor, " head"],
+    B: Float[Tensor, "batch pos head d_state"],
+    C: Float[Tensor, "batch pos head d_state"],
+    chunk_size: int = TRAIN_CHUNK,
+) -> Float[Tensor, "batch pos head d_head"]:
+    """The SSM heads' scan ``y_t = Σ_{s<=t} (C_t · B_s) exp(A Σ_{k=s+1..t} dt_k) dt_s x_s``
+    (no ``D`` term), every head at once, for training: the fast path of :class:`HybridMixer`.
+
+    Chunked state-space duality, as :func:`gna_lens.models.ops.mamba2_ssd` computes it, with the
+    dtypes of Mamba-2's kernels: the within-chunk products ``(L ∘ C Bᵀ) (dt x)`` (the only
+    ``[chunk, chunk]`` work) run in the compute dtype (bfloat16 under bfloat16 autocast, else the
+    promoted dtype of ``x`` and float32), while the decays, each chunk's end state, the state
+    carried between chunks and its read-out stay in float32 (or wider). Without autocast and in
+    float32 the result equals ``mamba2_ssd``'s to float32 rounding.
+
+    Args:
+        x: Values.
+        dt: Step sizes after softplus and clamping.
+        A: ``-exp(A_log)`` per head.
+        B: ``[batch, pos, head, d_state]`` (one per head: heads of a group repeat theirs).
+        C: The same.
+        chunk_size: Chunk length (an input shorter than a chunk is one chunk, no padding).
+
+    Returns:
+        ``y`` of ``x``'s shape, in the compute dtype's promotion with float32 (``x``'s dtype when
+        that is float32 or wider).
+
+    Examples:
+        >>> import torch
+        >>> from gna_lens.models.ops import mamba2_ssd
+        >>> g = torch.Generator().manual_seed(0)
+        >>> x, B, C = (torch.randn(1, 40, 2, s, generator=g, device="cpu") for s in (3, 4, 4))
+        >>> dt = torch.rand(1, 40, 2, generator=g, device="cpu")
+        >>> A = -torch.tensor([0.5, 2.0], device="cpu")
+        >>> ref = mamba2_ssd(x, dt, A, B, C, chunk_size=40)
+        >>> torch.allclose(ssd_chunked(x, dt, A, B, C, chunk_size=16), ref, atol=1e-5)
+        True
+    """
+    batch, length, heads, P = x.shape
+    device = x.device
+    wide = torch.promote_types(x.dtype, torch.float32)
+    autocast = torch.is_autocast_enabled(device.type)
+    cd = torch.get_autocast_dtype(device.type) if autocast else wide  # the T x T products
+    T = max(1, min(chunk_size, length))
+    pad = (-length) % T
+    if pad:
+        x = F.pad(x, (0, 0, 0, 0, 0, pad))
+        dt = F.pad(dt, (0, 0, 0, pad))
+        B = F.pad(B, (0, 0, 0, 0, 0, pad))
+        C = F.pad(C, (0, 0, 0, 0, 0, pad))
+    n = x.shape[1] // T
+    with torch.autocast(device.type, enabled=False):
+        a = (dt.to(wide) * A.to(wide)).view(batch, n, T, heads).permute(0, 3, 1, 2)  # [b,h,c,T]
+        xdt = (x.to(wide) * dt.to(wide)[..., None]).view(batch, n, T, heads, P)
+        Bc = B.reshape(batch, n, T, heads, -1)
+        Cc = C.reshape(batch, n, T, heads, -1)
+        # 1. Within chunks, in the compute dtype: y = (L ∘ C Bᵀ) (dt x).
+        decay = _segsum_exp(a)  # [b,h,c,T,T], wide
+        CB = torch.einsum("bclhn,bcshn->bhcls", Cc.to(cd), Bc.to(cd))
+        M = CB * decay.to(cd)
+        y = torch.einsum("bhcls,bcshp->bclhp", M, xdt.to(cd)).to(wide)
+        # 2. Each chunk's end state from its own inputs, wide: Σ_s exp(Σ_{k>s} a_k) dt_s x_s B_sᵀ.
+        to_end = decay[..., -1, :]  # [b,h,c,T]: the last row of the chunk's decays
+        xw = xdt * to_end.permute(0, 2, 3, 1)[..., None]  # [b,c,T,h,p]
+        states = torch.einsum("bcshn,bcshp->bchpn", Bc.to(wide), xw)
+        # 3. The state entering each chunk: chunk sums decayed across chunks, wide.
+        cs = a.cumsum(-1)  # [b,h,c,T]: Σ_{k<=l} a_k from the chunk's start
+        across = _segsum_exp(cs[..., -1])  # [b,h,c,c]
+        ends = torch.einsum("bhzc,bchpn->bzhpn", across, states)
+        starts = torch.cat([torch.zeros_like(ends[:, :1]), ends[:, :-1]], dim=1)
+        # 4. The entering state read out at each position: exp(Σ_{k<=l} a_k) C_l · state.
+        y = (
+            y
+            + torch.einsum("bclhn,bchpn->bclhp", Cc.to(wide), starts)
+            * torch.exp(cs).permute(0, 2, 3, 1)[..., None]
+        )
+    return y.reshape(batch, n * T, heads, P)[:, :length]
 
 
 @dataclass
@@ -181,6 +290,9 @@ class HybridMixer(SSMMixer):
         self._buffer("ssm_index", self.ssm_heads)
         self._buffer("attn_kv", [self.kv_heads.index(h // per_kv) for h in self.attn_heads])
         self._buffer("ssm_group", group_of)
+        # teacher head -> its place in cat([attention heads, SSM heads]) (the fast path's z)
+        order = self.attn_heads + self.ssm_heads
+        self._buffer("head_order", [order.index(h) for h in range(H)])
         self.hook_q = HookPoint()  # [batch, pos, attn_head, d_head]
         self.hook_k = HookPoint()  # [batch, pos, kv_head, d_head]
         self.hook_v = HookPoint()  # [batch, pos, kv_head, d_head]
@@ -197,7 +309,9 @@ class HybridMixer(SSMMixer):
         self.hook_z = HookPoint()  # [batch, pos, head_index, d_head]
 
     def _buffer(self, name: str, values: list[int]) -> None:
-        self.register_buffer(name, torch.tensor(values, dtype=torch.long), persistent=False)
+        self.register_buffer(
+            name, torch.tensor(values, dtype=torch.long, device=HOST), persistent=False
+        )
 
     @classmethod
     def for_layer(cls, cfg: SSMConfig, layer: int) -> "HybridMixer":
@@ -288,12 +402,13 @@ class HybridMixer(SSMMixer):
             copy(self.x_proj, [rows("v_proj", h // per_kv) for h in self.ssm_heads])
             self.dt_proj.weight.zero_()
             n = len(self.ssm_heads)
-            u = torch.rand(n, generator=generator, dtype=torch.float64)
+            u = torch.rand(n, generator=generator, dtype=torch.float64, device=HOST)
             dt = torch.exp(u * (math.log(DT_MAX) - math.log(DT_MIN)) + math.log(DT_MIN))
             dt = dt.clamp(min=DT_FLOOR)
             self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
             lo, hi = A_INIT
-            A = torch.rand(n, generator=generator, dtype=torch.float64) * (hi - lo) + lo
+            A = torch.rand(n, generator=generator, dtype=torch.float64, device=HOST)
+            A = A * (hi - lo) + lo
             self.A_log.copy_(torch.log(A))
             self.D.fill_(1.0)
 
@@ -385,8 +500,12 @@ class HybridMixer(SSMMixer):
         if mask is not None:
             h = h * mask[..., None].to(h.dtype)
         materialize = has_hooks(self.hook_pattern)
-        heads, rows = self._selection(L, h.device) if materialize else (None, None)
-        need_fast = not materialize or heads is not None or rows is not None
+        if not materialize:
+            return self._forward_fast(h, mask, rope)
+        # The reference path: hook_pattern is hooked, so every selected head's matrix is
+        # materialized and the output read off it (y = pattern @ values + D x).
+        heads, rows = self._selection(L, h.device)
+        need_fast = heads is not None or rows is not None
         P_attn = v = x = dt = A = B = C = None
         y_attn = y_ssm = None
         if self.attn_heads:
@@ -408,23 +527,83 @@ class HybridMixer(SSMMixer):
             if has_hooks(self.hook_ssm_state):
                 states = ops.mamba2_recurrent(xw, dtw, A, Bw, Cw)
                 states, edited = state_through_hook(self.hook_ssm_state, states)
-                if edited and materialize:
+                if edited:
                     self._refuse_state_edit()
                 y_ssm = torch.einsum("blhpn,blhn->blhp", states, Cw).to(x.dtype)
             elif need_fast:
                 y_ssm = ops.mamba2_ssd(xw, dtw, A, Bw, Cw, self.cfg.chunk_size).to(x.dtype)
         y = self._combine(y_attn, y_ssm, h) if need_fast else None
-        if materialize:
-            self._check_dtype(h.dtype)
-            pattern = self._pattern(P_attn, dt, A, B, C, heads, rows).to(h.dtype)
-            pattern = checked_pattern(self.hook_pattern(pattern), pattern, self.hook_pattern.name)
-            values = self._combine(v, x, h)
-            if heads is not None:
-                values = values.index_select(2, heads)
-            y_sel = torch.einsum("bhrj,bjhp->brhp", pattern, values.to(pattern.dtype))
-            y = scatter_rows_heads(y, y_sel, heads, rows, head_dim=2)
-        assert y is not None
+        self._check_dtype(h.dtype)
+        pattern = self._pattern(P_attn, dt, A, B, C, heads, rows).to(h.dtype)
+        pattern = checked_pattern(self.hook_pattern(pattern), pattern, self.hook_pattern.name)
+        values = self._combine(v, x, h)
+        if heads is not None:
+            values = values.index_select(2, heads)
+        y_sel = torch.einsum("bhrj,bjhp->brhp", pattern, values.to(pattern.dtype))
+        y = scatter_rows_heads(y, y_sel, heads, rows, head_dim=2)
         return self._output(y, x, h.dtype)
+
+    def _forward_fast(self, h: Tensor, mask: Tensor | None, rope: Rope) -> Tensor:
+        """The output with nothing hooking ``hook_pattern``: all attention heads in one fused
+        attention, all SSM heads in one chunked SSD scan (:func:`ssd_chunked`), no ``[pos, pos]``
+        matrix kept (but while ``hook_attn_scores`` is hooked: the explicit softmax)."""
+        b, L, _ = h.shape
+        y_attn = y_ssm = None
+        if self.attn_heads:
+            q, k, v = self._qkv(h, rope)
+            if has_hooks(self.hook_attn_scores):
+                allowed = torch.ones(L, L, dtype=torch.bool, device=h.device).tril()[None, None]
+                if mask is not None:
+                    allowed = allowed & mask.bool()[:, None, None, :]
+                P = self._attend(q, k, allowed)
+                y_attn = torch.einsum("bhqk,bkhd->bqhd", P, self._per_head(v))
+            else:
+                y_attn = self._fused_attention(q, k, v, mask)
+        if self.ssm_heads:
+            x, B, C, dt = self._ssm_inputs(h, mask)
+            A = -torch.exp(self.A_log.float())
+            Bh, Ch = self._heads_of(B), self._heads_of(C)
+            if has_hooks(self.hook_ssm_state):
+                wide = torch.promote_types(x.dtype, torch.float32)
+                xw, dtw, Bw, Cw = (t.to(wide) for t in (x, dt, Bh, Ch))
+                states = ops.mamba2_recurrent(xw, dtw, A, Bw, Cw)
+                states, _ = state_through_hook(self.hook_ssm_state, states)
+                y = torch.einsum("blhpn,blhn->blhp", states, Cw)
+            else:
+                y = ssd_chunked(x, dt, A, Bh, Ch, min(TRAIN_CHUNK, self.cfg.chunk_size))
+            y_ssm = self.hook_ssm_out(y.to(x.dtype) + x * self.D[:, None])
+        if y_attn is None:
+            assert y_ssm is not None
+            z = y_ssm
+        elif y_ssm is None:
+            z = y_attn
+        else:
+            both = torch.cat([y_attn, y_ssm.to(y_attn.dtype)], dim=2)
+            z = both.index_select(2, self.head_order)  # type: ignore[arg-type]
+        z = self.hook_z(z)
+        return self.out_proj(z.reshape(b, L, -1).to(h.dtype))
+
+    def _fused_attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        """Causal softmax attention of every attention head at once
+        (``scaled_dot_product_attention``), ``[batch, pos, attn_head, d_head]``.
+
+        With a padding mask the masked keys get ``finfo.min`` added, as :meth:`_attend`
+        fills them, so a query with no key left (left padding) averages every value as there.
+        """
+        dtype = v.dtype
+        qh = q.to(dtype).transpose(1, 2)
+        kh = self._per_head(k).to(dtype).transpose(1, 2)
+        vh = self._per_head(v).transpose(1, 2)
+        if mask is None:
+            out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale)
+        else:
+            L = q.shape[1]
+            allowed = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()[None, None]
+            allowed = allowed & mask.bool()[:, None, None, :]
+            bias = torch.zeros(allowed.shape, dtype=dtype, device=q.device)
+            bias = bias.masked_fill(~allowed, torch.finfo(dtype).min)
+            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias, scale=self.scale)
+        return out.transpose(1, 2)
 
     def _pattern(
         self,

@@ -34,6 +34,7 @@ from jaxtyping import Float
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
+from gna_lens.device import HOST
 from gna_lens.errors import ConfigError
 from gna_lens.models import ops
 from gna_lens.models.config import SSMConfig
@@ -96,7 +97,7 @@ class SwappedMamba2Mixer(Mamba2Mixer):
         )
         self.scale = N**-0.5
         self.register_buffer("attn_index", torch.tensor(heads, dtype=torch.long), persistent=False)
-        keep = torch.ones(H)
+        keep = torch.ones(H, device=HOST)
         keep[heads] = 0.0
         self.register_buffer("ssm_keep", keep, persistent=False)
         self.hook_attn_in = HookPoint()  # [batch, pos, attn_head * (2 d_state + d_head)]
