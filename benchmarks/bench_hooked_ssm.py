@@ -7,23 +7,34 @@
 3. Peak memory of materializing one layer's pattern for one query row vs all rows, L up to 4096
    (each measurement in a fresh subprocess: peak RSS (VmHWM, reset after a fast-path warm-up)
    above the RSS at that point).
+4. Pattern budget (``gna_lens.models.kernels.pattern_budget``): peak memory and time of a forward
+   (and, with gradients, its backward) with every layer's pattern materialized, budget large vs
+   small, next to the fast path, on a mamba2-130m-like configuration (d_model 768, 24 heads x 64,
+   d_state 128, chunk 256; 4 layers). Each run in a fresh subprocess; on the CPU glibc is told to
+   map every allocation above 64 KiB (``MALLOC_MMAP_THRESHOLD_``) so that the peak RSS follows the
+   live tensors; on CUDA, ``torch.cuda.max_memory_allocated`` above what was allocated before. The
+   path each mixer took (``kernel_paths``) is printed with it.
 
 Run: ``python benchmarks/bench_hooked_ssm.py [--quick] [--archs mamba2,zamba2] [--no-memory]``;
-prints the model sizes and Markdown tables.
+prints the model sizes and Markdown tables. ``--pattern-memory [--device cuda] [--batch 8]`` runs
+table 4 alone.
 """
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from gna_lens.models import HookedSSM
+from gna_lens.models.kernels import kernel_paths, pattern_budget
 from gna_lens.testing import tiny_hf_model, tiny_tokenizer
 
 # A small but not toy configuration per family (d_model 256, 4-6 layers, about 1-8 M parameters;
@@ -305,22 +316,165 @@ def bench_memory(lengths: list[int]) -> list[dict]:
     return rows
 
 
+#: mamba2-130m's mixer (24 heads x 64, d_state 128, chunk 256) in 4 layers, for table 4.
+MAMBA2_130M_LIKE = dict(
+    hidden_size=768,
+    num_hidden_layers=4,
+    state_size=128,
+    num_heads=24,
+    head_dim=64,
+    n_groups=1,
+    chunk_size=256,
+)
+
+#: Table 4's runs: (label, hook on every layer's hook_pattern, budget).
+PATTERN_RUNS = [
+    ("fast path", None, None),
+    ("materialized, budget 1 GiB", "identity", "1GiB"),
+    ("materialized, budget 32 MiB", "identity", "32MiB"),
+    ("materialized + edited (x * 1.0), budget 1 GiB", "edit", "1GiB"),
+]
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), for the tables' captions."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _pattern_child(
+    device: str, hook: str, budget: str, grad: bool, batch: int, length: int
+) -> None:
+    """Print the peak memory (MiB) and time of one forward (+ backward) above the state after a
+    fast-path warm-up, and the layers' paths."""
+    model = HookedSSM.from_hf_model(
+        tiny_hf_model("mamba2", seed=0, **MAMBA2_130M_LIKE), tiny_tokenizer()
+    ).to(device)
+    tokens = torch.randint(2, 320, (batch, length), generator=torch.Generator().manual_seed(0))
+    tokens = tokens.to(device)
+    cuda = device.startswith("cuda")
+    with torch.no_grad():
+        model(tokens)  # warm-up on the fast path
+    fns = {"identity": lambda x, hook: x, "edit": lambda x, hook: x * 1.0}
+    is_pattern: Callable[[str], bool] = lambda n: n.endswith("mixer.hook_pattern")  # noqa: E731
+    hooks: list[tuple[str | Callable[..., Any], Callable[..., Any]]] = []
+    if hook != "none":
+        hooks.append((is_pattern, fns[hook]))
+    if cuda:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        base = _status_kb("VmRSS") * 1024
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    t0 = time.perf_counter()
+    with torch.set_grad_enabled(grad), pattern_budget(budget):
+        out = model.run_with_hooks(tokens, fwd_hooks=hooks, return_type="loss")
+        if grad:
+            out.backward()
+    if cuda:
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        peak = _status_kb("VmHWM") * 1024
+    seconds = time.perf_counter() - t0
+    paths = sorted({p["scan"] for p in kernel_paths(model).values()})
+    print(json.dumps({"peak_mib": (peak - base) / 2**20, "s": seconds, "paths": paths}))
+
+
+def bench_pattern_memory(device: str, batch: int, length: int) -> list[dict]:
+    """Table 4: every SSM layer's pattern materialized, budget large vs small, vs the fast path;
+    without and with gradients."""
+    rows = []
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    for grad in (False, True):
+        fast_mib = None
+        for label, hook, budget in PATTERN_RUNS:
+            cmd = [sys.executable, __file__, "--pattern-child", device, hook or "none"]
+            cmd += [budget or "512MiB", "grad" if grad else "nograd", str(batch), str(length)]
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
+            res = json.loads(out.stdout.strip().splitlines()[-1])
+            if fast_mib is None:
+                fast_mib = res["peak_mib"]
+            rows.append(
+                dict(
+                    benchmark="pattern budget",
+                    grad=grad,
+                    run=label,
+                    peak_mib=round(res["peak_mib"]),
+                    above_fast_mib=round(res["peak_mib"] - fast_mib),
+                    s=round(res["s"], 2),
+                    paths=res["paths"],
+                )
+            )
+            print(f"{label} (grad={grad}): {rows[-1]}", file=sys.stderr, flush=True)
+    return rows
+
+
+def print_pattern_memory(rows: list[dict], device: str, batch: int, length: int) -> None:
+    where = device if not device.startswith("cuda") else torch.cuda.get_device_name(device)
+    print(
+        f"\nPattern budget: mamba2-130m-like mixers (4 layers), {batch} x {length}, every layer's "
+        f"hook_pattern hooked, on {where} ({cpu_model()}); peak memory above the state after a "
+        "fast-path warm-up.\n"
+    )
+    print("| gradients | run | peak (MiB) | above fast path (MiB) | time (s) | scan paths |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {'yes' if r['grad'] else 'no'} | {r['run']} | {r['peak_mib']} | "
+            f"{r['above_fast_mib']} | {r['s']} | {', '.join(r['paths'])} |"
+        )
+    for grad in (False, True):
+        by = {r["run"]: r for r in rows if r["grad"] == grad}
+        large, small = by[PATTERN_RUNS[1][0]], by[PATTERN_RUNS[2][0]]
+        print(
+            f"\n{'With' if grad else 'Without'} gradients, budget 32 MiB vs 1 GiB: peak "
+            f"{small['peak_mib'] / max(large['peak_mib'], 1):.2f}x, time "
+            f"{small['s'] / max(large['s'], 1e-9):.2f}x."
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
     parser.add_argument("--memory-child", nargs=3, metavar=("ARCH", "L", "ROWS"))
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--archs", help="comma-separated families (default: all)")
-    parser.add_argument("--no-memory", action="store_true", help="skip the memory table")
+    parser.add_argument("--no-memory", action="store_true", help="skip the memory tables")
+    parser.add_argument("--pattern-memory", action="store_true", help="table 4 alone")
+    parser.add_argument("--device", default="cpu", help="table 4's device (cpu, cuda)")
+    parser.add_argument("--batch", type=int, default=1, help="table 4's batch")
+    parser.add_argument("--length", type=int, default=1024, help="table 4's sequence length")
+    parser.add_argument("--pattern-child", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_child:
         arch, length, rows = args.memory_child
         _memory_child(arch, int(length), rows)
         return
+    if args.pattern_child:
+        device, hook, budget, grad, batch, length = args.pattern_child
+        _pattern_child(device, hook, budget, grad == "grad", int(batch), int(length))
+        return
+    if args.pattern_memory:
+        pattern = bench_pattern_memory(args.device, args.batch, args.length)
+        print_pattern_memory(pattern, args.device, args.batch, args.length)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"pattern_memory": pattern}, f, indent=1)
+        return
     torch.manual_seed(0)
     repeats = 3 if args.quick else 7
     print(
-        f"# HookedSSM benchmarks\n\nMachine: {platform.machine()}, {torch.get_num_threads()} torch "
+        f"# HookedSSM benchmarks\n\nMachine: {platform.machine()} ({cpu_model()}), "
+        f"{torch.get_num_threads()} torch "
         f"threads, torch {torch.__version__}, Python {platform.python_version()}\n"
     )
     archs = args.archs.split(",") if args.archs else list(CONFIGS)
@@ -345,9 +499,12 @@ def main() -> None:
         print("|---|---|---|---|---|")
     for r in memory:
         print(f"| {r['arch']} | {r['rows']} | {r['L']} | {tuple(r['shape'])} | {r['delta_mib']} |")
+    pattern = [] if args.no_memory else bench_pattern_memory(args.device, args.batch, args.length)
+    if pattern:
+        print_pattern_memory(pattern, args.device, args.batch, args.length)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"timing": timing, "memory": memory}, f, indent=1)
+            json.dump({"timing": timing, "memory": memory, "pattern_memory": pattern}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -14,12 +14,11 @@ from jaxtyping import Float
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
-from gna_lens.models import ops
+from gna_lens.models import kernels, ops
 from gna_lens.models.config import SSMConfig
 from gna_lens.models.mixers.base import (
     SSMMixer,
     StepState,
-    checked_pattern,
     conv_last,
     conv_tail,
     has_hooks,
@@ -27,8 +26,18 @@ from gna_lens.models.mixers.base import (
     scatter_rows_heads,
     state_through_hook,
 )
+from gna_lens.models.mixers.mamba2 import pattern_through_hook, reads
 
 __all__ = ["Mamba1Mixer"]
+
+
+def _mamba1_pattern_part(
+    dt: Tensor, A: Tensor, B: Tensor, C: Tensor, channels: Tensor | None, rows: Tensor | None
+) -> Tensor:
+    """:func:`gna_lens.models.ops.mamba1_pattern` of ``channels`` (``None``: all)."""
+    if channels is not None:
+        dt, A = dt.index_select(-1, channels), A.index_select(0, channels)
+    return ops.mamba1_pattern(dt, A, B, C, rows)
 
 
 class Mamba1Mixer(SSMMixer):
@@ -36,6 +45,12 @@ class Mamba1Mixer(SSMMixer):
 
     "Heads" are channels: ``hook_pattern`` is ``[batch, d_inner, query_pos, key_pos]`` and
     ``hook_z`` is ``[batch, pos, d_inner, 1]``.
+
+    Attributes:
+        last_path: The path of the last forward pass, ``{"conv": ..., "scan": ...}`` (see
+            :func:`gna_lens.models.kernels.kernel_paths`).
+        pattern_budget_bytes: Working memory of the pattern's construction beside the pattern
+            (``None``: :func:`gna_lens.models.kernels.pattern_budget`).
     """
 
     channel_heads: ClassVar[bool] = True
@@ -67,6 +82,8 @@ class Mamba1Mixer(SSMMixer):
         self.hook_ssm_out = HookPoint()  # [batch, pos, d_inner], y + D u
         self.hook_gate = HookPoint()  # [batch, pos, d_inner], z before SiLU
         self.hook_z = HookPoint()  # [batch, pos, head_index, d_head=1]
+        self.last_path: dict[str, str] = {}
+        self.pattern_budget_bytes: int | None = None
 
     # ------------------------------------------------------------------ shared by both paths
     def norm_dt_B_C(self, dt_low: Tensor, B: Tensor, C: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -97,8 +114,12 @@ class Mamba1Mixer(SSMMixer):
         if mask is not None:
             h = h * mask[..., None].to(h.dtype)
         xs, z = self.hook_in_proj(self.in_proj(h)).chunk(2, dim=-1)
-        conv = ops.causal_conv1d(xs.transpose(1, 2), self.conv1d.weight, self.conv1d.bias)
-        u = F.silu(self.hook_conv(conv.transpose(1, 2)))
+        fused = not reads(self.hook_conv)  # SiLU inside the convolution while unhooked
+        conv, path = kernels.causal_conv1d(
+            xs.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, silu=fused
+        )
+        self.last_path = {"conv": path}
+        u = conv.transpose(1, 2) if fused else F.silu(self.hook_conv(conv.transpose(1, 2)))
         if mask is not None:
             u = u * mask[..., None].to(u.dtype)
         u = self.hook_ssm_input(u)
@@ -111,23 +132,27 @@ class Mamba1Mixer(SSMMixer):
         materialize = has_hooks(self.hook_pattern)
         heads, rows = self._selection(u.shape[1], u.device) if materialize else (None, None)
         y: Tensor | None = None
+        path = "materialized"
         if has_hooks(self.hook_ssm_state):
             _, states = ops.mamba1_scan(u, delta, A, B, C, self.cfg.chunk_size, return_states=True)
             assert states is not None
             states, edited = state_through_hook(self.hook_ssm_state, states)
             if edited and materialize:
                 self._refuse_state_edit()
-            y = torch.einsum("blen,bln->ble", states, C)
+            y, path = torch.einsum("blen,bln->ble", states, C), "torch.recurrent"
         elif not materialize or heads is not None or rows is not None:
-            y, _ = ops.mamba1_scan(u, delta, A, B, C, self.cfg.chunk_size)
+            y, path = kernels.mamba1_scan(u, delta, A, B, C, self.cfg.chunk_size)
         if not materialize:
             assert y is not None
+            self.last_path["scan"] = path
             return y
+        self.last_path["scan"] = "materialized" if y is None else f"materialized+{path}"
         self._check_dtype(u.dtype)
-        pattern = self.materialize(delta, A, B, C, heads, rows).to(u.dtype)
-        pattern = checked_pattern(self.hook_pattern(pattern), pattern, self.hook_pattern.name)
+        job, d_sel, A_sel = self._pattern_job(delta, A, B, C, heads, rows)
+        pattern = kernels.build_pattern(job, d_sel, A_sel, B, C).to(u.dtype)
+        pattern, edited = pattern_through_hook(self.hook_pattern, pattern)
         u_sel = u if heads is None else u.index_select(-1, heads)
-        y_sel = torch.einsum("berj,bje->bre", pattern, u_sel)  # [b, R, e]
+        y_sel = kernels.apply_pattern(job, pattern, u_sel, d_sel, A_sel, B, C, edited)  # [b, R, e]
         return scatter_rows_heads(y, y_sel, heads, rows, head_dim=-1)
 
     def materialize(
@@ -167,9 +192,43 @@ class Mamba1Mixer(SSMMixer):
             >>> tuple(mine.shape), torch.allclose(mine, pattern[:, 5:6, 2:3], atol=1e-6)
             ((1, 1, 1, 4), True)
         """
+        job, d_sel, A_sel = self._pattern_job(dt, A, B, C, heads, rows)
+        return kernels.build_pattern(job, d_sel, A_sel, B, C)
+
+    def _pattern_job(
+        self,
+        dt: Tensor,
+        A: Tensor,
+        B: Tensor,
+        C: Tensor,
+        heads: Tensor | None,
+        rows: Tensor | None,
+    ) -> tuple[kernels.PatternJob, Tensor, Tensor]:
+        """The budgeted construction of the pattern of channels ``heads`` at ``rows``, and the
+        selected ``Δ`` and ``A`` it reads."""
         d_sel = dt if heads is None else dt.index_select(-1, heads)
         A_sel = A if heads is None else A.index_select(0, heads)
-        return ops.mamba1_pattern(d_sel, A_sel, B, C, rows)
+        batch, length, n_channels = d_sel.shape
+        n_state = A.shape[-1]
+        n_rows = length if rows is None else rows.shape[0]
+        size = max(torch.promote_types(dt.dtype, A.dtype).itemsize, 4)
+
+        def cost(e: int, r: int) -> int:
+            # per key block (ops.mamba1_pattern): the rows' C·exp terms and the block's
+            # products, the direct sums of the rows inside the block
+            return size * batch * e * (r * (n_state + 16) + 4 * 16 * 16 + 16 * n_state)
+
+        budget = self.pattern_budget_bytes or kernels.current_pattern_budget()
+        job = kernels.PatternJob(
+            build=_mamba1_pattern_part,
+            shape=(batch, n_channels, n_rows, length),
+            rows=rows,
+            cost=cost,
+            budget=budget,
+            equation="berj,bje->bre",
+            itemsize=size,
+        )
+        return job, d_sel, A_sel
 
     # ------------------------------------------------------------------ incremental
     def prefix_state(self, acts: Mapping[str, Tensor], length: int) -> StepState:

@@ -13,7 +13,7 @@ from jaxtyping import Float
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
-from gna_lens.models import ops
+from gna_lens.models import kernels, ops
 from gna_lens.models.config import SSMConfig
 from gna_lens.models.mixers.base import (
     RMSNorm,
@@ -31,11 +31,70 @@ from gna_lens.models.mixers.base import (
 __all__ = ["Mamba2Mixer"]
 
 
+def reads(hook: HookPoint) -> bool:
+    """Whether anything (TransformerLens or a plain torch forward hook) hooks ``hook``."""
+    return has_hooks(hook) or bool(hook._forward_hooks) or bool(hook._forward_pre_hooks)
+
+
+def pattern_through_hook(hook: HookPoint, pattern: Tensor) -> tuple[Tensor, bool]:
+    """Pass ``pattern`` through ``hook`` (checked); also say whether the hook may have edited it.
+
+    Edited: the hook returned another tensor (also the case when a backward hook wraps the
+    output) or changed this one in place. A caching hook edits nothing.
+    """
+    version = pattern._version  # type: ignore[attr-defined]
+    out = hook(pattern)
+    edited = out is not pattern or pattern._version != version  # type: ignore[attr-defined]
+    return checked_pattern(out, pattern, hook.name), edited
+
+
+def mamba2_pattern_part(
+    head_group: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    heads: Tensor | None,
+    rows: Tensor | None,
+) -> Tensor:
+    """:func:`gna_lens.models.ops.mamba2_pattern` of the heads ``heads`` (``None``: all) of
+    ``dt`` / ``A`` / ``head_group``, with ``C · B`` computed for their groups only.
+
+    Examples:
+        >>> import torch
+        >>> from gna_lens.models import ops
+        >>> g = torch.Generator().manual_seed(0)
+        >>> dt, B, C = torch.rand(1, 5, 4, generator=g), torch.randn(1, 5, 2, 3), torch.randn(1, 5, 2, 3)
+        >>> A, hg = -torch.rand(4, generator=g), torch.tensor([0, 0, 1, 1])
+        >>> full = ops.mamba2_pattern(dt, A, B, C, hg)
+        >>> part = mamba2_pattern_part(hg, dt, A, B, C, torch.tensor([2, 3]), torch.tensor([1, 4]))
+        >>> torch.equal(part, full[:, 2:4][:, :, [1, 4]])
+        True
+    """
+    if heads is None:
+        return ops.mamba2_pattern(dt, A, B, C, head_group, rows)
+    groups, local = torch.unique(head_group.index_select(0, heads), return_inverse=True)
+    return ops.mamba2_pattern(
+        dt.index_select(2, heads),
+        A.index_select(0, heads),
+        B.index_select(2, groups),
+        C.index_select(2, groups),
+        local,
+        rows,
+    )
+
+
 class Mamba2Mixer(SSMMixer):
     """Mamba-2 (SSD) mixer with grouped ``B``/``C`` and the gated RMSNorm.
 
     ``hook_pattern`` is ``[batch, head_index, query_pos, key_pos]`` in the form
     ``M = (C_i · B_j) exp(A Σ_{k=j+1..i} dt_k) dt_j`` (``y = M @ x + D x``).
+
+    Attributes:
+        last_path: The path of the last forward pass, ``{"conv": ..., "scan": ...}`` (see
+            :func:`gna_lens.models.kernels.kernel_paths`).
+        pattern_budget_bytes: Working memory of the pattern's construction beside the pattern
+            (``None``: :func:`gna_lens.models.kernels.pattern_budget`).
     """
 
     def __init__(self, cfg: SSMConfig):
@@ -44,12 +103,17 @@ class Mamba2Mixer(SSMMixer):
         self.conv_dim = E + 2 * G * N
         self.in_proj = nn.Linear(cfg.d_model, E + self.conv_dim + H, bias=cfg.proj_bias)
         if cfg.ssm_multipliers:  # Falcon-H1's muP vector over the sections z, x, B, C, dt
-            mz, mx, mb, mc, mdt = cfg.ssm_multipliers
-            mup = torch.cat(
-                [torch.full((n,), float(v)) for n, v in ((E, mz), (E, mx), (G * N, mb))]
-                + [torch.full((G * N,), float(mc)), torch.full((H,), float(mdt))]
+            sizes = (E, E, G * N, G * N, H)
+            self.register_buffer(
+                "mup_vector",
+                torch.cat(
+                    [
+                        torch.full((n,), float(v), device=self.in_proj.weight.device)
+                        for n, v in zip(sizes, cfg.ssm_multipliers, strict=True)
+                    ]
+                ),
+                persistent=False,
             )
-            self.register_buffer("mup_vector", mup, persistent=False)
         else:
             self.mup_vector = None
         self.conv1d = nn.Conv1d(
@@ -81,6 +145,8 @@ class Mamba2Mixer(SSMMixer):
         self.hook_ssm_out = HookPoint()  # [batch, pos, head_index, d_head], y + D x
         self.hook_gate = HookPoint()  # [batch, pos, d_inner], z before SiLU
         self.hook_z = HookPoint()  # [batch, pos, head_index, d_head]
+        self.last_path: dict[str, str] = {}
+        self.pattern_budget_bytes: int | None = None
 
     # ------------------------------------------------------------------ shared by both paths
     def project(self, h: Tensor) -> Tensor:
@@ -147,12 +213,22 @@ class Mamba2Mixer(SSMMixer):
         if mask is not None:
             h = h * mask[..., None].to(h.dtype)
         z, xBC, dt_raw = self.project(h).split([cfg.d_inner, self.conv_dim, cfg.n_heads], dim=-1)
-        conv = ops.causal_conv1d(xBC.transpose(1, 2), self.conv1d.weight, self.conv1d.bias)
-        xBC = F.silu(self.hook_conv(conv.transpose(1, 2)))
+        xBC = self._conv_silu(xBC)
         if mask is not None:
             xBC = xBC * mask[..., None].to(xBC.dtype)
         x, B, C, dt = self._ssm_inputs(xBC, dt_raw)
         return z, x, B, C, dt, -torch.exp(self.A_log.float())
+
+    def _conv_silu(self, xBC: Tensor) -> Tensor:
+        """``SiLU(hook_conv(conv1d(xBC)))`` of ``[batch, pos, conv_dim]``; the SiLU is fused into
+        the convolution (kernel or not) while nothing hooks ``hook_conv``."""
+        fused = not reads(self.hook_conv)
+        conv, path = kernels.causal_conv1d(
+            xBC.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, silu=fused
+        )
+        self.last_path = {"conv": path}
+        conv = conv.transpose(1, 2)
+        return conv if fused else F.silu(self.hook_conv(conv))
 
     def _scan(self, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor) -> Tensor:
         materialize = has_hooks(self.hook_pattern)
@@ -162,11 +238,17 @@ class Mamba2Mixer(SSMMixer):
             assert y is not None
             return y
         self._check_dtype(x.dtype)
-        pattern = self.materialize(dt, A, B, C, heads, rows).to(x.dtype)
-        pattern = checked_pattern(self.hook_pattern(pattern), pattern, self.hook_pattern.name)
+        job, dt_sel, A_sel = self._pattern_job(dt, A, B, C, heads, rows)
+        pattern = kernels.build_pattern(job, dt_sel, A_sel, B, C).to(x.dtype)
+        pattern, edited = pattern_through_hook(self.hook_pattern, pattern)
         x_sel = x if heads is None else x.index_select(2, heads)
-        y_sel = torch.einsum("bhrj,bjhp->brhp", pattern, x_sel)
+        y_sel = kernels.apply_pattern(job, pattern, x_sel, dt_sel, A_sel, B, C, edited)
+        self._record_scan("materialized" if y is None else f"materialized+{self._scan_path}")
         return scatter_rows_heads(y, y_sel, heads, rows, head_dim=2)
+
+    def _record_scan(self, path: str) -> None:
+        self._scan_path = path
+        self.last_path = {**getattr(self, "last_path", {}), "scan": path}
 
     def _scanned(
         self,
@@ -188,9 +270,12 @@ class Mamba2Mixer(SSMMixer):
             if edited and materialize:
                 self._refuse_state_edit()
             Ch = C.repeat_interleave(self.cfg.n_heads // self.cfg.n_groups, dim=2)
+            self._record_scan("torch.recurrent")
             return torch.einsum("blhpn,blhn->blhp", states, Ch)
         if not materialize or heads is not None or rows is not None:
-            return ops.mamba2_ssd(x, dt, A, B, C, self.cfg.chunk_size)
+            y, path = kernels.mamba2_scan(x, dt, A, B, C, self.cfg.chunk_size)
+            self._record_scan(path)
+            return y
         return None
 
     def materialize(
@@ -228,12 +313,45 @@ class Mamba2Mixer(SSMMixer):
             >>> torch.allclose(mine, pattern, atol=1e-6)
             True
         """
+        job, dt_sel, A_sel = self._pattern_job(dt, A, B, C, heads, rows)
+        return kernels.build_pattern(job, dt_sel, A_sel, B, C)
+
+    def _pattern_job(
+        self,
+        dt: Tensor,
+        A: Tensor,
+        B: Tensor,
+        C: Tensor,
+        heads: Tensor | None,
+        rows: Tensor | None,
+    ) -> tuple[kernels.PatternJob, Tensor, Tensor]:
+        """The budgeted construction of the pattern of ``heads`` at ``rows``, and the selected
+        ``dt`` and ``A`` it reads."""
         head_group: Tensor = self.head_group  # type: ignore[assignment]
         dt_sel, A_sel, hg = dt, A, head_group
         if heads is not None:
             dt_sel, A_sel = dt.index_select(2, heads), A.index_select(0, heads)
             hg = head_group.index_select(0, heads)
-        return ops.mamba2_pattern(dt_sel, A_sel, B, C, hg, rows)
+        batch, length, n_heads = dt_sel.shape
+        n_groups = B.shape[2]
+        n_rows = length if rows is None else rows.shape[0]
+        size = max(torch.promote_types(dt.dtype, A.dtype).itemsize, 4)
+
+        def cost(h: int, r: int) -> int:
+            # C·B of the chunk's groups, one key block's decays (ops.decay_matrix)
+            return size * batch * r * (min(h, n_groups) * length + h * min(length, 64))
+
+        budget = self.pattern_budget_bytes or kernels.current_pattern_budget()
+        job = kernels.PatternJob(
+            build=lambda *a: mamba2_pattern_part(hg, *a),
+            shape=(batch, n_heads, n_rows, length),
+            rows=rows,
+            cost=cost,
+            budget=budget,
+            equation="bhrj,bjhp->brhp",
+            itemsize=size,
+        )
+        return job, dt_sel, A_sel
 
     # ------------------------------------------------------------------ incremental
     def prefix_state(self, acts: Mapping[str, Tensor], length: int) -> StepState:
