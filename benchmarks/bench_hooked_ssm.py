@@ -385,7 +385,7 @@ def _pattern_child(
     else:
         peak = _status_kb("VmHWM") * 1024
     seconds = time.perf_counter() - t0
-    paths = sorted({p["scan"] for p in kernel_paths(model).values()})
+    paths = sorted({p["scan"] for p in kernel_paths(model).values() if "scan" in p})
     print(json.dumps({"peak_mib": (peak - base) / 2**20, "s": seconds, "paths": paths}))
 
 

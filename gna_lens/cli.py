@@ -141,6 +141,9 @@ def _scan(args: argparse.Namespace) -> int:
     )
     if "small model" not in method.get("sweep_dtype_choice", "small model"):
         print(f"  sweep dtype {method['sweep_dtype_choice']}")
+    if method.get("forward_paths"):
+        paths = "; ".join(f"{op} {', '.join(how)}" for op, how in method["forward_paths"].items())
+        print(f"Forward path: {paths}")
     if method.get("head_groups"):
         print(f"Heads: {method['head_groups']}")
         if method.get("head_groups_choice"):

@@ -212,7 +212,11 @@ def test_gather_and_aggregate_masks_change_logits_all_ones_changes_nothing(arch,
                 if chosen:
                     assert (run(chosen) - clean)[real].abs().max() > 1e-3, kind
         ones = torch.ones_like(I.gather_mask(batch))
-        assert (run({h: ones for h in heads}) - clean)[real].abs().max() <= 1e-5
+        # All-ones masks run the materialized pattern instead of the scan: the same sums in another
+        # order. Relative to the logits' scale (jamba on an AVX2-only AMD EPYC: 2.5e-6; the
+        # effects above are > 1e-3).
+        scale = clean[real].abs().max()
+        assert (run({h: ones for h in heads}) - clean)[real].abs().max() <= 1e-5 * scale
 
 
 @pytest.mark.parametrize("arch", ["llama", "mamba2", "bamba"])

@@ -221,17 +221,23 @@ CASES = [
 @pytest.mark.parametrize(("arch", "overrides"), CASES)
 def test_fake_kernels_give_the_reference_output_and_are_recorded(fakes, arch, overrides):
     model = tiny_hooked_ssm(arch, **overrides)
+
+    def ssm_paths():  # hybrids' attention layers record {"attention": ...}
+        return [p for p in kernel_paths(model).values() if "scan" in p]
+
     with use_kernels(False):
         ref = _logits(model)
-    assert all(p["scan"].startswith("torch.") for p in kernel_paths(model).values())
+    assert ssm_paths() and all(p["scan"].startswith("torch.") for p in ssm_paths())
     out = _logits(model)
     assert (out - ref).abs().max().item() < PARITY_ATOL
     mamba1 = arch in ("mamba1", "falcon_mamba")
     scan = "mamba_ssm." + ("selective_scan_fn" if mamba1 else "mamba_chunk_scan_combined")
-    for path in kernel_paths(model).values():
+    for path in ssm_paths():
         assert path == {"conv": "causal_conv1d.causal_conv1d_fn", "scan": scan}
-    n_ssm = len(kernel_paths(model))
+    n_ssm = len(ssm_paths())
     assert fakes["ssd"] + fakes["scan"] == n_ssm and fakes["conv:silu"] == n_ssm
+    if arch == "bamba":  # its attention layer runs the fused kernel beside them
+        assert kernels.path_summary(model)["attention"] == ["torch.sdpa"]
 
 
 def test_a_wrong_kernel_fails_the_parity_check(monkeypatch):
@@ -444,3 +450,23 @@ def test_a_backward_hook_on_the_pattern_gets_its_gradient():
     finally:
         model.reset_hooks()
     assert got and got[0].shape == (2, model.cfg.n_heads, 37, 37) and got[0].abs().sum() > 0
+
+
+# ----------------------------------------------------------------------------- recorded paths
+def test_attention_records_fused_or_materialized():
+    model = tiny_hooked_ssm("bamba")
+    _logits(model)
+    assert kernels.path_summary(model)["attention"] == ["torch.sdpa"]
+    names = [n for n in model.hook_dict if n.endswith("hook_pattern") and ".attn." in n]
+    assert names, "bamba's tiny config has an attention layer"
+    model.run_with_cache("a b c", names_filter=names[0])
+    assert kernels.path_summary(model)["attention"] == ["materialized"]
+
+
+def test_a_ranking_records_the_forward_paths():
+    from gna_lens import score_heads
+    from gna_lens.testing import toy_gna_model, toy_gna_task
+
+    model = toy_gna_model()
+    report = score_heads(model, toy_gna_task(model), control=None, progress=False)
+    assert report.method["forward_paths"] == {"attention": ["torch.sdpa"]}

@@ -73,6 +73,7 @@ __all__ = [
     "kernels_enabled",
     "mamba1_scan",
     "mamba2_scan",
+    "path_summary",
     "pattern_budget",
     "refresh",
     "use_kernels",
@@ -216,6 +217,32 @@ def kernel_paths(model: nn.Module) -> dict[str, dict[str, str]]:
         for name, module in model.named_modules()
         if (path := getattr(module, "last_path", None))
     }
+
+
+def path_summary(model: nn.Module) -> dict[str, list[str]]:
+    """The distinct paths of the last forward pass, per operation (what a result records).
+
+    Args:
+        model: Any model; one whose modules record no ``last_path`` (a TransformerLens
+            ``TransformerBridge``) gives ``{}``.
+
+    Returns:
+        ``{"attention": [...], "conv": [...], "scan": [...]}``, each a sorted list of the paths
+        the mixers took (:func:`kernel_paths`), only the operations the model has.
+
+    Examples:
+        >>> from gna_lens.models.kernels import path_summary
+        >>> from gna_lens.testing import tiny_hooked_ssm
+        >>> model = tiny_hooked_ssm("mamba2")
+        >>> _ = model("a b c")
+        >>> path_summary(model)
+        {'conv': ['torch.conv1d'], 'scan': ['torch.ssd']}
+    """
+    found: dict[str, set[str]] = {}
+    for path in kernel_paths(model).values():
+        for op, how in path.items():
+            found.setdefault(op, set()).add(how)
+    return {op: sorted(hows) for op, hows in sorted(found.items())}
 
 
 # ----------------------------------------------------------------------------- fast-path ops

@@ -36,6 +36,7 @@ from gna_lens.interventions import ablation_sweep, attribute_heads, control_swee
 from gna_lens.interventions._common import check_positions, describe_task
 from gna_lens.interventions.ablation import SweepResult, positions_label
 from gna_lens.interventions.layers import LayerSweepResult, layer_sweep
+from gna_lens.models.kernels import path_summary
 from gna_lens.models.provenance import provenance_method
 from gna_lens.runtime import choose_precision, native_bfloat16
 from gna_lens.scoring.patterns import NORMALIZATION, SCORE_NAMES, Head, pattern_scores
@@ -1477,6 +1478,7 @@ def _score_heads(
                 reference=reference, progress=progress, executor=executor,
             )  # fmt: skip
             timings["ablation_sweep"] = time.perf_counter() - clock
+            forward_paths = path_summary(model)  # the sweep's last forward: kernels or not
             ctrl = None
             if resolved is not None:
                 clock = time.perf_counter()
@@ -1496,6 +1498,7 @@ def _score_heads(
             sweep_dtype=precision,
             ablation_path=sweep.method,
             paths={"ablation": sweep.info.get("paths", {})},
+            forward_paths=forward_paths,
             fallbacks=[f"ablation sweep: {f}" for f in sweep.info.get("fallbacks", [])],
         )
         if executor is not None:

@@ -44,6 +44,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.d_model, KV * d, bias=cfg.attn_bias)
         self.v_proj = nn.Linear(cfg.d_model, KV * d, bias=cfg.attn_bias)
         self.o_proj = nn.Linear(H * d, cfg.d_model, bias=cfg.attn_bias)
+        self.last_path: dict[str, str] = {}  # {"attention": "torch.sdpa" | "materialized"}
         self.hook_q = HookPoint()  # [batch, pos, head_index, d_head]
         self.hook_k = HookPoint()  # [batch, pos, kv_head_index, d_head]
         self.hook_v = HookPoint()  # [batch, pos, kv_head_index, d_head]
@@ -88,7 +89,9 @@ class Attention(nn.Module):
         L = h.shape[1]
         q, k, v = self._qkv(h, rope)
         if mask is None and not (has_hooks(self.hook_attn_scores) or has_hooks(self.hook_pattern)):
+            self.last_path = {"attention": "torch.sdpa"}
             return self._fused(q, k, v)
+        self.last_path = {"attention": "materialized"}
         allowed = torch.ones(L, L, dtype=torch.bool, device=h.device).tril()[None, None]
         if mask is not None:
             allowed = allowed & mask.bool()[:, None, None, :]
