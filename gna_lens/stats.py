@@ -23,7 +23,14 @@ from torch import Tensor
 from gna_lens.device import HOST
 from gna_lens.errors import GnaLensError
 
-__all__ = ["Interval", "bootstrap_interval", "draws_interval", "wilson_interval"]
+__all__ = [
+    "Interval",
+    "bootstrap_interval",
+    "draws_interval",
+    "paired_permutation_test",
+    "two_level_interval",
+    "wilson_interval",
+]
 
 #: Bootstrap resamples used by default.
 N_BOOTSTRAP = 2000
@@ -205,3 +212,103 @@ def draws_interval(values: Tensor | Any, *, n_boot: int = N_BOOTSTRAP, seed: int
     )
     assert isinstance(out, Interval)
     return out
+
+
+def two_level_interval(
+    values: Tensor | Any, *, n_boot: int = N_BOOTSTRAP, seed: int = 0
+) -> Interval:
+    """Mean over random draws *and* prompts with a 95% interval that covers both samplings.
+
+    Each resample draws the draws with replacement and, independently, the prompts with
+    replacement, and takes the mean of that block: the interval covers which random head sets
+    were drawn and which prompts were asked (:func:`draws_interval` covers the draws only).
+
+    Args:
+        values: ``[draws, prompts]`` one number per random draw and prompt (e.g. the change in
+            correctness of each prompt after removing each random head set).
+        n_boot: Resamples.
+        seed: Seed of the resampling.
+
+    Returns:
+        An :class:`Interval` (``n``: draws x prompts; ``method``: ``"bootstrap (draws x
+        prompts)"``).
+
+    Raises:
+        GnaLensError: For input that is not ``[draws, prompts]``.
+
+    Examples:
+        >>> import torch
+        >>> x = torch.tensor([[0.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
+        >>> iv = two_level_interval(x)
+        >>> iv.value, iv.low < 0.5 < iv.high, iv.n
+        (0.5, True, 8)
+    """
+    x = torch.as_tensor(values, dtype=torch.float64, device=HOST)
+    if x.ndim != 2 or x.shape[0] == 0 or x.shape[1] == 0:
+        raise GnaLensError(
+            f"two_level_interval: values of shape {tuple(x.shape)}; expected [draws, prompts] "
+            "with at least one of each."
+        )
+    d, n = x.shape
+    m = float(x.mean())
+    if d * n == 1:
+        return Interval(m, math.nan, math.nan, 1, "none")
+    gen = torch.Generator(device=HOST).manual_seed(seed)
+    rows = torch.randint(0, d, (n_boot, d), generator=gen, device=HOST)
+    cols = torch.randint(0, n, (n_boot, n), generator=gen, device=HOST)
+    # mean of x[rows_b][:, cols_b] = mean over (i, j) of x[rows_b[i], cols_b[j]]:
+    # weights per row and per column, then a bilinear form.
+    w_r = torch.zeros(n_boot, d, dtype=torch.float64, device=HOST)
+    w_r.scatter_add_(1, rows, torch.ones(n_boot, d, dtype=torch.float64, device=HOST))
+    w_c = torch.zeros(n_boot, n, dtype=torch.float64, device=HOST)
+    w_c.scatter_add_(1, cols, torch.ones(n_boot, n, dtype=torch.float64, device=HOST))
+    means = torch.einsum("bi,ij,bj->b", w_r, x, w_c) / (d * n)
+    return Interval(
+        m,
+        float(torch.quantile(means, 0.025)),
+        float(torch.quantile(means, 0.975)),
+        d * n,
+        "bootstrap (draws x prompts)",
+    )
+
+
+def paired_permutation_test(diff: Tensor | Any, *, n_perm: int = 10_000, seed: int = 0) -> float:
+    """Two-sided p-value of "the mean paired difference is 0" by random sign flips.
+
+    Under the null each prompt's difference (e.g. the top set's accuracy change minus the random
+    sets' mean change on that prompt) is as likely to have either sign; the p-value is the share
+    of sign-flipped means at least as far from 0 as the observed one, counting the observed
+    assignment (so it is never 0).
+
+    Args:
+        diff: ``[prompts]`` paired differences.
+        n_perm: Random sign assignments.
+        seed: Seed.
+
+    Returns:
+        The p-value in ``(0, 1]``; 1.0 when every difference is 0.
+
+    Raises:
+        GnaLensError: For an empty or non-1-D input.
+
+    Examples:
+        >>> import torch
+        >>> paired_permutation_test(torch.full((30,), -0.5)) < 0.001
+        True
+        >>> paired_permutation_test(torch.tensor([1.0, -1.0, 1.0, -1.0]))
+        1.0
+    """
+    x = torch.as_tensor(diff, dtype=torch.float64, device=HOST)
+    if x.ndim != 1 or x.numel() == 0:
+        raise GnaLensError(
+            f"paired_permutation_test: diff of shape {tuple(x.shape)}; expected [prompts], "
+            "one paired difference per prompt."
+        )
+    observed = abs(float(x.mean()))
+    if observed == 0.0:
+        return 1.0
+    gen = torch.Generator(device=HOST).manual_seed(seed)
+    signs = torch.randint(0, 2, (n_perm, x.numel()), generator=gen, device=HOST) * 2 - 1
+    flipped = (signs.to(torch.float64) * x).mean(-1).abs()
+    extreme = int((flipped >= observed - 1e-12).sum())
+    return (extreme + 1) / (n_perm + 1)

@@ -316,3 +316,24 @@ def test_random_sets_are_distinct_layer_matched_or_say_how_they_were_matched():
     assert kind.matching == "kind" and len(set(kind.sets)) == 10 and "any layer" in kind.describe()
     with pytest.raises(GnaLensError, match=r"too few heads to draw.*random_draws=0"):
         matched_random_sets(view, [(la, h) for la in range(2) for h in range(8)], 1)
+
+
+def test_a_head_in_both_roles_keeps_the_intersection_and_denies_the_union(toy):
+    """Issue 30: a head that is both a gather and an aggregate candidate. Each role's keep mask is
+    all-True outside its own rows, so their union kept everything (and "kept" measured nothing)."""
+    from gna_lens.interventions.masks import aggregate_mask, gather_mask
+    from gna_lens.scoring import gna_masks
+
+    model, task = toy
+    batch = next(iter(task.batches(4, padding_side="left")))
+    head = (1, 0)
+    g, a = gather_mask(batch), aggregate_mask(batch)
+    kept = gna_masks([head], [head])(batch)[head]
+    assert torch.equal(kept, g & a)
+    assert not kept.all(dim=(-1, -2)).any(), "a mask that keeps everything masks nothing"
+    denied = gna_masks([head], [head], complement=True)(batch)[head]
+    gc, ac = gather_mask(batch, complement=True), aggregate_mask(batch, complement=True)
+    assert torch.equal(~denied, ~gc | ~ac)
+    # Alone, each role's mask is what the role keeps.
+    assert torch.equal(gna_masks([head], [])(batch)[head], g)
+    assert torch.equal(gna_masks([], [head])(batch)[head], a)

@@ -87,6 +87,7 @@ def run_all(
         results["seconds"][key] = round(time.perf_counter() - t0, 1)
         print(f"finding {key}: {results['seconds'][key]:.0f} s", file=sys.stderr, flush=True)
     results["seconds"]["total"] = round(time.perf_counter() - t_all, 1)
+    results["external"] = read_external()
     results["environment"] = {
         "gna_lens": gna_lens.__version__,
         "torch": torch.__version__,
@@ -95,6 +96,25 @@ def run_all(
         "machine": f"{platform.machine()}: {cpu_description()}",
     }
     return results
+
+
+#: Results the findings page cites but does not rerun (hours of CPU): the hybrid experiments'
+#: raw tables, as the Hybrid students page publishes them.
+EXTERNAL = {
+    "swap": "docs/assets/hybrid_swap_zoo.json",
+    "students": "docs/assets/hybrid_smollm2_200k.json",
+}
+
+
+def read_external(root: Path | None = None) -> dict[str, Any]:
+    """The raw tables of :data:`EXTERNAL` found under ``root`` (the repository; default: the
+    current directory), each with ``"path"`` added; missing ones are left out."""
+    out: dict[str, Any] = {}
+    for key, rel in EXTERNAL.items():
+        path = (root or Path.cwd()) / rel
+        if path.is_file():
+            out[key] = json.loads(path.read_text()) | {"path": rel}
+    return out
 
 
 def _pct(x: float) -> str:

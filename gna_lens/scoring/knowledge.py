@@ -21,7 +21,13 @@ from gna_lens.interventions._common import describe_task
 from gna_lens.interventions.ablation import positions_label
 from gna_lens.models.provenance import provenance_method
 from gna_lens.scoring.patterns import Head
-from gna_lens.stats import Interval, bootstrap_interval, draws_interval, wilson_interval
+from gna_lens.stats import (
+    Interval,
+    bootstrap_interval,
+    paired_permutation_test,
+    two_level_interval,
+    wilson_interval,
+)
 from gna_lens.tasks import Task, TextControl, evaluate
 
 __all__ = [
@@ -35,6 +41,9 @@ __all__ = [
 
 #: Random draws of the baseline when none is given.
 RANDOM_DRAWS = 10
+#: Fewest layer-matched sets kept before the draws are matched on head kind instead: with fewer
+#: distinct layer-matched sets than requested but at least this many, every one of them is used.
+MIN_MATCHED_DRAWS = 5
 
 
 @dataclass(frozen=True)
@@ -42,19 +51,23 @@ class RandomHeadSets:
     """The random head sets of a baseline and how they were matched to the removed heads.
 
     Attributes:
-        sets: The sets, all distinct, none containing a removed head.
+        sets: The sets, all distinct, none containing a removed or an excluded head.
         matching: ``"layer"`` (as many heads per layer as the removed set) or ``"kind"`` (as
-            many attention / SSM heads, any layer: used when fewer than the requested number of
-            distinct layer-matched sets exist, e.g. 3 of a layer's 4 heads removed).
+            many attention / SSM heads, any layer: used when fewer than
+            :data:`MIN_MATCHED_DRAWS` distinct layer-matched sets exist, e.g. 3 of a layer's 4
+            heads removed).
         n_possible: How many distinct sets that matching allows (capped at 10**9).
         requested: How many draws were asked for; ``len(sets)`` is smaller only when
-            ``n_possible`` is.
+            ``n_possible`` is (then every possible layer-matched set is used).
+        excluded: Heads no set may contain besides the removed ones (e.g. the rest of a
+            ranking's top heads, so that a "random" set is not another top head).
     """
 
     sets: tuple[tuple[Head, ...], ...]
     matching: str
     n_possible: int
     requested: int
+    excluded: tuple[Head, ...] = ()
 
     def describe(self) -> str:
         """One line for method tables, e.g. ``"10 distinct sets, same layers"``."""
@@ -63,7 +76,9 @@ class RandomHeadSets:
         if self.matching == "kind":
             text += " (too few distinct sets with the same layers)"
         if len(self.sets) < self.requested:
-            text += f"; only {self.n_possible} possible, {self.requested} requested"
+            text += f"; only {self.n_possible} possible, {self.requested} requested: all used"
+        if self.excluded:
+            text += f"; {len(self.excluded)} more heads excluded from the draws"
         return text
 
 
@@ -78,20 +93,26 @@ def _n_sets(pools: Mapping[Any, Sequence[Head]], need: Mapping[Any, int]) -> int
 
 
 def matched_random_sets(
-    view: HeadView, heads: Sequence[Head], n_draws: int, seed: int = 0
+    view: HeadView,
+    heads: Sequence[Head],
+    n_draws: int,
+    seed: int = 0,
+    exclude: Sequence[Head] = (),
 ) -> RandomHeadSets:
     """Distinct random head sets with as many heads per layer as ``heads``, none of them in it.
 
-    When the layers cannot give ``n_draws`` distinct sets (a layer has fewer other heads than
-    ``heads`` takes from it, or only a handful of combinations exist), the sets are matched on
-    head kind instead (as many attention and SSM heads, any layer), and the result says so: a
-    baseline that redraws the same set ten times has no spread to report.
+    When the layers cannot give ``n_draws`` distinct sets but give at least
+    :data:`MIN_MATCHED_DRAWS`, every possible layer-matched set is used. With fewer (a layer has
+    fewer other heads than ``heads`` takes from it), the sets are matched on head kind instead
+    (as many attention and SSM heads, any layer), and the result says so: a baseline that redraws
+    the same set ten times has no spread to report.
 
     Args:
         view: The model's head view.
         heads: The heads whose layers (or kinds) are matched.
         n_draws: Number of sets.
         seed: Seed of the draws.
+        exclude: Heads never drawn either (e.g. the other heads of the ranking's top k).
 
     Returns:
         A :class:`RandomHeadSets`.
@@ -107,6 +128,9 @@ def matched_random_sets(
         >>> drawn = matched_random_sets(view, [(1, 0), (1, 3)], 10)  # 15 pairs left in layer 1
         >>> drawn.matching, len(set(drawn.sets)), {layer for s in drawn.sets for layer, _ in s}
         ('layer', 10, {1})
+        >>> drawn = matched_random_sets(view, [(1, 0)], 10)  # 7 left in layer 1: all 7 used
+        >>> drawn.matching, len(drawn.sets)
+        ('layer', 7)
         >>> drawn = matched_random_sets(view, [(1, h) for h in range(7)], 10)  # 1 left in layer 1
         >>> drawn.matching, len(drawn.sets)
         ('kind', 10)
@@ -116,7 +140,8 @@ def matched_random_sets(
     if not isinstance(n_draws, int) or n_draws < 0:
         raise GnaLensError(f"matched_random_sets(n_draws={n_draws!r}); expected an int >= 0.")
     taken = set(heads)
-    free = [h for h in view.heads() if h not in taken]
+    banned = taken | set(exclude)
+    free = [h for h in view.heads() if h not in banned]
     by_layer: dict[Any, list[Head]] = {}
     by_kind: dict[Any, list[Head]] = {}
     for h in free:
@@ -133,14 +158,15 @@ def matched_random_sets(
         by_kind.setdefault(key, [])
     pools, need, matching = by_layer, need_layer, "layer"
     n_possible = _n_sets(pools, need)
-    if n_possible < n_draws:
+    if n_possible < min(n_draws, MIN_MATCHED_DRAWS):
         pools, need, matching = by_kind, need_kind, "kind"
         n_possible = _n_sets(pools, need)
     if n_possible == 0 and n_draws:
         raise GnaLensError(
             f"matched_random_sets: removing {sorted(taken)} leaves too few heads to draw a set "
-            f"of as many attention / SSM heads ({dict(need_kind)}); the model has "
-            f"{view.n_heads_total} heads. Fix: remove fewer heads, or pass random_draws=0."
+            f"of as many attention / SSM heads ({dict(need_kind)}) with {len(banned) - len(taken)} "
+            f"more excluded; the model has {view.n_heads_total} heads. Fix: remove or exclude "
+            "fewer heads, or pass random_draws=0."
         )
     rng = random.Random(seed)
     want = min(n_draws, n_possible)
@@ -154,7 +180,11 @@ def matched_random_sets(
             seen.add(chosen)
             sets.append(chosen)
     return RandomHeadSets(
-        sets=tuple(sets), matching=matching, n_possible=n_possible, requested=n_draws
+        sets=tuple(sets),
+        matching=matching,
+        n_possible=n_possible,
+        requested=n_draws,
+        excluded=tuple(sorted(banned - taken)),
     )
 
 
@@ -171,9 +201,16 @@ class TaskRow:
         after: Accuracy with the heads removed (Wilson).
         change: ``after - before`` (paired bootstrap over prompts).
         random_after: Mean accuracy after removing a random matched head set, over the draws
-            (bootstrap over draws); ``None`` without random draws.
-        random_change: Mean change of those draws (bootstrap over draws), or ``None``.
+            and prompts (a bootstrap over both: which sets were drawn and which prompts were
+            asked); ``None`` without random draws.
+        random_change: Mean change of those draws (bootstrap over draws and prompts), or
+            ``None``.
         random_draws: Accuracy after each random draw.
+        vs_random: The removed set's change minus the random sets' mean change, per prompt
+            (paired bootstrap over prompts; negative: the set hurts more than random sets), or
+            ``None``.
+        p_value: Two-sided p-value of ``vs_random`` being 0 (sign-flip permutation test over
+            prompts, 10,000 flips), or ``None``.
     """
 
     task: str
@@ -186,6 +223,8 @@ class TaskRow:
     random_after: Interval | None = None
     random_change: Interval | None = None
     random_draws: tuple[float, ...] = ()
+    vs_random: Interval | None = None
+    p_value: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The row with its intervals as dicts."""
@@ -200,6 +239,8 @@ class TaskRow:
             "random_after": self.random_after.to_dict() if self.random_after else None,
             "random_change": self.random_change.to_dict() if self.random_change else None,
             "random_draws": list(self.random_draws),
+            "vs_random": self.vs_random.to_dict() if self.vs_random else None,
+            "p_value": self.p_value,
         }
 
 
@@ -213,7 +254,8 @@ class ControlRow:
         before: Loss with every head.
         after: Loss with the heads removed.
         change: ``after - before`` (paired bootstrap over windows).
-        random_change: Mean change over the random draws (bootstrap over draws), or ``None``.
+        random_change: Mean change over the random draws (bootstrap over draws and windows), or
+            ``None``.
         unit: What the loss is: ``"nats/token"`` (text: mean next-token loss) or ``"nats/answer"``
             (a knowledge task: the answer's loss among its options).
     """
@@ -394,6 +436,7 @@ def retrieval_vs_knowledge(
     control: TextControl | Task | None = None,
     random_draws: int = RANDOM_DRAWS,
     seed: int = 0,
+    exclude: Sequence[Head] = (),
     mode: str = "zero",
     positions: Any = None,
     reference: Any = None,
@@ -416,7 +459,11 @@ def retrieval_vs_knowledge(
             loss change is reported; ``None``: none.
         random_draws: Random head sets (each with as many heads per layer as ``heads``) whose
             removal is measured as the baseline; 0 for none. The paper-grade minimum is 10.
+            Each row compares the removed set with them prompt by prompt (``vs_random``, with
+            a sign-flip ``p_value``).
         seed: Seed of the random draws.
+        exclude: Heads the random sets never contain besides ``heads`` (pass the ranking's
+            other top heads, so that no "random" set is a top head).
         mode: Ablation mode (``"zero"``, ``"mean"``, ``"resample"``).
         positions: Ablated positions (``None``: all).
         reference: Reference of ``"mean"`` / ``"resample"``.
@@ -443,7 +490,7 @@ def retrieval_vs_knowledge(
         raise GnaLensError(f"random_draws={random_draws!r}; expected an int >= 0 (10 or more).")
     view = head_view(model)
     checked = tuple(view.check_heads(heads))
-    drawn = matched_random_sets(view, checked, random_draws, seed)
+    drawn = matched_random_sets(view, checked, random_draws, seed, exclude=exclude)
     sets = list(drawn.sets)
     cells = [checked, *sets]
     rows = []
@@ -459,7 +506,10 @@ def retrieval_vs_knowledge(
         fallbacks += [f"{name}: {why}" for why in path_info["fallbacks"]]
         n = len(task)
         after = values[0]
-        rand_after = values[1:].mean(-1) if sets else None
+        rand = values[1:].double()  # [draws, prompts]
+        diff = None
+        if sets:
+            diff = (after.double() - base.double()) - (rand - base.double()[None]).mean(0)
         rows.append(
             TaskRow(
                 task=name,
@@ -469,15 +519,13 @@ def retrieval_vs_knowledge(
                 before=wilson_interval(float(base.sum()), n),
                 after=wilson_interval(float(after.sum()), n),
                 change=_paired(after - base),
-                random_after=(
-                    draws_interval(rand_after, seed=seed) if rand_after is not None else None
-                ),
+                random_after=two_level_interval(rand, seed=seed) if sets else None,
                 random_change=(
-                    draws_interval(rand_after - base.mean(), seed=seed)
-                    if rand_after is not None
-                    else None
+                    two_level_interval(rand - base.double()[None], seed=seed) if sets else None
                 ),
-                random_draws=tuple(rand_after.tolist()) if rand_after is not None else (),
+                random_draws=tuple(rand.mean(-1).tolist()) if sets else (),
+                vs_random=_paired(diff) if diff is not None else None,
+                p_value=paired_permutation_test(diff, seed=seed) if diff is not None else None,
             )
         )
     control_row = None
@@ -495,7 +543,7 @@ def retrieval_vs_knowledge(
             before=res.baseline_mean,
             after=float(res.values[0].float().mean()),
             change=_paired(diffs[0]),
-            random_change=draws_interval(diffs[1:].mean(-1), seed=seed) if sets else None,
+            random_change=two_level_interval(diffs[1:], seed=seed) if sets else None,
             unit="nats/token" if isinstance(control, TextControl) else "nats/answer",
         )
     return KnowledgeTable(
@@ -518,7 +566,8 @@ def retrieval_vs_knowledge(
             "paths": step_paths,
             "fallbacks": fallbacks,
             "intervals": "Wilson 95% for accuracies; paired bootstrap 95% for changes; "
-            "bootstrap over draws for the random baseline",
+            "bootstrap over draws and prompts for the random baseline; the set vs the random "
+            "sets: paired bootstrap over prompts, sign-flip permutation p-value",
         },
     )
 

@@ -143,8 +143,14 @@ def gna_masks(
     gathers: Sequence[Head], aggregates: Sequence[Head], *, complement: bool = False
 ) -> Callable[[Batch], dict[Head, Tensor]]:
     """Per-batch masks: gather heads see only their segment, aggregate heads only the summary
-    tokens (``complement=True``: exactly those attentions removed). A head in both lists gets the
-    union of the kept sets (the intersection of the denied ones)."""
+    tokens (``complement=True``: exactly those attentions removed).
+
+    A head in both lists plays both roles: it keeps what both roles keep (the intersection of
+    the keep masks: its summary rows see only their segment *and* its final row only the summary
+    tokens) and is denied what either role is denied (the union of the denied entries). Both are
+    the ``&`` of the masks, since each role's mask is all-True outside its own rows (their
+    ``|`` would keep everything: the bug of issue 30, caught by
+    ``test_a_head_in_both_roles_keeps_the_intersection_and_denies_the_union``)."""
 
     def masks(b: Batch) -> dict[Head, Tensor]:
         out: dict[Head, Tensor] = {}
@@ -152,9 +158,7 @@ def gna_masks(
             out[h] = gather_mask(b, complement=complement)
         for h in aggregates:
             m = aggregate_mask(b, complement=complement)
-            if h in out:
-                m = (out[h] & m) if complement else (out[h] | m)
-            out[h] = m
+            out[h] = out[h] & m if h in out else m
         return out
 
     return masks
