@@ -168,11 +168,22 @@ def _scan(args: argparse.Namespace) -> int:
         )
     print(f"\nTop {len(result.top)} heads (retrieval-specific, most harmful first):")
     if result.top:
-        df = report.to_dataframe().set_index(["layer", "head"]).loc[result.top].reset_index()
+        df = report.joint_table(list(result.top))  # + the joint control effect of each prefix
         table = df[list(TABLE_COLUMNS)].dropna(axis=1, how="all")  # unmeasured columns dropped
         print(table.to_string(index=False, float_format=lambda x: f"{x:.4f}"))
+    joint = report.joint_set
+    n_top = len(result.top)
+    if joint is not None and n_top and list(result.top) == list(joint.heads[:n_top]):
+        print(
+            f"Joint control effect (the top {n_top} removed together, 95% interval): "
+            f"{joint.effect(n_top).format(signed=True)} {joint.unit}, bound {joint.bound:g}"
+            " (joint_control_effect: each head with those above it; control_effect: alone)"
+        )
     if result.excluded:
-        print("\nLeft out as generic (their removal also breaks the control):")
+        print(
+            "\nLeft out as generic (their removal, alone or with the heads above, also breaks "
+            "the control):"
+        )
         for e in result.excluded:
             print(
                 f"  L{e.head[0]}H{e.head[1]}: ablation effect {e.ablation_effect:+.3f}; {e.reason}"
@@ -315,11 +326,22 @@ def _ints(text: str, flag: str) -> list[int]:
 
 def _hybrid(args: argparse.Namespace) -> int:
     from gna_lens.errors import GnaLensError
-    from gna_lens.hybrid import parse_budget, run_experiment
+    from gna_lens.hybrid import DISTILL_DATA, parse_budget, run_experiment
 
     keep = _ints(args.keep, "--keep")
     kv_pairs = _ints(args.kv_pairs, "--kv-pairs")
     stages = _ints(args.stages, "--stages")
+    seeds = _ints(args.seeds, "--seeds") if args.seeds is not None else None
+    choices = [c.strip() for c in args.distill_data.split(",") if c.strip()]
+    bad = [c for c in choices if c not in DISTILL_DATA] or ([] if choices else [""])
+    if bad:
+        print(
+            f"gna-lens hybrid: error: --distill-data {args.distill_data!r}: {bad[0]!r} is not a "
+            f"choice; expected one of {', '.join(DISTILL_DATA)} or several separated by commas "
+            "(e.g. default,no-kv).",
+            file=sys.stderr,
+        )
+        return 2
     budget: Any = args.budget.strip()
     if budget.replace("_", "").isdigit():
         budget = int(budget.replace("_", ""))
@@ -341,7 +363,10 @@ def _hybrid(args: argparse.Namespace) -> int:
             stages=stages,
             stage1_share=args.stage1_share,
             seed=args.seed,
+            seeds=seeds,
             random_draws=args.random_draws,
+            distill_data=choices,
+            only=args.only,
             kv_pairs=kv_pairs,
             kv_template=args.kv_template,
             n_rank=args.n_rank,
@@ -371,6 +396,12 @@ def _hybrid(args: argparse.Namespace) -> int:
     elif progress:
         print(table.to_markdown())
         print(f"Written: {args.out}/table.md, table.csv, table.json, table.svg")
+        pending = table.method.get("pending")
+        if pending:
+            print(
+                f"Left for another run (not selected by --only): {', '.join(pending)}; rerun "
+                "with the same options and another --only (or none) to add them."
+            )
     return 0
 
 
@@ -415,7 +446,8 @@ DEFAULT_SCAN_MODEL = "zoo-llama"
 #: The columns of the table ``gna-lens scan`` prints.
 TABLE_COLUMNS = (
     "layer", "head", "kind", "role", "ablation_effect", "ablation_effect_low",
-    "ablation_effect_high", "control_effect", "specificity", "attribution", "gather_score",
+    "ablation_effect_high", "control_effect", "joint_control_effect", "specificity",
+    "attribution", "gather_score",
     "aggregate_score", "correct_share", "correct_chance",
 )  # fmt: skip
 
@@ -601,7 +633,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     hy.add_argument(
         "--train", default="ssm", choices=["ssm", "mixers", "all"], help="what stage 2 trains"
     )
-    hy.add_argument("--random-draws", type=int, default=1, help="random-head students per k (1)")
+    hy.add_argument(
+        "--random-draws", type=int, default=1,
+        help="random-head students per k, layer-matched to the top-k set (1; 3 or more for a "
+        "controlled comparison)",
+    )  # fmt: skip
+    hy.add_argument(
+        "--distill-data", default="default",
+        help="distillation data: default (KV texts, prose, MMLU) or no-kv (prose and MMLU, no KV "
+        "text); several separated by commas (default,no-kv) distil every student on each",
+    )  # fmt: skip
+    hy.add_argument(
+        "--seeds", default=None,
+        help="training seeds, each student distilled once per seed (data seed, SSM init, data "
+        "order), e.g. 0,1 (default: --seed)",
+    )  # fmt: skip
+    hy.add_argument(
+        "--only", default=None,
+        help="distil only these rows now, comma separated: an arm (top-8, random-8, "
+        "'random-8 #2', k=0), seed=N, data=CHOICE, or an arm with either ('top-8 seed=1'); "
+        "finished rows of the same settings are read back, the rest left for another run",
+    )  # fmt: skip
     hy.add_argument("--kv-pairs", default="4,8,16", help="held-out dictionary sizes (4,8,16)")
     hy.add_argument(
         "--kv-template", default=None, choices=["question", "paper"],

@@ -47,6 +47,7 @@ from gna_lens.scoring.knowledge import RANDOM_DRAWS
 from gna_lens.scoring.report import (
     EXACT_ALL_MAX,
     EXACT_BUDGET_S,
+    JOINT_K,
     applied_head_groups,
     choose_strategy,
     default_top_layers,
@@ -576,6 +577,7 @@ def scan(
             executor=executor,
             sweep_dtype=sweep_dtype,
             progress=progress,
+            joint_k=max(JOINT_K, top),  # the top heads are removed together: a joint set of them
         )
         timings["heads"] = time.perf_counter() - t
         if "strategy_choice" in report.method:  # chosen here, before score_heads ran it

@@ -324,7 +324,7 @@ def test_a_head_in_both_roles_keeps_the_intersection_and_denies_the_union(toy):
     from gna_lens.interventions.masks import aggregate_mask, gather_mask
     from gna_lens.scoring import gna_masks
 
-    model, task = toy
+    _, task = toy
     batch = next(iter(task.batches(4, padding_side="left")))
     head = (1, 0)
     g, a = gather_mask(batch), aggregate_mask(batch)

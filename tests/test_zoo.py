@@ -375,7 +375,10 @@ def test_set_level_control_and_every_seed_claim_get_a_status():
     from gna_lens.findings.render import SEED_CLAIMS, _set_control_status, seed_claims
 
     def ctrl(change, rand):
-        return {"change": _iv(change, change - 0.1, change + 0.1), "random_change": _iv(rand, 0, 0.1)}
+        return {
+            "change": _iv(change, change - 0.1, change + 0.1),
+            "random_change": _iv(rand, 0, 0.1),
+        }
 
     assert _set_control_status("m", 4, ctrl(0.036, 0.027))["status"] == "reproduced"
     assert _set_control_status("m", 8, ctrl(1.083, 0.067))["status"] == "not reproduced"
@@ -390,3 +393,34 @@ def test_set_level_control_and_every_seed_claim_get_a_status():
     ]
     first = seed_claims({}, statuses)[0]
     assert first["status"] == "partly" and "a: reproduced; b: not reproduced" in first["why"]
+
+
+def test_layer_dictionary_and_probe_statuses_follow_their_numbers():
+    from gna_lens.findings.render import _dictionary_status, _layers_status, _probe_status
+
+    def single(layer, change, control):
+        return {"layer": layer, "change": _iv(*change), "control_change": _iv(control, 0, 0)}
+
+    base = {"baseline": _acc(0.77, 60), "chance": 1 / 6}
+    few = base | {"individual": [single(i, (0.0, -0.05, 0.05), 0.01) for i in range(7)]
+                  + [single(7, (-0.4, -0.5, -0.3), 0.05)]}  # fmt: skip
+    assert _layers_status("m", few)["status"] == "reproduced"
+    breaks_prose = base | {"individual": [single(0, (-0.4, -0.5, -0.3), 2.0)]}
+    assert _layers_status("m", breaks_prose)["status"] == "not reproduced"
+
+    def point(n, vs):
+        return {"n_pairs": n, "chance": 1 / n, "before": _acc(0.9, 60), "vs_random": _iv(*vs)}
+
+    every = {"points": [point(2, (-0.3, -0.4, -0.2)), point(4, (-0.4, -0.5, -0.3))]}
+    assert _dictionary_status("m", every)["status"] == "reproduced"
+    some = {"points": [point(2, (-0.3, -0.4, -0.2)), point(4, (-0.05, -0.1, 0.02))]}
+    assert _dictionary_status("m", some)["status"] == "partly"
+
+    def probe(acc, overlap):
+        return {"model": "m", "template": "facts", "accuracy": _acc(acc, 120), "chance": 1 / 6,
+                "top_heads": [{}] * 8, "question_top": [f"L{i}H0" for i in range(8)],
+                "overlap": overlap}  # fmt: skip
+
+    assert _probe_status(probe(0.49, ["L0H0"]))["status"] == "partly"
+    assert _probe_status(probe(0.49, [f"L{i}H0" for i in range(4)]))["status"] == "reproduced"
+    assert _probe_status(probe(0.17, []))["status"] == "not testable offline"

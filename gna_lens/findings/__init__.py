@@ -34,10 +34,13 @@ from gna_lens.findings.experiments import (
     ZOO_ALL,
     hybrid_roles,
     pattern_masks,
+    second_probe,
     sharpness_and_capacity,
     smollm2_heads,
     zoo_ablation,
 )
+from gna_lens.findings.figures import dictionary_figure, pruning_figure
+from gna_lens.findings.layers import smollm2_layers, zoo_layers
 from gna_lens.findings.render import render_markdown, status_rows
 from gna_lens.runtime import choose_threads, cpu_description
 
@@ -59,7 +62,10 @@ __all__ = [
 def run_all(
     *, progress: bool = True, only: Sequence[str] | None = None, sweep_dtype: str | None = None
 ) -> dict[str, Any]:
-    """Run every experiment (or those named in ``only``: ``"1"`` .. ``"5"``); returns the results.
+    """Run every experiment (or those named in ``only``: ``"1"`` .. ``"7"``); returns the results.
+
+    6: layer pruning (gradual and individual) and dictionary-size curves; 7: the second,
+    induction-proof KV probe.
 
     The zoo models are ranked once and the reports shared by findings 2-5.
     """
@@ -76,6 +82,15 @@ def run_all(
         "3": lambda: pattern_masks(progress=progress, reports=reports),
         "4": lambda: sharpness_and_capacity(progress=progress, reports=reports),
         "5": lambda: hybrid_roles(progress=progress, reports=reports),
+        "6": lambda: {
+            "smollm2": smollm2_layers(
+                heads=_top_labels(results, 4) or ["L16H0", "L18H6", "L8H2", "L17H2"],
+                exclude=_top_labels(results, None),
+                progress=progress,
+            ),
+            "zoo": zoo_layers(("zoo-mamba2", "zoo-llama"), reports=reports, progress=progress),
+        },
+        "7": lambda: second_probe(question_top=_top_labels(results, 8), progress=progress),
     }
     results: dict[str, Any] = {"seconds": {}}
     t_all = time.perf_counter()
@@ -104,6 +119,29 @@ EXTERNAL = {
     "swap": "docs/assets/hybrid_swap_zoo.json",
     "students": "docs/assets/hybrid_smollm2_200k.json",
 }
+
+
+def _top_labels(results: dict[str, Any], k: int | None) -> list[str]:
+    """Finding 1's top heads as labels (the first ``k``; ``None``: all of them)."""
+    heads = [h["head"] for h in results.get("1", {}).get("top_heads", [])]
+    return heads if k is None else heads[:k]
+
+
+def write_figures(results: dict[str, Any], assets: Path) -> list[Path]:
+    """Finding 6's SVG figures under ``assets`` (the names the page links to)."""
+    res = results.get("6")
+    if not res:
+        return []
+    assets.mkdir(parents=True, exist_ok=True)
+    items = [("smollm2", res["smollm2"])]
+    items += [(z["model"].removeprefix("zoo-"), z) for z in res.get("zoo", [])]
+    written = []
+    for key, r in items:
+        for kind, fig in (("pruning", pruning_figure), ("dictionary", dictionary_figure)):
+            path = assets / f"findings_{kind}_{key}.svg"
+            path.write_text(fig(r[kind]), encoding="utf-8")
+            written.append(path)
+    return written
 
 
 def read_external(root: Path | None = None) -> dict[str, Any]:
@@ -212,7 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--zoo-page", default="docs/zoo.md", help="zoo page written from the cards ('' to skip)"
     )
-    parser.add_argument("--only", nargs="*", default=None, help="experiments to run (1-5)")
+    parser.add_argument("--only", nargs="*", default=None, help="experiments to run (1-7)")
     parser.add_argument(
         "--render", default=None, help="only re-render the page from a results JSON (no runs)"
     )
@@ -230,6 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         stored = json.loads(Path(args.render).read_text(encoding="utf-8"))
         page = render_markdown(stored, stored.get("command", "make findings"))
         Path(args.out).write_text(page, encoding="utf-8")
+        write_figures(stored, Path(args.out).parent / "assets")
         if args.zoo_page:
             Path(args.zoo_page).write_text(zoo_markdown(), encoding="utf-8")
         print(f"wrote {args.out} from {args.render}", file=sys.stderr)
@@ -244,6 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     page = render_markdown(results, command.strip())
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(page, encoding="utf-8")
+    write_figures(results, Path(args.out).parent / "assets")
     if args.zoo_page:
         Path(args.zoo_page).write_text(zoo_markdown(), encoding="utf-8")
     if args.json:

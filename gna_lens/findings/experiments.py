@@ -34,6 +34,7 @@ __all__ = [
     "metric_agreement",
     "pattern_masks",
     "rank_zoo_model",
+    "second_probe",
     "sharpness_and_capacity",
     "smollm2_heads",
     "smollm2_label",
@@ -174,7 +175,7 @@ def smollm2_heads(
     masks = mask_experiment(model, held, gathers, aggregates).to_dict()
     agreement = metric_agreement(model, probe, report, progress=progress)
     effect = report.scores["ablation_effect"]
-    eligible = report.top(len(report.heads))
+    eligible = report.top(len(report.heads), joint=False)
     idx = {h: i for i, h in enumerate(report.heads)}
     harms = sorted(
         (-float(effect[idx[h]]) for h in eligible if float(effect[idx[h]]) < 0), reverse=True
@@ -293,6 +294,67 @@ def metric_agreement(
         "method": "zero ablation of each head alone at every position (as the report), both "
         "metrics on the same prompts; accuracy over the choices; orders among heads whose "
         f"control effect is <= {report.max_control:g}",
+    }
+
+
+def second_probe(
+    model: Any = None,
+    question_top: Sequence[str] = (),
+    *,
+    n_rank: int = 24,
+    n_eval: int = 120,
+    n_pairs: int = 6,
+    k: int = 8,
+    seed: int = 0,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """A KV probe induction cannot answer (template ``"facts"``: the query's key is not followed
+    by the dictionary line's continuation), its ranking, and induction scores of the top heads.
+
+    SmolLM2 is ranked on ``n_rank`` facts prompts (prose control, as finding 1) and measured on
+    ``n_eval`` others (Wilson interval against chance); the top ``k`` is compared with the
+    question template's (``question_top``, labels); every head's prefix-matching score on
+    repeated random tokens (:func:`~gna_lens.scoring.prefix_matching_scores`) says which top
+    heads are induction heads.
+    """
+    from gna_lens.models import load_model
+    from gna_lens.scoring import prefix_matching_scores
+
+    model = model if model is not None else load_model("smollm2-135m")
+    tok = model.tokenizer
+    kw: dict[str, Any] = dict(n_pairs=n_pairs, template="facts", values="words")
+    probe = kv_retrieval(tok, n_samples=n_rank, seed=seed, **kw)
+    held = kv_retrieval(tok, n_samples=n_eval, seed=seed + 1, **kw)
+    acc = evaluate(model, held, batch_size=16, progress=False)
+    report = score_heads(
+        model, probe, control=text_control(tok, split="select"), n_examples=0, progress=progress
+    )
+    ranked = report.top(k)
+    induction = prefix_matching_scores(model)
+    mine = [_label(h) for h in ranked]
+
+    def scored(labels: Sequence[str]) -> list[dict[str, Any]]:
+        out = []
+        for label in labels:
+            layer, head = (int(x) for x in label[1:].split("H"))
+            out.append({"head": label, "prefix_matching": float(induction.score((layer, head)))})
+        return out
+
+    return {
+        "model": smollm2_label(model),
+        "template": "facts",
+        "n_rank": len(probe),
+        "n_eval": len(held),
+        "accuracy": wilson_interval(float(acc.correct.sum()), len(held)).to_dict(),
+        "chance": float(held.chance),
+        "top_heads": head_rows(report, ranked),
+        "question_top": list(question_top),
+        "overlap": sorted(set(mine) & set(question_top)),
+        "induction_top": scored(mine),
+        "question_induction": scored(question_top),
+        "induction_baseline": float(induction.baseline),
+        "strongest_induction": [_label(h) for h in induction.top(5)],
+        "method": _method(report),
     }
 
 

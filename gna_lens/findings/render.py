@@ -234,6 +234,13 @@ def status_rows(results: Mapping[str, Any]) -> list[dict[str, str]]:
                 "why": why,
             }
         )
+    role_sources = (
+        [(results["1"]["model"], results["1"].get("top_heads"))] if "1" in results else []
+    )
+    role_sources += [(r["model"], r.get("top_heads")) for r in results.get("2", [])]
+    for model, heads in role_sources:
+        if heads:
+            out.append(_roles_status(model, heads[:4]))
     if "1" in results and results["1"].get("masks"):
         r = results["1"]
         out.append(_mask_status(r["masks"] | {"model": r["model"], "task": "kv"}))
@@ -241,6 +248,14 @@ def status_rows(results: Mapping[str, Any]) -> list[dict[str, str]]:
         out.append(_mask_status(r))
     if "4" in results:
         out.extend(_sharpness_status(results["4"]))
+    if "6" in results:
+        r6 = results["6"]
+        items = [("SmolLM2-135M", r6["smollm2"])] + [(z["model"], z) for z in r6.get("zoo", [])]
+        for model, x in items:
+            out.append(_layers_status(model, x["pruning"]))
+            out.append(_dictionary_status(model, x["dictionary"]))
+    if "7" in results:
+        out.append(_probe_status(results["7"]))
     if "5" in results:
         out.append(_hybrid_status(results["5"]))
     return out
@@ -350,6 +365,87 @@ def _hybrid_status(r: Mapping[str, Any]) -> dict[str, str]:
         "why": "denying the attention candidates' patterns lowers kv-8, but the top aggregate "
         "candidate is an SSM head",
     }
+
+
+def _roles_status(model: str, heads: Sequence[Mapping[str, Any]]) -> dict[str, str]:
+    """Status of "the top heads gather and aggregate" from the pattern roles of the top heads
+    (a role needs its score above its null, see :mod:`gna_lens.scoring.patterns`).
+
+    Examples:
+        >>> _roles_status("m", [{"head": "L1H0", "role": "gather"}, {"head": "L2H0", "role": "-"}])["status"]
+        'partly'
+    """
+    roles = {h["head"]: h.get("role") or "-" for h in heads}
+    gather = [h for h, r in roles.items() if "gather" in r]
+    aggregate = [h for h, r in roles.items() if "aggregate" in r]
+    numbers = ", ".join(f"{h} {r}" for h, r in roles.items())
+    base = {"claim": "The top heads gather and aggregate (their patterns)", "model": model,
+            "numbers": f"top {len(heads)}: {numbers}"}  # fmt: skip
+    if gather and aggregate:
+        return base | {"status": REPRODUCED, "why": "a gather and an aggregate pattern among them"}
+    if gather or aggregate:
+        return base | {"status": PARTLY, "why": "only one of the two roles among them"}
+    return base | {"status": NOT, "why": "no gather or aggregate pattern among them"}
+
+
+def _layers_status(model: str, p: Mapping[str, Any]) -> dict[str, str]:
+    """Layer removal: a few single layers carry retrieval (accuracy change below 0 with its
+    interval, control change within :data:`FLAT_NATS`) while most do not."""
+    singles = p.get("individual", [])
+    hit = [
+        x for x in singles if x["change"]["high"] < 0 and x["control_change"]["value"] <= FLAT_NATS
+    ]
+    n = len(singles)
+    names = " ".join(f"L{x['layer']}" for x in hit) or "none"
+    base = {"claim": "Layer removal: a few layers carry retrieval while the rest hold the "
+            "knowledge", "model": model,
+            "numbers": f"{len(hit)} of {n} layers alone lower retrieval beyond its interval with "
+            f"the control within {FLAT_NATS} ({names})"}  # fmt: skip
+    if not p.get("baseline") or not p["baseline"]["low"] > p["chance"]:
+        return base | {"status": UNTESTABLE, "why": "the model is at chance on the task"}
+    if hit and len(hit) <= max(2, n // 4):
+        return base | {"status": REPRODUCED, "why": "a few single layers, control flat"}
+    if hit:
+        return base | {"status": PARTLY, "why": "more than a quarter of the layers do"}
+    return base | {"status": NOT, "why": "no single layer does"}
+
+
+def _dictionary_status(model: str, d: Mapping[str, Any]) -> dict[str, str]:
+    """Dictionary size: removing the top heads costs more than random heads at every size."""
+    rows = [x for x in d.get("points", []) if x.get("vs_random")]
+    done = [x for x in rows if x["before"]["low"] > x["chance"]]
+    worse = [x for x in done if x["vs_random"]["high"] < 0]
+    sizes = (
+        ", ".join(f"{x['n_pairs']}: {_pts(x['vs_random'])}" for x in done) or "no size above chance"
+    )
+    base = {"claim": "Removing the top heads costs more than random heads at every dictionary "
+            "size", "model": model, "numbers": f"top minus random, per size: {sizes}"}  # fmt: skip
+    if not done:
+        return base | {"status": UNTESTABLE, "why": "the model is at chance at every size"}
+    if len(worse) == len(done):
+        return base | {"status": REPRODUCED, "why": "every interval below 0"}
+    if worse:
+        return base | {"status": PARTLY, "why": "at some sizes only"}
+    return base | {"status": NOT, "why": "at no size"}
+
+
+def _probe_status(r: Mapping[str, Any]) -> dict[str, str]:
+    """The probe needs gathering, not copying: on a template induction cannot answer, the
+    model does the task and the ranking finds the same heads."""
+    acc = r["accuracy"]
+    k = len(r["question_top"]) or len(r["top_heads"])
+    base = {"claim": "Induction cannot answer the probe, and it finds the same heads",
+            "model": r["model"],
+            "numbers": f"{r['template']}: {_pct(acc)} (chance {100 * r['chance']:.1f}%); top "
+            f"{len(r['top_heads'])} shares {len(r['overlap'])} of the question template's "
+            f"top {k}"}  # fmt: skip
+    if not acc["low"] > r["chance"]:
+        return base | {"status": UNTESTABLE, "why": "the model is at chance on the facts probe"}
+    if len(r["overlap"]) * 2 >= k:
+        return base | {"status": REPRODUCED, "why": "at least half the top heads shared"}
+    if r["overlap"]:
+        return base | {"status": PARTLY, "why": "fewer than half the top heads shared"}
+    return base | {"status": NOT, "why": "no top head shared"}
 
 
 def _p_text(row: Mapping[str, Any]) -> str:
@@ -511,7 +607,7 @@ def seed_claims(
         "letter": rows("MMLU in the paper's letter format"),
         "layers": rows("Layer removal"),
         "dictionary": rows("Removing the top heads costs more"),
-        "roles": rows("The top heads gather"),
+        "roles": rows("The top heads gather") + rows("Induction cannot"),
         "masks": rows("Keeping only the G&A patterns"),
         "sharpness": rows("SSM G&A heads are less sharp"),
         "hybrid": rows("In the hybrid"),
@@ -700,7 +796,77 @@ def render_markdown(results: Mapping[str, Any], command: str) -> str:
         lines += _sharpness_section(results["4"])
     if "5" in results:
         lines += _hybrid_section(results["5"])
+    if "6" in results:
+        lines += _layers_section(results["6"])
+    if "7" in results:
+        lines += _probe_section(results["7"])
     return "\n".join(lines) + "\n"
+
+
+def _layers_section(r: Mapping[str, Any]) -> list[str]:
+    from gna_lens.findings.layers import dictionary_markdown, pruning_markdown
+
+    lines = [
+        "## 6. Layers and dictionary size",
+        "",
+        "The slides' layer experiments on what runs here: layers removed from the end one after "
+        "another (gradual) and each layer removed alone (individual), retrieval accuracy and the "
+        "control's loss change; and KV accuracy against the number of pairs with the top heads "
+        "removed, with as many random heads removed, and with nothing removed.",
+        "",
+    ]
+    items = [("smollm2", "SmolLM2-135M", r["smollm2"])]
+    items += [(z["model"].removeprefix("zoo-"), z["model"], z) for z in r.get("zoo", [])]
+    for key, title, x in items:
+        lines += [f"### {title}", ""]
+        lines += pruning_markdown(x["pruning"], figure=f"assets/findings_pruning_{key}.svg")
+        lines += [""]
+        lines += dictionary_markdown(
+            x["dictionary"], figure=f"assets/findings_dictionary_{key}.svg"
+        )
+        lines += [""]
+    return lines
+
+
+def _probe_section(r: Mapping[str, Any]) -> list[str]:
+    acc = r["accuracy"]
+    ind = {h["head"]: h["prefix_matching"] for h in r["induction_top"] + r["question_induction"]}
+    return [
+        "## 7. A probe induction cannot answer",
+        "",
+        "The question template ends `... for key X?\\nX:`, repeating the dictionary line's "
+        "prefix, so a head that copies the token after the last earlier match answers it "
+        f"without gathering anything. The *{r['template']}* template (`The X is Y.` lines, "
+        "query `What is the X? It is`) ends on a cue that follows every line's key, so copying "
+        f"cannot pick the queried line. SmolLM2 on {r['n_eval']} held-out prompts: "
+        f"{_pct(acc)} (chance {100 * r['chance']:.1f}%). Ranked on {r['n_rank']} other prompts "
+        "(prose control, as section 1).",
+        "",
+        *_heads_table(r["top_heads"]),
+        "",
+        f"Overlap with the question template's top {len(r['question_top'])}: "
+        f"{' '.join(r['overlap']) or 'none'} ({len(r['overlap'])} of "
+        f"{len(r['question_top'])}).",
+        "",
+        "Prefix-matching (induction) score on repeated random tokens (share of a row on the "
+        "token after the previous occurrence; a uniform head scores "
+        f"{r['induction_baseline']:.3f}; strongest in the model: "
+        f"{' '.join(r['strongest_induction'])}):",
+        "",
+        *_md_table(
+            ["head", "in facts top", "in question top", "prefix matching"],
+            (
+                [
+                    h,
+                    "yes" if h in {x["head"] for x in r["induction_top"]} else "",
+                    "yes" if h in r["question_top"] else "",
+                    f"{v:.3f}",
+                ]
+                for h, v in ind.items()
+            ),
+        ),
+        "",
+    ]
 
 
 def _weights_lines(results: Mapping[str, Any]) -> list[str]:

@@ -39,11 +39,15 @@ from gna_lens.device import HOST
 from gna_lens.errors import ConfigError, DistillationDiverged
 from gna_lens.hybrid._budget import Budget, parse_budget
 from gna_lens.hybrid._data import (
+    DISTILL_DATA,
     DISTILL_SEEDS,
     EVAL_KV_SEED,
     EVALUATION_SEEDS,
+    DataComposition,
     DistillData,
+    data_composition,
     default_distill_data,
+    distill_data,
 )
 from gna_lens.hybrid._distill import DistillResult, distill
 from gna_lens.hybrid._experiment import HybridRow, HybridTable, run_experiment
@@ -57,11 +61,13 @@ from gna_lens.models.mixers.swapped import SwappedMamba2Mixer
 
 __all__ = [
     "DEFAULT_LENGTHS",
+    "DISTILL_DATA",
     "DISTILL_SEEDS",
     "EVALUATION_SEEDS",
     "EVAL_KV_SEED",
     "HEAD_LAYOUTS",
     "Budget",
+    "DataComposition",
     "DistillData",
     "DistillResult",
     "DistillationDiverged",
@@ -69,8 +75,10 @@ __all__ = [
     "HybridTable",
     "StateBytes",
     "build_hybrid",
+    "data_composition",
     "default_distill_data",
     "distill",
+    "distill_data",
     "parse_budget",
     "run_experiment",
     "state_bytes",

@@ -17,6 +17,11 @@ evaluation set.
 A source the tokenizer does not cover (more than ``max_unknown`` of its tokens unknown: a
 word-level tokenizer of a synthetic vocabulary reads prose as ``<unk>``) is left out, and the
 data says so (:attr:`DistillData.info`).
+
+:data:`DISTILL_DATA` names the choices of :func:`gna_lens.hybrid.run_experiment`'s
+``distill_data`` (``"default"``: all four sources; ``"no-kv"``: prose and MMLU only, no KV text
+at all) and :func:`distill_data` makes one; :func:`data_composition` measures what share of the
+texts and of the tokens each source has in the stream distillation actually reads.
 """
 
 import random
@@ -27,13 +32,17 @@ from typing import Any
 from gna_lens.errors import ConfigError, TaskError
 
 __all__ = [
+    "DISTILL_DATA",
     "DISTILL_SEEDS",
     "EVALUATION_SEEDS",
     "EVAL_KV_SEED",
     "MMLU_EVAL_EVERY",
     "SELECTION_SEED",
+    "DataComposition",
     "DistillData",
+    "data_composition",
     "default_distill_data",
+    "distill_data",
     "distill_kv_seed",
     "kv_texts",
     "mmlu_split",
@@ -63,6 +72,14 @@ EVALUATION_SEEDS: dict[str, range] = {
 MMLU_EVAL_EVERY = 4
 #: Dictionaries per KV block (one size, one seed).
 KV_BLOCK = 32
+#: The distillation-data choices of :func:`gna_lens.hybrid.run_experiment` (``distill_data=``,
+#: ``gna-lens hybrid --distill-data``): the sources of :func:`default_distill_data` each uses.
+#: ``"no-kv"`` holds no KV-retrieval text at all, so a student distilled on it never saw the
+#: held-out task's format.
+DISTILL_DATA: dict[str, tuple[str, ...]] = {
+    "default": ("kv-paper", "prose", "kv-question", "mmlu"),
+    "no-kv": ("prose", "mmlu"),
+}
 
 
 def distill_kv_seed(seed: int, block: int) -> int:
@@ -204,15 +221,21 @@ class DistillData:
     _kv: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __iter__(self) -> Iterator[str]:
-        streams: list[Iterator[str]] = []
+        for _, text in self.labelled():
+            yield text
+
+    def labelled(self) -> Iterator[tuple[str, str]]:
+        """``(source, text)`` pairs: the texts of ``iter(self)``, in the same order, each with
+        the source it came from (``"kv-paper"``, ``"prose"``, ...)."""
+        streams: list[tuple[str, Iterator[str]]] = []
         for name in self.sources:
             if name.startswith("kv-"):
-                streams.append(kv_texts(self._tokenizer, seed=self.seed, **self._kv[name]))
+                streams.append((name, kv_texts(self._tokenizer, seed=self.seed, **self._kv[name])))
             else:
-                streams.append(self._cycle(name))
+                streams.append((name, self._cycle(name)))
         while True:
-            for stream in streams:
-                yield next(stream)
+            for name, stream in streams:
+                yield name, next(stream)
 
     def _cycle(self, name: str) -> Iterator[str]:
         texts = self._fixed[name]
@@ -306,6 +329,9 @@ def default_distill_data(
                     t
                     for _, t in zip(range(8), kv_texts(tokenizer, seed=seed, **args), strict=False)
                 ]  # type: ignore[arg-type]
+                # the largest dictionaries too: a tokenizer with too few single-token keys
+                # for them would otherwise fail in the middle of a distillation
+                next(kv_texts(tokenizer, seed=seed, **(args | {"pairs": (hi, hi)})))
                 texts = sample
                 kv[name] = args
                 info[name] = (
@@ -354,3 +380,140 @@ def default_distill_data(
         _fixed=fixed,
         _kv=kv,
     )
+
+
+def distill_data(
+    tokenizer: Any, choice: str = "default", seed: int = 0, **kwargs: Any
+) -> DistillData:
+    """The distillation data ``choice`` of :data:`DISTILL_DATA` (:func:`default_distill_data`
+    with that choice's sources).
+
+    Args:
+        tokenizer: The student's (the teacher's) tokenizer.
+        choice: ``"default"`` (KV texts in both templates, prose, MMLU) or ``"no-kv"`` (prose
+            and MMLU only).
+        seed: Data seed, ``0 <= seed < 1000``.
+        **kwargs: Passed on to :func:`default_distill_data` (``prose_tokens``, ...).
+
+    Returns:
+        A :class:`DistillData`.
+
+    Raises:
+        ConfigError: For an unknown choice, or when the tokenizer leaves out every source of
+            the choice (a zoo tokenizer reads prose and MMLU as ``<unk>``: ``"no-kv"`` has no
+            source left).
+
+    Examples:
+        >>> from gna_lens import zoo
+        >>> distill_data(zoo.tokenizer(), "no-kv")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        gna_lens.errors.ConfigError: distill_data='no-kv' (sources prose, mmlu): no source is left with this tokenizer ...
+    """
+    if not isinstance(choice, str) or choice not in DISTILL_DATA:
+        raise ConfigError(
+            f"distill_data={choice!r}; expected one of {list(DISTILL_DATA)} (default: KV texts, "
+            "prose and MMLU; no-kv: prose and MMLU, no KV text)."
+        )
+    sources = DISTILL_DATA[choice]
+    try:
+        return default_distill_data(tokenizer, seed, sources=sources, **kwargs)
+    except ConfigError as err:
+        if "no source is usable" not in str(err):
+            raise
+        raise ConfigError(
+            f"distill_data={choice!r} (sources {', '.join(sources)}): no source is left with "
+            f"this tokenizer ({err}). Fix: use distill_data='default' (its KV texts work with any "
+            "tokenizer that has single-token keys), or pass your own texts as data=."
+        ) from None
+
+
+@dataclass(frozen=True)
+class DataComposition:
+    """What share of the texts and of the tokens each source has in a distillation stream.
+
+    Attributes:
+        shares: Per source, ``{"texts": share, "tokens": share}`` (each column sums to 1).
+        n_texts: Texts counted (each of two tokens or more, as distillation uses them).
+        n_tokens: Their tokens, after the tokenizer's special tokens and the cut at
+            ``max_length``.
+        max_length: The cut.
+        seed: The data seed of the stream measured.
+    """
+
+    shares: dict[str, dict[str, float]]
+    n_texts: int
+    n_tokens: int
+    max_length: int
+    seed: int
+
+    def describe(self) -> str:
+        """One line, e.g. ``"kv-paper 25% of texts / 31% of tokens, ..."``."""
+        parts = [
+            f"{name} {100 * v['texts']:.1f}% of texts / {100 * v['tokens']:.1f}% of tokens"
+            for name, v in self.shares.items()
+        ]
+        kv = [v for name, v in self.shares.items() if name.startswith("kv-")]
+        kv_text = (
+            f"; KV texts in all: {100 * sum(v['texts'] for v in kv):.1f}% / "
+            f"{100 * sum(v['tokens'] for v in kv):.1f}%"
+        )
+        return (
+            ", ".join(parts)
+            + kv_text
+            + f" (the first {self.n_texts:,} texts, {self.n_tokens:,} tokens, of data seed "
+            f"{self.seed}, cut at {self.max_length} tokens as distillation reads them)"
+        )
+
+
+def data_composition(
+    data: DistillData,
+    tokenizer: Any,
+    *,
+    max_length: int,
+    tokens: int | None = None,
+    n_texts: int = 2000,
+) -> DataComposition:
+    """Share of texts and of tokens per source over the first texts distillation reads.
+
+    Each text is tokenized as distillation does (the tokenizer's special tokens, cut at
+    ``max_length``; texts under two tokens are skipped, as distillation skips them).
+
+    Args:
+        data: The data (its :meth:`DistillData.labelled` stream).
+        tokenizer: The tokenizer distillation uses (the teacher's).
+        max_length: Tokens per text at most (``run_experiment``'s ``max_length``).
+        tokens: Count texts until this many tokens (a token budget: the whole stream one
+            student reads); ``None``: ``n_texts`` texts.
+        n_texts: Texts to count without ``tokens`` (and at most this many times 50 with it).
+
+    Returns:
+        A :class:`DataComposition`.
+
+    Examples:
+        >>> from gna_lens import zoo
+        >>> comp = data_composition(default_distill_data(zoo.tokenizer()), zoo.tokenizer(),
+        ...                         max_length=64, n_texts=100)
+        >>> sorted(comp.shares), comp.n_texts, round(sum(v["texts"] for v in comp.shares.values()), 6)
+        (['kv-paper', 'kv-question'], 100, 1.0)
+    """
+    count: dict[str, list[int]] = {name: [0, 0] for name in data.sources}
+    n = total = 0
+    cap = n_texts if tokens is None else 50 * n_texts
+    for name, text in data.labelled():
+        ids = tokenizer(text, add_special_tokens=True, truncation=True, max_length=max_length)[
+            "input_ids"
+        ]
+        if len(ids) < 2:
+            continue
+        count[name][0] += 1
+        count[name][1] += len(ids)
+        n += 1
+        total += len(ids)
+        if (tokens is not None and total >= tokens) or n >= cap:
+            break
+    shares = {
+        name: {"texts": c[0] / max(1, n), "tokens": c[1] / max(1, total)}
+        for name, c in count.items()
+    }
+    return DataComposition(shares, n, total, max_length, data.seed)

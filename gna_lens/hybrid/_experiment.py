@@ -8,7 +8,9 @@ Prompt sets, all disjoint (seeds in :mod:`gna_lens.hybrid._data`):
   prose control's ``"select"`` half; for zoo teachers the first ``n_rank`` prompts of the zoo's
   kv-8 split and its cloze ``"select"`` half;
 - **distillation**: :func:`~gna_lens.hybrid.default_distill_data` (KV seeds in
-  :data:`DISTILL_SEEDS`, the prose's first half, MMLU questions of the distillation split);
+  :data:`DISTILL_SEEDS`, the prose's first half, MMLU questions of the distillation split), or
+  its ``"no-kv"`` choice without the KV texts (:data:`~gna_lens.hybrid.DISTILL_DATA`), one
+  stream per training seed;
 - **held out**: KV retrieval at each dictionary size ``n`` with seed ``EVAL_KV_SEED + n``
   (prompts also in the selection set dropped; zoo teachers: the zoo's own held-out splits,
   after the selection prompts), the prose's ``"eval"`` half (next-token loss), and a knowledge
@@ -50,13 +52,41 @@ def _heads_text(heads: Sequence[Head]) -> str:
     return " ".join(f"L{a}H{b}" for a, b in heads) or "none"
 
 
+def _mean(values: Iterable[float]) -> float:
+    v = list(values)
+    return sum(v) / len(v) if v else math.nan
+
+
+def _points(iv: dict[str, Any]) -> str:
+    return f"{100 * iv['value']:+.1f} [{100 * iv['low']:+.1f}, {100 * iv['high']:+.1f}]"
+
+
+def _mean_correct(rows: Sequence["HybridRow"], task: str) -> torch.Tensor | None:
+    """Per held-out prompt, the mean 0 / 1 over ``rows`` (``None`` unless every row kept its
+    per-prompt results, all of one length)."""
+    got = [r.kv_correct.get(task) for r in rows]
+    if not got or any(not g for g in got) or len({len(g) for g in got if g}) != 1:
+        return None
+    return torch.tensor(got, dtype=torch.float64, device=HOST).mean(0)
+
+
+def _paired(x: torch.Tensor | None, y: torch.Tensor | None) -> dict[str, Any] | None:
+    if x is None or y is None or x.shape != y.shape:
+        return None
+    out = bootstrap_interval(x - y)
+    assert isinstance(out, Interval)
+    return out.to_dict()
+
+
 @dataclass(frozen=True)
 class HybridRow:
     """One model of the table: the teacher, or a student.
 
     Attributes:
         name: ``"teacher"``, ``"k=0"``, ``"top-4"``, ``"random-4"`` (``"random-4 #2"`` for
-            further draws).
+            further draws), followed by ``" seed=1"`` for a training seed other than the
+            experiment's ``seed`` and ``" data=no-kv"`` for distillation data other than the
+            default (``"random-4 #2 seed=1 data=no-kv"``).
         kind: ``"teacher"``, ``"none"``, ``"top"`` or ``"random"``.
         k: Heads kept as attention (the teacher: all of them).
         heads: The kept heads (empty for the teacher: every head).
@@ -70,6 +100,9 @@ class HybridRow:
         seconds: Wall time of this row (distillation and evaluation).
         kv_correct: Per KV task, each held-out prompt's 0 / 1 (the same prompts in every row,
             so rows compare paired: :meth:`HybridTable.comparisons`).
+        seed: The training seed (data seed, SSM initialization and data order) of a student.
+        data: The distillation data choice (:data:`~gna_lens.hybrid.DISTILL_DATA`).
+        arm: The name without the seed and the data (``"random-4 #2"``).
     """
 
     name: str
@@ -83,6 +116,9 @@ class HybridRow:
     distill: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
     kv_correct: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    seed: int = 0
+    data: str = "default"
+    arm: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -97,6 +133,9 @@ class HybridRow:
             "distill": self.distill,
             "seconds": self.seconds,
             "kv_correct": {k: list(v) for k, v in self.kv_correct.items()},
+            "seed": self.seed,
+            "data": self.data,
+            "arm": self.arm or self.name,
         }
 
     @classmethod
@@ -116,22 +155,30 @@ class HybridRow:
             kv_correct={
                 k: tuple(int(x) for x in v) for k, v in (d.get("kv_correct") or {}).items()
             },
+            seed=int(d.get("seed", 0)),
+            data=str(d.get("data", "default")),
+            arm=str(d.get("arm") or d["name"]),
         )
 
 
 @dataclass(frozen=True)
 class HybridTable:
-    """The experiment's table: the teacher and one student per (k, top or random).
+    """The experiment's table: the teacher and one student per (k, top or random draw, training
+    seed, distillation data).
 
     Attributes:
         teacher: The teacher's name.
-        rows: The teacher, then ``k = 0``, then per ``k`` the top-k and random-k students.
+        rows: The teacher, then per distillation data and training seed: ``k = 0``, then per
+            ``k`` the top-k and random-k students (rows left for another run, see
+            ``only=`` of :func:`run_experiment`, are not in it: ``method["pending"]``).
         ranking: The teacher's heads, most retrieval-specific first (the top-k students keep
             its first k).
         kv_tasks: Names of the held-out KV tasks (columns), by dictionary size.
         chance: Per KV task and for the knowledge task, the accuracy of guessing.
         knowledge_task: What the knowledge column measures (``None``: not measured).
-        method: Budget, data, stages, seeds, d_state, head layout, teacher provenance, ...
+        method: Budget, data (and its composition per source), stages, seeds, d_state, head
+            layout, teacher provenance, how the random heads were matched, whether the
+            comparison is controlled (``"controlled"``, ``"controls"``), ...
         seconds: Wall time, total and per stage of the experiment.
     """
 
@@ -158,9 +205,10 @@ class HybridTable:
         return tuple(sorted(self.rows[0].state)) if self.rows else ()
 
     def to_dataframe(self) -> Any:
-        """One row per model: ``name, kind, k, heads``, each KV task's accuracy with ``_low`` /
-        ``_high``, ``prose_loss`` (and interval), ``knowledge`` (and interval), bytes per
-        token at each length, distillation tokens and seconds."""
+        """One row per model: ``name, kind, k, seed, data, heads``, each KV task's accuracy with
+        ``_low`` / ``_high``, ``prose_loss`` (and interval), ``knowledge`` (and interval), bytes
+        per token at each length, distillation tokens and seconds (``seed`` and ``data`` empty
+        for the teacher)."""
         import pandas as pd
 
         out = []
@@ -169,6 +217,8 @@ class HybridTable:
                 "name": r.name,
                 "kind": r.kind,
                 "k": r.k,
+                "seed": None if r.kind == "teacher" else r.seed,
+                "data": None if r.kind == "teacher" else r.data,
                 "heads": "all" if r.kind == "teacher" else _heads_text(r.heads),
             }
             for t in self.kv_tasks:
@@ -194,37 +244,83 @@ class HybridTable:
         return pd.DataFrame(out)
 
     def comparisons(self) -> list[dict[str, Any]]:
-        """Per ``k > 0`` and KV task: the top-k student against the best random-k student and
-        against ``k = 0``: their accuracies, whether the two Wilson intervals are apart
-        (``above_random`` / ``below_random``, ...), and, where the rows kept each prompt's
-        result, the paired difference over the same prompts with a 95% bootstrap interval
-        (``paired_random``, ``paired_k=0``: ``{"value", "low", "high", ...}`` in accuracy)."""
-        out = []
-        base = next((r for r in self.rows if r.kind == "none"), None)
-        ks = sorted({r.k for r in self.rows if r.kind == "top"})
-        for k in ks:
-            top = next(r for r in self.rows if r.kind == "top" and r.k == k)
-            rand = [r for r in self.rows if r.kind == "random" and r.k == k]
-            for t in self.kv_tasks:
-                a = top.kv[t]
-                entry: dict[str, Any] = {"k": k, "task": t, "top": a.value}
-                for label, others in (("random", rand), ("k=0", [base] if base else [])):
-                    if not others:
-                        continue
-                    best = max(others, key=lambda r: r.kv[t].value)
-                    b = best.kv[t]
-                    entry[label] = b.value
-                    entry[f"above_{label}"] = a.low > b.high
-                    entry[f"below_{label}"] = a.high < b.low
-                    x, y = top.kv_correct.get(t), best.kv_correct.get(t)
-                    if x and y and len(x) == len(y):
-                        diff = torch.tensor(x, dtype=torch.float64, device=HOST) - torch.tensor(
-                            y, dtype=torch.float64, device=HOST
-                        )
-                        paired = bootstrap_interval(diff)
-                        assert isinstance(paired, Interval)
-                        entry[f"paired_{label}"] = paired.to_dict()
-                out.append(entry)
+        """Per distillation data, ``k > 0`` and KV task: the top-k students against the random-k
+        students and against ``k = 0`` (every training seed of that data together).
+
+        Each entry has ``k``, ``task``, ``data``, ``seeds`` (the top-k students' training
+        seeds) and ``top`` (their mean accuracy), and per baseline ``B`` (``"random"``,
+        ``"k=0"``) present:
+
+        - ``B``: the best such student's accuracy (over draws and seeds); ``B_mean``: their
+          mean; ``B_range``: lowest and highest; ``n_B``: how many students;
+        - ``above_B`` / ``below_B``: every top-k student's 95% Wilson interval lies above /
+          below the best one's (one seed: the top-k row's own interval against it);
+        - ``paired_B``: per held-out prompt, the top-k students' mean result minus the best
+          one's, with a 95% bootstrap interval over the prompts (``{"value", "low", "high",
+          ...}`` in accuracy); ``paired_B_mean``: minus the mean result of every such student
+          (draws and seeds): the comparison against "a random head set", not the luckiest one;
+        - ``per_seed`` (random-k): per training seed, the top-k student's accuracy, the mean of
+          that seed's random-k students and the paired difference against that mean.
+
+        The bootstrap resamples prompts only: the spread over draws and seeds shows in
+        ``random_range`` and ``per_seed``.
+        """
+        out: list[dict[str, Any]] = []
+        students = [r for r in self.rows if r.kind != "teacher"]
+        for data in dict.fromkeys(r.data for r in students):
+            group = [r for r in students if r.data == data]
+            base = [r for r in group if r.kind == "none"]
+            for k in sorted({r.k for r in group if r.kind == "top"}):
+                tops = [r for r in group if r.kind == "top" and r.k == k]
+                rand = [r for r in group if r.kind == "random" and r.k == k]
+                seeds = sorted({r.seed for r in tops})
+                for t in self.kv_tasks:
+                    entry: dict[str, Any] = {
+                        "k": k,
+                        "task": t,
+                        "data": data,
+                        "seeds": seeds,
+                        "top": _mean(r.kv[t].value for r in tops),
+                    }
+                    x = _mean_correct(tops, t)
+                    for label, others in (("random", rand), ("k=0", base)):
+                        if not others:
+                            continue
+                        best = max(others, key=lambda r: r.kv[t].value)
+                        b = best.kv[t]
+                        values = [r.kv[t].value for r in others]
+                        entry[label] = b.value
+                        entry[f"{label}_mean"] = _mean(values)
+                        entry[f"{label}_range"] = [min(values), max(values)]
+                        entry[f"n_{label}"] = len(others)
+                        entry[f"above_{label}"] = min(r.kv[t].low for r in tops) > b.high
+                        entry[f"below_{label}"] = max(r.kv[t].high for r in tops) < b.low
+                        for key, y in (
+                            (f"paired_{label}", _mean_correct([best], t)),
+                            (f"paired_{label}_mean", _mean_correct(others, t)),
+                        ):
+                            paired = _paired(x, y)
+                            if paired is not None:
+                                entry[key] = paired
+                    if rand:
+                        per = []
+                        for sd in seeds:
+                            top_s = [r for r in tops if r.seed == sd]
+                            rand_s = [r for r in rand if r.seed == sd]
+                            if not rand_s:
+                                continue
+                            one: dict[str, Any] = {
+                                "seed": sd,
+                                "top": _mean(r.kv[t].value for r in top_s),
+                                "random_mean": _mean(r.kv[t].value for r in rand_s),
+                                "n_random": len(rand_s),
+                            }
+                            paired = _paired(_mean_correct(top_s, t), _mean_correct(rand_s, t))
+                            if paired is not None:
+                                one["paired_random_mean"] = paired
+                            per.append(one)
+                        entry["per_seed"] = per
+                    out.append(entry)
         return out
 
     def to_markdown(self) -> str:
@@ -263,33 +359,74 @@ class HybridTable:
         comps = self.comparisons()
         if comps:
             lines.append(
-                "Top-k against random-k (the best draw) and k = 0: Wilson intervals apart "
-                "(above / below) or overlapping; paired: the difference over the same prompts "
-                "with a 95% bootstrap interval:"
+                "Top-k against random-k and k = 0, per distillation data (several training "
+                "seeds: the top-k students' mean): the other students' best (with their mean "
+                "where there are several); Wilson intervals apart (above / below: every top-k "
+                "student's interval beyond the best other's) or overlapping; paired: the "
+                "difference over the same prompts with a 95% bootstrap interval over the "
+                "prompts, against the best other student and ('vs mean') against the mean of "
+                "them all:"
             )
             lines.append("")
+            several_data = len({c["data"] for c in comps}) > 1
             for c in comps:
-                parts = [f"k={c['k']} {c['task']}: top {100 * c['top']:.1f}%"]
+                where = f" [{c['data']} data]" if several_data or c["data"] != "default" else ""
+                top = f"top {100 * c['top']:.1f}%"
+                if len(c["seeds"]) > 1:
+                    top += f" (mean of {len(c['seeds'])} seeds)"
+                parts = [f"k={c['k']} {c['task']}{where}: {top}"]
                 for label in ("random", "k=0"):
-                    if label in c:
-                        sep = "above" if c[f"above_{label}"] else (
-                            "below" if c[f"below_{label}"] else "overlapping"
-                        )  # fmt: skip
-                        text = f"{label} {100 * c[label]:.1f}% ({sep}"
-                        pv = c.get(f"paired_{label}")
-                        if pv is not None:
-                            text += (
-                                f"; paired {100 * pv['value']:+.1f} [{100 * pv['low']:+.1f}, "
-                                f"{100 * pv['high']:+.1f}] points"
-                            )
-                        parts.append(text + ")")
+                    if label not in c:
+                        continue
+                    sep = "above" if c[f"above_{label}"] else (
+                        "below" if c[f"below_{label}"] else "overlapping"
+                    )  # fmt: skip
+                    n = c.get(f"n_{label}", 1)
+                    text = f"{label} {100 * c[label]:.1f}%"
+                    if n > 1:
+                        lo, hi = c[f"{label}_range"]
+                        text = (
+                            f"{label} best {100 * c[label]:.1f}% of {n} (mean "
+                            f"{100 * c[f'{label}_mean']:.1f}%, range {100 * lo:.1f}-{100 * hi:.1f}%)"
+                        )
+                    text += f" ({sep}"
+                    pv = c.get(f"paired_{label}")
+                    if pv is not None:
+                        text += f"; paired {_points(pv)}"
+                    pm = c.get(f"paired_{label}_mean")
+                    if pm is not None and n > 1:
+                        text += f"; vs mean {_points(pm)}"
+                    parts.append(text + (" points)" if pv is not None else ")"))
                 lines.append("- " + ", ".join(parts))
+                per = c.get("per_seed") or []
+                if len(per) > 1:
+                    lines.append(
+                        "  - per seed: "
+                        + "; ".join(
+                            f"seed {p['seed']}: top {100 * p['top']:.1f}%, random mean "
+                            f"{100 * p['random_mean']:.1f}% of {p['n_random']}"
+                            + (
+                                f", paired {_points(p['paired_random_mean'])} points"
+                                if "paired_random_mean" in p
+                                else ""
+                            )
+                            for p in per
+                        )
+                    )
+            lines.append("")
+        composition = m.get("data_composition_text") or {}
+        if composition:
+            lines.append("Distillation data composition (share of texts / of tokens per source):")
+            lines.append("")
+            for choice, text in composition.items():
+                lines.append(f"- {choice}: {text}")
             lines.append("")
         lines.append("Method:")
         lines.append("")
         for key in (
             "teacher", "ranking", "selection", "held_out", "knowledge", "prose", "distillation",
-            "budget", "data", "stages", "student", "random_heads", "seeds", "machine", "versions",
+            "budget", "data", "stages", "student", "random_heads", "seeds", "controls", "only",
+            "pending", "machine", "versions",
         ):  # fmt: skip
             if key in m:
                 lines.append(f"- {key.replace('_', ' ')}: {m[key]}")
@@ -329,6 +466,13 @@ class HybridTable:
             seconds=dict(data.get("seconds", {})),
         )
 
+    def _plotted(self, kind: str) -> list[HybridRow]:
+        """The rows of one curve of the figures: ``kind`` and ``k = 0``, of the first
+        distillation data only (a no-kv arm is another experiment, not more points)."""
+        data = next((r.data for r in self.rows if r.kind != "teacher"), "default")
+        rows = [r for r in self.rows if r.kind in (kind, "none") and r.data == data]
+        return sorted(rows, key=lambda r: r.k)
+
     def figure(self) -> Any:
         """A plotly figure: per KV task, accuracy (95% intervals) against k, top-k and random-k
         students, with the teacher and chance as lines."""
@@ -339,7 +483,7 @@ class HybridTable:
         colors = {"top": "#1f77b4", "random": "#d62728"}
         for i, t in enumerate(self.kv_tasks, start=1):
             for kind in ("top", "random"):
-                rows = sorted((r for r in self.rows if r.kind in (kind, "none")), key=lambda r: r.k)
+                rows = self._plotted(kind)
                 fig.add_trace(
                     go.Scatter(
                         x=[r.k for r in rows],
@@ -429,7 +573,7 @@ class HybridTable:
                     'stroke="black" stroke-dasharray="2 3"/>'
                 )
             for kind, col, dx in (("top", "#1f77b4", -3), ("random", "#d62728", 3)):
-                rows = sorted((r for r in self.rows if r.kind in (kind, "none")), key=lambda r: r.k)
+                rows = self._plotted(kind)
                 pts = " ".join(f"{x(r.k) + dx:.1f},{y(r.kv[t].value):.1f}" for r in rows)
                 out.append(
                     f'<polyline points="{pts}" fill="none" stroke="{col}" stroke-width="1.5"/>'
@@ -728,7 +872,7 @@ def _rank(
     info: dict[str, Any] = {}
     everything = len(report.heads)
     if report.has_control:
-        ranked = list(report.top(everything))
+        ranked = list(report.top(everything, joint=False))
         info["criterion"] = report.criterion
     else:
         ranked = []
@@ -745,6 +889,173 @@ def _rank(
     return [tuple(h) for h in ranked], info  # type: ignore[misc]
 
 
+def _seed_list(seed: int, seeds: Sequence[int] | None) -> list[int]:
+    if seeds is None:
+        return [seed]
+    if isinstance(seeds, str | int) or not isinstance(seeds, Iterable):
+        raise ConfigError(
+            f"run_experiment(seeds={seeds!r}); expected a list of ints in 0..999, e.g. [0, 1]."
+        )
+    out = list(seeds)
+    for s in out:
+        if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < 1000:
+            raise ConfigError(
+                f"run_experiment(seeds={out!r}): {s!r} is not a training seed; expected ints in "
+                "0..999 (each is also the distillation data's seed), e.g. [0, 1]."
+            )
+    if not out or len(set(out)) != len(out):
+        raise ConfigError(
+            f"run_experiment(seeds={out!r}); expected one or more distinct seeds, e.g. [0, 1]."
+        )
+    return out
+
+
+def _data_choices(distill_data: str | Sequence[str]) -> list[str]:
+    from gna_lens.hybrid._data import DISTILL_DATA
+
+    given = [distill_data] if isinstance(distill_data, str) else distill_data
+    if not isinstance(given, Iterable):
+        given = [given]  # type: ignore[list-item]
+    out = list(dict.fromkeys(given))
+    for choice in out:
+        if not isinstance(choice, str) or choice not in DISTILL_DATA:
+            raise ConfigError(
+                f"run_experiment(distill_data={distill_data!r}): {choice!r} is not a "
+                f"distillation-data choice; expected one of {list(DISTILL_DATA)} or a list of "
+                "them, e.g. ['default', 'no-kv'] (no-kv: prose and MMLU, no KV text)."
+            )
+    if not out:
+        raise ConfigError(
+            f"run_experiment(distill_data={distill_data!r}); expected one of "
+            f"{list(DISTILL_DATA)} or a list of them."
+        )
+    return out
+
+
+#: One ``only=`` entry: ``(arm or None, training seed or None, data choice or None)``.
+_Selector = tuple[str | None, int | None, str | None]
+
+
+def _only_entries(only: str | Sequence[str] | None) -> list[str]:
+    if only is None:
+        return []
+    items = [only] if isinstance(only, str) else list(only)
+    return [e.strip() for item in items for e in str(item).split(",") if e.strip()]
+
+
+def _parse_only(
+    only: str | Sequence[str] | None, choices: Sequence[str], seed_list: Sequence[int]
+) -> list[_Selector] | None:
+    """``only=`` as selectors (see run_experiment); ``None`` selects every row."""
+    if only is None:
+        return None
+    entries = _only_entries(only)
+    if not entries:
+        raise ConfigError(
+            f"run_experiment(only={only!r}) selects nothing; expected row names such as "
+            "'top-8', 'random-8', 'k=0', 'seed=1', 'data=no-kv' or 'top-8 seed=1' (or None "
+            "for every row)."
+        )
+    out: list[_Selector] = []
+    for entry in entries:
+        arm: list[str] = []
+        sd: int | None = None
+        data: str | None = None
+        for token in entry.split():
+            key, _, value = token.partition("=")
+            if key == "seed" and value:
+                if sd is not None or not value.isdigit():
+                    raise ConfigError(
+                        f"run_experiment(only={only!r}): {entry!r} has a bad seed ({token!r}); "
+                        "expected one 'seed=N' per entry, e.g. 'top-8 seed=1'."
+                    )
+                sd = int(value)
+            elif key == "data" and value:
+                if data is not None:
+                    raise ConfigError(
+                        f"run_experiment(only={only!r}): {entry!r} names two data choices; "
+                        "expected one 'data=CHOICE' per entry, e.g. 'top-8 data=no-kv'."
+                    )
+                data = value
+            else:
+                arm.append(token)
+        out.append((" ".join(arm) or None, sd, data))
+    return out
+
+
+def _selected(selectors: Sequence[_Selector], arm: str, seed: int, data: str) -> bool:
+    return any(
+        (a is None or a == arm or a == arm.split(" #")[0])
+        and (s is None or s == seed)
+        and (d is None or d == data)
+        for a, s, d in selectors
+    )
+
+
+def _check_only(
+    only: Any,
+    selectors: Sequence[_Selector],
+    arms: Sequence[str],
+    choices: Sequence[str],
+    seed_list: Sequence[int],
+) -> None:
+    """Refuse an ``only=`` entry that selects no row of the plan (a typo would silently run
+    nothing)."""
+    for entry, sel in zip(_only_entries(only), selectors, strict=True):
+        if not any(_selected([sel], a, s, d) for a in arms for s in seed_list for d in choices):
+            raise ConfigError(
+                f"run_experiment(only={only!r}): {entry!r} selects no row of this run, whose "
+                f"arms are {list(arms)}, training seeds {list(seed_list)} and data "
+                f"{list(choices)}. Fix: name one of those, e.g. '{arms[-1]}', "
+                f"'{arms[-1].split(' #')[0]} seed={seed_list[0]}' or 'data={choices[0]}'."
+            )
+
+
+def _write_row(row_file: Path, fingerprint: dict[str, Any], row: HybridRow) -> None:
+    """Write a finished row; a row of other settings already there (e.g. a random student of
+    an earlier version's uniform draw) is moved to ``rows/superseded/``, not overwritten."""
+    row_file.parent.mkdir(parents=True, exist_ok=True)
+    if row_file.is_file():
+        try:
+            old = json.loads(row_file.read_text(encoding="utf-8"))
+        except ValueError:
+            old = None
+        if isinstance(old, dict) and old.get("fingerprint") != fingerprint:
+            keep = row_file.parent / "superseded"
+            keep.mkdir(exist_ok=True)
+            row_file.replace(keep / f"{row_file.stem}.{_digest(old.get('fingerprint') or {})}.json")
+    row_file.write_text(
+        json.dumps({"fingerprint": fingerprint, "row": row.to_dict()}, indent=1), encoding="utf-8"
+    )
+
+
+def _controls(rows: Sequence[HybridRow], matching: dict[int, Any]) -> tuple[bool, str]:
+    """Whether the table's top-k vs random-k comparison is controlled: two or more training
+    seeds of the default data, a no-kv arm, three or more random students per (k, seed,
+    data), random heads layer-matched; and a line saying what it has."""
+    students = [r for r in rows if r.kind in ("top", "random")]
+    seeds = sorted({r.seed for r in students if r.kind == "top" and r.data == "default"})
+    no_kv = {r.kind for r in students if r.data == "no-kv"} == {"top", "random"}
+    groups = {(r.data, r.k, r.seed) for r in students if r.kind == "top"}
+    n_random = min(
+        (
+            sum(1 for r in students if r.kind == "random" and (r.data, r.k, r.seed) == g)
+            for g in groups
+        ),
+        default=0,
+    )
+    layer = bool(matching) and all(v.matching == "layer" for v in matching.values())
+    ok = len(seeds) >= 2 and no_kv and n_random >= 3 and layer
+    text = (
+        f"training seeds of the default data: {seeds or 'none'}; no-kv arm (top-k and "
+        f"random-k): {'yes' if no_kv else 'no'}; random students per k, seed and data: at least "
+        f"{n_random}; random heads {'layer-matched' if layer else 'not layer-matched'}; "
+        f"controlled (2+ seeds, a no-kv arm, 3+ random students, layer-matched): "
+        f"{'yes' if ok else 'no'}"
+    )
+    return ok, text
+
+
 # ----------------------------------------------------------------------------- run
 def run_experiment(
     teacher: Any,
@@ -757,7 +1068,10 @@ def run_experiment(
     stages: Sequence[int] = (1, 2),
     stage1_share: float = 0.25,
     seed: int = 0,
+    seeds: Sequence[int] | None = None,
     random_draws: int = 1,
+    distill_data: str | Sequence[str] = "default",
+    only: str | Sequence[str] | None = None,
     kv_pairs: Sequence[int] = (4, 8, 16),
     kv_template: str | None = None,
     n_rank: int = 24,
@@ -787,12 +1101,25 @@ def run_experiment(
 
     For each ``k`` of ``keep``: a student keeping the teacher's top ``k`` retrieval-specific
     heads (:func:`~gna_lens.score_heads` with the prose control, :meth:`GnaReport.top`) and
-    ``random_draws`` students keeping ``k`` heads drawn at random (one student for ``k = 0``),
-    each built by :func:`~gna_lens.hybrid.build_hybrid` and distilled by
-    :func:`~gna_lens.hybrid.distill` with the same budget, data and seed. Every student and the
-    teacher are measured on held-out KV retrieval at each dictionary size, the held-out prose
-    and a knowledge task (module docstring), with recurrent-state and KV-cache bytes at
-    ``lengths``.
+    ``random_draws`` students keeping ``k`` random heads, layer-matched to the top-k set
+    (:func:`~gna_lens.scoring.matched_random_sets`: as many heads per layer, none of the
+    ranking's top ``max(keep)``), and one student for ``k = 0``; each built by
+    :func:`~gna_lens.hybrid.build_hybrid` and distilled by :func:`~gna_lens.hybrid.distill`
+    with the same budget, once per training seed of ``seeds`` and per distillation data of
+    ``distill_data``. The ranking and the random head sets do not depend on the training seed.
+    Every student and the teacher are measured on held-out KV retrieval at each dictionary
+    size, the held-out prose and a knowledge task (module docstring), with recurrent-state
+    and KV-cache bytes at ``lengths``.
+
+    Rows are named ``"top-8"``, ``"random-8 #2"``, ``"k=0"``, followed by ``" seed=1"`` for a
+    training seed other than ``seed`` and ``" data=no-kv"`` for data other than the default;
+    with ``out``, each finished row is written to ``out/rows/`` at once and read back by any
+    later call whose settings match, so a rerun with more seeds, draws or data choices
+    distils only the missing rows, and the rows of one default-settings run (training seed =
+    ``seed``, default data) keep the files and fingerprints of earlier versions. ``only``
+    splits a long run across sessions or machines: every call plans the same rows, distils
+    those ``only`` selects, reads back the others that are finished and leaves the rest out
+    of its table (``method["pending"]``).
 
     Args:
         teacher: A Llama-style teacher: a name :func:`gna_lens.load_model` loads
@@ -806,8 +1133,23 @@ def run_experiment(
         head_layout: ``"head"`` or ``"kv_group"``.
         stages: Distillation stages.
         stage1_share: Share of each student's budget for stage 1 (see distill).
-        seed: Seed of the data, the random heads and the knowledge sample.
-        random_draws: Random-head students per ``k > 0``.
+        seed: Seed of the random head sets and the knowledge sample, and the training seed
+            when ``seeds`` is ``None``.
+        seeds: Training seeds: each student is distilled once per seed (the distillation
+            data's seed, the SSM heads' initialization and the data order); ``None``:
+            ``(seed,)``.
+        random_draws: Random-head students per ``k > 0`` (default 1; 3 or more for a
+            controlled comparison: one random set can be lucky or unlucky).
+        distill_data: The distillation data, one choice or several of
+            :data:`~gna_lens.hybrid.DISTILL_DATA`: ``"default"`` (KV texts in the paper's and
+            the question template, prose, MMLU) or ``"no-kv"`` (prose and MMLU only: no text
+            in the held-out task's format). Ignored with ``data`` (which must then be
+            ``"default"``).
+        only: Distil only these rows now (a name, or a list; CLI ``--only``): each entry is an
+            arm (``"top-8"``, ``"k=0"``, ``"random-8"`` for every draw, ``"random-8 #2"`` for
+            one), ``"seed=N"``, ``"data=CHOICE"``, or an arm followed by either or both, space
+            separated (``"random-8 seed=1 data=no-kv"``); a row is selected when an entry
+            matches it. ``None``: every row.
         kv_pairs: Dictionary sizes of the held-out KV tasks.
         kv_template: ``"question"`` (default; SmolLM2-135M is at chance in the paper's) or
             ``"paper"``; zoo teachers use their own splits (the paper's template).
@@ -845,7 +1187,9 @@ def run_experiment(
 
     Raises:
         ConfigError: For a teacher that is not Llama-style, a bad ``keep``, a budget that
-            does not parse, or data that can be read only once.
+            does not parse, data that can be read only once, an unknown ``distill_data``
+            choice or one the tokenizer leaves no source of, bad ``seeds``, or an ``only``
+            entry that selects no row of the plan.
     """
     import sys
 
@@ -870,6 +1214,15 @@ def run_experiment(
             "run_experiment(data=...) got an iterator, which can be read once; every student "
             "is distilled on the same texts. Pass a list or a re-iterable (default_distill_data)."
         )
+    seed_list = _seed_list(seed, seeds)
+    choices = _data_choices(distill_data)
+    if data is not None and choices != ["default"]:
+        raise ConfigError(
+            f"run_experiment(distill_data={distill_data!r}) with data=...: your texts are the "
+            "distillation data, so there is no choice to make. Fix: pass either data= or "
+            "distill_data=, not both."
+        )
+    selectors = _parse_only(only, choices, seed_list)
 
     def say(text: str) -> None:
         if progress:
@@ -903,6 +1256,18 @@ def run_experiment(
     ks = _keep_list(keep, len(every))
     if tok is None:
         raise ConfigError(f"run_experiment: the teacher {name!r} has no tokenizer.")
+    if selectors is not None:  # before ranking: a typo would otherwise run nothing
+        labels = [
+            label
+            for k in ks
+            for label in (
+                ["k=0"]
+                if k == 0
+                else [f"top-{k}"]
+                + [f"random-{k}" + (f" #{d + 1}" if d else "") for d in range(random_draws)]
+            )
+        ]
+        _check_only(only, selectors, labels, choices, seed_list)
     zoo = _is_zoo(teacher)
     folder = Path(out) if out is not None else None
     t0 = time.perf_counter()
@@ -911,10 +1276,28 @@ def run_experiment(
         rank_pairs=rank_pairs, n_eval=n_eval, control=control, prose_windows=prose_windows,
         prose_len=prose_len, n_knowledge=n_knowledge, seed=seed,
     )  # fmt: skip
-    if data is None:
-        from gna_lens.hybrid._data import default_distill_data
+    from gna_lens.hybrid._data import DistillData, data_composition
+    from gna_lens.hybrid._data import distill_data as make_data
 
-        data = default_distill_data(tok, seed)
+    # one data stream per (choice, training seed), made when a student needs it; the first
+    # seed's now, so that a choice this tokenizer cannot make fails before anything runs
+    datas: dict[tuple[str, int], Any] = {}
+
+    def data_for(choice: str, s: int) -> Any:
+        if (choice, s) not in datas:
+            datas[(choice, s)] = data if data is not None else make_data(tok, choice, s)
+        return datas[(choice, s)]
+
+    for choice in choices:
+        data_for(choice, seed_list[0])
+    composition: dict[str, Any] = {}
+    for choice in choices:
+        first = datas[(choice, seed_list[0])]
+        if isinstance(first, DistillData):
+            composition[choice] = data_composition(
+                first, tok, max_length=max_length, tokens=total.tokens
+            )
+            say(f"distillation data {choice}: {composition[choice].describe()}")
     seconds["tasks"] = time.perf_counter() - t0
     prov = provenance_of(teacher)
     settings = {
@@ -966,16 +1349,29 @@ def run_experiment(
                 encoding="utf-8",
             )
     seconds["ranking"] = float(rank_info.get("seconds", 0.0))
-    plan: list[tuple[str, str, int, list[Head]]] = []
+    arms: list[tuple[str, str, int, list[Head]]] = []
+    matching: dict[int, Any] = {}
     for k in ks:
         if k == 0:
-            plan.append(("k=0", "none", 0, []))
+            arms.append(("k=0", "none", 0, []))
             continue
-        plan.append((f"top-{k}", "top", k, sorted(ranking[:k])))
-        for d in range(random_draws):
-            rng = random.Random(f"random-heads/{seed}/{k}/{d}")
-            label = f"random-{k}" + (f" #{d + 1}" if d else "")
-            plan.append((label, "random", k, sorted(rng.sample(every, k))))
+        top = sorted(ranking[:k])
+        arms.append((f"top-{k}", "top", k, top))
+        if random_draws:
+            from gna_lens.heads import head_view
+            from gna_lens.scoring import matched_random_sets
+
+            # as many heads per layer as the top-k set, none of the ranking's top max(keep)
+            drawn = matched_random_sets(
+                head_view(teacher), top, random_draws, seed=1000 * seed + k,
+                exclude=ranking[: max(ks)],
+            )  # fmt: skip
+            matching[k] = drawn
+            for d, chosen in enumerate(drawn.sets):
+                arms.append(
+                    (f"random-{k}" + (f" #{d + 1}" if d else ""), "random", k, list(chosen))
+                )
+    plan = [(choice, s, arm) for choice in choices for s in seed_list for arm in arms]
     rows: list[HybridRow] = []
     # The teacher's row depends on the evaluation settings only (read back under other budgets).
     teacher_key = {
@@ -1010,22 +1406,44 @@ def run_experiment(
             )
     seconds["teacher"] = rows[0].seconds
     twin = teacher_twin(teacher)
-    for label, kind, k, heads in plan:
-        slug = label.replace(" #", "-").replace("=", "")
+    pending: list[str] = []
+    for choice, train_seed, (arm, kind, k, heads) in plan:
+        label = (
+            arm
+            + (f" seed={train_seed}" if train_seed != seed else "")
+            + (f" data={choice}" if choice != "default" else "")
+        )
+        # the files and fingerprints of the default settings are those of earlier versions
+        slug = arm.replace(" #", "-").replace("=", "")
+        slug += (f"-seed{train_seed}" if train_seed != seed else "") + (
+            f"-{choice}" if choice != "default" else ""
+        )
         row_file = folder / "rows" / f"{slug}.json" if folder is not None else None
         fingerprint = settings | {"heads": [list(h) for h in heads]}
+        if train_seed != seed:
+            fingerprint["train_seed"] = train_seed
+        if choice != "default":
+            fingerprint["distill_data"] = choice
         if row_file is not None and resume and row_file.is_file():
             saved = json.loads(row_file.read_text(encoding="utf-8"))
             if saved.get("fingerprint") == fingerprint:
-                rows.append(HybridRow.from_dict(saved["row"]))
+                back = HybridRow.from_dict(saved["row"])
+                rows.append(replace(back, name=label, seed=train_seed, data=choice, arm=arm))
                 seconds[label] = rows[-1].seconds
                 say(f"{label}: read back from {row_file}")
                 continue
+        if selectors is not None and not _selected(selectors, arm, train_seed, choice):
+            pending.append(label)
+            say(f"{label}: not selected by only=; left for another run")
+            continue
         say(f"{label}: keeping {_heads_text(heads)}; distilling ({total.describe()})")
         t0 = time.perf_counter()
-        student = build_hybrid(teacher, heads, d_state=d_state, head_layout=head_layout, seed=seed)
+        student = build_hybrid(
+            teacher, heads, d_state=d_state, head_layout=head_layout, seed=train_seed
+        )
         res = distill(
-            student, twin, data, stages=stages, budget=total, seed=seed, stage1_share=stage1_share,
+            student, twin, data_for(choice, train_seed), stages=stages, budget=total,
+            seed=train_seed, stage1_share=stage1_share,
             checkpoint_dir=folder / "checkpoints" / f"{slug}-{_digest(fingerprint)}"
             if folder is not None
             else None,
@@ -1037,7 +1455,7 @@ def run_experiment(
         summary = {"totals": res.totals, "probe": res.probe, "n_trained": res.n_trained}
         row = HybridRow(
             label, kind, k, tuple(heads), kv, prose, got.knowledge, got.state, summary,
-            time.perf_counter() - t0, got.kv_correct,
+            time.perf_counter() - t0, got.kv_correct, train_seed, choice, arm,
         )  # fmt: skip
         rows.append(row)
         seconds[label] = row.seconds
@@ -1049,11 +1467,7 @@ def run_experiment(
         )
         if folder is not None:
             assert row_file is not None
-            row_file.parent.mkdir(parents=True, exist_ok=True)
-            row_file.write_text(
-                json.dumps({"fingerprint": fingerprint, "row": row.to_dict()}, indent=1),
-                encoding="utf-8",
-            )
+            _write_row(row_file, fingerprint, row)
             if save_students:
                 student.save_pretrained(folder / "students" / slug)
         del student
@@ -1070,7 +1484,18 @@ def run_experiment(
 
     from gna_lens import __version__
 
-    data_info = getattr(data, "info", {}) or {}
+    data_text = {}
+    for choice in choices:
+        d0 = datas[(choice, seed_list[0])]
+        info = getattr(d0, "info", {}) or {}
+        data_text[choice] = (d0.describe() if hasattr(d0, "describe") else type(d0).__name__) + (
+            "; seed ranges: " + json.dumps(info.get("seed_ranges"))
+            if info.get("seed_ranges")
+            else ""
+        )
+        if len(seed_list) > 1 and isinstance(d0, DistillData):
+            data_text[choice] += f" (data seeds {seed_list})"
+    controlled, controls = _controls(rows, matching)
     first_param = next(iter(hf.parameters()))
     method = {
         "teacher": str(settings["teacher"]).rstrip(".")
@@ -1086,16 +1511,25 @@ def run_experiment(
             f"ranking sweeps {sweep_dtype or 'float32'}"
         ),
         "budget": total.describe(),
-        "data": (data.describe() if hasattr(data, "describe") else type(data).__name__)
-        + (
-            "; seed ranges: " + json.dumps(data_info.get("seed_ranges"))
-            if data_info.get("seed_ranges")
-            else ""
-        ),
+        "data": data_text["default"]
+        if choices == ["default"]
+        else "; ".join(f"{c}: {t}" for c, t in data_text.items()),
+        "distill_data": list(choices),
+        "data_composition": {c: v.shares for c, v in composition.items()},
+        "data_composition_text": {c: v.describe() for c, v in composition.items()},
         "stages": list(stages),
-        "student": f"d_state {d_state}, head layout {head_layout!r}, SSM heads initialized from the teacher's q/k/v (build_hybrid seed {seed})",
-        "random_heads": f"{random_draws} draw(s) per k, uniform over all {len(every)} heads, random.Random('random-heads/{seed}/k/draw')",
-        "seeds": f"selection {SELECTION_SEED}; held-out KV {EVAL_KV_SEED} + n; distillation data seed {seed} (KV seeds 1,000,000 + 1000 * seed + block)",
+        "student": f"d_state {d_state}, head layout {head_layout!r}, SSM heads initialized from the teacher's q/k/v (build_hybrid seed = the training seed)",
+        "random_heads": f"{random_draws} draw(s) per k, layer-matched to the top-k set "
+        f"(matched_random_sets, seed 1000 * {seed} + k), never a head of the ranking's top "
+        f"{max(ks)}, the same sets for every training seed"
+        + "".join(f"; k={k}: {v.describe()}" for k, v in matching.items()),
+        "random_matching": {str(k): v.describe() for k, v in matching.items()},
+        "seeds": f"selection {SELECTION_SEED}; held-out KV {EVAL_KV_SEED} + n; training seeds "
+        f"{seed_list} (each: distillation data seed, KV seeds 1,000,000 + 1000 * seed + block; "
+        f"SSM initialization; data order); random heads and knowledge sample seed {seed}",
+        "training_seeds": list(seed_list),
+        "controlled": controlled,
+        "controls": controls,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, "
         f"{torch.get_num_threads()} torch thread(s), device {first_param.device}",
         "versions": f"gna_lens {__version__}, torch {torch.__version__}, transformers {transformers.__version__}",
@@ -1104,6 +1538,10 @@ def run_experiment(
         "notes": evals.notes,
         "settings": settings,
     }
+    if selectors is not None:
+        method["only"] = _only_entries(only)
+    if pending:
+        method["pending"] = pending
     table = HybridTable(
         teacher=name,
         rows=tuple(rows),

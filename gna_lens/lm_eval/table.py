@@ -362,10 +362,11 @@ def load_ranking(path: str | Path) -> tuple[Sequence[Head], str]:
     """The retrieval-specific head ranking of a ``gna-lens scan`` report (``report.json``).
 
     The report lists every head's ablation and control effects; the ranking is the scan's own
-    (:meth:`~gna_lens.scoring.GnaReport.top`): by ablation effect, most harmful first, among the
-    heads whose control effect is at most the report's ``max_control``. It is checked to start
-    with the report's ``top`` list. A JSON list of heads (``[[16, 0], [17, 2]]``) or a
-    ``{"ranking": [...]}`` file works too.
+    (:meth:`~gna_lens.scoring.GnaReport.top`): the heads of its joint set first, in order
+    (removed together, their control effect stays within the report's ``max_control``), then
+    the others by ablation effect, most harmful first, among the heads whose control effect is
+    at most ``max_control``. It is checked to start with the report's ``top`` list. A JSON list
+    of heads (``[[16, 0], [17, 2]]``) or a ``{"ranking": [...]}`` file works too.
 
     Args:
         path: The JSON file.
@@ -418,6 +419,12 @@ def load_ranking(path: str | Path) -> tuple[Sequence[Head], str]:
         )
         how = "raw ablation effect (the report has no control effects)"
     heads = tuple((int(r["layer"]), int(r["head"])) for r in ranked)
+    joint = data.get("joint_set") or {}
+    if eligible and joint.get("heads") and joint.get("bound") == data.get("max_control"):
+        # The scan's top is its joint set (removed together, within the bound): it leads.
+        first = tuple((int(a), int(b)) for a, b in joint["heads"])
+        heads = first + tuple(h for h in heads if h not in set(first))
+        how += f"; its joint set of {len(first)} heads first, then the per-head order"
     top = parse_heads(data.get("top") or [], "top")
     if top and heads[: len(top)] != top:
         raise ConfigError(
@@ -443,7 +450,7 @@ def _compute_ranking(
     """Rank heads on KV-retrieval selection prompts, as ``gna-lens scan`` does."""
     from gna_lens.heads import head_view
     from gna_lens.scan import EXACT_ALL_MAX, build_tasks, default_exact
-    from gna_lens.scoring import resolve_control, score_heads
+    from gna_lens.scoring import JOINT_K, resolve_control, score_heads
 
     sets = build_tasks(model.tokenizer, "kv", n_samples=n_samples, seed=seed, n_eval=1)
     control = resolve_control("prose", model.tokenizer, positions=positions, split="select")
@@ -451,7 +458,7 @@ def _compute_ranking(
     report = score_heads(
         model, sets.selection, control=control, mode=mode, positions=positions,
         prefilter=None if n_heads <= EXACT_ALL_MAX else min(default_exact(k), n_heads),
-        sweep_dtype=sweep_dtype, progress=progress,
+        sweep_dtype=sweep_dtype, progress=progress, joint_k=max(JOINT_K, k),
     )  # fmt: skip
     heads = report.top(k)  # a HeadList: keeps the channel groups the report was scored under
     return heads, (

@@ -7,13 +7,21 @@
   (every head up to :data:`EXACT_ALL_MAX` heads; above, coarse to fine: layers ranked by removal,
   then the heads of the top layers; or pre-filtered by attribution), as a :class:`GnaReport`
   whose default ranking is retrieval-specific, with ``to_dataframe``, ``top``, ``excluded``,
-  ``unmeasured`` (heads never ablated, and why), heatmaps, JSON and an offline HTML report.
+  ``unmeasured`` (heads never ablated, and why), heatmaps, JSON and an offline HTML report; its
+  :class:`JointSet` is the greedy set of heads whose control effect *removed together* stays
+  within the bound (what ``top(k)`` returns).
+- :func:`rank_stability`: 95% bootstrap intervals of the top heads' ranks, per control bound and
+  prompt count.
 - :func:`find_gna_pairs`: Gather -> Aggregate pairs confirmed by ablation and pattern masks
   (:func:`pair_candidates`, :func:`mask_experiment`).
+- :func:`prefix_matching_scores`: the prefix-matching (induction) score of every head on repeated
+  random tokens, against a uniform-head baseline: which heads could answer a retrieval prompt by
+  copying alone.
 - :func:`retrieval_vs_knowledge`: accuracy before / after removing heads, per task, with 95%
   intervals, a control and a random-head baseline matched by layer.
 """
 
+from gna_lens.scoring.induction import InductionScores, prefix_matching_scores
 from gna_lens.scoring.knowledge import (
     ControlRow,
     KnowledgeTable,
@@ -34,18 +42,23 @@ from gna_lens.scoring.pairs import (
 from gna_lens.scoring.patterns import NORMALIZATION, PatternScores, pattern_scores, row_sharpness
 from gna_lens.scoring.report import (
     EXACT_ALL_MAX,
+    JOINT_K,
     MAX_CONTROL,
     STRATEGIES,
     ExcludedHead,
     GnaReport,
+    JointSet,
+    RejectedHead,
     UnmeasuredHeads,
     default_top_layers,
     resolve_control,
     score_heads,
 )
+from gna_lens.scoring.stability import RankInterval, RankStability, rank_stability
 
 __all__ = [
     "EXACT_ALL_MAX",
+    "JOINT_K",
     "MAX_CONTROL",
     "NORMALIZATION",
     "STRATEGIES",
@@ -53,10 +66,15 @@ __all__ = [
     "ExcludedHead",
     "GnaPair",
     "GnaReport",
+    "InductionScores",
+    "JointSet",
     "KnowledgeTable",
     "MaskResult",
     "PatternScores",
     "RandomHeadSets",
+    "RankInterval",
+    "RankStability",
+    "RejectedHead",
     "TaskRow",
     "UnmeasuredHeads",
     "default_top_layers",
@@ -67,6 +85,8 @@ __all__ = [
     "matched_random_sets",
     "pair_candidates",
     "pattern_scores",
+    "prefix_matching_scores",
+    "rank_stability",
     "resolve_control",
     "retrieval_vs_knowledge",
     "row_sharpness",

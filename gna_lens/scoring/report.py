@@ -13,6 +13,14 @@ metric's baseline lost) and ``c = clip(1 - exp(-control_effect), 0, 1)`` (the sh
 control's per-token probability lost: ``+0.1`` nats/token is 9.5%), and
 ``specificity = r / (r + c)``: 1 when only retrieval suffers, 0.5 when both lose the same share,
 0 when only the control does, NaN when neither.
+
+Specificity does not compose: heads that each pass the bound alone can break the control when
+removed together (issue 30: on SmolLM2-135M each of a top 8 passed ``+0.1`` nats/token alone,
+and removing the 8 together cost ``+1.08``). :func:`score_heads` therefore also builds a greedy
+*joint* set (:class:`JointSet`): walking the per-head order, a head joins only if the control
+effect of the set with it, ablated together, stays at most ``max_control``;
+:meth:`GnaReport.top` returns that set's first ``k`` heads, whose removal together is bounded,
+and ``top(k, joint=False)`` the per-head order.
 """
 
 import contextlib
@@ -40,17 +48,21 @@ from gna_lens.models.kernels import path_summary
 from gna_lens.models.provenance import provenance_method
 from gna_lens.runtime import choose_precision, native_bfloat16
 from gna_lens.scoring.patterns import NORMALIZATION, SCORE_NAMES, Head, pattern_scores
-from gna_lens.stats import bootstrap_interval
+from gna_lens.stats import Interval, bootstrap_interval
 from gna_lens.tasks import Task, TextControl, text_control
 
 __all__ = [
     "DEFAULT_CHANNEL_GROUP",
     "EXACT_ALL_MAX",
     "EXACT_BUDGET_S",
+    "JOINT_BATCH",
+    "JOINT_K",
     "MAX_CONTROL",
     "STRATEGIES",
     "ExcludedHead",
     "GnaReport",
+    "JointSet",
+    "RejectedHead",
     "UnmeasuredHeads",
     "applied_head_groups",
     "auto_head_groups",
@@ -66,6 +78,15 @@ __all__ = [
 #: Default bound on a head's control effect (nats/token) for the retrieval-specific ranking:
 #: ``+0.1`` nats/token multiplies the control's perplexity by 1.105.
 MAX_CONTROL = 0.1
+
+#: Heads of the greedy joint set :func:`score_heads` builds by default (see :class:`JointSet`).
+JOINT_K = 16
+
+#: Next candidates of the greedy joint set measured in one control sweep after a candidate was
+#: turned down (turned-down heads come in runs): the first that keeps the set within the bound
+#: joins. Otherwise a round measures one candidate: on a CPU a sweep costs about its rows, and
+#: most candidates join.
+JOINT_BATCH = 4
 
 #: Models with at most this many heads get every head ablated exactly (``strategy="auto"``).
 EXACT_ALL_MAX = 300
@@ -137,12 +158,15 @@ class ExcludedHead:
         ablation_effect: Its retrieval effect.
         control_effect: Its control effect (nats/token).
         reason: Why it was left out.
+        joint_control_effect: For a head the joint set turned down, the control effect of it
+            and the joint set's heads before it, removed together (NaN otherwise).
     """
 
     head: Head
     ablation_effect: float
     control_effect: float
     reason: str
+    joint_control_effect: float = math.nan
 
     def to_dict(self) -> dict[str, Any]:
         """The head and its reason as a flat dict."""
@@ -152,6 +176,7 @@ class ExcludedHead:
             "head_index": self.head[1],
             "ablation_effect": self.ablation_effect,
             "control_effect": self.control_effect,
+            "joint_control_effect": _clean(self.joint_control_effect),
             "reason": self.reason,
         }
 
@@ -183,6 +208,182 @@ class UnmeasuredHeads:
         """``"L3 (24 heads): layer ranked 7 of 24 by ..."``."""
         n = len(self.heads)
         return f"L{self.layer} ({n} head{'s' if n != 1 else ''}): {self.reason}"
+
+
+@dataclass(frozen=True)
+class RejectedHead:
+    """A head the greedy joint set passed over: alone it stays within the bound, added to the
+    heads accepted before it it does not.
+
+    Attributes:
+        head: ``(layer, head)``.
+        joint_effect: Mean control effect of the accepted heads and this one, ablated together.
+        after: How many heads were accepted when it was tried (it was added to
+            ``JointSet.heads[:after]``).
+    """
+
+    head: Head
+    joint_effect: float
+    after: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"head": "L0H2", "layer", "head_index", "joint_effect", "after"}``."""
+        return {
+            "head": f"L{self.head[0]}H{self.head[1]}",
+            "layer": self.head[0],
+            "head_index": self.head[1],
+            "joint_effect": _clean(self.joint_effect),
+            "after": self.after,
+        }
+
+
+@dataclass(frozen=True)
+class JointSet:
+    """A set of heads whose control effect *together* stays within the bound, built greedily.
+
+    :func:`score_heads` walks the per-head retrieval-specific order (``top(k, joint=False)``);
+    a head joins when the control effect of the heads accepted so far plus it, ablated together
+    with the sweep's mode and positions, has a mean at most :attr:`bound`; the set is measured
+    again as it grows, and the walk stops at :attr:`joint_k` heads or when the candidates run
+    out. A head turned down is never tried again.
+
+    Attributes:
+        heads: The accepted heads in the order they joined (the per-head order, minus those
+            turned down).
+        effects: Per accepted head, the joint control effect of ``heads[: i + 1]`` removed
+            together, with a 95% paired bootstrap interval over the control's samples.
+        rejected: The heads turned down, each with the joint effect that turned it down.
+        bound: The bound (the report's ``max_control``).
+        unit: ``"nats/token"`` (a text control) or ``"nats/answer"`` (a knowledge task).
+        joint_k: Heads the walk was asked for.
+        exhausted: Whether every candidate was tried (the walk ran out of candidates, so no
+            larger ``joint_k`` would accept more).
+        n_candidates: Heads the walk could try (those passing the bound alone).
+
+    Examples:
+        >>> from gna_lens.stats import Interval
+        >>> joint = JointSet(
+        ...     heads=((0, 0), (1, 0)),
+        ...     effects=(Interval(0.01, 0.0, 0.02, 8, "bootstrap"),
+        ...              Interval(0.05, 0.03, 0.07, 8, "bootstrap")),
+        ...     rejected=(RejectedHead((0, 1), 0.4, 1),), bound=0.1, joint_k=2, n_candidates=3)
+        >>> joint.effect(2).value, len(joint)
+        (0.05, 2)
+        >>> joint.describe()
+        'joint control effect of L0H0, L1H0 removed together: +0.050 [+0.030, +0.070] nats/token (bound 0.1); turned down: L0H1 (+0.400 with the 1 before it)'
+        >>> JointSet.from_dict(joint.to_dict()) == joint
+        True
+    """
+
+    heads: tuple[Head, ...]
+    effects: tuple[Interval, ...]
+    rejected: tuple[RejectedHead, ...]
+    bound: float
+    unit: str = "nats/token"
+    joint_k: int = JOINT_K
+    exhausted: bool = False
+    n_candidates: int = 0
+
+    def __len__(self) -> int:
+        return len(self.heads)
+
+    def effect(self, k: int | None = None) -> Interval:
+        """The joint control effect of the first ``k`` heads (default: all) removed together.
+
+        Raises:
+            GnaLensError: For ``k`` outside ``1..len(self)``.
+        """
+        k = len(self.heads) if k is None else k
+        if not 1 <= k <= len(self.heads):
+            raise GnaLensError(
+                f"JointSet.effect(k={k}); expected 1 <= k <= {len(self.heads)} (the heads in the "
+                "joint set)."
+            )
+        return self.effects[k - 1]
+
+    def describe(self, k: int | None = None) -> str:
+        """The joint control effect of the first ``k`` heads, and the heads turned down before
+        the ``k``-th, in one line."""
+        if not self.heads:
+            return f"joint set empty: no head passes the bound {self.bound:g} {self.unit}"
+        k = len(self.heads) if k is None else min(k, len(self.heads))
+        names = ", ".join(f"L{a}H{b}" for a, b in self.heads[:k])
+        line = (
+            f"joint control effect of {names} removed together: "
+            f"{self.effect(k).format(signed=True)} {self.unit} (bound {self.bound:g})"
+        )
+        gone = [r for r in self.rejected if r.after < k]
+        if gone:
+            line += "; turned down: " + ", ".join(
+                f"L{r.head[0]}H{r.head[1]} ({r.joint_effect:+.3f} with the {r.after} before it)"
+                for r in gone
+            )
+        return line
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serializable dict (NaN as ``None``); :meth:`from_dict` reads it back."""
+        return {
+            "heads": [list(h) for h in self.heads],
+            "effects": [iv.to_dict() for iv in self.effects],
+            "rejected": [r.to_dict() for r in self.rejected],
+            "bound": self.bound,
+            "unit": self.unit,
+            "joint_k": self.joint_k,
+            "exhausted": self.exhausted,
+            "n_candidates": self.n_candidates,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "JointSet":
+        """The joint set written by :meth:`to_dict`."""
+
+        def num(v: Any) -> float:
+            return math.nan if v is None else float(v)
+
+        return cls(
+            heads=tuple((int(a), int(b)) for a, b in data["heads"]),
+            effects=tuple(
+                Interval(num(e["value"]), num(e["low"]), num(e["high"]), int(e["n"]), e["method"])
+                for e in data["effects"]
+            ),
+            rejected=tuple(
+                RejectedHead(
+                    (int(r["layer"]), int(r["head_index"])), num(r["joint_effect"]), int(r["after"])
+                )
+                for r in data["rejected"]
+            ),
+            bound=float(data["bound"]),
+            unit=str(data.get("unit", "nats/token")),
+            joint_k=int(data["joint_k"]),
+            exhausted=bool(data["exhausted"]),
+            n_candidates=int(data.get("n_candidates", 0)),
+        )
+
+    def to_dataframe(self) -> Any:
+        """One row per head tried: ``step, layer, head, status`` (``"accepted"`` /
+        ``"rejected"``), ``after`` (heads accepted before it was tried), ``joint_effect``,
+        ``joint_effect_low``, ``joint_effect_high`` (the interval of accepted heads only), in the
+        order they were tried."""
+        import pandas as pd
+
+        rows = [
+            {"layer": h[0], "head": h[1], "status": "accepted", "after": i,
+             "joint_effect": iv.value, "joint_effect_low": iv.low, "joint_effect_high": iv.high}
+            for i, (h, iv) in enumerate(zip(self.heads, self.effects, strict=True))
+        ] + [
+            {"layer": r.head[0], "head": r.head[1], "status": "rejected", "after": r.after,
+             "joint_effect": r.joint_effect, "joint_effect_low": math.nan,
+             "joint_effect_high": math.nan}
+            for r in self.rejected
+        ]  # fmt: skip
+        rows.sort(key=lambda r: (r["after"], r["status"] == "accepted"))  # tried in this order
+        df = pd.DataFrame(
+            rows,
+            columns=["layer", "head", "status", "after", "joint_effect", "joint_effect_low",
+                     "joint_effect_high"],
+        )  # fmt: skip
+        df.insert(0, "step", range(1, len(df) + 1))
+        return df
 
 
 @dataclass(frozen=True)
@@ -227,7 +428,15 @@ class GnaReport:
         timings: Seconds per step of :func:`score_heads`: ``pattern_scores``, ``attribution``,
             ``layer_sweep`` (the coarse stage), ``ablation_sweep``, ``control_sweep`` and
             ``examples``, those that ran (not in :meth:`to_dict`: the report's numbers do not
-            depend on them).
+            depend on them); ``joint_control`` (the greedy joint set).
+        head_groups: The Mamba-1 channel groups the heads address (``()``: the model's heads).
+        joint_set: The greedy set of heads whose control effect *together* stays within
+            :attr:`max_control` (:class:`JointSet`; the default :meth:`top` returns its first
+            ``k``), or ``None`` (no control measured, or ``joint_k=0``).
+        sample_effects: Per-sample effects of each head ablated alone, NaN where not measured:
+            ``{"ablation_effect": [head, prompt], "control_effect": [head, control sample]}``
+            (what :func:`~gna_lens.scoring.rank_stability` resamples; ``{}`` without ablation).
+            Not compared by ``==``.
     """
 
     model_name: str
@@ -250,6 +459,10 @@ class GnaReport:
     unmeasured: tuple[UnmeasuredHeads, ...] = ()
     timings: dict[str, float] = field(default_factory=dict, compare=False)
     head_groups: GroupSpec = ()
+    joint_set: JointSet | None = None
+    sample_effects: dict[str, Float[Tensor, "head sample"]] = field(
+        default_factory=dict, compare=False
+    )
 
     def head_groups_spec(self) -> dict[int, list[list[int]]] | None:
         """The Mamba-1 channel groups the report's heads address, as
@@ -309,11 +522,19 @@ class GnaReport:
     @property
     def criterion(self) -> str:
         """The rule of the default ranking, in words."""
-        return (
+        line = (
             f"heads ranked by {self.metric} ablation effect (most harmful first) among those whose "
             f"control effect is at most {self.max_control:g} {self.control_unit} "
             f"({self.control or 'none'})"
         )
+        joint = self._joint()
+        if joint is not None:
+            line += (
+                "; a head joins only if the control effect of it and the heads before it, "
+                f"removed together, also stays at most {self.max_control:g} (greedy joint set "
+                f"of {len(joint)} heads, joint_k={joint.joint_k})"
+            )
+        return line
 
     @property
     def control_unit(self) -> str:
@@ -325,26 +546,40 @@ class GnaReport:
         effect, ctrl = self.scores["ablation_effect"], self.scores["control_effect"]
         return ~effect.isnan() & ~ctrl.isnan() & (ctrl <= self.max_control)
 
-    def top(self, k: int = 10, by: str | None = None) -> list[Head]:
+    def _joint(self) -> JointSet | None:
+        """The joint set, where it was built for this report's bound (a report copied with
+        another ``max_control`` ranks by the per-head rule of its new bound)."""
+        js = self.joint_set
+        return js if js is not None and js.bound == self.max_control else None
+
+    def top(self, k: int = 10, by: str | None = None, *, joint: bool | None = None) -> list[Head]:
         """The ``k`` strongest heads.
 
         Args:
             k: How many heads.
-            by: ``None`` (default): the retrieval-specific ranking, by ablation effect (most
-                harmful first) among the heads whose control effect is at most
-                :attr:`max_control` (:attr:`criterion`); heads left out are in
-                :meth:`excluded`. A column name: the raw order of that column
-                (``ablation_effect``, ``attribution``, ``control_effect`` and ``entropy``
-                lowest first, other scores highest first).
+            by: ``None`` (default): the retrieval-specific ranking (:attr:`criterion`). With a
+                joint set (:attr:`joint_set`, built by :func:`score_heads` by default), its first
+                ``k`` heads: a set whose control effect *removed together* stays at most
+                :attr:`max_control`. Without one (or ``joint=False``), by ablation effect (most
+                harmful first) among the heads whose control effect *alone* is at most
+                :attr:`max_control`. Heads left out are in :meth:`excluded`. A column name: the
+                raw order of that column (``ablation_effect``, ``attribution``,
+                ``control_effect`` and ``entropy`` lowest first, other scores highest first).
+            joint: ``None`` (default): the joint set where the report has one (built for its
+                :attr:`max_control`), else the per-head order; ``False``: the per-head order
+                (a full ranking, not a set to remove together); ``True``: the joint set, or an
+                error.
 
         Returns:
             ``[(layer, head), ...]``, a :class:`~gna_lens.heads.HeadList` that remembers the
             Mamba-1 channel groups the report was scored under (functions given these heads
-            refuse a model whose groups differ).
+            refuse a model whose groups differ). Fewer than ``k`` when fewer heads qualify.
 
         Raises:
-            GnaLensError: For an unknown column, one that was not measured, or the default
-                ranking on a report without control effects.
+            GnaLensError: For an unknown column, one that was not measured, the default ranking
+                on a report without control effects, ``k`` above the joint set's ``joint_k``
+                while candidates were left untried, or ``joint=True`` without a joint set or
+                with ``by``.
 
         Examples:
             >>> from gna_lens.testing import toy_gna_model, toy_gna_task, toy_control
@@ -355,7 +590,17 @@ class GnaReport:
             ([(0, 0), (1, 0)], [(0, 2)])
             >>> report.excluded(2)[0].head
             (0, 2)
+            >>> report.joint_set.effect(2).value  # the two removed together: the control keeps
+            0.0
+            >>> report.top(2, joint=False) == report.top(2)  # nothing turned down here
+            True
         """
+        if by is not None and joint:
+            raise GnaLensError(
+                f"GnaReport.top(k={k}, by={by!r}, joint=True): the joint set belongs to the "
+                "default ranking; a column's raw order has none. Fix: top(k) (joint set) or "
+                f"top(k, by={by!r})."
+            )
         if by is None:
             if not self.has_control:
                 raise GnaLensError(
@@ -364,6 +609,29 @@ class GnaReport:
                     "ablation). Fix: score_heads(..., control='prose') (or a knowledge task), or "
                     "top(k, by='ablation_effect') for the raw order."
                 )
+            js = self._joint() if joint is None or joint else None
+            if joint and js is None:
+                why = (
+                    "it has none (score_heads(..., joint_k=0))"
+                    if self.joint_set is None
+                    else f"its joint set was built for max_control {self.joint_set.bound:g}, not "
+                    f"{self.max_control:g}"
+                )
+                raise GnaLensError(
+                    f"GnaReport.top(k={k}, joint=True): {why}. Fix: score_heads(..., "
+                    f"max_control={self.max_control:g}, joint_k={max(k, JOINT_K)}), or top({k}, "
+                    "joint=False) for the per-head order."
+                )
+            if js is not None:
+                if k > js.joint_k and not js.exhausted:
+                    raise GnaLensError(
+                        f"GnaReport.top(k={k}): the joint set was built for joint_k={js.joint_k} "
+                        f"heads (it holds {len(js)}; candidates were left untried), so its first "
+                        f"{k} are unknown. Fix: score_heads(..., joint_k={k}) for a joint set of "
+                        f"{k} heads, or top({k}, joint=False) for the per-head order (bounded one "
+                        "head at a time, not together)."
+                    )
+                return HeadList(list(js.heads[: max(k, 0)]), self.head_groups)
             values = self.scores["ablation_effect"].double()
             ok = self._eligible()
             key = values.masked_fill(~ok, math.inf)
@@ -387,26 +655,46 @@ class GnaReport:
         order = torch.argsort(key if ascending else -key, stable=True).tolist()
         return HeadList([self.heads[i] for i in order[:k]], self.head_groups)
 
-    def excluded(self, k: int = 10) -> list[ExcludedHead]:
+    def excluded(self, k: int = 10, *, joint: bool | None = None) -> list[ExcludedHead]:
         """The heads the default :meth:`top` ``(k)`` passes over for being generic.
 
         Those whose retrieval effect would have placed them in the top ``k`` by the raw
         ``ablation_effect`` order (before the ``k``-th retrieval-specific head), most harmful
         first, each with the reason.
 
+        With a joint set, the heads it turned down are listed too, with the joint control
+        effect that turned them down.
+
+        Args:
+            k: The ``k`` of :meth:`top`.
+            joint: As in :meth:`top`.
+
         Raises:
-            GnaLensError: On a report without control effects.
+            GnaLensError: On a report without control effects, or as :meth:`top`.
         """
-        chosen = self.top(k)
+        chosen = self.top(k, joint=joint)
         effect, ctrl = self.scores["ablation_effect"], self.scores["control_effect"]
         idx = {h: i for i, h in enumerate(self.heads)}
-        cutoff = float(effect[idx[chosen[-1]]]) if len(chosen) == k else math.inf
+        cutoff = float(effect[idx[chosen[-1]]]) if chosen and len(chosen) == k else math.inf
+        js = self._joint() if joint is None or joint else None
+        turned_down = {r.head: r for r in js.rejected} if js is not None else {}
         out = []
         for i in torch.argsort(effect.nan_to_num(nan=math.inf), stable=True).tolist():
             e, c = float(effect[i]), float(ctrl[i])
             if math.isnan(e) or e > cutoff:
                 break
             if self.heads[i] in chosen:
+                continue
+            r = turned_down.get(self.heads[i])
+            if r is not None:
+                reason = (
+                    f"joint control effect {r.joint_effect:+.3f} {self.control_unit} with the "
+                    f"{r.after} joint-set head{'s' if r.after != 1 else ''} before it > "
+                    f"max_control {self.max_control:g} (alone {c:+.3f})"
+                )
+                out.append(ExcludedHead(self.heads[i], e, c, reason, r.joint_effect))
+                continue
+            if c <= self.max_control:  # within the bound, tied with the k-th head: not left out
                 continue
             reason = (
                 f"control effect {c:+.3f} {self.control_unit} > max_control {self.max_control:g}"
@@ -415,6 +703,39 @@ class GnaReport:
             )
             out.append(ExcludedHead(self.heads[i], e, c, reason))
         return out
+
+    def joint_table(self, heads: list[Head] | None = None) -> Any:
+        """:meth:`to_dataframe`'s rows of ``heads`` (default: the joint set's), in that order,
+        with ``joint_control_effect``, ``joint_control_low`` and ``joint_control_high`` after
+        ``control_effect``: for a head of the joint set, the control effect of it and the joint
+        set's heads before it, removed together, with its 95% interval (NaN for other heads,
+        and without a joint set).
+
+        Examples:
+            >>> from gna_lens.testing import toy_gna_model, toy_gna_task, toy_control
+            >>> model = toy_gna_model(generic_head=True)
+            >>> report = score_heads(model, toy_gna_task(model, n_samples=8),
+            ...                      control=toy_control(model), progress=False)
+            >>> report.joint_table(report.top(2))[["layer", "head", "joint_control_effect"]]
+               layer  head  joint_control_effect
+            0      0     0                   0.0
+            1      1     0                   0.0
+        """
+        joint = self._joint()
+        if heads is None:
+            heads = list(joint.heads) if joint is not None else []
+        df = self.to_dataframe().set_index(["layer", "head"]).loc[list(heads)].reset_index()
+        cols: dict[str, list[float]] = {name: [] for name in _JOINT_COLUMNS}
+        position = {h: i for i, h in enumerate(joint.heads)} if joint is not None else {}
+        for h in heads:
+            i = position.get(tuple(h))  # type: ignore[arg-type]
+            iv = joint.effects[i] if joint is not None and i is not None else None
+            for name, attr in zip(_JOINT_COLUMNS, ("value", "low", "high"), strict=True):
+                cols[name].append(math.nan if iv is None else float(getattr(iv, attr)))
+        at = list(df.columns).index("control_effect_high") + 1
+        for j, name in enumerate(_JOINT_COLUMNS):
+            df.insert(at + j, name, cols[name])
+        return df
 
     def heatmap(self, by: str = "ablation_effect") -> Float[Tensor, "layer head_index"]:
         """A ``[n_layers, max_heads]`` grid of a score (NaN where a layer has fewer heads)."""
@@ -461,14 +782,132 @@ class GnaReport:
                 for r in ranking.drop(columns=["task"]).to_dict(orient="records")
             ]
             out["layer_ranking_method"] = self.layers.method
+        if self.joint_set is not None:
+            out["joint_set"] = self.joint_set.to_dict()
+        if self.sample_effects:
+            blocks: dict[str, Any] = {}
+            out["sample_effects"] = blocks
+            for name, grid in self.sample_effects.items():
+                rows = [i for i in range(grid.shape[0]) if not bool(grid[i].isnan().all())]
+                blocks[name] = {
+                    "n_samples": int(grid.shape[1]),
+                    "heads": [list(self.heads[i]) for i in rows],
+                    "values": [[_clean(v) for v in grid[i].tolist()] for i in rows],
+                }
         return out
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "GnaReport":
+        """The report written by :meth:`to_dict` (or a ``gna-lens scan`` ``report.json``).
+
+        Everything :meth:`to_dict` writes comes back, except the coarse stage's
+        :attr:`layers` (its ranking stays in ``data["layer_ranking"]``), :attr:`examples`
+        and :attr:`timings`, which it does not write.
+
+        Raises:
+            GnaLensError: For a dict without the report's per-head rows.
+
+        Examples:
+            >>> from gna_lens.testing import toy_gna_model, toy_gna_task, toy_control
+            >>> model = toy_gna_model(generic_head=True)
+            >>> report = score_heads(model, toy_gna_task(model, n_samples=8),
+            ...                      control=toy_control(model), progress=False)
+            >>> again = GnaReport.from_json(report.to_json())
+            >>> again.top(2) == report.top(2), again.joint_set == report.joint_set
+            (True, True)
+        """
+        if not isinstance(data, dict) or "heads" not in data or "n_layers" not in data:
+            keys = sorted(data) if isinstance(data, dict) else type(data).__name__
+            raise GnaLensError(
+                f"GnaReport.from_dict: got {keys}; expected the dict of GnaReport.to_dict() "
+                "(with 'heads' and 'n_layers'), e.g. a report.json of `gna-lens scan`."
+            )
+
+        def num(v: Any) -> float:
+            return math.nan if v is None else float(v)
+
+        rows = data["heads"]
+        heads = tuple((int(r["layer"]), int(r["head"])) for r in rows)
+        scores = {
+            name: torch.tensor([num(r.get(name)) for r in rows], dtype=torch.float32, device=HOST)
+            for name in SCORE_COLUMNS
+        }
+        groups = data.get("head_groups") or {}
+        index = {h: i for i, h in enumerate(heads)}
+        samples: dict[str, Tensor] = {}
+        for name, block in (data.get("sample_effects") or {}).items():
+            grid = host_full((len(heads), int(block["n_samples"])))
+            for (layer, h), values in zip(block["heads"], block["values"], strict=True):
+                grid[index[(int(layer), int(h))]] = torch.tensor(
+                    [num(v) for v in values], dtype=torch.float32, device=HOST
+                )
+            samples[name] = grid
+        return cls(
+            model_name=str(data.get("model_name", "")),
+            task=str(data.get("task", "")),
+            heads=heads,
+            kinds=tuple(str(r.get("kind", "attention")) for r in rows),
+            scores=scores,
+            metric=str(data.get("metric", "none")),
+            baseline=num(data.get("baseline")),
+            n_layers=int(data["n_layers"]),
+            layer_heads=tuple(int(n) for n in data.get("layer_heads", ())),
+            normalization=dict(data.get("normalization") or NORMALIZATION),
+            roles=tuple(str(r.get("role", "")) for r in rows),
+            control=str(data.get("control", "")),
+            control_baseline=num(data.get("control_baseline")),
+            max_control=num(data.get("max_control", MAX_CONTROL)),
+            method=dict(data.get("method") or {}),
+            unmeasured=tuple(
+                UnmeasuredHeads(
+                    int(u["layer"]),
+                    tuple((int(u["layer"]), int(h)) for h in u["head_indices"]),
+                    str(u["reason"]),
+                )
+                for u in data.get("unmeasured", ())
+            ),
+            head_groups=tuple(
+                (int(layer), tuple(tuple(int(c) for c in chans) for chans in sets))
+                for layer, sets in sorted(groups.items(), key=lambda kv: int(kv[0]))
+            ),
+            joint_set=JointSet.from_dict(data["joint_set"]) if data.get("joint_set") else None,
+            sample_effects=samples,
+        )
+
     def to_json(self, path: str | Path | None = None) -> str:
-        """The report as JSON; also written to ``path`` when given."""
+        """The report as JSON; also written to ``path`` when given (:meth:`from_json` reads
+        it back)."""
         text = json.dumps(self.to_dict(), indent=1)
         if path is not None:
             Path(path).write_text(text, encoding="utf-8")
         return text
+
+    @classmethod
+    def from_json(cls, source: str | Path) -> "GnaReport":
+        """The report of :meth:`to_json`: JSON text, or the path of a file holding it (see
+        :meth:`from_dict`).
+
+        Raises:
+            GnaLensError: For a file that cannot be read, or text that is not JSON.
+        """
+        text = str(source)
+        if isinstance(source, Path) or not text.lstrip().startswith("{"):
+            try:
+                text = Path(source).read_text(encoding="utf-8")
+            except OSError as err:
+                raise GnaLensError(
+                    f"GnaReport.from_json({str(source)[:80]!r}): cannot read it "
+                    f"({err.__class__.__name__}: {err}); expected JSON text or the path of a "
+                    "report.json."
+                ) from err
+        try:
+            data = json.loads(text)
+        except ValueError as err:
+            raise GnaLensError(
+                f"GnaReport.from_json: not JSON ({err}); expected the text of "
+                "GnaReport.to_json() or a report.json path."
+            ) from err
+        return cls.from_dict(data)
 
     def to_html(
         self, path: str | Path, *, k: int = 6, extra_html: str = "", interactive: bool = False
@@ -509,16 +948,31 @@ class GnaReport:
             )
             parts.append(f"<h2>Method</h2><table class='method'>{rows}</table>")
         has_ablation = not bool(torch.isnan(self.scores["ablation_effect"]).all())
+        joint = self._joint() if has_ablation and self.has_control else None
+        if joint is not None and k > joint.joint_k and not joint.exhausted:
+            k = joint.joint_k  # the joint set's first k are all it knows
         if has_ablation and self.has_control:
             top, title = self.top(k), f"Top {k} retrieval-specific heads ({self.criterion})"
         elif has_ablation:
             top, title = self.top(k, by="ablation_effect"), f"Top {k} heads by ablation effect"
         else:
             top, title = self.top(k, by="aggregate_score"), f"Top {k} heads by aggregate score"
-        df = self.to_dataframe().set_index(["layer", "head"]).loc[top].reset_index()
+        df = self.joint_table(top)
         first = [c for c in _FIRST_COLUMNS if c in df.columns]  # the ranking's numbers first
         df = df[first + [c for c in df.columns if c not in first]]
         parts.append(f"<h2>{html.escape(title)}</h2>")
+        if joint is not None and top:
+            parts.append(
+                "<p class='joint'>"
+                + html.escape(
+                    "Joint set: "
+                    + joint.describe(len(top))
+                    + ". joint_control_effect: the control effect of each head and those above "
+                    "it, removed together (95% paired bootstrap interval over the control's "
+                    "samples); control_effect: the head alone."
+                )
+                + "</p>"
+            )
         parts.append(df.to_html(index=False, float_format=lambda x: f"{x:.4f}", na_rep="-"))
         if has_ablation and self.has_control:
             gone = self.excluded(k)
@@ -632,8 +1086,14 @@ _FIRST_COLUMNS = (
     "ablation_effect_low",
     "ablation_effect_high",
     "control_effect",
+    "joint_control_effect",
+    "joint_control_low",
+    "joint_control_high",
     "specificity",
 )
+
+#: Columns :meth:`GnaReport.joint_table` adds.
+_JOINT_COLUMNS = ("joint_control_effect", "joint_control_low", "joint_control_high")
 
 
 def _svg_heatmap(grid: Tensor, title: str, cell: int | None = None) -> str:
@@ -955,6 +1415,111 @@ def _scatter(heads: list[Head], sweep: SweepResult, *cols: Tensor) -> list[Tenso
     return out
 
 
+def _scatter_samples(heads: list[Head], sweep: SweepResult) -> Float[Tensor, "head sample"]:
+    """Per-head, per-sample effects ``[head, sample]`` (value minus baseline; NaN rows for
+    heads not in the sweep)."""
+    diffs = to_host(sweep.values.float() - sweep.baseline.float()[None])
+    by_cell = {c[0]: i for i, c in enumerate(sweep.cells)}
+    full = host_full((len(heads), int(sweep.values.shape[1])))
+    for i, h in enumerate(heads):
+        j = by_cell.get(h)
+        if j is not None:
+            full[i] = diffs[j]
+    return full
+
+
+def _joint_walk(
+    model: Any,
+    control: TextControl | Task,
+    report: GnaReport,
+    control_samples: Tensor,
+    joint_k: int,
+    *,
+    mode: str,
+    positions: Any,
+    progress: bool,
+) -> tuple[JointSet, str]:
+    """The greedy joint set of :func:`score_heads` (see :class:`JointSet`), and its
+    ``method["joint_control"]`` line.
+
+    The first candidate joins on its own control effect (already measured, within the bound);
+    each later round ablates the accepted heads plus the next candidate together (after a round
+    whose first candidate was turned down, each of the next :data:`JOINT_BATCH` candidates, in
+    one control sweep), and the first candidate whose set stays within the bound joins (the
+    candidates before it are turned down; those after it are tried again with the larger set).
+    """
+    from tqdm.auto import tqdm
+
+    bound, unit = report.max_control, report.control_unit
+    candidates = list(report.top(len(report.heads), joint=False))
+    index = {h: i for i, h in enumerate(report.heads)}
+    accepted: list[Head] = []
+    effects: list[Interval] = []
+    rejected: list[RejectedHead] = []
+    pos = sweeps = cells = 0
+    width = 1  # candidates per round: JOINT_BATCH after a turned-down one
+    bar = tqdm(total=min(joint_k, len(candidates)), desc="joint control set", disable=not progress,
+               leave=False)  # fmt: skip
+    try:
+        while len(accepted) < joint_k and pos < len(candidates):
+            if not accepted:
+                head = candidates[pos]
+                pos += 1
+                accepted.append(head)
+                effects.append(_paired_interval(control_samples[index[head]]))
+                bar.update(1)
+                continue
+            batch = candidates[pos : pos + width]
+            res = control_sweep(
+                model, control, [[*accepted, c] for c in batch], mode=mode, positions=positions,
+                progress=False,
+            )  # fmt: skip
+            sweeps, cells = sweeps + 1, cells + len(batch)
+            diffs = to_host(res.values.double() - res.baseline.double()[None])
+            means = diffs.mean(-1).tolist()
+            for j, c in enumerate(batch):
+                if means[j] <= bound:
+                    accepted.append(c)
+                    effects.append(_paired_interval(diffs[j]))
+                    pos += j + 1
+                    bar.update(1)
+                    break
+                rejected.append(RejectedHead(c, float(means[j]), len(accepted)))
+            else:
+                pos += len(batch)
+            width = JOINT_BATCH if means[0] > bound else 1
+    finally:
+        bar.close()
+    exhausted = pos >= len(candidates)
+    joint = JointSet(
+        heads=tuple(accepted),
+        effects=tuple(effects),
+        rejected=tuple(rejected),
+        bound=bound,
+        unit=unit,
+        joint_k=joint_k,
+        exhausted=exhausted,
+        n_candidates=len(candidates),
+    )
+    line = (
+        f"greedy joint set: walking the per-head order ({len(candidates)} heads within "
+        f"max_control alone), a head joins only if it and the heads accepted before it, "
+        f"{mode}-ablated together at {positions_label(positions)} positions, raise the control "
+        f"loss by at most {bound:g} {unit} on average; one candidate per control sweep, "
+        f"{JOINT_BATCH} after one is turned down ({sweeps} sweeps of {cells} head sets); "
+        f"{len(accepted)} heads accepted (joint_k={joint_k}), "
+        f"{len(rejected)} turned down" + ("; every candidate tried" if exhausted else "")
+    )
+    return joint, line
+
+
+def _paired_interval(diffs: Tensor) -> Interval:
+    """The mean of per-sample effects with its 95% paired bootstrap interval."""
+    iv = bootstrap_interval(diffs.double())
+    assert isinstance(iv, Interval)
+    return iv
+
+
 def default_top_layers(view: Any) -> int:
     """Layers a coarse-to-fine scan ablates head by head: :data:`DEFAULT_TOP_LAYERS` (4: a
     Gather layer and the Aggregate layer after it, twice over), fewer where that many layers
@@ -1254,13 +1819,20 @@ def score_heads(
     progress: bool = True,
     executor: Any = None,
     exact_budget_s: float = EXACT_BUDGET_S,
+    joint_k: int = JOINT_K,
 ) -> GnaReport:
     """Score every head of ``model`` on ``task``: pattern scores, retrieval and control effects.
 
     Heads are ablated alone on the task and on the control; effects carry 95% bootstrap
     intervals over the prompts (the control's windows). The default ranking
     (:meth:`GnaReport.top`) is retrieval-specific: by retrieval effect among the heads whose
-    control effect stays at most ``max_control`` nats/token.
+    control effect stays at most ``max_control`` nats/token, and, since heads that each pass
+    alone can break the control together, a greedy joint set (:class:`JointSet`) of up to
+    ``joint_k`` of them whose control effect *removed together* stays at most ``max_control``:
+    walking the per-head order, each head joins only if the set with it, ablated together (same
+    mode and positions), stays within the bound (one control sweep per candidate, of
+    :data:`JOINT_BATCH` candidates after one is turned down). ``method["joint_control"]`` says
+    what was done.
 
     Which heads are ablated (``strategy``): on models with at most :data:`EXACT_ALL_MAX` heads,
     every one (``"exact"``). On larger models, coarse to fine as the paper works
@@ -1327,13 +1899,17 @@ def score_heads(
             records the workers and any restarts.
         exact_budget_s: On a CUDA device, the seconds within which ``"auto"`` ablates every
             head exactly (:func:`choose_strategy`; default :data:`EXACT_BUDGET_S`).
+        joint_k: Heads of the greedy joint set (default :data:`JOINT_K`; 0: none, and
+            :meth:`GnaReport.top` bounds each head alone). ``top(k)`` needs ``k <= joint_k``
+            unless the walk ran out of candidates. Costs a control sweep of one head set per
+            candidate tried (of :data:`JOINT_BATCH` after one is turned down).
 
     Returns:
         A :class:`GnaReport`.
 
     Raises:
         InterventionError: For a resample ablation without a distinct reference, or bad modes,
-            metrics, positions, strategies or ``top_layers``.
+            metrics, positions, strategies, ``top_layers`` or ``joint_k``.
         TaskError: For a prose control the tokenizer does not cover.
 
     Examples:
@@ -1353,6 +1929,12 @@ def score_heads(
         >>> report.method["strategy"], report.n_unmeasured, report.unmeasured[0].layer
         ('coarse_to_fine', 2, 1)
     """
+    if not isinstance(joint_k, int) or isinstance(joint_k, bool) or joint_k < 0:
+        raise InterventionError(
+            f"score_heads(joint_k={joint_k!r}); expected an int >= 0: the heads of the greedy "
+            f"joint set whose control effect removed together stays within max_control. Fix: "
+            f"joint_k={JOINT_K} (default), the k you will ask top(k) for, or 0 for none."
+        )
     with applied_head_groups(model, head_groups) as groups_choice:
         return _score_heads(
             model, task, ablation, control=control, metric=metric, mode=mode,
@@ -1360,7 +1942,7 @@ def score_heads(
             prefilter=prefilter, strategy=strategy, top_layers=top_layers,
             sweep_dtype=sweep_dtype, batch_size=batch_size, n_examples=n_examples,
             progress=progress, groups_choice=groups_choice, executor=executor,
-            exact_budget_s=exact_budget_s,
+            exact_budget_s=exact_budget_s, joint_k=joint_k,
         )  # fmt: skip
 
 
@@ -1385,6 +1967,7 @@ def _score_heads(
     groups_choice: dict[str, Any],
     executor: Any = None,
     exact_budget_s: float = EXACT_BUDGET_S,
+    joint_k: int = JOINT_K,
 ) -> GnaReport:
     """:func:`score_heads` with the head groups in place."""
     positions = check_positions(positions)
@@ -1413,6 +1996,7 @@ def _score_heads(
     n = len(heads)
     nan = host_full(n)
     table: dict[str, Tensor] = {name: getattr(scores, name) for name in SCORE_NAMES}
+    sample_effects: dict[str, Tensor] = {}
     for name in SCORE_COLUMNS[len(SCORE_NAMES) :]:
         table[name] = nan.clone()
     baseline = control_baseline = math.nan
@@ -1489,6 +2073,7 @@ def _score_heads(
                 timings["control_sweep"] = time.perf_counter() - clock
         effect, lo, hi = _scatter(heads, sweep, *_intervals(sweep))
         table.update(ablation_effect=effect, ablation_effect_low=lo, ablation_effect_high=hi)
+        sample_effects = {"ablation_effect": _scatter_samples(heads, sweep)}
         baseline = sweep.baseline_mean
         method.update(
             strategy=strategy,
@@ -1510,6 +2095,7 @@ def _score_heads(
             c_eff, c_lo, c_hi = _scatter(heads, ctrl, *_intervals(ctrl))
             table.update(control_effect=c_eff, control_effect_low=c_lo, control_effect_high=c_hi)
             table["specificity"] = specificity(effect, baseline, c_eff)
+            sample_effects["control_effect"] = _scatter_samples(heads, ctrl)
             control_baseline = ctrl.baseline_mean
             method.update(control_path=ctrl.method)
             method["paths"]["control"] = ctrl.info.get("paths", {})
@@ -1548,11 +2134,27 @@ def _score_heads(
         unmeasured=tuple(unmeasured),
         timings=timings,
         head_groups=view.group_spec,
+        sample_effects=sample_effects,
     )
+    if ablation and resolved is not None and report.has_control:
+        if joint_k:
+            clock = time.perf_counter()
+            with sweep_precision(model, sweep_dtype):
+                joint, line = _joint_walk(
+                    model, resolved, report, sample_effects["control_effect"], joint_k,
+                    mode=mode, positions=positions, progress=progress,
+                )  # fmt: skip
+            object.__setattr__(report, "joint_set", joint)
+            timings["joint_control"] = time.perf_counter() - clock
+        else:
+            line = "off (joint_k=0): top() bounds each head's control effect alone, not the set's"
+        method["joint_control"] = line
     if n_examples:
         clock = time.perf_counter()
         if ablation and report.has_control:
-            top = report.top(min(n_examples, n))
+            js = report.joint_set
+            k_ex = min(n_examples, n)
+            top = report.top(k_ex, joint=False if js is not None and k_ex > js.joint_k else None)
         else:
             top = report.top(
                 min(n_examples, n), by="ablation_effect" if ablation else "aggregate_score"

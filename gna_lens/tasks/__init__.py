@@ -5,7 +5,8 @@ ranges of its segments (dictionary lines, option lines), each segment's summary 
 token, the one holding the line's ``\\n``), the query position (the last prompt token) and which
 segment holds the answer, all computed from the tokenizer's character offsets.
 
-- :func:`kv_retrieval`: the G&A paper's key-value retrieval probe (seeded, any template).
+- :func:`kv_retrieval`: the G&A paper's key-value retrieval probe (seeded, any template; the
+  ``"facts"`` template cannot be answered by induction, :attr:`KVTemplate.induction_proof`).
 - :func:`multiple_choice`: letter (MMLU) and cloze formats over the same questions; records come
   from :func:`load_records` (files, ``datasets``, the hub) or :func:`load_mmlu` (offline MMLU).
 - :func:`evaluate`: batched accuracy, per-sample correctness and logit differences.

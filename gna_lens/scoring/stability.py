@@ -1,0 +1,293 @@
+"""How stable the per-head ranking of a :class:`~gna_lens.scoring.GnaReport` is.
+
+:func:`rank_stability` redraws the report's prompts (and, independently, its control samples)
+with replacement, ranks the heads again on each resample exactly as
+``GnaReport.top(k, joint=False)`` ranks them (by ablation effect, most harmful first, among the
+heads whose control effect is at most the bound), and gives each top head a 95% interval of its
+rank, for several bounds and, by drawing fewer prompts, several prompt counts. It needs the
+report's per-sample effects (:attr:`~gna_lens.scoring.GnaReport.sample_effects`), which
+:func:`~gna_lens.scoring.score_heads` keeps.
+"""
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gna_lens.device import HOST
+from gna_lens.errors import GnaLensError
+from gna_lens.scoring.patterns import Head
+from gna_lens.scoring.report import GnaReport
+
+__all__ = ["RankInterval", "RankStability", "rank_stability"]
+
+
+@dataclass(frozen=True)
+class RankInterval:
+    """One top head's rank at one bound and prompt count, with its 95% bootstrap interval.
+
+    Attributes:
+        bound: The control bound of the ranking.
+        n_prompts: Prompts drawn per resample.
+        rank: Its rank (1: most harmful) in the per-head order of the report's own numbers.
+        head: ``(layer, head)``.
+        ablation_effect: Its ablation effect (the report's).
+        control_effect: Its control effect (the report's).
+        rank_low: 2.5th percentile of its rank over the resamples.
+        rank_high: 97.5th percentile (``inf`` when in more than 2.5% of the resamples its
+            control effect exceeds the bound, so it is not ranked at all).
+        p_top_k: Share of the resamples in which it is among their top ``k``.
+        p_eligible: Share of the resamples in which its control effect stays within the bound.
+    """
+
+    bound: float
+    n_prompts: int
+    rank: int
+    head: Head
+    ablation_effect: float
+    control_effect: float
+    rank_low: float
+    rank_high: float
+    p_top_k: float
+    p_eligible: float
+
+    def to_dict(self) -> dict[str, Any]:
+        """A flat dict (``inf`` as ``None``)."""
+        return {
+            "bound": self.bound,
+            "n_prompts": self.n_prompts,
+            "rank": self.rank,
+            "layer": self.head[0],
+            "head": self.head[1],
+            "ablation_effect": self.ablation_effect,
+            "control_effect": self.control_effect,
+            "rank_low": None if math.isinf(self.rank_low) else self.rank_low,
+            "rank_high": None if math.isinf(self.rank_high) else self.rank_high,
+            "p_top_k": self.p_top_k,
+            "p_eligible": self.p_eligible,
+        }
+
+
+@dataclass(frozen=True)
+class RankStability:
+    """The top ``k`` of the per-head ranking per bound and prompt count, with rank intervals.
+
+    Attributes:
+        rows: One :class:`RankInterval` per bound, prompt count and top head, in that order.
+        bounds: The control bounds.
+        n_prompts: The prompt counts drawn per resample.
+        n_available: The report's prompts.
+        k: Top heads per ranking.
+        n_boot: Resamples.
+        seed: Seed of the resampling.
+        unit: The control's unit.
+        method: How the intervals were made, in one line.
+    """
+
+    rows: tuple[RankInterval, ...]
+    bounds: tuple[float, ...]
+    n_prompts: tuple[int, ...]
+    n_available: int
+    k: int
+    n_boot: int
+    seed: int
+    unit: str
+    method: str
+
+    def top(self, bound: float, n_prompts: int | None = None) -> list[Head]:
+        """The top heads at ``bound`` (the per-head order of the report's own numbers).
+
+        Raises:
+            GnaLensError: For a bound or prompt count that was not computed.
+        """
+        n = self.n_prompts[-1] if n_prompts is None else n_prompts
+        if bound not in self.bounds or n not in self.n_prompts:
+            raise GnaLensError(
+                f"RankStability.top(bound={bound!r}, n_prompts={n_prompts!r}); computed for "
+                f"bounds {list(self.bounds)} and n_prompts {list(self.n_prompts)}."
+            )
+        return [r.head for r in self.rows if r.bound == bound and r.n_prompts == n]
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serializable dict."""
+        return {
+            "bounds": list(self.bounds),
+            "n_prompts": list(self.n_prompts),
+            "n_available": self.n_available,
+            "k": self.k,
+            "n_boot": self.n_boot,
+            "seed": self.seed,
+            "unit": self.unit,
+            "method": self.method,
+            "rows": [r.to_dict() for r in self.rows],
+        }
+
+    def to_dataframe(self) -> Any:
+        """One row per bound, prompt count and top head: ``bound, n_prompts, rank, layer,
+        head, ablation_effect, control_effect, rank_low, rank_high, p_top_k, p_eligible``."""
+        import pandas as pd
+
+        columns = [
+            "bound", "n_prompts", "rank", "layer", "head", "ablation_effect", "control_effect",
+            "rank_low", "rank_high", "p_top_k", "p_eligible",
+        ]  # fmt: skip
+        data = [
+            [r.bound, r.n_prompts, r.rank, r.head[0], r.head[1], r.ablation_effect,
+             r.control_effect, r.rank_low, r.rank_high, r.p_top_k, r.p_eligible]
+            for r in self.rows
+        ]  # fmt: skip
+        return pd.DataFrame(data, columns=columns)
+
+
+def rank_stability(
+    report: GnaReport,
+    bounds: Sequence[float] = (0.05, 0.1, 0.2),
+    *,
+    k: int = 10,
+    n_boot: int = 1000,
+    seed: int = 0,
+    n_prompts: Sequence[int] | None = None,
+) -> RankStability:
+    """The per-head top ``k`` at each control bound, with a 95% rank interval per top head.
+
+    Each resample draws ``n_prompts`` of the report's prompts with replacement (all of them by
+    default; fewer approximates the spread of a scan on fewer prompts) and, independently, all
+    of its control samples with replacement; on each, heads are ranked as
+    ``GnaReport.top(k, joint=False)`` ranks them: by mean ablation effect (most harmful first)
+    among the heads whose mean control effect is at most the bound. The same resamples serve
+    every bound. A head's rank in a resample where its control effect exceeds the bound is
+    ``inf``. The point ranking is the report's own (``top(k, joint=False)`` at the report's
+    ``max_control``).
+
+    Args:
+        report: A report of :func:`~gna_lens.scoring.score_heads` with a control (its
+            :attr:`~gna_lens.scoring.GnaReport.sample_effects`).
+        bounds: Control bounds (the report's unit, e.g. nats/token).
+        k: Top heads per ranking.
+        n_boot: Resamples.
+        seed: Seed of the resampling.
+        n_prompts: Prompts drawn per resample, one ranking per value (default: all of them).
+
+    Returns:
+        A :class:`RankStability`.
+
+    Raises:
+        GnaLensError: For a report without per-sample ablation and control effects, empty or
+            non-finite bounds, ``k`` or ``n_boot`` below 1, or a prompt count outside
+            ``1..n`` (the report's prompts).
+
+    Examples:
+        >>> from gna_lens.scoring import score_heads
+        >>> from gna_lens.testing import toy_gna_model, toy_gna_task, toy_control
+        >>> model = toy_gna_model(generic_head=True)
+        >>> report = score_heads(model, toy_gna_task(model, n_samples=8),
+        ...                      control=toy_control(model), progress=False)
+        >>> stab = rank_stability(report, bounds=(0.1, 100.0), k=2, n_boot=200,
+        ...                       n_prompts=(4, 8))
+        >>> stab.top(0.1), stab.top(100.0)  # a loose bound lets the generic head in
+        ([(0, 0), (1, 0)], [(0, 2), (0, 0)])
+        >>> df = stab.to_dataframe()
+        >>> df[df.n_prompts == 8][["bound", "rank", "layer", "head", "rank_low", "rank_high"]]
+           bound  rank  layer  head  rank_low  rank_high
+        2    0.1     1      0     0       1.0        1.0
+        3    0.1     2      1     0       2.0        2.0
+        6  100.0     1      0     2       1.0        1.0
+        7  100.0     2      0     0       2.0        2.0
+    """
+    samples = report.sample_effects
+    if "ablation_effect" not in samples or "control_effect" not in samples:
+        have = sorted(samples) or "none"
+        raise GnaLensError(
+            f"rank_stability: the report has per-sample effects {have}; expected "
+            "'ablation_effect' and 'control_effect' (kept by score_heads with ablation=True and "
+            "a control, since issue 30; a report loaded from an older report.json has none). "
+            "Fix: score the heads again with score_heads(model, task, control='prose')."
+        )
+    bounds = tuple(float(b) for b in bounds)
+    if not bounds or not all(math.isfinite(b) for b in bounds):
+        raise GnaLensError(
+            f"rank_stability(bounds={bounds!r}); expected one or more finite control bounds in "
+            f"{report.control_unit}, e.g. (0.05, 0.1, 0.2)."
+        )
+    for name, v in (("k", k), ("n_boot", n_boot)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise GnaLensError(f"rank_stability({name}={v!r}); expected a positive int.")
+    effects = samples["ablation_effect"].double().to(HOST)
+    controls = samples["control_effect"].double().to(HOST)
+    n_heads, n_total = effects.shape
+    counts = (n_total,) if n_prompts is None else tuple(n_prompts)
+    bad = [m for m in counts if not isinstance(m, int) or isinstance(m, bool) or m < 1]
+    if not counts or bad or max(counts) > n_total:
+        raise GnaLensError(
+            f"rank_stability(n_prompts={n_prompts!r}); expected prompt counts between 1 and "
+            f"{n_total} (the report's prompts), e.g. n_prompts=({max(1, n_total // 3)}, "
+            f"{n_total})."
+        )
+    measured = ~(effects.isnan().any(-1) | controls.isnan().any(-1))
+    a_zero, c_zero = effects.nan_to_num(0.0), controls.nan_to_num(0.0)
+    point_effect = report.scores["ablation_effect"].double()
+    point_ctrl = report.scores["control_effect"].double()
+    ok_point = ~point_effect.isnan() & ~point_ctrl.isnan()
+    n_windows = controls.shape[1]
+    boots = {}  # the same resamples for every bound
+    for m in counts:
+        gen = torch.Generator(device=HOST).manual_seed(seed)
+        a_boot = a_zero @ _counts(n_total, m, n_boot, gen).T / m  # [head, boot]
+        c_boot = c_zero @ _counts(n_windows, n_windows, n_boot, gen).T / n_windows
+        boots[m] = (a_boot, c_boot)
+    rows: list[RankInterval] = []
+    for bound in bounds:
+        for m in counts:
+            a_boot, c_boot = boots[m]
+            eligible = measured[:, None] & (c_boot <= bound)
+            order = torch.argsort(a_boot.masked_fill(~eligible, math.inf), dim=0, stable=True)
+            ranks = torch.empty_like(a_boot)
+            steps = torch.arange(1, n_heads + 1, dtype=a_boot.dtype, device=HOST)
+            ranks.scatter_(0, order, steps[:, None].expand(-1, n_boot).contiguous())
+            ranks = ranks.masked_fill(~eligible, math.inf)
+            ok = ok_point & (point_ctrl <= bound)
+            key = point_effect.masked_fill(~ok, math.inf)
+            top = torch.argsort(key, stable=True)[: min(k, int(ok.sum()))].tolist()
+            for rank, i in enumerate(top, start=1):
+                r = ranks[i]
+                rows.append(
+                    RankInterval(
+                        bound=bound,
+                        n_prompts=m,
+                        rank=rank,
+                        head=report.heads[i],
+                        ablation_effect=float(point_effect[i]),
+                        control_effect=float(point_ctrl[i]),
+                        rank_low=float(torch.quantile(r, 0.025, interpolation="lower")),
+                        rank_high=float(torch.quantile(r, 0.975, interpolation="higher")),
+                        p_top_k=float((r <= k).double().mean()),
+                        p_eligible=float(eligible[i].double().mean()),
+                    )
+                )
+    method = (
+        f"{n_boot} resamples: prompts drawn with replacement (n_prompts of {n_total}) and, "
+        f"independently, the control's {n_windows} samples; each resample ranks heads by mean "
+        "ablation effect among those whose mean control effect is within the bound (as "
+        "top(k, joint=False)); 2.5th-97.5th percentile of each top head's rank"
+    )
+    return RankStability(
+        rows=tuple(rows),
+        bounds=bounds,
+        n_prompts=counts,
+        n_available=n_total,
+        k=k,
+        n_boot=n_boot,
+        seed=seed,
+        unit=report.control_unit,
+        method=method,
+    )
+
+
+def _counts(n: int, m: int, n_boot: int, gen: torch.Generator) -> Tensor:
+    """``[n_boot, n]`` counts of each unit among ``m`` draws with replacement."""
+    idx = torch.randint(0, n, (n_boot, m), generator=gen, device=HOST)
+    out = torch.zeros(n_boot, n, dtype=torch.float64, device=HOST)
+    return out.scatter_add_(1, idx, torch.ones(n_boot, m, dtype=torch.float64, device=HOST))
