@@ -215,3 +215,27 @@ def test_line_chart_bad_series_names_it():
         line_chart([{"name": "a", "x": [1, 2], "y": [1, 2, 3]}], "x", "y")
     with pytest.raises(ConfigError, match="expected a list of dicts"):
         line_chart({"x": [1], "y": [1]}, "x", "y")  # type: ignore[arg-type]
+
+
+def test_findings_run_resumes_finished_experiments_from_its_checkpoint(tmp_path, monkeypatch):
+    import gna_lens.findings as findings
+
+    def must_not_run(**kwargs):
+        raise AssertionError("finding 3 was rerun although the checkpoint holds it")
+
+    calls = []
+
+    def hybrid_roles(**kwargs):
+        calls.append("5")
+        return {"measured": True}
+
+    monkeypatch.setattr(findings, "pattern_masks", must_not_run)
+    monkeypatch.setattr(findings, "hybrid_roles", hybrid_roles)
+    checkpoint = tmp_path / "findings.json.partial"
+    checkpoint.write_text(json.dumps({"3": {"from": "before"}, "seconds": {"3": 12.5}}))
+    results = findings.run_all(progress=False, only=["3", "5"], checkpoint=checkpoint)
+    assert results["3"] == {"from": "before"} and results["seconds"]["3"] == 12.5
+    assert results["resumed"] == ["3"] and calls == ["5"]
+    # the new experiment is in the checkpoint at once: a second interruption loses nothing
+    saved = json.loads(checkpoint.read_text())
+    assert saved["5"] == {"measured": True} and saved["3"] == {"from": "before"}

@@ -60,7 +60,11 @@ __all__ = [
 
 
 def run_all(
-    *, progress: bool = True, only: Sequence[str] | None = None, sweep_dtype: str | None = None
+    *,
+    progress: bool = True,
+    only: Sequence[str] | None = None,
+    sweep_dtype: str | None = None,
+    checkpoint: Path | None = None,
 ) -> dict[str, Any]:
     """Run every experiment (or those named in ``only``: ``"1"`` .. ``"7"``); returns the results.
 
@@ -68,6 +72,14 @@ def run_all(
     induction-proof KV probe.
 
     The zoo models are ranked once and the reports shared by findings 2-5.
+
+    Args:
+        progress: Progress bars on stderr.
+        only: Run only these experiments.
+        sweep_dtype: Arithmetic of SmolLM2's selection sweep (``None``: float32).
+        checkpoint: A JSON file the results are written to after every experiment; the
+            experiments it already holds (from an interrupted run of the same code) are read
+            back instead of rerun, and ``results["resumed"]`` lists them.
     """
     import platform
 
@@ -93,14 +105,25 @@ def run_all(
         "7": lambda: second_probe(question_top=_top_labels(results, 8), progress=progress),
     }
     results: dict[str, Any] = {"seconds": {}}
+    done: dict[str, Any] = {}
+    if checkpoint is not None and checkpoint.is_file():
+        done = json.loads(checkpoint.read_text(encoding="utf-8"))
     t_all = time.perf_counter()
     for key, fn in steps.items():
         if only and key not in only:
+            continue
+        if key in done:
+            results[key] = done[key]
+            results["seconds"][key] = done.get("seconds", {}).get(key)
+            results.setdefault("resumed", []).append(key)
+            print(f"finding {key}: read back from {checkpoint}", file=sys.stderr, flush=True)
             continue
         t0 = time.perf_counter()
         results[key] = fn()
         results["seconds"][key] = round(time.perf_counter() - t0, 1)
         print(f"finding {key}: {results['seconds'][key]:.0f} s", file=sys.stderr, flush=True)
+        if checkpoint is not None:
+            checkpoint.write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
     results["seconds"]["total"] = round(time.perf_counter() - t_all, 1)
     results["external"] = read_external()
     results["environment"] = {
@@ -262,6 +285,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: the cores idle now)"
     )
+    parser.add_argument(
+        "--resume", action="store_true",
+        help="write the results after every experiment to JSON.partial (JSON: --json, default "
+        "findings.json beside --out) and read back the experiments an interrupted run finished",
+    )  # fmt: skip
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     if args.render:
@@ -277,16 +305,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(threads)
     print(f"findings: {why}; {cpu_description()}", file=sys.stderr)
     dtype = None if args.sweep_dtype in (None, "float32") else args.sweep_dtype
-    results = run_all(progress=not args.no_progress, only=args.only, sweep_dtype=dtype)
+    checkpoint = None
+    if args.resume:
+        json_path = Path(args.json) if args.json else Path(args.out).with_suffix(".json")
+        checkpoint = json_path.with_name(json_path.name + ".partial")
+    results = run_all(
+        progress=not args.no_progress, only=args.only, sweep_dtype=dtype, checkpoint=checkpoint
+    )
     command = "python -m gna_lens.findings " + " ".join(argv if argv is not None else sys.argv[1:])
     results["command"] = command.strip()
+    if args.json:  # before the page: a rendering error must not lose the measurements
+        Path(args.json).write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
     page = render_markdown(results, command.strip())
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(page, encoding="utf-8")
     write_figures(results, Path(args.out).parent / "assets")
     if args.zoo_page:
         Path(args.zoo_page).write_text(zoo_markdown(), encoding="utf-8")
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
     print(f"wrote {args.out}", file=sys.stderr)
     return 0

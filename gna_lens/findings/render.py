@@ -685,7 +685,9 @@ def _removal_table(tables: Sequence[Mapping[str, Any]], task: str) -> list[str]:
 def render_markdown(results: Mapping[str, Any], command: str) -> str:
     """The findings page from :func:`gna_lens.findings.run_all`'s results."""
     env = results.get("environment", {})
-    minutes = results.get("seconds", {}).get("total", math.nan) / 60
+    seconds = results.get("seconds", {})
+    steps = [v for k, v in seconds.items() if k != "total" and isinstance(v, int | float)]
+    minutes = (sum(steps) if results.get("resumed") else seconds.get("total", math.nan)) / 60
     statuses = status_rows(results)
     lines = [
         "# Findings: what reproduces on the installed models",
@@ -697,7 +699,13 @@ def render_markdown(results: Mapping[str, Any], command: str) -> str:
         "",
         f"Run on {env.get('machine', '?')} with {env.get('threads', '?')} torch thread(s), "
         f"gna_lens {env.get('gna_lens', '?')}, torch {env.get('torch', '?')}, transformers "
-        f"{env.get('transformers', '?')}; it took {minutes:.1f} min.",
+        f"{env.get('transformers', '?')}; it took {minutes:.1f} min"
+        + (
+            f" (experiments {', '.join(results['resumed'])} were read back from the checkpoint "
+            "of an interrupted run of the same code: `--resume`; their times are those runs')."
+            if results.get("resumed")
+            else "."
+        ),
         "",
         *_weights_lines(results),
         "**Method, for every number below.** Heads are selected on one prompt set and measured "
