@@ -204,6 +204,12 @@ def draws_interval(values: Tensor | Any, *, n_boot: int = N_BOOTSTRAP, seed: int
 
     Returns:
         An :class:`Interval` over the draws.
+
+    Note:
+        A percentile bootstrap over few draws is narrower than 95%: measured on normal values
+        (1,000 samples each, ``tests/test_stats_coverage.py``), it holds the true mean 84.5% of
+        the time at 5 draws, 90% at 10 and 92.5% at 20; skewed values lose 2 to 5 points more.
+        Random-head baselines use :func:`two_level_interval` over draws and prompts instead.
     """
     out = bootstrap_interval(
         torch.as_tensor(values, dtype=torch.float64, device=HOST).reshape(-1),
@@ -231,7 +237,9 @@ def two_level_interval(
 
     Returns:
         An :class:`Interval` (``n``: draws x prompts; ``method``: ``"bootstrap (draws x
-        prompts)"``).
+        prompts)"``). Its coverage, measured on simulated draws x prompts (a spread over draws,
+        a prompt effect shared by the draws, noise): 94% at 10 draws x 60 prompts, 89% at 5 or
+        3 draws, where the draws' spread is estimated from too few of them.
 
     Raises:
         GnaLensError: For input that is not ``[draws, prompts]``.
