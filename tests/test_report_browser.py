@@ -1,6 +1,6 @@
 """The HTML report opens in headless Chromium with no network: heatmaps and widgets render.
 
-Runs ``scripts/check_report.py``'s check; skipped where no Chromium is installed
+Runs ``benchmarks/check_report.py``'s check; skipped where no Chromium is installed
 (Debian: ``apt-get install -y chromium``).
 """
 
@@ -12,7 +12,7 @@ import pytest
 from gna_lens import score_heads
 from gna_lens.testing import toy_control, toy_gna_model, toy_gna_task
 
-_SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "check_report.py"
+_SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "check_report.py"
 _spec = importlib.util.spec_from_file_location("check_report", _SCRIPT)
 assert _spec is not None and _spec.loader is not None
 check = importlib.util.module_from_spec(_spec)

@@ -848,7 +848,9 @@ def _probe_section(r: Mapping[str, Any]) -> list[str]:
         "query `What is the X? It is`) ends on a cue that follows every line's key, so copying "
         f"cannot pick the queried line. SmolLM2 on {r['n_eval']} held-out prompts: "
         f"{_pct(acc)} (chance {100 * r['chance']:.1f}%). Ranked on {r['n_rank']} other prompts "
-        "(prose control, as section 1).",
+        "(prose control, as section 1). The template was chosen among the induction-proof "
+        "variants `benchmarks/probe_search.py` tries (its own prompts, seed 0); the accuracy "
+        "above is on other prompts.",
         "",
         *_heads_table(r["top_heads"]),
         "",

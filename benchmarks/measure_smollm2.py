@@ -1,6 +1,6 @@
 """Measure SmolLM2-135M-Instruct (packaged GGUF) offline: conversion, reload, KV retrieval, MMLU.
 
-Usage: python scripts/measure_smollm2.py [--mmlu N] [--kv N]
+Usage: python benchmarks/measure_smollm2.py [--mmlu N] [--kv N]
 """
 
 import argparse

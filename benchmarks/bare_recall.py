@@ -17,8 +17,8 @@ and ``--embedding-std`` re-draws the (tied) token embeddings from ``N(0, std)``.
 
 Usage (one CPU thread each, about a minute per 1,000 steps)::
 
-    python scripts/bare_recall.py --init hf                             # stays at chance
-    python scripts/bare_recall.py --init fan-in --embedding-std 0.3     # ~99% by step 1,000
+    python benchmarks/bare_recall.py --init hf                             # stays at chance
+    python benchmarks/bare_recall.py --init fan-in --embedding-std 0.3     # ~99% by step 1,000
 """
 
 import argparse

@@ -15,10 +15,10 @@ Optionally it also takes a screenshot (used for ``docs/assets/report.png``).
 
 Usage::
 
-    python scripts/check_report.py                          # toy model report, check only
-    python scripts/check_report.py --screenshot docs/assets/report.png
-    python scripts/check_report.py --model zoo-llama --screenshot out.png   # runs gna-lens scan
-    python scripts/check_report.py --report gna_lens_report/report.html --screenshot out.png
+    python benchmarks/check_report.py                          # toy model report, check only
+    python benchmarks/check_report.py --screenshot docs/assets/report.png
+    python benchmarks/check_report.py --model zoo-llama --screenshot out.png   # runs gna-lens scan
+    python benchmarks/check_report.py --report gna_lens_report/report.html --screenshot out.png
 
 Needs a Chromium (Debian: ``apt-get install -y chromium``); exits 2 when there is none, 1 when the
 check fails, 0 when it passes. ``tests/test_report_browser.py`` runs the same check.

@@ -2,7 +2,7 @@
 by zero ablation (every position; every position but BOS) and by mean ablation, measured on
 held-out KV prompts and on the shipped prose (evaluation half), with 95% intervals.
 
-Usage: python scripts/generic_heads.py [--heads L1H3 L1H4 L18H6 L1H5] [--n 48]
+Usage: python benchmarks/generic_heads.py [--heads L1H3 L1H4 L18H6 L1H5] [--n 48]
 
 The default heads are the four the scan ranked first before it had a control. Prints one line per
 condition; the gotchas page quotes its output.
