@@ -52,6 +52,13 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _zoo_scan_tasks(model: Any, args: argparse.Namespace) -> Any:
+    """A zoo model is scanned on its own splits and cloze control (``gna_lens.zoo.scan_tasks``)."""
+    from gna_lens import zoo
+
+    return zoo.scan_tasks(model.tokenizer, args.task, n_samples=args.n_samples, n_eval=args.n_eval)
+
+
 def _scan(args: argparse.Namespace) -> int:
     from gna_lens.errors import GnaLensError
     from gna_lens.scan import describe_timings, load_scan_model, scan
@@ -114,7 +121,7 @@ def _scan(args: argparse.Namespace) -> int:
             max_control=args.max_control,
             random_draws=args.random_draws,
             sweep_dtype=None if args.sweep_dtype == "float32" else args.sweep_dtype,
-            zoo=is_zoo,
+            tasks=_zoo_scan_tasks(model, args) if is_zoo else None,
             command=command,
             name=name,
             progress=progress,

@@ -41,13 +41,21 @@ _SIGNED = ("ablation_effect", "attribution", "control_effect", "gather_score")
 BROWSER_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable", "chrome")
 
 
+#: What this module reads of a :class:`~gna_lens.scoring.GnaReport`. The figures sit below the
+#: scoring package (whose report draws its HTML heatmaps with them), so they recognise a report
+#: by these attributes instead of importing the class.
+REPORT_ATTRIBUTES = ("heads", "scores", "n_layers", "model_name", "top", "to_dataframe")
+
+
+def _is_report(x: Any) -> bool:
+    return all(hasattr(x, name) for name in REPORT_ATTRIBUTES)
+
+
 def _frame(report_or_frame: Any, caller: str) -> tuple[Any, int | None, str]:
     """``(dataframe, n_layers or None, title prefix)`` from a GnaReport or a DataFrame."""
     import pandas as pd
 
-    from gna_lens.scoring import GnaReport
-
-    if isinstance(report_or_frame, GnaReport):
+    if _is_report(report_or_frame):
         return report_or_frame.to_dataframe(), report_or_frame.n_layers, report_or_frame.model_name
     if isinstance(report_or_frame, pd.DataFrame):
         return report_or_frame, None, ""
@@ -196,8 +204,6 @@ def sharpness_comparison(
     """
     import plotly.graph_objects as go
 
-    from gna_lens.scoring import GnaReport
-
     if not reports:
         raise GnaLensError(
             "sharpness_comparison(reports={}): pass at least one {label: GnaReport}."
@@ -206,7 +212,7 @@ def sharpness_comparison(
         raise GnaLensError(f"sharpness_comparison(top={top!r}): expected a positive head count.")
     fig = go.Figure()
     for label, report in reports.items():
-        if not isinstance(report, GnaReport):
+        if not _is_report(report):
             raise GnaLensError(
                 f"sharpness_comparison: reports[{label!r}] is {type(report).__name__}; expected a "
                 "GnaReport (from gna_lens.score_heads)."

@@ -139,9 +139,8 @@ def build_tasks(
     n_pairs: int = 6,
     *,
     n_eval: int = 48,
-    zoo: bool = False,
 ) -> ScanTasks:
-    """The selection task, the disjoint held-out tasks and (for zoo models) the controls.
+    """The selection task and the disjoint held-out tasks (a zoo model's: ``zoo.scan_tasks``).
 
     Args:
         tokenizer: The model's tokenizer.
@@ -154,8 +153,6 @@ def build_tasks(
         seed: Seed of the selection; held-out sets use other seeds or other records.
         n_pairs: Dictionary size for ``"kv"``.
         n_eval: Prompts per held-out task.
-        zoo: The tokenizer is the zoo's: take the zoo's splits (``kv-8`` or ``letter`` for
-            selection, the rest held out) and its ``cloze`` split as the control.
 
     Returns:
         A :class:`ScanTasks`.
@@ -163,8 +160,6 @@ def build_tasks(
     Raises:
         TaskError: For an unknown task or an empty or unreadable file.
     """
-    if zoo:
-        return _zoo_tasks(tokenizer, task, n_samples, n_eval)
     if task == "kv":
         kw = dict(n_pairs=n_pairs, template="question", values="words")
         probe = kv_retrieval(tokenizer, n_samples=n_samples, seed=seed, **kw)  # type: ignore[arg-type]
@@ -222,52 +217,6 @@ def build_tasks(
     }
     return ScanTasks(
         letter, held, notes={"records": f"{len(picked)} selection, {len(rest)} held out, disjoint"}
-    )
-
-
-def _zoo_tasks(tokenizer: Any, task: str, n_samples: int, n_eval: int) -> ScanTasks:
-    from gna_lens import zoo
-
-    splits = zoo.tasks(tokenizer)
-    name = {"kv": "kv-8", "mc": "letter"}.get(task)
-    if name is None:
-        raise TaskError(
-            f"--task {task!r} on a zoo model; expected 'kv' (the zoo's kv-8 split) or 'mc' (its "
-            "letter split; the cloze split is the control)."
-        )
-    probe = splits[name]
-    if len(probe) <= n_samples:
-        raise TaskError(
-            f"the zoo's {name} split has {len(probe)} prompts; --n-samples {n_samples} leaves "
-            "none held out."
-        )
-    selection = probe[:n_samples]
-    start = n_samples
-    if name == "letter":
-        # The letter and cloze splits ask the same questions (same prompts, letters vs answer
-        # words): the cloze control's selection half took part in choosing the heads, so
-        # held-out questions start after it, in both formats.
-        start = max(n_samples, len(splits["cloze"]) // 2)
-    held = {name: probe[start : start + n_eval]}
-    if not len(held[name]):
-        raise TaskError(
-            f"the zoo's {name} split has {len(probe)} prompts; none is left held out after "
-            f"prompt {start}. Fix: a smaller --n-samples."
-        )
-    if name == "letter":
-        held["cloze"] = splits["cloze"][start : start + n_eval]
-    return ScanTasks(
-        selection,
-        held,
-        control_select=zoo.control(tokenizer, "select"),
-        control_eval=zoo.control(tokenizer, "eval"),
-        notes={
-            "zoo": f"selection: first {n_samples} of the zoo's {name} split; held out: "
-            f"{len(held[name])} from prompt {start}; control: answer NLL among the options of "
-            "the cloze split (first half selects, second half evaluates; letter and cloze "
-            "prompts are the same questions, so held-out letter questions come from the "
-            "second half)"
-        },
     )
 
 
@@ -427,7 +376,7 @@ def scan(
     max_control: float = MAX_CONTROL,
     random_draws: int = RANDOM_DRAWS,
     sweep_dtype: str | None = "auto",
-    zoo: bool = False,
+    tasks: ScanTasks | None = None,
     command: str | None = None,
     name: str | None = None,
     progress: bool = True,
@@ -481,7 +430,10 @@ def scan(
             :func:`~gna_lens.scoring.report.resolve_sweep_dtype`), ``None``
             (float32) or ``"bfloat16"``: autocast of the selection sweeps only; the held-out
             numbers are always computed in the model's dtype. The report records the choice.
-        zoo: ``model`` is a zoo model (its splits and cloze control, see :func:`build_tasks`).
+        tasks: The prompts to use instead of :func:`build_tasks`' (``task``, ``n_samples``,
+            ``seed`` and ``n_eval`` are then not used to make them): a zoo model's are
+            ``gna_lens.zoo.scan_tasks(model.tokenizer, task)``, its own splits and its cloze
+            control.
         command: The command line, recorded in the report.
         name: The model's name in the report (default: from its config).
         progress: Show progress bars and one line per stage (on stderr).
@@ -511,8 +463,8 @@ def scan(
         )
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
-    sets = build_tasks(
-        model.tokenizer, task, n_samples=n_samples, seed=seed, n_eval=n_eval, zoo=zoo
+    sets = tasks or build_tasks(
+        model.tokenizer, task, n_samples=n_samples, seed=seed, n_eval=n_eval
     )
     probe = sets.selection
     tok = model.tokenizer

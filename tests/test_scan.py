@@ -5,7 +5,7 @@ import json
 import pytest
 
 from gna_lens.cli import TABLE_COLUMNS, main
-from gna_lens.errors import TaskError
+from gna_lens.errors import ConfigError, TaskError
 from gna_lens.runtime import override_speed_probe
 from gna_lens.scan import ScanTasks, build_tasks, scan
 from gna_lens.testing import (
@@ -232,13 +232,40 @@ def test_zoo_held_out_sets_share_no_prompt_with_the_selection_or_the_control_sel
     from gna_lens import zoo
 
     tok = zoo.load("zoo-llama").tokenizer
-    sets = build_tasks(tok, task, n_samples=24, seed=0, n_eval=48, zoo=True)
+    sets = zoo.scan_tasks(tok, task, n_samples=24, n_eval=48)
     assert sets.control_select is not None and sets.control_eval is not None
     used = {s.prompt for s in sets.selection} | {s.prompt for s in sets.control_select}
     for name, held in sets.held_out.items():
         assert len(held) > 0 and not used & {s.prompt for s in held}, name
     assert not {s.prompt for s in sets.control_eval} & used
     assert "cloze-eval" in sets.control_eval.name
+
+
+@pytest.mark.parametrize("argv", [["zoo-llama"], ["zoo-llama", "--task", "mc"], ["my-model"]])
+def test_scan_cli_gives_a_zoo_model_its_own_splits_and_others_none(monkeypatch, tmp_path, argv):
+    """The scan does not know the zoo: the CLI passes a zoo model's prompts as tasks=."""
+    from gna_lens import cli, scan, zoo
+
+    seen = {}
+
+    def fake_scan(model, task, **kw):
+        seen.update(kw, task=task)
+        raise ConfigError("stop here")
+
+    monkeypatch.setattr(scan, "scan", fake_scan)
+    if argv[0] == "my-model":  # any other model: loaded as usual (here a stand-in)
+        monkeypatch.setattr(scan, "load_scan_model", lambda name, **kw: zoo.load("zoo-llama"))
+    args = ["scan", *argv, "--n-samples", "20", "--n-eval", "10", "--out", str(tmp_path)]
+    assert cli.main(args) == 2
+    if argv[0] != "zoo-llama":
+        assert seen["tasks"] is None
+        return
+    tok = zoo.load("zoo-llama").tokenizer
+    want = zoo.scan_tasks(tok, seen["task"], n_samples=20, n_eval=10)
+    got = seen["tasks"]
+    assert [s.prompt for s in got.selection] == [s.prompt for s in want.selection]
+    assert len(got.selection) == 20 and all(len(t) == 10 for t in got.held_out.values())
+    assert got.control_select is not None and "zoo" in got.notes
 
 
 def test_scan_cli_coarse_to_fine_above_the_exact_limit_says_what_it_never_measured(

@@ -812,8 +812,6 @@ def render_markdown(results: Mapping[str, Any], command: str) -> str:
 
 
 def _layers_section(r: Mapping[str, Any]) -> list[str]:
-    from gna_lens.findings.layers import dictionary_markdown, pruning_markdown
-
     lines = [
         "## 6. Layers and dictionary size",
         "",
@@ -1165,3 +1163,127 @@ def _hybrid_section(r: Mapping[str, Any]) -> list[str]:
         *_heads_table(r["top_specific"]),
         "",
     ]
+
+
+# ----------------------------------------------------------------------------- layer experiments
+def pruning_markdown(result: Mapping[str, Any], figure: str | None = None) -> list[str]:
+    """:func:`~gna_lens.findings.layers.layer_pruning`'s result as markdown lines: the gradual and the individual table
+    (accuracy with Wilson intervals, changes with paired bootstrap intervals), and the figure
+    (a path relative to the page, e.g. ``"assets/findings_pruning_smollm2.svg"``) if given.
+
+    Examples:
+        >>> from gna_lens.findings.layers import layer_pruning
+        >>> from gna_lens.testing import toy_gna_model, toy_gna_task
+        >>> model = toy_gna_model()
+        >>> res = layer_pruning(model, toy_gna_task(model, n_samples=8), None)
+        >>> print("\\n".join(pruning_markdown(res)[4:7]))
+        | layers removed | retrieval accuracy | change | control change |
+        |---|---|---|---|
+        | none | 100.0% [67.6, 100.0] | +0.0 points [+0.0, +0.0] | n/a |
+    """
+    unit = result.get("control_unit") or ""
+    ctrl = f"control change ({unit})" if unit else "control change"
+    s = result["summary"]
+    first = s["first_gradual_at_chance"]
+    at = ", ".join(f"L{x}" for x in s["individual_at_chance"]) or "none"
+    lines = [
+        f"Layer removal on {result.get('model_name', result['model'])}: {result['task']}, "
+        f"chance {100 * result['chance']:.1f}%; control: {result['control'] or 'none'}. "
+        f"{result['method']['ablation']}.",
+        "",
+        f"Gradual pruning ({result['order'].replace('_', ' ')}): retrieval reaches chance "
+        + (f"once {first} layers are removed" if first is not None else "at no step")
+        + f"; layers whose removal alone reaches chance: {at} ({s['at_chance_rule']}).",
+        "",
+        *_md_table(
+            ["layers removed", "retrieval accuracy", "change", ctrl],
+            (
+                [p["label"], _pct(p["accuracy"]), _pts(p["change"]), _nats(p["control_change"])]
+                for p in result["gradual"]
+            ),
+        ),
+        "",
+    ]
+    if result["individual"]:
+        lines += [
+            *_md_table(
+                ["layer removed alone", "kind", "retrieval accuracy", "change", ctrl],
+                (
+                    [
+                        f"L{p['layer']}",
+                        p["kind"],
+                        _pct(p["accuracy"]),
+                        _pts(p["change"]),
+                        _nats(p["control_change"]),
+                    ]
+                    for p in result["individual"]
+                ),
+            ),
+            "",
+        ]
+    if figure:
+        lines += [f"![Layer removal: {result.get('model_name', '')}]({figure})", ""]
+    return lines
+
+
+def dictionary_markdown(result: Mapping[str, Any], figure: str | None = None) -> list[str]:
+    """:func:`~gna_lens.findings.layers.dictionary_size_curves`' result as markdown lines: one row per dictionary size
+    (nothing removed, the heads removed, as many random heads removed, the set vs the random
+    sets with its p-value), the sizes not measured, and the figure if given.
+
+    Examples:
+        >>> from gna_lens.findings.layers import dictionary_size_curves
+        >>> from gna_lens.testing import TOY_AGGREGATE_HEAD, toy_gna_model, toy_gna_task
+        >>> model = toy_gna_model()
+        >>> res = dictionary_size_curves(model, [TOY_AGGREGATE_HEAD], sizes=(2,),
+        ...     tasks=lambda n: toy_gna_task(model, n_pairs=n, n_samples=8), random_draws=0)
+        >>> print("\\n".join(dictionary_markdown(res)[2:5]))
+        | pairs | chance | nothing removed | L1H0 removed | 1 random heads removed | vs random | p |
+        |---|---|---|---|---|---|---|
+        | 2 | 50.0% | 100.0% [67.6, 100.0] | 50.0% [21.5, 78.5] | n/a | n/a | n/a |
+    """
+    k = len(result["heads"])
+    heads = " ".join(result["heads"])
+    lines = [
+        f"KV accuracy against dictionary size on {result.get('model_name', result['model'])}, "
+        f"removing {heads} ({result['method']['tasks']}; random sets: "
+        f"{result['random_matching']}).",
+        "",
+        *_md_table(
+            [
+                "pairs",
+                "chance",
+                "nothing removed",
+                f"{heads} removed",
+                f"{k} random heads removed",
+                "vs random",
+                "p",
+            ],
+            (
+                [
+                    p["n_pairs"],
+                    f"{100 * p['chance']:.1f}%",
+                    _pct(p["before"]),
+                    _pct(p["after"]),
+                    _pct(p["random_after"]),
+                    _pts(p["vs_random"]),
+                    "n/a" if p["p_value"] is None else f"{p['p_value']:.3g}",
+                ]
+                for p in result["points"]
+            ),
+        ),
+        "",
+    ]
+    if result["missing"]:
+        lines += [
+            "Not measured: "
+            + "; ".join(f"{m['n_pairs']} pairs ({m['reason']})" for m in result["missing"])
+            + ".",
+            "",
+        ]
+    if figure:
+        lines += [
+            f"![KV accuracy vs dictionary size: {result.get('model_name', '')}]({figure})",
+            "",
+        ]
+    return lines

@@ -168,7 +168,7 @@ def teacher_twin(teacher: Any, like: HookedSSM | None = None) -> HookedSSM:
             built (returned as is).
         like: A student whose dtype and device the twin takes.
     """
-    from gna_lens.hybrid import build_hybrid
+    from gna_lens.hybrid._build import build_hybrid
 
     if isinstance(teacher, HookedSSM):
         cfg = teacher.cfg
@@ -195,7 +195,7 @@ def teacher_twin(teacher: Any, like: HookedSSM | None = None) -> HookedSSM:
 
 
 def _teacher_shape(teacher: Any) -> tuple[int, int]:
-    from gna_lens.hybrid import _teacher_model
+    from gna_lens.hybrid._build import _teacher_model
 
     hf, _, _ = _teacher_model(teacher)
     return int(hf.config.num_hidden_layers), int(hf.config.num_attention_heads)

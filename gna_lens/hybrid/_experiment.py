@@ -656,7 +656,7 @@ def _accuracy(model: Any, task: Any, batch_size: int) -> tuple[Interval, tuple[i
 
 
 def _state(model: Any, lengths: Sequence[int]) -> dict[int, dict[str, float]]:
-    from gna_lens.hybrid import state_bytes
+    from gna_lens.hybrid._build import state_bytes
 
     sb = state_bytes(model, lengths)
     return {
@@ -1193,7 +1193,7 @@ def run_experiment(
     """
     import sys
 
-    from gna_lens.hybrid import HEAD_LAYOUTS, build_hybrid
+    from gna_lens.hybrid._build import HEAD_LAYOUTS, build_hybrid
     from gna_lens.hybrid._distill import distill, teacher_twin
 
     t_start = time.perf_counter()
@@ -1245,7 +1245,7 @@ def run_experiment(
             teacher = teacher.to(resolve_device(device))
         if resolve_dtype(dtype) is not None:
             teacher = teacher.to(resolve_dtype(dtype))
-    from gna_lens.hybrid import _teacher_model
+    from gna_lens.hybrid._build import _teacher_model
     from gna_lens.models.families import gna_hybrid
     from gna_lens.models.provenance import provenance_of
 

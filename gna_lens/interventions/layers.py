@@ -1073,7 +1073,7 @@ def _sweep_cells(
 ) -> LayerSweepResult:
     from tqdm.auto import tqdm
 
-    from gna_lens.scoring.report import resolve_control
+    from gna_lens.tasks.control import resolve_control
 
     t0 = time.perf_counter()
     infos = layer_infos(model)
@@ -1343,7 +1343,7 @@ def layer_sweep(
         include_bos: Mean ablation: average over and edit the BOS position too.
         removed: Layers removed in every run, the baseline included (the paper first removes
             every layer above L17 of Llama-3.1-8B, then sweeps the rest).
-        control: What needs no in-context retrieval (:func:`~gna_lens.scoring.resolve_control`):
+        control: What needs no in-context retrieval (:func:`~gna_lens.tasks.resolve_control`):
             ``"prose"`` (default: next-token loss on prose shipped with gna_lens), ``None``, a
             :class:`~gna_lens.tasks.TextControl`, a knowledge :class:`~gna_lens.tasks.Task`
             (answer NLL among its options), texts or a ``datasets.Dataset``.

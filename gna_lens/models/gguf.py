@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -24,7 +25,6 @@ from typing import Any
 from urllib.parse import urlparse
 
 from gna_lens.errors import ConfigError
-from gna_lens.models.provenance import gguf_quantization
 
 __all__ = [
     "GGUF_INFO",
@@ -33,6 +33,7 @@ __all__ = [
     "cache_dir",
     "convert_gguf",
     "file_sha256",
+    "gguf_quantization",
     "hub_reachable",
     "packaged_gguf_path",
     "resolve_packaged",
@@ -352,3 +353,86 @@ def is_gguf_file(name: Any) -> bool:
         return p.suffix.lower() == ".gguf" and p.is_file()
     except (OSError, ValueError):
         return False
+
+
+# ----------------------------------------------------------------------------- GGUF headers
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+                 10: "<Q", 11: "<q", 12: "<d"}  # fmt: skip
+
+
+def _read(f: Any, fmt: str) -> Any:
+    size = struct.calcsize(fmt)
+    data = f.read(size)
+    if len(data) != size:
+        raise ValueError("truncated GGUF header")
+    return struct.unpack(fmt, data)[0]
+
+
+def _skip_value(f: Any, vtype: int) -> Any:
+    if vtype in _GGUF_SCALARS:
+        return _read(f, _GGUF_SCALARS[vtype])
+    if vtype == 8:
+        n = _read(f, "<Q")
+        return f.read(n).decode("utf-8", "replace")
+    if vtype == 9:
+        etype, n = _read(f, "<I"), _read(f, "<Q")
+        if etype in _GGUF_SCALARS:
+            f.seek(n * struct.calcsize(_GGUF_SCALARS[etype]), os.SEEK_CUR)
+        else:
+            for _ in range(n):
+                _skip_value(f, etype)
+        return None
+    raise ValueError(f"unknown GGUF value type {vtype}")
+
+
+def gguf_quantization(path: str | Path) -> str:
+    """The quantization of a GGUF file (``"Q4_1"``, ``"Q8_0"``, ``"F32"``), from its header.
+
+    Taken from ``general.file_type`` (llama.cpp's "mostly" type: most tensors have it, norms
+    stay F32); when the file lacks that key, the most common type among its 2-D tensors.
+
+    Returns:
+        The type's name, or ``""`` when the header cannot be read.
+    """
+    gguf: Any
+    try:
+        import gguf  # transformers needs it to read GGUF files at all
+    except ImportError:  # pragma: no cover - gguf is installed wherever GGUF files load
+        gguf = None
+    counts: dict[int, int] = {}
+    try:
+        with Path(path).open("rb") as f:
+            if f.read(4) != b"GGUF":
+                return ""
+            _read(f, "<I")
+            n_tensors, n_kv = _read(f, "<Q"), _read(f, "<Q")
+            for _ in range(n_kv):
+                key = f.read(_read(f, "<Q")).decode("utf-8", "replace")
+                value = _skip_value(f, _read(f, "<I"))
+                if key == "general.file_type" and isinstance(value, int):
+                    if gguf is None:
+                        return f"file_type {value}"
+                    try:
+                        name = gguf.LlamaFileType(value).name
+                    except ValueError:
+                        return f"file_type {value}"
+                    return name.removeprefix("MOSTLY_").removeprefix("ALL_")
+            for _ in range(n_tensors):
+                f.seek(_read(f, "<Q"), os.SEEK_CUR)
+                n_dims = _read(f, "<I")
+                f.seek(8 * n_dims, os.SEEK_CUR)
+                ttype = _read(f, "<I")
+                _read(f, "<Q")
+                if n_dims >= 2:
+                    counts[ttype] = counts.get(ttype, 0) + 1
+    except (OSError, ValueError, struct.error):
+        return ""
+    if not counts:
+        return ""
+    top = max(counts, key=lambda t: counts[t])
+    if gguf is None:
+        return f"type {top}"
+    try:
+        return str(gguf.GGMLQuantizationType(top).name)
+    except ValueError:
+        return f"type {top}"

@@ -49,7 +49,8 @@ from gna_lens.models.provenance import provenance_method
 from gna_lens.runtime import choose_precision, native_bfloat16
 from gna_lens.scoring.patterns import NORMALIZATION, SCORE_NAMES, Head, pattern_scores
 from gna_lens.stats import Interval, bootstrap_interval
-from gna_lens.tasks import Task, TextControl, text_control
+from gna_lens.tasks import Task, TextControl
+from gna_lens.tasks.control import resolve_control
 
 __all__ = [
     "DEFAULT_CHANNEL_GROUP",
@@ -1216,53 +1217,6 @@ def _examples(model: Any, task: Task, heads: list[Head]) -> dict[str, Any]:
 
 def _clean(v: float) -> float | None:
     return None if math.isnan(v) else v
-
-
-def resolve_control(
-    control: Any, tokenizer: Any, *, positions: Any = None, split: str = "select"
-) -> TextControl | Task | None:
-    """The control :func:`score_heads` measures, from what the user passed.
-
-    Args:
-        control: ``"prose"`` (the shipped prose: 8 windows of 48 tokens whose last 24 tokens
-            are scored, or 64 windows of 64 tokens with ``positions="last"``, where each window
-            gives one prediction), ``None`` (no
-            control), a :class:`~gna_lens.tasks.TextControl`, a :class:`~gna_lens.tasks.Task`
-            (a knowledge task, e.g. cloze questions), a str or list of str (texts), or a
-            ``datasets.Dataset`` with a ``text`` column.
-        tokenizer: The model's tokenizer.
-        positions: The ablated positions (``"last"`` needs more, one-prediction windows).
-        split: ``"select"`` or ``"eval"`` (disjoint halves of a text).
-
-    Returns:
-        The control, or ``None``.
-
-    Raises:
-        TaskError: For texts the tokenizer does not cover, or too short.
-        GnaLensError: For a control of another type.
-    """
-    if control is None or control is False:
-        return None
-    if isinstance(control, TextControl | Task):
-        return control
-    n = 64 if positions == "last" else 8
-    length = 64 if positions == "last" else 48
-    if isinstance(control, str) and control == "prose":
-        if tokenizer is None:
-            raise GnaLensError(
-                "control='prose' needs the model's tokenizer (model.tokenizer is None). Fix: "
-                "attach one, or pass control=gna_lens.tasks.text_control(tokenizer) or a Task."
-            )
-        return text_control(tokenizer, n_sequences=n, seq_len=length, split=split)  # type: ignore[arg-type]
-    is_texts = isinstance(control, str) or (
-        isinstance(control, list | tuple) and all(isinstance(t, str) for t in control)
-    )
-    if not is_texts and type(control).__name__ != "Dataset":
-        raise GnaLensError(
-            f"control={type(control).__name__}; expected 'prose', None, a TextControl, a Task, "
-            "texts (str or list of str) or a datasets.Dataset with a 'text' column."
-        )
-    return text_control(tokenizer, control, n_sequences=n, seq_len=length, split=split)  # type: ignore[arg-type]
 
 
 def resolve_sweep_dtype(

@@ -11,11 +11,18 @@ segment holds the answer, all computed from the tokenizer's character offsets.
   from :func:`load_records` (files, ``datasets``, the hub) or :func:`load_mmlu` (offline MMLU).
 - :func:`evaluate`: batched accuracy, per-sample correctness and logit differences.
 - :func:`text_control`: windows of prose (shipped: :func:`load_prose`) for the next-token-loss
-  control that tells retrieval heads from heads every prediction needs.
+  control that tells retrieval heads from heads every prediction needs; :func:`resolve_control`
+  turns what a user passes as ``control=`` (``"prose"``, texts, a dataset, a task) into one.
 """
 
 from gna_lens.tasks._core import Batch, Sample, Task, build_sample
-from gna_lens.tasks.control import PROSE_SOURCE, TextControl, load_prose, text_control
+from gna_lens.tasks.control import (
+    PROSE_SOURCE,
+    TextControl,
+    load_prose,
+    resolve_control,
+    text_control,
+)
 from gna_lens.tasks.evaluate import EvalResult, evaluate
 from gna_lens.tasks.kv import KV_TEMPLATES, KVTemplate, kv_retrieval, load_words, requery
 from gna_lens.tasks.mc import format_question, multiple_choice
@@ -41,5 +48,6 @@ __all__ = [
     "load_words",
     "multiple_choice",
     "requery",
+    "resolve_control",
     "text_control",
 ]

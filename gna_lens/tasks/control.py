@@ -22,10 +22,11 @@ from jaxtyping import Int
 from torch import Tensor
 
 from gna_lens.device import HOST
-from gna_lens.errors import TaskError
+from gna_lens.errors import GnaLensError, TaskError
+from gna_lens.tasks._core import Task
 from gna_lens.tasks._tokens import tokenizer_name
 
-__all__ = ["PROSE_SOURCE", "TextControl", "load_prose", "text_control"]
+__all__ = ["PROSE_SOURCE", "TextControl", "load_prose", "resolve_control", "text_control"]
 
 #: Where the default control text comes from.
 PROSE_SOURCE = "Jane Austen, Persuasion, vol. I (1818; public domain)"
@@ -230,3 +231,50 @@ def text_control(
             "bos": adds_bos,
         },
     )
+
+
+def resolve_control(
+    control: Any, tokenizer: Any, *, positions: Any = None, split: str = "select"
+) -> TextControl | Task | None:
+    """The control :func:`~gna_lens.score_heads` measures, from what the user passed.
+
+    Args:
+        control: ``"prose"`` (the shipped prose: 8 windows of 48 tokens whose last 24 tokens
+            are scored, or 64 windows of 64 tokens with ``positions="last"``, where each window
+            gives one prediction), ``None`` (no
+            control), a :class:`~gna_lens.tasks.TextControl`, a :class:`~gna_lens.tasks.Task`
+            (a knowledge task, e.g. cloze questions), a str or list of str (texts), or a
+            ``datasets.Dataset`` with a ``text`` column.
+        tokenizer: The model's tokenizer.
+        positions: The ablated positions (``"last"`` needs more, one-prediction windows).
+        split: ``"select"`` or ``"eval"`` (disjoint halves of a text).
+
+    Returns:
+        The control, or ``None``.
+
+    Raises:
+        TaskError: For texts the tokenizer does not cover, or too short.
+        GnaLensError: For a control of another type.
+    """
+    if control is None or control is False:
+        return None
+    if isinstance(control, TextControl | Task):
+        return control
+    n = 64 if positions == "last" else 8
+    length = 64 if positions == "last" else 48
+    if isinstance(control, str) and control == "prose":
+        if tokenizer is None:
+            raise GnaLensError(
+                "control='prose' needs the model's tokenizer (model.tokenizer is None). Fix: "
+                "attach one, or pass control=gna_lens.tasks.text_control(tokenizer) or a Task."
+            )
+        return text_control(tokenizer, n_sequences=n, seq_len=length, split=split)  # type: ignore[arg-type]
+    is_texts = isinstance(control, str) or (
+        isinstance(control, list | tuple) and all(isinstance(t, str) for t in control)
+    )
+    if not is_texts and type(control).__name__ != "Dataset":
+        raise GnaLensError(
+            f"control={type(control).__name__}; expected 'prose', None, a TextControl, a Task, "
+            "texts (str or list of str) or a datasets.Dataset with a 'text' column."
+        )
+    return text_control(tokenizer, control, n_sequences=n, seq_len=length, split=split)  # type: ignore[arg-type]

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gna_lens.errors import ConfigError
+from gna_lens.errors import ConfigError, TaskError
 
 __all__ = [
     "MODELS_DIR",
@@ -41,8 +41,8 @@ __all__ = [
     "load",
     "names",
     "path",
+    "scan_tasks",
     "tasks",
-    "train_zoo_main",
 ]
 
 #: Where the zoo's checkpoints lie inside the installed package.
@@ -257,8 +257,64 @@ def _cached_tasks(folder: str, auto: Any) -> dict[str, Any]:
     return eval_tasks(auto.from_pretrained(folder))
 
 
-def train_zoo_main(argv: Any = None) -> int:
-    """``gna-lens train-zoo``: see :func:`gna_lens.zoo.train.train_zoo_main`."""
-    from gna_lens.zoo.train import train_zoo_main as main
+def scan_tasks(tokenizer: Any, task: str = "kv", n_samples: int = 24, n_eval: int = 48) -> Any:
+    """A zoo model's prompts for :func:`gna_lens.scan.scan` (``tasks=``; the CLI passes them for
+    zoo names): its ``kv-8`` (``task="kv"``) or ``letter`` (``"mc"``) split, the first
+    ``n_samples`` prompts to select and the next ``n_eval`` held out, and its ``cloze`` split as
+    the control (first half selects, second half evaluates).
 
-    return main(argv)
+    Args:
+        tokenizer: The zoo's tokenizer (``zoo.load(name).tokenizer``).
+        task: ``"kv"`` or ``"mc"``.
+        n_samples: Selection prompts.
+        n_eval: Held-out prompts per task.
+
+    Returns:
+        A :class:`gna_lens.scan.ScanTasks`.
+
+    Raises:
+        TaskError: For another task, or a split too short to leave prompts held out.
+    """
+    from gna_lens.scan import ScanTasks
+
+    splits = tasks(tokenizer)
+    name = {"kv": "kv-8", "mc": "letter"}.get(task)
+    if name is None:
+        raise TaskError(
+            f"--task {task!r} on a zoo model; expected 'kv' (the zoo's kv-8 split) or 'mc' (its "
+            "letter split; the cloze split is the control)."
+        )
+    probe = splits[name]
+    if len(probe) <= n_samples:
+        raise TaskError(
+            f"the zoo's {name} split has {len(probe)} prompts; --n-samples {n_samples} leaves "
+            "none held out."
+        )
+    selection = probe[:n_samples]
+    start = n_samples
+    if name == "letter":
+        # The letter and cloze splits ask the same questions (same prompts, letters vs answer
+        # words): the cloze control's selection half took part in choosing the heads, so
+        # held-out questions start after it, in both formats.
+        start = max(n_samples, len(splits["cloze"]) // 2)
+    held = {name: probe[start : start + n_eval]}
+    if not len(held[name]):
+        raise TaskError(
+            f"the zoo's {name} split has {len(probe)} prompts; none is left held out after "
+            f"prompt {start}. Fix: a smaller --n-samples."
+        )
+    if name == "letter":
+        held["cloze"] = splits["cloze"][start : start + n_eval]
+    return ScanTasks(
+        selection,
+        held,
+        control_select=control(tokenizer, "select"),
+        control_eval=control(tokenizer, "eval"),
+        notes={
+            "zoo": f"selection: first {n_samples} of the zoo's {name} split; held out: "
+            f"{len(held[name])} from prompt {start}; control: answer NLL among the options of "
+            "the cloze split (first half selects, second half evaluates; letter and cloze "
+            "prompts are the same questions, so held-out letter questions come from the "
+            "second half)"
+        },
+    )

@@ -1,0 +1,360 @@
+"""Building a student from its teacher (:func:`build_hybrid`) and the state it keeps per token
+(:func:`state_bytes`); re-exported by :mod:`gna_lens.hybrid`."""
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gna_lens.device import HOST
+from gna_lens.errors import ConfigError
+from gna_lens.hybrid._pairs import head_pairs
+from gna_lens.models.families import config_from_hf, gna_hybrid
+from gna_lens.models.hooked_ssm import HookedSSM
+from gna_lens.models.mixers import Attention, Mamba1Mixer, Mamba2Mixer
+from gna_lens.models.mixers.hybrid import HEAD_LAYOUTS, HybridMixer
+from gna_lens.models.mixers.swapped import SwappedMamba2Mixer
+
+Head = tuple[int, int]
+
+#: Sequence lengths :func:`state_bytes` reports by default.
+DEFAULT_LENGTHS = (128, 2048, 4096)
+
+
+def build_hybrid(
+    teacher: Any,
+    keep: Iterable[Head],
+    *,
+    d_state: int = 16,
+    head_layout: str = "head",
+    dtype: torch.dtype | None = None,
+    device: str | torch.device | None = None,
+    seed: int = 0,
+    tokenizer: Any | None = None,
+) -> HookedSSM:
+    """A hybrid student of ``teacher`` that keeps the heads ``keep`` as attention.
+
+    Every other head becomes an SSM head (``C <- q``, ``B <- k``, ``x <- v`` of that head; see
+    :class:`~gna_lens.models.mixers.hybrid.HybridMixer`); embeddings, norms, MLPs, RoPE and the
+    output projections are the teacher's. A student keeping every head computes the teacher's
+    logits (to float rounding).
+
+    Args:
+        teacher: A ``TransformerBridge`` over a Llama-style Hugging Face model (its
+            ``original_model``'s weights are read), a Hugging Face ``LlamaForCausalLM``, or the
+            folder / hub name of one.
+        keep: The teacher heads kept as attention, ``(layer, head)`` pairs (e.g. the top of a
+            :class:`~gna_lens.GnaReport`); ``[]`` turns every head into an SSM head.
+        d_state: State size ``N`` of the SSM heads (``C`` and ``B`` start from the first ``N``
+            dimensions of the head's query and key, zero-padded beyond ``d_head``).
+        head_layout: ``"head"`` (``B`` and ``C`` per SSM head) or ``"kv_group"`` (shared by
+            the SSM heads of one teacher KV group).
+        dtype: The student's dtype (default: the teacher's).
+        device: The student's device (default: the teacher's).
+        seed: Seed of the Mamba-2 initialization of the SSM heads' ``dt`` and ``A``.
+        tokenizer: Its tokenizer (default: the bridge's, or the folder's).
+
+    Returns:
+        The student, a HookedSSM in eval mode (``model.cfg.attention_heads`` lists each layer's
+        attention heads, ``model.cfg.teacher`` where it came from).
+
+    Raises:
+        ConfigError: For a teacher that is not Llama-style (the message names its
+            ``model_type``), ``keep`` entries that are not heads of the teacher (the message
+            names them and the range), ``d_state < 1`` or an unknown ``head_layout``.
+
+    Examples:
+        >>> import tempfile
+        >>> from transformer_lens.model_bridge import TransformerBridge
+        >>> from gna_lens import head_view
+        >>> from gna_lens.testing import tiny_checkpoint
+        >>> teacher = TransformerBridge.boot_transformers(str(tiny_checkpoint("llama", tempfile.mkdtemp())))
+        >>> student = build_hybrid(teacher, [(1, 2)], d_state=8)
+        >>> view = head_view(student)
+        >>> view.kind(0), view.kind(1), view.kind_of((1, 2)), view.kind_of((1, 3))
+        ('ssm', 'mixed', 'attention', 'ssm')
+    """
+    hf, tok, info = _teacher_model(teacher)
+    if tokenizer is None:
+        tokenizer = tok
+    config = hf.config
+    fields = gna_hybrid.teacher_fields(config, "build_hybrid")
+    n_layers, H = int(fields["num_hidden_layers"]), int(fields["num_attention_heads"])
+    kept = _check_keep(keep, n_layers, H)
+    if isinstance(d_state, bool) or not isinstance(d_state, int) or d_state < 1:
+        raise ConfigError(
+            f"build_hybrid(d_state={d_state!r}): the SSM heads' state size must be an int >= 1 "
+            f"(the teacher's head width is {fields['head_dim']}; the paper's students use 4 to 64)."
+        )
+    if head_layout not in HEAD_LAYOUTS:
+        raise ConfigError(
+            f"build_hybrid(head_layout={head_layout!r}); expected one of {list(HEAD_LAYOUTS)}: "
+            "B and C per SSM head, or shared by the SSM heads of one teacher KV group."
+        )
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise ConfigError(f"build_hybrid(dtype={dtype!r}); expected a torch.dtype or None.")
+    attention = [sorted(h for layer, h in kept if layer == i) for i in range(n_layers)]
+    student_json = gna_hybrid.student_config(fields, attention, d_state, head_layout, info)
+    student_json["_name_or_path"] = f"hybrid of {info.get('name') or 'a Llama teacher'}"
+    from types import SimpleNamespace
+
+    cfg = config_from_hf(SimpleNamespace(**student_json))
+    weights = _hf_weights(hf)
+    first = next(iter(hf.parameters()))
+    cfg.dtype = dtype or first.dtype
+    cfg.device = str(device or first.device)
+    model = HookedSSM(cfg, tokenizer)
+    model.load_state_dict(_student_state(model, weights, n_layers), strict=False)
+    generator = torch.Generator().manual_seed(seed)
+    for layer, block in enumerate(model.blocks):
+        prefix = f"model.layers.{layer}.self_attn."
+        attn = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
+        mixer: HybridMixer = block.mixer  # type: ignore[assignment]
+        mixer.init_from_attention(attn, generator)
+    return model.to(device=cfg.device, dtype=cfg.dtype).eval()
+
+
+def _teacher_model(teacher: Any) -> tuple[Any, Any, dict[str, Any]]:
+    """(the Hugging Face model, its tokenizer, what to record of it) of a build_hybrid teacher."""
+    from gna_lens.models.provenance import provenance_of
+
+    info: dict[str, Any] = {}
+    if isinstance(teacher, str | Path):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from gna_lens.models.loading import _resolve
+
+        name = _resolve(str(teacher))
+        try:
+            hf = AutoModelForCausalLM.from_pretrained(name)
+        except (OSError, ValueError) as err:
+            raise ConfigError(
+                f"build_hybrid(teacher={str(teacher)!r}): could not load it as a Hugging Face "
+                f"causal LM ({err.__class__.__name__}: {err}). Pass a checkpoint folder, a hub "
+                "name where a hub is reachable, a TransformerBridge or a LlamaForCausalLM."
+            ) from err
+        try:
+            tok = AutoTokenizer.from_pretrained(name)
+        except (OSError, ValueError):
+            tok = None
+        info["name"] = str(teacher)
+    else:
+        hf = getattr(teacher, "original_model", None) or teacher
+        if not hasattr(hf, "config") or not hasattr(hf, "state_dict"):
+            raise ConfigError(
+                f"build_hybrid got a teacher of type {type(teacher).__name__}; expected a "
+                "TransformerBridge, a Hugging Face LlamaForCausalLM, or a folder / hub name."
+            )
+        tok = getattr(teacher, "tokenizer", None)
+        cfg = getattr(teacher, "cfg", None)
+        info["name"] = str(
+            getattr(cfg, "model_name", "") or getattr(hf.config, "_name_or_path", "") or ""
+        )
+    info["class"] = type(hf).__name__
+    info["model_type"] = str(getattr(hf.config, "model_type", ""))
+    prov = provenance_of(teacher)
+    if prov.known:
+        info["provenance"] = prov.describe()
+    return hf, tok, info
+
+
+def _check_keep(keep: Any, n_layers: int, n_heads: int) -> list[Head]:
+    """Validate ``keep``: ``(layer, head)`` pairs of the teacher."""
+    where = f"the teacher has {n_layers} layers (0..{n_layers - 1}) of {n_heads} heads (0..{n_heads - 1})"
+    out: list[Head] = []
+    for layer, head in head_pairs(keep, "build_hybrid(keep", where):
+        if not (0 <= layer < n_layers and 0 <= head < n_heads):
+            raise ConfigError(
+                f"build_hybrid(keep=...) contains ({layer}, {head}), which is not a head of the "
+                f"teacher: {where}."
+            )
+        out.append((layer, head))
+    return sorted(set(out))
+
+
+def _hf_weights(hf: Any) -> dict[str, Tensor]:
+    """The teacher's weights under Hugging Face Llama names (a bridge's wrappers removed)."""
+    out: dict[str, Tensor] = {}
+    for key, value in hf.state_dict().items():
+        out.setdefault(
+            key.replace("._original_component", "").replace("_original_component.", ""), value
+        )
+    return out
+
+
+def _student_state(model: HookedSSM, w: dict[str, Tensor], n_layers: int) -> dict[str, Tensor]:
+    """Embeddings, norms and MLPs of the teacher under the student's names."""
+    state = {
+        "embed.weight": w["model.embed_tokens.weight"],
+        "ln_final.weight": w["model.norm.weight"],
+    }
+    if not model.cfg.tie_word_embeddings:
+        state["unembed.weight"] = w["lm_head.weight"]
+    for layer in range(n_layers):
+        src, dst = f"model.layers.{layer}.", f"blocks.{layer}."
+        state[dst + "ln1.weight"] = w[src + "input_layernorm.weight"]
+        state[dst + "ln2.weight"] = w[src + "post_attention_layernorm.weight"]
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            for p in ("weight", "bias") if model.cfg.mlp_bias else ("weight",):
+                state[f"{dst}mlp.{proj}.{p}"] = w[f"{src}mlp.{proj}.{p}"]
+    missing = sorted(set(model.state_dict()) - set(state) - _mixer_keys(model))
+    if missing:
+        raise ConfigError(f"build_hybrid: no teacher weights for {missing[:5]} ...")
+    return {k: v.detach().to(model.embed.weight.dtype) for k, v in state.items()}
+
+
+def _mixer_keys(model: HookedSSM) -> set[str]:
+    return {k for k in model.state_dict() if ".mixer." in k} | (
+        {"unembed.weight"} if model.cfg.tie_word_embeddings else set()
+    )
+
+
+# ----------------------------------------------------------------------------- state bytes
+@dataclass(frozen=True)
+class StateBytes:
+    """What a model keeps per sequence while generating, in bytes.
+
+    The SSM heads' recurrent states have a fixed size; the attention heads' KV cache grows by
+    ``kv_bytes_per_token`` per token. Per length ``L``: ``kv_bytes(L) = kv_bytes_per_token * L``,
+    ``total_bytes(L) = recurrent_bytes + kv_bytes(L)``, ``bytes_per_token(L) = total_bytes(L) / L``.
+
+    Attributes:
+        model: The model's name.
+        attention_heads: Query heads that attend (over all layers).
+        ssm_heads: SSM heads (Mamba-1: channels).
+        kv_heads: KV heads whose keys and values are cached (over all layers).
+        element_bytes: Bytes per stored number (the dtype's size).
+        recurrent_bytes: The recurrent states (SSM heads' ``[d_head, d_state]`` states, and the
+            convolution windows of Mamba layers), per sequence.
+        kv_bytes_per_token: Keys and values of one token, all layers.
+        lengths: The lengths :meth:`to_dataframe` reports.
+    """
+
+    model: str
+    attention_heads: int
+    ssm_heads: int
+    kv_heads: int
+    element_bytes: int
+    recurrent_bytes: int
+    kv_bytes_per_token: int
+    lengths: tuple[int, ...] = DEFAULT_LENGTHS
+
+    def kv_bytes(self, length: int) -> int:
+        """The KV cache after ``length`` tokens."""
+        return self.kv_bytes_per_token * int(length)
+
+    def total_bytes(self, length: int) -> int:
+        """Recurrent states plus KV cache after ``length`` tokens."""
+        return self.recurrent_bytes + self.kv_bytes(length)
+
+    def bytes_per_token(self, length: int) -> float:
+        """:meth:`total_bytes` divided by ``length``."""
+        return self.total_bytes(length) / int(length)
+
+    def to_dataframe(self) -> Any:
+        """One row per length: recurrent-state, KV-cache and total bytes, bytes per token."""
+        import pandas as pd
+
+        return pd.DataFrame(
+            [
+                {
+                    "model": self.model,
+                    "length": L,
+                    "attention_heads": self.attention_heads,
+                    "ssm_heads": self.ssm_heads,
+                    "recurrent_bytes": self.recurrent_bytes,
+                    "kv_cache_bytes": self.kv_bytes(L),
+                    "total_bytes": self.total_bytes(L),
+                    "bytes_per_token": self.bytes_per_token(L),
+                }
+                for L in self.lengths
+            ]
+        )
+
+
+def state_bytes(
+    model: Any,
+    lengths: Sequence[int] = DEFAULT_LENGTHS,
+    *,
+    dtype: torch.dtype | None = None,
+) -> StateBytes:
+    """Recurrent-state and KV-cache bytes of ``model`` while generating.
+
+    Args:
+        model: A hybrid student or any HookedSSM, a TransformerBridge, or a Hugging Face
+            Llama-style model (the teacher).
+        lengths: Sequence lengths to report (``StateBytes.to_dataframe``).
+        dtype: The dtype the states are kept in (default: the model's parameters').
+
+    Returns:
+        A :class:`StateBytes`.
+
+    Examples:
+        >>> from gna_lens.testing import tiny_hooked_ssm
+        >>> sb = state_bytes(tiny_hooked_ssm("bamba"))
+        >>> sb.kv_bytes_per_token, sb.total_bytes(128) == sb.recurrent_bytes + 128 * sb.kv_bytes_per_token
+        (128, True)
+    """
+    lengths = tuple(int(L) for L in lengths)
+    if not lengths or any(L < 1 for L in lengths):
+        raise ConfigError(f"state_bytes(lengths={lengths!r}); expected positive lengths.")
+    if dtype is None:
+        dtype = next(iter(model.parameters())).dtype
+    size = torch.empty((), dtype=dtype, device=HOST).element_size()
+    name = str(getattr(getattr(model, "cfg", None), "model_name", "") or type(model).__name__)
+    attn = ssm = kv = recurrent = 0  # kv and recurrent in numbers, not bytes
+    kv_width = 0
+    if isinstance(model, HookedSSM):
+        cfg = model.cfg
+        for block in model.blocks:
+            mixer = getattr(block, "mixer", None)
+            if isinstance(mixer, HybridMixer):
+                attn += len(mixer.attn_heads)
+                ssm += len(mixer.ssm_heads)
+                kv += len(mixer.kv_heads)
+                kv_width += 2 * len(mixer.kv_heads) * cfg.d_head
+                recurrent += len(mixer.ssm_heads) * cfg.d_head * cfg.d_state
+            elif isinstance(mixer, SwappedMamba2Mixer):  # swap_heads: before Mamba2Mixer
+                n_attn = len(mixer.attn_heads)
+                attn += n_attn
+                ssm += cfg.n_heads - n_attn
+                kv += n_attn
+                kv_width += n_attn * (cfg.d_state + cfg.d_head)  # k [d_state] and v [d_head]
+                recurrent += (cfg.n_heads - n_attn) * cfg.d_head * cfg.d_state
+                recurrent += (cfg.d_conv - 1) * (mixer.conv_dim + n_attn * mixer.width)
+            elif isinstance(mixer, Mamba2Mixer):
+                ssm += cfg.n_heads
+                recurrent += cfg.n_heads * cfg.d_head * cfg.d_state
+                recurrent += (cfg.d_conv - 1) * mixer.conv_dim
+            elif isinstance(mixer, Mamba1Mixer):
+                ssm += cfg.d_inner
+                recurrent += cfg.d_inner * cfg.d_state + (cfg.d_conv - 1) * cfg.d_inner
+            if isinstance(getattr(block, "attn", None), Attention):
+                attn += cfg.n_attn_heads
+                kv += cfg.n_attn_kv_heads
+                kv_width += 2 * cfg.n_attn_kv_heads * cfg.attn_d_head
+    else:
+        hf = getattr(model, "original_model", None) or model
+        config = getattr(hf, "config", None)
+        if config is None or not hasattr(config, "num_hidden_layers"):
+            raise ConfigError(
+                f"state_bytes got a {type(model).__name__}; expected a HookedSSM, a "
+                "TransformerBridge or a Hugging Face causal LM with a config."
+            )
+        n, H = int(config.num_hidden_layers), int(config.num_attention_heads)
+        KV = int(getattr(config, "num_key_value_heads", None) or H)
+        d = int(getattr(config, "head_dim", None) or config.hidden_size // H)
+        attn, kv, kv_width = n * H, n * KV, n * 2 * KV * d
+    return StateBytes(
+        model=name,
+        attention_heads=attn,
+        ssm_heads=ssm,
+        kv_heads=kv,
+        element_bytes=size,
+        recurrent_bytes=recurrent * size,
+        kv_bytes_per_token=kv_width * size,
+        lengths=lengths,
+    )
