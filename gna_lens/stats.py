@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gna_lens.device import HOST
+from gna_lens.device import HOST, to_host
 from gna_lens.errors import GnaLensError
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "bootstrap_interval",
     "draws_interval",
     "paired_permutation_test",
+    "spearman",
     "two_level_interval",
     "wilson_interval",
 ]
@@ -320,3 +321,22 @@ def paired_permutation_test(diff: Tensor | Any, *, n_perm: int = 10_000, seed: i
     flipped = (signs.to(torch.float64) * x).mean(-1).abs()
     extreme = int((flipped >= observed - 1e-12).sum())
     return (extreme + 1) / (n_perm + 1)
+
+
+def spearman(a: Tensor | Any, b: Tensor | Any) -> float:
+    """Spearman rank correlation of two equal-length vectors (average ranks for ties).
+
+    Returns:
+        The correlation, NaN where either vector is constant.
+
+    Examples:
+        >>> import torch
+        >>> spearman(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([10.0, 30.0, 20.0]))
+        0.5
+    """
+    import pandas as pd
+
+    x = pd.Series(to_host(torch.as_tensor(a, device=HOST)).double().numpy()).rank()
+    y = pd.Series(to_host(torch.as_tensor(b, device=HOST)).double().numpy()).rank()
+    r = x.corr(y)
+    return float(r) if r == r else math.nan

@@ -10,7 +10,7 @@ from interventions_helpers import bos_model, bos_task, bos_tok, hand_class_mean,
 import gna_lens.interventions as I
 from gna_lens.errors import InterventionError
 from gna_lens.heads import head_view
-from gna_lens.interventions._common import Metric
+from gna_lens.interventions.metrics import Metric
 
 ARCHS = ["mamba2", "bamba", "llama"]  # SSM, hybrid (layer 1 is attention), Transformer bridge
 kv = bos_task
@@ -95,12 +95,12 @@ def test_include_bos_averages_over_and_edits_the_bos_too(arch):
 def test_the_old_one_mean_over_every_position_fails_the_check(monkeypatch, positions):
     """The check above fires on the old semantics: one mean over every reference position, BOS
     included, whatever positions are ablated."""
-    from gna_lens.interventions import _common
+    from gna_lens.interventions import sources
 
     def every_position(ids, positions, bos_id, include_bos, where):
         return list(range(len(ids))), 0
 
-    monkeypatch.setattr(_common, "class_positions", every_position)
+    monkeypatch.setattr(sources, "class_positions", every_position)
     model = bos_model("bamba")
     task, ref = kv(3, 3, 0), kv(4, 5, 5)
     with pytest.raises(AssertionError):

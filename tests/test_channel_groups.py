@@ -8,7 +8,7 @@ from interventions_helpers import task as make_task
 import gna_lens.interventions as I
 from gna_lens.errors import InterventionError
 from gna_lens.heads import head_patterns, head_view
-from gna_lens.interventions._common import Metric
+from gna_lens.interventions.metrics import Metric
 
 #: Contiguous blocks of 8 channels, and explicit (uneven, non-contiguous) sets in layer 1.
 SPECS = [8, {1: [[3, 40, 7], [5], [60, 61, 62, 63, 0]]}]

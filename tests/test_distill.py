@@ -412,7 +412,7 @@ def test_a_swapped_model_steps_ablates_scores_and_saves(tmp_path):
         assert (s.step(prefix) - full).abs().max() < 1e-5 and (logits - full).abs().max() < 1e-5
     res = I.ablation_sweep(s, t, "logit_diff", positions="last", pack=4, progress=False)
     loop = []
-    from gna_lens.interventions._common import Metric
+    from gna_lens.interventions.metrics import Metric
 
     met, idx = Metric("logit_diff", t), torch.arange(len(t))
     with torch.no_grad():

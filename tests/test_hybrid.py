@@ -329,7 +329,7 @@ def test_batched_sweep_equals_loop_and_leaves_no_hook(mode, positions):
     res = I.ablation_sweep(
         m, t, "logit_diff", mode=mode, positions=positions, reference=ref, pack=5, progress=False
     )
-    from gna_lens.interventions._common import Metric
+    from gna_lens.interventions.metrics import Metric
 
     ids, idx, met, loop = tokens(t), torch.arange(len(t)), Metric("logit_diff", t), []
     with torch.no_grad():

@@ -192,7 +192,7 @@ def test_batched_sweep_equals_loop_and_leaves_no_hook(family, mode, positions):
     ids = tokens(t)
     idx = torch.arange(len(t))
     loop = []
-    from gna_lens.interventions._common import Metric
+    from gna_lens.interventions.metrics import Metric
 
     met = Metric("logit_diff", t)
     with torch.no_grad():
@@ -348,7 +348,7 @@ def test_jamba_channel_groups_beside_attention_heads():
     a grouped sweep (incremental last-position path) equals a loop of group ablations, and
     set_head_groups refuses an attention layer."""
     from gna_lens.errors import InterventionError
-    from gna_lens.interventions._common import Metric
+    from gna_lens.interventions.metrics import Metric
 
     m, t = model("jamba"), make_task()
     with m.head_groups(16):
@@ -574,7 +574,7 @@ def test_sweep_over_both_parts_equals_a_loop_of_single_ablations(family, mode, p
     sweep (packed, or expanded at each part's output, or incremental from the prefix state)
     equals a loop of ablate_heads."""
     from gna_lens.interventions import _engine
-    from gna_lens.interventions._common import Metric
+    from gna_lens.interventions.metrics import Metric
     from gna_lens.testing import tiny_hooked_ssm
 
     m = tiny_hooked_ssm(family, vocab_size=len(tok()))  # its own strategy verdicts
@@ -669,7 +669,7 @@ def test_masks_on_both_parts_equal_hand_written_pattern_edits(family, mode):
 @pytest.mark.parametrize("family", sorted(MULTIPART))
 @pytest.mark.parametrize("positions", [None, "last"])
 def test_patching_heads_of_both_parts_equals_hand_written_patches(family, positions):
-    from gna_lens.interventions._common import Metric
+    from gna_lens.interventions.metrics import Metric
 
     m = model(family)
     view = head_view(m)
@@ -706,7 +706,7 @@ def test_attribution_of_both_parts_is_the_gradient_times_the_edit(family):
     """attribute_heads (zero ablation, and patching from the clean run) on an attention and an
     SSM head of one layer: each estimate is Σ (z' - z) · ∂metric/∂z over that head's slice of
     its own part's hook_z, computed here by hand."""
-    from gna_lens.interventions._common import Metric
+    from gna_lens.interventions.metrics import Metric
 
     m = model(family)
     view = head_view(m)
@@ -952,7 +952,7 @@ def test_layer_sweep_of_a_two_part_mixer_equals_a_loop_and_hand_written_hooks(
     """layer_sweep with target='mixer' (both parts) / 'attn' / 'ssm': the batched sweep (each
     layer run from its cached residual) equals the loop of full forwards, and each cell equals
     ablate_layers (itself checked against hand-written hooks above); a set of layers too."""
-    from gna_lens.interventions._common import Metric
+    from gna_lens.interventions.metrics import Metric
 
     m = model(family)
     t = make_task()

@@ -10,7 +10,7 @@ from interventions_helpers import task as make_task
 import gna_lens.interventions as I
 from gna_lens.errors import InterventionError, PatternEditError
 from gna_lens.heads import head_view, require_editable
-from gna_lens.interventions._common import Metric
+from gna_lens.interventions.metrics import Metric
 from gna_lens.tasks import evaluate
 
 SWEEP_ARCHS = ["llama", "mamba2", "bamba"]  # Transformer (bridge), SSM, hybrid

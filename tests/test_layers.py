@@ -27,8 +27,8 @@ from gna_lens.interventions import (
     prune_from_end,
     remove_layers,
 )
-from gna_lens.interventions._common import Metric
 from gna_lens.interventions.layers import layer_infos
+from gna_lens.interventions.metrics import Metric
 from gna_lens.models import HookedSSM
 from gna_lens.scoring import score_heads
 from gna_lens.tasks import TextControl, evaluate

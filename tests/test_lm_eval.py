@@ -15,7 +15,7 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 import gna_lens.lm_eval as gl  # noqa: E402
 from gna_lens.errors import ConfigError, InterventionError  # noqa: E402
 from gna_lens.interventions import ablate_heads, aggregate_mask, mask_patterns  # noqa: E402
-from gna_lens.interventions._common import count_hooks  # noqa: E402
+from gna_lens.interventions.hooks import count_hooks  # noqa: E402
 from gna_lens.tasks import evaluate, multiple_choice  # noqa: E402
 from gna_lens.testing import tiny_checkpoint  # noqa: E402
 

@@ -19,7 +19,7 @@ from transformer_lens.HookedRootModule import HookedRootModule
 import gna_lens.interventions as I
 from gna_lens.errors import HookError, InterventionError, PatternEditError
 from gna_lens.heads import head_view, require_editable
-from gna_lens.interventions import _common, _engine
+from gna_lens.interventions import _engine, hooks
 from gna_lens.testing import tiny_hooked_ssm
 
 TOKENS = torch.tensor([[5, 6, 7, 8, 9]])
@@ -351,12 +351,12 @@ def test_a_bridge_without_usable_kv_cache_records_the_fallback(monkeypatch):
 def test_hooked_keeps_the_original_error_when_hooks_leak():
     m = _fresh()
     try:
-        with pytest.raises(ValueError, match="boom") as err, _common.hooked(m, []):
+        with pytest.raises(ValueError, match="boom") as err, hooks.hooked(m, []):
             m.add_hook("blocks.0.hook_resid_pre", _identity, is_permanent=True)
             raise ValueError("boom")
         assert any("leaked" in note for note in err.value.__notes__)
         m.reset_hooks(including_permanent=True)
-        with pytest.raises(HookError, match="hooks leaked"), _common.hooked(m, []):
+        with pytest.raises(HookError, match="hooks leaked"), hooks.hooked(m, []):
             m.add_hook("blocks.0.hook_resid_pre", _identity, is_permanent=True)
     finally:
         m.reset_hooks(including_permanent=True)

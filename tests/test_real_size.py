@@ -10,7 +10,7 @@ from interventions_helpers import tok, tokens
 
 import gna_lens.interventions as I
 from gna_lens.heads import head_view
-from gna_lens.interventions._common import Metric
+from gna_lens.interventions.metrics import Metric
 from gna_lens.models import ops
 
 

@@ -64,8 +64,11 @@ def test_two_level_interval_covers_a_mean_over_draws_and_prompts():
     for _ in range(trials):
         draw_offsets = torch.randn(10, 1, generator=gen, dtype=torch.float64) * 0.5
         prompt_effects = torch.randn(1, 30, generator=gen, dtype=torch.float64)
-        values = 1.0 + draw_offsets + prompt_effects + 0.3 * torch.randn(
-            10, 30, generator=gen, dtype=torch.float64
+        values = (
+            1.0
+            + draw_offsets
+            + prompt_effects
+            + 0.3 * torch.randn(10, 30, generator=gen, dtype=torch.float64)
         )
         iv = two_level_interval(values, n_boot=400)
         covered += iv.low <= 1.0 <= iv.high
@@ -76,9 +79,7 @@ def test_wilson_covers_a_proportion_95_percent_of_the_time():
     gen = torch.Generator().manual_seed(5)
     p, n = 0.3, 80
     hits = (torch.rand(ROWS, n, generator=gen) < p).sum(-1)
-    cover = sum(
-        (iv := wilson_interval(int(h), n)).low <= p <= iv.high for h in hits
-    ) / ROWS
+    cover = sum((iv := wilson_interval(int(h), n)).low <= p <= iv.high for h in hits) / ROWS
     assert LOW <= cover <= HIGH, cover
 
 
@@ -86,7 +87,9 @@ def test_paired_permutation_test_rejects_5_percent_of_true_nulls():
     from gna_lens.stats import paired_permutation_test
 
     x = _samples(6, rows=400, n=30) - 1.0  # mean-zero, skewed: the null holds in every row
-    signs = torch.where(torch.rand(400, 30, generator=torch.Generator().manual_seed(7)) < 0.5, -1, 1)
+    signs = torch.where(
+        torch.rand(400, 30, generator=torch.Generator().manual_seed(7)) < 0.5, -1, 1
+    )
     x = x * signs  # symmetric about 0, as the sign-flip test assumes
     rejected = sum(paired_permutation_test(row, n_perm=1000) < 0.05 for row in x) / 400
     assert 0.025 <= rejected <= 0.08, rejected

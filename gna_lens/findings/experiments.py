@@ -236,7 +236,7 @@ def metric_agreement(
         ``{"n_prompts", "n_heads", "spearman": interval, "overlap": {k: {...}}, "method"}``.
     """
     from gna_lens.interventions import ablation_sweep
-    from gna_lens.interventions._common import spearman
+    from gna_lens.stats import spearman
 
     heads = [h for h, e in zip(report.heads, report.scores["ablation_effect"].tolist(),
                                strict=True) if not math.isnan(e)]  # fmt: skip

@@ -33,18 +33,11 @@ from torch import Tensor
 
 from gna_lens.device import HOST, host_full, to_host
 from gna_lens.heads import Head, HeadView, LayerHeads, head_output_weights
-from gna_lens.interventions._common import (
-    Group,
-    Metric,
-    Source,
-    col_where,
-    column_mask,
-    edit_packed,
-    packed_edit_hooks,
-    part_selection,
-    plan_rows,
-)
 from gna_lens.interventions._runner import Runner, _attempt, _close, shortcut_run
+from gna_lens.interventions.batching import Group, plan_rows
+from gna_lens.interventions.edits import col_where, edit_packed, packed_edit_hooks, part_selection
+from gna_lens.interventions.metrics import Metric
+from gna_lens.interventions.sources import Source, column_mask
 
 #: What a cell's logits are scored with: a task :class:`Metric`, or any per-row callable
 #: ``(logits, sample indices) -> [rows]`` (e.g. the control's next-token loss).

@@ -42,7 +42,7 @@ from torch import Tensor
 from gna_lens.device import exact_matmul
 from gna_lens.errors import InterventionError
 from gna_lens.heads import HeadView, _is_hooked_ssm
-from gna_lens.interventions._common import hooked
+from gna_lens.interventions.hooks import hooked
 
 Hooks = Sequence[tuple[Any, Callable[..., Any]]]
 

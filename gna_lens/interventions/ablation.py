@@ -19,25 +19,21 @@ from torch import Tensor
 from gna_lens.device import HOST, DevicePolicy, host_full, to_host
 from gna_lens.errors import InterventionError
 from gna_lens.heads import Head, HeadView, head_view, normalize_head_sets, require_editable
-from gna_lens.interventions._common import (
-    EMBED_HOOK,
-    Group,
-    Metric,
+from gna_lens.interventions._engine import SweepPlan, run_cells, subgroups
+from gna_lens.interventions._runner import Runner, autocast_dtype
+from gna_lens.interventions.batching import Group, describe_task, length_groups, parse_bytes
+from gna_lens.interventions.hooks import EMBED_HOOK, hooked
+from gna_lens.interventions.metrics import Metric
+from gna_lens.interventions.sources import (
     SkipBos,
     Source,
     build_source,
     check_positions,
     check_resample_pairs,
     column_mask,
-    describe_task,
     edit_positions,
-    hooked,
-    length_groups,
-    parse_bytes,
-    spearman,
 )
-from gna_lens.interventions._engine import SweepPlan, run_cells, subgroups
-from gna_lens.interventions._runner import Runner, autocast_dtype
+from gna_lens.stats import spearman
 from gna_lens.tasks import Task, TextControl
 
 __all__ = [
@@ -502,7 +498,7 @@ def ablation_sweep(
         model: A TransformerBridge or a HookedSSM.
         task: A :class:`~gna_lens.tasks.Task` with single-token choices (or a callable metric).
         metric: ``"accuracy"``, ``"logit_diff"``, ``"logprob"``, ``"choice_logprob"`` (see
-            :class:`~gna_lens.interventions._common.Metric`), or
+            :class:`~gna_lens.interventions.metrics.Metric`), or
             ``fn(logits [rows, d_vocab], samples) -> [rows]`` on the query-position logits.
         heads: ``None`` (every head alone), ``[(layer, head), ...]`` (each alone), or a list of
             head sets ``[[(l, h), (l2, h2)], ...]`` (each set ablated together).

@@ -23,24 +23,21 @@ from torch import Tensor
 from gna_lens.device import host_full, to_host
 from gna_lens.errors import InterventionError
 from gna_lens.heads import _is_hooked_ssm, head_view, normalize_head_sets, require_editable
-from gna_lens.interventions._common import (
-    Metric,
-    build_source,
-    check_positions,
-    column_mask,
-    describe_task,
-    edit_positions,
-    hooked,
-    length_groups,
-    paired_groups,
-    tokens_of,
-)
 from gna_lens.interventions.ablation import (
     SweepResult,
     ablation_info,
     cell_kind,
     model_device,
     positions_label,
+)
+from gna_lens.interventions.batching import describe_task, length_groups, paired_groups, tokens_of
+from gna_lens.interventions.hooks import hooked
+from gna_lens.interventions.metrics import Metric
+from gna_lens.interventions.sources import (
+    build_source,
+    check_positions,
+    column_mask,
+    edit_positions,
 )
 from gna_lens.tasks import Task
 
@@ -156,7 +153,7 @@ def attribute_heads(
             acts[name] = z.detach()
             return z + leaf
 
-        hooks: list[tuple[Any, Any]] = [(name, _bind(grab, name)) for name in parts]
+        hooks: list[tuple[Any, Any]] = [(name, bind(grab, name)) for name in parts]
         with torch.enable_grad(), hooked(model, hooks):
             logits = model(tokens)[:, -1]
             values = met(logits, g.indices)
@@ -205,7 +202,7 @@ def attribute_heads(
     )
 
 
-def _bind(fn: Any, key: Any) -> Any:
+def bind(fn: Any, key: Any) -> Any:
     def bound(z: Tensor, hook: Any) -> Tensor:
         return fn(z, hook, key)
 
@@ -225,6 +222,6 @@ def _collect(model: Any, names: list[str], layers: list[int], tokens: Tensor) ->
     def keep(z: Tensor, hook: Any, name: str) -> None:
         out[name] = z.clone()
 
-    with hooked(model, [(name, _bind(keep, name)) for name in names]):
+    with hooked(model, [(name, bind(keep, name)) for name in names]):
         model(tokens, **({"stop_at_layer": max(layers) + 1} if layers else {}))
     return out

@@ -68,20 +68,6 @@ from gna_lens.heads import (
     head_view,
     uncomparable_outputs,
 )
-from gna_lens.interventions._common import (
-    Group,
-    Metric,
-    Source,
-    bos_token_id,
-    check_positions,
-    column_mask,
-    describe_task,
-    edit_positions,
-    hooked,
-    length_groups,
-    mean_positions,
-    reference_rows,
-)
 from gna_lens.interventions._runner import PathLog, Runner
 from gna_lens.interventions.ablation import (
     _InputRows,
@@ -89,6 +75,18 @@ from gna_lens.interventions.ablation import (
     ablation_info,
     model_device,
     positions_label,
+)
+from gna_lens.interventions.batching import Group, describe_task, length_groups
+from gna_lens.interventions.hooks import hooked
+from gna_lens.interventions.metrics import Metric
+from gna_lens.interventions.sources import (
+    Source,
+    bos_token_id,
+    check_positions,
+    column_mask,
+    edit_positions,
+    mean_positions,
+    reference_rows,
 )
 from gna_lens.stats import Interval, bootstrap_interval, wilson_interval
 from gna_lens.tasks import Task, TextControl
@@ -375,7 +373,7 @@ def _layer_source(
 ) -> Source:
     """The mean over ``reference`` of what ``target`` replaces (``source.mean[name]``:
     ``[d_model]``, per replaced hook: ``hook_resid_post`` for a block), taken over the positions that are ablated, as for head ablation
-    (:func:`~gna_lens.interventions._common.mean_positions`): the reference prompts' last tokens
+    (:func:`~gna_lens.interventions.sources.mean_positions`): the reference prompts' last tokens
     for ``positions="last"``, the listed positions (counted from each prompt's own end), or every
     position; a leading BOS is left out unless ``include_bos`` (a list naming it raises)."""
     if reference is None:
@@ -496,7 +494,7 @@ def _edit_hooks(
         return torch.where(where[:, :, None], value, x)
 
     hooks: list[tuple[str, HookFn]] = [
-        (name, _bind(replace, mean=None if means is None else means[name]))
+        (name, bind(replace, mean=None if means is None else means[name]))
         for name in _target_hooks(info, target)
     ]
     return [(info.resid_pre_hook, measure), *hooks] if positions is not None or skip else hooks
@@ -977,7 +975,7 @@ def _runner_view(model: Any, infos: Sequence[LayerInfo]) -> HeadView:
     )
 
 
-def _bind(fn: Callable[..., Any], **kw: Any) -> HookFn:
+def bind(fn: Callable[..., Any], **kw: Any) -> HookFn:
     def bound(x: Tensor, hook: Any) -> Any:
         return fn(x, hook, **kw)
 
@@ -1013,7 +1011,7 @@ def _run(
             cache[layer] = x.detach().clone()
 
         keepers = (
-            [(infos[layer].resid_pre_hook, _bind(keep, layer=layer)) for layer in starts]
+            [(infos[layer].resid_pre_hook, bind(keep, layer=layer)) for layer in starts]
             if method == "batched"
             else []
         )

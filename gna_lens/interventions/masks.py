@@ -41,7 +41,7 @@ from torch import Tensor
 from gna_lens.device import HOST
 from gna_lens.errors import InterventionError, PatternEditError
 from gna_lens.heads import Head, HeadView, _is_hooked_ssm, head_view, require_editable
-from gna_lens.interventions._common import hooked
+from gna_lens.interventions.hooks import hooked
 from gna_lens.tasks import Batch, Sample
 
 __all__ = ["aggregate_mask", "gather_mask", "mask_patterns", "pattern_mask_hooks", "stack_masks"]

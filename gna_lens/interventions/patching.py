@@ -19,18 +19,6 @@ from torch import Tensor
 from gna_lens.device import HOST, host_full, to_host
 from gna_lens.errors import InterventionError
 from gna_lens.heads import head_view, normalize_head_sets, require_editable
-from gna_lens.interventions._common import (
-    Group,
-    Metric,
-    Source,
-    check_positions,
-    collect_z,
-    column_mask,
-    describe_task,
-    paired_groups,
-    parse_bytes,
-    tokens_of,
-)
 from gna_lens.interventions._engine import SweepPlan, run_cells
 from gna_lens.interventions._runner import Runner
 from gna_lens.interventions.ablation import (
@@ -39,6 +27,15 @@ from gna_lens.interventions.ablation import (
     model_device,
     positions_label,
 )
+from gna_lens.interventions.batching import (
+    Group,
+    describe_task,
+    paired_groups,
+    parse_bytes,
+    tokens_of,
+)
+from gna_lens.interventions.metrics import Metric
+from gna_lens.interventions.sources import Source, check_positions, collect_z, column_mask
 from gna_lens.tasks import Task
 
 __all__ = ["PatchResult", "patch_heads", "patch_residual"]

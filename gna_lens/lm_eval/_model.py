@@ -509,7 +509,7 @@ class GnaLM(TemplateLM):
             width: The padded width.
             offsets: Each row's left padding.
         """
-        from gna_lens.interventions._common import hooked
+        from gna_lens.interventions.hooks import hooked
 
         iv = self.intervention
         with ExitStack() as stack:

@@ -17,8 +17,8 @@ from torch import Tensor
 from gna_lens.errors import GnaLensError
 from gna_lens.heads import HeadView, head_view
 from gna_lens.interventions import ablate_heads, ablation_sweep, control_sweep
-from gna_lens.interventions._common import describe_task
 from gna_lens.interventions.ablation import positions_label
+from gna_lens.interventions.batching import describe_task
 from gna_lens.models.provenance import provenance_method
 from gna_lens.scoring.patterns import Head
 from gna_lens.stats import (

@@ -16,7 +16,7 @@ from torch import Tensor
 from gna_lens.device import HOST, DevicePolicy
 from gna_lens.errors import GnaLensError
 from gna_lens.interventions import aggregate_mask, gather_mask, mask_patterns
-from gna_lens.interventions._common import describe_task
+from gna_lens.interventions.batching import describe_task
 from gna_lens.scoring.patterns import Head
 from gna_lens.scoring.report import GnaReport, score_heads
 from gna_lens.stats import Interval, wilson_interval

@@ -58,7 +58,7 @@ from tqdm.auto import tqdm
 from gna_lens.device import HOST, DevicePolicy, to_host
 from gna_lens.errors import InterventionError
 from gna_lens.heads import HeadView, LayerHeads, head_view
-from gna_lens.interventions._common import describe_task
+from gna_lens.interventions.batching import describe_task
 from gna_lens.tasks import Sample, Task
 
 __all__ = ["NORMALIZATION", "PatternScores", "pattern_scores", "row_sharpness"]

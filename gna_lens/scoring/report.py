@@ -41,9 +41,10 @@ from gna_lens.device import HOST, DevicePolicy, host_full, to_host
 from gna_lens.errors import GnaLensError, InterventionError
 from gna_lens.heads import GroupSpec, HeadList, describe_head_groups, head_view
 from gna_lens.interventions import ablation_sweep, attribute_heads, control_sweep
-from gna_lens.interventions._common import check_positions, describe_task
 from gna_lens.interventions.ablation import SweepResult, positions_label
+from gna_lens.interventions.batching import describe_task
 from gna_lens.interventions.layers import LayerSweepResult, layer_sweep
+from gna_lens.interventions.sources import check_positions
 from gna_lens.models.kernels import path_summary
 from gna_lens.models.provenance import provenance_method
 from gna_lens.runtime import choose_precision, native_bfloat16

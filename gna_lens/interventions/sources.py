@@ -1,198 +1,48 @@
-"""Shared machinery of the interventions: metrics, task groups, positions, replacement sources,
-hook contexts and the packed head-output edit."""
+"""What replaces an ablated or patched head output: the positions edited (``None``, ``"last"``, a
+list), the ablation modes (zero, mean over reference prompts, resample) and their
+:class:`Source` of values; activation patching's clean outputs come from the same place."""
 
-import math
-import re
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
-from gna_lens.device import HOST, to_host
-from gna_lens.errors import HookError, InterventionError
-from gna_lens.heads import Head, HeadView, LayerHeads
-from gna_lens.tasks import Sample, Task
+from gna_lens.device import HOST
+from gna_lens.errors import InterventionError
+from gna_lens.heads import LayerHeads
+from gna_lens.interventions.batching import Group, length_groups
+from gna_lens.interventions.hooks import EMBED_HOOK, bind, hooked
+from gna_lens.tasks import Task
 
-MetricName = Literal["accuracy", "logit_diff", "logprob"]
-#: A user metric: logits at each row's query position ``[rows, d_vocab]`` and the rows' samples
-#: -> one value per row ``[rows]``.
-MetricFn = Callable[[Tensor, Sequence[Sample]], Tensor]
+__all__ = [
+    "MODES",
+    "Mode",
+    "Positions",
+    "SkipBos",
+    "Source",
+    "bos_token_id",
+    "build_source",
+    "check_positions",
+    "check_resample_pairs",
+    "class_positions",
+    "collect_z",
+    "column_mask",
+    "edit_positions",
+    "mean_positions",
+    "reference_rows",
+]
+
+
 Positions = None | Literal["last"] | Sequence[int]
+
+
 Mode = Literal["zero", "mean", "resample"]
 
-METRICS = ("accuracy", "logit_diff", "logprob", "choice_logprob")
+
 MODES = ("zero", "mean", "resample")
 
 
-# ----------------------------------------------------------------------------- metrics
-class Metric:
-    """A per-row metric on query-position logits, bound to a task's answers.
-
-    ``"accuracy"``: 1 when the answer wins (over the choices for ``scoring="choices"``, over the
-    vocabulary for ``"exact"``). ``"logit_diff"``: the answer's logit minus the best other
-    choice's (``"exact"``: the best other token's), the per-sample margin of
-    :func:`gna_lens.tasks.evaluate`. ``"logprob"``: the answer token's log-probability over
-    the vocabulary. ``"choice_logprob"``: its log-probability among the choices only (softmax
-    over the choices' logits; ``"exact"`` tasks: over the vocabulary), the smooth twin of
-    accuracy, blind to mass moving between the choices and the rest of the vocabulary.
-    """
-
-    def __init__(self, metric: Any, task: Task, what: str = "metric"):
-        if not isinstance(task, Task):
-            raise InterventionError(
-                f"task is a {type(task).__name__}; expected a gna_lens.tasks.Task (e.g. "
-                "gna_lens.tasks.kv_retrieval(tokenizer, ...))."
-            )
-        if len(task) == 0:
-            raise InterventionError(f"task {task.name!r} has no samples; expected at least one.")
-        self.task = task
-        self.samples = task.samples
-        if callable(metric) and not isinstance(metric, str):
-            self.name = getattr(metric, "__name__", "metric")
-            self.user_fn: MetricFn | None = metric
-            self.differentiable = True
-            return
-        if metric not in METRICS:
-            raise InterventionError(
-                f"{what}={metric!r}; expected one of {METRICS} or a callable "
-                "fn(logits [rows, d_vocab], samples) -> [rows]."
-            )
-        self.name = str(metric)
-        self.user_fn = None
-        self.differentiable = metric != "accuracy"
-        exact = task.scoring == "exact"
-        for i, s in enumerate(task):
-            ids = [s.answer_ids] if exact else s.choice_ids
-            if any(len(c) != 1 for c in ids):
-                raise InterventionError(
-                    f"sample {i} of task {task.name!r} has multi-token "
-                    f"{'answer' if exact else 'choices'} {s.choices!r} (ids {ids}); the "
-                    f"{metric!r} metric is read from the logits at the query position, so every "
-                    "choice must be one token. Fix: build the task with single-token values / "
-                    "letter format, or pass a callable metric."
-                )
-        self.exact = exact
-        n_choices = max(len(s.choice_ids) for s in task)
-        table = torch.full((len(task), max(n_choices, 1)), -1, dtype=torch.long, device=HOST)
-        for i, s in enumerate(task):
-            table[i, : len(s.choice_ids)] = torch.tensor([c[0] for c in s.choice_ids], device=HOST)
-        self.choice_ids = table
-        self.answer_index = torch.tensor(
-            [s.answer_index for s in task], dtype=torch.long, device=HOST
-        )
-        self.answer_token = torch.tensor(
-            [s.answer_ids[0] for s in task], dtype=torch.long, device=HOST
-        )
-
-    def __call__(self, logits: Tensor, idx: Tensor) -> Tensor:
-        """Per-row metric; ``idx`` are the rows' sample indices in the task."""
-        if self.user_fn is not None:
-            out = self.user_fn(logits, [self.samples[int(i)] for i in idx])
-            out = torch.as_tensor(out, device=logits.device)
-            if out.shape != (logits.shape[0],):
-                raise InterventionError(
-                    f"metric {self.name!r} returned shape {tuple(out.shape)} for logits of shape "
-                    f"{tuple(logits.shape)}; expected one value per row [{logits.shape[0]}]."
-                )
-            return out.float()
-        logits = logits.float()
-        idx = to_host(idx.to(torch.long))
-        ans_tok = self.answer_token[idx].to(logits.device)
-        if self.name == "logprob" or (self.exact and self.name == "choice_logprob"):
-            return logits.log_softmax(-1).gather(1, ans_tok[:, None])[:, 0]
-        if self.exact:
-            correct = logits.gather(1, ans_tok[:, None])[:, 0]
-            other = logits.scatter(1, ans_tok[:, None], float("-inf")).amax(-1)
-            if self.name == "accuracy":
-                return (correct > other).float()
-            return correct - other
-        ids = self.choice_ids[idx].to(logits.device)
-        valid = ids >= 0
-        scores = logits.gather(1, ids.clamp(min=0)).masked_fill(~valid, float("-inf"))
-        ans = self.answer_index[idx].to(logits.device)
-        if self.name == "accuracy":
-            return (scores.argmax(-1) == ans).float()
-        if self.name == "choice_logprob":
-            return scores.log_softmax(-1).gather(1, ans[:, None])[:, 0]
-        correct = scores.gather(1, ans[:, None])[:, 0]
-        other = scores.scatter(1, ans[:, None], float("-inf")).amax(-1)
-        return correct - other
-
-
-# ----------------------------------------------------------------------------- groups
-@dataclass(frozen=True)
-class Group:
-    """Samples of one prompt length, unpadded: the query is the last column."""
-
-    indices: Tensor  # [G] sample indices in the task
-    tokens: Tensor  # [G, L]
-
-    @property
-    def length(self) -> int:
-        return int(self.tokens.shape[1])
-
-    def __len__(self) -> int:
-        return int(self.tokens.shape[0])
-
-
-def check_query_is_last(task: Task) -> None:
-    for i, s in enumerate(task):
-        if s.query_position != s.n_tokens - 1:
-            raise InterventionError(
-                f"sample {i} of task {task.name!r} has query_position={s.query_position} but "
-                f"{s.n_tokens} tokens; expected the query to be the last prompt token."
-            )
-
-
-def length_groups(task: Task, max_samples: int, device: Any) -> list[Group]:
-    """Split a task into unpadded groups of equal prompt length (at most ``max_samples``)."""
-    check_query_is_last(task)
-    by_len: dict[int, list[int]] = {}
-    for i, s in enumerate(task):
-        by_len.setdefault(s.n_tokens, []).append(i)
-    out = []
-    for length in sorted(by_len):
-        ids = by_len[length]
-        for start in range(0, len(ids), max(1, max_samples)):
-            chunk = ids[start : start + max_samples]
-            tokens = torch.tensor(
-                [task[i].input_ids for i in chunk], dtype=torch.long, device=device
-            )
-            out.append(Group(torch.tensor(chunk, dtype=torch.long, device=HOST), tokens))
-    return out
-
-
-def paired_groups(clean: Task, corrupted: Task, max_samples: int, device: Any) -> list[Group]:
-    """Groups over sample indices where clean and corrupted prompts have equal length."""
-    if not isinstance(corrupted, Task) or not isinstance(clean, Task):
-        raise InterventionError(
-            f"clean and corrupted must be gna_lens.tasks.Task objects; got "
-            f"{type(clean).__name__} and {type(corrupted).__name__}."
-        )
-    if len(clean) != len(corrupted):
-        raise InterventionError(
-            f"clean task {clean.name!r} has {len(clean)} samples but corrupted task "
-            f"{corrupted.name!r} has {len(corrupted)}; expected pairs (sample i of each)."
-        )
-    for i, (a, b) in enumerate(zip(clean, corrupted, strict=True)):
-        if a.n_tokens != b.n_tokens:
-            raise InterventionError(
-                f"sample {i}: the clean prompt has {a.n_tokens} tokens and the corrupted one "
-                f"{b.n_tokens}; patching needs aligned positions. Fix: build the corrupted task "
-                "with the same template and token lengths (e.g. the same dictionary with another "
-                "queried key)."
-            )
-    return length_groups(clean, max_samples, device)
-
-
-def tokens_of(task: Task, idx: Tensor, device: Any) -> Tensor:
-    return torch.tensor([task[int(i)].input_ids for i in idx], dtype=torch.long, device=device)
-
-
-# ----------------------------------------------------------------------------- positions
 def check_positions(positions: Any, allow_each: bool = False) -> Any:
     if positions is None or positions == "last":
         return positions
@@ -252,7 +102,6 @@ def column_mask(positions: Any, length: int, device: Any) -> Tensor | None:
     return mask
 
 
-# ----------------------------------------------------------------------------- sources
 class Source:
     """What replaces a head's output: zero, a mean, or per-sample activations.
 
@@ -350,7 +199,7 @@ def collect_z(
             current[EMBED_HOOK] = x.detach().clone()
 
         # Bound to the requested name: a bridge's hook.name can be an alias.
-        hooks = [(name, _bind(keep, name=name)) for name in names]
+        hooks = [(name, bind(keep, name=name)) for name in names]
         if want_embed:
             hooks.append((EMBED_HOOK, keep_embed))
         with hooked(model, hooks):
@@ -363,18 +212,6 @@ def collect_z(
                 else:
                     store[name][i] = z[j]
     return {name: [t for t in rows if t is not None] for name, rows in store.items()}
-
-
-#: The hook whose output is the token embeddings ``[batch, pos, d_model]`` (HookedSSM and
-#: TransformerBridge): equal rows there are equal tokens.
-EMBED_HOOK = "hook_embed"
-
-
-def _bind(fn: Callable[..., Any], **kw: Any) -> Callable[..., Any]:
-    def bound(x: Tensor, hook: Any) -> Any:
-        return fn(x, hook, **kw)
-
-    return bound
 
 
 def bos_token_id(model: Any, *sources: Any) -> int | None:
@@ -620,201 +457,3 @@ def check_resample_pairs(
         "(e.g. the same task generator with another seed, or the task rotated by one: "
         "dataclasses.replace(task, samples=task.samples[1:] + task.samples[:1])), or mode='mean'."
     )
-
-
-# ----------------------------------------------------------------------------- packed edits
-def part_selection(cells: Sequence[tuple[Head, ...]], layer: int, part: LayerHeads) -> Tensor:
-    """``[cells, n_channels]`` bool: which entries of the head axis of ``part``'s ``hook_z``
-    (a part of ``layer``, :attr:`~gna_lens.heads.LayerHeads.parts`) each cell edits (a Mamba-1
-    channel group edits all its channels)."""
-    sel = torch.zeros(len(cells), part.n_channels, dtype=torch.bool, device=HOST)
-    for k, cell in enumerate(cells):
-        sel[k] = part.hook_mask(part.local(h for lay, h in cell if lay == layer))
-    return sel
-
-
-def edited_parts(
-    view: HeadView, cells: Sequence[tuple[Head, ...]], skip_layer: int | None = None
-) -> list[tuple[int, LayerHeads]]:
-    """``(layer, part)`` of every part holding a head of ``cells`` (layers in order, parts in
-    head order), but those of ``skip_layer``."""
-    heads = [h for cell in cells for h in cell if h[0] != skip_layer]
-    return [(part.layer, part) for part in view.parts_of(heads)]
-
-
-def edit_packed(
-    z: Tensor,
-    sel: Tensor,
-    value: Tensor,
-    group_size: int,
-    cols: Tensor | None,
-    what: str,
-) -> Tensor:
-    """``z`` ``[K * G, P, H, d]`` (cell-major) with cell ``k``'s selected heads ``sel[k]``
-    replaced by ``value`` at the columns ``cols`` (``None``: all)."""
-    R, P, H, d = z.shape
-    K, G = sel.shape[0], group_size
-    if R != K * G or sel.shape[1] != H:
-        raise InterventionError(
-            f"internal: {what} has shape {tuple(z.shape)}; expected [{K * G}, pos, {sel.shape[1]}, "
-            "d_head]."
-        )
-    if value.ndim == 4:  # per-sample: [G, P|1, H, d] -> broadcast over cells
-        value = value[None]
-    where = sel.to(z.device)[:, None, None, :, None]  # [K, 1, 1, H, 1]
-    if cols is not None:
-        where = where & col_where(cols, z.device)
-    out = torch.where(where, value, z.view(K, G, P, H, d))
-    return out.reshape(R, P, H, d)
-
-
-def packed_edit_hooks(
-    view: HeadView,
-    cells: Sequence[tuple[Head, ...]],
-    group_size: int,
-    ref_rows: Tensor,
-    source: Source,
-    cols: Tensor | None,
-    at_last: bool = False,
-    skip_layer: int | None = None,
-) -> list[tuple[str, Callable[..., Tensor]]]:
-    """Hooks on ``hook_z`` editing, for packed cell ``k`` (rows ``k*G .. k*G+G-1``), its heads.
-
-    One hook per part of a layer holding a head of the cells (a multi-part layer's heads live
-    behind several ``hook_z``).
-
-    Args:
-        view: The head view.
-        cells: Head sets, one per block of ``group_size`` rows (cell-major packing).
-        group_size: Rows per cell ``G``.
-        ref_rows: ``[G]`` reference row of each sample (for per-sample sources).
-        source: The replacement (keyed by ``hook_z`` name).
-        cols: ``[pos]`` bool mask of edited positions, or ``[cells, pos]`` per cell (``None``:
-            all positions).
-        at_last: The run is an incremental step (the one position is the last).
-        skip_layer: A layer edited otherwise (no hook there).
-    """
-    hooks = []
-    for layer, part in edited_parts(view, cells, skip_layer):
-        sel = part_selection(cells, layer, part)
-
-        def hook(z: Tensor, hook: Any, name: str = part.z_hook, sel: Tensor = sel) -> Tensor:
-            value = source.value(name, ref_rows, z.shape[1], at_last, z)
-            edited = None if at_last else cols
-            return edit_packed(z, sel, value, group_size, edited, f"{name} (packed)")
-
-        hooks.append((part.z_hook, hook))
-    return hooks
-
-
-def col_where(cols: Tensor, device: Any) -> Tensor:
-    """``[pos]`` or ``[cells, pos]`` column mask as ``[cells|1, 1, pos, 1, 1]``."""
-    c = cols.to(device)
-    return c[None, None, :, None, None] if c.ndim == 1 else c[:, None, :, None, None]
-
-
-# ----------------------------------------------------------------------------- hooks
-@contextmanager
-def hooked(model: Any, fwd_hooks: Sequence[tuple[Any, Callable[..., Any]]]) -> Iterator[Any]:
-    """``model.hooks(fwd_hooks)`` that also fails loudly if a hook survived the context.
-
-    An exception raised inside the block propagates unchanged (a leak found then is added to it
-    as a note, never raised in its place); after a clean exit a leak raises
-    :class:`~gna_lens.errors.HookError`.
-    """
-    before = count_hooks(model)
-    try:
-        with model.hooks(fwd_hooks=list(fwd_hooks)):
-            yield model
-    except BaseException as err:
-        after = count_hooks(model)
-        if after != before:
-            err.add_note(f"gna_lens: hooks leaked as well: {before} before, {after} after.")
-        raise
-    after = count_hooks(model)
-    if after != before:
-        raise HookError(
-            f"hooks leaked: the model had {before} hooks before this intervention and {after} "
-            "after it. Fix: model.reset_hooks(including_permanent=False), and report this."
-        )
-
-
-def count_hooks(model: Any) -> int:
-    """Total forward and backward hooks on the model's hook points."""
-    total = 0
-    seen: set[int] = set()
-    for hp in getattr(model, "hook_dict", {}).values():
-        if id(hp) in seen:
-            continue
-        seen.add(id(hp))
-        total += len(getattr(hp, "fwd_hooks", [])) + len(getattr(hp, "bwd_hooks", []))
-        total += len(getattr(hp, "_forward_hooks", {})) + len(getattr(hp, "_backward_hooks", {}))
-    return total
-
-
-# ----------------------------------------------------------------------------- budget
-_UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-
-
-def parse_bytes(budget: Any) -> int:
-    if isinstance(budget, int | float) and not isinstance(budget, bool) and budget > 0:
-        return int(budget)
-    if isinstance(budget, str):
-        m = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", budget)
-        if m and m.group(2).upper() in _UNITS:
-            return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
-    raise InterventionError(
-        f"memory_budget={budget!r}; expected a number of bytes or a string like '2GiB', '512MB'."
-    )
-
-
-def row_bytes(model: Any, view: HeadView, length: int, logits_positions: int) -> int:
-    """A rough upper bound on the transient memory of one row of a no-grad forward pass."""
-    cfg = model.cfg
-    d = int(cfg.d_model)
-    itemsize = torch.finfo(getattr(cfg, "dtype", torch.float32) or torch.float32).bits // 8
-    worst = 0
-    for lh in (part for layer in view for part in layer.parts):
-        if lh.kind != "ssm":  # attention heads' patterns (all of a mixed layer's, at worst)
-            worst = max(worst, 4 * lh.n_heads * length)
-        if lh.kind != "attention":
-            d_inner = int(getattr(cfg, "d_inner", 0) or lh.n_channels * lh.d_head)
-            chunk = int(getattr(cfg, "chunk_size", 64) or 64)
-            worst = max(worst, 8 * d_inner + 4 * lh.n_channels * min(chunk, length))
-    d_mlp = int(getattr(cfg, "d_mlp", 0) or 0)
-    per_pos = 16 * d + 3 * d_mlp + worst
-    return itemsize * (length * per_pos + logits_positions * int(cfg.d_vocab))
-
-
-def plan_rows(
-    model: Any,
-    view: HeadView,
-    length: int,
-    budget: int,
-    max_rows: int,
-    logits_positions: int,
-    cached_layers: int,
-) -> int:
-    """Rows per forward within ``budget`` (at least 1)."""
-    per_row = row_bytes(model, view, length, logits_positions)
-    cache = cached_layers * length * int(model.cfg.d_model) * 4
-    return max(1, min(max_rows, budget // max(1, per_row + cache)))
-
-
-def chunks(seq: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
-    for start in range(0, len(seq), max(1, size)):
-        yield seq[start : start + size]
-
-
-def spearman(a: Tensor, b: Tensor) -> float:
-    """Spearman rank correlation (average ranks for ties)."""
-    import pandas as pd
-
-    x = pd.Series(to_host(a).double().numpy()).rank()
-    y = pd.Series(to_host(b).double().numpy()).rank()
-    r = x.corr(y)
-    return float(r) if r == r else math.nan
-
-
-def describe_task(task: Task) -> str:
-    return f"{task.name} (n={len(task)}, scoring={task.scoring})"
