@@ -141,6 +141,39 @@ def test_sharded_sweep_equals_one_process_bit_for_bit(llama, pool, positions, pa
     assert all(0 < b <= ex["wall_seconds"] + 0.05 for b in ex["busy_seconds"]), ex
 
 
+def test_units_on_other_prompts_finishing_in_any_order_land_on_their_prompts(
+    llama, pool, monkeypatch
+):
+    """Prompts split over several blocks (a small memory budget), units handed out shuffled,
+    several per worker: every value must land on its own cell and prompt. (With one block of
+    prompts 0..11 in order, writing a unit's values to the wrong prompts went unnoticed.)"""
+    import random
+
+    from gna_lens import distributed
+
+    model, task = llama
+    kw = dict(memory_budget="16KiB", progress=False)
+    local = ablation_sweep(model, task, "logit_diff", **kw)
+    # the values differ from prompt to prompt, so a value on another prompt shows
+    assert not torch.equal(local.values, local.values[:, torch.arange(12).roll(1)])
+    real, seen = distributed.plan_units, {}
+
+    def shuffled(*args, **kwargs):
+        units = real(*args, **kwargs)
+        random.Random(0).shuffle(units)
+        seen["units"] = units
+        return units
+
+    monkeypatch.setattr(distributed, "plan_units", shuffled)
+    sharded = ablation_sweep(model, task, "logit_diff", executor=pool, **kw)
+    blocks = {u.parts for u in seen["units"]}
+    assert len(blocks) >= 3, blocks  # units hold different prompts
+    assert [u.id for u in seen["units"]] != sorted(u.id for u in seen["units"])
+    assert all(n >= 2 for n in sharded.info["executor"]["units_by_worker"])
+    assert torch.equal(sharded.values, local.values)
+    assert torch.equal(sharded.baseline, local.baseline)
+
+
 def test_score_heads_shards_task_and_control_with_the_same_numbers(llama, pool):
     model, task = llama
     control = text_control(model.tokenizer, n_sequences=3, seq_len=12, max_unknown=1.0)
