@@ -203,7 +203,7 @@ def attribute_heads(
 
 
 def bind(fn: Any, key: Any) -> Any:
-    def bound(z: Tensor, hook: Any) -> Tensor:
+    def bound(z: Tensor, hook: Any) -> Tensor | None:
         return fn(z, hook, key)
 
     return bound
