@@ -277,3 +277,24 @@ def test_fewer_prompts_draw_fewer_prompts_per_resample():
     p24 = sum(math.comb(n, i) for i in range(15, n + 1)) / 2**n
     assert first[24].p_top_k == pytest.approx(1 - p24, abs=0.02)
     assert (first[4].rank_low, first[4].rank_high) == (1, 2)
+
+
+def test_findings_page_shows_the_joint_set_and_the_rank_intervals(split):
+    from gna_lens.findings.experiments import selection_extras
+    from gna_lens.findings.render import _joint_lines, _stability_lines
+
+    _, _, _, report = split
+    extras = json.loads(json.dumps(selection_extras(report)))  # as the JSON stores them
+    joint = report.joint_set
+    lines = "\n".join(_joint_lines(extras["joint"], None))
+    for i, (head, iv) in enumerate(zip(joint.heads, joint.effects, strict=True)):
+        row = f"| {i + 1} | L{head[0]}H{head[1]} | accepted | {iv.format(signed=True)}"
+        assert row in lines, (row, lines)
+    for r in joint.rejected:  # the split generic head: passes alone, not with the others
+        assert f"L{r.head[0]}H{r.head[1]} | turned down" in lines
+    assert joint.rejected
+    stab = _stability_lines(extras["stability"])
+    bounds = [x for x in stab if x.startswith("- bound")]
+    assert len(bounds) == 3 * len(extras["stability"]["n_prompts"])  # 0.05 / 0.1 / 0.2
+    top = report.top(1, joint=False)[0]
+    assert f"L{top[0]}H{top[1]} [1, " in stab[2]

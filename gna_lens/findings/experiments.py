@@ -135,16 +135,15 @@ def smollm2_heads(
     model = model if model is not None else load_model("smollm2-135m")
     tok = model.tokenizer
     kw: dict[str, Any] = dict(n_pairs=n_pairs, template="question", values="words")
-    probe = kv_retrieval(tok, n_samples=n_rank, seed=seed, **kw)
     held = kv_retrieval(tok, n_samples=n_eval, seed=seed + 1, **kw)
     paper = kv_retrieval(
         tok, n_pairs=n_pairs, n_samples=n_eval, seed=seed + 2, template="paper", values="words"
     )
-    overlap = {s.prompt for s in probe} & {s.prompt for s in held}
-    report = score_heads(
-        model, probe, control=text_control(tok, split="select"), sweep_dtype=sweep_dtype,
-        n_examples=0, progress=progress,
+    probe, report = smollm2_selection(
+        model, n_rank=n_rank, n_pairs=n_pairs, seed=seed, sweep_dtype=sweep_dtype,
+        progress=progress,
     )  # fmt: skip
+    overlap = {s.prompt for s in probe} & {s.prompt for s in held}
     control_eval = text_control(tok, split="eval")
     ranked = report.top(max(ks))
     removal = []
@@ -207,6 +206,42 @@ def smollm2_heads(
         "knowledge": _table(knowledge),
         "masks": masks,
         "metric_agreement": agreement,
+    } | selection_extras(report)
+
+
+def smollm2_selection(
+    model: Any,
+    *,
+    n_rank: int = 24,
+    n_pairs: int = 6,
+    seed: int = 0,
+    sweep_dtype: str | None = None,
+    progress: bool = True,
+) -> tuple[Task, GnaReport]:
+    """Finding 1's selection: the ``n_rank`` KV prompts (question template, word values) and
+    :func:`~gna_lens.score_heads` on them with the prose control (its ``select`` half)."""
+    tok = model.tokenizer
+    kw: dict[str, Any] = dict(n_pairs=n_pairs, template="question", values="words")
+    probe = kv_retrieval(tok, n_samples=n_rank, seed=seed, **kw)
+    report = score_heads(
+        model, probe, control=text_control(tok, split="select"), sweep_dtype=sweep_dtype,
+        n_examples=0, progress=progress,
+    )  # fmt: skip
+    return probe, report
+
+
+def selection_extras(report: GnaReport) -> dict[str, Any]:
+    """How stable the selection is: the greedy joint set (``"joint"``: each accepted head with
+    the joint control effect of the set so far, the heads turned down) and the top 10's rank
+    intervals at the control bounds 0.05 / 0.1 / 0.2 nats/token, from half and from all the
+    selection prompts (``"stability"``, :func:`~gna_lens.scoring.rank_stability`)."""
+    from gna_lens.scoring.stability import rank_stability
+
+    n = len(report.sample_effects["ablation_effect"][0]) if report.sample_effects else 0
+    counts = sorted({max(1, n // 2), n}) if n else None
+    return {
+        "joint": report.joint_set.to_dict() if report.joint_set is not None else None,
+        "stability": rank_stability(report, n_prompts=counts).to_dict() if n else None,
     }
 
 

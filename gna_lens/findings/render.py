@@ -545,8 +545,10 @@ def _students_status(st: Mapping[str, Any] | None) -> tuple[str, str]:
 SEED_CLAIMS: tuple[tuple[str, str, str], ...] = (
     ("In-context retrieval concentrates in a few heads: removing them drops retrieval to "
      "chance; as many random heads do not", "abstract; slides (ablation tables)", "few-heads"),
-    ("Text that needs no retrieval and knowledge tasks stay flat when they are removed",
-     "abstract; slides (knowledge column)", "flat"),
+    ("Text that needs no retrieval stays flat when they are removed",
+     "abstract; slides (knowledge column)", "flat-prose"),
+    ("Knowledge tasks stay flat when they are removed", "abstract; slides (knowledge column)",
+     "flat-knowledge"),
     ("Disabling one Gather or Aggregate head drops MMLU's answer letter to chance (pruned "
      "Llama-3.1-8B: 66% -> 25%)", "abstract; slides (heads kept per layer)", "letter"),
     ("MMLU is more retrieval than knowledge: with G&A intact the pruned model passes MMLU yet "
@@ -586,6 +588,17 @@ SEED_CLAIMS: tuple[tuple[str, str, str], ...] = (
 )  # fmt: skip
 
 
+def _zoo_knowledge_rows(results: Mapping[str, Any]) -> list[dict[str, str]]:
+    """Per zoo model, whether its cloze split (knowledge from the weights) stays flat when its
+    top 4 heads are removed (the numbers are in the "Retrieval falls" rows)."""
+    out = []
+    for r in results.get("2", []):
+        rem = next((x for x in r["rows"] if x["k"] == 4), r["rows"][-1])
+        status, _ = _flat_status(_row(rem, "cloze"))
+        out.append({"model": r["model"], "label": f"{r['model']} (cloze)", "status": status})
+    return out
+
+
 def seed_claims(
     results: Mapping[str, Any], statuses: Sequence[Mapping[str, str]] | None = None
 ) -> list[dict[str, str]]:
@@ -593,7 +606,7 @@ def seed_claims(
 
     Examples:
         >>> rows = seed_claims({})
-        >>> len(rows) == len(SEED_CLAIMS), rows[3]["status"]
+        >>> len(rows) == len(SEED_CLAIMS), rows[4]["status"]
         (True, 'not testable offline')
     """
     statuses = list(statuses if statuses is not None else status_rows(results))
@@ -603,7 +616,8 @@ def seed_claims(
 
     pick = {
         "few-heads": rows("Removing a few heads") + rows("Retrieval falls"),
-        "flat": rows("...while text") + rows("Knowledge (cloze MMLU)"),
+        "flat-prose": rows("...while text"),
+        "flat-knowledge": rows("Knowledge (cloze MMLU)") + _zoo_knowledge_rows(results),
         "letter": rows("MMLU in the paper's letter format"),
         "layers": rows("Layer removal"),
         "dictionary": rows("Removing the top heads costs more"),
@@ -903,6 +917,76 @@ def _weights_lines(results: Mapping[str, Any]) -> list[str]:
     ]
 
 
+def _extras_note(run: Mapping[str, Any] | None) -> str:
+    if not run:
+        return ""
+    same = "the same" if run.get("same_top_8") else "NOT the same"
+    return (
+        f" (computed {run['date']} by a second run of this selection, same prompts and "
+        f"arithmetic, on {run['machine']}; its top 8 are {same} as above)"
+    )
+
+
+def _joint_lines(joint: Mapping[str, Any] | None, run: Mapping[str, Any] | None) -> list[str]:
+    """The greedy joint set: each accepted head with the joint control effect of the set so
+    far, and the heads turned down with the effect that turned them down."""
+    if not joint:
+        return []
+    unit = joint.get("unit", "nats/token")
+    rows = [
+        [str(i + 1), f"L{h[0]}H{h[1]}", "accepted", _nats(iv)]
+        for i, (h, iv) in enumerate(zip(joint["heads"], joint["effects"], strict=True))
+    ]
+    rows += [
+        [f"after {x['after']}", f"L{x['layer']}H{x['head_index']}", "turned down",
+         f"{x['joint_effect']:+.3f}"]
+        for x in joint["rejected"]
+    ]  # fmt: skip
+    end = (
+        "every candidate was tried"
+        if joint.get("exhausted")
+        else f"the walk stopped at {joint['joint_k']} heads"
+    )
+    return [
+        f"**The set, removed together**{_extras_note(run)}: the top k above is a greedy joint "
+        f"set. Walking the per-head order, a head joins only while the heads accepted so far "
+        f"plus it, ablated together, keep the prose loss change within {joint['bound']:g} "
+        f"{unit}; {end} ({joint.get('n_candidates', '?')} candidates passed the bound alone). "
+        "Joint control effect of the first k heads (95% paired bootstrap over the control's "
+        "windows):",
+        "",
+        *_md_table(["k", "head", "", f"joint control effect ({unit})"], rows),
+        "",
+    ]
+
+
+def _stability_lines(st: Mapping[str, Any] | None) -> list[str]:
+    """Rank intervals of the per-head top heads at each control bound and prompt count."""
+    if not st:
+        return []
+    out = [
+        f"**How stable the ranking is**: the per-head top {st['k']} at each control bound, with "
+        "each head's 95% rank interval and the share of resamples that keep it in the top "
+        f"{st['k']} ({st['method']}; *unranked*: in more than 2.5% of the resamples its "
+        "control effect exceeds the bound).",
+        "",
+    ]
+    for bound in st["bounds"]:
+        for n in st["n_prompts"]:
+            rows = [x for x in st["rows"] if x["bound"] == bound and x["n_prompts"] == n]
+            cells = ", ".join(
+                f"L{x['layer']}H{x['head']} [{_rank(x['rank_low'])}, {_rank(x['rank_high'])}] "
+                f"{100 * x['p_top_k']:.0f}%"
+                for x in rows
+            )
+            out.append(f"- bound {bound:g} {st['unit']}, {n} prompts: {cells}")
+    return [*out, ""]
+
+
+def _rank(x: float | None) -> str:
+    return "unranked" if x is None else f"{x:.0f}"
+
+
 def _smollm2_section(r: Mapping[str, Any]) -> list[str]:
     m = r["method"]
     share = r["harm_share_top_k"]
@@ -935,6 +1019,8 @@ def _smollm2_section(r: Mapping[str, Any]) -> list[str]:
         "",
         f"**Left out as generic**: {excluded or 'none'}.",
         "",
+        *_joint_lines(r.get("joint"), r.get("extras_run")),
+        *_stability_lines(r.get("stability")),
         f"Concentration: among the {r['n_hurting_specific']} non-generic heads whose ablation "
         f"hurts, the top one carries {_share(share['1'])} of the summed harm, the top 4 "
         f"{_share(share['4'])}, the top 8 {_share(share['8'])}, the top 16 {_share(share['16'])}.",
