@@ -239,3 +239,35 @@ def test_findings_run_resumes_finished_experiments_from_its_checkpoint(tmp_path,
     # the new experiment is in the checkpoint at once: a second interruption loses nothing
     saved = json.loads(checkpoint.read_text())
     assert saved["5"] == {"measured": True} and saved["3"] == {"from": "before"}
+
+
+def _comp(data, task, low, value=0.1):
+    iv = {"value": value, "low": low, "high": value + 0.1, "n": 64, "method": "bootstrap"}
+    return {"k": 8, "task": task, "data": data, "seeds": [0], "n_random": 3,
+            "paired_random_mean": iv, "paired_random": iv}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("lows", "pending", "status"),
+    [
+        ((0.05, 0.05), [], "reproduced"),  # every task above the random students, nothing left
+        ((0.05, 0.05), ["top-8 seed=1"], "partly"),  # the plan is not finished
+        ((0.05, -0.02), [], "partly"),  # above on one dictionary size only
+        ((-0.01, -0.02), [], "not reproduced"),  # the no-KV arm shows nothing
+    ],
+)
+def test_the_hybrid_claim_follows_the_controlled_run(lows, pending, status):
+    from gna_lens.findings.render import _students_status
+
+    first = {"comparisons": [_comp("default", "kv-4", 0.4) | {"k": 8}]}
+    ctl = {
+        "comparisons": [_comp("no-kv", t, low) for t, low in zip(("kv-4", "kv-8"), lows)],
+        "method": {"pending": pending},
+    }
+    got, why = _students_status(first, ctl)
+    assert got == status, why
+    assert "no-kv data (seed 0; 3 layer-matched random-8)" in why
+    assert "first run" in why  # the default arm comes from the first run until rerun
+    assert ("not distilled yet" in why) == bool(pending)
+    # without the controlled run, the first run alone grants partly at most
+    assert _students_status(first, None)[0] == "partly"

@@ -141,6 +141,7 @@ def run_all(
 EXTERNAL = {
     "swap": "docs/assets/hybrid_swap_zoo.json",
     "students": "docs/assets/hybrid_smollm2_200k.json",
+    "students_controlled": "docs/assets/hybrid_smollm2_controlled.json",
 }
 
 
