@@ -271,3 +271,23 @@ def test_the_hybrid_claim_follows_the_controlled_run(lows, pending, status):
     assert ("not distilled yet" in why) == bool(pending)
     # without the controlled run, the first run alone grants partly at most
     assert _students_status(first, None)[0] == "partly"
+
+
+def test_the_hybrid_claim_needs_the_students_knowledge_kept():
+    from gna_lens.findings.render import _students_status
+
+    def acc(v, lo, hi):
+        return {"value": v, "low": lo, "high": hi, "n": 100, "method": "wilson"}
+
+    ctl = {
+        "comparisons": [_comp("no-kv", "kv-4", 0.05)],
+        "method": {"pending": []},
+        "rows": [
+            {"name": "teacher", "kind": "teacher", "knowledge": acc(0.5, 0.4, 0.6)},
+            {"name": "top-8 data=no-kv", "kind": "top", "knowledge": acc(0.25, 0.17, 0.34)},
+        ],
+    }
+    got, why = _students_status(None, ctl)
+    assert got == "partly" and "not kept" in why
+    ctl["rows"][1]["knowledge"] = acc(0.45, 0.35, 0.55)
+    assert _students_status(None, ctl)[0] == "reproduced"

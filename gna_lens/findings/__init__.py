@@ -295,6 +295,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.render:
         stored = json.loads(Path(args.render).read_text(encoding="utf-8"))
+        # The cited external tables (hybrid experiments) are read again: they are not rerun
+        # here, and one may have been added since the measurements were taken.
+        stored["external"] = read_external()
         page = render_markdown(stored, stored.get("command", "make findings"))
         Path(args.out).write_text(page, encoding="utf-8")
         write_figures(stored, Path(args.out).parent / "assets")

@@ -569,6 +569,18 @@ def _controlled_students_status(
         )
     pending = ctl.get("method", {}).get("pending") or []
     text = "SmolLM2 students, controlled run: " + "; ".join(arms or ["no comparison yet"])
+    rows = ctl.get("rows", [])
+    teacher = next((r for r in rows if r.get("kind") == "teacher"), None)
+    tops = [r for r in rows if r.get("kind") == "top" and r.get("knowledge")]
+    knowledge_kept = True
+    if teacher and teacher.get("knowledge") and tops:
+        t = teacher["knowledge"]
+        knowledge_kept = all(r["knowledge"]["high"] >= t["low"] for r in tops)
+        text += (
+            f"; knowledge (MMLU cloze): teacher {_pct(t)}, top-k students "
+            + ", ".join(f"{r['name']} {_pct(r['knowledge'])}" for r in tops)
+            + ("" if knowledge_kept else " (below the teacher's interval: not kept)")
+        )
     if pending:
         text += f"; not distilled yet: {', '.join(pending)}"
     if first and not any(c["data"] == "default" for c in comps):
@@ -577,7 +589,7 @@ def _controlled_students_status(
         )
     if not verdicts or all(v == "none" for v in verdicts):
         return NOT, text
-    if all(v == "all" for v in verdicts) and not pending:
+    if all(v == "all" for v in verdicts) and not pending and knowledge_kept:
         return REPRODUCED, text
     return PARTLY, text
 
