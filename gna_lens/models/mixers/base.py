@@ -191,7 +191,7 @@ class SSMMixer(nn.Module):
         C: Tensor,
         heads: Tensor | None = None,
         rows: Tensor | None = None,
-    ) -> Float[Tensor, "batch head_index query_pos key_pos"]:
+    ) -> Float[Tensor, "batch selected_head query_row pos"]:
         """The implicit attention of ``heads`` at query positions ``rows`` (``None``: all)."""
         raise NotImplementedError
 

@@ -647,7 +647,7 @@ class HybridMixer(SSMMixer):
         C: Float[Tensor, "batch pos group d_state"],
         heads: Tensor | None = None,
         rows: Tensor | None = None,
-    ) -> Float[Tensor, "batch head_index query_pos key_pos"]:
+    ) -> Float[Tensor, "batch selected_head query_row pos"]:
         """The SSM heads' matrices ``M_h[i, j] = (C_i · B_j) exp(A_h Σ_{k=j+1..i} dt_k) dt_j``
         (``hook_pattern``'s SSM rows), in fp32 or wider.
 

@@ -163,7 +163,7 @@ class Mamba1Mixer(SSMMixer):
         C: Float[Tensor, "batch pos d_state"],
         heads: Tensor | None = None,
         rows: Tensor | None = None,
-    ) -> Float[Tensor, "batch head_index query_pos key_pos"]:
+    ) -> Float[Tensor, "batch selected_head query_row pos"]:
         """The implicit attention ``α_e[i, j] = C_i · (exp(A_e Σ_{k=j+1..i} Δ_k) Δ_j B_j)`` of
         channels ``heads`` at query positions ``rows`` (``None``: all), in fp32 or wider.
 

@@ -286,7 +286,7 @@ class Mamba2Mixer(SSMMixer):
         C: Float[Tensor, "batch pos n_groups d_state"],
         heads: Tensor | None = None,
         rows: Tensor | None = None,
-    ) -> Float[Tensor, "batch head_index query_pos key_pos"]:
+    ) -> Float[Tensor, "batch selected_head query_row pos"]:
         """The implicit attention ``M_h[i, j] = (C_i · B_j) exp(A_h Σ_{k=j+1..i} dt_k) dt_j`` of
         ``heads`` at query positions ``rows`` (``None``: all), in fp32 or wider.
 
