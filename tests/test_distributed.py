@@ -255,7 +255,10 @@ def test_scan_cli_workers_and_address_reach_the_executor(monkeypatch, tmp_path):
         seen["executor"] = kw["executor"]
         raise ConfigError("stop here")
 
-    monkeypatch.setattr(scan, "load_scan_model", lambda name, **kw: object())
+    from gna_lens import zoo
+
+    # the CLI builds a zoo model's tasks from its tokenizer before the scan starts
+    monkeypatch.setattr(scan, "load_scan_model", lambda name, **kw: zoo.load(name))
     monkeypatch.setattr(scan, "scan", fake_scan)
     monkeypatch.setattr(RayExecutor, "close", lambda self: seen.setdefault("closed", True))
     argv = ["scan", "zoo-llama", "--workers", "3", "--ray-address", "auto", "--threads", "2"]
