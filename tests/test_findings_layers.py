@@ -261,7 +261,9 @@ def test_the_hybrid_claim_follows_the_controlled_run(lows, pending, status):
 
     first = {"comparisons": [_comp("default", "kv-4", 0.4) | {"k": 8}]}
     ctl = {
-        "comparisons": [_comp("no-kv", t, low) for t, low in zip(("kv-4", "kv-8"), lows)],
+        "comparisons": [
+            _comp("no-kv", t, low) for t, low in zip(("kv-4", "kv-8"), lows, strict=True)
+        ],
         "method": {"pending": pending},
     }
     got, why = _students_status(first, ctl)
