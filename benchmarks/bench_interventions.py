@@ -29,7 +29,8 @@ import torch
 
 import gna_lens.interventions as I
 from gna_lens.heads import head_view
-from gna_lens.interventions._common import Metric, spearman
+from gna_lens.interventions.metrics import Metric
+from gna_lens.stats import spearman
 from gna_lens.tasks import KV_TEMPLATES, Task, build_sample, kv_retrieval, load_words
 from gna_lens.tasks._testing import word_tokenizer
 

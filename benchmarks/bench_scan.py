@@ -24,7 +24,7 @@ import torch
 from gna_lens import load_model, score_heads
 from gna_lens.findings.experiments import smollm2_label
 from gna_lens.interventions import attribute_heads
-from gna_lens.interventions._common import spearman
+from gna_lens.stats import spearman
 from gna_lens.tasks import kv_retrieval, text_control
 
 
