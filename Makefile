@@ -42,8 +42,8 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check gna_lens tests benchmarks
-	$(VENV)/bin/ruff format --check gna_lens tests benchmarks
+	$(VENV)/bin/ruff check --no-cache gna_lens tests benchmarks
+	$(VENV)/bin/ruff format --no-cache --check gna_lens tests benchmarks
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy gna_lens
