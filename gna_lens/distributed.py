@@ -401,8 +401,8 @@ class RayExecutor:
 
         Args:
             model: The caller's model (its provenance and weights fingerprint are read).
-            job: The sweep's :class:`~gna_lens.interventions.ablation.SweepJob`.
-            sweep: The caller's plan (:class:`~gna_lens.interventions.ablation.CellSweep`).
+            job: The sweep's :class:`~gna_lens.interventions._engine.SweepJob`.
+            sweep: The caller's plan (:class:`~gna_lens.interventions._engine.CellSweep`).
             bar: A tqdm bar, advanced by prompts x cells as units finish.
 
         Returns:
@@ -724,7 +724,7 @@ class _SweepWorker:
     def run(
         self, sweep_id: int, job_box: list[Any], lo: int, hi: int, parts: tuple[int, ...]
     ) -> tuple[Tensor, Tensor, dict[str, Any]]:
-        from gna_lens.interventions.ablation import plan_job
+        from gna_lens.interventions._engine import plan_job
 
         if self.error:
             raise WorkerError(self.error)

@@ -58,9 +58,7 @@ def test_dynamic_guard_fails_on_a_planted_zeros_in_the_sweep(monkeypatch):
     gna_lens frame make the tensor."""
     namespace = dict(vars(engine))
     exec(compile(_planted_engine_source(), engine.__file__, "exec"), namespace)
-    import gna_lens.interventions.ablation as ablation
-
-    monkeypatch.setattr(ablation, "run_cells", namespace["run_cells"])
+    monkeypatch.setattr(engine, "run_cells", namespace["run_cells"])  # what CellSweep.run calls
     m, t = helper_model("mamba2"), make_task()
     with FactoryGuard(), pytest.raises(DeviceRuleError, match=r"_engine\.py:\d+: torch\.zeros"):
         ablation_sweep(m, t, "logit_diff", heads=[(0, 0)], progress=False)

@@ -16,7 +16,7 @@ from interventions_helpers import KEYS, tok
 from gna_lens import ablation_sweep, load_model, score_heads
 from gna_lens.distributed import RayExecutor
 from gna_lens.errors import ConfigError, GnaLensError, WorkerError
-from gna_lens.interventions import control_sweep
+from gna_lens.interventions import control_sweep, layer_sweep
 from gna_lens.tasks import kv_retrieval, text_control
 from gna_lens.testing import tiny_checkpoint, tiny_hooked_ssm
 
@@ -274,3 +274,30 @@ def test_mamba1_channel_groups_are_refused_before_ray_starts():
     task = kv_retrieval(tok(), n_pairs=3, n_samples=2, words=KEYS, seed=0)
     with model.head_groups(16), pytest.raises(GnaLensError, match="channel groups"):
         ablation_sweep(model, task, "logit_diff", progress=False, executor=RayExecutor(workers=2))
+
+
+@pytest.mark.parametrize("mode", ["zero", "mean"])
+def test_layer_sweep_shards_task_and_control_with_the_same_numbers(llama, pool, mode):
+    """Layer cells run on the same engine as head cells, so they shard the same way: the
+    task's and the control's values are those of one process, bit for bit."""
+    model, task = llama
+    control = text_control(model.tokenizer, n_sequences=3, seq_len=12, max_unknown=1.0)
+    kw = dict(control=control, mode=mode, removed=[3], max_rows=4, progress=False)
+    if mode == "mean":
+        kw["reference"] = task
+    local = layer_sweep(model, task, "logit_diff", **kw)
+    sharded = layer_sweep(model, task, "logit_diff", executor=pool, **kw)
+    assert sharded.cells == local.cells == ((0,), (1,), (2,))
+    for a, b in (
+        (sharded.values, local.values),
+        (sharded.baseline, local.baseline),
+        (sharded.control_values, local.control_values),
+        (sharded.control_baseline, local.control_baseline),
+    ):
+        assert torch.equal(a, b)
+    assert not torch.equal(local.values, local.values[:, torch.arange(12).roll(1)])
+    ex = sharded.method["executor"]
+    assert ex["workers"] == 2 and sum(ex["units_by_worker"]) == ex["units"] >= 2
+    assert "control_executor" in sharded.method
+    for key in ("mean_over", "control_mean_over") if mode == "mean" else ():
+        assert sharded.method[key] == local.method[key]

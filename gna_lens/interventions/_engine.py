@@ -15,6 +15,12 @@ Three ways to run a cell, all returning the same numbers up to float rounding:
 - **incremental** (``positions="last"``): the prompt minus its last token runs once, each packed
   group of cells recomputes only the last token (:class:`~gna_lens.interventions._runner.Runner`).
 
+Cells that are not head sets are :class:`HookCell`: a layer (or a part of one) ablated through
+its own hooks, or the residual stream entering a layer replaced (residual patching). They run on
+the same scheduler (prompt batches, the clean run cached at each start layer, sharding through
+``only`` / ``parts``, the same values / baseline / info), from their start layer; residual
+cells of one layer are packed into the batch dimension, hooked cells run one per forward pass.
+
 How many cells go into one forward pass is measured, not guessed: :class:`PackTuner` doubles
 ``K`` while the time per cell-layer drops by more than 10%, within ``max_rows`` and the memory
 budget (a larger batch is not always faster: Mamba-1's scan materializes
@@ -25,19 +31,49 @@ import math
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from gna_lens.device import HOST, host_full, to_host
+from gna_lens.errors import InterventionError
 from gna_lens.heads import Head, HeadView, LayerHeads, head_output_weights
-from gna_lens.interventions._runner import Runner, _attempt, _close, shortcut_run
+from gna_lens.interventions._runner import Runner, _attempt, _close, autocast_dtype, shortcut_run
 from gna_lens.interventions.batching import Group, plan_rows
 from gna_lens.interventions.edits import col_where, edit_packed, packed_edit_hooks, part_selection
 from gna_lens.interventions.metrics import Metric
 from gna_lens.interventions.sources import Source, column_mask
+
+
+@dataclass(frozen=True)
+class HookCell:
+    """A cell that is not a head set: it runs from layer ``start``.
+
+    Attributes:
+        start: The first layer the cell changes; the clean run's ``hook_resid_pre`` there is
+            where it starts.
+        hooks: Hooks the cell runs with (e.g. a layer's ablation); the cell runs alone in its
+            forward pass.
+        resid: ``fn(group, resid) -> resid``: the residual entering ``start`` for the group's
+            rows, from the clean (baseline) run's (e.g. residual patching). Cells of one layer
+            with a ``resid`` and no ``hooks`` are packed into one forward pass.
+        label: What the cell is, for errors and logs.
+    """
+
+    start: int
+    hooks: tuple[tuple[str, Callable[..., Any]], ...] = ()
+    resid: Callable[[Any, Tensor], Tensor] | None = None
+    label: str = ""
+
+    @property
+    def packable(self) -> bool:
+        return self.resid is not None and not self.hooks
+
+
+#: A cell of the engine: a head set, or a :class:`HookCell`.
+AnyCell = tuple[Head, ...] | HookCell
 
 #: What a cell's logits are scored with: a task :class:`Metric`, or any per-row callable
 #: ``(logits, sample indices) -> [rows]`` (e.g. the control's next-token loss).
@@ -156,28 +192,43 @@ def output_weights(model: Any, lh: LayerHeads) -> list[Tensor] | None:
 
 
 def subgroups(
-    runner: Runner, cells: Sequence[tuple[Head, ...]], groups: Sequence[Group], plan: SweepPlan
+    runner: Runner, cells: Sequence[AnyCell], groups: Sequence[Group], plan: SweepPlan
 ) -> list[tuple[Group, int]]:
     """The prompt batches a sweep runs, in order: each group split to the rows a forward pass may
     hold, with that cap (``(batch, cap)``). Depends on the model's config and the whole cell list,
-    never on timing: every worker of a sharded sweep computes the same list."""
+    never on timing: every worker of a sharded sweep computes the same list. :class:`HookCell`
+    sweeps take the groups as they come (at most ``plan.max_rows`` rows each)."""
     start_layer = _start_layers(runner.view, cells)
+    hook = _hook_cells(cells)
     out = []
     for g0 in groups:
-        cap = plan.rows(runner, g0.length, len(set(start_layer)))
+        cap = plan.max_rows if hook else plan.rows(runner, g0.length, len(set(start_layer)))
         size = max(1, min(len(g0), cap))
         for s0 in range(0, len(g0), size):
             out.append((Group(g0.indices[s0 : s0 + size], g0.tokens[s0 : s0 + size]), cap))
     return out
 
 
-def _start_layers(view: HeadView, cells: Sequence[tuple[Head, ...]]) -> list[int]:
-    return [min(layer for layer, _ in c) if c else view.n_layers - 1 for c in cells]
+def _start_layers(view: HeadView, cells: Sequence[AnyCell]) -> list[int]:
+    return [
+        c.start
+        if isinstance(c, HookCell)
+        else (min(layer for layer, _ in c) if c else view.n_layers - 1)
+        for c in cells
+    ]
+
+
+def _hook_cells(cells: Sequence[AnyCell]) -> bool:
+    """Whether ``cells`` are :class:`HookCell` (all of them; a mix raises)."""
+    hook = [isinstance(c, HookCell) for c in cells]
+    if any(hook) and not all(hook):
+        raise TypeError("internal: a sweep's cells are all head sets or all HookCells")
+    return bool(hook) and all(hook)
 
 
 def run_cells(
     runner: Runner,
-    cells: Sequence[tuple[Head, ...]],
+    cells: Sequence[AnyCell],
     groups: Sequence[Group],
     source_for: Callable[[Group], tuple[Source, Tensor]],
     metric: "MetricLike",
@@ -191,12 +242,13 @@ def run_cells(
     only: Sequence[int] | None = None,
     parts: Sequence[int] | None = None,
     memo: dict[Any, Any] | None = None,
+    base_hooks: Sequence[tuple[str, Callable[..., Any]]] = (),
 ) -> tuple[Tensor, Tensor, dict[str, Any]]:
     """Run every cell on every group; returns (values [cell, sample], baseline [sample], info).
 
     Args:
         runner: The model's runner.
-        cells: Head sets.
+        cells: Head sets, or :class:`HookCell` (layers, residual patches): all of one sort.
         groups: Unpadded prompt groups (equal length within a group).
         source_for: The replacement for a group and each row's reference row.
         metric: The metric.
@@ -215,6 +267,8 @@ def run_cells(
             baseline and values of the other samples stay NaN).
         memo: Kept by the caller between calls on the same sweep: the clean runs (or prefix
             states) of the prompt batches and the pack tuners are reused from it.
+        base_hooks: Hooks every run has, the baseline's included (:class:`HookCell` sweeps only:
+            e.g. layers removed throughout).
     """
     n = int(max(int(g.indices.max()) for g in groups)) + 1
     keep = memo is not None  # else each batch's clean run is dropped once its cells are done
@@ -233,14 +287,22 @@ def run_cells(
         ids=list(range(len(cells))) if only is None else sorted(set(only)),
     )
     start_layer = _start_layers(runner.view, cells)
+    hook = _hook_cells(cells)
+    if base_hooks and not hook:
+        raise TypeError("internal: base_hooks are for HookCell sweeps")
     batches = memo.get("subgroups")
     if batches is None:
         batches = memo["subgroups"] = subgroups(runner, cells, groups, plan)
     for part in range(len(batches)) if parts is None else parts:
         g, cap = batches[part]
         tokens = baseline_tokens(g) if baseline_tokens is not None else g.tokens
-        source, ref_rows = source_for(g)
         idx = metric_rows(g)
+        if hook:
+            _hook_run(ctx, g, tokens, idx, start_layer, base_hooks, method, memo, part, cap)
+            if not keep:
+                memo.pop(("clean", part), None)
+            continue
+        source, ref_rows = source_for(g)
         if method == "loop":
             runner.log.used("cells", "loop")
             _loop(ctx, g, tokens, source, ref_rows, idx, positions, cell_cols)
@@ -271,7 +333,7 @@ def run_cells(
 @dataclass
 class _Ctx:
     runner: Runner
-    cells: list[tuple[Head, ...]]
+    cells: list[Any]  # head sets, or HookCells
     values: Tensor
     baseline: Tensor
     metric: MetricLike
@@ -326,6 +388,66 @@ def _steps(
         lg = runner.step(state, K, hooks)
         v = ctx.metric(lg, idx.repeat(K)).view(K, G)[: len(chunk)]
         ctx.store(chunk, g.indices, v)
+
+
+def _hook_run(
+    ctx: _Ctx,
+    g: Group,
+    tokens: Tensor,
+    idx: Tensor,
+    start_layer: list[int],
+    base_hooks: Sequence[tuple[str, Callable[..., Any]]],
+    method: str,
+    memo: dict[Any, Any],
+    part: int,
+    cap: int,
+) -> None:
+    """:class:`HookCell` cells on one prompt batch (``cap``: rows per forward pass).
+
+    ``batched``: the clean run (with ``base_hooks``) keeps ``hook_resid_pre`` of each start
+    layer; each cell runs from there (residual cells of one layer, packed ``max_rows // rows``
+    cells at a time in cell order; hooked cells one at a time). ``loop``: a full forward pass
+    per hooked cell (residual cells have no full-forward form).
+    """
+    runner, view, G = ctx.runner, ctx.runner.view, len(g)
+    base = list(base_hooks)
+    cells: list[HookCell] = ctx.cells
+    if method == "loop":
+        runner.log.used("cells", "loop")
+        ctx.baseline[g.indices] = to_host(ctx.metric(runner.logits_last(tokens, base), idx))
+        ctx.info["forwards"] += 1
+        for i in ctx.ids:
+            if cells[i].resid is not None:
+                raise TypeError("internal: residual cells run batched only")
+            lg = runner.logits_last(tokens, base + list(cells[i].hooks))
+            ctx.store([i], g.indices, ctx.metric(lg, idx)[None])
+        return
+    runner.log.used("cells", "from the start layer's cached residual")
+    if ("clean", part) not in memo:
+        names = [view[layer].resid_pre_hook for layer in sorted(set(start_layer))]
+        memo[("clean", part)] = runner.clean(tokens, names, base)
+        ctx.info["forwards"] += 1
+    logits, cache = memo[("clean", part)]
+    ctx.baseline[g.indices] = to_host(ctx.metric(logits, idx))
+    K = max(1, ctx.tuners["packed"].fixed or (cap // G))
+    for s0 in range(0, len(ctx.ids), K):
+        chunk = ctx.ids[s0 : s0 + K]
+        packed: dict[int, list[int]] = {}
+        for i in chunk:
+            if cells[i].packable:
+                packed.setdefault(cells[i].start, []).append(i)
+                continue
+            cell = cells[i]
+            resid = cache[view[cell.start].resid_pre_hook]
+            if cell.resid is not None:
+                resid = cell.resid(g, resid)
+            lg = runner.from_layer(cell.start, resid, tokens, base + list(cell.hooks))
+            ctx.store([i], g.indices, ctx.metric(lg, idx)[None])
+        for layer, ids in packed.items():
+            clean = cache[view[layer].resid_pre_hook]
+            resid = torch.cat([cells[i].resid(g, clean) for i in ids])  # type: ignore[misc]
+            lg = runner.from_layer(layer, resid, tokens, base)
+            ctx.store(ids, g.indices, ctx.metric(lg, idx.repeat(len(ids))).view(len(ids), G))
 
 
 def _layers(
@@ -525,3 +647,115 @@ class _LayerRun:
             v = self.ctx.metric(lg, self.idx[one].repeat(k)).view(k, 1)
             self.ctx.store(chunk, self.g.indices[one], v)
             pos += k
+
+
+# ----------------------------------------------------------------------------- plans and jobs
+@dataclass(frozen=True)
+class SweepJob:
+    """What a worker needs to plan a sweep again on its own copy of the model: the kind (a key
+    of :data:`PLANNERS`: ``"ablation"``, ``"control"``, ``"layers"``), the planner's arguments,
+    and the autocast dtype in effect where the sweep was called."""
+
+    kind: str
+    args: dict[str, Any]
+    autocast: torch.dtype | None = field(default_factory=autocast_dtype)
+
+
+@dataclass
+class CellSweep:
+    """One sweep planned on one model: everything :func:`run_cells` needs.
+
+    Built by the caller, and again by each worker of a sharded sweep (from the same
+    :class:`SweepJob`), so that a worker's share of the cells runs exactly as in one process.
+    Head sets and :class:`HookCell` (layers) alike.
+    """
+
+    runner: Runner
+    cells: list[Any]
+    groups: list[Group]
+    source_for: Callable[[Group], tuple[Source, Tensor]]
+    metric: Any
+    positions: Any
+    plan: SweepPlan
+    method: str
+    n_samples: int
+    extra: dict[str, Any] = field(default_factory=dict)
+    memo: dict[Any, Any] = field(default_factory=dict)
+    base_hooks: Sequence[tuple[str, Callable[..., Any]]] = ()
+
+    def batches(self) -> list[Tensor]:
+        """The sample indices of each prompt batch the sweep runs (the shardable parts)."""
+        out = self.memo.get("subgroups")
+        if out is None:
+            out = self.memo["subgroups"] = subgroups(
+                self.runner, self.cells, self.groups, self.plan
+            )
+        return [g.indices for g, _ in out]
+
+    def batch_bytes(self) -> list[int]:
+        """A rough size of what a worker keeps per prompt batch between its shares (the clean
+        residual streams the cells start from)."""
+        self.batches()
+        d = int(getattr(self.runner.model.cfg, "d_model", 0) or 0)
+        layers = len(set(self.start_layers()))
+        return [layers * g.tokens.numel() * d * 4 for g, _ in self.memo["subgroups"]]
+
+    def start_layers(self) -> list[int]:
+        """Per cell, the first layer it edits (cells of one layer share a run)."""
+        return _start_layers(self.runner.view, self.cells)
+
+    def run(
+        self,
+        bar: Any = None,
+        only: Sequence[int] | None = None,
+        parts: Sequence[int] | None = None,
+        keep: bool = False,
+    ) -> tuple[Tensor, Tensor, dict[str, Any]]:
+        """Values ``[cell, sample]``, baseline ``[sample]`` and info of the cells ``only`` on
+        the prompt batches ``parts`` (default: all); ``keep``: reuse clean runs between calls
+        (a worker's shares of one sweep)."""
+        memo = self.memo if keep else None
+        if keep and parts is not None:
+            wanted = set(parts)
+            for key in [k for k in self.memo if isinstance(k, tuple) and k[1] not in wanted]:
+                del self.memo[key]  # another block of prompts: drop what the last one kept
+        values, baseline, info = run_cells(
+            self.runner, self.cells, self.groups, self.source_for, self.metric,
+            lambda g: g.indices, self.positions, self.plan, self.method, bar=bar, only=only,
+            parts=parts, memo=memo, base_hooks=self.base_hooks,
+        )  # fmt: skip
+        return values, baseline, info | self.extra
+
+
+#: How each kind of :class:`SweepJob` is planned on a model: ``planner(model, **job.args)``.
+#: Filled by the modules that define the sweeps (``ablation``, ``layers``), which
+#: ``import gna_lens.interventions`` loads.
+PLANNERS: dict[str, Callable[..., CellSweep]] = {}
+
+
+def plan_job(model: Any, job: SweepJob) -> CellSweep:
+    """Plan ``job`` on ``model`` (a worker's copy): the same plan the caller made."""
+    import gna_lens.interventions  # noqa: F401  (registers every planner)
+
+    planner = PLANNERS.get(job.kind)
+    if planner is None:
+        raise InterventionError(
+            f"internal: unknown sweep kind {job.kind!r}; known: {sorted(PLANNERS)}"
+        )
+    return planner(model, **job.args)
+
+
+def execute(
+    model: Any, sweep: CellSweep, job: SweepJob, executor: Any, bar: Any
+) -> tuple[Tensor, Tensor, dict[str, Any]]:
+    """Run a planned sweep here, or through ``executor`` (its workers plan it again)."""
+    if executor is None:
+        return sweep.run(bar)
+    run = getattr(executor, "run_sweep", None)
+    if not callable(run):
+        raise InterventionError(
+            f"executor={type(executor).__name__}; expected None (this process) or a "
+            "gna_lens.distributed.RayExecutor."
+        )
+    values, baseline, info = run(model, job, sweep, bar=bar)
+    return values, baseline, info | sweep.extra

@@ -99,6 +99,19 @@ class PathLog:
         if entry not in self.fallbacks:
             self.fallbacks.append(entry)
 
+    @staticmethod
+    def merged(infos: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        """The ``paths`` and ``fallbacks`` of several results' ``info`` as one (in order)."""
+        log = PathLog()
+        for info in infos:
+            for step, taken in info.get("paths", {}).items():
+                for path in taken:
+                    log.used(step, path)
+            for entry in info.get("fallbacks", []):
+                if entry not in log.fallbacks:
+                    log.fallbacks.append(entry)
+        return log.as_info()
+
     def as_info(self) -> dict[str, Any]:
         """``{"paths": {step: [path, ...]}, "fallbacks": [str, ...]}`` for a result's ``info``."""
         return {
@@ -211,15 +224,18 @@ class Runner:
         """HookedSSM: final norm and unembedding of the kept positions only."""
         return self._pick(self.model(resid[:, -self.keep :], start_at_layer=self.n_layers))
 
-    def clean(self, tokens: Tensor, names: Sequence[str]) -> tuple[Tensor, dict[str, Tensor]]:
-        """A clean run keeping the activations ``names``; returns (last logits, activations)."""
+    def clean(
+        self, tokens: Tensor, names: Sequence[str], hooks: Hooks = ()
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """A run keeping the activations ``names`` (clean, or with ``hooks`` that every run of
+        a sweep has); returns (last logits, activations)."""
         cache: dict[str, Tensor] = {}
 
         def keep(x: Tensor, hook: Any, name: str) -> None:
             cache[name] = x.detach().clone()
 
-        hooks = [(n, _bind_name(keep, n)) for n in dict.fromkeys(names)]
-        return self.logits_last(tokens, hooks), cache
+        keepers = [(n, _bind_name(keep, n)) for n in dict.fromkeys(names)]
+        return self.logits_last(tokens, list(hooks) + keepers), cache
 
     def from_layer(self, layer: int, resid: Tensor, tokens: Tensor, hooks: Hooks) -> Tensor:
         """Last-position logits of rows starting at ``layer`` from ``resid`` ``[rows, pos, d]``.

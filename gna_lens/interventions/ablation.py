@@ -19,8 +19,15 @@ from torch import Tensor
 from gna_lens.device import HOST, DevicePolicy, host_full, to_host
 from gna_lens.errors import InterventionError
 from gna_lens.heads import Head, HeadView, head_view, normalize_head_sets, require_editable
-from gna_lens.interventions._engine import SweepPlan, run_cells, subgroups
-from gna_lens.interventions._runner import Runner, autocast_dtype
+from gna_lens.interventions._engine import (
+    PLANNERS,
+    CellSweep,
+    SweepJob,
+    SweepPlan,
+    execute,
+)
+from gna_lens.interventions._engine import plan_job as plan_job  # re-exported: older imports
+from gna_lens.interventions._runner import Runner
 from gna_lens.interventions.batching import Group, describe_task, length_groups, parse_bytes
 from gna_lens.interventions.hooks import EMBED_HOOK, hooked
 from gna_lens.interventions.metrics import Metric
@@ -565,7 +572,7 @@ def ablation_sweep(
             leave=False,
         )
         try:
-            values, baseline, info = _execute(
+            values, baseline, info = execute(
                 model, sweep, SweepJob("ablation", args), executor, bar
             )
         finally:
@@ -591,108 +598,7 @@ def ablation_sweep(
     )
 
 
-# ----------------------------------------------------------------------------- plans and jobs
-@dataclass(frozen=True)
-class SweepJob:
-    """What a worker needs to plan a sweep again on its own copy of the model: the kind
-    (``"ablation"`` or ``"control"``), the arguments of :func:`_plan_ablation` /
-    :func:`_plan_control`, and the autocast dtype in effect where the sweep was called."""
-
-    kind: str
-    args: dict[str, Any]
-    autocast: torch.dtype | None = field(default_factory=autocast_dtype)
-
-
-@dataclass
-class CellSweep:
-    """One sweep planned on one model: everything :func:`run_cells` needs.
-
-    Built by the caller, and again by each worker of a sharded sweep (from the same
-    :class:`SweepJob`), so that a worker's share of the cells runs exactly as in one process.
-    """
-
-    runner: Runner
-    cells: list[tuple[Head, ...]]
-    groups: list[Group]
-    source_for: Callable[[Group], tuple[Source, Tensor]]
-    metric: Any
-    positions: Any
-    plan: SweepPlan
-    method: str
-    n_samples: int
-    extra: dict[str, Any] = field(default_factory=dict)
-    memo: dict[Any, Any] = field(default_factory=dict)
-
-    def batches(self) -> list[Tensor]:
-        """The sample indices of each prompt batch the sweep runs (the shardable parts)."""
-        out = self.memo.get("subgroups")
-        if out is None:
-            out = self.memo["subgroups"] = subgroups(
-                self.runner, self.cells, self.groups, self.plan
-            )
-        return [g.indices for g, _ in out]
-
-    def batch_bytes(self) -> list[int]:
-        """A rough size of what a worker keeps per prompt batch between its shares (the clean
-        residual streams the cells start from)."""
-        self.batches()
-        d = int(getattr(self.runner.model.cfg, "d_model", 0) or 0)
-        layers = len(set(self.start_layers()))
-        return [layers * g.tokens.numel() * d * 4 for g, _ in self.memo["subgroups"]]
-
-    def start_layers(self) -> list[int]:
-        """Per cell, the first layer it edits (cells of one layer share a run)."""
-        n = self.runner.view.n_layers
-        return [min(lay for lay, _ in c) if c else n - 1 for c in self.cells]
-
-    def run(
-        self,
-        bar: Any = None,
-        only: Sequence[int] | None = None,
-        parts: Sequence[int] | None = None,
-        keep: bool = False,
-    ) -> tuple[Tensor, Tensor, dict[str, Any]]:
-        """Values ``[cell, sample]``, baseline ``[sample]`` and info of the cells ``only`` on
-        the prompt batches ``parts`` (default: all); ``keep``: reuse clean runs between calls
-        (a worker's shares of one sweep)."""
-        memo = self.memo if keep else None
-        if keep and parts is not None:
-            wanted = set(parts)
-            for key in [k for k in self.memo if isinstance(k, tuple) and k[1] not in wanted]:
-                del self.memo[key]  # another block of prompts: drop what the last one kept
-        values, baseline, info = run_cells(
-            self.runner, self.cells, self.groups, self.source_for, self.metric,
-            lambda g: g.indices, self.positions, self.plan, self.method, bar=bar, only=only,
-            parts=parts, memo=memo,
-        )  # fmt: skip
-        return values, baseline, info | self.extra
-
-
-def _execute(
-    model: Any, sweep: CellSweep, job: SweepJob, executor: Any, bar: Any
-) -> tuple[Tensor, Tensor, dict[str, Any]]:
-    """Run a planned sweep here, or through ``executor`` (its workers plan it again)."""
-    if executor is None:
-        return sweep.run(bar)
-    run = getattr(executor, "run_sweep", None)
-    if not callable(run):
-        raise InterventionError(
-            f"executor={type(executor).__name__}; expected None (this process) or a "
-            "gna_lens.distributed.RayExecutor."
-        )
-    values, baseline, info = run(model, job, sweep, bar=bar)
-    return values, baseline, info | sweep.extra
-
-
-def plan_job(model: Any, job: SweepJob) -> CellSweep:
-    """Plan ``job`` on ``model`` (a worker's copy): the same plan the caller made."""
-    if job.kind == "ablation":
-        return _plan_ablation(model, **job.args)
-    if job.kind == "control":
-        return _plan_control(model, **job.args)
-    raise InterventionError(f"internal: unknown sweep kind {job.kind!r}")
-
-
+# ----------------------------------------------------------------------------- plans
 def _plan_ablation(
     model: Any,
     task: Task,
@@ -899,9 +805,7 @@ def control_sweep(
             leave=False,
         )
         try:
-            values, baseline, info = _execute(
-                model, sweep, SweepJob("control", args), executor, bar
-            )
+            values, baseline, info = execute(model, sweep, SweepJob("control", args), executor, bar)
         finally:
             bar.close()
     last = sweep.positions == "last"
@@ -985,3 +889,7 @@ def _plan_control(
         runner, list(cells), groups, source_for, metric, edited, plan, method, n,
         extra={"n_scored": k} | ablation_info(source, edited),
     )  # fmt: skip
+
+
+PLANNERS["ablation"] = _plan_ablation
+PLANNERS["control"] = _plan_control

@@ -58,7 +58,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from gna_lens.device import HOST, host_full, to_host
+from gna_lens.device import HOST, host_full
 from gna_lens.errors import InterventionError, PatternEditError
 from gna_lens.heads import (
     HeadView,
@@ -67,6 +67,14 @@ from gna_lens.heads import (
     _probe_tokens,
     head_view,
     uncomparable_outputs,
+)
+from gna_lens.interventions._engine import (
+    PLANNERS,
+    CellSweep,
+    HookCell,
+    SweepJob,
+    SweepPlan,
+    execute,
 )
 from gna_lens.interventions._runner import PathLog, Runner
 from gna_lens.interventions.ablation import (
@@ -982,55 +990,6 @@ def bind(fn: Callable[..., Any], **kw: Any) -> HookFn:
     return bound
 
 
-def _run(
-    runner: Runner,
-    infos: Sequence[LayerInfo],
-    cells: Sequence[Cell],
-    cell_hooks: Sequence[list[tuple[str, HookFn]]],
-    base_hooks: list[tuple[str, HookFn]],
-    groups: Sequence[Group],
-    metric: Callable[[Tensor, Tensor], Tensor],
-    method: str,
-    bar: Any,
-) -> tuple[Tensor, Tensor, int]:
-    """Every cell on every group: ``(values [cell, n], baseline [n], forward passes)``.
-
-    ``batched``: the clean run (with ``base_hooks``) keeps ``hook_resid_pre`` of each cell's
-    lowest layer; the cell then runs from there. ``loop``: a full forward per cell and group.
-    """
-    n = int(max(int(g.indices.max()) for g in groups)) + 1
-    values = host_full((len(cells), n))
-    baseline = host_full(n)
-    starts = sorted({min(c) for c in cells})
-    forwards = 0
-    for g in groups:
-        idx = g.indices
-        cache: dict[int, Tensor] = {}
-
-        def keep(x: Tensor, hook: Any, layer: int, cache: dict[int, Tensor] = cache) -> None:
-            cache[layer] = x.detach().clone()
-
-        keepers = (
-            [(infos[layer].resid_pre_hook, bind(keep, layer=layer)) for layer in starts]
-            if method == "batched"
-            else []
-        )
-        logits = runner.logits_last(g.tokens, base_hooks + keepers)
-        baseline[idx] = to_host(metric(logits, idx).float())
-        forwards += 1
-        for k, (cell, hooks) in enumerate(zip(cells, cell_hooks, strict=True)):
-            if method == "batched":
-                start = min(cell)
-                logits = runner.from_layer(start, cache[start], g.tokens, base_hooks + hooks)
-            else:
-                logits = runner.logits_last(g.tokens, base_hooks + hooks)
-            values[k, idx] = to_host(metric(logits, idx).float())
-            forwards += 1
-            if bar is not None:
-                bar.update(len(g))
-    return values, baseline, forwards
-
-
 class _NegMetric:
     """The answer's NLL among its options (a knowledge task as a control), per row."""
 
@@ -1068,6 +1027,7 @@ def _sweep_cells(
     max_rows: int,
     progress: bool,
     protocol: str,
+    executor: Any = None,
 ) -> LayerSweepResult:
     from tqdm.auto import tqdm
 
@@ -1087,41 +1047,41 @@ def _sweep_cells(
     layers = sorted({layer for c in cells for layer in c})
     for layer in layers:
         _target_hooks(infos[layer], target)
-    _require_editable(model, infos, layers, target)
-    if removed:
-        _require_editable(model, infos, removed, "block")
     resolved = resolve_control(control, getattr(model, "tokenizer", None), positions=positions)
-    device = model_device(model)
-    view = _runner_view(model, infos)
-    base_hooks = _hooks_for(infos, removed, "block", None, None)
+    common = dict(
+        cells=cells, target=target, mode=mode, positions=positions, include_bos=include_bos,
+        removed=removed, method=method, max_rows=max_rows,
+    )  # fmt: skip
+    jobs = [SweepJob("layers", common | dict(on=task, metric=metric, reference=reference))]
+    if resolved is not None:
+        jobs.append(SweepJob("layers", common | dict(on=resolved, metric=None, reference=None)))
     bar = tqdm(
         total=len(cells) * (len(task) + (len(resolved) if resolved is not None else 0)),
         desc=f"{protocol} ({len(cells)} cells)",
         disable=not progress,
         leave=False,
     )
-    c_values = c_base = None
-    mean_info: dict[str, Any] = {}
-    runner = Runner(model, view)  # its log records which path computed each step
+    runs, extras = [], []
+    log = PathLog()
     try:
         with torch.no_grad():
-            hooks, mean_info = _cell_hooks(
-                model, infos, cells, layers, target, mode, reference, positions, include_bos,
-                [s.input_ids for s in task],
-            )  # fmt: skip
-            values, baseline, forwards = _run(
-                runner, infos, cells, hooks, base_hooks,
-                length_groups(task, max_rows, device), met, method, bar,
-            )  # fmt: skip
-            if resolved is not None:
-                c_values, c_base, c_forwards, c_info = _control_run(
-                    model, infos, view, resolved, cells, target, mode, positions, include_bos,
-                    base_hooks, layers, method, max_rows, device, bar, runner.log,
-                )  # fmt: skip
-                forwards += c_forwards
-                mean_info |= {f"control_{k}": v for k, v in c_info.items()}
+            for job in jobs:
+                # With an executor the workers check the edits on their own copies.
+                sweep = _plan_layers(model, **job.args, check_edits=executor is None)
+                sweep.runner.log = log  # one log for the task and the control (this process)
+                runs.append(execute(model, sweep, job, executor, bar))
+                extras.append(sweep.extra)
     finally:
         bar.close()
+    (values, baseline, info), *ctrl = runs
+    c_values = c_base = None
+    forwards = info["forwards"]
+    mean_info = dict(extras[0])  # what the mean was taken over (mean ablation; else {})
+    paths = PathLog.merged([info] + [c for _, _, c in ctrl])
+    if ctrl:
+        c_values, c_base, c_info = ctrl[0]
+        forwards += c_info["forwards"]
+        mean_info |= {f"control_{k}": v for k, v in extras[1].items()}
     description = ""
     if resolved is not None:
         description = (
@@ -1166,7 +1126,7 @@ def _sweep_cells(
         if method == "batched" else "loop (a full forward per cell)",
         "forwards": forwards,
         "seconds": round(time.perf_counter() - t0, 3),
-    } | runner.log.as_info() | mean_info  # fmt: skip
+    } | paths | mean_info | _executor_info(info, ctrl)  # fmt: skip
     return LayerSweepResult(
         cells=tuple(cells),
         kinds=tuple(_cell_kind(infos, c) for c in cells),
@@ -1181,60 +1141,92 @@ def _sweep_cells(
     )
 
 
-def _cell_kind(infos: Sequence[LayerInfo], cell: Cell) -> str:
-    kinds = {infos[layer].kind for layer in cell}
-    return kinds.pop() if len(kinds) == 1 else "mixed"
+def _executor_info(info: dict[str, Any], ctrl: Sequence[Any]) -> dict[str, Any]:
+    """The Ray executor's record of the task's run (``executor``) and the control's."""
+    out = {"executor": info["executor"]} if "executor" in info else {}
+    if ctrl and "executor" in ctrl[0][2]:
+        out["control_executor"] = ctrl[0][2]["executor"]
+    return out
 
 
-def _control_run(
+def _no_source(g: Group) -> tuple[Source, Tensor]:  # pragma: no cover - HookCells take none
+    raise TypeError("internal: layer cells edit through their own hooks")
+
+
+def _plan_layers(
     model: Any,
-    infos: Sequence[LayerInfo],
-    view: HeadView,
-    control: Any,
+    on: Task | TextControl,
+    metric: Any,
     cells: list[Cell],
     target: str,
     mode: str,
     positions: Any,
+    reference: Any,
     include_bos: bool,
-    base_hooks: list[tuple[str, HookFn]],
-    layers: list[int],
+    removed: list[int],
     method: str,
     max_rows: int,
-    device: Any,
-    bar: Any,
-    log: PathLog,
-) -> tuple[Tensor, Tensor, int, dict[str, Any]]:
-    """The cells on the control: per-window (per-answer) losses, and what the mean was taken
-    over (mean ablation: over the control's own windows / samples). Paths go to ``log``."""
-    if isinstance(control, TextControl):
+    check_edits: bool = True,
+) -> CellSweep:
+    """Plan the layer cells on the task (``metric`` given) or on a control (``metric=None``: a
+    text control's next-token loss, or a knowledge task's answer NLL among its options).
+
+    Each cell is a :class:`~gna_lens.interventions._engine.HookCell` starting at its lowest
+    layer; ``removed`` layers are removed in every run, the baseline's included. Mean ablation
+    of a control averages over the control's own windows (samples). ``check_edits=False``: as in
+    :func:`~gna_lens.interventions.ablation.ablation_sweep` (a sharded sweep's workers check)."""
+    infos = layer_infos(model)
+    layers = sorted({layer for c in cells for layer in c})
+    if check_edits:
+        _require_editable(model, infos, layers, target)
+        if removed:
+            _require_editable(model, infos, removed, "block")
+    device = model_device(model)
+    view = _runner_view(model, infos)
+    run_metric: Callable[[Tensor, Tensor], Tensor]
+    if isinstance(on, TextControl):
         last = positions == "last"
-        inputs = control.tokens[:, :-1]
-        k = 1 if last else max(1, control.seq_len // 2)
-        if k >= control.seq_len:
+        inputs = on.tokens[:, :-1]
+        k = 1 if last else max(1, on.seq_len // 2)
+        if k >= on.seq_len:
             raise InterventionError(
-                f"the control's windows have {control.seq_len} tokens; expected at least 2."
+                f"the control's windows have {on.seq_len} tokens; expected at least 2."
             )
         runner = Runner(model, view, keep=k)
-        metric: Callable[[Tensor, Tensor], Tensor] = _NextTokenNLL(control.tokens, k)
+        run_metric = _NextTokenNLL(on.tokens, k)
         groups = _groups_of_windows(inputs, max_rows, device)
         ref: Any = inputs
         prompts = inputs.tolist()
-    elif isinstance(control, Task):
+    elif metric is None:  # a knowledge task as the control
         runner = Runner(model, view)
-        metric = _NegMetric(control)
-        groups = length_groups(control, max_rows, device)
-        ref = control
-        prompts = [s.input_ids for s in control]
-    else:  # pragma: no cover - resolve_control returns one of the two
-        raise InterventionError(f"control of type {type(control).__name__}")
-    runner.log = log
-    hooks, info = _cell_hooks(
+        run_metric = _NegMetric(on)
+        groups = length_groups(on, max_rows, device)
+        ref, prompts = on, [s.input_ids for s in on]
+    else:
+        runner = Runner(model, view)
+        run_metric = Metric(metric, on)
+        groups = length_groups(on, max_rows, device)
+        ref, prompts = reference, [s.input_ids for s in on]
+    hooks, mean_info = _cell_hooks(
         model, infos, cells, layers, target, mode, ref, positions, include_bos, prompts
     )
-    values, baseline, forwards = _run(
-        runner, infos, cells, hooks, base_hooks, groups, metric, method, bar
-    )
-    return values, baseline, forwards, info
+    hook_cells = [
+        HookCell(start=min(c), hooks=tuple(h), label=_cell_label(c))
+        for c, h in zip(cells, hooks, strict=True)
+    ]
+    return CellSweep(
+        runner, hook_cells, groups, _no_source, run_metric, None,
+        SweepPlan(0, max_rows, None), method, len(prompts), extra=mean_info,
+        base_hooks=_hooks_for(infos, removed, "block", None, None),
+    )  # fmt: skip
+
+
+PLANNERS["layers"] = _plan_layers
+
+
+def _cell_kind(infos: Sequence[LayerInfo], cell: Cell) -> str:
+    kinds = {infos[layer].kind for layer in cell}
+    return kinds.pop() if len(kinds) == 1 else "mixed"
 
 
 def _cell_hooks(
@@ -1314,6 +1306,7 @@ def layer_sweep(
     method: str = "batched",
     max_rows: int = 64,
     progress: bool = True,
+    executor: Any = None,
 ) -> LayerSweepResult:
     """Individual layer removal: remove each layer alone, measure the task and the control,
     reinsert (the paper's "individual pruning").
@@ -1348,6 +1341,10 @@ def layer_sweep(
         method: ``"batched"`` or ``"loop"`` (the reference).
         max_rows: Prompts (control windows) per forward pass.
         progress: Show a progress bar.
+        executor: ``None`` (this process) or a :class:`gna_lens.distributed.RayExecutor`: the
+            layer cells (and prompt batches) of the task and of the control are sharded over
+            Ray workers as in :func:`~gna_lens.interventions.ablation.ablation_sweep`, with the
+            numbers of this process; ``method["executor"]`` records the workers.
 
     Returns:
         A :class:`LayerSweepResult`: ``ranking()``, ``to_dataframe()`` (effects with 95%
@@ -1373,6 +1370,7 @@ def layer_sweep(
         model, task, metric, cells, target=target, mode=mode, positions=positions,
         reference=reference, include_bos=include_bos, removed=removed_list, control=control,
         method=method, max_rows=max_rows, progress=progress, protocol="individual removal",
+        executor=executor,
     )  # fmt: skip
 
 
@@ -1391,6 +1389,7 @@ def prune_from_end(
     method: str = "batched",
     max_rows: int = 64,
     progress: bool = True,
+    executor: Any = None,
 ) -> LayerSweepResult:
     """Gradual pruning from the end: remove the last layer, then the last two, ... (cumulative),
     measuring the task and the control after each step (the paper's "gradual pruning").
@@ -1412,6 +1411,8 @@ def prune_from_end(
         method: ``"batched"`` or ``"loop"``.
         max_rows: Prompts per forward pass.
         progress: Show a progress bar.
+        executor: ``None`` or a :class:`gna_lens.distributed.RayExecutor` (as in
+            :func:`layer_sweep`).
 
     Returns:
         A :class:`LayerSweepResult` whose cell ``k`` removes the last ``k + 1`` layers.
@@ -1440,4 +1441,5 @@ def prune_from_end(
         model, task, metric, cells, target=target, mode=mode, positions=positions,
         reference=reference, include_bos=include_bos, removed=[], control=control, method=method,
         max_rows=max_rows, progress=progress, protocol="gradual pruning from the end",
+        executor=executor,
     )  # fmt: skip

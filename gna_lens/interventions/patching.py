@@ -9,6 +9,7 @@ the corrupted baseline) plus the clean baseline; :meth:`PatchResult.to_patching_
 the TransformerLens object itself.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +20,7 @@ from torch import Tensor
 from gna_lens.device import HOST, host_full, to_host
 from gna_lens.errors import InterventionError
 from gna_lens.heads import head_view, normalize_head_sets, require_editable
-from gna_lens.interventions._engine import SweepPlan, run_cells
+from gna_lens.interventions._engine import HookCell, SweepPlan, run_cells
 from gna_lens.interventions._runner import Runner
 from gna_lens.interventions.ablation import (
     _label,
@@ -337,45 +338,42 @@ def patch_residual(
         cells = [(layer, positions) for layer in layers]
     runner = Runner(model, view)
     n = len(clean)
-    values = host_full((len(cells), n))
-    baseline = host_full(n)
     clean_base = host_full(n)
-    names = [f"blocks.{layer}.hook_resid_pre" for layer in sorted(set(layers))]
-    info: dict[str, Any] = {"forwards": 0}
+    names = [view[layer].resid_pre_hook for layer in sorted(set(layers))]
+    current: dict[int, dict[str, Tensor]] = {}  # the clean run of the batch being patched
+
+    def clean_cache(g: Group) -> dict[str, Tensor]:
+        key = int(g.indices[0])
+        if key not in current:
+            current.clear()
+            lg_c, current[key] = runner.clean(g.tokens, names)
+            clean_base[g.indices] = to_host(met(lg_c, g.indices))
+        return current[key]
+
+    def patched(layer: int, pos: Any) -> Callable[[Group, Tensor], Tensor]:
+        def resid(g: Group, corrupted_resid: Tensor) -> Tensor:
+            r = corrupted_resid.clone()
+            cols = _resid_cols(pos, g.length)
+            r[:, cols] = clean_cache(g)[view[layer].resid_pre_hook][:, cols]
+            return r
+
+        return resid
+
+    hook_cells = [
+        HookCell(start=layer, resid=patched(layer, pos), label=f"L{layer} {pos}")
+        for layer, pos in cells
+    ]
     bar = tqdm(total=len(cells) * n, desc="patch residual", disable=not progress, leave=False)
     try:
         with torch.no_grad():
-            for g in groups:
-                G = len(g)
-                lg_c, cache_c = runner.clean(g.tokens, names)
-                corrupted_tokens = tokens_of(corrupted, g.indices, device)
-                lg_x, cache_x = runner.clean(corrupted_tokens, names)
-                clean_base[g.indices] = to_host(met(lg_c, g.indices))
-                baseline[g.indices] = to_host(met(lg_x, g.indices))
-                info["forwards"] += 2
-                K = max(1, max_rows // G)
-                for start in range(0, len(cells), K):
-                    chunk = list(range(start, min(start + K, len(cells))))
-                    by_layer: dict[int, list[int]] = {}
-                    for i in chunk:
-                        by_layer.setdefault(cells[i][0], []).append(i)
-                    for layer, ids in by_layer.items():
-                        name = f"blocks.{layer}.hook_resid_pre"
-                        resid = []
-                        for i in ids:
-                            r = cache_x[name].clone()
-                            cols = _resid_cols(cells[i][1], g.length)
-                            r[:, cols] = cache_c[name][:, cols]
-                            resid.append(r)
-                        lg = runner.from_layer(layer, torch.cat(resid), corrupted_tokens, ())
-                        v = met(lg, g.indices.repeat(len(ids))).view(len(ids), G)
-                        rows_k = torch.tensor(ids, device=HOST)
-                        values[rows_k[:, None], g.indices[None, :]] = to_host(v)
-                        info["forwards"] += 1
-                    bar.update(len(chunk) * G)
+            values, baseline, info = run_cells(
+                runner, hook_cells, groups, _no_source, met, lambda g: g.indices, None,
+                SweepPlan(0, max_rows, None), "batched",
+                baseline_tokens=lambda g: tokens_of(corrupted, g.indices, device), bar=bar,
+            )  # fmt: skip
     finally:
         bar.close()
-    info.update(runner.log.as_info())
+    info["forwards"] += len(groups)  # the clean runs the patches are taken from
     rows = []
     for layer, pos in cells:
         row: dict[str, Any] = {"layer": layer}
@@ -394,6 +392,10 @@ def patch_residual(
         positions,
         info,
     )
+
+
+def _no_source(g: Group) -> tuple[Source, Tensor]:  # pragma: no cover - HookCells take none
+    raise TypeError("internal: residual cells carry their own patch")
 
 
 def _resid_cols(positions: Any, length: int) -> Any:
