@@ -724,6 +724,7 @@ class _SweepWorker:
     def run(
         self, sweep_id: int, job_box: list[Any], lo: int, hi: int, parts: tuple[int, ...]
     ) -> tuple[Tensor, Tensor, dict[str, Any]]:
+        import gna_lens.interventions  # noqa: F401  (registers every sweep's planner)
         from gna_lens.interventions._engine import plan_job
 
         if self.error:

@@ -93,3 +93,14 @@ def test_paired_permutation_test_rejects_5_percent_of_true_nulls():
     x = x * signs  # symmetric about 0, as the sign-flip test assumes
     rejected = sum(paired_permutation_test(row, n_perm=1000) < 0.05 for row in x) / 400
     assert 0.025 <= rejected <= 0.08, rejected
+
+
+def test_the_bootstrap_of_many_rows_in_blocks_gives_the_numbers_of_one_gather(monkeypatch):
+    """Rows are resampled in blocks (memory); every row's interval is the one-gather interval."""
+    from gna_lens import stats
+
+    x = torch.randn(40, 30, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    whole = stats.bootstrap_interval(x)
+    monkeypatch.setattr(stats, "_BOOT_ELEMENTS", stats.N_BOOTSTRAP * 30 * 3)  # 3 rows a block
+    blocks = stats.bootstrap_interval(x)
+    assert [(i.low, i.high) for i in whole] == [(i.low, i.high) for i in blocks]

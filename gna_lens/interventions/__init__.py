@@ -20,6 +20,12 @@ edited, and no hook survives a call, even when the model or a metric raises.
   :func:`layer_sweep` (each layer removed alone) and :func:`prune_from_end` (layers removed
   cumulatively from the last), the paper's pruning protocols, returning a
   :class:`LayerSweepResult` with the task and a control.
+
+Every sweep returns a :class:`CellResult` (``SweepResult``, ``LayerSweepResult`` and
+``PatchResult`` are its kinds): per-prompt values and baseline, effects with 95% intervals, a
+ranking, ``to_dataframe()`` with the same columns for every kind of cell, ``to_dict()`` /
+``CellResult.from_dict``, ``plot()``. Head sets, layers and residual patches all run on one
+engine, here or sharded over Ray (``executor=``).
 """
 
 from gna_lens.interventions.ablation import (
@@ -46,8 +52,10 @@ from gna_lens.interventions.masks import (
     stack_masks,
 )
 from gna_lens.interventions.patching import PatchResult, patch_heads, patch_residual
+from gna_lens.interventions.result import CellResult
 
 __all__ = [
+    "CellResult",
     "LayerSweepResult",
     "PatchResult",
     "SweepResult",

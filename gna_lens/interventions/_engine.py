@@ -728,15 +728,14 @@ class CellSweep:
 
 
 #: How each kind of :class:`SweepJob` is planned on a model: ``planner(model, **job.args)``.
-#: Filled by the modules that define the sweeps (``ablation``, ``layers``), which
-#: ``import gna_lens.interventions`` loads.
+#: Filled by the modules that define the sweeps (``ablation``, ``layers``) when
+#: ``gna_lens.interventions`` is imported.
 PLANNERS: dict[str, Callable[..., CellSweep]] = {}
 
 
 def plan_job(model: Any, job: SweepJob) -> CellSweep:
-    """Plan ``job`` on ``model`` (a worker's copy): the same plan the caller made."""
-    import gna_lens.interventions  # noqa: F401  (registers every planner)
-
+    """Plan ``job`` on ``model`` (a worker's copy): the same plan the caller made. The
+    planners register on import of :mod:`gna_lens.interventions` (the worker imports it)."""
     planner = PLANNERS.get(job.kind)
     if planner is None:
         raise InterventionError(

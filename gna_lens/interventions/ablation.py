@@ -9,7 +9,7 @@ touched, and no hook survives the call, even when the model or a metric raises.
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,6 +31,7 @@ from gna_lens.interventions._runner import Runner
 from gna_lens.interventions.batching import Group, describe_task, length_groups, parse_bytes
 from gna_lens.interventions.hooks import EMBED_HOOK, hooked
 from gna_lens.interventions.metrics import Metric
+from gna_lens.interventions.result import CellResult
 from gna_lens.interventions.sources import (
     SkipBos,
     Source,
@@ -312,9 +313,12 @@ def ablate_heads(
 
 
 # ----------------------------------------------------------------------------- results
-@dataclass(frozen=True)
-class SweepResult:
+@dataclass(frozen=True, kw_only=True)
+class SweepResult(CellResult):
     """The effect on a metric of ablating (or patching) each head, or each head set.
+
+    A :class:`~gna_lens.interventions.result.CellResult` (effects with 95% intervals, ranking,
+    ``to_dataframe``, ``to_dict``, ``plot``, ``info``) whose cells are head sets.
 
     Attributes:
         cells: The head sets, one per result row (a single head is a one-element set).
@@ -333,19 +337,9 @@ class SweepResult:
             shortcut that did not apply to this model, with the reason; ``[]`` when none).
     """
 
-    cells: tuple[tuple[Head, ...], ...]
-    kinds: tuple[str, ...]
-    values: Float[Tensor, "cell sample"]
-    baseline: Float[Tensor, " sample"]
-    metric: str
-    task: str
     mode: str
     positions: str
     method: str
-    info: dict[str, Any] = field(default_factory=dict)
-
-    def __len__(self) -> int:
-        return len(self.cells)
 
     def __repr__(self) -> str:
         eff = self.effects
@@ -361,15 +355,25 @@ class SweepResult:
             f"{top}, method={self.method!r})"
         )
 
-    @property
-    def baseline_mean(self) -> float:
-        """The baseline metric averaged over samples."""
-        return float(self.baseline.float().mean())
+    def label(self, i: int) -> str:
+        return _label(self.cells[i])
 
-    @property
-    def effects(self) -> Float[Tensor, " cell"]:
-        """Mean metric under intervention minus mean baseline, per cell (negative: it hurts)."""
-        return self.values.float().mean(-1) - self.baseline.float().mean()
+    def _index_columns(self, i: int) -> dict[str, Any]:
+        cell = self.cells[i]
+        single = len(cell) == 1
+        return {
+            "layer": cell[0][0] if single else tuple(lay for lay, _ in cell),
+            "head": cell[0][1] if single else tuple(h for _, h in cell),
+        }
+
+    def _context_columns(self) -> dict[str, Any]:
+        return {"mode": self.mode, "positions": self.positions}
+
+    def _extra_columns(self) -> dict[str, list[Any]]:
+        return {"heads": [self.label(i) for i in range(len(self))]}
+
+    def _plot_axis(self) -> str:
+        return "heads ablated"
 
     def effect(self, *heads: Head) -> float:
         """The effect of the cell made of exactly ``heads``."""
@@ -380,12 +384,6 @@ class SweepResult:
         raise InterventionError(
             f"no cell {list(heads)} in this result; cells are e.g. {self.cells[:3]}."
         )
-
-    def ranking(self, k: int | None = None) -> list[tuple[Head, ...]]:
-        """Cells from the most harmful to ablate (most negative effect) to the least."""
-        order = torch.argsort(self.effects, stable=True).tolist()
-        cells = [self.cells[i] for i in order]
-        return cells if k is None else cells[:k]
 
     def grid(self) -> Float[Tensor, "layer head_index"]:
         """Effects of single-head cells as a ``[n_layers, max_heads]`` grid (NaN elsewhere)."""
@@ -413,37 +411,6 @@ class SweepResult:
             raise InterventionError("correlation needs at least two cells in common.")
         a, b = zip(*pairs, strict=True)
         return spearman(torch.tensor(a, device=HOST), torch.tensor(b, device=HOST))
-
-    def to_dataframe(self) -> Any:
-        """One row per cell: ``layer, head, kind, effect, value, baseline`` and the context.
-
-        For head sets, ``layer`` and ``head`` hold tuples; ``heads`` labels every cell
-        (``"L3H2"``, ``"L3H2+L4H0"``).
-        """
-        import pandas as pd
-
-        rows = []
-        means = self.values.float().mean(-1).tolist()
-        for cell, kind, eff, val in zip(
-            self.cells, self.kinds, self.effects.tolist(), means, strict=True
-        ):
-            single = len(cell) == 1
-            rows.append(
-                {
-                    "layer": cell[0][0] if single else tuple(lay for lay, _ in cell),
-                    "head": cell[0][1] if single else tuple(h for _, h in cell),
-                    "kind": kind,
-                    "effect": eff,
-                    "value": val,
-                    "baseline": self.baseline_mean,
-                    "heads": _label(cell),
-                    "metric": self.metric,
-                    "task": self.task,
-                    "mode": self.mode,
-                    "positions": self.positions,
-                }
-            )
-        return pd.DataFrame(rows)
 
 
 def _label(cell: Sequence[Head]) -> str:

@@ -45,20 +45,18 @@ Both measure the task and a control that needs no in-context retrieval (prose ne
 a knowledge task's answer among its options), with paired 95% bootstrap intervals.
 """
 
-import math
 import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from jaxtyping import Float
 from torch import Tensor
 
-from gna_lens.device import HOST, host_full
+from gna_lens.device import HOST
 from gna_lens.errors import InterventionError, PatternEditError
 from gna_lens.heads import (
     HeadView,
@@ -87,6 +85,7 @@ from gna_lens.interventions.ablation import (
 from gna_lens.interventions.batching import Group, describe_task, length_groups
 from gna_lens.interventions.hooks import hooked
 from gna_lens.interventions.metrics import Metric
+from gna_lens.interventions.result import CellResult
 from gna_lens.interventions.sources import (
     Source,
     bos_token_id,
@@ -96,7 +95,6 @@ from gna_lens.interventions.sources import (
     mean_positions,
     reference_rows,
 )
-from gna_lens.stats import Interval, bootstrap_interval, wilson_interval
 from gna_lens.tasks import Task, TextControl
 
 __all__ = [
@@ -676,9 +674,13 @@ def remove_layers(model: Any, layers: Sequence[int]) -> Iterator[Any]:
 
 
 # ----------------------------------------------------------------------------- results
-@dataclass(frozen=True)
-class LayerSweepResult:
+@dataclass(frozen=True, kw_only=True)
+class LayerSweepResult(CellResult):
     """The effect on a task and on a control of ablating layers (each alone, or cumulatively).
+
+    A :class:`~gna_lens.interventions.result.CellResult` (effects with 95% intervals, control
+    effects, selectivity, ranking, ``to_dataframe``, ``to_dict``, ``plot``) whose cells are
+    layer sets.
 
     Attributes:
         cells: The layers ablated together, one tuple per row (``(l,)`` for individual removal,
@@ -693,26 +695,12 @@ class LayerSweepResult:
             under each ablation, per window ``[cell, window]``; ``None`` without a control.
         control_baseline: The control's loss without ablation ``[window]``, or ``None``.
         control: The control's description (``""`` when none).
-        method: How the numbers were made: protocol, target, mode, positions, metric, control,
+        info: How the numbers were made: protocol, target, mode, positions, metric, control,
             layers removed throughout, intervals, path, timings; for mean ablation, what the
             mean was taken over, as for heads (``mean_over``, ``mean_tokens``, ``mean_prompts``,
             ``bos_excluded``, ``include_bos``, ``bos_unedited``; the same with a ``control_``
-            prefix for the control's own mean).
+            prefix for the control's own mean). Also readable as ``method``.
     """
-
-    cells: tuple[Cell, ...]
-    kinds: tuple[str, ...]
-    values: Float[Tensor, "cell sample"]
-    baseline: Float[Tensor, " sample"]
-    metric: str
-    task: str
-    control_values: Float[Tensor, "cell window"] | None = None
-    control_baseline: Float[Tensor, " window"] | None = None
-    control: str = ""
-    method: dict[str, Any] = field(default_factory=dict)
-
-    def __len__(self) -> int:
-        return len(self.cells)
 
     def __repr__(self) -> str:
         order = self.ranking(1)
@@ -725,222 +713,29 @@ class LayerSweepResult:
         )
 
     @property
-    def has_control(self) -> bool:
-        """Whether a control was measured."""
-        return self.control_values is not None and self.control_baseline is not None
+    def method(self) -> dict[str, Any]:
+        """How the numbers were made (the same dict as ``info``)."""
+        return self.info
 
-    @property
-    def baseline_mean(self) -> float:
-        """The task metric without ablation, averaged over prompts."""
-        return float(self.baseline.float().mean())
+    def label(self, i: int) -> str:
+        return _cell_label(self.cells[i])
 
-    @property
-    def effects(self) -> Float[Tensor, " cell"]:
-        """Mean metric under ablation minus the mean baseline (negative: the ablation hurts)."""
-        return self.values.float().mean(-1) - self.baseline.float().mean()
+    def _index_columns(self, i: int) -> dict[str, Any]:
+        cell = self.cells[i]
+        return {
+            "layer": cell[0] if len(cell) == 1 else cell,
+            "layers": _cell_label(cell),
+            "n_removed": len(cell),
+        }
 
-    @property
-    def control_effects(self) -> Float[Tensor, " cell"]:
-        """Change of the control's loss (positive: the ablation hurts it); NaN without one."""
-        if self.control_values is None or self.control_baseline is None:
-            return host_full(len(self))
-        return self.control_values.float().mean(-1) - self.control_baseline.float().mean()
+    def _context_columns(self) -> dict[str, Any]:
+        return {"target": self.info.get("target", ""), "mode": self.info.get("mode", "")}
 
-    def effect_intervals(self) -> list[Interval]:
-        """Per cell, the effect's paired 95% bootstrap interval over prompts."""
-        return _paired(self.values, self.baseline)
+    def _plot_title(self) -> str:
+        return f"{self.info.get('protocol', 'layer ablation')}: {self.task}"
 
-    def control_intervals(self) -> list[Interval]:
-        """Per cell, the control effect's paired 95% bootstrap interval over windows."""
-        if self.control_values is None or self.control_baseline is None:
-            nan = Interval(math.nan, math.nan, math.nan, 0, "none")
-            return [nan] * len(self)
-        return _paired(self.control_values, self.control_baseline)
-
-    def value_intervals(self) -> list[Interval]:
-        """Per cell, the task metric under ablation with its 95% interval (Wilson for
-        ``accuracy``, bootstrap over prompts otherwise)."""
-        return [_value_interval(row, self.metric) for row in self.values]
-
-    @property
-    def baseline_interval(self) -> Interval:
-        """The baseline with its 95% interval (Wilson for ``accuracy``)."""
-        return _value_interval(self.baseline, self.metric)
-
-    @property
-    def selectivity(self) -> Float[Tensor, " cell"]:
-        """Share of the task lost minus share of the control lost, in ``[-1, 1]``.
-
-        ``r - c`` with :func:`~gna_lens.scoring.report.specificity`'s currencies:
-        ``r = clip(-effect / |baseline|, 0, 1)`` and ``c = clip(1 - exp(-control_effect), 0,
-        1)``. High: the ablation removes retrieval and leaves the control; about 0: it breaks
-        both (e.g. the first layer) or neither. Without a control, ``r``.
-        """
-        base = self.baseline_mean
-        scale = abs(base) if base and not math.isnan(base) else 1.0
-        r = (-self.effects.double() / scale).clamp(0.0, 1.0)
-        if not self.has_control:
-            return r.float()
-        c = (1.0 - torch.exp(-self.control_effects.double())).clamp(0.0, 1.0)
-        return (r - c).float()
-
-    def ranking(self, k: int | None = None, by: str | None = None) -> list[Cell]:
-        """Cells from the one whose ablation matters most for the task to the least.
-
-        Args:
-            k: How many (default all).
-            by: ``None``: ``"selectivity"`` when a control was measured (retrieval lost beyond
-                the control lost, highest first; ties by effect), else ``"effect"``;
-                ``"effect"``: the task effect, most negative first; ``"control"``: the control
-                effect, largest first.
-
-        Returns:
-            The cells, e.g. ``[(17,), (16,), ...]``.
-        """
-        by = by or ("selectivity" if self.has_control else "effect")
-        effect = self.effects.double().nan_to_num(nan=math.inf)
-        if by == "effect":
-            key = effect
-        elif by == "selectivity":
-            sel = self.selectivity.double().nan_to_num(nan=-math.inf)
-            # Primary: selectivity (descending); ties: effect (ascending).
-            order = sorted(range(len(self)), key=lambda i: (-float(sel[i]), float(effect[i])))
-            cells = [self.cells[i] for i in order]
-            return cells if k is None else cells[:k]
-        elif by == "control":
-            key = -self.control_effects.double().nan_to_num(nan=-math.inf)
-        else:
-            raise InterventionError(
-                f"ranking(by={by!r}); expected None, 'selectivity', 'effect' or 'control'."
-            )
-        cells = [self.cells[i] for i in torch.argsort(key, stable=True).tolist()]
-        return cells if k is None else cells[:k]
-
-    def to_dataframe(self) -> Any:
-        """One row per cell: ``layer`` (int, or a tuple for sets), ``layers`` label, ``kind``,
-        ``n_removed``, the metric ``value`` with its interval, ``baseline``, ``effect`` with its
-        interval, ``control_effect`` with its interval, ``selectivity``, and the context."""
-        import pandas as pd
-
-        effects, ctrl, sel = self.effects.tolist(), self.control_effects.tolist(), self.selectivity
-        rows = []
-        for i, (cell, kind, e_iv, c_iv, v_iv) in enumerate(
-            zip(
-                self.cells,
-                self.kinds,
-                self.effect_intervals(),
-                self.control_intervals(),
-                self.value_intervals(),
-                strict=True,
-            )
-        ):
-            rows.append(
-                {
-                    "layer": cell[0] if len(cell) == 1 else cell,
-                    "layers": _cell_label(cell),
-                    "kind": kind,
-                    "n_removed": len(cell),
-                    "value": v_iv.value,
-                    "value_low": v_iv.low,
-                    "value_high": v_iv.high,
-                    "baseline": self.baseline_mean,
-                    "effect": effects[i],
-                    "effect_low": e_iv.low,
-                    "effect_high": e_iv.high,
-                    "control_effect": ctrl[i],
-                    "control_low": c_iv.low,
-                    "control_high": c_iv.high,
-                    "selectivity": float(sel[i]),
-                    "metric": self.metric,
-                    "task": self.task,
-                    "target": self.method.get("target", ""),
-                    "mode": self.method.get("mode", ""),
-                }
-            )
-        return pd.DataFrame(rows)
-
-    def to_records(self) -> list[dict[str, Any]]:
-        """The dataframe's rows as JSON-serializable dicts (NaN as ``None``)."""
-        out = []
-        for row in self.to_dataframe().to_dict(orient="records"):
-            clean = {}
-            for key, v in row.items():
-                if isinstance(v, tuple):
-                    v = list(v)
-                elif isinstance(v, float) and math.isnan(v):
-                    v = None
-                clean[key] = v
-            out.append(clean)
-        return out
-
-    def plot(self, title: str | None = None) -> Any:
-        """A plotly figure: the task effect per cell with its 95% interval, and the control
-        effect (right axis) where measured.
-
-        Returns:
-            A ``plotly.graph_objects.Figure``.
-        """
-        import plotly.graph_objects as go
-
-        df = self.to_dataframe()
-        fig = go.Figure()
-        fig.add_trace(
-            go.Scatter(
-                x=df["layers"],
-                y=df["effect"],
-                mode="markers+lines",
-                name=f"{self.metric} effect",
-                error_y=dict(
-                    type="data",
-                    symmetric=False,
-                    array=(df["effect_high"] - df["effect"]).tolist(),
-                    arrayminus=(df["effect"] - df["effect_low"]).tolist(),
-                ),
-            )
-        )
-        if self.has_control:
-            fig.add_trace(
-                go.Scatter(
-                    x=df["layers"],
-                    y=df["control_effect"],
-                    mode="markers+lines",
-                    name="control loss change",
-                    yaxis="y2",
-                    error_y=dict(
-                        type="data",
-                        symmetric=False,
-                        array=(df["control_high"] - df["control_effect"]).tolist(),
-                        arrayminus=(df["control_effect"] - df["control_low"]).tolist(),
-                    ),
-                )
-            )
-        fig.update_layout(
-            title=title or f"{self.method.get('protocol', 'layer ablation')}: {self.task}",
-            xaxis_title="layers ablated",
-            yaxis_title=f"{self.metric} change",
-            yaxis2=dict(title="control loss change", overlaying="y", side="right"),
-            template="plotly_white",
-        )
-        return fig
-
-
-def _paired(values: Tensor, baseline: Tensor) -> list[Interval]:
-    if len(values) == 0:
-        return []
-    diffs = values.double() - baseline.double()[None]
-    out = bootstrap_interval(diffs)
-    assert isinstance(out, list)
-    return out
-
-
-def _value_interval(row: Tensor, metric: str) -> Interval:
-    row = row.double()
-    row = row[~row.isnan()]
-    if metric == "accuracy":
-        return wilson_interval(float(row.sum()), int(row.numel()))
-    out = bootstrap_interval(row)
-    assert isinstance(out, Interval)
-    return out
+    def _plot_axis(self) -> str:
+        return "layers ablated"
 
 
 def _cell_label(cell: Cell) -> str:
@@ -1137,7 +932,7 @@ def _sweep_cells(
         control_values=c_values,
         control_baseline=c_base,
         control=description,
-        method=info,
+        info=info,
     )
 
 

@@ -10,8 +10,8 @@ the TransformerLens object itself.
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 from jaxtyping import Float
@@ -36,55 +36,91 @@ from gna_lens.interventions.batching import (
     tokens_of,
 )
 from gna_lens.interventions.metrics import Metric
+from gna_lens.interventions.result import CellResult
 from gna_lens.interventions.sources import Source, check_positions, collect_z, column_mask
 from gna_lens.tasks import Task
 
 __all__ = ["PatchResult", "patch_heads", "patch_residual"]
 
 
-@dataclass(frozen=True)
-class PatchResult:
-    """Activation-patching results, shaped like TransformerLens's ``PatchingResult``.
+@dataclass(frozen=True, kw_only=True)
+class PatchResult(CellResult):
+    """Activation-patching results: a :class:`~gna_lens.interventions.result.CellResult`
+    (effects with 95% intervals, ranking, ``to_dataframe``, ``to_dict``, ``plot``) shaped like
+    TransformerLens's ``PatchingResult`` too (:meth:`to_patching_result`).
+
+    The baseline is the *corrupted* run: a positive effect is what a patch restores, and
+    :meth:`ranking` puts the most restoring cell first.
 
     Attributes:
+        cells: Per row, the head set patched (head patching) or ``(layer,)`` (residual
+            patching); position by position, a cell repeats once per position (``index_df``
+            has ``pos``).
+        kinds: Per row, the heads' kind, or ``"resid"``.
         values: The metric on the patched corrupted run, ``[cell, batch]`` (one row of
             ``index_df`` per cell; ``batch`` = the task's samples).
-        axis_names: ``[]`` (flat ``index_df`` mode).
+        baseline: The metric on the unpatched corrupted run, ``[batch]``.
+        metric: The metric's name.
+        task: The clean task's description.
         index_df: One row per cell: ``layer``, ``head`` (head patching) and ``pos`` (when
             patched position by position), ``kind``, ``label``.
-        metric_names: ``[metric name]``.
-        reduced: ``False`` (per-example values).
-        baseline: The metric on the unpatched corrupted run, ``[batch]``.
-        has_metric_axis: ``False``.
-        patch_type_names: ``None``.
         clean_baseline: The metric on the clean run, ``[batch]``.
         activation: ``"hook_z"`` or ``"hook_resid_pre"``.
-        task: The clean task's description.
         corrupted_task: The corrupted task's description.
         positions: The patched positions (``"all"``, ``"last"``, ``"each"`` or a list).
         info: Packing and forward counts, ``info["paths"]`` (which path computed the numbers)
             and ``info["fallbacks"]`` (each shortcut that did not apply, with the reason).
     """
 
-    values: Float[Tensor, "cell batch"]
-    axis_names: list[str]
     index_df: Any
-    metric_names: list[str]
-    reduced: bool
-    baseline: Float[Tensor, " batch"]
-    has_metric_axis: bool
-    patch_type_names: list[str] | None
     clean_baseline: Float[Tensor, " batch"]
     activation: str
-    task: str
     corrupted_task: str
     positions: str
-    info: dict[str, Any] = field(default_factory=dict)
+
+    important_sign: ClassVar[int] = 1
+    _TENSOR_FIELDS: ClassVar[tuple[str, ...]] = (*CellResult._TENSOR_FIELDS, "clean_baseline")
+
+    # TransformerLens's PatchingResult fields (flat index_df mode, per-example values).
+    axis_names: ClassVar[list[str]] = []
+    reduced: ClassVar[bool] = False
+    has_metric_axis: ClassVar[bool] = False
+    patch_type_names: ClassVar[list[str] | None] = None
 
     @property
-    def metric(self) -> str:
-        """The metric's name."""
-        return self.metric_names[0]
+    def metric_names(self) -> list[str]:
+        """``[metric]`` (TransformerLens's name)."""
+        return [self.metric]
+
+    def label(self, i: int) -> str:
+        row = self.index_df.iloc[i]
+        base = str(row["label"]) if "label" in row else f"L{row['layer']}"
+        return f"{base}@{row['pos']}" if "pos" in row else base
+
+    def _index_columns(self, i: int) -> dict[str, Any]:
+        return {k: _plain(v) for k, v in self.index_df.iloc[i].to_dict().items()}
+
+    def _extra_columns(self) -> dict[str, list[Any]]:
+        clean = float(self.clean_baseline.float().mean())
+        return {"recovered": self.recovered().tolist(), "clean_baseline": [clean] * len(self)}
+
+    def _context_columns(self) -> dict[str, Any]:
+        return {
+            "activation": self.activation,
+            "corrupted_task": self.corrupted_task,
+            "positions": self.positions,
+        }
+
+    def _plot_axis(self) -> str:
+        return f"{self.activation} patched"
+
+    @classmethod
+    def _field_from_json(cls, name: str, value: Any) -> Any:
+        if name == "index_df":
+            import pandas as pd
+
+            return pd.DataFrame(value)
+        return value
 
     def mean(self) -> Float[Tensor, " cell"]:
         """Batch mean per cell."""
@@ -121,24 +157,21 @@ class PatchResult:
         )
 
     def to_dataframe(self, per_example: bool = False) -> Any:
-        """One row per cell (index columns, ``kind``, ``value``, ``effect``, ``recovered``).
+        """One row per cell: the index columns, ``kind``, ``effect`` and ``value`` with their
+        95% intervals, ``recovered``, ``baseline`` (corrupted), ``clean_baseline`` and the
+        columns every :class:`~gna_lens.interventions.result.CellResult` has.
 
         ``per_example=True`` gives TransformerLens's long form instead: one row per (cell,
         example) with ``metric``, the index columns, ``example`` and ``value``.
         """
-        import pandas as pd
-
         if per_example:
             return self.to_patching_result().to_dataframe()
-        df = self.index_df.copy()
-        df["value"] = self.mean().tolist()
-        df["effect"] = (self.mean() - float(self.baseline.float().mean())).tolist()
-        df["recovered"] = self.recovered().tolist()
-        df["baseline"] = float(self.baseline.float().mean())
-        df["clean_baseline"] = float(self.clean_baseline.float().mean())
-        df["metric"] = self.metric
-        df["task"] = self.task
-        return pd.DataFrame(df)
+        return super().to_dataframe()
+
+
+def _plain(v: Any) -> Any:
+    """A numpy scalar from a dataframe row as a Python one."""
+    return v.item() if hasattr(v, "item") and not isinstance(v, str | tuple | list) else v
 
 
 def _clean_run_source(
@@ -264,8 +297,9 @@ def patch_heads(
         row["label"] = _label(cell)
         rows.append(row)
     return _result(
-        values, rows, met.name, baseline, clean_base, "hook_z", clean, corrupted, positions, info
-    )
+        values, rows, [tuple(c) for c in cells], [r["kind"] for r in rows], met.name, baseline,
+        clean_base, "hook_z", clean, corrupted, positions, info,
+    )  # fmt: skip
 
 
 def _baseline(runner: Runner, task: Task, groups: list[Group], met: Metric, device: Any) -> Tensor:
@@ -383,6 +417,8 @@ def patch_residual(
     return _result(
         values,
         rows,
+        [(layer,) for layer, _ in cells],
+        ["resid"] * len(cells),
         met.name,
         baseline,
         clean_base,
@@ -411,6 +447,8 @@ def _resid_cols(positions: Any, length: int) -> Any:
 def _result(
     values: Any,
     rows: list[dict[str, Any]],
+    cells: list[tuple[Any, ...]],
+    kinds: list[str],
     metric: str,
     baseline: Any,
     clean_baseline: Any,
@@ -424,17 +462,15 @@ def _result(
     import pandas as pd
 
     return PatchResult(
+        cells=tuple(cells),
+        kinds=tuple(kinds),
         values=values,
-        axis_names=[],
-        index_df=pd.DataFrame(rows),
-        metric_names=[metric],
-        reduced=False,
         baseline=baseline,
-        has_metric_axis=False,
-        patch_type_names=None,
+        metric=metric,
+        task=describe_task(clean),
+        index_df=pd.DataFrame(rows),
         clean_baseline=clean_baseline,
         activation=activation,
-        task=describe_task(clean),
         corrupted_task=describe_task(corrupted),
         positions=positions_label(positions),
         info=info,
