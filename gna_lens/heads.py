@@ -51,7 +51,7 @@ import warnings
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 from jaxtyping import Float
@@ -571,7 +571,7 @@ def _layer_of_parts(layer: int, parts: Sequence[LayerHeads]) -> LayerHeads | Non
     )
 
 
-def head_view(model: Any) -> HeadView:
+def head_view(model: "ModelLike") -> HeadView:
     """The head view of a TransformerBridge, a HookedSSM or any TransformerLens-style model.
 
     Args:
@@ -585,6 +585,8 @@ def head_view(model: Any) -> HeadView:
     Raises:
         InterventionError: If the model has no hook points or no addressable heads.
     """
+    if isinstance(model, Subject):
+        return model.view
     cfg: Any = getattr(model, "cfg", None)
     hook_dict = getattr(model, "hook_dict", None)
     n_layers = getattr(cfg, "n_layers", None)
@@ -596,8 +598,9 @@ def head_view(model: Any) -> HeadView:
         )
     layers: list[LayerHeads | None] = []
     if _is_hooked_ssm(model):
-        groups = model.head_group_spec
-        for layer, block in enumerate(model.blocks):
+        ssm: Any = model
+        groups = ssm.head_group_spec
+        for layer, block in enumerate(ssm.blocks):
             # The block names the submodules holding its heads, in numbering order
             # (SSMBlock.head_parts): one for most layers, two for Falcon-H1 and Zamba2.
             parts: list[LayerHeads] = []
@@ -645,6 +648,101 @@ def head_view(model: Any) -> HeadView:
 _VERDICTS: "weakref.WeakKeyDictionary[Any, dict[tuple[int, str], str | None]]" = (
     weakref.WeakKeyDictionary()
 )
+
+
+@runtime_checkable
+class HookedModel(Protocol):
+    """What gna_lens needs of a model: a TransformerLens-style hooked model.
+
+    A ``transformer_lens.model_bridge.TransformerBridge`` and a :class:`~gna_lens.HookedSSM` both
+    are one (``isinstance(model, HookedModel)``); so is any model with a config, hook points and
+    the hooked runs. Every public function that takes a model takes a :data:`ModelLike`: such a
+    model, or the :class:`Subject` a caller built from one.
+
+    Examples:
+        >>> from gna_lens.testing import tiny_hooked_ssm
+        >>> isinstance(tiny_hooked_ssm("mamba2"), HookedModel), isinstance("gpt2", HookedModel)
+        (True, False)
+    """
+
+    @property
+    def cfg(self) -> Any:
+        """The model's config (``n_layers``, ``d_model``, ...)."""
+
+    @property
+    def hook_dict(self) -> dict[str, Any]:
+        """Every hook point by name (``blocks.{l}.hook_resid_pre``, ...)."""
+
+    def run_with_hooks(self, *args: Any, **kwargs: Any) -> Any:
+        """A forward pass with temporary hooks."""
+
+    def run_with_cache(self, *args: Any, **kwargs: Any) -> Any:
+        """A forward pass that caches activations."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """A forward pass."""
+
+
+@dataclass(frozen=True)
+class Subject:
+    """The model under study with the answers to its architecture questions, asked once.
+
+    A public function takes a model, builds its ``Subject`` once (:meth:`of`) and hands that
+    down: every step below reads the head view, the device / precision policy and the model's
+    family from it instead of asking the model again. Public functions accept a ``Subject``
+    wherever they take a model (``Subject.of`` returns it unchanged), so one that calls another
+    passes what it built.
+
+    Attributes:
+        model: The TransformerBridge or HookedSSM itself (what runs).
+        view: Its :class:`HeadView`.
+        policy: Where its tensors live and in what dtype (:class:`~gna_lens.device.DevicePolicy`).
+        is_ssm: Whether it is a :class:`~gna_lens.models.HookedSSM` (else a TransformerLens
+            model: the bridge's paths).
+
+    Examples:
+        >>> from gna_lens.testing import tiny_hooked_ssm
+        >>> s = Subject.of(tiny_hooked_ssm("bamba"))
+        >>> s.is_ssm, s.view.n_layers, s.device.type, Subject.of(s) is s
+        (True, 3, 'cpu', True)
+    """
+
+    model: Any
+    view: HeadView
+    policy: DevicePolicy
+    is_ssm: bool
+
+    @classmethod
+    def of(cls, model: "ModelLike") -> "Subject":
+        """The subject of ``model`` (a ``Subject`` is returned as it is).
+
+        Raises:
+            InterventionError: If the model has no hook points or no addressable heads (as
+                :func:`head_view`).
+        """
+        if isinstance(model, Subject):
+            return model
+        return cls(model, head_view(model), DevicePolicy.of(model), _is_hooked_ssm(model))
+
+    @property
+    def device(self) -> torch.device:
+        """The model's device (inputs, masks and caches go here)."""
+        return self.policy.device
+
+
+#: What a public function takes as its model: a :class:`HookedModel` (TransformerBridge,
+#: HookedSSM) or the :class:`Subject` built from one.
+ModelLike = HookedModel | Subject
+
+
+def model_of(model: Any) -> Any:
+    """The model itself, from a model or a :class:`Subject`."""
+    return model.model if isinstance(model, Subject) else model
+
+
+def policy_of(model: Any) -> DevicePolicy:
+    """The device / precision policy of a model or a :class:`Subject` (asked once there)."""
+    return model.policy if isinstance(model, Subject) else DevicePolicy.of(model)
 
 
 def _probe_tokens(model: Any) -> Tensor:
@@ -842,7 +940,9 @@ def head_output_weights(model: Any, layer: int, part: int | None = None) -> Tens
         >>> [tuple(head_output_weights(model, 1, part=i).shape) for i in (0, 1)]
         [(8, 8, 32), (4, 8, 32)]
     """
-    layer_heads = head_view(model)[layer]
+    subject = Subject.of(model)
+    model = subject.model
+    layer_heads = subject.view[layer]
     if part is None and layer_heads.multipart:
         raise InterventionError(
             f"head_output_weights(model, {layer}): layer {layer} has {len(layer_heads.parts)} "
@@ -857,7 +957,7 @@ def head_output_weights(model: Any, layer: int, part: int | None = None) -> Tens
     lh = layer_heads.parts[part or 0]
     in_attn = lh.z_hook.startswith(f"blocks.{layer}.attn.")  # else the mixer's hook_z
     try:
-        if _is_hooked_ssm(model):
+        if subject.is_ssm:
             block = model.blocks[layer]
             proj = block.attn.o_proj if in_attn else block.mixer.out_proj
             weight = proj.weight
@@ -869,7 +969,7 @@ def head_output_weights(model: Any, layer: int, part: int | None = None) -> Tens
     w_o = weight.T.reshape(lh.n_channels, lh.d_head, -1)
     # out_hook is the output times the block's multiplier (Granite, Falcon-H1)
     which = "attention" if in_attn else "ssm"
-    mult = float(model.blocks[layer].out_multiplier(which)) if _is_hooked_ssm(model) else 1.0
+    mult = float(model.blocks[layer].out_multiplier(which)) if subject.is_ssm else 1.0
     return w_o if mult == 1.0 else w_o * mult
 
 

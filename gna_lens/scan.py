@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from gna_lens.device import DevicePolicy
 from gna_lens.errors import ConfigError, GnaLensError, TaskError
+from gna_lens.heads import Subject
 from gna_lens.models.provenance import provenance_of
 from gna_lens.scoring import (
     MAX_CONTROL,
@@ -449,7 +449,6 @@ def scan(
         GnaLensError: If ``top``, ``exact``, ``n_samples`` or ``n_eval`` is not positive, or
             ``exact`` comes with a strategy other than ``"auto"`` / ``"attribution"``.
     """
-    from gna_lens.heads import head_view
 
     if top < 1 or (exact is not None and exact < 1) or n_samples < 1 or n_eval < 1:
         raise GnaLensError(
@@ -474,7 +473,8 @@ def scan(
     c_eval = resolve_control(c_eval, tok, positions=positions, split="eval")
     timings["tasks"] = time.perf_counter() - t0
     with applied_head_groups(model, head_groups) as groups_choice:
-        view = head_view(model)
+        subject = Subject.of(model)  # with the head groups in place; every step below gets it
+        view = subject.view
         n_heads = view.n_heads_total
         prefilter = None
         if strategy == "attribution" or (
@@ -491,7 +491,7 @@ def scan(
         elif exact is not None and strategy == "auto":
             strategy = "exact"  # exact covers every head
         strategy, strategy_why = choose_strategy(
-            model, probe, strategy, prefilter=prefilter, top_layers=top_layers,
+            subject, probe, strategy, prefilter=prefilter, top_layers=top_layers,
             exact_budget_s=exact_budget_s,
         )  # fmt: skip
         if strategy == "exact":
@@ -515,7 +515,7 @@ def scan(
         )
         t = time.perf_counter()
         report = score_heads(
-            model,
+            subject,
             probe,
             control=c_select,
             metric=metric,
@@ -549,7 +549,7 @@ def scan(
         )
         t = time.perf_counter()
         knowledge = retrieval_vs_knowledge(
-            model, top_heads, sets.held_out, control=c_eval, random_draws=random_draws, seed=seed,
+            subject, top_heads, sets.held_out, control=c_eval, random_draws=random_draws, seed=seed,
             mode=mode, positions=positions, progress=progress,
         )  # fmt: skip
         timings["held_out"] = time.perf_counter() - t
@@ -574,7 +574,7 @@ def scan(
         folder.mkdir(parents=True, exist_ok=True)
         seconds = time.perf_counter() - t0
         stages = describe_timings(timings, report.timings)
-        machine = DevicePolicy.of(model).machine()
+        machine = subject.policy.machine()
         warn_html = "".join(f"<p><b>Warning:</b> {html.escape(w)}</p>" for w in warnings)
         meta = (
             "<h2>Provenance</h2><p>Weights: "

@@ -25,6 +25,7 @@ from test_interventions import (
 )
 
 import gna_lens.interventions as I
+from gna_lens.interventions import _engine as engine
 from gna_lens.interventions import ablation
 from gna_lens.models import HookedSSM, ops
 from gna_lens.testing import tiny_checkpoint
@@ -96,14 +97,14 @@ def test_sweep_check_fires_when_the_sweep_skips_a_head(arch, monkeypatch):
     m = model(arch)
     t = make_task()
     loop, _ = _loop_reference(m, t, "zero", None, None)
-    real = ablation.run_cells
+    real = engine.run_cells  # what every planned sweep (CellSweep.run) calls
 
     def skip_second_cell(runner, cells, *args, **kwargs):
         cells = list(cells)
         cells[1] = ()  # the sweep forgets to ablate this head
         return real(runner, cells, *args, **kwargs)
 
-    monkeypatch.setattr(ablation, "run_cells", skip_second_cell)
+    monkeypatch.setattr(engine, "run_cells", skip_second_cell)
     res = I.ablation_sweep(m, t, "logit_diff", progress=False)
     with pytest.raises(AssertionError, match="differs from the loop"):
         assert_sweep_equals_loop(res.values, loop)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from gna_lens.device import HOST, to_host
-from gna_lens.heads import Head, describe_head_groups, head_view
+from gna_lens.heads import Head, Subject, describe_head_groups, head_view
 from gna_lens.models.provenance import provenance_of
 from gna_lens.scoring import (
     GnaReport,
@@ -444,7 +444,8 @@ def head_unit(model: Any) -> str:
         >>> head_unit(tiny_hooked_ssm("mamba2"))
         'heads'
     """
-    view = head_view(model)
+    subject = Subject.of(model)
+    model, view = subject.model, subject.view
     if view.group_spec:
         return describe_head_groups(view)
     if getattr(model, "channel_heads", False):
@@ -617,7 +618,8 @@ def hybrid_roles(
     else:
         model, tasks, probe, report = rank_zoo_model(name, n_rank=n_rank, progress=progress)
     _, aggregates = pair_candidates(report, top)
-    view = head_view(model)
+    subject = Subject.of(model)
+    model, view = subject.model, subject.view
     kinds = [view.kind_of(h) for h in aggregates]
     held = _held_out(tasks, probe, n_rank)
     masking = {}

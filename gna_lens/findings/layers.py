@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from gna_lens.errors import InterventionError, TaskError
-from gna_lens.heads import Head, head_view
+from gna_lens.heads import Head, Subject
 from gna_lens.models.provenance import provenance_of
 from gna_lens.stats import Interval
 from gna_lens.tasks import Task, TextControl
@@ -530,7 +530,8 @@ def dictionary_size_curves(
             {"n_pairs": n, "n": d["n"], "chance": d["chance"], "task": d["description"]}
             | {k: d[k] for k in _ARMS}
         )
-    view = head_view(model)
+    subject = Subject.of(model)
+    model, view = subject.model, subject.view
     prov = provenance_of(model)
     how = (
         f"kv_retrieval(template={template!r}, values={values!r}), {n_samples} prompts per "

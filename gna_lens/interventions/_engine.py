@@ -183,7 +183,8 @@ def expand_hooks(
 
 def output_weights(model: Any, lh: LayerHeads) -> list[Tensor] | None:
     """``W_O`` of each part of a layer (:func:`~gna_lens.heads.head_output_weights`), or
-    ``None`` when a part has no ``out_hook`` or no exposed ``W_O``."""
+    ``None`` when a part has no ``out_hook`` or no exposed ``W_O``. ``model``: the runner's
+    :class:`~gna_lens.heads.Subject` (its view is not built again), or a model."""
     if any(part.out_hook is None for part in lh.parts):
         return None
     many = lh.multipart
@@ -480,7 +481,7 @@ def _layers(
         run = _LayerRun(
             ctx, g, tokens, source, ref_rows, idx, layer, cap, cache, cell_cols, positions, ids
         )
-        W = output_weights(model, view[layer])  # per part of the layer
+        W = output_weights(runner.subject, view[layer])  # per part of the layer
         chosen = _STRATEGY.setdefault(model, {})
         why_not = _STRATEGY_WHY.setdefault(model, {})
         strategy = "packed" if W is None else chosen.get(runner.keep > 1)

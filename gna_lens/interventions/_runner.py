@@ -41,7 +41,7 @@ from torch import Tensor
 
 from gna_lens.device import exact_matmul
 from gna_lens.errors import InterventionError
-from gna_lens.heads import HeadView, _is_hooked_ssm
+from gna_lens.heads import Subject
 from gna_lens.interventions.hooks import hooked
 
 Hooks = Sequence[tuple[Any, Callable[..., Any]]]
@@ -159,11 +159,12 @@ def _close(a: Tensor, b: Tensor, rtol: float = STEP_RTOL) -> bool:
 class Runner:
     """Forward passes of one model for the interventions (always under ``torch.no_grad``)."""
 
-    def __init__(self, model: Any, view: HeadView, keep: int = 1):
-        self.model = model
-        self.view = view
-        self.n_layers = view.n_layers
-        self.is_ssm = _is_hooked_ssm(model)
+    def __init__(self, subject: Subject, keep: int = 1):
+        self.subject = subject
+        model = self.model = subject.model
+        self.view = subject.view
+        self.n_layers = subject.view.n_layers
+        self.is_ssm = subject.is_ssm
         #: How many trailing positions' logits every method returns: 1 gives ``[rows, d_vocab]``
         #: (the query position), ``keep > 1`` gives ``[rows, keep, d_vocab]`` (metrics over several
         #: positions, e.g. the next-token loss of a control text).

@@ -18,7 +18,15 @@ from torch import Tensor
 
 from gna_lens.device import HOST, DevicePolicy, host_full, to_host
 from gna_lens.errors import InterventionError
-from gna_lens.heads import Head, HeadView, head_view, normalize_head_sets, require_editable
+from gna_lens.heads import (
+    Head,
+    HeadView,
+    ModelLike,
+    Subject,
+    model_of,
+    normalize_head_sets,
+    require_editable,
+)
 from gna_lens.interventions._engine import (
     PLANNERS,
     CellSweep,
@@ -56,13 +64,13 @@ HookFn = Callable[..., Tensor | None]
 
 
 def model_device(model: Any) -> torch.device:
-    """The model's device (:meth:`gna_lens.device.DevicePolicy.of`)."""
-    return DevicePolicy.of(model).device
+    """The device of a model or a :class:`~gna_lens.heads.Subject` (where it is known already)."""
+    return model.device if isinstance(model, Subject) else DevicePolicy.of(model).device
 
 
 # ----------------------------------------------------------------------------- hooks for users
 def head_ablation_hooks(
-    model: Any,
+    model: ModelLike,
     heads: Sequence[Head],
     mode: str = "zero",
     positions: Any = None,
@@ -104,14 +112,15 @@ def head_ablation_hooks(
             when resample ablation would replace a row by the same prompt's own outputs.
         PatternEditError: If the model would ignore edits of ``hook_z``.
     """
-    view = head_view(model)
+    subject = Subject.of(model)
+    model, view = subject.model, subject.view
     checked = view.check_heads(heads)
     if not checked:
         raise InterventionError("heads=[] is empty; expected at least one (layer, head) pair.")
     positions = check_positions(positions)
     layers = sorted({layer for layer, _ in checked})
     require_editable(model, view, layers, "z")
-    device = model_device(model)
+    device = subject.device
     parts = view.parts_of(checked)  # one hook_z per part of a layer (two in Falcon-H1, Zamba2)
     with torch.no_grad():
         source = build_source(
@@ -270,7 +279,7 @@ def _ablation_hook(
 
 @contextmanager
 def ablate_heads(
-    model: Any,
+    model: ModelLike,
     heads: Sequence[Head],
     mode: str = "zero",
     positions: Any = None,
@@ -308,8 +317,8 @@ def ablate_heads(
         (True, True)
     """
     hooks = head_ablation_hooks(model, heads, mode, positions, reference, include_bos)
-    with hooked(model, hooks):
-        yield model
+    with hooked(model_of(model), hooks):
+        yield model_of(model)
 
 
 # ----------------------------------------------------------------------------- results
@@ -444,7 +453,7 @@ def ablation_info(source: Source, edited: Any) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- sweep
 def ablation_sweep(
-    model: Any,
+    model: ModelLike,
     task: Task,
     metric: Any = "accuracy",
     heads: Any = None,
@@ -521,7 +530,8 @@ def ablation_sweep(
     """
     from tqdm.auto import tqdm
 
-    view = head_view(model)
+    subject = Subject.of(model)
+    view = subject.view
     cells = normalize_head_sets(view, heads)
     args: dict[str, Any] = dict(
         task=task, metric=metric, cells=cells, mode=mode, positions=positions,
@@ -531,7 +541,7 @@ def ablation_sweep(
     with torch.no_grad():
         # With an executor the workers edit their own copies and check them (a probe forward
         # per layer); checking this copy too would add that to the sweep's serial time.
-        sweep = _plan_ablation(model, **args, check_edits=executor is None)
+        sweep = _plan_ablation(subject, **args, check_edits=executor is None)
         bar = tqdm(
             total=len(cells) * len(task),
             desc=f"ablation sweep ({len(cells)} cells)",
@@ -540,7 +550,7 @@ def ablation_sweep(
         )
         try:
             values, baseline, info = execute(
-                model, sweep, SweepJob("ablation", args), executor, bar
+                subject.model, sweep, SweepJob("ablation", args), executor, bar
             )
         finally:
             bar.close()
@@ -586,7 +596,8 @@ def _plan_ablation(
     :func:`~gna_lens.heads.require_editable` here, for a caller whose workers run the cells (each
     worker plans with the check, on the copy it edits, and raises its error as one process would).
     """
-    view = head_view(model)
+    subject = Subject.of(model)
+    model, view = subject.model, subject.view
     met = Metric(metric, task)
     positions = check_positions(positions)
     if isinstance(positions, Tensor):
@@ -604,8 +615,8 @@ def _plan_ablation(
     layers = sorted({layer for c in cells for layer, _ in c})
     if check_edits:
         require_editable(model, view, layers, "z")
-    device = model_device(model)
-    runner = Runner(model, view)
+    device = subject.device
+    runner = Runner(subject)
     source = build_source(
         model, mode, reference, view.parts_of(h for c in cells for h in c), positions, device,
         include_bos=include_bos,
@@ -651,7 +662,7 @@ class _NextTokenNLL:
 
 
 def control_sweep(
-    model: Any,
+    model: ModelLike,
     control: TextControl | Task,
     heads: Any = None,
     *,
@@ -757,14 +768,15 @@ def control_sweep(
             f"control is a {type(control).__name__}; expected a gna_lens.tasks.TextControl "
             "(gna_lens.tasks.text_control(tokenizer)) or a gna_lens.tasks.Task."
         )
-    view = head_view(model)
+    subject = Subject.of(model)
+    view = subject.view
     cells = normalize_head_sets(view, heads)
     args: dict[str, Any] = dict(
         control=control, cells=cells, mode=mode, positions=positions, include_bos=include_bos,
         method=method, n_scored=n_scored, max_rows=max_rows, memory_budget=memory_budget,
     )  # fmt: skip
     with torch.no_grad():
-        sweep = _plan_control(model, **args, check_edits=executor is None)  # as ablation_sweep
+        sweep = _plan_control(subject, **args, check_edits=executor is None)  # as ablation_sweep
         bar = tqdm(
             total=len(cells) * sweep.n_samples,
             desc=f"control sweep ({len(cells)} cells)",
@@ -772,7 +784,9 @@ def control_sweep(
             leave=False,
         )
         try:
-            values, baseline, info = execute(model, sweep, SweepJob("control", args), executor, bar)
+            values, baseline, info = execute(
+                subject.model, sweep, SweepJob("control", args), executor, bar
+            )
         finally:
             bar.close()
     last = sweep.positions == "last"
@@ -805,7 +819,8 @@ def _plan_control(
 ) -> CellSweep:
     """Check the arguments of :func:`control_sweep` on a text control and plan it
     (``check_edits``: as in :func:`_plan_ablation`)."""
-    view = head_view(model)
+    subject = Subject.of(model)
+    model, view = subject.model, subject.view
     positions = check_positions(positions)
     if isinstance(positions, Tensor):
         raise InterventionError(
@@ -814,7 +829,7 @@ def _plan_control(
     if method not in ("batched", "loop"):
         raise InterventionError(f"method={method!r}; expected 'batched' or 'loop'.")
     last = positions == "last"
-    device = model_device(model)
+    device = subject.device
     inputs = control.tokens[:, :-1]
     k = 1 if last else (n_scored or max(1, control.seq_len // 2))
     if not 1 <= k < control.seq_len or (last and k != 1):
@@ -831,7 +846,7 @@ def _plan_control(
     layers = sorted({layer for c in cells for layer, _ in c})
     if check_edits:
         require_editable(model, view, layers, "z")
-    runner = Runner(model, view, keep=k)
+    runner = Runner(subject, keep=k)
     metric = _NextTokenNLL(control.tokens, k)
     plan = SweepPlan(parse_bytes(memory_budget), max_rows, None)
     source = build_source(

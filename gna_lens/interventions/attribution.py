@@ -22,12 +22,11 @@ from torch import Tensor
 
 from gna_lens.device import host_full, to_host
 from gna_lens.errors import InterventionError
-from gna_lens.heads import _is_hooked_ssm, head_view, normalize_head_sets, require_editable
+from gna_lens.heads import ModelLike, Subject, normalize_head_sets, require_editable
 from gna_lens.interventions.ablation import (
     SweepResult,
     ablation_info,
     cell_kind,
-    model_device,
     positions_label,
 )
 from gna_lens.interventions.batching import describe_task, length_groups, paired_groups, tokens_of
@@ -45,7 +44,7 @@ __all__ = ["attribute_heads"]
 
 
 def attribute_heads(
-    model: Any,
+    model: ModelLike,
     task: Task,
     metric: Any = "logit_diff",
     *,
@@ -85,7 +84,9 @@ def attribute_heads(
         InterventionError: For a non-differentiable metric, unknown heads or modes.
         PatternEditError: If the model would ignore edits of ``hook_z``.
     """
-    view = head_view(model)
+    subject = Subject.of(model)
+    model, view = subject.model, subject.view
+    net: Any = model  # the model's own extras (SSM mixers, pattern selection)
     cells = normalize_head_sets(view, heads)
     met = Metric(metric, task)
     if not met.differentiable:
@@ -109,7 +110,7 @@ def attribute_heads(
     # The hook_z of each part of those layers holding a head of the cells (Falcon-H1 and Zamba2
     # layers have two), keyed by name.
     parts = {part.z_hook: part for part in view.parts_of(h for c in cells for h in c)}
-    device = model_device(model)
+    device = subject.device
     n = len(task)
     if corrupted is not None:
         groups = paired_groups(task, corrupted, batch_size, device)
@@ -155,7 +156,7 @@ def attribute_heads(
 
         hooks: list[tuple[Any, Any]] = [(name, bind(grab, name)) for name in parts]
         with torch.enable_grad(), hooked(model, hooks):
-            logits = model(tokens)[:, -1]
+            logits = net(tokens)[:, -1]
             values = met(logits, g.indices)
             grads = torch.autograd.grad(values.sum(), [leaves[name] for name in parts])
         forwards += 3
@@ -195,7 +196,7 @@ def attribute_heads(
         info={
             "forward_equivalents": forwards / max(1, len(groups)),
             "groups": len(groups),
-            "paths": {"gradient": [_gradient_path(model)]},
+            "paths": {"gradient": [_gradient_path(subject)]},
             "fallbacks": [],
         }
         | (ablation_info(source, edited) if source is not None else {}),
@@ -209,9 +210,9 @@ def bind(fn: Any, key: Any) -> Any:
     return bound
 
 
-def _gradient_path(model: Any) -> str:
+def _gradient_path(subject: Subject) -> str:
     """How the backward pass runs, for ``info["paths"]`` (the model says, where it can)."""
-    describe = getattr(model, "gradient_path", None) if _is_hooked_ssm(model) else None
+    describe = getattr(subject.model, "gradient_path", None) if subject.is_ssm else None
     return describe() if callable(describe) else "the model's own forward"
 
 

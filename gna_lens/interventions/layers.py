@@ -56,14 +56,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gna_lens.device import HOST
+from gna_lens.device import HOST, DevicePolicy
 from gna_lens.errors import InterventionError, PatternEditError
 from gna_lens.heads import (
     HeadView,
     LayerHeads,
+    ModelLike,
+    Subject,
     _is_hooked_ssm,
     _probe_tokens,
-    head_view,
+    model_of,
     uncomparable_outputs,
 )
 from gna_lens.interventions._engine import (
@@ -79,7 +81,6 @@ from gna_lens.interventions.ablation import (
     _InputRows,
     _NextTokenNLL,
     ablation_info,
-    model_device,
     positions_label,
 )
 from gna_lens.interventions.batching import Group, describe_task, length_groups
@@ -155,6 +156,37 @@ def layer_infos(model: Any) -> tuple[LayerInfo, ...]:
     Raises:
         InterventionError: If the model has no ``blocks.{l}.hook_resid_pre`` / ``hook_resid_post``.
     """
+    return _layer_subject(model).infos
+
+
+@dataclass(frozen=True)
+class _LayerSubject:
+    """What a layer intervention asks of a model, asked once: the model's
+    :class:`~gna_lens.heads.Subject` with a head view whose every layer names its
+    ``hook_resid_pre`` (models without addressable heads included), and each layer's hooks."""
+
+    subject: Subject
+    infos: tuple[LayerInfo, ...]
+
+
+def _layer_subject(model: Any) -> _LayerSubject:
+    """The layer subject of a model, a :class:`~gna_lens.heads.Subject` or a layer subject."""
+    if isinstance(model, _LayerSubject):
+        return model
+    plain = model_of(model)
+    try:
+        base: Subject | None = Subject.of(model)
+    except InterventionError:  # no addressable heads: layers still are
+        base = None
+    heads = base.view if base is not None else None
+    ssm = base.is_ssm if base is not None else _is_hooked_ssm(plain)
+    infos = _layer_infos(plain, heads, ssm)
+    policy = base.policy if base is not None else DevicePolicy.of(plain)
+    subject = Subject(plain, _runner_view(plain, heads, infos), policy, ssm)
+    return _LayerSubject(subject, infos)
+
+
+def _layer_infos(model: Any, heads: HeadView | None, ssm: bool) -> tuple[LayerInfo, ...]:
     cfg: Any = getattr(model, "cfg", None)
     hook_dict = getattr(model, "hook_dict", None)
     n_layers = getattr(cfg, "n_layers", None)
@@ -164,11 +196,6 @@ def layer_infos(model: Any) -> tuple[LayerInfo, ...]:
             "with hook points and cfg.n_layers (a TransformerBridge or a gna_lens.HookedSSM). "
             "Fix: load it with gna_lens.load_model(name)."
         )
-    ssm = _is_hooked_ssm(model)
-    try:
-        heads: HeadView | None = head_view(model)
-    except InterventionError:
-        heads = None
     out = []
     for layer in range(n_layers):
         pre, post = f"blocks.{layer}.hook_resid_pre", f"blocks.{layer}.hook_resid_post"
@@ -368,7 +395,7 @@ def _check_layer_positions(positions: Any) -> Any:
 
 # ----------------------------------------------------------------------------- hooks
 def _layer_source(
-    model: Any,
+    subject: Subject,
     infos: Sequence[LayerInfo],
     layers: Sequence[int],
     target: str,
@@ -388,8 +415,9 @@ def _layer_source(
             "mean layer output replaces the ablated one."
         )
     groups, label, rows = reference_rows(
-        reference, model_device(model), max_rows, "whose mean replaces the layer's output"
+        reference, subject.device, max_rows, "whose mean replaces the layer's output"
     )
+    model = subject.model
     bos_id = bos_token_id(model, reference)
     picks, info = mean_positions(rows, positions, bos_id, include_bos, label)
     sums: dict[str, Tensor] = {}
@@ -522,7 +550,7 @@ def _hooks_for(
 
 
 def layer_ablation_hooks(
-    model: Any,
+    model: ModelLike,
     layers: Sequence[int],
     *,
     target: str = "block",
@@ -570,7 +598,8 @@ def layer_ablation_hooks(
             the inputs at run time) unless ``include_bos``.
         PatternEditError: If the model would ignore the edit.
     """
-    infos = layer_infos(model)
+    ls = _layer_subject(model)
+    model, infos = ls.subject.model, ls.infos
     checked = _check_layers(infos, layers)
     if not checked:
         raise InterventionError("layers=[] is empty; expected at least one layer index.")
@@ -583,14 +612,14 @@ def layer_ablation_hooks(
     _require_editable(model, infos, checked, target)
     if mode == "zero":
         return _hooks_for(infos, checked, target, None, positions)
-    source = _layer_source(model, infos, checked, target, reference, positions, include_bos)
-    inputs = _InputRows(model, source, positions, model_device(model))
+    source = _layer_source(ls.subject, infos, checked, target, reference, positions, include_bos)
+    inputs = _InputRows(model, source, positions, ls.subject.device)
     return inputs.hooks() + _hooks_for(infos, checked, target, source, positions, inputs)
 
 
 @contextmanager
 def ablate_layers(
-    model: Any,
+    model: ModelLike,
     layers: Sequence[int],
     *,
     target: str = "block",
@@ -641,7 +670,7 @@ def ablate_layers(
 
 
 @contextmanager
-def remove_layers(model: Any, layers: Sequence[int]) -> Iterator[Any]:
+def remove_layers(model: ModelLike, layers: Sequence[int]) -> Iterator[Any]:
     """Remove layers inside a ``with`` block: each block becomes the identity on the residual
     stream, as if it were deleted from the model (the paper's layer pruning).
 
@@ -745,12 +774,8 @@ def _cell_label(cell: Cell) -> str:
 
 
 # ----------------------------------------------------------------------------- sweeps
-def _runner_view(model: Any, infos: Sequence[LayerInfo]) -> HeadView:
+def _runner_view(model: Any, view: HeadView | None, infos: Sequence[LayerInfo]) -> HeadView:
     """A head view whose every layer names its ``hook_resid_pre`` (what the runner needs)."""
-    try:
-        view: HeadView | None = head_view(model)
-    except InterventionError:
-        view = None
     layers = []
     for info in infos:
         lh = view.layers[info.layer] if view is not None else None
@@ -829,7 +854,8 @@ def _sweep_cells(
     from gna_lens.tasks.control import resolve_control
 
     t0 = time.perf_counter()
-    infos = layer_infos(model)
+    ls = _layer_subject(model)
+    model, infos = ls.subject.model, ls.infos
     _check_target_mode(target, mode, include_bos)
     positions = _check_layer_positions(positions)
     if method not in ("batched", "loop"):
@@ -862,7 +888,7 @@ def _sweep_cells(
         with torch.no_grad():
             for job in jobs:
                 # With an executor the workers check the edits on their own copies.
-                sweep = _plan_layers(model, **job.args, check_edits=executor is None)
+                sweep = _plan_layers(ls, **job.args, check_edits=executor is None)
                 sweep.runner.log = log  # one log for the task and the control (this process)
                 runs.append(execute(model, sweep, job, executor, bar))
                 extras.append(sweep.extra)
@@ -970,14 +996,15 @@ def _plan_layers(
     layer; ``removed`` layers are removed in every run, the baseline's included. Mean ablation
     of a control averages over the control's own windows (samples). ``check_edits=False``: as in
     :func:`~gna_lens.interventions.ablation.ablation_sweep` (a sharded sweep's workers check)."""
-    infos = layer_infos(model)
+    ls = _layer_subject(model)
+    subject, infos = ls.subject, ls.infos
+    model = subject.model
     layers = sorted({layer for c in cells for layer in c})
     if check_edits:
         _require_editable(model, infos, layers, target)
         if removed:
             _require_editable(model, infos, removed, "block")
-    device = model_device(model)
-    view = _runner_view(model, infos)
+    device = subject.device
     run_metric: Callable[[Tensor, Tensor], Tensor]
     if isinstance(on, TextControl):
         last = positions == "last"
@@ -987,23 +1014,23 @@ def _plan_layers(
             raise InterventionError(
                 f"the control's windows have {on.seq_len} tokens; expected at least 2."
             )
-        runner = Runner(model, view, keep=k)
+        runner = Runner(subject, keep=k)
         run_metric = _NextTokenNLL(on.tokens, k)
         groups = _groups_of_windows(inputs, max_rows, device)
         ref: Any = inputs
         prompts = inputs.tolist()
     elif metric is None:  # a knowledge task as the control
-        runner = Runner(model, view)
+        runner = Runner(subject)
         run_metric = _NegMetric(on)
         groups = length_groups(on, max_rows, device)
         ref, prompts = on, [s.input_ids for s in on]
     else:
-        runner = Runner(model, view)
+        runner = Runner(subject)
         run_metric = Metric(metric, on)
         groups = length_groups(on, max_rows, device)
         ref, prompts = reference, [s.input_ids for s in on]
     hooks, mean_info = _cell_hooks(
-        model, infos, cells, layers, target, mode, ref, positions, include_bos, prompts
+        subject, infos, cells, layers, target, mode, ref, positions, include_bos, prompts
     )
     hook_cells = [
         HookCell(start=min(c), hooks=tuple(h), label=_cell_label(c))
@@ -1025,7 +1052,7 @@ def _cell_kind(infos: Sequence[LayerInfo], cell: Cell) -> str:
 
 
 def _cell_hooks(
-    model: Any,
+    subject: Subject,
     infos: Sequence[LayerInfo],
     cells: Sequence[Cell],
     layers: list[int],
@@ -1039,7 +1066,7 @@ def _cell_hooks(
     """Each cell's hooks on ``prompts`` (mean ablation: BOS columns left unedited unless
     ``include_bos``), and what the mean was taken over (``{}`` for zero ablation)."""
     source = (
-        _layer_source(model, infos, layers, target, reference, positions, include_bos)
+        _layer_source(subject, infos, layers, target, reference, positions, include_bos)
         if mode == "mean"
         else None
     )
@@ -1086,7 +1113,7 @@ def _layer_cells(infos: Sequence[LayerInfo], layers: Any, removed: list[int]) ->
 
 
 def layer_sweep(
-    model: Any,
+    model: ModelLike,
     task: Task,
     metric: Any = "logit_diff",
     layers: Any = None,
@@ -1158,11 +1185,11 @@ def layer_sweep(
         >>> res.baseline_mean, res.values.mean(-1).tolist(), res.control_effects.tolist()
         (1.0, [0.125, 0.125], [0.0, 0.0])
     """
-    infos = layer_infos(model)
-    removed_list = _check_layers(infos, removed, "removed")
-    cells = _layer_cells(infos, layers, removed_list)
+    ls = _layer_subject(model)
+    removed_list = _check_layers(ls.infos, removed, "removed")
+    cells = _layer_cells(ls.infos, layers, removed_list)
     return _sweep_cells(
-        model, task, metric, cells, target=target, mode=mode, positions=positions,
+        ls, task, metric, cells, target=target, mode=mode, positions=positions,
         reference=reference, include_bos=include_bos, removed=removed_list, control=control,
         method=method, max_rows=max_rows, progress=progress, protocol="individual removal",
         executor=executor,
@@ -1170,7 +1197,7 @@ def layer_sweep(
 
 
 def prune_from_end(
-    model: Any,
+    model: ModelLike,
     task: Task,
     metric: Any = "logit_diff",
     *,
@@ -1223,8 +1250,8 @@ def prune_from_end(
         >>> res.cells, res.values.mean(-1).tolist()
         (((1,),), [0.125])
     """
-    infos = layer_infos(model)
-    n = len(infos)
+    ls = _layer_subject(model)
+    n = len(ls.infos)
     steps = n - 1 if n_steps is None else n_steps
     if not isinstance(steps, int) or isinstance(steps, bool) or not 1 <= steps <= n:
         raise InterventionError(
@@ -1233,7 +1260,7 @@ def prune_from_end(
         )
     cells = [tuple(range(n - k, n)) for k in range(1, steps + 1)]
     return _sweep_cells(
-        model, task, metric, cells, target=target, mode=mode, positions=positions,
+        ls, task, metric, cells, target=target, mode=mode, positions=positions,
         reference=reference, include_bos=include_bos, removed=[], control=control, method=method,
         max_rows=max_rows, progress=progress, protocol="gradual pruning from the end",
         executor=executor,

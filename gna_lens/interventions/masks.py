@@ -40,7 +40,7 @@ from torch import Tensor
 
 from gna_lens.device import HOST
 from gna_lens.errors import InterventionError, PatternEditError
-from gna_lens.heads import Head, HeadView, _is_hooked_ssm, head_view, require_editable
+from gna_lens.heads import Head, HeadView, ModelLike, Subject, require_editable
 from gna_lens.interventions.hooks import hooked
 from gna_lens.tasks import Batch, Sample
 
@@ -264,7 +264,7 @@ def _check_rows_selected(layer: int, head: int, mask: Tensor, row_idx: Tensor) -
 
 
 def pattern_mask_hooks(
-    model: Any, masks: Mapping[Head, Tensor], mode: MaskMode = "post"
+    model: ModelLike, masks: Mapping[Head, Tensor], mode: MaskMode = "post"
 ) -> list[tuple[str, HookFn]]:
     """Hooks ``(hook_name, fn)`` applying ``masks`` to head patterns (see :func:`mask_patterns`).
 
@@ -274,7 +274,9 @@ def pattern_mask_hooks(
     """
     if mode not in ("post", "pre"):
         raise InterventionError(f"mode={mode!r}; expected 'post' or 'pre'.")
-    view = head_view(model)
+    subject = Subject.of(model)
+    model, view = subject.model, subject.view
+    net: Any = model  # the model's own extras (SSM mixers, pattern selection)
     per_part = _check_masks(view, masks)
     parts = {key: view[key[0]].parts[key[1]] for key in per_part}
     attn_layers = sorted({key[0] for key, part in parts.items() if part.kind == "attention"})
@@ -286,7 +288,7 @@ def pattern_mask_hooks(
         require_editable(model, view, attn_layers, "pattern")
     if other_layers:
         require_editable(model, view, other_layers, "pattern")
-    mixers = model.ssm_mixers() if _is_hooked_ssm(model) else {}
+    mixers = net.ssm_mixers() if subject.is_ssm else {}
     hooks: list[tuple[str, HookFn]] = []
     for (layer, index), heads in sorted(per_part.items()):
         lh = parts[(layer, index)]
@@ -402,7 +404,7 @@ def _selection(model: Any, view: HeadView, masks: Mapping[Head, Tensor]) -> Any:
 
 @contextmanager
 def mask_patterns(
-    model: Any, masks: Mapping[Head, Tensor], mode: MaskMode = "post"
+    model: ModelLike, masks: Mapping[Head, Tensor], mode: MaskMode = "post"
 ) -> Iterator[Any]:
     """Apply keep-masks to head patterns inside a ``with`` block.
 
@@ -436,12 +438,14 @@ def mask_patterns(
         >>> bool((masked != clean).any())
         True
     """
-    hooks = pattern_mask_hooks(model, masks, mode)
-    view = head_view(model)
-    sel = _selection(model, view, masks) if _is_hooked_ssm(model) else None
+    subject = Subject.of(model)
+    hooks = pattern_mask_hooks(subject, masks, mode)
+    model, view = subject.model, subject.view
+    net: Any = model  # the model's own extras (SSM mixers, pattern selection)
+    sel = _selection(model, view, masks) if subject.is_ssm else None
     with ExitStack() as stack:
         if sel is not None:
             heads, rows = sel
-            stack.enter_context(model.pattern_selection(heads=heads, query_positions=rows))
+            stack.enter_context(net.pattern_selection(heads=heads, query_positions=rows))
         stack.enter_context(hooked(model, hooks))
         yield model

@@ -19,13 +19,12 @@ from torch import Tensor
 
 from gna_lens.device import HOST, host_full, to_host
 from gna_lens.errors import InterventionError
-from gna_lens.heads import head_view, normalize_head_sets, require_editable
+from gna_lens.heads import ModelLike, Subject, normalize_head_sets, require_editable
 from gna_lens.interventions._engine import HookCell, SweepPlan, run_cells
 from gna_lens.interventions._runner import Runner
 from gna_lens.interventions.ablation import (
     _label,
     cell_kind,
-    model_device,
     positions_label,
 )
 from gna_lens.interventions.batching import (
@@ -190,7 +189,7 @@ def _clean_run_source(
 
 
 def patch_heads(
-    model: Any,
+    model: ModelLike,
     clean: Task,
     corrupted: Task,
     metric: Any = "logit_diff",
@@ -229,13 +228,14 @@ def patch_heads(
     """
     from tqdm.auto import tqdm
 
-    view = head_view(model)
+    subject = Subject.of(model)
+    model, view = subject.model, subject.view
     cells = normalize_head_sets(view, heads)
     met = Metric(metric, clean)
     positions = check_positions(positions, allow_each=True)
     if isinstance(positions, Tensor):
         raise InterventionError("patch_heads: positions must be None, 'last', 'each' or a list.")
-    device = model_device(model)
+    device = subject.device
     groups = paired_groups(clean, corrupted, max_rows, device)
     lengths = {g.length for g in groups}
     cell_cols = None
@@ -256,7 +256,7 @@ def patch_heads(
     layers = sorted({layer for c in cells for layer, _ in c})
     require_editable(model, view, layers, "z")
     plan = SweepPlan(parse_bytes(memory_budget), max_rows, pack)
-    runner = Runner(model, view)
+    runner = Runner(subject)
     with torch.no_grad():
         parts = view.parts_of(h for c in cells for h in c)  # two hook_z in some hybrid layers
         source = _clean_run_source(model, parts, clean, positions, device)
@@ -311,7 +311,7 @@ def _baseline(runner: Runner, task: Task, groups: list[Group], met: Metric, devi
 
 
 def patch_residual(
-    model: Any,
+    model: ModelLike,
     clean: Task,
     corrupted: Task,
     metric: Any = "logit_diff",
@@ -340,7 +340,8 @@ def patch_residual(
     """
     from tqdm.auto import tqdm
 
-    view = head_view(model)
+    subject = Subject.of(model)
+    model, view = subject.model, subject.view
     met = Metric(metric, clean)
     positions = check_positions(positions, allow_each=True)
     if isinstance(positions, Tensor):
@@ -354,7 +355,7 @@ def patch_residual(
         raise InterventionError(
             f"layers={layers!r}; expected a non-empty list of ints in 0..{view.n_layers - 1}."
         )
-    device = model_device(model)
+    device = subject.device
     groups = paired_groups(clean, corrupted, max_rows, device)
     lengths = {g.length for g in groups}
     if positions == "each":
@@ -370,7 +371,7 @@ def patch_residual(
             for length in sorted(lengths):
                 column_mask(positions, length, HOST)  # raises on out-of-range positions
         cells = [(layer, positions) for layer in layers]
-    runner = Runner(model, view)
+    runner = Runner(subject)
     n = len(clean)
     clean_base = host_full(n)
     names = [view[layer].resid_pre_hook for layer in sorted(set(layers))]

@@ -28,9 +28,9 @@ from lm_eval.models.utils import (
 from torch import Tensor
 from tqdm import tqdm
 
-from gna_lens.device import HOST, DevicePolicy, resolve_device
+from gna_lens.device import HOST, resolve_device
 from gna_lens.errors import ConfigError, InterventionError
-from gna_lens.heads import Head
+from gna_lens.heads import Head, policy_of
 
 __all__ = ["DEFAULT_MAX_LENGTH", "GnaLM", "Intervention", "parse_heads", "register"]
 
@@ -382,7 +382,7 @@ class GnaLM(TemplateLM):
                 "are text. Load it with its tokenizer files, or set model.tokenizer."
             )
         #: Where the model runs: token ids, masks and ablation positions are made there.
-        self._device = DevicePolicy.of(model).device
+        self._device = policy_of(model).device
         if batch_size in (None, "auto") or str(batch_size).startswith("auto"):
             batch_size = 8
         self.batch_size = int(batch_size)

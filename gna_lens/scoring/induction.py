@@ -35,9 +35,9 @@ from jaxtyping import Float
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from gna_lens.device import HOST, DevicePolicy, to_host
+from gna_lens.device import HOST, to_host
 from gna_lens.errors import InterventionError
-from gna_lens.heads import HeadList, LayerHeads, head_view
+from gna_lens.heads import HeadList, LayerHeads, ModelLike, Subject
 from gna_lens.scoring.patterns import NORMALIZATION, _group_rows
 
 __all__ = ["InductionScores", "prefix_matching_scores"]
@@ -227,7 +227,7 @@ def uniform_baseline(n_tokens: int, bos: bool) -> float:
 
 
 def prefix_matching_scores(
-    model: Any,
+    model: ModelLike,
     n_tokens: int = 50,
     n_samples: int = 8,
     seed: int = 0,
@@ -267,6 +267,7 @@ def prefix_matching_scores(
             hooks that do not fire once per forward pass.
 
     Examples:
+        >>> from gna_lens import head_view
         >>> from gna_lens.testing import tiny_hooked_ssm
         >>> model = tiny_hooked_ssm("bamba")
         >>> scores = prefix_matching_scores(model, n_tokens=12, n_samples=2)
@@ -304,14 +305,16 @@ def prefix_matching_scores(
             f"prefix_matching_scores: n_tokens={n_tokens} distinct tokens needed but the "
             f"vocabulary has {len(pool)} ordinary tokens. Fix: n_tokens <= {len(pool)}."
         )
-    view = head_view(model)
+    subject = Subject.of(model)
+    model, view = subject.model, subject.view
+    net: Any = model  # the model's own extras (SSM mixers, pattern selection)
     wanted = view.check_heads(heads) if heads is not None else view.heads()
     parts = {(p.layer, p.offset): p for p in view.parts_of(wanted)}
     part_heads = {
         key: sorted({h - key[1] for lay, h in wanted if lay == key[0] and p.local([h])})
         for key, p in parts.items()
     }
-    mixers = model.ssm_mixers() if hasattr(model, "pattern_selection") else {}
+    mixers = net.ssm_mixers() if hasattr(net, "pattern_selection") else {}
     channels: dict[int, list[int]] = {}
     for key, p in parts.items():
         if p.ssm_mixer and key[0] in mixers:
@@ -321,7 +324,7 @@ def prefix_matching_scores(
     tokens = repeated_tokens(pool, n_tokens, n_samples, seed, bos)
     start = n_tokens + (0 if bos is None else 1)
     rows = list(range(start, start + n_tokens))
-    device = DevicePolicy.of(model).device
+    device = subject.device
     out: dict[tuple[int, int], list[tuple[Tensor, Tensor]]] = {key: [] for key in parts}
     bar = tqdm(total=n_samples, desc="prefix matching", disable=not progress, leave=False)
     with torch.no_grad():
@@ -335,10 +338,10 @@ def prefix_matching_scores(
             with ExitStack() as stack:
                 if mixers:
                     stack.enter_context(
-                        model.pattern_selection(heads=channels or None, query_positions=rows)
+                        net.pattern_selection(heads=channels or None, query_positions=rows)
                     )
-                stack.enter_context(model.hooks(fwd_hooks=hooks))
-                model(ids, attention_mask=torch.ones_like(ids))
+                stack.enter_context(net.hooks(fwd_hooks=hooks))
+                net(ids, attention_mask=torch.ones_like(ids))
             missing = [parts[key].pattern_hook for key in parts if done.get(key) != 1]
             if missing:
                 raise InterventionError(

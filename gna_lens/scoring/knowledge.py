@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from gna_lens.errors import GnaLensError
-from gna_lens.heads import HeadView, head_view
+from gna_lens.heads import HeadView, ModelLike, Subject
 from gna_lens.interventions import ablate_heads, ablation_sweep, control_sweep
 from gna_lens.interventions.ablation import positions_label
 from gna_lens.interventions.batching import describe_task
@@ -121,6 +121,7 @@ def matched_random_sets(
         GnaLensError: When no head outside ``heads`` is left to draw.
 
     Examples:
+        >>> from gna_lens import head_view
         >>> from gna_lens.testing import tiny_hooked_ssm
         >>> view = head_view(tiny_hooked_ssm("mamba2"))
         >>> [lh.n_heads for lh in view]
@@ -429,7 +430,7 @@ def _per_sample_correct(
 
 
 def retrieval_vs_knowledge(
-    model: Any,
+    model: ModelLike,
     heads: Sequence[Head],
     tasks: Mapping[str, Task],
     *,
@@ -488,7 +489,8 @@ def retrieval_vs_knowledge(
         raise GnaLensError("retrieval_vs_knowledge needs at least one task: {name: task}.")
     if not isinstance(random_draws, int) or random_draws < 0:
         raise GnaLensError(f"random_draws={random_draws!r}; expected an int >= 0 (10 or more).")
-    view = head_view(model)
+    subject = Subject.of(model)
+    model, view = subject.model, subject.view
     checked = tuple(view.check_heads(heads))
     drawn = matched_random_sets(view, checked, random_draws, seed, exclude=exclude)
     sets = list(drawn.sets)

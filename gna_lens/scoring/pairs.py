@@ -13,8 +13,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gna_lens.device import HOST, DevicePolicy
+from gna_lens.device import HOST
 from gna_lens.errors import GnaLensError
+from gna_lens.heads import ModelLike, policy_of
 from gna_lens.interventions import aggregate_mask, gather_mask, mask_patterns
 from gna_lens.interventions.batching import describe_task
 from gna_lens.scoring.patterns import Head
@@ -44,7 +45,7 @@ def _single_token_choices(task: Task) -> None:
 
 
 def masked_accuracy(
-    model: Any,
+    model: ModelLike,
     task: Task,
     masks: Callable[[Batch], Mapping[Head, Tensor]] | None = None,
     *,
@@ -77,7 +78,7 @@ def _masked_correct(
 ) -> Tensor:
     """Per-sample correctness ``[n]`` (float) under ``masks``."""
     _single_token_choices(task)
-    device = DevicePolicy.of(model).device
+    device = policy_of(model).device
     correct = torch.zeros(len(task), device=HOST)
     with torch.no_grad():
         for batch in task.batches(batch_size, padding_side="left"):
@@ -197,7 +198,7 @@ class MaskResult:
 
 
 def mask_experiment(
-    model: Any,
+    model: ModelLike,
     task: Task,
     gathers: Sequence[Head],
     aggregates: Sequence[Head],
@@ -276,7 +277,7 @@ class GnaPair:
 
 
 def find_gna_pairs(
-    model: Any,
+    model: ModelLike,
     task: Task,
     *,
     report: GnaReport | None = None,

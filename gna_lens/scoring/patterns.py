@@ -55,9 +55,9 @@ from jaxtyping import Float
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from gna_lens.device import HOST, DevicePolicy, to_host
+from gna_lens.device import HOST, to_host
 from gna_lens.errors import InterventionError
-from gna_lens.heads import HeadView, LayerHeads, head_view
+from gna_lens.heads import HeadView, LayerHeads, ModelLike, Subject
 from gna_lens.interventions.batching import describe_task
 from gna_lens.tasks import Sample, Task
 
@@ -342,7 +342,7 @@ def _capture_part_patterns(
 
 
 def pattern_scores(
-    model: Any,
+    model: ModelLike,
     task: Task,
     *,
     heads: Sequence[Head] | None = None,
@@ -381,7 +381,9 @@ def pattern_scores(
         >>> df.loc[(0, 0), "role"], df.loc[(1, 0), "role"], df.loc[(0, 1), "role"]
         ('gather', 'aggregate', '')
     """
-    view = head_view(model)
+    subject = Subject.of(model)
+    model, view = subject.model, subject.view
+    net: Any = model  # the model's own extras (SSM mixers, pattern selection)
     wanted = view.check_heads(heads) if heads is not None else view.heads()
     # Scored per part of a layer (one hook_pattern each; Falcon-H1 and Zamba2 layers have two),
     # keyed (layer, offset), with the part's own head indices.
@@ -391,9 +393,9 @@ def pattern_scores(
         for key, p in parts.items()
     }
     per_part: dict[tuple[int, int], list[Tensor]] = {key: [] for key in parts}
-    device = DevicePolicy.of(model).device
+    device = subject.device
     bos = getattr(task.tokenizer or getattr(model, "tokenizer", None), "bos_token_id", None)
-    mixers = model.ssm_mixers() if hasattr(model, "pattern_selection") else {}
+    mixers = net.ssm_mixers() if hasattr(net, "pattern_selection") else {}
     # SSM mixers materialize only the channels of the wanted heads (None: all of them).
     channels = {}
     for key, p in parts.items():
@@ -417,10 +419,10 @@ def pattern_scores(
                 if mixers:
                     heads_sel = {k: v for k, v in channels.items() if v is not None}
                     stack.enter_context(
-                        model.pattern_selection(heads=heads_sel or None, query_positions=padded)
+                        net.pattern_selection(heads=heads_sel or None, query_positions=padded)
                     )
-                stack.enter_context(model.hooks(fwd_hooks=hooks))
-                model(ids, attention_mask=mask)
+                stack.enter_context(net.hooks(fwd_hooks=hooks))
+                net(ids, attention_mask=mask)
             missing = [parts[key].pattern_hook for key in parts if scorer.done.get(key) != 1]
             if missing:
                 raise InterventionError(

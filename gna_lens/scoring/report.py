@@ -39,7 +39,16 @@ from torch import Tensor
 
 from gna_lens.device import HOST, DevicePolicy, host_full, to_host
 from gna_lens.errors import GnaLensError, InterventionError
-from gna_lens.heads import GroupSpec, HeadList, describe_head_groups, head_view
+from gna_lens.heads import (
+    GroupSpec,
+    HeadList,
+    ModelLike,
+    Subject,
+    describe_head_groups,
+    head_view,
+    model_of,
+    policy_of,
+)
 from gna_lens.interventions import ablation_sweep, attribute_heads, control_sweep
 from gna_lens.interventions.ablation import SweepResult, positions_label
 from gna_lens.interventions.batching import describe_task
@@ -1192,9 +1201,10 @@ def _examples(model: Any, task: Task, heads: list[Head]) -> dict[str, Any]:
     from gna_lens.heads import head_patterns
     from gna_lens.scoring.patterns import _capture_part_patterns
 
-    view = head_view(model)
+    subject = Subject.of(model)
+    model, view = subject.model, subject.view
     sample = task[0]
-    device = DevicePolicy.of(model).device
+    device = subject.device
     parts = view.parts_of(heads)  # one hook_pattern per part of a layer
     with torch.no_grad(), _capture_part_patterns(model, view, parts) as store:
         model(torch.tensor([sample.input_ids], device=device))
@@ -1248,7 +1258,9 @@ def resolve_sweep_dtype(
     """
     if sweep_dtype != "auto":
         return sweep_dtype, {}
-    n = head_view(model).n_heads_total
+    subject = Subject.of(model)
+    model = subject.model
+    n = subject.view.n_heads_total
     param = next(iter(model.parameters()), None)
     if param is None:
         return None, {"sweep_dtype_choice": "auto: the model's own dtype (no parameters)"}
@@ -1293,9 +1305,10 @@ def _probe_forward(model: Any, task: Task, rows: int = 16) -> tuple[Any, str]:
     ids = [list(s.input_ids) for s in task]
     length = Counter(len(i) for i in ids).most_common(1)[0][0]
     same = [i for i in ids if len(i) == length]
-    device = DevicePolicy.of(model).device
+    subject = Subject.of(model)
+    device = subject.device
     batch = torch.tensor(same, device=device).repeat(-(-rows // len(same)), 1)[:rows]
-    runner = Runner(model, head_view(model))
+    runner = Runner(subject)
 
     def run() -> None:
         with torch.no_grad():
@@ -1341,15 +1354,13 @@ def sweep_precision(model: Any, dtype: str | None) -> Iterator[str]:
             "own dtype), 'bfloat16' (autocast: faster only where the device has native bfloat16) "
             "or 'auto' (bfloat16 where measured faster)."
         )
-    with DevicePolicy.of(model).autocast("bfloat16"):
+    with policy_of(model).autocast("bfloat16"):
         yield "bfloat16 (autocast)"
 
 
 def _intervals(sweep: SweepResult) -> tuple[Tensor, Tensor]:
-    """Per-cell 95% bootstrap intervals (over samples) of the paired effect."""
-    diffs = sweep.values.double() - sweep.baseline.double()[None]
-    ivs = bootstrap_interval(diffs) if len(sweep) else []
-    assert isinstance(ivs, list)
+    """Per-cell 95% bootstrap intervals (over samples) of the paired effect, as tensors."""
+    ivs = sweep.effect_intervals()
     return (
         torch.tensor([iv.low for iv in ivs], dtype=torch.float32, device=HOST),
         torch.tensor([iv.high for iv in ivs], dtype=torch.float32, device=HOST),
@@ -1561,7 +1572,8 @@ def choose_strategy(
         >>> choose_strategy(model, toy_gna_task(model))
         ('exact', 'auto: exact, every one of the 4 heads (at most 300)')
     """
-    view = head_view(model)
+    subject = Subject.of(model)
+    model, view = subject.model, subject.view
     chosen = _resolve_strategy(strategy, prefilter, top_layers, view)
     n = view.n_heads_total
     if strategy != "auto":
@@ -1571,7 +1583,7 @@ def choose_strategy(
             f"prefilter={prefilter} given"
         )  # fmt: skip
         return chosen, f"auto: {chosen}, {why}"
-    policy = DevicePolicy.of(model)
+    policy = subject.policy
     if not _estimate_applies(policy):
         return chosen, (
             f"auto: coarse_to_fine, {n} heads (more than {EXACT_ALL_MAX}) on "
@@ -1595,7 +1607,7 @@ def _estimate_applies(policy: DevicePolicy) -> bool:
 def _exact_seconds(model: Any, task: Task, view: Any) -> tuple[float, str]:
     """Estimated seconds of the task's and the control's exact sweeps over every head."""
     run, what = _probe_forward(model, task)
-    policy = DevicePolicy.of(model)
+    policy = policy_of(model)
     run()  # warm-up (kernels compiled, memory pools filled)
     times = []
     for _ in range(3):
@@ -1754,7 +1766,7 @@ def _layer_reason(layers: LayerSweepResult, ranked: list[int], k: int) -> Any:
 
 
 def score_heads(
-    model: Any,
+    model: ModelLike,
     task: Task,
     ablation: bool = True,
     *,
@@ -1890,9 +1902,11 @@ def score_heads(
             f"joint set whose control effect removed together stays within max_control. Fix: "
             f"joint_k={JOINT_K} (default), the k you will ask top(k) for, or 0 for none."
         )
-    with applied_head_groups(model, head_groups) as groups_choice:
+    with applied_head_groups(model_of(model), head_groups) as groups_choice:
+        # A Subject built by the caller stays valid unless the grouping changed just now.
+        same = isinstance(model, Subject) and not groups_choice
         return _score_heads(
-            model, task, ablation, control=control, metric=metric, mode=mode,
+            model if same else model_of(model), task, ablation, control=control, metric=metric, mode=mode,
             positions=positions, reference=reference, max_control=max_control,
             prefilter=prefilter, strategy=strategy, top_layers=top_layers,
             sweep_dtype=sweep_dtype, batch_size=batch_size, n_examples=n_examples,
@@ -1924,15 +1938,18 @@ def _score_heads(
     exact_budget_s: float = EXACT_BUDGET_S,
     joint_k: int = JOINT_K,
 ) -> GnaReport:
-    """:func:`score_heads` with the head groups in place."""
+    """:func:`score_heads` with the head groups in place (the model's view is built here, once,
+    and every step below is handed it)."""
+    subject = Subject.of(model)
+    model, view = subject.model, subject.view
     positions = check_positions(positions)
     strategy, strategy_why = choose_strategy(
-        model, task, strategy, prefilter=prefilter, top_layers=top_layers,
+        subject, task, strategy, prefilter=prefilter, top_layers=top_layers,
         exact_budget_s=exact_budget_s,
     )  # fmt: skip
     dtype_choice: dict[str, Any] = {}
     if ablation:  # pattern scores alone run no sweep
-        sweep_dtype, dtype_choice = resolve_sweep_dtype(model, sweep_dtype, task)
+        sweep_dtype, dtype_choice = resolve_sweep_dtype(subject, sweep_dtype, task)
     if mode == "resample" and (reference is None or reference is task):
         raise InterventionError(
             "score_heads(mode='resample'): reference is the task itself (or None), so every prompt "
@@ -1944,10 +1961,9 @@ def _score_heads(
         reference = task
     timings: dict[str, float] = {}
     clock = time.perf_counter()
-    scores = pattern_scores(model, task, batch_size=batch_size, progress=progress)
+    scores = pattern_scores(subject, task, batch_size=batch_size, progress=progress)
     timings["pattern_scores"] = time.perf_counter() - clock
     heads = list(scores.heads)
-    view = head_view(model)
     n = len(heads)
     nan = host_full(n)
     table: dict[str, Tensor] = {name: getattr(scores, name) for name in SCORE_NAMES}
@@ -1975,7 +1991,7 @@ def _score_heads(
         if strategy == "attribution":
             cut = DEFAULT_PREFILTER if prefilter is None else prefilter
             clock = time.perf_counter()
-            est = attribute_heads(model, task, metric="logit_diff", batch_size=batch_size)
+            est = attribute_heads(subject, task, metric="logit_diff", batch_size=batch_size)
             timings["attribution"] = time.perf_counter() - clock
             by_head = {c[0]: e for c, e in zip(est.cells, est.effects.tolist(), strict=True)}
             attribution = torch.tensor([by_head.get(h, math.nan) for h in heads], device=HOST)
@@ -1991,9 +2007,9 @@ def _score_heads(
         if strategy == "coarse_to_fine":
             k = default_top_layers(view) if top_layers is None else top_layers
             clock = time.perf_counter()
-            with sweep_precision(model, sweep_dtype):
+            with sweep_precision(subject, sweep_dtype):
                 layers = layer_sweep(
-                    model, task, metric, [lh.layer for lh in view], positions=positions,
+                    subject, task, metric, [lh.layer for lh in view], positions=positions,
                     control=resolved, progress=progress,
                 )  # fmt: skip
             timings["layer_sweep"] = time.perf_counter() - clock
@@ -2010,10 +2026,10 @@ def _score_heads(
                     + f"; the heads of the top {k} layers ablated"
                 ),
             )  # fmt: skip
-        with sweep_precision(model, sweep_dtype) as precision:
+        with sweep_precision(subject, sweep_dtype) as precision:
             clock = time.perf_counter()
             sweep = ablation_sweep(
-                model, task, metric=metric, heads=targets, mode=mode, positions=positions,
+                subject, task, metric=metric, heads=targets, mode=mode, positions=positions,
                 reference=reference, progress=progress, executor=executor,
             )  # fmt: skip
             timings["ablation_sweep"] = time.perf_counter() - clock
@@ -2022,7 +2038,7 @@ def _score_heads(
             if resolved is not None:
                 clock = time.perf_counter()
                 ctrl = control_sweep(
-                    model, resolved, targets, mode=mode, positions=positions, progress=progress,
+                    subject, resolved, targets, mode=mode, positions=positions, progress=progress,
                     executor=executor,
                 )  # fmt: skip
                 timings["control_sweep"] = time.perf_counter() - clock
@@ -2094,9 +2110,9 @@ def _score_heads(
     if ablation and resolved is not None and report.has_control:
         if joint_k:
             clock = time.perf_counter()
-            with sweep_precision(model, sweep_dtype):
+            with sweep_precision(subject, sweep_dtype):
                 joint, line = _joint_walk(
-                    model, resolved, report, sample_effects["control_effect"], joint_k,
+                    subject, resolved, report, sample_effects["control_effect"], joint_k,
                     mode=mode, positions=positions, progress=progress,
                 )  # fmt: skip
             object.__setattr__(report, "joint_set", joint)
@@ -2115,6 +2131,6 @@ def _score_heads(
                 min(n_examples, n), by="ablation_effect" if ablation else "aggregate_score"
             )
         if top:
-            object.__setattr__(report, "examples", _examples(model, task, top))
+            object.__setattr__(report, "examples", _examples(subject, task, top))
         timings["examples"] = time.perf_counter() - clock
     return report

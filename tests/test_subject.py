@@ -1,0 +1,78 @@
+"""The model's architecture questions are asked once per call and the answer is handed down.
+
+``Subject.of(model)`` builds the head view and the device policy; every public function takes a
+model or a Subject; ``score_heads`` (patterns, layer and head sweeps, control, joint walk,
+examples) builds them once.
+"""
+
+import pytest
+import torch
+from interventions_helpers import model as helper_model
+from interventions_helpers import task as helper_task
+
+import gna_lens.heads as heads_module
+from gna_lens import device as device_module
+from gna_lens import score_heads
+from gna_lens.heads import HookedModel, Subject
+from gna_lens.interventions import ablation_sweep, layer_sweep, patch_heads
+from gna_lens.testing import toy_control, toy_gna_model, toy_gna_task
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Counts of head_view and DevicePolicy.of calls."""
+    calls = {"head_view": 0, "policy": 0}
+    real_view = heads_module.head_view
+    real_policy = device_module.DevicePolicy.of.__func__
+
+    def view(model):
+        calls["head_view"] += 1
+        return real_view(model)
+
+    def policy(cls, model):
+        calls["policy"] += 1
+        return real_policy(cls, model)
+
+    monkeypatch.setattr(heads_module, "head_view", view)
+    monkeypatch.setattr(device_module.DevicePolicy, "of", classmethod(policy))
+    return calls
+
+
+@pytest.mark.parametrize("strategy", ["exact", "coarse_to_fine"])
+def test_score_heads_builds_the_view_and_the_policy_once(counted, strategy):
+    model = toy_gna_model()
+    task = toy_gna_task(model, n_samples=8)
+    control = toy_control(model)
+    counted.update(head_view=0, policy=0)
+    top_layers = 1 if strategy == "coarse_to_fine" else None
+    report = score_heads(
+        model, task, control=control, strategy=strategy, top_layers=top_layers, progress=False
+    )
+    assert report.method["strategy"] == strategy
+    assert counted == {"head_view": 1, "policy": 1}, counted
+
+
+def test_a_subject_is_taken_wherever_a_model_is_and_gives_the_same_numbers(counted):
+    model = helper_model("bamba")
+    task = helper_task(n_samples=4)
+    subject = Subject.of(model)
+    assert Subject.of(subject) is subject
+    counted.update(head_view=0, policy=0)
+    by_subject = ablation_sweep(subject, task, "logit_diff", progress=False)
+    layers = layer_sweep(subject, task, "logit_diff", control=None, progress=False)
+    assert counted == {"head_view": 0, "policy": 0}, counted  # nothing asked again
+    by_model = ablation_sweep(model, task, "logit_diff", progress=False)
+    assert torch.equal(by_subject.values, by_model.values)
+    assert torch.equal(
+        layers.values, layer_sweep(model, task, "logit_diff", control=None, progress=False).values
+    )
+    patched = patch_heads(subject, task, task, "logit_diff", heads=[(0, 0)], progress=False)
+    torch.testing.assert_close(patched.values[0], patched.clean_baseline)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mamba2"])
+def test_bridges_and_hooked_ssms_are_hooked_models(arch):
+    assert isinstance(helper_model(arch), HookedModel)
+    assert not isinstance("gpt2", HookedModel)
+    with pytest.raises(Exception, match="head_view got a str"):
+        Subject.of("gpt2")  # type: ignore[arg-type]
