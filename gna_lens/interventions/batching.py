@@ -12,7 +12,7 @@ from torch import Tensor
 from gna_lens.device import HOST
 from gna_lens.errors import InterventionError
 from gna_lens.heads import HeadView
-from gna_lens.tasks import Task
+from gna_lens.tasks import Task, TextControl
 
 __all__ = [
     "Group",
@@ -152,3 +152,14 @@ def chunks(seq: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
 
 def describe_task(task: Task) -> str:
     return f"{task.name} (n={len(task)}, scoring={task.scoring})"
+
+
+def describe_control(control: Any) -> tuple[str, str]:
+    """What a resolved control measures and its unit: ``(description, unit)``; ``("", "")``
+    for ``None``. A text control is a next-token loss (nats/token); a knowledge task, the
+    answer's NLL among its options (nats/answer)."""
+    if control is None:
+        return "", ""
+    if isinstance(control, TextControl):
+        return control.describe(), "nats/token"
+    return f"answer NLL among the options on {describe_task(control)}", "nats/answer"

@@ -83,7 +83,7 @@ from gna_lens.interventions.ablation import (
     ablation_info,
     positions_label,
 )
-from gna_lens.interventions.batching import Group, describe_task, length_groups
+from gna_lens.interventions.batching import Group, describe_control, describe_task, length_groups
 from gna_lens.interventions.hooks import hooked
 from gna_lens.interventions.metrics import Metric
 from gna_lens.interventions.result import CellResult
@@ -830,6 +830,22 @@ def _groups_of_windows(tokens: Tensor, max_rows: int, device: Any) -> list[Group
     ]
 
 
+#: What each (target, mode) of a layer ablation does, in words (``method["ablation"]``).
+_ABLATION = {
+    ("block", "zero"): "block removed: the identity on the residual stream",
+    ("block", "mean"): "block's residual contribution replaced by its mean",
+    ("mixer", "zero"): "mixer output zeroed (attention / SSM; both parts of a two-part layer)",
+    ("mixer", "mean"): "mixer output replaced by its mean (attention / SSM; both parts of "
+    "a two-part layer, each by its own mean)",
+    ("attn", "zero"): "attention output zeroed",
+    ("attn", "mean"): "attention output replaced by its mean",
+    ("ssm", "zero"): "SSM mixer output zeroed",
+    ("ssm", "mean"): "SSM mixer output replaced by its mean",
+    ("mlp", "zero"): "MLP output zeroed",
+    ("mlp", "mean"): "MLP output replaced by its mean",
+}
+
+
 def _sweep_cells(
     model: Any,
     task: Task,
@@ -903,31 +919,12 @@ def _sweep_cells(
         c_values, c_base, c_info = ctrl[0]
         forwards += c_info["forwards"]
         mean_info |= {f"control_{k}": v for k, v in extras[1].items()}
-    description = ""
-    if resolved is not None:
-        description = (
-            resolved.describe()
-            if isinstance(resolved, TextControl)
-            else f"answer NLL among the options on {describe_task(resolved)}"
-        )
-    what = {
-        ("block", "zero"): "block removed: the identity on the residual stream",
-        ("block", "mean"): "block's residual contribution replaced by its mean",
-        ("mixer", "zero"): "mixer output zeroed (attention / SSM; both parts of a two-part layer)",
-        ("mixer", "mean"): "mixer output replaced by its mean (attention / SSM; both parts of "
-        "a two-part layer, each by its own mean)",
-        ("attn", "zero"): "attention output zeroed",
-        ("attn", "mean"): "attention output replaced by its mean",
-        ("ssm", "zero"): "SSM mixer output zeroed",
-        ("ssm", "mean"): "SSM mixer output replaced by its mean",
-        ("mlp", "zero"): "MLP output zeroed",
-        ("mlp", "mean"): "MLP output replaced by its mean",
-    }[(target, mode)]
+    description, unit = describe_control(resolved)
     info = {
         "protocol": protocol,
         "target": target,
         "mode": mode,
-        "ablation": what,
+        "ablation": _ABLATION[(target, mode)],
         "positions": positions_label(positions),
         "metric": met.name,
         "task": describe_task(task),
@@ -938,9 +935,7 @@ def _sweep_cells(
         ),
         "removed_throughout": list(removed),
         "control": description or "none",
-        "control_unit": (
-            "nats/token" if isinstance(resolved, TextControl) else "nats/answer"
-        ) if resolved is not None else "",
+        "control_unit": unit,
         "intervals": "95% percentile bootstrap over prompts (control: over windows), paired; "
         "accuracy values: Wilson",
         "path": "batched (each cell from its lowest layer's cached residual)"
