@@ -53,6 +53,7 @@ from torch import Tensor
 
 from gna_lens.device import HOST, host_full
 from gna_lens.errors import ConfigError, GnaLensError, WorkerError
+from gna_lens.render.markdown import heads_label
 from gna_lens.runtime import autocast
 
 __all__ = ["RayExecutor"]
@@ -627,7 +628,7 @@ class _Run:
 
     def label(self, lo: int, hi: int) -> str:
         cells = self.sweep.cells[lo:hi]
-        names = ["+".join(f"L{a}H{b}" for a, b in c) for c in cells]
+        names = [heads_label(c, "+") for c in cells]
         return names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]} ({len(names)} cells)"
 
     def cells_left(self) -> str:

@@ -8,8 +8,8 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from gna_lens.errors import ConfigError, InterventionError, TaskError
-from gna_lens.findings.figures import dictionary_figure, line_chart, pruning_figure
 from gna_lens.findings.layers import dictionary_size_curves, layer_pruning, zoo_kv_tasks
+from gna_lens.render.figures import dictionary_figure, line_chart, pruning_figure
 from gna_lens.tasks import evaluate
 from gna_lens.testing import (
     TOY_AGGREGATE_HEAD,

@@ -17,6 +17,7 @@ import torch
 from gna_lens.device import HOST, to_host
 from gna_lens.heads import Head, Subject, describe_head_groups, head_view
 from gna_lens.models.provenance import provenance_of
+from gna_lens.render.markdown import head_label
 from gna_lens.scoring import (
     GnaReport,
     KnowledgeTable,
@@ -50,7 +51,7 @@ CARD_TASKS = ("kv-2", "kv-4", "kv-8", "kv-16", "cloze", "letter", "letter-unseen
 
 
 def _label(h: Head) -> str:
-    return f"L{h[0]}H{h[1]}"
+    return head_label(h)
 
 
 def head_rows(report: GnaReport, heads: Sequence[Head]) -> list[dict[str, Any]]:

@@ -14,7 +14,7 @@ library's own steps:
   dictionary size: nothing removed, the given heads removed, and as many random heads removed
   (layer-matched when the layers allow it, :func:`~gna_lens.scoring.matched_random_sets`).
 
-Both return JSON-ready dicts, as the other findings experiments; :mod:`gna_lens.findings.figures`
+Both return JSON-ready dicts, as the other findings experiments; :mod:`gna_lens.render.figures`
 draws them as SVG.
 """
 
@@ -27,6 +27,7 @@ from typing import Any
 from gna_lens.errors import InterventionError, TaskError
 from gna_lens.heads import Head, Subject
 from gna_lens.models.provenance import provenance_of
+from gna_lens.render.markdown import head_label
 from gna_lens.stats import Interval
 from gna_lens.tasks import Task, TextControl
 
@@ -51,7 +52,7 @@ _ARMS = ("before", "after", "change", "random_after", "random_change", "vs_rando
 
 
 def _label(h: Head) -> str:
-    return f"L{h[0]}H{h[1]}"
+    return head_label(h)
 
 
 def _short_name(prov: Any) -> str:

@@ -20,8 +20,15 @@ denying the *attention* candidates' aggregate patterns lowers retrieval.
 """
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+from gna_lens.render.markdown import format_nats as _nats
+from gna_lens.render.markdown import format_number as _num
+from gna_lens.render.markdown import format_percent as _pct
+from gna_lens.render.markdown import format_points as _pts
+from gna_lens.render.markdown import format_share as _share
+from gna_lens.render.markdown import md_table as _md_table
 
 __all__ = ["render_markdown", "seed_claims", "status_rows"]
 
@@ -43,46 +50,6 @@ SET_CONTROL_NATS = 0.5
 
 
 # ----------------------------------------------------------------------------- formatting
-def _pct(iv: Mapping[str, Any] | None) -> str:
-    """``"77.1% [63.5, 86.7]"`` from an interval dict."""
-    if not iv or iv.get("value") is None:
-        return "n/a"
-    lo, hi = iv.get("low"), iv.get("high")
-    if lo is None or hi is None:
-        return f"{100 * iv['value']:.1f}%"
-    return f"{100 * iv['value']:.1f}% [{100 * lo:.1f}, {100 * hi:.1f}]"
-
-
-def _pts(iv: Mapping[str, Any] | None) -> str:
-    """``"-56.2 points [-68.8, -41.7]"`` from a change interval dict."""
-    if not iv or iv.get("value") is None:
-        return "n/a"
-    lo, hi = iv.get("low"), iv.get("high")
-    core = f"{100 * iv['value']:+.1f} points"
-    return core if lo is None or hi is None else f"{core} [{100 * lo:+.1f}, {100 * hi:+.1f}]"
-
-
-def _nats(iv: Mapping[str, Any] | None) -> str:
-    if not iv or iv.get("value") is None:
-        return "n/a"
-    lo, hi = iv.get("low"), iv.get("high")
-    core = f"{iv['value']:+.3f}"
-    return core if lo is None or hi is None else f"{core} [{lo:+.3f}, {hi:+.3f}]"
-
-
-def _md_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
-    """A markdown table: the header, its rule and one line per row."""
-    return [
-        "| " + " | ".join(header) + " |",
-        "|" + "---|" * len(header),
-        *("| " + " | ".join(str(c) for c in row) + " |" for row in rows),
-    ]
-
-
-def _num(v: Any, fmt: str = "{:+.3f}") -> str:
-    return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v)
-
-
 def _heads_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     return _md_table(
         [
@@ -1163,10 +1130,6 @@ def _agreement_lines(a: Mapping[str, Any] | None) -> list[str]:
         ),
         "",
     ]
-
-
-def _share(v: Any) -> str:
-    return "n/a" if v is None else f"{100 * v:.1f}%"
 
 
 def _unit_note(r: Mapping[str, Any]) -> str:

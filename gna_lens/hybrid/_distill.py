@@ -52,6 +52,7 @@ from gna_lens.hybrid._budget import Budget, parse_budget
 from gna_lens.hybrid._train import Stage, StepLosses, run_stages
 from gna_lens.models.hooked_ssm import HookedSSM
 from gna_lens.models.mixers.hybrid import HybridMixer
+from gna_lens.render.plotly import distill_figure
 from gna_lens.runtime import PrecisionChoice, choose_precision
 
 __all__ = [
@@ -122,26 +123,7 @@ class DistillResult:
 
     def figure(self) -> Any:
         """A plotly figure: each stage's loss (mean over layers in stage 1) against tokens."""
-        import plotly.graph_objects as go
-        from plotly.subplots import make_subplots
-
-        df = self.to_dataframe()
-        names = list(dict.fromkeys(df["stage"]))
-        fig = make_subplots(rows=1, cols=max(1, len(names)), subplot_titles=names)
-        for i, name in enumerate(names, start=1):
-            part = (
-                df[df["stage"] == name]
-                .groupby("step", as_index=False)
-                .agg(loss=("loss", "mean"), tokens=("tokens", "max"))
-            )
-            fig.add_trace(
-                go.Scatter(x=part["tokens"], y=part["loss"], mode="lines", name=name),
-                row=1,
-                col=i,
-            )
-            fig.update_xaxes(title_text="tokens", row=1, col=i)
-        fig.update_layout(title="distillation loss (stage 1: normalized MSE; stage 2: KL, nats)")
-        return fig
+        return distill_figure(self)
 
     def to_dict(self) -> dict[str, Any]:
         """Everything but the per-step records, JSON-ready."""

@@ -34,6 +34,9 @@ from gna_lens.device import HOST, DevicePolicy, resolve_device, resolve_dtype
 from gna_lens.errors import ConfigError, GnaLensError, TaskError
 from gna_lens.hybrid._budget import parse_budget
 from gna_lens.hybrid._data import EVAL_KV_SEED, SELECTION_SEED
+from gna_lens.render.markdown import heads_text, hybrid_markdown
+from gna_lens.render.plotly import hybrid_figure
+from gna_lens.render.svg import hybrid_svg
 from gna_lens.stats import Interval, bootstrap_interval, wilson_interval
 
 __all__ = ["HybridRow", "HybridTable", "run_experiment"]
@@ -48,17 +51,9 @@ def _iv(d: dict[str, Any] | None) -> Interval | None:
     return Interval(v[0], v[1], v[2], int(d["n"]), str(d["method"]))
 
 
-def _heads_text(heads: Sequence[Head]) -> str:
-    return " ".join(f"L{a}H{b}" for a, b in heads) or "none"
-
-
 def _mean(values: Iterable[float]) -> float:
     v = list(values)
     return sum(v) / len(v) if v else math.nan
-
-
-def _points(iv: dict[str, Any]) -> str:
-    return f"{100 * iv['value']:+.1f} [{100 * iv['low']:+.1f}, {100 * iv['high']:+.1f}]"
 
 
 def _mean_correct(rows: Sequence["HybridRow"], task: str) -> torch.Tensor | None:
@@ -219,7 +214,7 @@ class HybridTable:
                 "k": r.k,
                 "seed": None if r.kind == "teacher" else r.seed,
                 "data": None if r.kind == "teacher" else r.data,
-                "heads": "all" if r.kind == "teacher" else _heads_text(r.heads),
+                "heads": "all" if r.kind == "teacher" else heads_text(r.heads),
             }
             for t in self.kv_tasks:
                 iv = r.kv.get(t)
@@ -325,118 +320,7 @@ class HybridTable:
 
     def to_markdown(self) -> str:
         """The table and the method, as markdown."""
-        lengths = self.lengths
-        head = ["model", "k", "heads kept"]
-        head += [f"{t} (%)" for t in self.kv_tasks]
-        head += ["prose loss (nats/token)", f"{self.knowledge_task or 'knowledge'} (%)"]
-        head += [f"bytes/token L={L} (state + KV)" for L in lengths]
-        lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
-        for r in self.rows:
-            cells = [r.name, "all" if r.kind == "teacher" else str(r.k)]
-            cells.append("all" if r.kind == "teacher" else _heads_text(r.heads))
-            cells += [r.kv[t].format(percent=True).replace("%", "") for t in self.kv_tasks]
-            cells.append(r.prose.format() if r.prose else "n/a")
-            cells.append(
-                r.knowledge.format(percent=True).replace("%", "") if r.knowledge else "n/a"
-            )
-            cells += [
-                f"{r.state[L]['bytes_per_token']:,.0f} ({r.state[L]['recurrent_bytes'] / L:,.0f} + "
-                f"{r.state[L]['kv_cache_bytes'] / L:,.0f})"
-                for L in lengths
-            ]
-            lines.append("| " + " | ".join(cells) + " |")
-        chance = ", ".join(f"{k} {100 * v:.1f}%" for k, v in self.chance.items())
-        m = self.method
-        lines += [
-            "",
-            "Accuracies over the choices with 95% Wilson intervals; prose loss: mean next-token "
-            "loss with a 95% bootstrap interval over the windows; bytes/token: (recurrent state "
-            "+ KV cache) / L per sequence while generating, each part in parentheses, at the stored "
-            "dtype "
-            f"({m.get('state_dtype', '')}). Chance: {chance}.",
-            "",
-        ]
-        comps = self.comparisons()
-        if comps:
-            lines.append(
-                "Top-k against random-k and k = 0, per distillation data (several training "
-                "seeds: the top-k students' mean): the other students' best (with their mean "
-                "where there are several); Wilson intervals apart (above / below: every top-k "
-                "student's interval beyond the best other's) or overlapping; paired: the "
-                "difference over the same prompts with a 95% bootstrap interval over the "
-                "prompts, against the best other student and ('vs mean') against the mean of "
-                "them all:"
-            )
-            lines.append("")
-            several_data = len({c["data"] for c in comps}) > 1
-            for c in comps:
-                where = f" [{c['data']} data]" if several_data or c["data"] != "default" else ""
-                top = f"top {100 * c['top']:.1f}%"
-                if len(c["seeds"]) > 1:
-                    top += f" (mean of {len(c['seeds'])} seeds)"
-                parts = [f"k={c['k']} {c['task']}{where}: {top}"]
-                for label in ("random", "k=0"):
-                    if label not in c:
-                        continue
-                    sep = "above" if c[f"above_{label}"] else (
-                        "below" if c[f"below_{label}"] else "overlapping"
-                    )  # fmt: skip
-                    n = c.get(f"n_{label}", 1)
-                    text = f"{label} {100 * c[label]:.1f}%"
-                    if n > 1:
-                        lo, hi = c[f"{label}_range"]
-                        text = (
-                            f"{label} best {100 * c[label]:.1f}% of {n} (mean "
-                            f"{100 * c[f'{label}_mean']:.1f}%, range {100 * lo:.1f}-{100 * hi:.1f}%)"
-                        )
-                    text += f" ({sep}"
-                    pv = c.get(f"paired_{label}")
-                    if pv is not None:
-                        text += f"; paired {_points(pv)}"
-                    pm = c.get(f"paired_{label}_mean")
-                    if pm is not None and n > 1:
-                        text += f"; vs mean {_points(pm)}"
-                    parts.append(text + (" points)" if pv is not None else ")"))
-                lines.append("- " + ", ".join(parts))
-                per = c.get("per_seed") or []
-                if len(per) > 1:
-                    lines.append(
-                        "  - per seed: "
-                        + "; ".join(
-                            f"seed {p['seed']}: top {100 * p['top']:.1f}%, random mean "
-                            f"{100 * p['random_mean']:.1f}% of {p['n_random']}"
-                            + (
-                                f", paired {_points(p['paired_random_mean'])} points"
-                                if "paired_random_mean" in p
-                                else ""
-                            )
-                            for p in per
-                        )
-                    )
-            lines.append("")
-        composition = m.get("data_composition_text") or {}
-        if composition:
-            lines.append("Distillation data composition (share of texts / of tokens per source):")
-            lines.append("")
-            for choice, text in composition.items():
-                lines.append(f"- {choice}: {text}")
-            lines.append("")
-        lines.append("Method:")
-        lines.append("")
-        for key in (
-            "teacher", "ranking", "selection", "held_out", "knowledge", "prose", "distillation",
-            "budget", "data", "stages", "student", "random_heads", "seeds", "controls", "only",
-            "pending", "machine", "versions",
-        ):  # fmt: skip
-            if key in m:
-                lines.append(f"- {key.replace('_', ' ')}: {m[key]}")
-        total = self.seconds.get("total", math.nan)
-        lines.append(
-            f"- time: {total / 60:.1f} min ("
-            + ", ".join(f"{k} {v:.0f} s" for k, v in self.seconds.items() if k != "total")
-            + ")"
-        )
-        return "\n".join(lines) + "\n"
+        return hybrid_markdown(self)
 
     def to_dict(self) -> dict[str, Any]:
         """Everything, JSON-ready."""
@@ -466,141 +350,16 @@ class HybridTable:
             seconds=dict(data.get("seconds", {})),
         )
 
-    def _plotted(self, kind: str) -> list[HybridRow]:
-        """The rows of one curve of the figures: ``kind`` and ``k = 0``, of the first
-        distillation data only (a no-kv arm is another experiment, not more points)."""
-        data = next((r.data for r in self.rows if r.kind != "teacher"), "default")
-        rows = [r for r in self.rows if r.kind in (kind, "none") and r.data == data]
-        return sorted(rows, key=lambda r: r.k)
-
     def figure(self) -> Any:
         """A plotly figure: per KV task, accuracy (95% intervals) against k, top-k and random-k
         students, with the teacher and chance as lines."""
-        import plotly.graph_objects as go
-        from plotly.subplots import make_subplots
-
-        fig = make_subplots(rows=1, cols=len(self.kv_tasks), subplot_titles=self.kv_tasks)
-        colors = {"top": "#1f77b4", "random": "#d62728"}
-        for i, t in enumerate(self.kv_tasks, start=1):
-            for kind in ("top", "random"):
-                rows = self._plotted(kind)
-                fig.add_trace(
-                    go.Scatter(
-                        x=[r.k for r in rows],
-                        y=[100 * r.kv[t].value for r in rows],
-                        error_y={
-                            "type": "data",
-                            "symmetric": False,
-                            "array": [100 * (r.kv[t].high - r.kv[t].value) for r in rows],
-                            "arrayminus": [100 * (r.kv[t].value - r.kv[t].low) for r in rows],
-                        },
-                        mode="markers+lines",
-                        name=f"{kind}-k",
-                        marker_color=colors[kind],
-                        showlegend=i == 1,
-                    ),
-                    row=1,
-                    col=i,
-                )
-            teacher = next((r for r in self.rows if r.kind == "teacher"), None)
-            if teacher is not None:
-                fig.add_hline(
-                    y=100 * teacher.kv[t].value, line_dash="dash", line_color="gray", row=1, col=i
-                )
-            fig.add_hline(
-                y=100 * self.chance.get(t, 0), line_dash="dot", line_color="black", row=1, col=i
-            )
-            fig.update_xaxes(title_text="heads kept as attention (k)", row=1, col=i)
-        fig.update_yaxes(title_text="held-out accuracy (%), 95% intervals", row=1, col=1)
-        fig.update_layout(title=f"Hybrid students of {self.teacher}: top-k vs random-k heads kept")
-        return fig
+        return hybrid_figure(self)
 
     def to_svg(self, panel: int = 240, height: int = 300) -> str:
         """The figure as a small self-contained SVG (no plotly, no browser): one panel per KV
         task, top-k (blue) and random-k (red) students against k, teacher dashed, chance
         dotted."""
-        import html
-
-        n = max(1, len(self.kv_tasks))
-        left, top, bottom, gap = 48, 34, 40, 16
-        width = left + n * (panel + gap) + 90
-        h = height - top - bottom
-        ks = sorted({r.k for r in self.rows if r.kind != "teacher"}) or [0]
-        kmax = max(max(ks), 1)
-        out = [
-            f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-            'font-family="sans-serif" font-size="11">',
-            f'<rect width="{width}" height="{height}" fill="white"/>',
-            f'<text x="{left}" y="16" font-size="12">{html.escape(self.teacher)}: held-out KV '
-            "accuracy of students keeping k heads as attention (95% intervals)</text>",
-        ]
-
-        def y(v: float) -> float:
-            return top + h * (1 - v)
-
-        for i, t in enumerate(self.kv_tasks):
-            x0 = left + i * (panel + gap)
-
-            def x(k: float, x0: float = x0) -> float:
-                return x0 + panel * k / kmax
-
-            out.append(
-                f'<text x="{x0 + panel / 2}" y="{top - 6}" text-anchor="middle">{html.escape(t)}</text>'
-            )
-            for v in (0, 0.25, 0.5, 0.75, 1.0):
-                out.append(
-                    f'<line x1="{x0}" x2="{x0 + panel}" y1="{y(v):.1f}" y2="{y(v):.1f}" stroke="#ddd"/>'
-                )
-                if i == 0:
-                    out.append(
-                        f'<text x="{x0 - 6}" y="{y(v) + 4:.1f}" text-anchor="end">{100 * v:.0f}%</text>'
-                    )
-            for k in ks:
-                out.append(
-                    f'<text x="{x(k):.1f}" y="{top + h + 14}" text-anchor="middle">{k}</text>'
-                )
-            teacher = next((r for r in self.rows if r.kind == "teacher"), None)
-            if teacher is not None:
-                v = teacher.kv[t].value
-                out.append(
-                    f'<line x1="{x0}" x2="{x0 + panel}" y1="{y(v):.1f}" y2="{y(v):.1f}" '
-                    'stroke="gray" stroke-dasharray="6 3"/>'
-                )
-            c = self.chance.get(t)
-            if c is not None:
-                out.append(
-                    f'<line x1="{x0}" x2="{x0 + panel}" y1="{y(c):.1f}" y2="{y(c):.1f}" '
-                    'stroke="black" stroke-dasharray="2 3"/>'
-                )
-            for kind, col, dx in (("top", "#1f77b4", -3), ("random", "#d62728", 3)):
-                rows = self._plotted(kind)
-                pts = " ".join(f"{x(r.k) + dx:.1f},{y(r.kv[t].value):.1f}" for r in rows)
-                out.append(
-                    f'<polyline points="{pts}" fill="none" stroke="{col}" stroke-width="1.5"/>'
-                )
-                for r in rows:
-                    iv = r.kv[t]
-                    out.append(
-                        f'<line x1="{x(r.k) + dx:.1f}" x2="{x(r.k) + dx:.1f}" y1="{y(iv.low):.1f}" '
-                        f'y2="{y(iv.high):.1f}" stroke="{col}"/>'
-                        f'<circle cx="{x(r.k) + dx:.1f}" cy="{y(iv.value):.1f}" r="3" fill="{col}"/>'
-                    )
-        lx = left + n * (panel + gap)
-        for j, (label, col, dash) in enumerate(
-            (("top-k", "#1f77b4", ""), ("random-k", "#d62728", ""), ("teacher", "gray", "6 3"),
-             ("chance", "black", "2 3"))
-        ):  # fmt: skip
-            ly = top + 10 + 16 * j
-            out.append(
-                f'<line x1="{lx}" x2="{lx + 18}" y1="{ly}" y2="{ly}" stroke="{col}" '
-                f'stroke-width="2" stroke-dasharray="{dash}"/><text x="{lx + 22}" y="{ly + 4}">{label}</text>'
-            )
-        out.append(
-            f'<text x="{left + n * (panel + gap) / 2:.0f}" y="{height - 8}" text-anchor="middle">'
-            "heads kept as attention (k)</text>"
-        )
-        out.append("</svg>")
-        return "\n".join(out) + "\n"
+        return hybrid_svg(self, panel, height)
 
     def write(self, folder: str | Path) -> dict[str, Path]:
         """Write ``table.md``, ``table.csv``, ``table.json`` and ``table.svg`` into ``folder``.
@@ -885,7 +644,7 @@ def _rank(
         )
         ranked += rest
     info["baseline"] = float(report.baseline)
-    info["top"] = _heads_text(ranked[:10])
+    info["top"] = heads_text(ranked[:10])
     return [tuple(h) for h in ranked], info  # type: ignore[misc]
 
 
@@ -1436,7 +1195,7 @@ def run_experiment(
             pending.append(label)
             say(f"{label}: not selected by only=; left for another run")
             continue
-        say(f"{label}: keeping {_heads_text(heads)}; distilling ({total.describe()})")
+        say(f"{label}: keeping {heads_text(heads)}; distilling ({total.describe()})")
         t0 = time.perf_counter()
         student = build_hybrid(
             teacher, heads, d_state=d_state, head_layout=head_layout, seed=train_seed

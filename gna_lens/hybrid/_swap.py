@@ -17,6 +17,7 @@ from gna_lens.hybrid._pairs import head_pairs
 from gna_lens.hybrid._train import Stage, StepLosses, run_stages
 from gna_lens.models.hooked_ssm import HookedSSM
 from gna_lens.models.mixers.swapped import SwappedMamba2Mixer
+from gna_lens.render.markdown import heads_label
 
 __all__ = ["swap_heads"]
 
@@ -161,7 +162,7 @@ def swap_heads(
         train_data.describe() if hasattr(train_data, "describe") else type(train_data).__name__
     )
     swapped = [(layer, h) for layer, hs in per_layer.items() for h in hs]
-    word = "new attention heads " + ", ".join(f"L{a}H{b}" for a, b in swapped)
+    word = "new attention heads " + heads_label(swapped, ", ")
 
     def lm_loss(ids: Tensor, mask: Tensor) -> Tensor:
         logits = new(ids)[:, :-1].float()

@@ -49,6 +49,7 @@ from gna_lens.interventions.sources import (
     column_mask,
     edit_positions,
 )
+from gna_lens.render.markdown import heads_label
 from gna_lens.stats import spearman
 from gna_lens.tasks import Task, TextControl
 
@@ -423,7 +424,7 @@ class SweepResult(CellResult):
 
 
 def _label(cell: Sequence[Head]) -> str:
-    return "+".join(f"L{layer}H{h}" for layer, h in cell)
+    return heads_label(cell, "+")
 
 
 def cell_kind(view: HeadView, cell: Sequence[Head]) -> str:

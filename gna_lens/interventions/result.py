@@ -29,6 +29,7 @@ from torch import Tensor
 
 from gna_lens.device import HOST, host_full, to_host
 from gna_lens.errors import InterventionError
+from gna_lens.render.plotly import cell_result_figure
 from gna_lens.stats import Interval, bootstrap_interval, wilson_interval
 
 __all__ = ["CellResult"]
@@ -284,39 +285,7 @@ class CellResult:
         Returns:
             A ``plotly.graph_objects.Figure``.
         """
-        import plotly.graph_objects as go
-
-        labels = [self.label(i) for i in range(len(self))]
-        df = self.to_dataframe()
-        fig = go.Figure()
-        fig.add_trace(
-            go.Scatter(
-                x=labels,
-                y=df["effect"],
-                mode="markers+lines",
-                name=f"{self.metric} effect",
-                error_y=_error_bars(df, "effect", "effect_low", "effect_high"),
-            )
-        )
-        if self.has_control:
-            fig.add_trace(
-                go.Scatter(
-                    x=labels,
-                    y=df["control_effect"],
-                    mode="markers+lines",
-                    name="control loss change",
-                    yaxis="y2",
-                    error_y=_error_bars(df, "control_effect", "control_low", "control_high"),
-                )
-            )
-        fig.update_layout(
-            title=title or self._plot_title(),
-            xaxis_title=self._plot_axis(),
-            yaxis_title=f"{self.metric} change",
-            yaxis2=dict(title="control loss change", overlaying="y", side="right"),
-            template="plotly_white",
-        )
-        return fig
+        return cell_result_figure(self, title)
 
     def _plot_title(self) -> str:
         return f"{type(self).__name__}: {self.task}"
@@ -326,15 +295,6 @@ class CellResult:
 
 
 _TYPES["CellResult"] = CellResult
-
-
-def _error_bars(df: Any, mid: str, low: str, high: str) -> dict[str, Any]:
-    return dict(
-        type="data",
-        symmetric=False,
-        array=(df[high] - df[mid]).tolist(),
-        arrayminus=(df[mid] - df[low]).tolist(),
-    )
 
 
 def _paired(values: Tensor, baseline: Tensor) -> list[Interval]:

@@ -31,6 +31,7 @@ from tqdm import tqdm
 from gna_lens.device import HOST, resolve_device
 from gna_lens.errors import ConfigError, InterventionError
 from gna_lens.heads import Head, policy_of
+from gna_lens.render.markdown import heads_label
 
 __all__ = ["DEFAULT_MAX_LENGTH", "GnaLM", "Intervention", "parse_heads", "register"]
 
@@ -97,7 +98,7 @@ def parse_heads(spec: Any, what: str = "remove") -> tuple[Head, ...]:
 
 def format_heads(heads: Sequence[Head]) -> str:
     """``"L16H0;L17H2"`` (the form :func:`parse_heads` reads)."""
-    return ";".join(f"L{layer}H{h}" for layer, h in heads)
+    return heads_label(heads, ";")
 
 
 @dataclass(frozen=True)

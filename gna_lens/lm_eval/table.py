@@ -26,6 +26,9 @@ from gna_lens.errors import ConfigError, GnaLensError
 from gna_lens.heads import Head, HeadList
 from gna_lens.lm_eval._model import GnaLM, _device, _dtype, format_heads, parse_heads
 from gna_lens.lm_eval.tasks import LOCAL_TASKS, is_local, write_tasks
+from gna_lens.render.markdown import benchmark_markdown
+from gna_lens.render.plotly import benchmark_figure
+from gna_lens.render.svg import benchmark_svg
 from gna_lens.stats import Interval, bootstrap_interval, wilson_interval
 
 __all__ = [
@@ -169,37 +172,7 @@ class BenchmarkTable:
 
     def to_markdown(self) -> str:
         """The table (rows: heads removed; columns: tasks) and the method, as markdown."""
-        head = "| heads removed | " + " | ".join(
-            f"{t} ({self.cell(self.remove_top[0], t).metric.split(',')[0]}, %)" for t in self.tasks
-        )
-        lines = [head + " |", "|---" * (len(self.tasks) + 1) + "|"]
-        for k in self.remove_top:
-            cells = " | ".join(self.cell(k, t).format() for t in self.tasks)
-            lines.append(f"| {k} | {cells} |")
-        m = self.method
-        n = ", ".join(f"{t} {self.cell(self.remove_top[0], t).n}" for t in self.tasks)
-        chance = ", ".join(
-            f"{t} {100 * c:.1f}%"
-            for t in self.tasks
-            if (c := self.cell(self.remove_top[0], t).chance) is not None
-        )
-        lines += [
-            "",
-            "Values: the metric over the items with a 95% interval (Wilson for 0/1 metrics); "
-            "in later rows the change from 0 heads removed in points with a paired bootstrap "
-            "95% interval over the same items, and the relative change.",
-            "",
-            f"- Model: {self.model}; weights: {m.get('weights', 'not recorded')}",
-            f"- Heads removed (most critical first): {format_heads(self.ranking) or 'none'}",
-            f"- Ranking: {m.get('ranking_source', '')}",
-            f"- Ablation: {m.get('mode')} at {m.get('positions')} positions; items per task: "
-            f"{n}" + (f"; chance: {chance}" if chance else ""),
-            f"- Versions: {m.get('versions', '')}",
-            f"- Time: {self.seconds.get('total', math.nan):.0f} s ("
-            + ", ".join(f"{k} {v:.0f} s" for k, v in self.seconds.items() if k != "total")
-            + ")",
-        ]
-        return "\n".join(lines) + "\n"
+        return benchmark_markdown(self)
 
     def to_dict(self) -> dict[str, Any]:
         """Everything, JSON-ready."""
@@ -253,92 +226,11 @@ class BenchmarkTable:
 
     def figure(self) -> Any:
         """A plotly figure: each task's metric (%, 95% intervals) against heads removed."""
-        import plotly.graph_objects as go
-
-        fig = go.Figure()
-        for t in self.tasks:
-            cs = [self.cell(k, t) for k in self.remove_top]
-            fig.add_trace(
-                go.Scatter(
-                    x=list(self.remove_top),
-                    y=[100 * c.value.value for c in cs],
-                    error_y={
-                        "type": "data",
-                        "symmetric": False,
-                        "array": [100 * (c.value.high - c.value.value) for c in cs],
-                        "arrayminus": [100 * (c.value.value - c.value.low) for c in cs],
-                    },
-                    mode="lines+markers",
-                    name=t,
-                )
-            )
-        fig.update_layout(
-            title=f"{self.model}: top-k G&A heads removed",
-            xaxis_title="heads removed (top k of the ranking)",
-            yaxis_title="metric (%), 95% intervals",
-        )
-        return fig
+        return benchmark_figure(self)
 
     def to_svg(self, width: int = 560, height: int = 320) -> str:
         """The figure as a small self-contained SVG (no plotly, no browser)."""
-        colors = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
-        left, right, top, bottom = 56, 150, 30, 44
-        w, h = width - left - right, height - top - bottom
-        ks = list(self.remove_top)
-        kmax = max(max(ks), 1)
-
-        def x(k: float) -> float:
-            return left + w * k / kmax
-
-        def y(v: float) -> float:
-            return top + h * (1 - v)
-
-        out = [
-            f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-            f'font-family="sans-serif" font-size="11">',
-            f'<rect width="{width}" height="{height}" fill="white"/>',
-            f'<text x="{left}" y="16" font-size="12">{_esc(self.model)}: top-k heads removed '
-            "(95% intervals; dashed: chance)</text>",
-        ]
-        for v in (0, 0.25, 0.5, 0.75, 1.0):
-            out.append(
-                f'<line x1="{left}" x2="{left + w}" y1="{y(v):.1f}" y2="{y(v):.1f}" '
-                'stroke="#ddd"/>'
-                f'<text x="{left - 6}" y="{y(v) + 4:.1f}" text-anchor="end">{100 * v:.0f}%</text>'
-            )
-        for k in ks:
-            out.append(f'<text x="{x(k):.1f}" y="{top + h + 16}" text-anchor="middle">{k}</text>')
-        out.append(
-            f'<text x="{left + w / 2:.1f}" y="{height - 8}" text-anchor="middle">heads '
-            "removed</text>"
-        )
-        for i, t in enumerate(self.tasks):
-            col = colors[i % len(colors)]
-            cs = [self.cell(k, t) for k in ks]
-            if cs[0].chance is not None:  # chance level, dashed
-                out.append(
-                    f'<line x1="{left}" x2="{left + w}" y1="{y(cs[0].chance):.1f}" '
-                    f'y2="{y(cs[0].chance):.1f}" stroke="{col}" stroke-dasharray="4 3" '
-                    'stroke-opacity="0.6"/>'
-                )
-            pts = " ".join(f"{x(c.k):.1f},{y(c.value.value):.1f}" for c in cs)
-            out.append(f'<polyline points="{pts}" fill="none" stroke="{col}" stroke-width="2"/>')
-            for c in cs:
-                if not math.isnan(c.value.low):
-                    out.append(
-                        f'<line x1="{x(c.k):.1f}" x2="{x(c.k):.1f}" y1="{y(c.value.low):.1f}" '
-                        f'y2="{y(c.value.high):.1f}" stroke="{col}"/>'
-                    )
-                out.append(
-                    f'<circle cx="{x(c.k):.1f}" cy="{y(c.value.value):.1f}" r="3" fill="{col}"/>'
-                )
-            ly = top + 14 + 18 * i
-            out.append(
-                f'<rect x="{left + w + 12}" y="{ly - 8}" width="10" height="10" fill="{col}"/>'
-                f'<text x="{left + w + 26}" y="{ly + 1}">{_esc(t)}</text>'
-            )
-        out.append("</svg>")
-        return "\n".join(out) + "\n"
+        return benchmark_svg(self, width, height)
 
     def write(self, folder: str | Path) -> dict[str, Path]:
         """Write ``table.md``, ``table.csv``, ``table.json`` and ``table.svg`` into ``folder``.
@@ -349,12 +241,6 @@ class BenchmarkTable:
         from gna_lens._tables import write_table_files
 
         return write_table_files(self, folder)
-
-
-def _esc(text: str) -> str:
-    import html
-
-    return html.escape(text)
 
 
 # ----------------------------------------------------------------------------- ranking

@@ -20,6 +20,7 @@ from gna_lens.interventions import ablate_heads, ablation_sweep, control_sweep
 from gna_lens.interventions.ablation import positions_label
 from gna_lens.interventions.batching import describe_task
 from gna_lens.models.provenance import provenance_method
+from gna_lens.render.html import knowledge_html
 from gna_lens.scoring.patterns import Head
 from gna_lens.stats import (
     Interval,
@@ -376,24 +377,7 @@ class KnowledgeTable:
     def to_html(self) -> str:
         """The table as an HTML fragment (accuracies with 95% intervals, the control, the
         random baseline)."""
-        import html
-
-        heads = ", ".join(f"L{layer}H{h}" for layer, h in self.heads)
-        body = "".join(f"<li>{html.escape(line)}</li>" for line in self.format_lines())
-        sets = "; ".join(" ".join(f"L{a}H{b}" for a, b in s) for s in self.random_sets)
-        note = (
-            f"<p>Random baseline ({html.escape(str(self.method.get('random_sets', '')))}): "
-            f"{html.escape(sets)}.</p>"
-            if self.random_sets
-            else ""
-        )
-        method = html.escape(
-            ", ".join(f"{k}: {v}" for k, v in self.method.items() if k != "provenance")
-        )
-        return (
-            f"<h2>Retrieval vs knowledge (removing {heads})</h2><ul class='knowledge'>{body}"
-            f"</ul>{note}<p>{method}</p>"
-        )
+        return knowledge_html(self)
 
 
 def _per_sample_correct(

@@ -18,6 +18,7 @@ from gna_lens.errors import GnaLensError
 from gna_lens.heads import ModelLike, policy_of
 from gna_lens.interventions import aggregate_mask, gather_mask, mask_patterns
 from gna_lens.interventions.batching import describe_task
+from gna_lens.render.markdown import head_label
 from gna_lens.scoring.patterns import Head
 from gna_lens.scoring.report import GnaReport, score_heads
 from gna_lens.stats import Interval, wilson_interval
@@ -188,8 +189,8 @@ class MaskResult:
     def to_dict(self) -> dict[str, Any]:
         """Flat dict with the intervals as dicts and heads as ``"L3H2"``."""
         return {
-            "gather_heads": [f"L{a}H{b}" for a, b in self.gathers],
-            "aggregate_heads": [f"L{a}H{b}" for a, b in self.aggregates],
+            "gather_heads": [head_label(h) for h in self.gathers],
+            "aggregate_heads": [head_label(h) for h in self.aggregates],
             "baseline": self.baseline.to_dict(),
             "kept": self.kept.to_dict(),
             "denied": self.denied.to_dict(),

@@ -24,7 +24,6 @@ and ``top(k, joint=False)`` the per-head order.
 """
 
 import contextlib
-import html
 import json
 import math
 import time
@@ -56,6 +55,8 @@ from gna_lens.interventions.layers import LayerSweepResult, layer_sweep
 from gna_lens.interventions.sources import check_positions
 from gna_lens.models.kernels import path_summary
 from gna_lens.models.provenance import provenance_method
+from gna_lens.render.html import write_report_html
+from gna_lens.render.markdown import heads_label
 from gna_lens.runtime import choose_precision, native_bfloat16
 from gna_lens.scoring.patterns import NORMALIZATION, SCORE_NAMES, Head, pattern_scores
 from gna_lens.stats import Interval, bootstrap_interval
@@ -318,7 +319,7 @@ class JointSet:
         if not self.heads:
             return f"joint set empty: no head passes the bound {self.bound:g} {self.unit}"
         k = len(self.heads) if k is None else min(k, len(self.heads))
-        names = ", ".join(f"L{a}H{b}" for a, b in self.heads[:k])
+        names = heads_label(self.heads[:k], ", ")
         line = (
             f"joint control effect of {names} removed together: "
             f"{self.effect(k).format(signed=True)} {self.unit} (bound {self.bound:g})"
@@ -939,252 +940,11 @@ class GnaReport:
         Returns:
             The path written.
         """
-        path = Path(path)
-        parts = [
-            "<!doctype html><html><head><meta charset='utf-8'>",
-            f"<title>gna_lens report: {html.escape(self.model_name)}</title>",
-            "<style>body{font-family:sans-serif;margin:2em;max-width:1100px}"
-            "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 6px;"
-            "font-size:13px}h2{margin-top:1.5em}</style></head><body>",
-            f"<h1>G&amp;A report: {html.escape(self.model_name)}</h1>",
-            f"<p>Task: {html.escape(self.task)}. Metric: {html.escape(self.metric)}"
-            f" (baseline {self.baseline:.4f}).</p>",
-        ]
-        if "weights" in self.method:
-            parts.append(f"<p class='weights'>Weights: {html.escape(self.method['weights'])}</p>")
-        if self.method:
-            rows = "".join(
-                f"<tr><th>{html.escape(str(key))}</th><td>{html.escape(_cell(v))}</td></tr>"
-                for key, v in self.method.items()
-            )
-            parts.append(f"<h2>Method</h2><table class='method'>{rows}</table>")
-        has_ablation = not bool(torch.isnan(self.scores["ablation_effect"]).all())
-        joint = self._joint() if has_ablation and self.has_control else None
-        if joint is not None and k > joint.joint_k and not joint.exhausted:
-            k = joint.joint_k  # the joint set's first k are all it knows
-        if has_ablation and self.has_control:
-            top, title = self.top(k), f"Top {k} retrieval-specific heads ({self.criterion})"
-        elif has_ablation:
-            top, title = self.top(k, by="ablation_effect"), f"Top {k} heads by ablation effect"
-        else:
-            top, title = self.top(k, by="aggregate_score"), f"Top {k} heads by aggregate score"
-        df = self.joint_table(top)
-        first = [c for c in _FIRST_COLUMNS if c in df.columns]  # the ranking's numbers first
-        df = df[first + [c for c in df.columns if c not in first]]
-        parts.append(f"<h2>{html.escape(title)}</h2>")
-        if joint is not None and top:
-            parts.append(
-                "<p class='joint'>"
-                + html.escape(
-                    "Joint set: "
-                    + joint.describe(len(top))
-                    + ". joint_control_effect: the control effect of each head and those above "
-                    "it, removed together (95% paired bootstrap interval over the control's "
-                    "samples); control_effect: the head alone."
-                )
-                + "</p>"
-            )
-        parts.append(df.to_html(index=False, float_format=lambda x: f"{x:.4f}", na_rep="-"))
-        if has_ablation and self.has_control:
-            gone = self.excluded(k)
-            items = "".join(
-                f"<li>L{e.head[0]}H{e.head[1]}: ablation effect {e.ablation_effect:+.3f}; "
-                f"{html.escape(e.reason)}</li>"
-                for e in gone
-            )
-            parts.append(
-                "<h2>Left out as generic</h2>"
-                + (f"<ul class='excluded'>{items}</ul>" if gone else "<p>None.</p>")
-            )
-        parts.append(self._coarse_html())
-        parts.append("<h2>Layer x head heatmaps</h2><div id='heatmaps'>")
-        for name in (
-            "ablation_effect",
-            "control_effect",
-            "specificity",
-            "gather_score",
-            "aggregate_score",
-            "correct_share",
-            "sharpness",
-        ):
-            if not bool(torch.isnan(self.scores[name]).all()):
-                parts.append(_svg_heatmap(self.heatmap(name), name))
-        parts.append("</div>")
-        if interactive:
-            parts.append(self._plotly_heatmaps())
-        if self.examples.get("patterns"):
-            parts.append("<h2>Patterns of the top heads (one sample)</h2>")
-            parts.append(_circuitsvis_patterns(self.examples))
-        parts.append(extra_html)
-        parts.append("</body></html>")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("\n".join(parts), encoding="utf-8")
-        return path
+        return write_report_html(self, path, k=k, extra_html=extra_html, interactive=interactive)
 
-    def _coarse_html(self) -> str:
-        """The coarse stage's layer ranking and the heads never measured, as HTML."""
-        parts = []
-        if self.layers is not None:
-            df = self.layer_ranking()
-            cols = [
-                "rank", "layer", "scanned", "kind", "value", "effect", "effect_low", "effect_high",
-                "control_effect", "control_low", "control_high", "selectivity",
-            ]  # fmt: skip
-            parts.append(
-                "<h2>Layer ranking (coarse stage)</h2><p>"
-                + html.escape(
-                    f"{self.layers.method.get('ablation', 'layer removal')}, each layer alone, "
-                    f"on the task ({self.layers.metric}, baseline {self.layers.baseline_mean:.4f})"
-                    f" and the control ({self.layers.control or 'none'}); ranked by "
-                    + (
-                        "selectivity (share of the task lost minus share of the control lost)"
-                        if self.layers.has_control
-                        else "task effect"
-                    )
-                    + f". The heads of the top {self.method.get('top_layers', '?')} layers were "
-                    "ablated one by one."
-                )
-                + "</p>"
-            )
-            parts.append(
-                "<div class='layer-ranking'>"
-                + df[[c for c in cols if c in df.columns]].to_html(
-                    index=False, float_format=lambda x: f"{x:.4f}", na_rep="-"
-                )
-                + "</div>"
-            )
-        if self.unmeasured:
-            items = "".join(f"<li>{html.escape(u.describe())}</li>" for u in self.unmeasured)
-            parts.append(
-                f"<h2>Heads never measured ({self.n_unmeasured} of {len(self.heads)})</h2>"
-                "<p>Their ablation and control effects are blank (NaN): they were not ablated, "
-                "not found harmless.</p>"
-                f"<ul class='unmeasured'>{items}</ul>"
-            )
-        return "".join(parts)
-
-    def _plotly_heatmaps(self) -> str:
-        """Plotly heatmaps of the measured columns, plotly.js inlined once (no CDN)."""
-        from gna_lens.plots import head_heatmap
-
-        names = [
-            name
-            for name in ("ablation_effect", "gather_score", "aggregate_score", "sharpness")
-            if not bool(torch.isnan(self.scores[name]).all())
-        ]
-        parts = ["<h2>Interactive heatmaps</h2><div id='plotly-heatmaps'>"]
-        for i, name in enumerate(names):
-            fig = head_heatmap(self, name, title=name)
-            fig.update_layout(width=460, height=max(260, 120 + 14 * self.n_layers))
-            parts.append(
-                "<div style='display:inline-block'>"
-                + fig.to_html(
-                    full_html=False, include_plotlyjs=i == 0, config={"displaylogo": False}
-                )
-                + "</div>"
-            )
-        parts.append("</div>")
-        return "".join(parts)
-
-
-#: Leading columns of the report's top-heads table: what the ranking used, then the rest.
-_FIRST_COLUMNS = (
-    "layer",
-    "head",
-    "kind",
-    "role",
-    "ablation_effect",
-    "ablation_effect_low",
-    "ablation_effect_high",
-    "control_effect",
-    "joint_control_effect",
-    "joint_control_low",
-    "joint_control_high",
-    "specificity",
-)
 
 #: Columns :meth:`GnaReport.joint_table` adds.
 _JOINT_COLUMNS = ("joint_control_effect", "joint_control_low", "joint_control_high")
-
-
-def _svg_heatmap(grid: Tensor, title: str, cell: int | None = None) -> str:
-    """An inline SVG heatmap (diverging for effects, sequential for scores).
-
-    Layers are rows (L0 at the top), heads columns; each cell's tooltip gives its value. The
-    title and value range sit in a caption above, so they are never clipped by a narrow grid.
-    """
-    n_layers, n_heads = grid.shape
-    if cell is None:  # about 360 px for the larger side, 6 to 24 px a cell
-        cell = max(6, min(24, 360 // max(n_heads, 1), 360 // max(n_layers, 1)))
-    finite = grid[~torch.isnan(grid)]
-    lo, hi = (float(finite.min()), float(finite.max())) if finite.numel() else (0.0, 1.0)
-    span = max(abs(lo), abs(hi)) or 1.0
-    left, top = 30, 16
-    rects = []
-    for layer in range(n_layers):
-        for h in range(n_heads):
-            v = float(grid[layer, h])
-            if math.isnan(v):
-                continue
-            if lo < 0:  # diverging: red for harmful (negative) effects
-                t = min(abs(v) / span, 1.0)
-                color = (
-                    f"rgb(255,{int(255 * (1 - t))},{int(255 * (1 - t))})"
-                    if v < 0
-                    else (f"rgb({int(255 * (1 - t))},{int(255 * (1 - t))},255)")
-                )
-            else:
-                t = (v - lo) / ((hi - lo) or 1.0)
-                color = f"rgb({int(255 * (1 - t))},{int(255 * (1 - 0.6 * t))},255)"
-            rects.append(
-                f"<rect x='{left + h * cell}' y='{top + layer * cell}' width='{cell}' "
-                f"height='{cell}' fill='{color}' stroke='#ddd' stroke-width='0.5'>"
-                f"<title>L{layer}H{h}: {v:.4f}</title></rect>"
-            )
-    width, height = left + n_heads * cell + 4, top + n_layers * cell + 4
-    every = max(1, math.ceil(11 / cell))  # label every row / column that has room
-    labels = "".join(
-        f"<text x='{left - 3}' y='{top + layer * cell + cell / 2 + 3:g}' font-size='10' "
-        f"text-anchor='end'>L{layer}</text>"
-        for layer in range(0, n_layers, every)
-    ) + "".join(
-        f"<text x='{left + h * cell + cell / 2:g}' y='{top - 4}' font-size='10' "
-        f"text-anchor='middle'>{h}</text>"
-        for h in range(0, n_heads, max(every, math.ceil(16 / cell)))
-    )
-    frame = (
-        f"<rect x='{left}' y='{top}' width='{n_heads * cell}' height='{n_layers * cell}' "
-        "fill='#f4f4f4' stroke='#999' stroke-width='0.5'/>"
-    )
-    return (
-        "<figure style='display:inline-block;margin:8px;vertical-align:top'>"
-        f"<figcaption style='font-size:12px'><b>{html.escape(title)}</b> "
-        f"[{lo:.3g}, {hi:.3g}]<br><span style='color:#666'>layer x head</span></figcaption>"
-        f"<svg class='heatmap' width='{width}' height='{height}'>{frame}{labels}"
-        f"{''.join(rects)}</svg></figure>"
-    )
-
-
-def _circuitsvis_patterns(examples: dict[str, Any]) -> str:
-    import circuitsvis.attention as cv
-
-    names = list(examples["patterns"])
-    pats = torch.tensor([examples["patterns"][n] for n in names], dtype=torch.float32, device=HOST)
-    rendered = cv.attention_heads(
-        attention=pats, tokens=list(examples["tokens"]), attention_head_names=names
-    )
-    return f"<div class='patterns'>{rendered.local_src}</div>"
-
-
-def _cell(value: Any) -> str:
-    """A method-table cell: dicts as ``key: value`` lines (the provenance's fields)."""
-    if isinstance(value, dict):
-        return "; ".join(
-            f"{k}: {_cell(v)}"
-            for k, v in value.items()
-            if v not in ("", {}, ()) and k != "description"
-        )
-    return str(value)
 
 
 def _model_name(model: Any) -> str:

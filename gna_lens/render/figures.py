@@ -1,4 +1,4 @@
-"""Dependency-free SVG line charts for the findings page (no matplotlib, no browser).
+"""Dependency-free SVG line charts: the findings page's figures (no matplotlib, no browser).
 
 :func:`line_chart` draws one panel: lines with their 95% interval bands, dashed reference lines
 (chance, a baseline) and a legend; :func:`chart_grid` lays several panels side by side.
@@ -9,6 +9,9 @@
 The output is deterministic (the same input gives the same bytes) and valid XML: each series is
 one ``<path class="series">``, each band one ``<polygon class="band">``, each reference line one
 ``<polyline class="reference">``. Missing values (``None`` or NaN) break a line.
+
+The figures read the JSON-ready dicts the findings experiments return (or their JSON read back);
+this module never imports :mod:`gna_lens.findings`.
 """
 
 import math
