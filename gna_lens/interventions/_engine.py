@@ -231,7 +231,7 @@ def run_cells(
     runner: Runner,
     cells: Sequence[AnyCell],
     groups: Sequence[Group],
-    source_for: Callable[[Group], tuple[Source, Tensor]],
+    source_for: Callable[[Group], tuple[Source, Tensor]] | None,
     metric: "MetricLike",
     metric_rows: Callable[[Group], Tensor],
     positions: Any,
@@ -251,7 +251,8 @@ def run_cells(
         runner: The model's runner.
         cells: Head sets, or :class:`HookCell` (layers, residual patches): all of one sort.
         groups: Unpadded prompt groups (equal length within a group).
-        source_for: The replacement for a group and each row's reference row.
+        source_for: The replacement for a group and each row's reference row (head sets;
+            ``None`` for :class:`HookCell` sweeps, whose cells carry their own edit).
         metric: The metric.
         metric_rows: Sample indices the metric reads its answers from, per group.
         positions: ``None``, ``"last"`` or a list (for every cell).
@@ -303,6 +304,8 @@ def run_cells(
             if not keep:
                 memo.pop(("clean", part), None)
             continue
+        if source_for is None:
+            raise TypeError("internal: a head-set sweep needs source_for")
         source, ref_rows = source_for(g)
         if method == "loop":
             runner.log.used("cells", "loop")
@@ -674,7 +677,7 @@ class CellSweep:
     runner: Runner
     cells: list[Any]
     groups: list[Group]
-    source_for: Callable[[Group], tuple[Source, Tensor]]
+    source_for: Callable[[Group], tuple[Source, Tensor]] | None
     metric: Any
     positions: Any
     plan: SweepPlan

@@ -16,7 +16,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from gna_lens.device import HOST, DevicePolicy, host_full, to_host
+from gna_lens.device import HOST, host_full, to_host
 from gna_lens.errors import InterventionError
 from gna_lens.heads import (
     Head,
@@ -62,11 +62,6 @@ __all__ = [
 ]
 
 HookFn = Callable[..., Tensor | None]
-
-
-def model_device(model: Any) -> torch.device:
-    """The device of a model or a :class:`~gna_lens.heads.Subject` (where it is known already)."""
-    return model.device if isinstance(model, Subject) else DevicePolicy.of(model).device
 
 
 # ----------------------------------------------------------------------------- hooks for users

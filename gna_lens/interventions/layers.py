@@ -965,10 +965,6 @@ def _executor_info(info: dict[str, Any], ctrl: Sequence[Any]) -> dict[str, Any]:
     return out
 
 
-def _no_source(g: Group) -> tuple[Source, Tensor]:  # pragma: no cover - HookCells take none
-    raise TypeError("internal: layer cells edit through their own hooks")
-
-
 def _plan_layers(
     model: Any,
     on: Task | TextControl,
@@ -1032,7 +1028,7 @@ def _plan_layers(
         for c, h in zip(cells, hooks, strict=True)
     ]
     return CellSweep(
-        runner, hook_cells, groups, _no_source, run_metric, None,
+        runner, hook_cells, groups, None, run_metric, None,
         SweepPlan(0, max_rows, None), method, len(prompts), extra=mean_info,
         base_hooks=_hooks_for(infos, removed, "block", None, None),
     )  # fmt: skip

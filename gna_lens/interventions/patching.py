@@ -402,7 +402,7 @@ def patch_residual(
     try:
         with torch.no_grad():
             values, baseline, info = run_cells(
-                runner, hook_cells, groups, _no_source, met, lambda g: g.indices, None,
+                runner, hook_cells, groups, None, met, lambda g: g.indices, None,
                 SweepPlan(0, max_rows, None), "batched",
                 baseline_tokens=lambda g: tokens_of(corrupted, g.indices, device), bar=bar,
             )  # fmt: skip
@@ -429,10 +429,6 @@ def patch_residual(
         positions,
         info,
     )
-
-
-def _no_source(g: Group) -> tuple[Source, Tensor]:  # pragma: no cover - HookCells take none
-    raise TypeError("internal: residual cells carry their own patch")
 
 
 def _resid_cols(positions: Any, length: int) -> Any:
