@@ -28,6 +28,8 @@ __all__ = [
     "tiny_hf_config",
     "tiny_hf_model",
     "tiny_hooked_ssm",
+    "tiny_llamba_config",
+    "tiny_llamba_state",
     "tiny_tokenizer",
     "toy_control",
     "toy_gna_model",
@@ -343,11 +345,127 @@ def tiny_hf_model(arch: str, seed: int = 0, **overrides: Any) -> Any:
     return model.eval()
 
 
+def tiny_llamba_config(vocab_size: int = 320, **overrides: Any) -> dict[str, Any]:
+    """A small Llamba ``config.json`` in Cartesia's layout (``LlambaConfig``'s fields, no
+    ``model_type``, as ``cartesia-pytorch`` writes it): 2 layers of ``d_model`` 32, 4 value
+    heads of 8 sharing 2 ``B`` / ``C`` heads of state 8.
+
+    Args:
+        vocab_size: Vocabulary size (match the tokenizer's; Cartesia pads it to a multiple of
+            ``pad_vocab_size_multiple``).
+        **overrides: Top-level fields to change; ``ssm_cfg`` / ``mlp_cfg`` dicts are merged into
+            the defaults (``ssm_cfg={"n_qk_heads": 4}``).
+
+    Examples:
+        >>> tiny_llamba_config(ssm_cfg={"n_qk_heads": 1})["ssm_cfg"]["n_qk_heads"]
+        1
+    """
+    config: dict[str, Any] = {
+        "d_model": 32,
+        "n_layer": 2,
+        "vocab_size": vocab_size,
+        "pad_vocab_size_multiple": 8,
+        "tie_embeddings": False,
+        "lm_head_bias": False,
+        "norm_epsilon": 1e-5,
+        "resid_dropout": 0.0,
+        "mlp_cfg": {"intermediate_size": 64, "bias": False, "act_fn": "silu"},
+        "ssm_cfg": {
+            "d_state": 8,
+            "n_v_heads": 4,
+            "n_qk_heads": 2,
+            "expand": 1,
+            "d_conv": 4,
+            "chunk_size": 8,
+            "activation": "identity",
+            "bias": False,
+            "conv_bias": True,
+        },
+    }
+    for key, value in overrides.items():
+        if key in ("ssm_cfg", "mlp_cfg"):
+            config[key] = {**config[key], **value}
+        else:
+            config[key] = value
+    return config
+
+
+def tiny_llamba_state(config: dict[str, Any], seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random weights of a Llamba ``config`` (:func:`tiny_llamba_config`) under Cartesia's names
+    (``backbone.layers.{l}.mixer.in_proj.weight``, ...), written from Cartesia's layout, not from
+    HookedSSM's modules. The step-size rows of ``in_proj``, ``D``, ``z_bias`` and the norms get
+    spread-out values so that parity tests exercise every term.
+
+    Examples:
+        >>> state = tiny_llamba_state(tiny_llamba_config())
+        >>> tuple(state["backbone.layers.0.mixer.in_proj.weight"].shape)  # [x B C | z | dt] rows
+        (100, 32)
+    """
+    gen = torch.Generator().manual_seed(seed)
+    d = int(config["d_model"])
+    ssm, mlp = config["ssm_cfg"], config["mlp_cfg"]
+    E = int(ssm.get("d_inner") or int(ssm.get("expand", 1)) * d)
+    H, G, N = int(ssm["n_v_heads"]), int(ssm["n_qk_heads"]), int(ssm["d_state"])
+    K, ff = int(ssm.get("d_conv", 4)), int(mlp["intermediate_size"])
+    vocab = int(config["vocab_size"])
+    multiple = int(config.get("pad_vocab_size_multiple", 8) or 1)
+    vocab += (-vocab) % multiple
+    conv_dim = E + 2 * G * N
+
+    def w(*shape: int, scale: float | None = None) -> torch.Tensor:
+        s = scale if scale is not None else shape[-1] ** -0.5
+        return torch.randn(*shape, generator=gen) * s
+
+    def norm(n: int) -> torch.Tensor:
+        return torch.rand(n, generator=gen) + 0.5
+
+    tied = bool(config.get("tie_embeddings", False))
+    state = {"backbone.embedding.weight": w(vocab, d, scale=None if tied else 1.0)}
+    for layer in range(int(config["n_layer"])):
+        p = f"backbone.layers.{layer}."
+        in_proj = w(conv_dim + E + H, d)
+        in_proj[conv_dim + E :] *= 3.0  # step sizes softplus(a) from ~0.05 to ~3
+        state[p + "input_layernorm.weight"] = norm(d)
+        state[p + "mixer.in_proj.weight"] = in_proj
+        if ssm.get("bias", False):
+            state[p + "mixer.in_proj.bias"] = w(conv_dim + E + H, scale=0.5)
+        else:
+            state[p + "mixer.z_bias"] = w(E, scale=1.0)
+        state[p + "mixer.conv1d.weight"] = w(conv_dim, 1, K, scale=0.5)
+        if ssm.get("conv_bias", True):
+            state[p + "mixer.conv1d.bias"] = w(conv_dim, scale=0.5)
+        state[p + "mixer.D"] = w(H, scale=1.0)
+        state[p + "mixer.out_proj.weight"] = w(d, E)
+        if ssm.get("bias", False):
+            state[p + "mixer.out_proj.bias"] = w(d, scale=0.5)
+        state[p + "post_attention_layernorm.weight"] = norm(d)
+        for name, shape in (("gate_proj", (ff, d)), ("up_proj", (ff, d)), ("down_proj", (d, ff))):
+            state[p + f"mlp.{name}.weight"] = w(*shape)
+            if mlp.get("bias", False):
+                state[p + f"mlp.{name}.bias"] = w(shape[0], scale=0.5)
+    state["backbone.final_layernorm.weight"] = norm(d)
+    if not tied:
+        state["lm_head.weight"] = w(vocab, d)
+    return state
+
+
+def _write_llamba(path: Path, seed: int, **overrides: Any) -> Path:
+    import json
+
+    from safetensors.torch import save_file
+
+    config = tiny_llamba_config(**overrides)
+    save_file(tiny_llamba_state(config, seed), str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    return path
+
+
 def tiny_checkpoint(arch: str, path: str | Path, seed: int = 0, **overrides: Any) -> Path:
     """Write a tiny random checkpoint (weights, config and tokenizer) to ``path``.
 
     Args:
-        arch: One of :data:`ARCHITECTURES`.
+        arch: One of :data:`ARCHITECTURES`, or ``"llamba"``: a checkpoint in Cartesia's layout
+            (:func:`tiny_llamba_config`, :func:`tiny_llamba_state`; no transformers class).
         path: Folder to create.
         seed: Random seed.
         **overrides: Config fields to change.
@@ -357,7 +475,10 @@ def tiny_checkpoint(arch: str, path: str | Path, seed: int = 0, **overrides: Any
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tiny_hf_model(arch, seed=seed, **overrides).save_pretrained(path)
+    if arch == "llamba":
+        _write_llamba(path, seed, **overrides)
+    else:
+        tiny_hf_model(arch, seed=seed, **overrides).save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     return path
 
@@ -366,7 +487,8 @@ def tiny_hooked_ssm(arch: str = "mamba2", seed: int = 0, **overrides: Any) -> An
     """A tiny random :class:`~gna_lens.models.HookedSSM` with a tokenizer, built in memory.
 
     Args:
-        arch: One of :data:`ARCHITECTURES` but ``"llama"``.
+        arch: One of :data:`ARCHITECTURES` but ``"llama"``, or ``"llamba"`` (read from a
+            checkpoint in Cartesia's layout, :func:`tiny_checkpoint`).
         seed: Random seed.
         **overrides: Config fields to change.
 
@@ -375,6 +497,15 @@ def tiny_hooked_ssm(arch: str = "mamba2", seed: int = 0, **overrides: Any) -> An
     """
     from gna_lens.models import HookedSSM
 
+    if arch == "llamba":
+        import tempfile
+
+        from gna_lens.models.families import llamba
+
+        with tempfile.TemporaryDirectory() as folder:
+            model = llamba.load(tiny_checkpoint("llamba", folder, seed=seed, **overrides))
+            model.cfg.model_name = "tiny-llamba"
+            return model
     return HookedSSM.from_hf_model(tiny_hf_model(arch, seed=seed, **overrides), tiny_tokenizer())
 
 

@@ -21,6 +21,7 @@ SSM_ARCHS = (
     "falcon_h1",
     "jamba",
     "zamba2",
+    "llamba",
 )
 _TMP = Path(tempfile.mkdtemp(prefix="gna_lens_interventions_"))
 

@@ -1,4 +1,5 @@
-"""Models: HookedSSM (Mamba-1, FalconMamba, Mamba-2 and hybrids), ``load_model`` and provenance.
+"""Models: HookedSSM (Mamba-1, FalconMamba, Mamba-2, hybrids and Llamba), ``load_model`` and
+provenance.
 
 Layout: ``mixers/`` (one module per mixer kind), ``families/`` (one module per Hugging Face
 family and their registry), ``block.py`` and ``hooked_ssm.py`` (the model that assembles them).

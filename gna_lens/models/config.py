@@ -20,8 +20,8 @@ class SSMConfig(TransformerLensConfig):
 
     Attributes:
         architecture: ``"mamba1"``, ``"falcon_mamba"``, ``"mamba2"``, ``"bamba"``,
-            ``"nemotron_h"``, ``"granitemoehybrid"``, ``"falcon_h1"``, ``"jamba"`` or
-            ``"zamba2"``.
+            ``"nemotron_h"``, ``"granitemoehybrid"``, ``"falcon_h1"``, ``"jamba"``,
+            ``"zamba2"`` or ``"llamba"`` (and gna_lens's own ``"gna_hybrid"``).
         layer_types: Per layer, ``"ssm"``, ``"attention"`` or ``"mlp"`` (a block with only an
             MLP, Nemotron-H). Zamba2's hybrid layers are ``"attention"``: their heads are those
             of the shared transformer block invoked there (the layer's Mamba-2 mixer follows).
@@ -49,6 +49,8 @@ class SSMConfig(TransformerLensConfig):
             the sections ``z, x, B, C, dt`` of ``in_proj``, the MLP's gate and down projection).
         mamba_norm: Mamba-2 output norm: ``"gated"`` (``norm(y * SiLU(z))``), ``"norm_gate"``
             (``norm(y) * SiLU(z)``) or ``"none"`` (``y * SiLU(z)``, no norm weight).
+        conv_activation: The activation after the mixer's causal convolution: ``"silu"`` (Mamba,
+            Mamba-2 and the hybrids) or ``"identity"`` (Llamba's DiscreteMamba2 by default).
         out_proj_bias: Bias of the mixer's ``out_proj`` (``None``: ``proj_bias``).
         shared_blocks, adapter_rank, attn_adapters: Zamba2's shared transformer blocks: how
             many distinct weight sets the hybrid layers cycle through (``num_mem_blocks``), the
@@ -115,6 +117,7 @@ class SSMConfig(TransformerLensConfig):
     ssm_multipliers: tuple[float, ...] = ()
     mlp_multipliers: tuple[float, float] = (1.0, 1.0)
     mamba_norm: str = "gated"
+    conv_activation: str = "silu"
     out_proj_bias: bool | None = None
     shared_blocks: int = 0
     adapter_rank: int = 0

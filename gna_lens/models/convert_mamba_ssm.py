@@ -64,7 +64,8 @@ _MAMBA2_KEYS = {
 
 def is_mamba_ssm_config(data: Any) -> bool:
     """Whether a parsed ``config.json`` is in mamba_ssm's format (not a ``transformers`` one):
-    no ``model_type``, and one of mamba_ssm's own keys (``d_model``, ``n_layer``, ``ssm_cfg``,
+    no ``model_type``, no ``mlp_cfg`` (Cartesia's Llamba, which shares the other keys), and one
+    of mamba_ssm's own keys (``d_model``, ``n_layer``, ``ssm_cfg``,
     ``pad_vocab_size_multiple``), so that a config missing one required key is still recognized
     (and :func:`hf_config_from_mamba_ssm` names what is missing).
 
@@ -75,6 +76,8 @@ def is_mamba_ssm_config(data: Any) -> bool:
         False
     """
     if not isinstance(data, Mapping) or "model_type" in data:
+        return False
+    if "mlp_cfg" in data:  # Cartesia's Llamba (gna_lens.models.families.llamba), not mamba_ssm
         return False
     return any(k in data for k in ("d_model", "n_layer", "ssm_cfg", "pad_vocab_size_multiple"))
 

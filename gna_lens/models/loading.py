@@ -42,6 +42,11 @@ def load_model(
     ``HookedSSM.save_pretrained`` (a hybrid student of :func:`gna_lens.hybrid.build_hybrid`,
     gna_lens's own format, which ``AutoConfig`` does not know) loads as a HookedSSM.
 
+    Cartesia's Llamba checkpoints (``cartesia-ai/Llamba-1B`` / ``-3B`` / ``-8B``, or a folder
+    with their ``config.json`` and weights) load as a HookedSSM of DiscreteMamba2 mixers
+    (:mod:`gna_lens.models.families.llamba`), with the Llama-3 tokenizer the checkpoint names
+    (a folder's own tokenizer first; pass ``tokenizer=`` offline).
+
     Besides hub names and checkpoint folders, ``name_or_path`` may be a ``.gguf`` file (converted
     once to an fp32 folder in the user cache, see :func:`gna_lens.models.gguf.convert_gguf`), a
     zoo name (``"zoo-llama"``, ``"zoo-mamba2"``, ...: the models shipped with gna_lens, see
@@ -100,10 +105,12 @@ def load_model(
             model, stored = _load_mamba_ssm(name, folder, dtype=dtype, device=device, **kwargs)
         prov = _provenance(given, name, packaged, model, mamba_ssm=(folder, revision, stored))
         return attach(model, prov)
-    if checkpoint_family(name) is not None:  # gna_lens's own format: AutoConfig does not know it
+    own = _find_own_format(name, kwargs.get("revision"))
+    if own is not None:  # gna_lens's own formats, Cartesia's Llamba: AutoConfig does not know them
+        folder, commit = own
         with contextlib.nullcontext() if progress else _no_progress_bars():
-            model = HookedSSM.from_pretrained(name, dtype=dtype, device=device, **kwargs)
-        return attach(model, _provenance(given, name, packaged, model))
+            model = _load_own_format(name, folder, dtype=dtype, device=device, **kwargs)
+        return attach(model, _provenance(given, name, packaged, model, own=(folder, commit)))
     try:
         config = AutoConfig.from_pretrained(name, revision=kwargs.get("revision"))
     except (OSError, ValueError) as err:
@@ -188,6 +195,73 @@ def _resolve_with_note(name: str) -> tuple[str, dict[str, str]]:
 
 
 _ZOO_ROOT = Path(__file__).resolve().parent.parent / "zoo" / "models"
+
+
+# ----------------------------------------------------------------------------- own formats
+def _find_own_format(name: str, revision: Any = None) -> tuple[Path, str] | None:
+    """``(folder, hub commit)`` when ``name`` is a folder or a hub repository of a family that
+    ``transformers`` does not read (:func:`~gna_lens.models.families.checkpoint_family`); the
+    hub's config, weights (shards included) and tokenizer files are fetched into its cache."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return (path, "") if checkpoint_family(path) is not None else None
+    if path.exists() or not _looks_like_repo_id(name):
+        return None
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
+
+    from gna_lens.models.gguf import hub_reachable
+
+    offline = not hub_reachable()
+
+    def fetch(file: str) -> Path | None:
+        try:
+            got = hf_hub_download(name, file, revision=revision, local_files_only=offline)
+        except (OSError, ValueError, EntryNotFoundError):
+            return None
+        return Path(got)
+
+    config = fetch("config.json")
+    family = checkpoint_family(config.parent) if config is not None else None
+    if config is None or family is None:
+        return None
+    for file in family.weights_files:
+        got = fetch(file)
+        if got is None:
+            continue
+        if file.endswith(".index.json"):
+            index = json.loads(got.read_text(encoding="utf-8"))
+            for shard in sorted(set(index.get("weight_map", {}).values())):
+                fetch(shard)
+        break
+    for file in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        fetch(file)
+    snapshot = config.parent.name if config.parent.parent.name == "snapshots" else ""
+    return config.parent, snapshot
+
+
+def _load_own_format(
+    name: str,
+    folder: Path,
+    *,
+    dtype: torch.dtype,
+    device: str,
+    tokenizer: Any = None,
+    revision: Any = None,
+    **kwargs: Any,
+) -> Any:
+    """Read a checkpoint of a family with a ``load`` (its folder, or its hub snapshot)."""
+    family = checkpoint_family(folder)
+    assert family is not None and family.load is not None
+    if kwargs:
+        raise ConfigError(
+            f"load_model({name!r}): option(s) {sorted(kwargs)} do not apply to a "
+            f"{family.model_type} checkpoint (gna_lens reads it, not transformers); accepted: "
+            "dtype, device, progress, tokenizer, revision."
+        )
+    del revision
+    extra = {"name": name} if family.checkpoint_format == "cartesia" else {}
+    return family.load(folder, dtype=dtype, device=device, tokenizer=tokenizer, **extra)
 
 
 # ----------------------------------------------------------------------------- mamba_ssm
@@ -289,11 +363,27 @@ def _provenance(
     model: Any,
     *,
     mamba_ssm: tuple[Path, str, str] | None = None,
+    own: tuple[Path, str] | None = None,
     revision: Any = None,
 ) -> Provenance:
     """What :func:`load_model` read: ``given`` as passed, ``name`` as resolved."""
     dtype = str(next(iter(model.parameters())).dtype).removeprefix("torch.")
     tok = getattr(model, "tokenizer", None)
+    if own is not None and own[1]:  # a hub snapshot of a family gna_lens reads itself
+        folder, commit = own
+        family = checkpoint_family(folder)
+        files = [Path(f) for f in getattr(model, "gna_weights_files", [])]
+        return Provenance(
+            name=given,
+            source="hub",
+            format=family.checkpoint_format if family is not None else "gna_lens",
+            location=name,
+            dtype=dtype,
+            stored_dtype=safetensors_dtypes([f for f in files if f.suffix == ".safetensors"]),
+            revision=commit,
+            tokenizer=str(getattr(model, "gna_tokenizer_source", "") or ""),
+            note=packaged.get("note", ""),
+        )
     if mamba_ssm is not None:
         from gna_lens.models import convert_mamba_ssm as cms
 
@@ -319,6 +409,8 @@ def _provenance(
     path = Path(name)
     fields = _folder_fields(path) if path.is_dir() else _hub_fields(name, revision)
     fields.update(packaged)
+    if getattr(model, "gna_tokenizer_source", ""):  # not the folder's own tokenizer
+        fields["tokenizer"] = str(model.gna_tokenizer_source)
     return Provenance(name=given, dtype=dtype, **fields)
 
 
@@ -347,9 +439,10 @@ def _folder_fields(folder: Path) -> dict[str, Any]:
         )
     files = weights_files(folder)
     zoo = folder.resolve().parent == _ZOO_ROOT
+    family = checkpoint_family(folder)
     return dict(
         source="zoo" if zoo else "local",
-        format="gna_lens" if checkpoint_family(folder) is not None else "transformers",
+        format=family.checkpoint_format if family is not None else "transformers",
         location=folder.name if zoo else str(folder),
         stored_dtype=safetensors_dtypes(files),
         files=tuple((f.name, sha256_of(f)) for f in files),

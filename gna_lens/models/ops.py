@@ -514,6 +514,7 @@ def mamba2_pattern(
     C: Float[Tensor, "batch pos group state"],
     head_group: Int[Tensor, " head"],
     rows: Int[Tensor, " row"] | None = None,
+    scale_keys: bool = True,
 ) -> Float[Tensor, "batch head row pos"]:
     """Materialized Mamba-2 implicit attention, one matrix per head.
 
@@ -528,6 +529,9 @@ def mamba2_pattern(
         C: ``[batch, pos, group, state]`` (all groups).
         head_group: The group index of each materialized head.
         rows: Query positions to materialize (all when ``None``).
+        scale_keys: Multiply by ``dt[b,j,h]`` (default). ``False`` gives ``(C_i · B_j) exp(A Σ
+            dt)``, the matrix of a mixer whose scan reads ``x / dt`` (DiscreteMamba2, Llamba):
+            there ``y = M @ x + D x`` without the trailing ``dt``.
 
     Returns:
         ``[batch, head, row, pos]``, zero above the causal diagonal.
@@ -535,7 +539,8 @@ def mamba2_pattern(
     q = _rows_tensor(rows, dt.shape[1], dt.device)
     dtT = dt.transpose(1, 2)  # [b, h, L]
     M = decay_matrix(dtT * A[:, None], rows)  # [b, h, R, L]
-    M.mul_(dtT[:, :, None, :])
+    if scale_keys:
+        M.mul_(dtT[:, :, None, :])
     CB = torch.einsum("brgn,bjgn->bgrj", C[:, q], B)  # [b, g, R, L]
     groups = CB.shape[1]
     heads = dt.shape[2]

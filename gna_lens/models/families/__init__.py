@@ -28,6 +28,7 @@ from gna_lens.models.families import (
     gna_swapped,
     granitemoehybrid,
     jamba,
+    llamba,
     mamba,
     mamba2,
     nemotron_h,
@@ -60,6 +61,7 @@ FAMILIES: dict[str, Family] = {
         gna_hybrid.FAMILY,
         gna_swapped.FAMILY,
         zamba2.FAMILY,
+        llamba.FAMILY,
     )
 }
 
@@ -130,8 +132,8 @@ def config_from_hf(hf_config: Any, config_cls: type[SSMConfig] = SSMConfig) -> S
 
 
 def checkpoint_family(path: Any) -> Family | None:
-    """The family of a folder holding a checkpoint in gna_lens's own format (a family with a
-    ``load``: no ``transformers`` class reads it), else ``None``.
+    """The family of a folder holding a checkpoint no ``transformers`` class reads (a family with
+    a ``load``: gna_lens's own formats, Cartesia's Llamba), else ``None``.
 
     Examples:
         >>> checkpoint_family("no/such/folder") is None
@@ -141,7 +143,11 @@ def checkpoint_family(path: Any) -> Family | None:
         data = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError, TypeError):
         return None
-    family = FAMILIES.get(str(data.get("model_type"))) if isinstance(data, dict) else None
+    if not isinstance(data, dict):
+        return None
+    family = FAMILIES.get(str(data.get("model_type")))
+    if family is None:
+        family = next((f for f in FAMILIES.values() if f.recognizes and f.recognizes(data)), None)
     return family if family is not None and family.load is not None else None
 
 

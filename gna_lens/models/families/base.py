@@ -50,6 +50,12 @@ class Family:
         saves: For a family with a ``save``: ``saves(model) -> bool`` says whether it saves a
             model of another architecture (one whose heads :func:`gna_lens.hybrid.swap_heads`
             swapped: ``HookedSSM.save_pretrained`` asks every such family first).
+        recognizes: For a family with a ``load`` whose ``config.json`` may lack a
+            ``model_type`` (Cartesia's Llamba): ``recognizes(parsed_config) -> bool``.
+        checkpoint_format: For a family with a ``load``: the format its provenance records
+            (``"gna_lens"``, ``"cartesia"``).
+        weights_files: For a family with a ``load``: the weights files :func:`gna_lens.load_model`
+            fetches from a hub, the first that exists (a ``.index.json`` brings its shards).
     """
 
     model_type: str
@@ -64,6 +70,9 @@ class Family:
     build_blocks: Callable[[SSMConfig], list[nn.Module]] | None = None
     hidden_acts: tuple[str, ...] = ("silu",)
     saves: Callable[[Any], bool] | None = None
+    recognizes: Callable[[Any], bool] | None = None
+    checkpoint_format: str = "gna_lens"
+    weights_files: tuple[str, ...] = ("model.safetensors",)
 
 
 def time_step_limit(value: Any) -> tuple[float, float]:

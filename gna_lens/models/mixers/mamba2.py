@@ -6,6 +6,7 @@ families' variations (Falcon-H1's multipliers, the output norm's kind) are field
 """
 
 from collections.abc import Mapping
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -56,9 +57,11 @@ def mamba2_pattern_part(
     C: Tensor,
     heads: Tensor | None,
     rows: Tensor | None,
+    scale_keys: bool = True,
 ) -> Tensor:
     """:func:`gna_lens.models.ops.mamba2_pattern` of the heads ``heads`` (``None``: all) of
-    ``dt`` / ``A`` / ``head_group``, with ``C · B`` computed for their groups only.
+    ``dt`` / ``A`` / ``head_group``, with ``C · B`` computed for their groups only
+    (``scale_keys``: as the op's).
 
     Examples:
         >>> import torch
@@ -72,7 +75,7 @@ def mamba2_pattern_part(
         True
     """
     if heads is None:
-        return ops.mamba2_pattern(dt, A, B, C, head_group, rows)
+        return ops.mamba2_pattern(dt, A, B, C, head_group, rows, scale_keys=scale_keys)
     groups, local = torch.unique(head_group.index_select(0, heads), return_inverse=True)
     return ops.mamba2_pattern(
         dt.index_select(2, heads),
@@ -81,6 +84,7 @@ def mamba2_pattern_part(
         C.index_select(2, groups),
         local,
         rows,
+        scale_keys=scale_keys,
     )
 
 
@@ -97,9 +101,18 @@ class Mamba2Mixer(SSMMixer):
             (``None``: :func:`gna_lens.models.kernels.pattern_budget`).
     """
 
+    #: Whether the pattern carries the key position's step ``dt_j`` (Mamba-2:
+    #: ``M = (C_i · B_j) exp(A Σ dt) dt_j``); a variant whose scan input is ``x / dt``
+    #: (DiscreteMamba2) has ``M = (C_i · B_j) exp(A Σ dt)`` and sets it ``False``.
+    pattern_scales_keys: ClassVar[bool] = True
+    #: Where the convolution's input ``xBC`` starts in ``in_proj``'s output (Mamba-2:
+    #: after ``z``).
+    conv_offset: int
+
     def __init__(self, cfg: SSMConfig):
         super().__init__(cfg)
         E, H, G, N = cfg.d_inner, cfg.n_heads, cfg.n_groups, cfg.d_state
+        self.conv_offset = E
         self.conv_dim = E + 2 * G * N
         self.in_proj = nn.Linear(cfg.d_model, E + self.conv_dim + H, bias=cfg.proj_bias)
         if cfg.ssm_multipliers:  # Falcon-H1's muP vector over the sections z, x, B, C, dt
@@ -132,9 +145,16 @@ class Mamba2Mixer(SSMMixer):
         out_bias = cfg.proj_bias if cfg.out_proj_bias is None else cfg.out_proj_bias
         self.out_proj = nn.Linear(E, cfg.d_model, bias=out_bias)
         self.register_buffer("head_group", torch.arange(H) // (H // G), persistent=False)
-        self.hook_in_proj = (
-            HookPoint()
-        )  # [batch, pos, 2 * d_inner + 2 * n_groups * d_state + n_heads]
+        self._add_hook_points()
+        self.last_path: dict[str, str] = {}
+        self.pattern_budget_bytes: int | None = None
+
+    # ------------------------------------------------------------------ shared by both paths
+    def _add_hook_points(self) -> None:
+        """The mixer's hook points (shapes in the comments; ``in_proj``'s sections in the
+        family's order)."""
+        # [batch, pos, 2 * d_inner + 2 * n_groups * d_state + n_heads]
+        self.hook_in_proj = HookPoint()
         self.hook_conv = HookPoint()  # [batch, pos, conv_dim], before SiLU
         self.hook_ssm_input = HookPoint()  # [batch, pos, head_index, d_head]
         self.hook_ssm_dt = HookPoint()  # [batch, pos, head_index]
@@ -145,10 +165,7 @@ class Mamba2Mixer(SSMMixer):
         self.hook_ssm_out = HookPoint()  # [batch, pos, head_index, d_head], y + D x
         self.hook_gate = HookPoint()  # [batch, pos, d_inner], z before SiLU
         self.hook_z = HookPoint()  # [batch, pos, head_index, d_head]
-        self.last_path: dict[str, str] = {}
-        self.pattern_budget_bytes: int | None = None
 
-    # ------------------------------------------------------------------ shared by both paths
     def project(self, h: Tensor) -> Tensor:
         """``hook_in_proj``: ``in_proj`` of the input (with Falcon-H1's multipliers)."""
         m = self.cfg.ssm_in_multiplier
@@ -156,6 +173,27 @@ class Mamba2Mixer(SSMMixer):
         if self.mup_vector is not None:
             out = out * self.mup_vector
         return self.hook_in_proj(out)
+
+    def split_projection(self, proj: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``(z, xBC, dt_raw)`` of ``in_proj``'s output (Mamba-2's order: ``z``, ``xBC``,
+        ``dt``)."""
+        cfg = self.cfg
+        z, xBC, dt_raw = proj.split([cfg.d_inner, self.conv_dim, cfg.n_heads], dim=-1)
+        return z, xBC, dt_raw
+
+    def gate_input(self, z: Tensor) -> Tensor:
+        """What ``hook_gate`` holds: ``z`` (a variant adds its bias)."""
+        return z
+
+    def scan_values(self, x: Tensor, dt: Tensor) -> Tensor:
+        """The values the scan multiplies by ``dt`` (``h_t = exp(dt A) h + dt v_t B_t``):
+        ``x`` (a variant divides by ``dt``)."""
+        del dt
+        return x
+
+    def activate(self, conv: Tensor) -> Tensor:
+        """The convolution output through ``hook_conv`` and the activation (SiLU)."""
+        return F.silu(self.hook_conv(conv))
 
     def gate_norm(self, y: Tensor, z: Tensor) -> Tensor:
         """The gated output norm of ``y`` ``[..., E]`` (see ``SSMConfig.mamba_norm``)."""
@@ -192,7 +230,7 @@ class Mamba2Mixer(SSMMixer):
         b, L = y.shape[:2]
         E, H, P = cfg.d_inner, cfg.n_heads, cfg.d_head
         y = self.hook_ssm_out(y + x * self.D[:, None])
-        normed = self.gate_norm(y.reshape(b, L, E), self.hook_gate(z))
+        normed = self.gate_norm(y.reshape(b, L, E), self.hook_gate(self.gate_input(z)))
         head_in = self.hook_z(normed.view(b, L, H, P))
         return self.out_proj(head_in.reshape(b, L, E).to(dtype))
 
@@ -209,10 +247,9 @@ class Mamba2Mixer(SSMMixer):
     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
         """``z, x, B, C, dt, A`` of a whole sequence (in_proj, causal convolution, SiLU; padded
         positions zeroed before and after the convolution)."""
-        cfg = self.cfg
         if mask is not None:
             h = h * mask[..., None].to(h.dtype)
-        z, xBC, dt_raw = self.project(h).split([cfg.d_inner, self.conv_dim, cfg.n_heads], dim=-1)
+        z, xBC, dt_raw = self.split_projection(self.project(h))
         xBC = self._conv_silu(xBC)
         if mask is not None:
             xBC = xBC * mask[..., None].to(xBC.dtype)
@@ -228,7 +265,7 @@ class Mamba2Mixer(SSMMixer):
         )
         self.last_path = {"conv": path}
         conv = conv.transpose(1, 2)
-        return conv if fused else F.silu(self.hook_conv(conv))
+        return conv if fused else self.activate(conv)
 
     def _scan(self, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor) -> Tensor:
         materialize = has_hooks(self.hook_pattern)
@@ -265,7 +302,7 @@ class Mamba2Mixer(SSMMixer):
         else the chunked scan; ``None`` when the materialized pattern will give every head and
         row."""
         if has_hooks(self.hook_ssm_state):
-            states = ops.mamba2_recurrent(x, dt, A, B, C)
+            states = ops.mamba2_recurrent(self.scan_values(x, dt), dt, A, B, C)
             states, edited = state_through_hook(self.hook_ssm_state, states)
             if edited and materialize:
                 self._refuse_state_edit()
@@ -273,7 +310,7 @@ class Mamba2Mixer(SSMMixer):
             self._record_scan("torch.recurrent")
             return torch.einsum("blhpn,blhn->blhp", states, Ch)
         if not materialize or heads is not None or rows is not None:
-            y, path = kernels.mamba2_scan(x, dt, A, B, C, self.cfg.chunk_size)
+            y, path = kernels.mamba2_scan(self.scan_values(x, dt), dt, A, B, C, self.cfg.chunk_size)
             self._record_scan(path)
             return y
         return None
@@ -343,7 +380,9 @@ class Mamba2Mixer(SSMMixer):
 
         budget = self.pattern_budget_bytes or kernels.current_pattern_budget()
         job = kernels.PatternJob(
-            build=lambda *a: mamba2_pattern_part(hg, *a),
+            build=lambda dt_, A_, B_, C_, h_, r_: mamba2_pattern_part(
+                hg, dt_, A_, B_, C_, h_, r_, scale_keys=self.pattern_scales_keys
+            ),
             shape=(batch, n_heads, n_rows, length),
             rows=rows,
             cost=cost,
@@ -374,8 +413,9 @@ class Mamba2Mixer(SSMMixer):
         B = acts["hook_ssm_B"][:, :P].float()
         A = -torch.exp(self.A_log.float())
         G = x.shape[0]
-        E, H, Gr = cfg.d_inner, cfg.n_heads, cfg.n_groups
-        conv_in = acts["hook_in_proj"][..., E : E + self.conv_dim]
+        H, Gr = cfg.n_heads, cfg.n_groups
+        conv_in = acts["hook_in_proj"][..., self.conv_offset : self.conv_offset + self.conv_dim]
+        x = self.scan_values(x, dt)
         hpg = H // Gr
         w = torch.exp(reverse_segsum(dt * A)) * dt  # [G, P, H]
         state = torch.einsum(
@@ -419,17 +459,18 @@ class Mamba2Mixer(SSMMixer):
         prefix whose convolution window and SSM state are in ``state``."""
         cfg = self.cfg
         H, G = cfg.n_heads, cfg.n_groups
-        z, xBC, dt_raw = self.project(h).split([cfg.d_inner, self.conv_dim, H], dim=-1)
+        z, xBC, dt_raw = self.split_projection(self.project(h))
         conv = conv_last(torch.cat([state["conv"].to(xBC.dtype), xBC], dim=1), self.conv1d)
-        xBC = F.silu(self.hook_conv(conv))
+        xBC = self.activate(conv)
         x, B, C, dt = self._ssm_inputs(xBC, dt_raw)
         A = -torch.exp(self.A_log.float())
         hpg = H // G
         Bh = B[:, 0].float().repeat_interleave(hpg, dim=1)  # [R, H, N]
         Ch = C[:, 0].float().repeat_interleave(hpg, dim=1)
         d = dt[:, 0].float()  # [R, H]
+        v = self.scan_values(x, dt)[:, 0].float()
         s = torch.exp(d * A)[..., None, None] * state["state"] + (
-            d[..., None, None] * x[:, 0].float()[..., None] * Bh[:, :, None, :]
+            d[..., None, None] * v[..., None] * Bh[:, :, None, :]
         )
         y = torch.einsum("rhpn,rhn->rhp", s, Ch)[:, None].to(x.dtype)
         return z, x, y
