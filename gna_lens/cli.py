@@ -291,7 +291,10 @@ def _evaluate(args: argparse.Namespace) -> int:
             metric=args.metric,
             num_fewshot=args.num_fewshot,
             ranking_samples=args.ranking_samples,
+            ranking_metric=args.ranking_metric,
             sweep_dtype=None if args.sweep_dtype == "float32" else args.sweep_dtype,
+            random_draws=args.random_draws,
+            random_k=args.random_k,
             seed=args.seed,
             out=args.out,
             dtype=args.dtype,
@@ -602,6 +605,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     ev.add_argument(
         "--ranking-samples", type=int, default=16,
         help="KV prompts the ranking is made on when --ranking is not given (16)",
+    )  # fmt: skip
+    ev.add_argument(
+        "--ranking-metric", default=None, choices=["logit_diff", "accuracy"],
+        help="metric of the ranking made when --ranking is not given: logit_diff (default) or "
+        "accuracy (the paper's protocol: every head ablated alone, accuracy drop)",
+    )  # fmt: skip
+    ev.add_argument(
+        "--random-draws", type=int, default=0,
+        help="extra rows random-K #1..#N, each removing K random heads outside the top K, "
+        "layer-matched, and their mean (0: none)",
+    )  # fmt: skip
+    ev.add_argument(
+        "--random-k", type=int, default=None,
+        help="heads per random row, one of --remove-top (default: its largest)",
     )  # fmt: skip
     ev.add_argument(
         "--sweep-dtype", default="float32", choices=["auto", "float32", "bfloat16"],

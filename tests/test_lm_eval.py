@@ -3,6 +3,7 @@ equality with :func:`gna_lens.tasks.evaluate` under ablation, no hook left behin
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -236,8 +237,9 @@ def test_load_ranking_rebuilds_the_scans_ranking(tmp_path):
         gl.load_ranking(path)
 
 
-def test_evaluate_command_writes_the_table(checkpoints, tmp_path):
-    """`gna-lens evaluate` end to end on a tiny checkpoint and the offline MMLU tasks."""
+def test_evaluate_command_writes_the_table(checkpoints, tmp_path, capsys):
+    """`gna-lens evaluate` end to end on a tiny checkpoint and the offline MMLU tasks, with
+    random rows (--random-draws, --random-k); --ranking-metric reaches evaluate_table."""
     from gna_lens.cli import main
 
     ranking = tmp_path / "ranking.json"
@@ -246,12 +248,16 @@ def test_evaluate_command_writes_the_table(checkpoints, tmp_path):
     rc = main(
         ["evaluate", checkpoints["mamba2"], "--tasks", "gna_mmlu_letter,gna_mmlu_cloze",
          "--remove-top", "0,2,4", "--ranking", str(ranking), "--limit", "12", "--out", str(out),
-         "--batch-size", "8", "--quiet"]
+         "--batch-size", "8", "--quiet", "--random-draws", "2", "--random-k", "2"]
     )  # fmt: skip
     assert rc == 0
     data = json.loads((out / "table.json").read_text())
     assert {p.name for p in out.iterdir()} >= {"table.md", "table.csv", "table.svg", "tasks"}
-    cells = {(c["k"], c["task"]): c for c in data["cells"]}
+    randoms = [c for c in data["cells"] if c.get("kind") == "random"]
+    assert len(randoms) == 4 and {c["k"] for c in randoms} == {2}
+    assert all(not {(1, 0), (0, 2)} & {tuple(h) for h in c["heads"]} for c in randoms)
+    assert "| random-2 #2 |" in (out / "table.md").read_text()
+    cells = {(c["k"], c["task"]): c for c in data["cells"] if "kind" not in c}
     assert len(cells) == 6 and data["ranking"] == [[1, 0], [0, 2], [1, 5], [0, 7]]
     for task in ("gna_mmlu_letter", "gna_mmlu_cloze"):
         base = cells[(0, task)]
@@ -268,6 +274,11 @@ def test_evaluate_command_writes_the_table(checkpoints, tmp_path):
     table = (out / "table.md").read_text()
     assert "| 4 |" in table and "pts" in table
     assert not math.isnan(cells[(0, "gna_mmlu_letter")]["value"]["value"])
+    rc = main(
+        ["evaluate", checkpoints["mamba2"], "--ranking", str(ranking), "--ranking-metric",
+         "accuracy", "--out", str(tmp_path / "no"), "--quiet"]
+    )  # fmt: skip
+    assert rc == 2 and "ranking_metric='accuracy' with a ranking given" in capsys.readouterr().err
 
 
 def test_table_api_returns_frozen_result(checkpoints):
@@ -288,7 +299,6 @@ def test_recipe_blocks_run_and_print_what_the_page_says(tmp_path, monkeypatch):
     keeping vs denying its pattern keeps vs breaks retrieval."""
     import contextlib
     import io
-    import re
     from pathlib import Path
 
     monkeypatch.chdir(tmp_path)
@@ -387,3 +397,123 @@ def test_a_ranking_of_channel_groups_removes_the_groups(tmp_path, checkpoints):
     llama = gl.GnaLM(pretrained=checkpoints["llama"]).model
     with pytest.raises(ConfigError, match="addresses Mamba-1 channel groups"):
         gl.evaluate_table(llama, ["gna_mmlu_cloze"], [0, 1], ranking=path, limit=6)
+
+
+def _toy_table(model, tmp_path, ranking, remove_top, **kw):
+    from gna_lens.testing import toy_gna_task
+
+    if not (tmp_path / "toy_kv.yaml").exists():
+        gl.write_task(toy_gna_task(model, n_pairs=4, n_samples=12, seed=1), tmp_path, "toy_kv")
+    return gl.evaluate_table(
+        model, ["toy_kv"], remove_top, ranking=ranking, task_dir=tmp_path, progress=False,
+        limit=None, **kw,
+    )  # fmt: skip
+
+
+def test_random_rows_are_layer_matched_outside_the_top_k_and_reproducible(tmp_path):
+    """random-K #i rows remove K heads outside the ranking's top K with as many heads per layer
+    (the toy has two other heads per layer), the same ones for the same seed, other ones for
+    another seed; their mean has an interval over draws and items; every output shows them."""
+    from collections import Counter
+
+    from gna_lens.heads import head_view
+    from gna_lens.scoring import matched_random_sets
+    from gna_lens.testing import TOY_AGGREGATE_HEAD, TOY_GATHER_HEAD, toy_gna_model
+
+    model = toy_gna_model(generic_head=True)
+    ranking = [TOY_AGGREGATE_HEAD, TOY_GATHER_HEAD]
+    table = _toy_table(model, tmp_path, ranking, [0, 2], random_draws=3)
+    labels = ["random-2 #1", "random-2 #2", "random-2 #3"]
+    assert table.rows() == ["0", "2", *labels, "random-2 mean"]
+    draws = [table.cell(r, "toy_kv") for r in labels]
+    sets = [c.heads for c in draws]
+    assert len(set(sets)) == 3 and table.method["random"]["matching"] == "layer"
+    for heads in sets:
+        assert not set(heads) & set(ranking), f"random heads {heads} overlap the top 2 {ranking}"
+        assert Counter(layer for layer, _ in heads) == Counter(layer for layer, _ in ranking)
+    mean = table.cell("random-2 mean", "toy_kv")
+    values = [c.value.value for c in draws]
+    assert mean.value.value == pytest.approx(sum(values) / 3)
+    assert mean.change.method == "bootstrap (draws x prompts)" and mean.change.n == 3 * mean.n
+    assert mean.change.low <= mean.change.value <= mean.change.high
+
+    again = _toy_table(model, tmp_path, ranking, [0, 2], random_draws=3)
+    assert [again.cell(r, "toy_kv").heads for r in labels] == sets
+    assert [again.cell(r, "toy_kv").items for r in labels] == [c.items for c in draws]
+    view = head_view(model)
+    other = next(
+        s for s in range(1, 50) if matched_random_sets(view, ranking, 1, s).sets[0] != sets[0]
+    )
+    moved = _toy_table(model, tmp_path, ranking, [0, 2], random_draws=1, seed=other)
+    assert moved.cell("random-2 #1", "toy_kv").heads != sets[0]
+
+    paths = table.write(tmp_path / "out")
+    first = gl.format_heads(sets[0])
+    md = paths["markdown"].read_text()
+    assert "| random-2 #1 |" in md and "| random-2 mean |" in md
+    assert f"random-2 #1 {first}" in md and "over the draws and the items" in md
+    assert f"random-2 #1,2,{first},toy_kv" in paths["csv"].read_text()
+    data = json.loads(paths["json"].read_text())
+    assert gl.BenchmarkTable.from_dict(data).to_dict() == data
+    svg = paths["svg"].read_text()
+    top_x = [float(x) for x in re.findall(r'<circle cx="([\d.]+)" cy="[\d.]+" r="3" fill="#', svg)]
+    random_x = {float(x) for x in re.findall(r'class="random" cx="([\d.]+)"', svg)}
+    assert random_x == {top_x[-1] + 6} and "random-2 #1" in svg  # beside the top-2 row's point
+    assert any(t.name == "toy_kv random-2" for t in table.figure().data)
+
+
+def test_random_rows_fall_back_to_any_layer_and_say_so(tmp_path):
+    """Without the generic head layer 1 has one other head: the top-1 Aggregate head's layer
+    cannot give distinct layer-matched sets, so the draws take any layer and the table says so;
+    a random_k that no top-k row matches is refused."""
+    from gna_lens.testing import TOY_AGGREGATE_HEAD, TOY_GATHER_HEAD, toy_gna_model
+
+    model = toy_gna_model()
+    ranking = [TOY_AGGREGATE_HEAD, TOY_GATHER_HEAD]
+    table = _toy_table(model, tmp_path, ranking, [0, 1, 2], random_draws=3, random_k=1)
+    sets = [c.heads for c in table.random_cells("toy_kv") if c.kind == "random"]
+    assert len(set(sets)) == 3 and all(TOY_AGGREGATE_HEAD not in s for s in sets)
+    assert {s[0][0] for s in sets} == {0, 1} and table.method["random"]["matching"] == "kind"
+    assert "from any layer" in table.to_markdown()
+    with pytest.raises(ConfigError, match="random_k=3 with remove_top=\\[0, 1, 2\\]"):
+        _toy_table(model, tmp_path, ranking, [0, 1, 2], random_draws=2, random_k=3)
+    with pytest.raises(ConfigError, match="without random_draws"):
+        _toy_table(model, tmp_path, ranking, [0, 1, 2], random_k=1)
+
+
+def test_ranking_metric_accuracy_is_the_papers_protocol(tmp_path, monkeypatch):
+    """ranking_metric="accuracy" ranks by each head's accuracy drop with every head ablated
+    alone (no prefilter), and the table says which metric ranked its heads."""
+    import gna_lens.scan
+    import gna_lens.scoring
+    from gna_lens.scan import ScanTasks
+    from gna_lens.testing import toy_control, toy_gna_model, toy_gna_task
+
+    model = toy_gna_model(generic_head=True)
+    monkeypatch.setattr(
+        gna_lens.scan,
+        "build_tasks",
+        lambda *a, **k: ScanTasks(toy_gna_task(model, n_samples=8), {}),
+    )
+    monkeypatch.setattr(gna_lens.scoring, "resolve_control", lambda *a, **k: toy_control(model))
+    calls = []
+    score_heads = gna_lens.scoring.score_heads
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return score_heads(*args, **kwargs)
+
+    monkeypatch.setattr(gna_lens.scoring, "score_heads", spy)
+    table = _toy_table(model, tmp_path, None, [0, 2], ranking_metric="accuracy")
+    assert calls[-1]["metric"] == "accuracy" and calls[-1]["strategy"] == "exact"
+    assert calls[-1]["prefilter"] is None
+    assert sorted(table.ranking) == [(0, 0), (1, 0)]
+    assert table.method["ranking_metric"] == "accuracy"
+    md = table.to_markdown()
+    assert "Heads ranked by: accuracy (the paper's protocol" in md.split("- Model:")[0]
+    default = _toy_table(model, tmp_path, None, [0, 2])
+    assert calls[-1]["metric"] == "logit_diff" and default.method["ranking_metric"] == "logit_diff"
+    with pytest.raises(ConfigError, match="only applies to the ranking computed here"):
+        _toy_table(model, tmp_path, [(1, 0)], [0, 1], ranking_metric="accuracy")
+    with pytest.raises(ConfigError, match="expected one of \\['logit_diff', 'accuracy'\\]"):
+        _toy_table(model, tmp_path, None, [0, 1], ranking_metric="acc")

@@ -13,7 +13,9 @@ arguments)::
   TransformerBridge or HookedSSM, with heads ablated (``mode``, ``positions``) or G&A patterns
   masked; hooks exist only during each forward pass.
 - :func:`evaluate_table`: lm-eval once per row of removed heads (top 0 / 10 / 20 / 30 of a
-  ranking), the paper's table as a :class:`BenchmarkTable` (also ``gna-lens evaluate``).
+  ranking, optionally rows of as many random layer-matched heads), the paper's table as a
+  :class:`BenchmarkTable` (also ``gna-lens evaluate``); the ranking made on the fly by
+  ``logit_diff`` or, the paper's protocol, single-head ``accuracy`` (:data:`RANKING_METRICS`).
 - :func:`write_tasks`: the offline tasks (:data:`LOCAL_TASKS`: MMLU letter and cloze, KV
   retrieval) as YAML + JSON lines.
 """
@@ -28,6 +30,7 @@ if importlib.util.find_spec("lm_eval") is None:
 
 from gna_lens.lm_eval._model import GnaLM, Intervention, format_heads, parse_heads, register
 from gna_lens.lm_eval.table import (
+    RANKING_METRICS,
     BenchmarkTable,
     TableCell,
     evaluate_table,
@@ -39,6 +42,7 @@ register()
 
 __all__ = [
     "LOCAL_TASKS",
+    "RANKING_METRICS",
     "BenchmarkTable",
     "GnaLM",
     "Intervention",

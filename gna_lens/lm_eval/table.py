@@ -5,7 +5,9 @@
 runs lm-eval's ``simple_evaluate`` on the same model with the top ``k`` heads ablated, and
 returns a :class:`BenchmarkTable`: per task and row the metric with a 95% interval from the
 per-item results (Wilson for 0/1 metrics, else a bootstrap), and its change from the row without
-ablation, absolute (paired bootstrap over the same items) and relative.
+ablation, absolute (paired bootstrap over the same items) and relative. With ``random_draws``
+it adds rows that remove as many random heads (layer-matched, outside the ranking's top ``k``),
+and their mean over the draws.
 """
 
 import contextlib
@@ -23,17 +25,19 @@ import torch
 
 from gna_lens.device import HOST
 from gna_lens.errors import ConfigError, GnaLensError
-from gna_lens.heads import Head, HeadList
+from gna_lens.heads import Head, HeadList, head_view
 from gna_lens.lm_eval._model import GnaLM, _device, _dtype, format_heads, parse_heads
 from gna_lens.lm_eval.tasks import LOCAL_TASKS, is_local, write_tasks
-from gna_lens.render.markdown import benchmark_markdown
+from gna_lens.render.markdown import benchmark_markdown, heads_label
 from gna_lens.render.plotly import benchmark_figure
 from gna_lens.render.svg import benchmark_svg
-from gna_lens.stats import Interval, bootstrap_interval, wilson_interval
+from gna_lens.scoring import RandomHeadSets, matched_random_sets
+from gna_lens.stats import Interval, bootstrap_interval, two_level_interval, wilson_interval
 
 __all__ = [
     "DEFAULT_LIMIT",
     "DEFAULT_TASKS",
+    "RANKING_METRICS",
     "BenchmarkTable",
     "TableCell",
     "evaluate_table",
@@ -46,6 +50,8 @@ DEFAULT_TASKS = ("gna_kv", "gna_mmlu_letter", "gna_mmlu_cloze")
 DEFAULT_LIMIT = 100
 #: Metrics tried in order when a task's metric is not given.
 _METRIC_ORDER = ("acc", "exact_match", "em", "f1", "acc_norm", "word_perplexity")
+#: Metrics of the ranking computed by :func:`evaluate_table` (``ranking_metric``).
+RANKING_METRICS = ("logit_diff", "accuracy")
 _CHANCE = {"gna_mmlu_letter": 0.25, "gna_mmlu_cloze": 0.25, "gna_kv": 1 / 6, "gna_kv_paper": 1 / 6}
 
 
@@ -58,7 +64,7 @@ class TableCell:
     """One task in one row of the table.
 
     Attributes:
-        k: Heads removed (the top ``k`` of the ranking).
+        k: Heads removed (the top ``k`` of the ranking, or ``k`` random heads).
         task: lm-eval's task (or group) name.
         metric: The metric (``"acc"``, ``"exact_match"``, ...) and lm-eval's filter
             (``"acc,none"``).
@@ -70,7 +76,15 @@ class TableCell:
             items; ``None`` in the ``k = 0`` row.
         relative: ``change / value at k = 0`` (NaN when that is 0 or in the ``k = 0`` row).
         chance: The task's chance level where known (local tasks), else ``None``.
-        items: Per-item metric values, in lm-eval's (sub-task, doc_id) order.
+        items: Per-item metric values, in lm-eval's (sub-task, doc_id) order (the mean over the
+            draws in a ``"random_mean"`` row).
+        kind: ``"top"`` (the top ``k`` of the ranking), ``"random"`` (``k`` random heads, one
+            draw) or ``"random_mean"`` (the mean of the random draws: ``value`` and ``change``
+            with 95% intervals over the draws and the items,
+            :func:`~gna_lens.stats.two_level_interval`).
+        draw: The random draw (1, 2, ...); 0 in the other rows.
+        heads: The heads a ``"random"`` row removed; ``()`` in the others (a top row removes
+            :attr:`BenchmarkTable.ranking` ``[:k]``).
     """
 
     k: int
@@ -83,10 +97,23 @@ class TableCell:
     relative: float
     chance: float | None = None
     items: tuple[float, ...] = field(default=(), repr=False)
+    kind: str = "top"
+    draw: int = 0
+    heads: tuple[Head, ...] = ()
+
+    @property
+    def label(self) -> str:
+        """The row's name in the rendered table: ``"10"``, ``"random-10 #1"``,
+        ``"random-10 mean"``."""
+        if self.kind == "random":
+            return f"random-{self.k} #{self.draw}"
+        if self.kind == "random_mean":
+            return f"random-{self.k} mean"
+        return str(self.k)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready (per-item values included)."""
-        return {
+        """JSON-ready (per-item values included; ``kind``, ``draw`` and ``heads`` in random rows)."""
+        out = {
             "k": self.k,
             "task": self.task,
             "metric": self.metric,
@@ -98,6 +125,9 @@ class TableCell:
             "chance": self.chance,
             "items": list(self.items),
         }
+        if self.kind != "top":
+            out |= {"kind": self.kind, "draw": self.draw, "heads": [list(h) for h in self.heads]}
+        return out
 
     def format(self) -> str:
         """``"53.0 [43.3, 62.5]"``, plus ``"; -7.0 [-12.0, -2.0] pts, -12%"`` for ``k > 0``."""
@@ -118,10 +148,13 @@ class BenchmarkTable:
         tasks: The tasks (columns).
         remove_top: The numbers of heads removed (rows).
         ranking: The ranking the rows take their heads from (most critical first).
-        cells: One :class:`TableCell` per row and task.
-        method: How it was made: ablation mode and positions, ranking source, weights
-            provenance, item limit, lm-eval and gna_lens versions, seeds.
-        seconds: Wall time, total and per row (``{"total": ..., "k=0": ...}``).
+        cells: One :class:`TableCell` per row and task: the top-``k`` rows, then any random
+            rows (``random-10 #1``, ``random-10 #2``, ..., ``random-10 mean``).
+        method: How it was made: ablation mode and positions, ranking source and metric,
+            weights provenance, item limit, lm-eval and gna_lens versions, seeds, and under
+            ``"random"`` how the random heads were drawn.
+        seconds: Wall time, total and per row (``{"total": ..., "k=0": ...,
+            "random-10 #1": ...}``).
     """
 
     model: str
@@ -132,28 +165,50 @@ class BenchmarkTable:
     method: dict[str, Any] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
 
-    def cell(self, k: int, task: str) -> TableCell:
-        """The cell of row ``k`` and ``task``."""
+    def cell(self, row: int | str, task: str) -> TableCell:
+        """The cell of ``row`` and ``task``.
+
+        Args:
+            row: ``k`` for the top-``k`` row, or a row's label (``"random-10 #1"``,
+                ``"random-10 mean"``; :attr:`TableCell.label`).
+            task: The task.
+
+        Raises:
+            GnaLensError: For a row or task the table does not have.
+        """
+        label = str(row)
         for c in self.cells:
-            if c.k == k and c.task == task:
+            if c.label == label and c.task == task:
                 return c
         raise GnaLensError(
-            f"BenchmarkTable.cell({k}, {task!r}): no such cell; rows {list(self.remove_top)}, "
+            f"BenchmarkTable.cell({row!r}, {task!r}): no such cell; rows {self.rows()}, "
             f"tasks {list(self.tasks)}."
         )
 
+    def rows(self) -> list[str]:
+        """The rows' labels in order: ``["0", "10", ..., "random-10 #1", ..., "random-10 mean"]``."""
+        return list(dict.fromkeys(c.label for c in self.cells))
+
+    def random_cells(self, task: str) -> list[TableCell]:
+        """The random rows of ``task`` (the draws, then their mean); ``[]`` without random rows."""
+        return [c for c in self.cells if c.kind != "top" and c.task == task]
+
     def to_dataframe(self) -> Any:
-        """One row per (k, task): ``k, heads, task, metric, n, value, low, high, stderr,
-        change, change_low, change_high, relative, chance``."""
+        """One row per (row, task): ``row, k, heads, task, metric, n, value, low, high, stderr,
+        change, change_low, change_high, relative, chance``; ``row`` is the label
+        (``"10"``, ``"random-10 #1"``, ``"random-10 mean"``), ``heads`` the heads removed
+        (empty in the mean of the random draws)."""
         import pandas as pd
 
         rows = []
         for c in self.cells:
             ch = c.change
+            heads = self.ranking[: c.k] if c.kind == "top" else c.heads
             rows.append(
                 {
+                    "row": c.label,
                     "k": c.k,
-                    "heads": format_heads(self.ranking[: c.k]),
+                    "heads": format_heads(heads),
                     "task": c.task,
                     "metric": c.metric,
                     "n": c.n,
@@ -172,7 +227,7 @@ class BenchmarkTable:
 
     def to_markdown(self) -> str:
         """The table (rows: heads removed; columns: tasks) and the method, as markdown."""
-        return benchmark_markdown(self)
+        return _with_random_rows(self, benchmark_markdown(self))
 
     def to_dict(self) -> dict[str, Any]:
         """Everything, JSON-ready."""
@@ -212,6 +267,9 @@ class BenchmarkTable:
                     relative=math.nan if c["relative"] is None else float(c["relative"]),
                     chance=c.get("chance"),
                     items=tuple(c.get("items", ())),
+                    kind=c.get("kind", "top"),
+                    draw=int(c.get("draw", 0)),
+                    heads=tuple((int(a), int(b)) for a, b in c.get("heads", ())),
                 )
             )
         return cls(
@@ -225,12 +283,13 @@ class BenchmarkTable:
         )
 
     def figure(self) -> Any:
-        """A plotly figure: each task's metric (%, 95% intervals) against heads removed."""
-        return benchmark_figure(self)
+        """A plotly figure: each task's metric (%, 95% intervals) against heads removed (random
+        draws as open circles at their ``k``, their mean as an open diamond)."""
+        return _random_figure(self, benchmark_figure(self))
 
     def to_svg(self, width: int = 560, height: int = 320) -> str:
         """The figure as a small self-contained SVG (no plotly, no browser)."""
-        return benchmark_svg(self, width, height)
+        return _random_svg(self, benchmark_svg(self, width, height), width, height)
 
     def write(self, folder: str | Path) -> dict[str, Path]:
         """Write ``table.md``, ``table.csv``, ``table.json`` and ``table.svg`` into ``folder``.
@@ -241,6 +300,134 @@ class BenchmarkTable:
         from gna_lens._tables import write_table_files
 
         return write_table_files(self, folder)
+
+
+# ----------------------------------------------------------------------------- random rows
+def _with_random_rows(table: BenchmarkTable, text: str) -> str:
+    """``benchmark_markdown``'s text with the random rows below the top-``k`` rows, and the
+    ranking metric and the random draws in the notes."""
+    lines = text.split("\n")
+    m = table.method
+    notes = []
+    if m.get("ranking_metric"):
+        notes.append(f"Heads ranked by: {m['ranking_metric_description']}.")
+    labels = [r for r in table.rows() if not r.isdigit()]
+    if labels:
+        at = 2 + len(table.remove_top)  # the header, its rule, one line per top-k row
+        lines[at:at] = [
+            f"| {r} | " + " | ".join(table.cell(r, t).format() for t in table.tasks) + " |"
+            for r in labels
+        ]
+        notes.append(
+            f"Rows random-{m['random']['k']} #i: {m['random']['k']} random heads each "
+            f"({m['random']['matching_description']}); random-{m['random']['k']} mean: the mean "
+            f"over the draws, {m['random']['interval']}."
+        )
+    at = next((i + 1 for i, line in enumerate(lines) if line.startswith("Values:")), len(lines))
+    lines[at:at] = notes
+    if labels:
+        at = next((i + 1 for i, ln in enumerate(lines) if ln.startswith("- Ranking:")), len(lines))
+        first = table.random_cells(table.tasks[0])
+        lines.insert(
+            at,
+            "- Random heads: "
+            + "; ".join(f"{c.label} {heads_label(c.heads, ';')}" for c in first if c.heads),
+        )
+    return "\n".join(lines)
+
+
+#: The layout of :func:`gna_lens.render.svg.benchmark_svg` (margins, colours), which the random
+#: rows are drawn into; a test checks that the random markers sit at the top-``k`` row's ``x``.
+_SVG_MARGINS = (56, 150, 30, 44)
+_SVG_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
+
+
+def _random_svg(table: BenchmarkTable, svg: str, width: int, height: int) -> str:
+    """``svg`` with each task's random draws (open circles, labelled ``random-k #i`` in their
+    tooltip) and their mean (open diamond with its interval) just right of the top-``k`` point."""
+    import html
+
+    if not any(c.kind != "top" for c in table.cells):
+        return svg
+    left, right, top, bottom = _SVG_MARGINS
+    w, h = width - left - right, height - top - bottom
+    kmax = max(max(table.remove_top), 1)
+
+    def y(v: float) -> float:
+        return top + h * (1 - v)
+
+    out = []
+    for i, t in enumerate(table.tasks):
+        col = _SVG_COLORS[i % len(_SVG_COLORS)]
+        for c in table.random_cells(t):
+            x = left + w * c.k / kmax + (6 if c.kind == "random" else 12)
+            tip = f"<title>{html.escape(c.label)} {t}: {c.value.format(percent=True)}</title>"
+            if not math.isnan(c.value.low) and c.kind == "random_mean":
+                out.append(
+                    f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{y(c.value.low):.1f}" '
+                    f'y2="{y(c.value.high):.1f}" stroke="{col}" stroke-dasharray="2 2"/>'
+                )
+            cy = y(c.value.value)
+            if c.kind == "random":
+                out.append(
+                    f'<circle class="random" cx="{x:.1f}" cy="{cy:.1f}" r="3" fill="white" '
+                    f'stroke="{col}">{tip}</circle>'
+                )
+            else:
+                out.append(
+                    f'<polygon class="random-mean" points="{x:.1f},{cy - 4:.1f} {x + 4:.1f},'
+                    f'{cy:.1f} {x:.1f},{cy + 4:.1f} {x - 4:.1f},{cy:.1f}" fill="white" '
+                    f'stroke="{col}">{tip}</polygon>'
+                )
+    k = table.method.get("random", {}).get("k", "k")
+    n = sum(c.kind == "random" for c in table.random_cells(table.tasks[0]))
+    ly = top + 14 + 18 * len(table.tasks)
+    out.append(
+        f'<circle cx="{left + w + 17}" cy="{ly - 3}" r="3" fill="white" stroke="#555"/>'
+        f'<text x="{left + w + 26}" y="{ly + 1}">random-{k} #1-#{n}</text>'
+        f'<polygon points="{left + w + 17},{ly + 11} {left + w + 21},{ly + 15} '
+        f'{left + w + 17},{ly + 19} {left + w + 13},{ly + 15}" fill="white" stroke="#555"/>'
+        f'<text x="{left + w + 26}" y="{ly + 19}">random-{k} mean</text>'
+    )
+    end = svg.rindex("</svg>")
+    return svg[:end] + "\n".join(out) + "\n" + svg[end:]
+
+
+def _random_figure(table: BenchmarkTable, fig: Any) -> Any:
+    """``fig`` with each task's random draws (open circles) and their mean (open diamond with
+    its interval) at their ``k``."""
+    import plotly.graph_objects as go
+
+    for t in table.tasks:
+        for kind, symbol in (("random", "circle-open"), ("random_mean", "diamond-open")):
+            cs = [c for c in table.random_cells(t) if c.kind == kind]
+            if not cs:
+                continue
+            fig.add_trace(
+                go.Scatter(
+                    x=[c.k for c in cs],
+                    y=[100 * c.value.value for c in cs],
+                    error_y={
+                        "type": "data",
+                        "symmetric": False,
+                        "array": [100 * (c.value.high - c.value.value) for c in cs],
+                        "arrayminus": [100 * (c.value.value - c.value.low) for c in cs],
+                        "visible": kind == "random_mean",
+                    },
+                    text=[f"{c.label}: {format_heads(c.heads)}" for c in cs],
+                    mode="markers",
+                    marker={"symbol": symbol, "size": 9},
+                    name=f"{t} {cs[0].label.split(' ')[0]}{' mean' if kind != 'random' else ''}",
+                )
+            )
+    return fig
+
+
+def _random_heads(model: Any, top: Sequence[Head], n_draws: int, seed: int) -> RandomHeadSets:
+    """``n_draws`` distinct random head sets, each with as many heads per layer as ``top`` and
+    none of them in it (:func:`~gna_lens.scoring.matched_random_sets`, the baseline of
+    ``retrieval_vs_knowledge``)."""
+    return matched_random_sets(head_view(model), list(top), n_draws, seed)
 
 
 # ----------------------------------------------------------------------------- ranking
@@ -331,9 +518,11 @@ def load_ranking(path: str | Path) -> tuple[Sequence[Head], str]:
 
 def _compute_ranking(
     model: Any, k: int, *, mode: str, positions: Any, n_samples: int, seed: int,
-    sweep_dtype: str | None, progress: bool,
+    sweep_dtype: str | None, progress: bool, metric: str = "logit_diff",
 ) -> tuple[Sequence[Head], str]:  # fmt: skip
-    """Rank heads on KV-retrieval selection prompts, as ``gna-lens scan`` does."""
+    """Rank heads on KV-retrieval selection prompts, as ``gna-lens scan`` does; with
+    ``metric="accuracy"`` every head is ablated alone (no attribution prefilter, no coarse
+    stage): the paper's protocol."""
     from gna_lens.heads import head_view
     from gna_lens.scan import EXACT_ALL_MAX, build_tasks, default_exact
     from gna_lens.scoring import JOINT_K, resolve_control, score_heads
@@ -341,16 +530,28 @@ def _compute_ranking(
     sets = build_tasks(model.tokenizer, "kv", n_samples=n_samples, seed=seed, n_eval=1)
     control = resolve_control("prose", model.tokenizer, positions=positions, split="select")
     n_heads = head_view(model).n_heads_total
+    exact = metric == "accuracy" or n_heads <= EXACT_ALL_MAX
     report = score_heads(
-        model, sets.selection, control=control, mode=mode, positions=positions,
-        prefilter=None if n_heads <= EXACT_ALL_MAX else min(default_exact(k), n_heads),
+        model, sets.selection, control=control, metric=metric, mode=mode, positions=positions,
+        prefilter=None if exact else min(default_exact(k), n_heads),
+        strategy="exact" if metric == "accuracy" else "auto",
         sweep_dtype=sweep_dtype, progress=progress, joint_k=max(JOINT_K, k),
     )  # fmt: skip
     heads = report.top(k)  # a HeadList: keeps the channel groups the report was scored under
     return heads, (
         f"computed on the fly: score_heads on {len(sets.selection)} KV-retrieval prompts "
-        f"(question template, seed {seed}), {mode} ablation, prose control; {report.criterion}"
+        f"(question template, seed {seed}), {mode} ablation, prose control, metric {metric}; "
+        f"{report.criterion}"
     )
+
+
+def _ranking_metric_description(metric: str) -> str:
+    return {
+        "logit_diff": "logit_diff (each head's ablation effect on the answer's logit minus the "
+        "best other choice's, on KV-retrieval prompts)",
+        "accuracy": "accuracy (the paper's protocol: every head ablated alone, ranked by the "
+        "drop in KV-retrieval accuracy)",
+    }[metric]
 
 
 # ----------------------------------------------------------------------------- lm-eval rows
@@ -428,7 +629,10 @@ def evaluate_table(
     num_fewshot: int | None = None,
     task_dir: str | Path | None = None,
     ranking_samples: int = 16,
+    ranking_metric: str | None = None,
     sweep_dtype: str | None = None,
+    random_draws: int = 0,
+    random_k: int | None = None,
     seed: int = 0,
     out: str | Path | None = None,
     dtype: Any = "float32",
@@ -460,10 +664,26 @@ def evaluate_table(
             folder); it may hold your own task YAMLs too (e.g. from :func:`write_task`), found
             by file name without lm-eval's built-in index.
         ranking_samples: Selection prompts when the ranking is computed here.
+        ranking_metric: The metric of the ranking computed here (:data:`RANKING_METRICS`):
+            ``"logit_diff"`` (default; continuous, so few prompts separate heads) or
+            ``"accuracy"``, the paper's protocol: every head ablated alone (no prefilter, one
+            sweep per head) and ranked by the drop in accuracy (use more ``ranking_samples``:
+            accuracy moves in steps of ``1 / ranking_samples``). Recorded in ``method`` and
+            ``table.md``. Only with ``ranking=None``.
         sweep_dtype: ``None`` (float32), ``"bfloat16"`` autocast for the ranking sweeps, or
             ``"auto"`` (bfloat16 only where measured faster and accurate enough; see
             :func:`~gna_lens.scoring.report.resolve_sweep_dtype`).
-        seed: Seed of the local tasks' MMLU sample and of the ranking's prompts.
+        random_draws: Extra rows ``random-K #1`` ... ``#N``, each removing ``random_k`` random
+            heads outside the ranking's top ``random_k``, with as many heads per layer as that
+            top set (:func:`~gna_lens.scoring.matched_random_sets`: distinct sets, drawn by
+            ``random.Random(seed)`` in order, so draw ``i`` is reproducible; where the layers
+            give too few distinct sets, sets of as many attention / SSM heads from any layer,
+            and ``method["random"]`` says so), then a ``random-K mean`` row: the mean over the
+            draws with 95% intervals over the draws and the items.
+        random_k: Heads removed per random draw; one of ``remove_top`` (default: its largest),
+            so that each random row has its top-``k`` row to compare with.
+        seed: Seed of the local tasks' MMLU sample, of the ranking's prompts and of the random
+            draws.
         out: Folder to write the table into (``None``: nothing written).
         dtype: Weights dtype when ``model`` is a name (``"float32"``, ``"bfloat16"``).
         device: Device when ``model`` is a name (default: CUDA where there is one, else CPU).
@@ -474,7 +694,9 @@ def evaluate_table(
 
     Raises:
         ConfigError: For an empty or unsorted ``remove_top``, a ranking shorter than its largest
-            ``k``, or an unknown metric.
+            ``k``, an unknown metric or ranking metric, a ``ranking_metric`` with a ranking
+            given, or a ``random_k`` that is not a non-zero row of ``remove_top`` (or given
+            without ``random_draws``).
     """
     import sys
     import tempfile
@@ -493,6 +715,32 @@ def evaluate_table(
         )
     if not tasks:
         raise ConfigError("tasks is empty; expected at least one lm-eval task name.")
+    if ranking_metric is not None and ranking_metric not in RANKING_METRICS:
+        raise ConfigError(
+            f"ranking_metric={ranking_metric!r}; expected one of {list(RANKING_METRICS)} "
+            "('accuracy' is the paper's protocol)."
+        )
+    if ranking_metric is not None and ranking is not None:
+        raise ConfigError(
+            f"ranking_metric={ranking_metric!r} with a ranking given ({str(ranking)[:80]}): the "
+            "metric only applies to the ranking computed here. Fix: drop the ranking (or "
+            "--ranking), or rank with `gna-lens scan --metric ...` and drop ranking_metric."
+        )
+    if not isinstance(random_draws, int) or isinstance(random_draws, bool) or random_draws < 0:
+        raise ConfigError(f"random_draws={random_draws!r}; expected an int >= 0 (e.g. 5).")
+    if random_k is not None and not random_draws:
+        raise ConfigError(
+            f"random_k={random_k!r} without random_draws: no random row would be made. Fix: "
+            "random_draws=5 (--random-draws 5), or drop random_k."
+        )
+    rk = max(ks) if random_k is None else random_k
+    if random_draws and (rk not in ks or rk == 0):
+        raise ConfigError(
+            f"random_k={rk!r} with remove_top={list(ks)}; expected one of its non-zero rows, "
+            "whose top-k row the random rows are compared with. Fix: random_k in "
+            f"{[k for k in ks if k] or 'a remove_top with a non-zero row'}, or add it to "
+            "remove_top."
+        )
     if isinstance(model, str | Path):
         from gna_lens.models import load_model
 
@@ -508,11 +756,13 @@ def evaluate_table(
             print(f"gna-lens evaluate: {text}", file=sys.stderr, flush=True)
 
     heads: Sequence[Head]
+    r_metric = ranking_metric or "logit_diff"
     if ranking is None:
-        stage(f"ranking heads on {ranking_samples} KV-retrieval prompts (score_heads)")
+        stage(f"ranking heads on {ranking_samples} KV-retrieval prompts (score_heads, {r_metric})")
         heads, source = _compute_ranking(
             model, max(ks), mode=mode, positions=None if positions == "all" else "last",
             n_samples=ranking_samples, seed=seed, sweep_dtype=sweep_dtype, progress=progress,
+            metric=r_metric,
         )  # fmt: skip
     elif isinstance(ranking, str | Path):
         heads, source = load_ranking(ranking)
@@ -542,6 +792,11 @@ def evaluate_table(
         if groups
         else contextlib.nullcontext()
     )
+    # The rows: (label, k, kind, draw, heads removed); the first is the baseline.
+    rows: list[tuple[str, int, str, int, tuple[Head, ...]]] = [
+        (str(k), k, "top", 0, tuple(heads[:k])) for k in ks
+    ]
+    drawn = None
     try:
         local = [t for t in tasks if is_local(t)]
         if task_dir is None:
@@ -556,13 +811,20 @@ def evaluate_table(
         tm = TaskManager(
             include_path=str(task_dir), include_defaults=any(t not in found for t in tasks)
         )
-        outputs = {}
+        outputs = []
         stack.enter_context(grouping)
-        for k in ks:
+        if random_draws:  # drawn among the heads as the rows address them (groups included)
+            drawn = _random_heads(model, heads[:rk], random_draws, seed)
+            rows += [
+                (f"random-{rk} #{i}", rk, "random", i, tuple(s))
+                for i, s in enumerate(drawn.sets, 1)
+            ]
+        for label, k, kind, _, removed in rows:
             t = time.perf_counter()
-            stage(f"lm-eval with the top {k} heads removed ({format_heads(heads[:k]) or 'none'})")
+            what = f"the top {k}" if kind == "top" else f"{k} random ({label})"
+            stage(f"lm-eval with {what} heads removed ({format_heads(removed) or 'none'})")
             lm = GnaLM(
-                model=model, remove=list(heads[:k]), mode=mode, positions=positions,
+                model=model, remove=list(removed), mode=mode, positions=positions,
                 batch_size=batch_size,
             )  # fmt: skip
             result = lm_eval.simple_evaluate(
@@ -573,8 +835,8 @@ def evaluate_table(
             )  # fmt: skip
             if result is None:  # pragma: no cover - only on non-zero ranks
                 raise GnaLensError("lm_eval.simple_evaluate returned nothing.")
-            outputs[k] = result
-            times[f"k={k}"] = time.perf_counter() - t
+            outputs.append(result)
+            times[f"k={k}" if kind == "top" else label] = time.perf_counter() - t
     finally:
         stack.close()
         log.setLevel(level)
@@ -583,8 +845,7 @@ def evaluate_table(
 
     cells = []
     base: dict[str, tuple[list[tuple[str, int]], list[float]]] = {}
-    for k in ks:
-        res = outputs[k]
+    for (_, k, kind, draw, removed), res in zip(rows, outputs, strict=True):
         for task in tasks:
             if task not in res["results"]:
                 raise GnaLensError(
@@ -601,7 +862,7 @@ def evaluate_table(
             se = r.get(f"{name}_stderr,{filt}")
             stderr = float(se) if isinstance(se, int | float) else math.nan
             change, relative = None, math.nan
-            if k == ks[0]:
+            if not base.get(task):
                 base[task] = (ids, values)
             else:
                 b_ids, b_values = base[task]
@@ -632,13 +893,23 @@ def evaluate_table(
                     relative=relative,
                     chance=_CHANCE.get(task) if is_local(task) else None,
                     items=tuple(values),
+                    kind=kind,
+                    draw=draw,
+                    heads=removed if kind == "random" else (),
                 ),
             )
+    if drawn is not None:
+        cells += [_random_mean(cells, task, rk, base[task][1], seed) for task in tasks]
     times = {"total": time.perf_counter() - t0} | times
     method = {
         "mode": mode,
         "positions": positions,
         "ranking_source": source,
+        # Only for a ranking computed here; a given one's metric is in its source.
+        "ranking_metric": None if ranking is not None else r_metric,
+        "ranking_metric_description": None
+        if ranking is not None
+        else _ranking_metric_description(r_metric),
         "ranking": format_heads(heads),
         "head_groups": {layer: [list(c) for c in sets] for layer, sets in groups},
         "weights": prov.describe(),
@@ -656,6 +927,20 @@ def evaluate_table(
         "versions": _versions(),
         "torch_threads": torch.get_num_threads(),
     }
+    if drawn is not None:
+        method["random"] = {
+            "k": rk,
+            "draws": len(drawn.sets),
+            "requested": random_draws,
+            "seed": seed,
+            "pool": f"heads not in the ranking's top {rk}",
+            "matching": drawn.matching,
+            "matching_description": _matching_text(drawn, rk),
+            "sets": [format_heads(s) for s in drawn.sets],
+            "interval": "95% bootstrap over the draws and the items (two-level)"
+            if len(drawn.sets) > 1
+            else "95% bootstrap over the items only (a single draw: no spread over draws)",
+        }
     table = BenchmarkTable(
         model=str(prov.name if prov.name else getattr(model.cfg, "model_name", "model")),
         tasks=tuple(tasks),
@@ -668,3 +953,42 @@ def evaluate_table(
     if out is not None:
         table.write(out)
     return table
+
+
+def _matching_text(drawn: RandomHeadSets, k: int) -> str:
+    """How the random sets were drawn, for ``method["random"]`` and ``table.md``."""
+    if drawn.matching == "layer":
+        text = f"as many heads per layer as the top {k}, none of them"
+    else:
+        text = (
+            f"from any layer (as many attention / SSM heads as the top {k}, none of them): "
+            "the top set's layers have too few other heads for distinct layer-matched sets"
+        )
+    if len(drawn.sets) < drawn.requested:
+        text += f"; only {drawn.n_possible} distinct sets exist, {drawn.requested} requested"
+    return text
+
+
+def _random_mean(
+    cells: Sequence[TableCell], task: str, k: int, base: Sequence[float], seed: int
+) -> TableCell:
+    """The ``random-k mean`` cell of ``task``: value and change over the draws and the items
+    (:func:`~gna_lens.stats.two_level_interval`)."""
+    draws = [c for c in cells if c.kind == "random" and c.task == task]
+    values = torch.tensor([c.items for c in draws], dtype=torch.float64, device=HOST)
+    diff = values - torch.tensor(base, dtype=torch.float64, device=HOST)
+    change = two_level_interval(diff, seed=seed)
+    b_mean = sum(base) / len(base)
+    return TableCell(
+        k=k,
+        task=task,
+        metric=draws[0].metric,
+        n=draws[0].n,
+        value=two_level_interval(values, seed=seed),
+        stderr=math.nan,
+        change=change,
+        relative=change.value / b_mean if b_mean else math.nan,
+        chance=draws[0].chance,
+        items=tuple(values.mean(0).tolist()),
+        kind="random_mean",
+    )
