@@ -29,13 +29,7 @@ See the docs page "Hybrid students" for the method, its sources and measured tab
 
 from gna_lens.errors import DistillationDiverged
 from gna_lens.hybrid._budget import Budget, parse_budget
-from gna_lens.hybrid._build import (
-    DEFAULT_LENGTHS,
-    HEAD_LAYOUTS,
-    StateBytes,
-    build_hybrid,
-    state_bytes,
-)
+from gna_lens.hybrid._build import HEAD_LAYOUTS, build_hybrid
 from gna_lens.hybrid._data import (
     DISTILL_DATA,
     DISTILL_SEEDS,
@@ -49,7 +43,9 @@ from gna_lens.hybrid._data import (
 )
 from gna_lens.hybrid._distill import DistillResult, distill
 from gna_lens.hybrid._experiment import HybridRow, HybridTable, run_experiment
+from gna_lens.hybrid._layer_swap import swap_layers
 from gna_lens.hybrid._swap import swap_heads
+from gna_lens.models.state import DEFAULT_LENGTHS, StateBytes, state_bytes
 
 __all__ = [
     "DEFAULT_LENGTHS",
@@ -75,4 +71,5 @@ __all__ = [
     "run_experiment",
     "state_bytes",
     "swap_heads",
+    "swap_layers",
 ]

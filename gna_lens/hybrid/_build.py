@@ -1,27 +1,22 @@
 """Building a student from its teacher (:func:`build_hybrid`) and the state it keeps per token
 (:func:`state_bytes`); re-exported by :mod:`gna_lens.hybrid`."""
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from gna_lens.device import HOST
 from gna_lens.errors import ConfigError
 from gna_lens.hybrid._pairs import head_pairs
 from gna_lens.models.families import config_from_hf, gna_hybrid
 from gna_lens.models.hooked_ssm import HookedSSM
-from gna_lens.models.mixers import Attention, Mamba1Mixer, Mamba2Mixer
 from gna_lens.models.mixers.hybrid import HEAD_LAYOUTS, HybridMixer
-from gna_lens.models.mixers.swapped import SwappedMamba2Mixer
 
 Head = tuple[int, int]
 
 #: Sequence lengths :func:`state_bytes` reports by default.
-DEFAULT_LENGTHS = (128, 2048, 4096)
 
 
 def build_hybrid(
@@ -209,152 +204,4 @@ def _student_state(model: HookedSSM, w: dict[str, Tensor], n_layers: int) -> dic
 def _mixer_keys(model: HookedSSM) -> set[str]:
     return {k for k in model.state_dict() if ".mixer." in k} | (
         {"unembed.weight"} if model.cfg.tie_word_embeddings else set()
-    )
-
-
-# ----------------------------------------------------------------------------- state bytes
-@dataclass(frozen=True)
-class StateBytes:
-    """What a model keeps per sequence while generating, in bytes.
-
-    The SSM heads' recurrent states have a fixed size; the attention heads' KV cache grows by
-    ``kv_bytes_per_token`` per token. Per length ``L``: ``kv_bytes(L) = kv_bytes_per_token * L``,
-    ``total_bytes(L) = recurrent_bytes + kv_bytes(L)``, ``bytes_per_token(L) = total_bytes(L) / L``.
-
-    Attributes:
-        model: The model's name.
-        attention_heads: Query heads that attend (over all layers).
-        ssm_heads: SSM heads (Mamba-1: channels).
-        kv_heads: KV heads whose keys and values are cached (over all layers).
-        element_bytes: Bytes per stored number (the dtype's size).
-        recurrent_bytes: The recurrent states (SSM heads' ``[d_head, d_state]`` states, and the
-            convolution windows of Mamba layers), per sequence.
-        kv_bytes_per_token: Keys and values of one token, all layers.
-        lengths: The lengths :meth:`to_dataframe` reports.
-    """
-
-    model: str
-    attention_heads: int
-    ssm_heads: int
-    kv_heads: int
-    element_bytes: int
-    recurrent_bytes: int
-    kv_bytes_per_token: int
-    lengths: tuple[int, ...] = DEFAULT_LENGTHS
-
-    def kv_bytes(self, length: int) -> int:
-        """The KV cache after ``length`` tokens."""
-        return self.kv_bytes_per_token * int(length)
-
-    def total_bytes(self, length: int) -> int:
-        """Recurrent states plus KV cache after ``length`` tokens."""
-        return self.recurrent_bytes + self.kv_bytes(length)
-
-    def bytes_per_token(self, length: int) -> float:
-        """:meth:`total_bytes` divided by ``length``."""
-        return self.total_bytes(length) / int(length)
-
-    def to_dataframe(self) -> Any:
-        """One row per length: recurrent-state, KV-cache and total bytes, bytes per token."""
-        import pandas as pd
-
-        return pd.DataFrame(
-            [
-                {
-                    "model": self.model,
-                    "length": L,
-                    "attention_heads": self.attention_heads,
-                    "ssm_heads": self.ssm_heads,
-                    "recurrent_bytes": self.recurrent_bytes,
-                    "kv_cache_bytes": self.kv_bytes(L),
-                    "total_bytes": self.total_bytes(L),
-                    "bytes_per_token": self.bytes_per_token(L),
-                }
-                for L in self.lengths
-            ]
-        )
-
-
-def state_bytes(
-    model: Any,
-    lengths: Sequence[int] = DEFAULT_LENGTHS,
-    *,
-    dtype: torch.dtype | None = None,
-) -> StateBytes:
-    """Recurrent-state and KV-cache bytes of ``model`` while generating.
-
-    Args:
-        model: A hybrid student or any HookedSSM, a TransformerBridge, or a Hugging Face
-            Llama-style model (the teacher).
-        lengths: Sequence lengths to report (``StateBytes.to_dataframe``).
-        dtype: The dtype the states are kept in (default: the model's parameters').
-
-    Returns:
-        A :class:`StateBytes`.
-
-    Examples:
-        >>> from gna_lens.testing import tiny_hooked_ssm
-        >>> sb = state_bytes(tiny_hooked_ssm("bamba"))
-        >>> sb.kv_bytes_per_token, sb.total_bytes(128) == sb.recurrent_bytes + 128 * sb.kv_bytes_per_token
-        (128, True)
-    """
-    lengths = tuple(int(L) for L in lengths)
-    if not lengths or any(L < 1 for L in lengths):
-        raise ConfigError(f"state_bytes(lengths={lengths!r}); expected positive lengths.")
-    if dtype is None:
-        dtype = next(iter(model.parameters())).dtype
-    size = torch.empty((), dtype=dtype, device=HOST).element_size()
-    name = str(getattr(getattr(model, "cfg", None), "model_name", "") or type(model).__name__)
-    attn = ssm = kv = recurrent = 0  # kv and recurrent in numbers, not bytes
-    kv_width = 0
-    if isinstance(model, HookedSSM):
-        cfg = model.cfg
-        for block in model.blocks:
-            mixer = getattr(block, "mixer", None)
-            if isinstance(mixer, HybridMixer):
-                attn += len(mixer.attn_heads)
-                ssm += len(mixer.ssm_heads)
-                kv += len(mixer.kv_heads)
-                kv_width += 2 * len(mixer.kv_heads) * cfg.d_head
-                recurrent += len(mixer.ssm_heads) * cfg.d_head * cfg.d_state
-            elif isinstance(mixer, SwappedMamba2Mixer):  # swap_heads: before Mamba2Mixer
-                n_attn = len(mixer.attn_heads)
-                attn += n_attn
-                ssm += cfg.n_heads - n_attn
-                kv += n_attn
-                kv_width += n_attn * (cfg.d_state + cfg.d_head)  # k [d_state] and v [d_head]
-                recurrent += (cfg.n_heads - n_attn) * cfg.d_head * cfg.d_state
-                recurrent += (cfg.d_conv - 1) * (mixer.conv_dim + n_attn * mixer.width)
-            elif isinstance(mixer, Mamba2Mixer):
-                ssm += cfg.n_heads
-                recurrent += cfg.n_heads * cfg.d_head * cfg.d_state
-                recurrent += (cfg.d_conv - 1) * mixer.conv_dim
-            elif isinstance(mixer, Mamba1Mixer):
-                ssm += cfg.d_inner
-                recurrent += cfg.d_inner * cfg.d_state + (cfg.d_conv - 1) * cfg.d_inner
-            if isinstance(getattr(block, "attn", None), Attention):
-                attn += cfg.n_attn_heads
-                kv += cfg.n_attn_kv_heads
-                kv_width += 2 * cfg.n_attn_kv_heads * cfg.attn_d_head
-    else:
-        hf = getattr(model, "original_model", None) or model
-        config = getattr(hf, "config", None)
-        if config is None or not hasattr(config, "num_hidden_layers"):
-            raise ConfigError(
-                f"state_bytes got a {type(model).__name__}; expected a HookedSSM, a "
-                "TransformerBridge or a Hugging Face causal LM with a config."
-            )
-        n, H = int(config.num_hidden_layers), int(config.num_attention_heads)
-        KV = int(getattr(config, "num_key_value_heads", None) or H)
-        d = int(getattr(config, "head_dim", None) or config.hidden_size // H)
-        attn, kv, kv_width = n * H, n * KV, n * 2 * KV * d
-    return StateBytes(
-        model=name,
-        attention_heads=attn,
-        ssm_heads=ssm,
-        kv_heads=kv,
-        element_bytes=size,
-        recurrent_bytes=recurrent * size,
-        kv_bytes_per_token=kv_width * size,
-        lengths=lengths,
     )

@@ -415,7 +415,7 @@ def _accuracy(model: Any, task: Any, batch_size: int) -> tuple[Interval, tuple[i
 
 
 def _state(model: Any, lengths: Sequence[int]) -> dict[int, dict[str, float]]:
-    from gna_lens.hybrid._build import state_bytes
+    from gna_lens.models.state import state_bytes
 
     sb = state_bytes(model, lengths)
     return {

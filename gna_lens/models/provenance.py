@@ -60,7 +60,8 @@ class Provenance:
         source: ``"hub"``, ``"local"`` (a checkpoint folder), ``"gguf"`` (a GGUF file), ``"zoo"``
             (a model shipped with gna_lens) or :data:`UNKNOWN`.
         format: The checkpoint format: ``"transformers"``, ``"gguf"``, ``"mamba_ssm"``
-            (state-spaces' original format, converted on the fly) or ``"gna_lens"`` (a hybrid
+            (state-spaces' original format, converted on the fly), ``"cartesia"`` (Cartesia's
+            Llamba layout, read by gna_lens) or ``"gna_lens"`` (a hybrid
             student saved by ``HookedSSM.save_pretrained``); ``""`` when unknown.
         location: The hub name, folder or file the weights were read from.
         dtype: The dtype of the model's parameters (``"float32"``).
@@ -113,6 +114,10 @@ class Provenance:
             what += f" from {self.package}" if self.package else " file"
         elif self.format == "mamba_ssm":
             what = f"mamba_ssm checkpoint {_SOURCES.get(self.source, self.source)}"
+        elif self.format == "cartesia":
+            what = f"Cartesia Llamba checkpoint {_SOURCES.get(self.source, self.source)}"
+            if self.source == "hub":
+                what = "Cartesia Llamba checkpoint from the hub"
         else:
             what = _SOURCES.get(self.source, self.source)
             if self.source == "hub":
@@ -128,6 +133,8 @@ class Provenance:
                 parts[-1] += f" (+{len(self.files) - 2} files)"
         if self.conversion:
             parts.append(self.conversion)
+        if self.format == "cartesia" and self.tokenizer:
+            parts.append(f"tokenizer {self.tokenizer}")
         if self.stored_dtype and self.stored_dtype != self.dtype and self.format != "gguf":
             parts.append(f"stored as {self.stored_dtype}")
         if self.dtype and not (self.format == "gguf" and self.dtype in self.conversion):

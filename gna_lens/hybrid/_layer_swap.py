@@ -1,0 +1,457 @@
+"""Put a teacher's attention layers back into its student: :func:`swap_layers`."""
+
+import copy
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from gna_lens.errors import ConfigError
+from gna_lens.models.block import SSMBlock
+from gna_lens.models.config import SSMConfig
+from gna_lens.models.families import family_of, gna_hybrid
+from gna_lens.models.hooked_ssm import HookedSSM
+from gna_lens.models.mixers import GatedMLP, RMSNorm
+from gna_lens.models.mixers.hybrid import HybridMixer
+
+__all__ = ["PARTS", "swap_layers"]
+
+#: What :func:`swap_layers` takes from the teacher: its attention only (``"mixer"``: the
+#: student's norms and MLP stay) or its whole block (``"block"``: input norm, attention, post
+#: norm, MLP).
+PARTS = ("mixer", "block")
+
+
+@dataclass(frozen=True)
+class _Teacher:
+    """A Llama-style teacher, read once: its name, its Llama fields
+    (:func:`~gna_lens.models.families.gna_hybrid.teacher_fields`) and its weights under Hugging
+    Face Llama names (``model.layers.{l}.self_attn.q_proj.weight``, ...)."""
+
+    name: str
+    fields: dict[str, Any]
+    weights: Mapping[str, Tensor]
+
+    @property
+    def n_layers(self) -> int:
+        return int(self.fields["num_hidden_layers"])
+
+    @property
+    def d_model(self) -> int:
+        return int(self.fields["hidden_size"])
+
+    @property
+    def heads(self) -> tuple[int, int, int]:
+        """(query heads, KV heads, head width)."""
+        f = self.fields
+        return int(f["num_attention_heads"]), int(f["num_key_value_heads"]), int(f["head_dim"])
+
+    @property
+    def rope(self) -> tuple[float, int, dict[str, Any]]:
+        """(``rope_theta``, ``rotary_dim``, ``rope_scaling``) as HookedSSM's config holds them
+        (as :func:`~gna_lens.models.families.gna_hybrid.config_fields` writes a student's)."""
+        rope = dict(self.fields["rope_parameters"])
+        theta = float(rope.get("rope_theta", 10000.0))
+        return theta, self.heads[2], {} if rope.get("rope_type", "default") == "default" else rope
+
+    def layer(self, layer: int, prefix: str) -> dict[str, Tensor]:
+        """The weights of ``model.layers.{layer}.{prefix}`` with that prefix taken off."""
+        start = f"model.layers.{layer}.{prefix}"
+        return {k[len(start) :]: v for k, v in self.weights.items() if k.startswith(start)}
+
+
+# ----------------------------------------------------------------------------- the teacher
+def _read_teacher(teacher: Any) -> _Teacher:
+    """The :class:`_Teacher` of whatever :func:`swap_layers` accepts as one."""
+    if isinstance(teacher, HookedSSM):
+        return _twin_teacher(teacher)
+    if isinstance(teacher, str | Path):
+        from transformers import AutoModelForCausalLM
+
+        from gna_lens.models.loading import _resolve
+
+        try:
+            hf = AutoModelForCausalLM.from_pretrained(_resolve(str(teacher)))
+        except (OSError, ValueError) as err:
+            raise ConfigError(
+                f"swap_layers(teacher={str(teacher)!r}): could not load it as a Hugging Face "
+                f"causal LM ({err.__class__.__name__}: {err}). Pass a checkpoint folder of a "
+                "Llama-style model, a LlamaForCausalLM, a TransformerBridge over one, or its "
+                "teacher twin (a HookedSSM)."
+            ) from err
+        name = str(teacher)
+    else:
+        hf = getattr(teacher, "original_model", None) or teacher
+        if not hasattr(hf, "config") or not hasattr(hf, "state_dict"):
+            raise ConfigError(
+                f"swap_layers(teacher={type(teacher).__name__}); expected a Hugging Face "
+                "LlamaForCausalLM, a TransformerBridge over one, its checkpoint folder, or its "
+                "teacher twin (a HookedSSM of gna_lens.hybrid.build_hybrid keeping every head)."
+            )
+        cfg = getattr(teacher, "cfg", None)
+        name = str(getattr(cfg, "model_name", "") or getattr(hf.config, "_name_or_path", "") or "")
+    from gna_lens.hybrid._build import _hf_weights
+
+    fields = gna_hybrid.teacher_fields(hf.config, "swap_layers")
+    return _Teacher(name or type(hf).__name__, fields, _hf_weights(hf))
+
+
+#: A teacher twin's weight names -> Hugging Face Llama's (the first match renames).
+_TWIN_NAMES = (
+    (r"^blocks\.(\d+)\.ln1\.", r"model.layers.\1.input_layernorm."),
+    (r"^blocks\.(\d+)\.ln2\.", r"model.layers.\1.post_attention_layernorm."),
+    (r"^blocks\.(\d+)\.mlp\.", r"model.layers.\1.mlp."),
+    (r"^blocks\.(\d+)\.mixer\.out_proj\.", r"model.layers.\1.self_attn.o_proj."),
+    (r"^blocks\.(\d+)\.mixer\.([qkv]_proj)\.", r"model.layers.\1.self_attn.\2."),
+)
+
+
+def _twin_teacher(twin: HookedSSM) -> _Teacher:
+    """A teacher given as its twin: a hybrid student keeping every head as attention."""
+    cfg: Any = twin.cfg
+    heads = getattr(cfg, "attention_heads", None)
+    if cfg.architecture != "gna_hybrid" or heads is None:
+        raise ConfigError(
+            f"swap_layers(teacher=HookedSSM of {cfg.architecture!r}): a HookedSSM teacher must be "
+            "a teacher twin (gna_lens.hybrid.build_hybrid(teacher, every head)). Fix: pass the "
+            "Llama-style Transformer itself (a LlamaForCausalLM, a TransformerBridge over one, or "
+            "its folder)."
+        )
+    ssm = {layer: cfg.n_heads - len(h) for layer, h in enumerate(heads) if len(h) != cfg.n_heads}
+    if ssm:
+        raise ConfigError(
+            f"swap_layers(teacher=HookedSSM): this hybrid student has SSM heads ({ssm} per "
+            "layer), so it is not a teacher twin (every head kept as attention). Fix: pass the "
+            "Transformer teacher itself, or build_hybrid(teacher, every head)."
+        )
+    config = gna_hybrid._config_dict(cfg, next(iter(twin.parameters())).dtype)
+    config["model_type"] = "llama"
+    fields = gna_hybrid.teacher_fields(SimpleNamespace(**config), "swap_layers")
+    weights: dict[str, Tensor] = {}
+    for key, value in twin.state_dict().items():
+        for pattern, repl in _TWIN_NAMES:
+            new, n = re.subn(pattern, repl, key)
+            if n:
+                weights[new] = value
+                break
+    name = str((cfg.teacher or {}).get("name") or cfg.model_name or "a teacher twin")
+    return _Teacher(name, fields, weights)
+
+
+# ----------------------------------------------------------------------------- checks
+def _check_layers(layers: Any, n_layers: int) -> list[int]:
+    """``layers``: an int or a non-empty list of distinct layer indices ``0 .. n_layers - 1``."""
+    where = f"the student and the teacher have {n_layers} layers (0..{n_layers - 1})"
+    items = [layers] if isinstance(layers, int) and not isinstance(layers, bool) else layers
+    if isinstance(items, str | bytes) or not isinstance(items, Iterable):
+        raise ConfigError(
+            f"swap_layers(layers={layers!r}); expected a layer index or a list of them "
+            f"({where}), e.g. layers=[1]."
+        )
+    items = list(items)
+    for item in items:
+        if isinstance(item, bool) or not isinstance(item, int):
+            raise ConfigError(
+                f"swap_layers(layers={layers!r}) contains {item!r} "
+                f"({type(item).__name__}); expected int layer indices ({where})."
+            )
+    if not items:
+        raise ConfigError(f"swap_layers(layers={layers!r}): no layer to swap ({where}).")
+    bad = [i for i in items if not 0 <= i < n_layers]
+    if bad:
+        raise ConfigError(f"swap_layers(layers={layers!r}): {bad} out of range: {where}.")
+    twice = sorted({i for i in items if items.count(i) > 1})
+    if twice:
+        raise ConfigError(
+            f"swap_layers(layers={layers!r}) names layer(s) {twice} more than once; list each "
+            "layer once."
+        )
+    return sorted(items)
+
+
+def _check_pair(student: HookedSSM, teacher: _Teacher) -> None:
+    """The student's layers line up with the teacher's."""
+    cfg = student.cfg
+    mine = f"n_layers={cfg.n_layers}, d_model={cfg.d_model}"
+    theirs = f"num_hidden_layers={teacher.n_layers}, hidden_size={teacher.d_model}"
+    if (cfg.n_layers, cfg.d_model) != (teacher.n_layers, teacher.d_model):
+        raise ConfigError(
+            f"swap_layers: the student ({cfg.architecture}, {mine}) and the teacher "
+            f"({teacher.name}, {theirs}) do not align; a layer swap needs the same number of "
+            "layers and the same width. Fix: pass the teacher the student was distilled from."
+        )
+    if family_of(cfg.architecture).build_blocks is not None:
+        raise ConfigError(
+            f"swap_layers: a {cfg.architecture} student assembles its blocks its own way (shared "
+            "blocks); layer swaps need one block per layer (Mamba-2, Llamba, the hybrid "
+            "students, Bamba, ...)."
+        )
+    if cfg.residual_multiplier != 1.0:
+        raise ConfigError(
+            f"swap_layers: the student scales each block's output by residual_multiplier="
+            f"{cfg.residual_multiplier} (Granite), which would scale the teacher's layers too; "
+            "swap_layers takes students whose blocks add their outputs unscaled."
+        )
+
+
+def _check_mixers(student: HookedSSM, layers: list[int]) -> None:
+    """Each chosen layer of the student has a sequence mixer to swap."""
+    cfg = student.cfg
+    for layer in layers:
+        if not student.blocks[layer].has_mixer:
+            raise ConfigError(
+                f"swap_layers(layers={layers}): layer {layer} of the student is an MLP-only "
+                f"block (layer_types[{layer}]={cfg.layer_types[layer]!r}), with no sequence mixer "
+                "to swap for the teacher's attention."
+            )
+
+
+def _mismatches(cfg: SSMConfig, want: dict[str, Any]) -> list[str]:
+    return [
+        f"{k}={getattr(cfg, k)!r} (teacher: {v!r})" for k, v in want.items() if getattr(cfg, k) != v
+    ]
+
+
+# ----------------------------------------------------------------------------- swapping
+def _hybrid_swap(model: HookedSSM, teacher: _Teacher, layers: list[int], part: str) -> None:
+    """A hybrid student's layers become the teacher twin's: a :class:`HybridMixer` keeping
+    every head as attention (``part="block"``: and the teacher's norms and MLP)."""
+    cfg: Any = model.cfg
+    H, KV, d = teacher.heads
+    theta, _, scaling = teacher.rope
+    f = teacher.fields
+    want: dict[str, Any] = {
+        "n_heads": H,
+        "n_attn_kv_heads": KV,
+        "d_head": d,
+        "attn_bias": bool(f["attention_bias"]),
+        "rope_theta": theta,
+        "rope_scaling": scaling,
+    }
+    if part == "block":
+        want |= {
+            "eps": float(f["rms_norm_eps"]),
+            "d_mlp": int(f["intermediate_size"]),
+            "mlp_bias": bool(f["mlp_bias"]),
+        }
+    bad = _mismatches(cfg, want)
+    if bad:
+        raise ConfigError(
+            f"swap_layers: this hybrid student's layers differ from the teacher's ({teacher.name}): "
+            f"{', '.join(bad)}. Fix: pass the teacher it was built from."
+        )
+    device, dtype = model.embed.weight.device, model.embed.weight.dtype
+    for layer in layers:
+        block: Any = model.blocks[layer]
+        mixer = HybridMixer(cfg, list(range(H))).to(device=device, dtype=dtype)
+        mixer.init_from_attention(teacher.layer(layer, "self_attn."))
+        block.mixer = mixer
+        cfg.attention_heads[layer] = list(range(H))
+        if part == "block":
+            block.ln1.load_state_dict(teacher.layer(layer, "input_layernorm."))
+            block.ln2.load_state_dict(teacher.layer(layer, "post_attention_layernorm."))
+            block.mlp.load_state_dict(teacher.layer(layer, "mlp."))
+
+
+def _attention_fields(model: HookedSSM, teacher: _Teacher) -> None:
+    """Give ``model``'s config (a copy) the teacher's attention and RoPE fields; refuse when its
+    own attention layers have others."""
+    cfg = model.cfg
+    H, KV, d = teacher.heads
+    theta, rotary_dim, scaling = teacher.rope
+    want: dict[str, Any] = {
+        "n_attn_heads": H,
+        "n_attn_kv_heads": KV,
+        "attn_d_head": d,
+        "attn_bias": bool(teacher.fields["attention_bias"]),
+        "key_multiplier": 1.0,
+        "use_rope": True,
+        "rope_theta": theta,
+        "rotary_dim": rotary_dim,
+        "rope_scaling": scaling,
+    }
+    has_attention = cfg.is_hybrid or any(m.uses_rope for m in model.ssm_mixers().values())
+    if has_attention:
+        bad = _mismatches(cfg, want)
+        if cfg.attn_scale not in (0.0, d**-0.5):
+            bad.append(f"attn_scale={cfg.attn_scale!r} (teacher: {d**-0.5!r})")
+        if bad:
+            raise ConfigError(
+                f"swap_layers: the student's own attention layers ({cfg.architecture}) differ "
+                f"from the teacher's ({teacher.name}): {', '.join(bad)}; one model config holds "
+                "one attention shape. Fix: pass the teacher the student was distilled from."
+            )
+        return
+    for key, value in want.items():
+        setattr(cfg, key, value)
+    cfg.attn_scale = 0.0
+
+
+def _new_block(model: HookedSSM, teacher: _Teacher, layer: int, part: str, old: Any) -> SSMBlock:
+    """An attention block for ``layer`` with the teacher's attention (``part="mixer"``: the old
+    block's norms and MLP; ``"block"``: the teacher's)."""
+    cfg = model.cfg
+    device, dtype = model.embed.weight.device, model.embed.weight.dtype
+    with torch.device("meta"):  # every parameter is replaced or loaded below
+        block = SSMBlock(cfg, layer)
+    block.attn = _loaded(block.attn, teacher.layer(layer, "self_attn."), device, dtype)
+    if part == "mixer":
+        block.ln1 = old.ln1
+        if block.has_mlp:
+            block.ln2, block.mlp = old.ln2, old.mlp
+        return block
+    f = teacher.fields
+    eps = float(f["rms_norm_eps"])
+    mlp_cfg = copy.copy(cfg)  # the teacher's MLP, whatever the student's MLPs are
+    mlp_cfg.d_mlp, mlp_cfg.mlp_bias = int(f["intermediate_size"]), bool(f["mlp_bias"])
+    mlp_cfg.mlp_multipliers = (1.0, 1.0)
+    with torch.device("meta"):
+        ln1, ln2, mlp = RMSNorm(cfg.d_model, eps), RMSNorm(cfg.d_model, eps), GatedMLP(mlp_cfg)
+    block.ln1 = _loaded(ln1, teacher.layer(layer, "input_layernorm."), device, dtype)
+    block.ln2 = _loaded(ln2, teacher.layer(layer, "post_attention_layernorm."), device, dtype)
+    block.mlp = _loaded(mlp, teacher.layer(layer, "mlp."), device, dtype)
+    return block
+
+
+def _loaded(
+    module: nn.Module, state: Mapping[str, Tensor], device: torch.device, dtype: torch.dtype
+) -> Any:
+    """``module`` (built on the meta device) on ``device`` in ``dtype`` with ``state`` loaded."""
+    module = module.to_empty(device=device).to(dtype)
+    module.load_state_dict(dict(state), strict=True)
+    return module
+
+
+def _plain_swap(model: HookedSSM, teacher: _Teacher, layers: list[int], part: str) -> None:
+    """Any other student's layers become attention layers (``layer_types`` ``"attention"``,
+    ``blocks.{l}.attn``: :class:`~gna_lens.models.mixers.Attention`) with the teacher's
+    weights."""
+    cfg = model.cfg
+    _attention_fields(model, teacher)
+    if part == "block":
+        cfg.mlp_types = [cfg.mlp_type(i) for i in range(cfg.n_layers)]
+        if not cfg.d_mlp:
+            cfg.d_mlp = int(teacher.fields["intermediate_size"])
+    for layer in layers:
+        old = model.blocks[layer]
+        cfg.layer_types[layer] = "attention"
+        if part == "block":
+            cfg.mlp_types[layer] = "gated"
+        model.blocks[layer] = _new_block(model, teacher, layer, part, old)
+    if "rope_inv_freq" not in model._buffers and model._uses_rope:
+        from gna_lens.models import ops
+
+        inv_freq = ops.rope_inv_freq(
+            cfg.rope_theta, cfg.rotary_dim, cfg.rope_scaling, device=model.embed.weight.device
+        )
+        model.register_buffer("rope_inv_freq", inv_freq, persistent=False)
+    # Mamba-1 channel groups of a swapped layer have no channels left to group
+    model._head_groups = {k: v for k, v in model._head_groups.items() if k not in layers}
+
+
+def swap_layers(
+    student: HookedSSM, teacher: Any, layers: int | Iterable[int], *, part: str = "mixer"
+) -> HookedSSM:
+    """A copy of ``student`` whose ``layers`` are the teacher's attention layers again.
+
+    The paper's layer-swap experiment in one call: replace layer 17 of Llamba-8B (a Llama-3.1-8B
+    distilled into Mamba-2-style layers) by its teacher's attention layer and MMLU goes from 33%
+    to 50%. Each chosen layer's sequence mixer becomes the teacher's attention layer at the same
+    index, weights copied (RoPE, grouped-query heads, scale ``1 / sqrt(d_head)``);
+    ``part="mixer"`` keeps the student's norms and MLP around it (the paper's experiment),
+    ``part="block"`` takes the teacher's whole block (input norm, attention, post norm, MLP).
+
+    What a swapped layer is inside the new model:
+
+    - in a hybrid student of :func:`~gna_lens.hybrid.build_hybrid` (architecture
+      ``"gna_hybrid"``): the teacher twin's layer, a
+      :class:`~gna_lens.models.mixers.hybrid.HybridMixer` keeping every head as attention
+      (``cfg.attention_heads[l]`` lists them all), so its hooks stay ``blocks.{l}.mixer.*`` and
+      ``save_pretrained`` / :func:`~gna_lens.load_model` round-trip it;
+    - in any other student (Mamba-2, Llamba, Mamba-1, hybrids with attention layers of the
+      teacher's shape): an attention layer (``cfg.layer_types[l] == "attention"``,
+      ``blocks.{l}.attn`` an :class:`~gna_lens.models.mixers.Attention` with hooks
+      ``blocks.{l}.attn.hook_pattern``, ``hook_z``, ...); the copy's config gets the teacher's
+      attention and RoPE fields where the student had no attention (and, for
+      ``part="block"``, the teacher's SwiGLU MLP in those layers).
+
+    Either way :func:`~gna_lens.head_view` gives the swapped layers' heads kind
+    ``"attention"``, and ablation, patching, masks and ``run_with_cache`` address them as
+    ``(layer, head)`` with the teacher's head numbering.
+
+    Args:
+        student: A HookedSSM whose layers line up with the teacher's (same number of layers
+            and ``d_model``); it is not modified.
+        teacher: A Hugging Face ``LlamaForCausalLM`` (Llama-style: RMSNorm, RoPE attention,
+            SwiGLU MLP), a ``TransformerBridge`` over one, its checkpoint folder, or its teacher
+            twin (:func:`~gna_lens.hybrid.build_hybrid` keeping every head); it is not modified.
+        layers: A layer index or a list of them (each once).
+        part: ``"mixer"`` (the teacher's attention only) or ``"block"`` (its whole block).
+
+    Returns:
+        The new HookedSSM (eval mode, the student's dtype and device, sharing its tokenizer);
+        ``model.gna_layer_swap`` says what was swapped: ``{"layers": [...], "part": ...,
+        "teacher": name}`` (with ``"before"``: the student's own record, when it had one).
+
+    Raises:
+        ConfigError: For layers out of range, repeated or not ints; an unknown ``part``; a
+            teacher that is not Llama-style; a student whose shape (layers, ``d_model``) or own
+            attention layers differ from the teacher's, or whose chosen layer has no mixer.
+            The message names what was passed.
+
+    Examples:
+        >>> import torch
+        >>> from gna_lens import head_view
+        >>> from gna_lens.hybrid import build_hybrid
+        >>> from gna_lens.testing import tiny_hf_model
+        >>> teacher = tiny_hf_model("llama")
+        >>> student = build_hybrid(teacher, [])  # every head an SSM head
+        >>> swapped = swap_layers(student, teacher, [1])
+        >>> head_view(swapped).kind(1), head_view(student).kind(1), swapped.gna_layer_swap["layers"]
+        ('attention', 'ssm', [1])
+        >>> everything = swap_layers(student, teacher, [0, 1])
+        >>> ids = torch.tensor([[5, 6, 7, 8]])
+        >>> with torch.no_grad():
+        ...     bool(torch.allclose(everything(ids), teacher(ids).logits, atol=1e-4))
+        True
+    """
+    if not isinstance(student, HookedSSM):
+        raise ConfigError(
+            f"swap_layers(student={type(student).__name__}); expected a HookedSSM (a hybrid "
+            "student of build_hybrid, or a model loaded with gna_lens.load_model)."
+        )
+    if part not in PARTS:
+        raise ConfigError(
+            f"swap_layers(part={part!r}); expected 'mixer' (the teacher's attention, the "
+            "student's norms and MLP) or 'block' (the teacher's whole block)."
+        )
+    source = _read_teacher(teacher)
+    _check_pair(student, source)
+    chosen = _check_layers(layers, student.cfg.n_layers)
+    _check_mixers(student, chosen)
+    tokenizer = student.tokenizer
+    try:  # the copy shares the tokenizer (deep-copying a tokenizer is slow and pointless)
+        student.tokenizer = None
+        model = copy.deepcopy(student)
+    finally:
+        student.tokenizer = tokenizer
+    model.tokenizer = tokenizer
+    with torch.no_grad():
+        if model.cfg.architecture == "gna_hybrid":
+            _hybrid_swap(model, source, chosen, part)
+        else:
+            _plain_swap(model, source, chosen, part)
+    model.setup()  # register the new modules' hook points
+    record: dict[str, Any] = {"layers": chosen, "part": part, "teacher": source.name}
+    before = getattr(student, "gna_layer_swap", None)
+    if before:
+        record["before"] = before
+    model.gna_layer_swap = record  # type: ignore[assignment]
+    if model.cfg.architecture == "gna_hybrid":  # saved with the student (config.json)
+        model.cfg.teacher = {**model.cfg.teacher, "layer_swap": record}  # type: ignore[attr-defined]
+    return model.eval()
