@@ -28,7 +28,7 @@ from gna_lens.errors import ConfigError, GnaLensError
 from gna_lens.heads import Head, HeadList, head_view
 from gna_lens.lm_eval._model import GnaLM, _device, _dtype, format_heads, parse_heads
 from gna_lens.lm_eval.tasks import LOCAL_TASKS, is_local, write_tasks
-from gna_lens.render.markdown import benchmark_markdown, heads_label
+from gna_lens.render.markdown import benchmark_markdown
 from gna_lens.render.plotly import benchmark_figure
 from gna_lens.render.svg import benchmark_svg
 from gna_lens.scoring import RandomHeadSets, matched_random_sets
@@ -226,8 +226,9 @@ class BenchmarkTable:
         return pd.DataFrame(rows)
 
     def to_markdown(self) -> str:
-        """The table (rows: heads removed; columns: tasks) and the method, as markdown."""
-        return _with_random_rows(self, benchmark_markdown(self))
+        """The table (rows: heads removed, then any random rows; columns: tasks) and the
+        method, as markdown."""
+        return benchmark_markdown(self)
 
     def to_dict(self) -> dict[str, Any]:
         """Everything, JSON-ready."""
@@ -285,11 +286,12 @@ class BenchmarkTable:
     def figure(self) -> Any:
         """A plotly figure: each task's metric (%, 95% intervals) against heads removed (random
         draws as open circles at their ``k``, their mean as an open diamond)."""
-        return _random_figure(self, benchmark_figure(self))
+        return benchmark_figure(self)
 
     def to_svg(self, width: int = 560, height: int = 320) -> str:
-        """The figure as a small self-contained SVG (no plotly, no browser)."""
-        return _random_svg(self, benchmark_svg(self, width, height), width, height)
+        """The figure as a small self-contained SVG (no plotly, no browser; random draws as
+        open circles beside their top-``k`` point, their mean as an open diamond)."""
+        return benchmark_svg(self, width, height)
 
     def write(self, folder: str | Path) -> dict[str, Path]:
         """Write ``table.md``, ``table.csv``, ``table.json`` and ``table.svg`` into ``folder``.
@@ -303,126 +305,6 @@ class BenchmarkTable:
 
 
 # ----------------------------------------------------------------------------- random rows
-def _with_random_rows(table: BenchmarkTable, text: str) -> str:
-    """``benchmark_markdown``'s text with the random rows below the top-``k`` rows, and the
-    ranking metric and the random draws in the notes."""
-    lines = text.split("\n")
-    m = table.method
-    notes = []
-    if m.get("ranking_metric"):
-        notes.append(f"Heads ranked by: {m['ranking_metric_description']}.")
-    labels = [r for r in table.rows() if not r.isdigit()]
-    if labels:
-        at = 2 + len(table.remove_top)  # the header, its rule, one line per top-k row
-        lines[at:at] = [
-            f"| {r} | " + " | ".join(table.cell(r, t).format() for t in table.tasks) + " |"
-            for r in labels
-        ]
-        notes.append(
-            f"Rows random-{m['random']['k']} #i: {m['random']['k']} random heads each "
-            f"({m['random']['matching_description']}); random-{m['random']['k']} mean: the mean "
-            f"over the draws, {m['random']['interval']}."
-        )
-    at = next((i + 1 for i, line in enumerate(lines) if line.startswith("Values:")), len(lines))
-    lines[at:at] = notes
-    if labels:
-        at = next((i + 1 for i, ln in enumerate(lines) if ln.startswith("- Ranking:")), len(lines))
-        first = table.random_cells(table.tasks[0])
-        lines.insert(
-            at,
-            "- Random heads: "
-            + "; ".join(f"{c.label} {heads_label(c.heads, ';')}" for c in first if c.heads),
-        )
-    return "\n".join(lines)
-
-
-#: The layout of :func:`gna_lens.render.svg.benchmark_svg` (margins, colours), which the random
-#: rows are drawn into; a test checks that the random markers sit at the top-``k`` row's ``x``.
-_SVG_MARGINS = (56, 150, 30, 44)
-_SVG_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
-
-
-def _random_svg(table: BenchmarkTable, svg: str, width: int, height: int) -> str:
-    """``svg`` with each task's random draws (open circles, labelled ``random-k #i`` in their
-    tooltip) and their mean (open diamond with its interval) just right of the top-``k`` point."""
-    import html
-
-    if not any(c.kind != "top" for c in table.cells):
-        return svg
-    left, right, top, bottom = _SVG_MARGINS
-    w, h = width - left - right, height - top - bottom
-    kmax = max(max(table.remove_top), 1)
-
-    def y(v: float) -> float:
-        return top + h * (1 - v)
-
-    out = []
-    for i, t in enumerate(table.tasks):
-        col = _SVG_COLORS[i % len(_SVG_COLORS)]
-        for c in table.random_cells(t):
-            x = left + w * c.k / kmax + (6 if c.kind == "random" else 12)
-            tip = f"<title>{html.escape(c.label)} {t}: {c.value.format(percent=True)}</title>"
-            if not math.isnan(c.value.low) and c.kind == "random_mean":
-                out.append(
-                    f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{y(c.value.low):.1f}" '
-                    f'y2="{y(c.value.high):.1f}" stroke="{col}" stroke-dasharray="2 2"/>'
-                )
-            cy = y(c.value.value)
-            if c.kind == "random":
-                out.append(
-                    f'<circle class="random" cx="{x:.1f}" cy="{cy:.1f}" r="3" fill="white" '
-                    f'stroke="{col}">{tip}</circle>'
-                )
-            else:
-                out.append(
-                    f'<polygon class="random-mean" points="{x:.1f},{cy - 4:.1f} {x + 4:.1f},'
-                    f'{cy:.1f} {x:.1f},{cy + 4:.1f} {x - 4:.1f},{cy:.1f}" fill="white" '
-                    f'stroke="{col}">{tip}</polygon>'
-                )
-    k = table.method.get("random", {}).get("k", "k")
-    n = sum(c.kind == "random" for c in table.random_cells(table.tasks[0]))
-    ly = top + 14 + 18 * len(table.tasks)
-    out.append(
-        f'<circle cx="{left + w + 17}" cy="{ly - 3}" r="3" fill="white" stroke="#555"/>'
-        f'<text x="{left + w + 26}" y="{ly + 1}">random-{k} #1-#{n}</text>'
-        f'<polygon points="{left + w + 17},{ly + 11} {left + w + 21},{ly + 15} '
-        f'{left + w + 17},{ly + 19} {left + w + 13},{ly + 15}" fill="white" stroke="#555"/>'
-        f'<text x="{left + w + 26}" y="{ly + 19}">random-{k} mean</text>'
-    )
-    end = svg.rindex("</svg>")
-    return svg[:end] + "\n".join(out) + "\n" + svg[end:]
-
-
-def _random_figure(table: BenchmarkTable, fig: Any) -> Any:
-    """``fig`` with each task's random draws (open circles) and their mean (open diamond with
-    its interval) at their ``k``."""
-    import plotly.graph_objects as go
-
-    for t in table.tasks:
-        for kind, symbol in (("random", "circle-open"), ("random_mean", "diamond-open")):
-            cs = [c for c in table.random_cells(t) if c.kind == kind]
-            if not cs:
-                continue
-            fig.add_trace(
-                go.Scatter(
-                    x=[c.k for c in cs],
-                    y=[100 * c.value.value for c in cs],
-                    error_y={
-                        "type": "data",
-                        "symmetric": False,
-                        "array": [100 * (c.value.high - c.value.value) for c in cs],
-                        "arrayminus": [100 * (c.value.value - c.value.low) for c in cs],
-                        "visible": kind == "random_mean",
-                    },
-                    text=[f"{c.label}: {format_heads(c.heads)}" for c in cs],
-                    mode="markers",
-                    marker={"symbol": symbol, "size": 9},
-                    name=f"{t} {cs[0].label.split(' ')[0]}{' mean' if kind != 'random' else ''}",
-                )
-            )
-    return fig
-
-
 def _random_heads(model: Any, top: Sequence[Head], n_draws: int, seed: int) -> RandomHeadSets:
     """``n_draws`` distinct random head sets, each with as many heads per layer as ``top`` and
     none of them in it (:func:`~gna_lens.scoring.matched_random_sets`, the baseline of

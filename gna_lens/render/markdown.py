@@ -101,12 +101,14 @@ def _points(iv: dict[str, Any]) -> str:
 def benchmark_markdown(table: Any) -> str:
     """The lm-eval table (rows: heads removed; columns: tasks) and its method, as markdown:
     what :meth:`BenchmarkTable.to_markdown <gna_lens.lm_eval.BenchmarkTable.to_markdown>`
-    returns.
+    returns. Random rows (``random-10 #1``, ..., ``random-10 mean``) follow the top-``k`` rows,
+    and the notes say how their heads were drawn and which metric ranked the heads.
 
     Args:
         table: A :class:`~gna_lens.lm_eval.BenchmarkTable` (read through ``tasks``,
-            ``remove_top``, ``cell(k, task)``, ``ranking``, ``model``, ``method`` and
-            ``seconds``).
+            ``remove_top``, ``cells``, ``cell(row, task)``, ``random_cells(task)``,
+            ``ranking``, ``model``, ``method`` and ``seconds``; a cell through ``kind``,
+            ``label``, ``heads``, ``format()``, ``metric``, ``n`` and ``chance``).
 
     Returns:
         The markdown, ending in a newline.
@@ -115,9 +117,11 @@ def benchmark_markdown(table: Any) -> str:
         f"{t} ({table.cell(table.remove_top[0], t).metric.split(',')[0]}, %)" for t in table.tasks
     )
     lines = [head + " |", "|---" * (len(table.tasks) + 1) + "|"]
-    for k in table.remove_top:
-        cells = " | ".join(table.cell(k, t).format() for t in table.tasks)
-        lines.append(f"| {k} | {cells} |")
+    # the top-k rows, then any random rows (random-k #1, ..., random-k mean)
+    randoms = list(dict.fromkeys(c.label for c in table.cells if c.kind != "top"))
+    for r in [*table.remove_top, *randoms]:
+        cells = " | ".join(table.cell(r, t).format() for t in table.tasks)
+        lines.append(f"| {r} | {cells} |")
     m = table.method
     n = ", ".join(f"{t} {table.cell(table.remove_top[0], t).n}" for t in table.tasks)
     chance = ", ".join(
@@ -125,15 +129,36 @@ def benchmark_markdown(table: Any) -> str:
         for t in table.tasks
         if (c := table.cell(table.remove_top[0], t).chance) is not None
     )
+    notes = []
+    if m.get("ranking_metric"):
+        notes.append(f"Heads ranked by: {m['ranking_metric_description']}.")
+    random_heads = []
+    if randoms:
+        rk = m["random"]
+        notes.append(
+            f"Rows random-{rk['k']} #i: {rk['k']} random heads each "
+            f"({rk['matching_description']}); random-{rk['k']} mean: the mean over the draws, "
+            f"{rk['interval']}."
+        )
+        random_heads.append(
+            "- Random heads: "
+            + "; ".join(
+                f"{c.label} {heads_label(c.heads, ';')}"
+                for c in table.random_cells(table.tasks[0])
+                if c.heads
+            )
+        )
     lines += [
         "",
         "Values: the metric over the items with a 95% interval (Wilson for 0/1 metrics); "
         "in later rows the change from 0 heads removed in points with a paired bootstrap "
         "95% interval over the same items, and the relative change.",
+        *notes,
         "",
         f"- Model: {table.model}; weights: {m.get('weights', 'not recorded')}",
         f"- Heads removed (most critical first): {heads_label(table.ranking, ';') or 'none'}",
         f"- Ranking: {m.get('ranking_source', '')}",
+        *random_heads,
         f"- Ablation: {m.get('mode')} at {m.get('positions')} positions; items per task: "
         f"{n}" + (f"; chance: {chance}" if chance else ""),
         f"- Versions: {m.get('versions', '')}",

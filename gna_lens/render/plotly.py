@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from gna_lens.errors import GnaLensError
-from gna_lens.render.markdown import head_label
+from gna_lens.render.markdown import head_label, heads_label
 from gna_lens.render.svg import hybrid_curve_rows
 
 __all__ = [
@@ -551,14 +551,17 @@ def _error_bars(df: Any, mid: str, low: str, high: str) -> dict[str, Any]:
 
 def benchmark_figure(table: Any) -> Any:
     """The figure of :meth:`BenchmarkTable.figure <gna_lens.lm_eval.BenchmarkTable.figure>`:
-    each task's metric (%, 95% intervals) against heads removed.
+    each task's metric (%, 95% intervals) against heads removed; random rows at their ``k``,
+    the draws as open circles, their mean as an open diamond with its interval.
 
     Args:
         table: A :class:`~gna_lens.lm_eval.BenchmarkTable` (read through ``tasks``,
-            ``remove_top``, ``cell(k, task)`` and ``model``).
+            ``remove_top``, ``cell(k, task)``, ``random_cells(task)`` and ``model``; a random
+            cell through ``kind``, ``label``, ``k``, ``value`` and ``heads``).
 
     Returns:
-        A ``plotly.graph_objects.Figure``, one ``Scatter`` per task.
+        A ``plotly.graph_objects.Figure``: one ``Scatter`` per task, then per task one for its
+        random draws and one for their mean (where the table has random rows).
     """
     import plotly.graph_objects as go
 
@@ -579,6 +582,28 @@ def benchmark_figure(table: Any) -> Any:
                 name=t,
             )
         )
+    for t in table.tasks:
+        for kind, symbol in (("random", "circle-open"), ("random_mean", "diamond-open")):
+            cs = [c for c in table.random_cells(t) if c.kind == kind]
+            if not cs:
+                continue
+            fig.add_trace(
+                go.Scatter(
+                    x=[c.k for c in cs],
+                    y=[100 * c.value.value for c in cs],
+                    error_y={
+                        "type": "data",
+                        "symmetric": False,
+                        "array": [100 * (c.value.high - c.value.value) for c in cs],
+                        "arrayminus": [100 * (c.value.value - c.value.low) for c in cs],
+                        "visible": kind == "random_mean",
+                    },
+                    text=[f"{c.label}: {heads_label(c.heads, ';')}" for c in cs],
+                    mode="markers",
+                    marker={"symbol": symbol, "size": 9},
+                    name=f"{t} {cs[0].label.split(' ')[0]}{' mean' if kind != 'random' else ''}",
+                )
+            )
     fig.update_layout(
         title=f"{table.model}: top-k G&A heads removed",
         xaxis_title="heads removed (top k of the ranking)",

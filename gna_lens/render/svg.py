@@ -10,6 +10,7 @@ The line charts of the findings page are in :mod:`gna_lens.render.figures`.
 
 import html
 import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -79,11 +80,15 @@ def heatmap_svg(grid: Tensor, title: str, cell: int | None = None) -> str:
 
 def benchmark_svg(table: Any, width: int = 560, height: int = 320) -> str:
     """The lm-eval table's figure as a small self-contained SVG (no plotly, no browser): each
-    task's metric with its 95% intervals against heads removed, chance dashed.
+    task's metric with its 95% intervals against heads removed, chance dashed; random rows as
+    open circles (each draw, ``random-k #i`` in its tooltip) and an open diamond (their mean,
+    with its interval, dotted) just right of the top-``k`` point.
 
     Args:
         table: A :class:`~gna_lens.lm_eval.BenchmarkTable` (read through ``tasks``,
-            ``remove_top``, ``cell(k, task)`` and ``model``).
+            ``remove_top``, ``cells``, ``cell(k, task)``, ``random_cells(task)``, ``model`` and
+            ``method["random"]["k"]``; a random cell through ``kind``, ``label``, ``k`` and
+            ``value``).
         width: Width in pixels.
         height: Height in pixels.
 
@@ -145,8 +150,59 @@ def benchmark_svg(table: Any, width: int = 560, height: int = 320) -> str:
             f'<rect x="{left + w + 12}" y="{ly - 8}" width="10" height="10" fill="{col}"/>'
             f'<text x="{left + w + 26}" y="{ly + 1}">{_esc(t)}</text>'
         )
+    if any(c.kind != "top" for c in table.cells):
+        out += _random_marks(
+            table, x, y, colors, legend=(left + w, top + 14 + 18 * len(table.tasks))
+        )
     out.append("</svg>")
     return "\n".join(out) + "\n"
+
+
+def _random_marks(
+    table: Any,
+    x: Callable[[float], float],
+    y: Callable[[float], float],
+    colors: Sequence[str],
+    legend: tuple[int, int],
+) -> list[str]:
+    """:func:`benchmark_svg`'s random rows, in its layout (``x``, ``y``, ``colors``): each task's
+    draws (open circles) 6 px and their mean (open diamond, its interval dotted) 12 px right of
+    the point of the same ``k``; and their legend below the tasks' at ``legend`` (the plot's
+    right edge, the entry's baseline)."""
+    out = []
+    for i, t in enumerate(table.tasks):
+        col = colors[i % len(colors)]
+        for c in table.random_cells(t):
+            cx = x(c.k) + (6 if c.kind == "random" else 12)
+            tip = f"<title>{_esc(c.label)} {_esc(t)}: {c.value.format(percent=True)}</title>"
+            if not math.isnan(c.value.low) and c.kind == "random_mean":
+                out.append(
+                    f'<line x1="{cx:.1f}" x2="{cx:.1f}" y1="{y(c.value.low):.1f}" '
+                    f'y2="{y(c.value.high):.1f}" stroke="{col}" stroke-dasharray="2 2"/>'
+                )
+            cy = y(c.value.value)
+            if c.kind == "random":
+                out.append(
+                    f'<circle class="random" cx="{cx:.1f}" cy="{cy:.1f}" r="3" fill="white" '
+                    f'stroke="{col}">{tip}</circle>'
+                )
+            else:
+                out.append(
+                    f'<polygon class="random-mean" points="{cx:.1f},{cy - 4:.1f} {cx + 4:.1f},'
+                    f'{cy:.1f} {cx:.1f},{cy + 4:.1f} {cx - 4:.1f},{cy:.1f}" fill="white" '
+                    f'stroke="{col}">{tip}</polygon>'
+                )
+    k = table.method.get("random", {}).get("k", "k")
+    n = sum(c.kind == "random" for c in table.random_cells(table.tasks[0]))
+    lx, ly = legend
+    out.append(
+        f'<circle cx="{lx + 17}" cy="{ly - 3}" r="3" fill="white" stroke="#555"/>'
+        f'<text x="{lx + 26}" y="{ly + 1}">random-{k} #1-#{n}</text>'
+        f'<polygon points="{lx + 17},{ly + 11} {lx + 21},{ly + 15} '
+        f'{lx + 17},{ly + 19} {lx + 13},{ly + 15}" fill="white" stroke="#555"/>'
+        f'<text x="{lx + 26}" y="{ly + 19}">random-{k} mean</text>'
+    )
+    return out
 
 
 def _esc(text: str) -> str:
