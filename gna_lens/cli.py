@@ -252,7 +252,7 @@ def scan_threads(requested: int | None) -> tuple[int, str]:
 
 def _evaluate(args: argparse.Namespace) -> int:
     try:
-        from gna_lens.lm_eval import evaluate_table
+        from gna_lens.lm_eval import compare_models, evaluate_table
     except ImportError as err:
         print(
             f"gna-lens evaluate: error: lm-eval is not installed ({err}). Install the extra: "
@@ -262,12 +262,25 @@ def _evaluate(args: argparse.Namespace) -> int:
         return 2
     from gna_lens.errors import GnaLensError
 
-    try:
-        ks = [int(k) for k in args.remove_top.split(",") if k.strip()]
-    except ValueError:
+    models = list(args.model) or ["smollm2-135m"]
+    rankings = list(args.ranking or [])
+    parsed = {}
+    for flag, text in (("--remove-top", args.remove_top), ("--state-lengths", args.state_lengths)):
+        try:
+            parsed[flag] = [int(k) for k in text.split(",") if k.strip()]
+        except ValueError:
+            print(
+                f"gna-lens evaluate: error: {flag} {text!r}; expected numbers separated by "
+                "commas, e.g. 0,10,20,30.",
+                file=sys.stderr,
+            )
+            return 2
+    ks, lengths = parsed["--remove-top"], parsed["--state-lengths"]
+    if len(rankings) not in (0, len(models)):
         print(
-            f"gna-lens evaluate: error: --remove-top {args.remove_top!r}; expected numbers "
-            "separated by commas, e.g. 0,10,20,30.",
+            f"gna-lens evaluate: error: {len(rankings)} --ranking for {len(models)} models "
+            f"({', '.join(models)}); give one per model, in their order, or none (each model "
+            "ranks its own heads).",
             file=sys.stderr,
         )
         return 2
@@ -276,39 +289,49 @@ def _evaluate(args: argparse.Namespace) -> int:
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     progress = not args.quiet
+    common = dict(
+        mode=args.mode,
+        positions=args.positions,
+        limit=args.limit if args.limit and args.limit > 0 else None,
+        batch_size=args.batch_size,
+        metric=args.metric,
+        num_fewshot=args.num_fewshot,
+        ranking_samples=args.ranking_samples,
+        ranking_metric=args.ranking_metric,
+        sweep_dtype=None if args.sweep_dtype == "float32" else args.sweep_dtype,
+        random_draws=args.random_draws,
+        random_k=args.random_k,
+        seed=args.seed,
+        out=args.out,
+        dtype=args.dtype,
+        device=args.device,
+        progress=progress,
+    )
     try:
         if progress:
-            print(f"gna-lens evaluate: loading {args.model} ({why})", file=sys.stderr, flush=True)
-        table = evaluate_table(
-            args.model,
-            tasks,
-            ks,
-            args.ranking,
-            mode=args.mode,
-            positions=args.positions,
-            limit=args.limit if args.limit and args.limit > 0 else None,
-            batch_size=args.batch_size,
-            metric=args.metric,
-            num_fewshot=args.num_fewshot,
-            ranking_samples=args.ranking_samples,
-            ranking_metric=args.ranking_metric,
-            sweep_dtype=None if args.sweep_dtype == "float32" else args.sweep_dtype,
-            random_draws=args.random_draws,
-            random_k=args.random_k,
-            seed=args.seed,
-            out=args.out,
-            dtype=args.dtype,
-            device=args.device,
-            progress=progress,
-        )
+            print(f"gna-lens evaluate: {', '.join(models)} ({why})", file=sys.stderr, flush=True)
+        if len(models) == 1:
+            table = evaluate_table(
+                models[0], tasks, ks, rankings[0] if rankings else None, **common
+            )
+        else:
+            comparison = compare_models(
+                models, tasks, ks, rankings or None, state_lengths=lengths,
+                state_dtype=args.state_dtype, **common,
+            )  # fmt: skip
     except (GnaLensError, OSError) as err:
         print(f"gna-lens evaluate: error: {err}", file=sys.stderr)
         return 2
     finally:
         torch.set_num_threads(before)
-    if progress:
+    if progress and len(models) == 1:
         print(table.to_markdown())
         print(f"Written: {args.out}/table.md, table.csv, table.json, table.svg, tasks/")
+    elif progress:
+        print(comparison.to_markdown())
+        subs = ", ".join(comparison.method["subfolders"])
+        print(f"Written: {args.out}/comparison.md, comparison.csv, comparison.json, state.csv; "
+              f"each model's table in {args.out}/{{{subs}}}/")  # fmt: skip
     return 0
 
 
@@ -577,8 +600,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="lm-eval benchmarks with the top 0 / 10 / 20 / 30 heads removed: the paper's table",
     )
     ev.add_argument(
-        "model", nargs="?", default="smollm2-135m",
-        help="smollm2-135m (default), zoo name, local HF dir, .gguf file or hub name",
+        "model", nargs="*", default=["smollm2-135m"],
+        help="smollm2-135m (default), zoo name, local HF dir, .gguf file or hub name; two or more "
+        "compare them (the paper's Llama-3.2-3B vs Llamba-3B table, each ranking its own heads) "
+        "and write comparison.md with each model's state size",
     )  # fmt: skip
     ev.add_argument(
         "--tasks", default="gna_kv,gna_mmlu_letter,gna_mmlu_cloze",
@@ -587,9 +612,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     )  # fmt: skip
     ev.add_argument("--remove-top", default="0,10,20,30", help="rows: heads removed (0,10,20,30)")
     ev.add_argument(
-        "--ranking", default=None,
+        "--ranking", default=None, action="append",
         help="report.json of `gna-lens scan` (or a JSON list of [layer, head]); default: rank "
-        "on KV-retrieval prompts now",
+        "on KV-retrieval prompts now; with several models, once per model in their order",
+    )  # fmt: skip
+    ev.add_argument(
+        "--state-lengths", default="2048,8192,32768",
+        help="with several models: sequence lengths of the state-size table (2048,8192,32768)",
+    )  # fmt: skip
+    ev.add_argument(
+        "--state-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+        help="with several models: dtype the recurrent states and KV caches are counted in "
+        "(bfloat16, as served)",
     )  # fmt: skip
     ev.add_argument("--mode", default="zero", choices=["zero", "mean"], help="ablation mode")
     ev.add_argument(

@@ -394,3 +394,130 @@ def test_scan_cli_ranks_the_heads_of_a_cartesia_checkpoint(tmp_path, capsys):
     assert data["layer_heads"] == [4, 4] and len(data["heads"]) == 8
     assert data["n_exact"] == 8
     assert data["provenance"]["format"] == "cartesia"
+
+
+# ----------------------------------------------------------------------------- layer swaps
+def _teacher_and_student(tmp_path, seed=9):
+    """A tiny Llama teacher and a Llamba checkpoint (Cartesia's layout) of its shape whose
+    embeddings, norms, MLPs and LM head are the teacher's (as MOHAWK's student starts): only the
+    mixers differ."""
+    from safetensors.torch import save_file
+
+    from gna_lens.testing import tiny_hf_model
+
+    teacher = tiny_hf_model("llama", seed=seed, rms_norm_eps=1e-5)
+    config = tiny_llamba_config()
+    state = tiny_llamba_state(config, seed=seed)
+    w = {k: v.detach().clone() for k, v in teacher.state_dict().items()}
+    state["backbone.embedding.weight"] = w["model.embed_tokens.weight"]
+    state["backbone.final_layernorm.weight"] = w["model.norm.weight"]
+    state["lm_head.weight"] = w["lm_head.weight"]
+    for layer in range(2):
+        src, dst = f"model.layers.{layer}.", f"backbone.layers.{layer}."
+        for name in (
+            "input_layernorm.weight",
+            "post_attention_layernorm.weight",
+            "mlp.gate_proj.weight",
+            "mlp.up_proj.weight",
+            "mlp.down_proj.weight",
+        ):
+            state[dst + name] = w[src + name]  # fmt: skip
+    folder = tiny_checkpoint("llamba", tmp_path / "student", seed=seed)
+    save_file(state, str(folder / "model.safetensors"))
+    return teacher, load_model(folder)
+
+
+def test_swapping_every_llamba_layer_for_the_teachers_attention_gives_the_teachers_logits(
+    tmp_path,
+):
+    from gna_lens.hybrid import swap_layers
+
+    teacher, student = _teacher_and_student(tmp_path)
+    ids = _ids(2, 13, 9)
+    with torch.no_grad():
+        want = teacher(ids).logits
+        assert (student(ids) - want).abs().max().item() > 1e-2  # the mixers differ
+        one = swap_layers(student, teacher, [1])  # the paper's "layer 17 -> attention", small
+        swapped = swap_layers(student, teacher, [0, 1])
+        assert (swapped(ids) - want).abs().max().item() < 1e-4
+        assert 1e-4 < (one(ids) - want).abs().max().item()
+    assert [head_view(one)[i].kind for i in (0, 1)] == ["ssm", "attention"]
+    assert head_view(one)[1].n_heads == 4
+    assert one.cfg.architecture == "llamba" and student.cfg.layer_types == ["ssm", "ssm"]
+    with pytest.raises(ConfigError, match="attention"):
+        one.save_pretrained(tmp_path / "swapped")  # Cartesia's layout has no attention layers
+
+
+# ----------------------------------------------------------------------------- the comparison
+def test_evaluate_compares_a_llama_and_a_llamba_with_state_sizes(tmp_path, capsys):
+    """``gna-lens evaluate A B``, offline, on a tiny Llama and a random Llamba (both over a word
+    tokenizer): one table per model with its own heads removed and random rows, side by side,
+    and each model's state size counted from its shape."""
+    pytest.importorskip("lm_eval")
+    from gna_lens.cli import main
+    from gna_lens.tasks import load_words
+    from gna_lens.tasks._testing import word_tokenizer
+
+    words = load_words()[:40]
+    tok = word_tokenizer(
+        ["Below is a list of key-value pairs. What is the value for key ? : Answer",
+         " ".join(words)],
+        bos=True,
+    )  # fmt: skip
+    llama = tiny_checkpoint("llama", tmp_path / "tiny-llama", seed=1, vocab_size=len(tok))
+    llamba_dir = tiny_checkpoint("llamba", tmp_path / "tiny-llamba", seed=1, vocab_size=len(tok))
+    for folder in (llama, llamba_dir):
+        tok.save_pretrained(str(folder))
+    rankings = []
+    for name, heads in (("a", [[1, 0], [0, 1], [1, 3]]), ("b", [[0, 2], [1, 1], [0, 0]])):
+        (tmp_path / f"{name}.json").write_text(json.dumps(heads))
+        rankings += ["--ranking", str(tmp_path / f"{name}.json")]
+    out = tmp_path / "cmp"
+    args = ["evaluate", str(llama), str(llamba_dir), "--tasks", "gna_kv", "--remove-top", "0,2",
+            "--random-draws", "2", "--random-k", "2", "--limit", "16", *rankings,
+            "--state-lengths", "128,4096", "--out", str(out), "--quiet", "--device", "cpu"]  # fmt: skip
+    assert main(args) == 0, capsys.readouterr().err
+    text = (out / "comparison.md").read_text()
+    for needle in ("tiny-llama", "tiny-llamba", "| 2 |", "random-2 #1", "random-2 mean",
+                   "State kept per sequence", "total at 4,096 tokens"):  # fmt: skip
+        assert needle in text, needle
+    assert {p.name for p in out.iterdir()} >= {"comparison.json", "state.csv", "tiny-llama",
+                                               "tiny-llamba"}  # fmt: skip
+    assert (out / "tiny-llamba" / "table.md").is_file()
+    import pandas as pd
+
+    state = pd.read_csv(out / "state.csv").set_index(["model", "length"])
+    # bfloat16 (2 bytes): Llamba 2 layers x (4 heads x 8 x 8 state + 3 x 64 conv channels);
+    # the Llama: 2 layers x 2 KV heads x (8 + 8) per token.
+    llamba_row = state.loc[(str(llamba_dir), 4096)]
+    assert llamba_row["recurrent_bytes"] == 2 * 2 * (4 * 8 * 8 + 3 * 64)
+    assert llamba_row["kv_cache_bytes"] == 0
+    llama_row = state.loc[[i for i in state.index if i[0] != str(llamba_dir) and i[1] == 4096][0]]
+    assert llama_row["kv_cache_bytes"] == 4096 * 2 * 2 * 2 * 16
+    data = json.loads((out / "comparison.json").read_text())
+    assert [t["ranking"][:2] for t in data["tables"]] == [[[1, 0], [0, 1]], [[0, 2], [1, 1]]]
+
+
+def test_state_bytes_reproduces_the_papers_llama_3_2_1b_row():
+    """The paper's state-size table: Llama-3.2-1B keeps 4.2 / 67.1 / 134.2 MB at 128 / 2048 /
+    4096 tokens (bfloat16 KV cache). Built on the meta device from its published shape."""
+    import transformers as tf
+
+    from gna_lens.models.state import state_bytes
+    from gna_lens.render.markdown import format_bytes
+
+    cfg = tf.LlamaConfig(
+        hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=64, intermediate_size=8192, vocab_size=128256,
+    )  # fmt: skip
+    with torch.device("meta"):
+        llama = tf.LlamaForCausalLM(cfg)
+    sb = state_bytes(llama, (128, 2048, 4096), dtype=torch.bfloat16)
+    assert [format_bytes(sb.total_bytes(L)) for L in (128, 2048, 4096)] == [
+        "4.2 MB", "67.1 MB", "134.2 MB",
+    ]  # fmt: skip
+    # A Llamba's state does not grow: per layer, heads x head dim x state + the convolution
+    # window (d_conv - 1) x (d_inner + 2 n_qk_heads d_state).
+    model = tiny_hooked_ssm("llamba")
+    sb = state_bytes(model, (128, 4096), dtype=torch.bfloat16)
+    assert sb.total_bytes(128) == sb.total_bytes(4096) == 2 * 2 * (4 * 8 * 8 + 3 * (32 + 2 * 2 * 8))

@@ -16,6 +16,10 @@ arguments)::
   ranking, optionally rows of as many random layer-matched heads), the paper's table as a
   :class:`BenchmarkTable` (also ``gna-lens evaluate``); the ranking made on the fly by
   ``logit_diff`` or, the paper's protocol, single-head ``accuracy`` (:data:`RANKING_METRICS`).
+- :func:`compare_models`: the paper's comparison of architectures (Llama-3.2-3B vs Llamba-3B):
+  the same table for several models, each ranking its own heads, and what each keeps per
+  sequence (recurrent states vs KV cache), as a :class:`ModelComparison` (also
+  ``gna-lens evaluate MODEL_A MODEL_B``).
 - :func:`write_tasks`: the offline tasks (:data:`LOCAL_TASKS`: MMLU letter and cloze, KV
   retrieval) as YAML + JSON lines.
 """
@@ -29,6 +33,7 @@ if importlib.util.find_spec("lm_eval") is None:
     )
 
 from gna_lens.lm_eval._model import GnaLM, Intervention, format_heads, parse_heads, register
+from gna_lens.lm_eval.compare import DEFAULT_STATE_LENGTHS, ModelComparison, compare_models
 from gna_lens.lm_eval.table import (
     RANKING_METRICS,
     BenchmarkTable,
@@ -41,13 +46,16 @@ from gna_lens.lm_eval.tasks import LOCAL_TASKS, build_local_task, write_task, wr
 register()
 
 __all__ = [
+    "DEFAULT_STATE_LENGTHS",
     "LOCAL_TASKS",
     "RANKING_METRICS",
     "BenchmarkTable",
     "GnaLM",
     "Intervention",
+    "ModelComparison",
     "TableCell",
     "build_local_task",
+    "compare_models",
     "evaluate_table",
     "format_heads",
     "load_ranking",

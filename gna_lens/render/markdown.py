@@ -2,6 +2,9 @@
 
 - :func:`benchmark_markdown`: ``BenchmarkTable.to_markdown`` (lm-eval with heads removed).
 - :func:`hybrid_markdown`: ``HybridTable.to_markdown`` (the hybrid experiment).
+- :func:`comparison_markdown`: ``ModelComparison.to_markdown`` (several models' lm-eval tables
+  and their state sizes).
+- :func:`format_bytes`: a byte count in decimal units.
 - :func:`md_table`, :func:`format_percent`, :func:`format_points`, :func:`format_nats`,
   :func:`format_number`, :func:`format_share`, :func:`heads_text`: pure formatting of JSON-ready
   numbers (interval dicts ``{"value", "low", "high"}``, ``None`` for missing), used by the
@@ -14,6 +17,8 @@ from typing import Any
 
 __all__ = [
     "benchmark_markdown",
+    "comparison_markdown",
+    "format_bytes",
     "format_nats",
     "format_number",
     "format_percent",
@@ -166,6 +171,85 @@ def benchmark_markdown(table: Any) -> str:
         + ", ".join(f"{k} {v:.0f} s" for k, v in table.seconds.items() if k != "total")
         + ")",
     ]
+    return "\n".join(lines) + "\n"
+
+
+def format_bytes(n: float) -> str:
+    """A byte count in decimal units (1 MB = 10^6 bytes, as the paper's state-size table).
+
+    Examples:
+        >>> format_bytes(512), format_bytes(1536), format_bytes(4_194_304), format_bytes(3.5e9)
+        ('512 B', '1.5 kB', '4.2 MB', '3.50 GB')
+    """
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= size:
+            value = n / size
+            return f"{value:.2f} {unit}" if unit == "GB" else f"{value:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def comparison_markdown(comparison: Any) -> str:
+    """Several models' lm-eval tables side by side (per task: rows of heads removed, one column
+    per model, each removing its own top heads) and what each keeps per sequence: what
+    :meth:`ModelComparison.to_markdown <gna_lens.lm_eval.ModelComparison.to_markdown>` returns.
+
+    Args:
+        comparison: A :class:`~gna_lens.lm_eval.ModelComparison` (read through ``tables``,
+            ``states`` and ``method``; each table as :func:`benchmark_markdown` reads it, each
+            state through ``model``, ``attention_heads``, ``ssm_heads``, ``element_bytes``,
+            ``recurrent_bytes``, ``kv_bytes_per_token``, ``total_bytes(L)``).
+
+    Returns:
+        The markdown, ending in a newline.
+    """
+    tables, m = comparison.tables, comparison.method
+    models = [t.model for t in tables]
+    lines: list[str] = []
+    for task in tables[0].tasks:
+        metric = tables[0].cell(tables[0].remove_top[0], task).metric.split(",")[0]
+        lines += [f"### {task} ({metric}, %)", ""]
+        labels = list(dict.fromkeys(c.label for t in tables for c in t.cells if c.task == task))
+        rows = []
+        for label in labels:
+            cells = []
+            for t in tables:
+                found = [c for c in t.cells if c.task == task and c.label == label]
+                cells.append(found[0].format() if found else "-")
+            rows.append([label, *cells])
+        lines += [*md_table(["heads removed", *models], rows), ""]
+    lengths = list(m.get("state_lengths", []))
+    dtype = m.get("state_dtype", "")
+    header = ["model", "attention heads", "SSM heads", "recurrent state", "KV cache per token"]
+    header += [f"total at {L:,} tokens" for L in lengths]
+    state_rows = [
+        [s.model, s.attention_heads, s.ssm_heads, format_bytes(s.recurrent_bytes),
+         format_bytes(s.kv_bytes_per_token), *(format_bytes(s.total_bytes(L)) for L in lengths)]
+        for s in comparison.states
+    ]  # fmt: skip
+    lines += [
+        "### State kept per sequence while generating",
+        "",
+        *md_table(header, state_rows),
+        "",
+        f"Counted in {dtype} ({comparison.states[0].element_bytes} bytes per number): the SSM "
+        "heads' recurrent states and convolution windows (fixed), and the attention layers' "
+        "keys and values (growing with the sequence). Decimal units (1 MB = 10^6 bytes).",
+        "",
+        "Values: the metric over the items with a 95% interval (Wilson for 0/1 metrics); in "
+        "later rows the change from 0 heads removed in points with a paired bootstrap 95% "
+        "interval over the same items, and the relative change. Each model removes its own top "
+        "heads.",
+        "",
+    ]
+    for t in tables:
+        tm = t.method
+        lines += [
+            f"- {t.model}: weights {tm.get('weights', 'not recorded')}; ranking: "
+            f"{tm.get('ranking_source', '')}"
+            + (f" ({tm['ranking_metric_description']})" if tm.get("ranking_metric") else "")
+            + f"; top heads {heads_label(t.ranking[: max(t.remove_top)], ';') or 'none'}; "
+            f"ablation {tm.get('mode')} at {tm.get('positions')} positions"
+        ]
     return "\n".join(lines) + "\n"
 
 

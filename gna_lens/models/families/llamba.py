@@ -275,6 +275,16 @@ def save(model: Any, path: Path) -> None:
     ``model.safetensors``; the tokenizer's files beside them when it has any)."""
     from safetensors.torch import save_file
 
+    kinds = list(model.cfg.layer_types)
+    if any(k != "ssm" for k in kinds) or any(
+        type(b.mixer) is not DiscreteMamba2Mixer for b in model.blocks if hasattr(b, "mixer")
+    ):
+        raise ConfigError(
+            f"save_pretrained: this Llamba has layers that are not DiscreteMamba2 layers "
+            f"(layer kinds {kinds}; e.g. attention swapped in by swap_layers), which Cartesia's "
+            "layout cannot hold. Keep the swap as code (swap_layers on the saved Llamba and its "
+            "teacher reproduces it), or save the unswapped model."
+        )
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     dtype = next(iter(model.parameters())).dtype
