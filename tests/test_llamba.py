@@ -440,7 +440,7 @@ def test_swapping_every_llamba_layer_for_the_teachers_attention_gives_the_teache
         one = swap_layers(student, teacher, [1])  # the paper's "layer 17 -> attention", small
         swapped = swap_layers(student, teacher, [0, 1])
         assert (swapped(ids) - want).abs().max().item() < 1e-4
-        assert 1e-4 < (one(ids) - want).abs().max().item()
+        assert (one(ids) - want).abs().max().item() > 1e-4
     assert [head_view(one)[i].kind for i in (0, 1)] == ["ssm", "attention"]
     assert head_view(one)[1].n_heads == 4
     assert one.cfg.architecture == "llamba" and student.cfg.layer_types == ["ssm", "ssm"]
@@ -492,7 +492,7 @@ def test_evaluate_compares_a_llama_and_a_llamba_with_state_sizes(tmp_path, capsy
     llamba_row = state.loc[(str(llamba_dir), 4096)]
     assert llamba_row["recurrent_bytes"] == 2 * 2 * (4 * 8 * 8 + 3 * 64)
     assert llamba_row["kv_cache_bytes"] == 0
-    llama_row = state.loc[[i for i in state.index if i[0] != str(llamba_dir) and i[1] == 4096][0]]
+    llama_row = state.loc[next(i for i in state.index if i[0] != str(llamba_dir) and i[1] == 4096)]
     assert llama_row["kv_cache_bytes"] == 4096 * 2 * 2 * 2 * 16
     data = json.loads((out / "comparison.json").read_text())
     assert [t["ranking"][:2] for t in data["tables"]] == [[[1, 0], [0, 1]], [[0, 2], [1, 1]]]
