@@ -125,3 +125,15 @@ def test_hybrid_aggregate_recipe_runs_offline_on_every_hybrid_family(tmp_path, m
         assert name in text, name
     fields = GnaReport.__dataclass_fields__
     assert {"heads", "kinds"} <= set(fields)
+
+
+def test_llama_vs_llamba_recipe_offline_block_runs_and_prints_what_it_says(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)
+    blocks = _blocks("recipes/llama_vs_llamba.md")
+    offline = [b for b in blocks if "tiny_checkpoint" in b]
+    assert len(offline) == 1 and len(blocks) == 4  # load; swap layer 17; state sizes; offline
+    exec(compile(offline[0], "llama_vs_llamba.md", "exec"), {})
+    printed = capsys.readouterr().out.splitlines()
+    assert printed == [line[2:] for line in offline[0].splitlines() if line.startswith("# ")]
