@@ -521,3 +521,19 @@ def test_state_bytes_reproduces_the_papers_llama_3_2_1b_row():
     model = tiny_hooked_ssm("llamba")
     sb = state_bytes(model, (128, 4096), dtype=torch.bfloat16)
     assert sb.total_bytes(128) == sb.total_bytes(4096) == 2 * 2 * (4 * 8 * 8 + 3 * (32 + 2 * 2 * 8))
+
+
+@pytest.mark.parametrize("arch", ["llamba", "mamba2"])
+def test_a_bfloat16_model_runs_the_torch_scan_and_stays_near_float32(arch):
+    """Loaded in bfloat16 (as the recipe's GPU run), the chunked SSD scan works in float32
+    inside (A is float32; it failed on a dtype mismatch before) and returns bfloat16."""
+    model = tiny_hooked_ssm(arch, seed=2)
+    ids = _ids(2, 40, 6)
+    with torch.no_grad():
+        full = model(ids)
+        half = model.to(torch.bfloat16)(ids)
+    assert half.dtype == torch.bfloat16
+    assert model.blocks[0].mixer.last_path["scan"] == "torch.ssd"
+    err = (half.float() - full).abs().max().item()
+    assert err < 0.15 * full.abs().max().item(), err
+    assert (half.float().argmax(-1) == full.argmax(-1)).float().mean().item() > 0.9

@@ -405,6 +405,12 @@ def mamba2_ssd(
         ``y`` with the shape of ``x``.
     """
     batch, length, heads, d_head = x.shape
+    # In float32 at least (float64 stays float64): A is float32 (-exp(A_log.float())), and the
+    # decays exp(segsum) lose most of their digits in bfloat16; mamba_ssm's kernel also
+    # accumulates in float32. The result is cast back to x's dtype.
+    out_dtype = x.dtype
+    work = torch.promote_types(torch.promote_types(x.dtype, A.dtype), torch.float32)
+    x, dt, A, B, C = (t.to(work) for t in (x, dt, A, B, C))
     # An input shorter than a chunk is one chunk of its own length: padding it to chunk_size
     # (256 in mamba2-130m) would multiply the [T, T] work and memory by (chunk_size / length)^2
     # for nothing (the padded positions come after every real one).
@@ -449,7 +455,7 @@ def mamba2_ssd(
     from_start = torch.exp(a.cumsum(-1)).permute(0, 3, 4, 1, 2)  # [b,c,T,g,m]
     y = y + torch.einsum("bclgn,bcgmpn->bclgmp", Cc, start_states) * from_start[..., None]
     y = y.reshape(batch, n_chunks * T, heads, d_head)
-    return y[:, :length]
+    return y[:, :length].to(out_dtype)
 
 
 def _through_block_end(a: Tensor, q: Tensor, j0: int, j1: int) -> tuple[Tensor, Tensor, Tensor]:
