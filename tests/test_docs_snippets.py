@@ -81,7 +81,7 @@ def test_adding_a_family_page_shows_the_shipped_family_module():
 def test_hybrids_page_blocks_run_and_print_what_the_page_says(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     blocks = _blocks("hybrids.md")
-    assert len(blocks) == 3  # the student; swap_heads; swap_layers
+    assert len(blocks) == 4  # the student; swap_heads; swap_layers; swap_teacher_heads
     for block in blocks:
         exec(compile(block, "hybrids.md", "exec"), {})
         printed = capsys.readouterr().out.splitlines()

@@ -20,6 +20,10 @@ stage whose loss runs away stops with :class:`DistillationDiverged`.
 heads become attention heads started from the head's own ``C`` / ``B`` / ``x``, and only the new
 parameters train.
 
+:func:`swap_layers` and :func:`swap_teacher_heads` put the teacher back into a student, weights
+copied and nothing trained: whole layers, or single heads (SSM head ``h`` of layer ``l`` becomes
+the teacher's attention head ``h`` of layer ``l``).
+
 :func:`run_experiment` (``gna-lens hybrid``) runs the whole loop: rank the teacher's heads,
 distill students keeping the top-k or k random heads, and measure held-out KV retrieval, prose
 loss, knowledge and :func:`state_bytes` (recurrent states and KV cache per token).
@@ -43,7 +47,7 @@ from gna_lens.hybrid._data import (
 )
 from gna_lens.hybrid._distill import DistillResult, distill
 from gna_lens.hybrid._experiment import HybridRow, HybridTable, run_experiment
-from gna_lens.hybrid._layer_swap import swap_layers
+from gna_lens.hybrid._layer_swap import swap_layers, swap_teacher_heads
 from gna_lens.hybrid._swap import swap_heads
 from gna_lens.models.state import DEFAULT_LENGTHS, StateBytes, state_bytes
 
@@ -72,4 +76,5 @@ __all__ = [
     "state_bytes",
     "swap_heads",
     "swap_layers",
+    "swap_teacher_heads",
 ]

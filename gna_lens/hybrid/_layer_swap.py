@@ -1,4 +1,5 @@
-"""Put a teacher's attention layers back into its student: :func:`swap_layers`."""
+"""Put a teacher's attention layers back into its student: :func:`swap_layers`; or single heads:
+:func:`swap_teacher_heads`."""
 
 import copy
 import re
@@ -12,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from gna_lens.errors import ConfigError
+from gna_lens.hybrid._pairs import head_pairs
 from gna_lens.models.block import SSMBlock
 from gna_lens.models.config import SSMConfig
 from gna_lens.models.families import family_of, gna_hybrid
@@ -19,7 +21,7 @@ from gna_lens.models.hooked_ssm import HookedSSM
 from gna_lens.models.mixers import GatedMLP, RMSNorm
 from gna_lens.models.mixers.hybrid import HybridMixer
 
-__all__ = ["PARTS", "swap_layers"]
+__all__ = ["PARTS", "swap_layers", "swap_teacher_heads"]
 
 #: What :func:`swap_layers` takes from the teacher: its attention only (``"mixer"``: the
 #: student's norms and MLP stay) or its whole block (``"block"``: input norm, attention, post
@@ -66,10 +68,11 @@ class _Teacher:
 
 
 # ----------------------------------------------------------------------------- the teacher
-def _read_teacher(teacher: Any) -> _Teacher:
-    """The :class:`_Teacher` of whatever :func:`swap_layers` accepts as one."""
+def _read_teacher(teacher: Any, call: str = "swap_layers") -> _Teacher:
+    """The :class:`_Teacher` of whatever :func:`swap_layers` accepts as one (``call``: the
+    function to name in errors)."""
     if isinstance(teacher, HookedSSM):
-        return _twin_teacher(teacher)
+        return _twin_teacher(teacher, call)
     if isinstance(teacher, str | Path):
         from transformers import AutoModelForCausalLM
 
@@ -79,7 +82,7 @@ def _read_teacher(teacher: Any) -> _Teacher:
             hf = AutoModelForCausalLM.from_pretrained(_resolve(str(teacher)))
         except (OSError, ValueError) as err:
             raise ConfigError(
-                f"swap_layers(teacher={str(teacher)!r}): could not load it as a Hugging Face "
+                f"{call}(teacher={str(teacher)!r}): could not load it as a Hugging Face "
                 f"causal LM ({err.__class__.__name__}: {err}). Pass a checkpoint folder of a "
                 "Llama-style model, a LlamaForCausalLM, a TransformerBridge over one, or its "
                 "teacher twin (a HookedSSM)."
@@ -89,7 +92,7 @@ def _read_teacher(teacher: Any) -> _Teacher:
         hf = getattr(teacher, "original_model", None) or teacher
         if not hasattr(hf, "config") or not hasattr(hf, "state_dict"):
             raise ConfigError(
-                f"swap_layers(teacher={type(teacher).__name__}); expected a Hugging Face "
+                f"{call}(teacher={type(teacher).__name__}); expected a Hugging Face "
                 "LlamaForCausalLM, a TransformerBridge over one, its checkpoint folder, or its "
                 "teacher twin (a HookedSSM of gna_lens.hybrid.build_hybrid keeping every head)."
             )
@@ -97,7 +100,7 @@ def _read_teacher(teacher: Any) -> _Teacher:
         name = str(getattr(cfg, "model_name", "") or getattr(hf.config, "_name_or_path", "") or "")
     from gna_lens.hybrid._build import _hf_weights
 
-    fields = gna_hybrid.teacher_fields(hf.config, "swap_layers")
+    fields = gna_hybrid.teacher_fields(hf.config, call)
     return _Teacher(name or type(hf).__name__, fields, _hf_weights(hf))
 
 
@@ -111,13 +114,13 @@ _TWIN_NAMES = (
 )
 
 
-def _twin_teacher(twin: HookedSSM) -> _Teacher:
+def _twin_teacher(twin: HookedSSM, call: str = "swap_layers") -> _Teacher:
     """A teacher given as its twin: a hybrid student keeping every head as attention."""
     cfg: Any = twin.cfg
     heads = getattr(cfg, "attention_heads", None)
     if cfg.architecture != "gna_hybrid" or heads is None:
         raise ConfigError(
-            f"swap_layers(teacher=HookedSSM of {cfg.architecture!r}): a HookedSSM teacher must be "
+            f"{call}(teacher=HookedSSM of {cfg.architecture!r}): a HookedSSM teacher must be "
             "a teacher twin (gna_lens.hybrid.build_hybrid(teacher, every head)). Fix: pass the "
             "Llama-style Transformer itself (a LlamaForCausalLM, a TransformerBridge over one, or "
             "its folder)."
@@ -125,13 +128,13 @@ def _twin_teacher(twin: HookedSSM) -> _Teacher:
     ssm = {layer: cfg.n_heads - len(h) for layer, h in enumerate(heads) if len(h) != cfg.n_heads}
     if ssm:
         raise ConfigError(
-            f"swap_layers(teacher=HookedSSM): this hybrid student has SSM heads ({ssm} per "
+            f"{call}(teacher=HookedSSM): this hybrid student has SSM heads ({ssm} per "
             "layer), so it is not a teacher twin (every head kept as attention). Fix: pass the "
             "Transformer teacher itself, or build_hybrid(teacher, every head)."
         )
     config = gna_hybrid._config_dict(cfg, next(iter(twin.parameters())).dtype)
     config["model_type"] = "llama"
-    fields = gna_hybrid.teacher_fields(SimpleNamespace(**config), "swap_layers")
+    fields = gna_hybrid.teacher_fields(SimpleNamespace(**config), call)
     weights: dict[str, Tensor] = {}
     for key, value in twin.state_dict().items():
         for pattern, repl in _TWIN_NAMES:
@@ -174,28 +177,28 @@ def _check_layers(layers: Any, n_layers: int) -> list[int]:
     return sorted(items)
 
 
-def _check_pair(student: HookedSSM, teacher: _Teacher) -> None:
+def _check_pair(student: HookedSSM, teacher: _Teacher, call: str = "swap_layers") -> None:
     """The student's layers line up with the teacher's."""
     cfg = student.cfg
     mine = f"n_layers={cfg.n_layers}, d_model={cfg.d_model}"
     theirs = f"num_hidden_layers={teacher.n_layers}, hidden_size={teacher.d_model}"
     if (cfg.n_layers, cfg.d_model) != (teacher.n_layers, teacher.d_model):
         raise ConfigError(
-            f"swap_layers: the student ({cfg.architecture}, {mine}) and the teacher "
+            f"{call}: the student ({cfg.architecture}, {mine}) and the teacher "
             f"({teacher.name}, {theirs}) do not align; a layer swap needs the same number of "
             "layers and the same width. Fix: pass the teacher the student was distilled from."
         )
     if family_of(cfg.architecture).build_blocks is not None:
         raise ConfigError(
-            f"swap_layers: a {cfg.architecture} student assembles its blocks its own way (shared "
-            "blocks); layer swaps need one block per layer (Mamba-2, Llamba, the hybrid "
+            f"{call}: a {cfg.architecture} student assembles its blocks its own way (shared "
+            "blocks); layer and head swaps need one block per layer (Mamba-2, Llamba, the hybrid "
             "students, Bamba, ...)."
         )
     if cfg.residual_multiplier != 1.0:
         raise ConfigError(
-            f"swap_layers: the student scales each block's output by residual_multiplier="
+            f"{call}: the student scales each block's output by residual_multiplier="
             f"{cfg.residual_multiplier} (Granite), which would scale the teacher's layers too; "
-            "swap_layers takes students whose blocks add their outputs unscaled."
+            f"{call} takes students whose blocks add their outputs unscaled."
         )
 
 
@@ -218,10 +221,9 @@ def _mismatches(cfg: SSMConfig, want: dict[str, Any]) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- swapping
-def _hybrid_swap(model: HookedSSM, teacher: _Teacher, layers: list[int], part: str) -> None:
-    """A hybrid student's layers become the teacher twin's: a :class:`HybridMixer` keeping
-    every head as attention (``part="block"``: and the teacher's norms and MLP)."""
-    cfg: Any = model.cfg
+def _check_hybrid(cfg: SSMConfig, teacher: _Teacher, part: str, call: str) -> None:
+    """A hybrid student's heads (and with ``part="block"`` its norms and MLPs) have the
+    teacher's shape."""
     H, KV, d = teacher.heads
     theta, _, scaling = teacher.rope
     f = teacher.fields
@@ -242,9 +244,17 @@ def _hybrid_swap(model: HookedSSM, teacher: _Teacher, layers: list[int], part: s
     bad = _mismatches(cfg, want)
     if bad:
         raise ConfigError(
-            f"swap_layers: this hybrid student's layers differ from the teacher's ({teacher.name}): "
+            f"{call}: this hybrid student's layers differ from the teacher's ({teacher.name}): "
             f"{', '.join(bad)}. Fix: pass the teacher it was built from."
         )
+
+
+def _hybrid_swap(model: HookedSSM, teacher: _Teacher, layers: list[int], part: str) -> None:
+    """A hybrid student's layers become the teacher twin's: a :class:`HybridMixer` keeping
+    every head as attention (``part="block"``: and the teacher's norms and MLP)."""
+    cfg: Any = model.cfg
+    H = teacher.heads[0]
+    _check_hybrid(cfg, teacher, part, "swap_layers")
     device, dtype = model.embed.weight.device, model.embed.weight.dtype
     for layer in layers:
         block: Any = model.blocks[layer]
@@ -258,7 +268,7 @@ def _hybrid_swap(model: HookedSSM, teacher: _Teacher, layers: list[int], part: s
             block.mlp.load_state_dict(teacher.layer(layer, "mlp."))
 
 
-def _attention_fields(model: HookedSSM, teacher: _Teacher) -> None:
+def _attention_fields(model: HookedSSM, teacher: _Teacher, call: str = "swap_layers") -> None:
     """Give ``model``'s config (a copy) the teacher's attention and RoPE fields; refuse when its
     own attention layers have others."""
     cfg = model.cfg
@@ -282,7 +292,7 @@ def _attention_fields(model: HookedSSM, teacher: _Teacher) -> None:
             bad.append(f"attn_scale={cfg.attn_scale!r} (teacher: {d**-0.5!r})")
         if bad:
             raise ConfigError(
-                f"swap_layers: the student's own attention layers ({cfg.architecture}) differ "
+                f"{call}: the student's own attention layers ({cfg.architecture}) differ "
                 f"from the teacher's ({teacher.name}): {', '.join(bad)}; one model config holds "
                 "one attention shape. Fix: pass the teacher the student was distilled from."
             )
@@ -327,6 +337,31 @@ def _loaded(
     return module
 
 
+def _ensure_rope(model: HookedSSM) -> None:
+    """Register RoPE's frequencies on a copy that now has attention (heads) needing them."""
+    cfg = model.cfg
+    if "rope_inv_freq" not in model._buffers and model._uses_rope:
+        from gna_lens.models import ops
+
+        inv_freq = ops.rope_inv_freq(
+            cfg.rope_theta, cfg.rotary_dim, cfg.rope_scaling, device=model.embed.weight.device
+        )
+        model.register_buffer("rope_inv_freq", inv_freq, persistent=False)
+
+
+def _copy(student: HookedSSM) -> HookedSSM:
+    """A deep copy of ``student`` sharing its tokenizer (deep-copying a tokenizer is slow and
+    pointless)."""
+    tokenizer = student.tokenizer
+    try:
+        student.tokenizer = None
+        model = copy.deepcopy(student)
+    finally:
+        student.tokenizer = tokenizer
+    model.tokenizer = tokenizer
+    return model
+
+
 def _plain_swap(model: HookedSSM, teacher: _Teacher, layers: list[int], part: str) -> None:
     """Any other student's layers become attention layers (``layer_types`` ``"attention"``,
     ``blocks.{l}.attn``: :class:`~gna_lens.models.mixers.Attention`) with the teacher's
@@ -343,13 +378,7 @@ def _plain_swap(model: HookedSSM, teacher: _Teacher, layers: list[int], part: st
         if part == "block":
             cfg.mlp_types[layer] = "gated"
         model.blocks[layer] = _new_block(model, teacher, layer, part, old)
-    if "rope_inv_freq" not in model._buffers and model._uses_rope:
-        from gna_lens.models import ops
-
-        inv_freq = ops.rope_inv_freq(
-            cfg.rope_theta, cfg.rotary_dim, cfg.rope_scaling, device=model.embed.weight.device
-        )
-        model.register_buffer("rope_inv_freq", inv_freq, persistent=False)
+    _ensure_rope(model)
     # Mamba-1 channel groups of a swapped layer have no channels left to group
     model._head_groups = {k: v for k, v in model._head_groups.items() if k not in layers}
 
@@ -434,13 +463,7 @@ def swap_layers(
     _check_pair(student, source)
     chosen = _check_layers(layers, student.cfg.n_layers)
     _check_mixers(student, chosen)
-    tokenizer = student.tokenizer
-    try:  # the copy shares the tokenizer (deep-copying a tokenizer is slow and pointless)
-        student.tokenizer = None
-        model = copy.deepcopy(student)
-    finally:
-        student.tokenizer = tokenizer
-    model.tokenizer = tokenizer
+    model = _copy(student)
     with torch.no_grad():
         if model.cfg.architecture == "gna_hybrid":
             _hybrid_swap(model, source, chosen, part)
@@ -454,4 +477,282 @@ def swap_layers(
     model.gna_layer_swap = record  # type: ignore[assignment]
     if model.cfg.architecture == "gna_hybrid":  # saved with the student (config.json)
         model.cfg.teacher = {**model.cfg.teacher, "layer_swap": record}  # type: ignore[attr-defined]
+    return model.eval()
+
+
+# ----------------------------------------------------------------------------- head swaps
+Head = tuple[int, int]
+
+
+def _check_heads(student: HookedSSM, heads: Any) -> dict[int, list[int]]:
+    """``heads``: distinct ``(layer, head)`` pairs naming SSM heads of the student; per layer,
+    its heads (sorted)."""
+    cfg = student.cfg
+    n, H = cfg.n_layers, cfg.n_heads
+    where = f"the student has {n} layers of {H} heads: layers 0..{n - 1}, heads 0..{H - 1}"
+    items = head_pairs(heads, "swap_teacher_heads(heads", where)
+    if not items:
+        raise ConfigError(f"swap_teacher_heads(heads={heads!r}): no head to swap ({where}).")
+    bad = [(layer, h) for layer, h in items if not (0 <= layer < n and 0 <= h < H)]
+    if bad:
+        raise ConfigError(f"swap_teacher_heads(heads=...): {bad} out of range: {where}.")
+    twice = sorted({p for p in items if items.count(p) > 1})
+    if twice:
+        raise ConfigError(
+            f"swap_teacher_heads(heads=...) names {twice} more than once; list each head once."
+        )
+    not_mixer = sorted({layer for layer, _ in items if not student.blocks[layer].has_mixer})
+    not_mixer += sorted({layer for layer, _ in items if student.blocks[layer].is_attention})
+    if not_mixer:
+        kinds = {layer: cfg.layer_types[layer] for layer in sorted(not_mixer)}
+        raise ConfigError(
+            f"swap_teacher_heads(heads=...): layers {sorted(not_mixer)} have no SSM heads (layer "
+            f"kinds {kinds}); list heads of the student's SSM layers."
+        )
+    blocks: Any = student.blocks
+    attention = [
+        (layer, h)
+        for layer, h in items
+        if (blocks[layer].mixer.head_kinds or ("ssm",) * H)[h] == "attention"
+    ]
+    if attention:
+        raise ConfigError(
+            f"swap_teacher_heads(heads=...): {attention} are attention heads already (head_view "
+            "kind 'attention'); list only SSM heads."
+        )
+    out: dict[int, list[int]] = {}
+    for layer, h in items:
+        out.setdefault(layer, []).append(h)
+    return {layer: sorted(hs) for layer, hs in sorted(out.items())}
+
+
+def _check_mixers_for_heads(model: HookedSSM, per_layer: dict[int, list[int]]) -> None:
+    """Each chosen layer's mixer is one whose heads the teacher's can replace."""
+    from gna_lens.models.mixers import Mamba2Mixer
+
+    for layer in per_layer:
+        block: Any = model.blocks[layer]
+        mixer = block.mixer
+        if isinstance(mixer, HybridMixer):
+            continue
+        name = type(mixer).__name__
+        if not isinstance(mixer, Mamba2Mixer) or block.has_parallel_attn:
+            raise ConfigError(
+                f"swap_teacher_heads: layer {layer} of the student is a {name}"
+                f"{' beside a parallel attention' if block.has_parallel_attn else ''}; teacher "
+                "head swaps need Mamba-2-style heads added straight to the residual stream "
+                "(Mamba-2, Llamba, Bamba's SSM layers) or a hybrid student of build_hybrid. "
+                "Fix: swap the whole layer with swap_layers."
+            )
+        if mixer.head_kinds is not None:
+            kept = [h for h, kind in enumerate(mixer.head_kinds) if kind == "attention"]
+            raise ConfigError(
+                f"swap_teacher_heads: layer {layer} already has attention heads {kept} ({name}, "
+                "from swap_heads or an earlier swap_teacher_heads); swap every head of a layer "
+                "in one call, on the student before any head swap."
+            )
+
+
+def _check_head_shapes(model: HookedSSM, teacher: _Teacher) -> None:
+    """A Mamba-2-style student's heads line up with the teacher's heads."""
+    cfg = model.cfg
+    H, _, d = teacher.heads
+    if (cfg.n_heads, cfg.d_head, cfg.d_inner) != (H, d, H * d):
+        raise ConfigError(
+            f"swap_teacher_heads: the student's heads ({cfg.architecture}: n_heads={cfg.n_heads}, "
+            f"d_head={cfg.d_head}, d_inner={cfg.d_inner}) do not line up with the teacher's "
+            f"({teacher.name}: num_attention_heads={H}, head_dim={d}, {H * d} channels); a head "
+            "swap puts the teacher's head h where the student's head h was, so it needs the same "
+            "heads of the same width. Fix: pass the teacher the student was distilled from, or "
+            "swap whole layers with swap_layers."
+        )
+
+
+def _rows(t: Tensor, blocks: list[int], width: int) -> Tensor:
+    """Rows ``[i * width, (i + 1) * width)`` of ``t`` for each ``i`` of ``blocks``, in order."""
+    if not blocks:
+        return t[:0]
+    return torch.cat([t[i * width : (i + 1) * width] for i in blocks])
+
+
+def _hybrid_head_swap(
+    model: HookedSSM, teacher: _Teacher, layer: int, new: list[int]
+) -> HybridMixer:
+    """Layer ``layer``'s :class:`HybridMixer` with the heads ``new`` made attention heads: the
+    teacher's query rows, key / value rows and ``o_proj`` columns; every other parameter the
+    student's, exactly."""
+    cfg: Any = model.cfg
+    d, N = cfg.d_head, cfg.d_state
+    old: Any = model.blocks[layer].mixer
+    first = old.out_proj.weight
+    weights = {
+        k: v.to(device=first.device, dtype=first.dtype)
+        for k, v in teacher.layer(layer, "self_attn.").items()
+    }
+    mixer = HybridMixer(cfg, sorted(old.attn_heads + new))
+    params = ("weight", "bias") if cfg.attn_bias else ("weight",)
+
+    def rows(name: str, p: str, place: int, block: int, own: list[int]) -> Tensor:
+        """Row block ``place`` of ``{name}.{p}``: the student's (its block ``own.index(place)``)
+        where it has it, else the teacher's (block ``place``)."""
+        if place in own:
+            return _rows(getattr(getattr(old, name), p), [own.index(place)], block)
+        return _rows(weights[f"{name}.{p}"], [place], block)
+
+    # a KV head that the student's own attention heads read keeps the student's weights; the
+    # swapped heads reading it must then find the teacher's there
+    per_kv = cfg.n_heads // cfg.n_attn_kv_heads
+    for g in (g for g in mixer.kv_heads if g in old.kv_heads):
+        readers = [h for h in new if h // per_kv == g]
+        same = all(
+            torch.equal(
+                rows(f"{x}_proj", p, g, d, old.kv_heads), _rows(weights[f"{x}_proj.{p}"], [g], d)
+            )
+            for x in ("k", "v")
+            for p in params
+        )
+        if readers and not same:
+            owners = [h for h in old.attn_heads if h // per_kv == g]
+            raise ConfigError(
+                f"swap_teacher_heads: heads {[(layer, h) for h in readers]} read the teacher's KV "
+                f"head {g}, which this student's own attention heads {owners} of layer {layer} "
+                "read with key / value weights that are no longer the teacher's (trained); one "
+                "KV head has one set of weights. Fix: swap the whole layer (swap_layers), or "
+                "swap heads of a student whose attention was not trained."
+            )
+    state: dict[str, Tensor] = {}
+    for p in params:
+        state[f"q_proj.{p}"] = torch.cat(
+            [rows("q_proj", p, h, d, old.attn_heads) for h in mixer.attn_heads]
+        )
+        for x in ("k_proj", "v_proj"):
+            state[f"{x}.{p}"] = torch.cat([rows(x, p, g, d, old.kv_heads) for g in mixer.kv_heads])
+    if mixer.ssm_heads:
+        ssm = [old.ssm_heads.index(h) for h in mixer.ssm_heads]
+        if mixer.layout == "head":
+            groups = ssm
+        else:
+            groups = [old.ssm_groups.index(g) for g in mixer.ssm_groups]
+        for p in params:
+            state[f"c_proj.{p}"] = _rows(getattr(old.c_proj, p), groups, N)
+            state[f"b_proj.{p}"] = _rows(getattr(old.b_proj, p), groups, N)
+            state[f"x_proj.{p}"] = _rows(getattr(old.x_proj, p), ssm, d)
+        state["dt_proj.weight"] = _rows(old.dt_proj.weight, ssm, 1)
+        for name in ("dt_bias", "A_log", "D"):
+            state[name] = _rows(getattr(old, name), ssm, 1)
+    out_w = old.out_proj.weight.clone()
+    o_proj = weights["o_proj.weight"]
+    for h in new:
+        out_w[:, h * d : (h + 1) * d] = o_proj[:, h * d : (h + 1) * d]
+    state["out_proj.weight"] = out_w
+    if old.out_proj.bias is not None:
+        state["out_proj.bias"] = old.out_proj.bias
+    mixer = mixer.to(device=first.device, dtype=first.dtype)
+    mixer.load_state_dict(state, strict=True)
+    return mixer
+
+
+def swap_teacher_heads(student: HookedSSM, teacher: Any, heads: Iterable[Head]) -> HookedSSM:
+    """A copy of ``student`` in which each chosen SSM head is its teacher's attention head again.
+
+    The head-level counterpart of :func:`swap_layers`: SSM head ``h`` of layer ``l`` is replaced
+    by the teacher's attention head ``h`` of layer ``l``, weights copied (its query rows, the
+    key / value rows of the KV head it reads, RoPE, scale ``1 / sqrt(d_head)``, and its
+    ``o_proj`` columns, which replace the student's output columns of that head); every other
+    head is untouched. Swapping every head of every layer of a student that has the teacher's
+    embeddings, norms and MLPs gives the teacher back.
+
+    What a swapped head is inside the new model (hooks stay ``blocks.{l}.mixer.*``):
+
+    - in a hybrid student of :func:`~gna_lens.hybrid.build_hybrid`: an attention head of its
+      :class:`~gna_lens.models.mixers.hybrid.HybridMixer` (``cfg.attention_heads[l]`` lists
+      it); the other SSM heads keep their parameters exactly, and ``save_pretrained`` /
+      :func:`~gna_lens.load_model` round-trip the result;
+    - in a Mamba-2-style student whose heads are the teacher's (Llamba, Mamba-2: ``n_heads``
+      heads of the teacher's ``head_dim``): a teacher head of a
+      :class:`~gna_lens.models.mixers.teacher_heads.TeacherHeadsMixer`, whose SSM heads compute
+      exactly what they did; the copy's config takes the teacher's attention and RoPE fields.
+      Such a model does not save (``save_pretrained`` raises).
+
+    Either way :func:`~gna_lens.head_view` gives the swapped heads kind ``"attention"``,
+    ``hook_pattern`` holds their softmax pattern (an edit changes the output), ``hook_z`` their
+    attention output (ablation zeroes their contribution), and ``prefix_state`` / ``step`` (the
+    sweeps' last-position path) run them.
+
+    Args:
+        student: A HookedSSM whose layers line up with the teacher's (same number of layers and
+            ``d_model``, heads as above); it is not modified.
+        teacher: As for :func:`swap_layers` (a ``LlamaForCausalLM``, a ``TransformerBridge``
+            over one, its folder, or its teacher twin); it is not modified.
+        heads: ``(layer, head)`` pairs of SSM heads, each once.
+
+    Returns:
+        The new HookedSSM (eval mode, the student's dtype and device, sharing its tokenizer);
+        ``model.gna_head_swap`` says what was swapped: ``{"heads": [[l, h], ...], "teacher":
+        name}`` (with ``"before"``: the student's own record, when it had one).
+
+    Raises:
+        ConfigError: For heads that are out of range, repeated, not pairs of ints, or already
+            attention heads; a teacher that is not Llama-style; a student whose shape (layers,
+            ``d_model``, heads, head width) differs from the teacher's, whose chosen layer has
+            no Mamba-2-style mixer, or already has heads swapped. The message names what was
+            passed.
+
+    Examples:
+        >>> import torch
+        >>> from gna_lens import head_view
+        >>> from gna_lens.hybrid import build_hybrid
+        >>> from gna_lens.testing import tiny_hf_model
+        >>> teacher = tiny_hf_model("llama")
+        >>> student = build_hybrid(teacher, [])  # every head an SSM head
+        >>> swapped = swap_teacher_heads(student, teacher, [(1, 2)])
+        >>> head_view(swapped).kind_of((1, 2)), head_view(swapped).kind(1), swapped.gna_head_swap["heads"]
+        ('attention', 'mixed', [[1, 2]])
+        >>> everything = swap_teacher_heads(student, teacher, [(l, h) for l in range(2) for h in range(4)])
+        >>> ids = torch.tensor([[5, 6, 7, 8]])
+        >>> with torch.no_grad():
+        ...     bool(torch.allclose(everything(ids), teacher(ids).logits, atol=1e-4))
+        True
+    """
+    from gna_lens.models.mixers.teacher_heads import TeacherHeadsMixer
+
+    call = "swap_teacher_heads"
+    if not isinstance(student, HookedSSM):
+        raise ConfigError(
+            f"swap_teacher_heads(student={type(student).__name__}); expected a HookedSSM (a "
+            "hybrid student of build_hybrid, or a model loaded with gna_lens.load_model)."
+        )
+    per_layer = _check_heads(student, heads)
+    source = _read_teacher(teacher, call)
+    _check_pair(student, source, call)
+    _check_mixers_for_heads(student, per_layer)
+    hybrid = student.cfg.architecture == "gna_hybrid"
+    if hybrid:
+        _check_hybrid(student.cfg, source, "mixer", call)
+    else:
+        _check_head_shapes(student, source)
+    model = _copy(student)
+    cfg: Any = model.cfg
+    with torch.no_grad():
+        if hybrid:
+            for layer, new in per_layer.items():
+                block: Any = model.blocks[layer]
+                block.mixer = _hybrid_head_swap(model, source, layer, new)
+                cfg.attention_heads[layer] = list(block.mixer.attn_heads)
+        else:
+            _attention_fields(model, source, call)
+            for layer, new in per_layer.items():
+                block = model.blocks[layer]
+                weights = source.layer(layer, "self_attn.")
+                block.mixer = TeacherHeadsMixer.from_mixer(block.mixer, new, weights)
+            _ensure_rope(model)
+    model.setup()  # register the new modules' hook points
+    pairs = [[layer, h] for layer, hs in per_layer.items() for h in hs]
+    record: dict[str, Any] = {"heads": pairs, "teacher": source.name}
+    before = getattr(student, "gna_head_swap", None)
+    if before:
+        record["before"] = before
+    model.gna_head_swap = record  # type: ignore[assignment]
+    if hybrid:  # saved with the student (config.json)
+        cfg.teacher = {**cfg.teacher, "head_swap": record}
     return model.eval()

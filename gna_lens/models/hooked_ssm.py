@@ -249,6 +249,12 @@ class HookedSSM(HookedRootModule):
             ConfigError: For a model of another family (it loads from its Hugging Face
                 checkpoint; there is nothing of gna_lens's to save).
         """
+        for layer, mixer in self.ssm_mixers().items():
+            if mixer.unsaved_reason:
+                raise ConfigError(
+                    f"save_pretrained({str(path)!r}): layer {layer} of this "
+                    f"{self.cfg.architecture} model cannot be saved: {mixer.unsaved_reason}."
+                )
         family = family_of(self.cfg.architecture)
         claims = [f for f in FAMILIES.values() if f.saves is not None and f.saves(self)]
         family = claims[0] if claims else family  # e.g. a model with swapped heads

@@ -14,6 +14,7 @@ from gna_lens.models.hooked_ssm import HookedSSM
 from gna_lens.models.mixers import Attention, Mamba1Mixer, Mamba2Mixer
 from gna_lens.models.mixers.hybrid import HybridMixer
 from gna_lens.models.mixers.swapped import SwappedMamba2Mixer
+from gna_lens.models.mixers.teacher_heads import TeacherHeadsMixer
 
 __all__ = ["DEFAULT_LENGTHS", "StateBytes", "state_bytes"]
 
@@ -133,6 +134,17 @@ def state_bytes(
                 kv_width += n_attn * (cfg.d_state + cfg.d_head)  # k [d_state] and v [d_head]
                 recurrent += (cfg.n_heads - n_attn) * cfg.d_head * cfg.d_state
                 recurrent += (cfg.d_conv - 1) * (mixer.conv_dim + n_attn * mixer.width)
+            elif isinstance(mixer, TeacherHeadsMixer):  # swap_teacher_heads: before Mamba2Mixer
+                n_attn = len(mixer.attn_heads)
+                attn += n_attn
+                ssm += cfg.n_heads - n_attn
+                kv += len(mixer.kv_heads)
+                kv_width += 2 * len(mixer.kv_heads) * cfg.d_head
+                # Without an output norm (Llamba) a swapped head's SSM state is never read; with
+                # Mamba-2's gated group norm it still is (its y enters its group's norm).
+                kept = cfg.n_heads - n_attn if cfg.mamba_norm == "none" else cfg.n_heads
+                recurrent += kept * cfg.d_head * cfg.d_state
+                recurrent += (cfg.d_conv - 1) * mixer.conv_dim
             elif isinstance(mixer, Mamba2Mixer):
                 ssm += cfg.n_heads
                 recurrent += cfg.n_heads * cfg.d_head * cfg.d_state

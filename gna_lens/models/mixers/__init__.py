@@ -7,6 +7,7 @@ from gna_lens.models.mixers.discrete_mamba2 import DiscreteMamba2Mixer
 from gna_lens.models.mixers.mamba1 import Mamba1Mixer
 from gna_lens.models.mixers.mamba2 import Mamba2Mixer
 from gna_lens.models.mixers.mlp import GatedMLP, GraniteMLP, NemotronMoE, PlainMLP, make_mlp
+from gna_lens.models.mixers.teacher_heads import TeacherHeadsMixer
 
 __all__ = [
     "Attention",
@@ -19,5 +20,6 @@ __all__ = [
     "PlainMLP",
     "RMSNorm",
     "SSMMixer",
+    "TeacherHeadsMixer",
     "make_mlp",
 ]

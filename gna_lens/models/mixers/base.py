@@ -148,6 +148,9 @@ class SSMMixer(nn.Module):
 
     channel_heads: ClassVar[bool] = False
     uses_rope: ClassVar[bool] = False
+    #: Why no checkpoint format holds this mixer (``HookedSSM.save_pretrained`` raises it);
+    #: ``None``: the family's format does.
+    unsaved_reason: ClassVar[str | None] = None
     backward_note: ClassVar[str | None] = None
     prefix_hooks: ClassVar[tuple[str, ...]] = (
         "hook_in_proj",
