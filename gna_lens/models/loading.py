@@ -198,15 +198,9 @@ _ZOO_ROOT = Path(__file__).resolve().parent.parent / "zoo" / "models"
 
 
 # ----------------------------------------------------------------------------- own formats
-def _find_own_format(name: str, revision: Any = None) -> tuple[Path, str] | None:
-    """``(folder, hub commit)`` when ``name`` is a folder or a hub repository of a family that
-    ``transformers`` does not read (:func:`~gna_lens.models.families.checkpoint_family`); the
-    hub's config, weights (shards included) and tokenizer files are fetched into its cache."""
-    path = Path(name).expanduser()
-    if path.is_dir():
-        return (path, "") if checkpoint_family(path) is not None else None
-    if path.exists() or not _looks_like_repo_id(name):
-        return None
+def _hub_fetcher(name: str, revision: Any) -> Any:
+    """``fetch(file) -> Path | None``: one file of the hub repository ``name`` (from the cache
+    when no hub answers), ``None`` when it has no such file or it cannot be had."""
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError
 
@@ -221,11 +215,26 @@ def _find_own_format(name: str, revision: Any = None) -> tuple[Path, str] | None
             return None
         return Path(got)
 
-    config = fetch("config.json")
-    family = checkpoint_family(config.parent) if config is not None else None
-    if config is None or family is None:
+    return fetch
+
+
+def _find_checkpoint(
+    name: str, revision: Any, recognized: Any, weights: Any
+) -> tuple[Path, str] | None:
+    """``(folder, hub commit)`` when ``name`` is a folder, or a hub repository, whose
+    ``config.json`` folder ``recognized(folder)`` accepts; from a hub, the first of
+    ``weights(folder)`` that exists is fetched too (a ``.index.json`` with its shards), and the
+    tokenizer's files where there are any (``""`` commit: a local folder)."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return (path, "") if recognized(path) else None
+    if path.exists() or not _looks_like_repo_id(name):
         return None
-    for file in family.weights_files:
+    fetch = _hub_fetcher(name, revision)
+    config = fetch("config.json")
+    if config is None or not recognized(config.parent):
+        return None  # AutoConfig then says what is wrong
+    for file in weights(config.parent):
         got = fetch(file)
         if got is None:
             continue
@@ -238,6 +247,19 @@ def _find_own_format(name: str, revision: Any = None) -> tuple[Path, str] | None
         fetch(file)
     snapshot = config.parent.name if config.parent.parent.name == "snapshots" else ""
     return config.parent, snapshot
+
+
+def _find_own_format(name: str, revision: Any = None) -> tuple[Path, str] | None:
+    """``(folder, hub commit)`` when ``name`` is a folder or a hub repository of a family that
+    ``transformers`` does not read (:func:`~gna_lens.models.families.checkpoint_family`)."""
+
+    def weights(folder: Path) -> tuple[str, ...]:
+        family = checkpoint_family(folder)
+        return family.weights_files if family is not None else ()
+
+    return _find_checkpoint(
+        name, revision, lambda folder: checkpoint_family(folder) is not None, weights
+    )
 
 
 def _load_own_format(
@@ -274,33 +296,12 @@ def _find_mamba_ssm(name: str, revision: Any = None) -> tuple[Path, str] | None:
     """``(folder, hub revision)`` when ``name`` is a checkpoint in mamba_ssm's format."""
     from gna_lens.models import convert_mamba_ssm as cms
 
-    path = Path(name).expanduser()
-    if path.is_dir():
-        return (path, "") if cms.is_mamba_ssm_config(cms.read_config(path)) else None
-    if path.exists() or not _looks_like_repo_id(name):
-        return None
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError
-
-    from gna_lens.models.gguf import hub_reachable
-
-    offline = not hub_reachable()
-    try:
-        config = Path(
-            hf_hub_download(name, "config.json", revision=revision, local_files_only=offline)
-        )
-    except (OSError, ValueError, EntryNotFoundError):
-        return None  # AutoConfig then says what is wrong
-    if not cms.is_mamba_ssm_config(cms.read_config(config.parent)):
-        return None
-    for file in cms.WEIGHTS:
-        try:
-            hf_hub_download(name, file, revision=revision, local_files_only=offline)
-            break
-        except (OSError, ValueError, EntryNotFoundError):
-            continue
-    snapshot = config.parent.name if config.parent.parent.name == "snapshots" else ""
-    return config.parent, snapshot
+    return _find_checkpoint(
+        name,
+        revision,
+        lambda folder: cms.is_mamba_ssm_config(cms.read_config(folder)),
+        lambda folder: cms.WEIGHTS,
+    )
 
 
 def _load_mamba_ssm(

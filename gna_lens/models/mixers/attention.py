@@ -13,13 +13,14 @@ from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
+from jaxtyping import Float
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
 from gna_lens.models.config import SSMConfig
 from gna_lens.models.mixers.base import StepState, checked_pattern, has_hooks
 
-__all__ = ["Attention"]
+__all__ = ["Attention", "causal_attention", "rotate"]
 
 #: RoPE's ``(cos, sin)`` ``[pos, rotary_dim]``, or ``None`` (no rotation, as in Nemotron-H).
 Rope = tuple[Tensor, Tensor] | None
@@ -28,6 +29,38 @@ Rope = tuple[Tensor, Tensor] | None
 def _rotate_half(x: Tensor) -> Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
+
+
+def rotate(x: Tensor, rope: Rope, rotary_dim: int) -> Tensor:
+    """RoPE on the first ``rotary_dim`` channels of ``x`` ``[batch, pos, head, d_head]``
+    (``rope=None``: no rotation, as in Nemotron-H)."""
+    if rope is None:
+        return x
+    cos, sin = rope
+    x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
+    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    return torch.cat([x_rot * c + _rotate_half(x_rot) * s, x_pass], dim=-1)
+
+
+def causal_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float
+) -> Float[Tensor, "batch pos head d_head"]:
+    """Causal softmax attention ``[batch, pos, head, d_head]`` of per-head ``q``, ``k``, ``v``
+    (``scaled_dot_product_attention`` in ``v``'s dtype). With a padding ``mask`` ``[batch, pos]``
+    the masked keys get ``finfo.min`` added, as an explicit softmax fills them, so a query with
+    no key left (left padding) averages every value."""
+    dtype = v.dtype
+    qh, kh, vh = q.to(dtype).transpose(1, 2), k.to(dtype).transpose(1, 2), v.transpose(1, 2)
+    if mask is None:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+    else:
+        L = q.shape[1]
+        allowed = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()[None, None]
+        allowed = allowed & mask.bool()[:, None, None, :]
+        bias = torch.zeros(allowed.shape, dtype=dtype, device=q.device)
+        bias = bias.masked_fill(~allowed, torch.finfo(dtype).min)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias, scale=scale)
+    return out.transpose(1, 2)
 
 
 class Attention(nn.Module):
@@ -122,13 +155,7 @@ class Attention(nn.Module):
 
     def _rope(self, x: Tensor, rope: Rope) -> Tensor:
         """Rotate ``x`` (``rope=None``: no positional rotation, as in Nemotron-H)."""
-        if rope is None:
-            return x
-        cos, sin = rope
-        r = self.cfg.rotary_dim
-        x_rot, x_pass = x[..., :r], x[..., r:]
-        c, s = cos[None, :, None, :], sin[None, :, None, :]
-        return torch.cat([x_rot * c + _rotate_half(x_rot) * s, x_pass], dim=-1)
+        return rotate(x, rope, self.cfg.rotary_dim)
 
     def prefix_state(self, acts: Mapping[str, Tensor], length: int) -> StepState:
         """The rotated keys and the values of the first ``length`` positions.

@@ -90,14 +90,7 @@ class DiscreteMamba2Mixer(Mamba2Mixer):
         self.mup_vector = None
         self.in_proj = nn.Linear(cfg.d_model, self.conv_dim + E + H, bias=cfg.proj_bias)
         self.z_bias = None if cfg.proj_bias else nn.Parameter(torch.zeros(E))
-        self.conv1d = nn.Conv1d(
-            self.conv_dim,
-            self.conv_dim,
-            cfg.d_conv,
-            groups=self.conv_dim,
-            padding=cfg.d_conv - 1,
-            bias=cfg.conv_bias,
-        )
+        self.conv1d = self._depthwise_conv()
         self.D = nn.Parameter(torch.ones(H))
         self.out_proj = nn.Linear(E, cfg.d_model, bias=cfg.proj_bias)
         # A = -exp(A_log) = -1 for every head: a buffer, so that code reading A_log (the step,

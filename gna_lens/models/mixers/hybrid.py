@@ -54,7 +54,7 @@ from gna_lens.device import HOST
 from gna_lens.errors import ConfigError
 from gna_lens.models import ops
 from gna_lens.models.config import SSMConfig
-from gna_lens.models.mixers.attention import Rope, _rotate_half
+from gna_lens.models.mixers.attention import Rope, causal_attention, rotate
 from gna_lens.models.mixers.base import (
     SSMMixer,
     StepState,
@@ -414,13 +414,7 @@ class HybridMixer(SSMMixer):
 
     # ------------------------------------------------------------------ shared by both paths
     def _rope(self, x: Tensor, rope: Rope) -> Tensor:
-        if rope is None:
-            return x
-        cos, sin = rope
-        r = self.cfg.rotary_dim
-        x_rot, x_pass = x[..., :r], x[..., r:]
-        c, s = cos[None, :, None, :], sin[None, :, None, :]
-        return torch.cat([x_rot * c + _rotate_half(x_rot) * s, x_pass], dim=-1)
+        return rotate(x, rope, self.cfg.rotary_dim)
 
     def _qkv(self, h: Tensor, rope: Rope) -> tuple[Tensor, Tensor, Tensor]:
         """The attention heads' rotated queries, rotated keys and values (KV heads)."""
@@ -590,20 +584,7 @@ class HybridMixer(SSMMixer):
         With a padding mask the masked keys get ``finfo.min`` added, as :meth:`_attend`
         fills them, so a query with no key left (left padding) averages every value as there.
         """
-        dtype = v.dtype
-        qh = q.to(dtype).transpose(1, 2)
-        kh = self._per_head(k).to(dtype).transpose(1, 2)
-        vh = self._per_head(v).transpose(1, 2)
-        if mask is None:
-            out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale)
-        else:
-            L = q.shape[1]
-            allowed = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()[None, None]
-            allowed = allowed & mask.bool()[:, None, None, :]
-            bias = torch.zeros(allowed.shape, dtype=dtype, device=q.device)
-            bias = bias.masked_fill(~allowed, torch.finfo(dtype).min)
-            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias, scale=self.scale)
-        return out.transpose(1, 2)
+        return causal_attention(q, self._per_head(k), self._per_head(v), mask, self.scale)
 
     def _pattern(
         self,

@@ -129,14 +129,7 @@ class Mamba2Mixer(SSMMixer):
             )
         else:
             self.mup_vector = None
-        self.conv1d = nn.Conv1d(
-            self.conv_dim,
-            self.conv_dim,
-            cfg.d_conv,
-            groups=self.conv_dim,
-            padding=cfg.d_conv - 1,
-            bias=cfg.conv_bias,
-        )
+        self.conv1d = self._depthwise_conv()
         self.dt_bias = nn.Parameter(torch.zeros(H))
         self.A_log = nn.Parameter(torch.zeros(H))
         self.D = nn.Parameter(torch.ones(H))
@@ -173,6 +166,18 @@ class Mamba2Mixer(SSMMixer):
         if self.mup_vector is not None:
             out = out * self.mup_vector
         return self.hook_in_proj(out)
+
+    def _depthwise_conv(self) -> nn.Conv1d:
+        """The causal depthwise convolution over ``conv_dim`` channels (``cfg.d_conv`` wide)."""
+        cfg = self.cfg
+        return nn.Conv1d(
+            self.conv_dim,
+            self.conv_dim,
+            cfg.d_conv,
+            groups=self.conv_dim,
+            padding=cfg.d_conv - 1,
+            bias=cfg.conv_bias,
+        )
 
     def split_projection(self, proj: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``(z, xBC, dt_raw)`` of ``in_proj``'s output (Mamba-2's order: ``z``, ``xBC``,

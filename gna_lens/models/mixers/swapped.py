@@ -48,7 +48,30 @@ from gna_lens.models.mixers.base import (
 )
 from gna_lens.models.mixers.mamba2 import Mamba2Mixer
 
-__all__ = ["SwappedMamba2Mixer"]
+__all__ = ["SwappedMamba2Mixer", "splice_attention"]
+
+
+def splice_attention(
+    pattern: Tensor,
+    P_attn: Tensor,
+    attn_heads: Sequence[int],
+    heads: Tensor | None,
+    rows: Tensor | None,
+) -> Tensor:
+    """``pattern`` (the SSM matrices of ``heads``, ``None``: all, at query ``rows``) with the
+    attention heads' softmax patterns ``P_attn`` ``[batch, attn_head, query, key]`` (one per
+    entry of ``attn_heads``) in their places: one ``hook_pattern`` holding every head's matrix
+    in a layer whose heads are of both kinds."""
+    wanted = list(range(pattern.shape[1])) if heads is None else heads.tolist()
+    where = [(j, attn_heads.index(hd)) for j, hd in enumerate(wanted) if hd in attn_heads]
+    if not where:
+        return pattern
+    device = pattern.device
+    p = P_attn.index_select(1, torch.tensor([i for _, i in where], device=device))
+    if rows is not None:
+        p = p.index_select(2, rows)
+    at = torch.tensor([j for j, _ in where], device=device)
+    return pattern.index_copy(1, at, p.to(pattern.dtype))
 
 
 class SwappedMamba2Mixer(Mamba2Mixer):
@@ -226,19 +249,9 @@ class SwappedMamba2Mixer(Mamba2Mixer):
             assert y is not None
             return y
         self._check_dtype(x.dtype)
-        pattern = self.materialize(dt, A, B, C, heads, rows)
-        wanted = list(range(self.cfg.n_heads)) if heads is None else heads.tolist()
-        where = [
-            (j, self.attn_heads.index(hd)) for j, hd in enumerate(wanted) if hd in self.attn_heads
-        ]
-        if where:
-            p = P_attn.index_select(1, torch.tensor([i for _, i in where], device=x.device))
-            if rows is not None:
-                p = p.index_select(2, rows)
-            pattern = pattern.index_copy(
-                1, torch.tensor([j for j, _ in where], device=x.device), p.to(pattern.dtype)
-            )
-        pattern = pattern.to(x.dtype)
+        pattern = splice_attention(
+            self.materialize(dt, A, B, C, heads, rows), P_attn, self.attn_heads, heads, rows
+        ).to(x.dtype)
         pattern = checked_pattern(self.hook_pattern(pattern), pattern, self.hook_pattern.name)
         values = x.index_copy(2, index, v.to(x.dtype))
         if heads is not None:

@@ -34,14 +34,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
 from gna_lens.errors import ConfigError
 from gna_lens.models import kernels
-from gna_lens.models.mixers.attention import Rope, _rotate_half
+from gna_lens.models.mixers.attention import Rope, causal_attention, rotate
 from gna_lens.models.mixers.base import (
     StepState,
     checked_pattern,
@@ -49,6 +48,7 @@ from gna_lens.models.mixers.base import (
     scatter_rows_heads,
 )
 from gna_lens.models.mixers.mamba2 import Mamba2Mixer
+from gna_lens.models.mixers.swapped import splice_attention
 
 __all__ = ["TeacherHeadsMixer", "teacher_heads_class"]
 
@@ -192,13 +192,7 @@ class TeacherHeadsMixer(Mamba2Mixer):
 
     # ------------------------------------------------------------------ attention heads
     def _rope(self, x: Tensor, rope: Rope) -> Tensor:
-        if rope is None:
-            return x
-        cos, sin = rope
-        r = self.cfg.rotary_dim
-        x_rot, x_pass = x[..., :r], x[..., r:]
-        c, s = cos[None, :, None, :], sin[None, :, None, :]
-        return torch.cat([x_rot * c + _rotate_half(x_rot) * s, x_pass], dim=-1)
+        return rotate(x, rope, self.cfg.rotary_dim)
 
     def _qkv(self, h: Tensor, rope: Rope) -> tuple[Tensor, Tensor, Tensor]:
         """Rotated queries ``[b, L, attn_head, d]``, rotated keys and values (KV heads)."""
@@ -265,20 +259,7 @@ class TeacherHeadsMixer(Mamba2Mixer):
         """Causal softmax attention of the swapped heads (``scaled_dot_product_attention``),
         ``[batch, pos, attn_head, d_head]``; masked keys get ``finfo.min`` as :meth:`_attend`
         gives them."""
-        dtype = v.dtype
-        qh = q.to(dtype).transpose(1, 2)
-        kh = self._per_head(k).to(dtype).transpose(1, 2)
-        vh = self._per_head(v).transpose(1, 2)
-        if mask is None:
-            out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale)
-        else:
-            L = q.shape[1]
-            allowed = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()[None, None]
-            allowed = allowed & mask.bool()[:, None, None, :]
-            bias = torch.zeros(allowed.shape, dtype=dtype, device=q.device)
-            bias = bias.masked_fill(~allowed, torch.finfo(dtype).min)
-            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias, scale=self.scale)
-        return out.transpose(1, 2)
+        return causal_attention(q, self._per_head(k), self._per_head(v), mask, self.scale)
 
     def _scan_materialized(
         self, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, P_attn: Tensor, v: Tensor
@@ -300,18 +281,9 @@ class TeacherHeadsMixer(Mamba2Mixer):
             y, path = kernels.mamba2_scan(self.scan_values(x, dt), dt, A, B, C, self.cfg.chunk_size)
             self._record_scan(f"materialized+{path}")
         self._check_dtype(x.dtype)
-        pattern = self.materialize(dt, A, B, C, heads, rows)
-        wanted = list(range(self.cfg.n_heads)) if heads is None else heads.tolist()
-        where = [
-            (j, self.attn_heads.index(hd)) for j, hd in enumerate(wanted) if hd in self.attn_heads
-        ]
-        if where:
-            p = P_attn.index_select(1, torch.tensor([i for _, i in where], device=x.device))
-            if rows is not None:
-                p = p.index_select(2, rows)
-            at = torch.tensor([j for j, _ in where], device=x.device)
-            pattern = pattern.index_copy(1, at, p.to(pattern.dtype))
-        pattern = pattern.to(x.dtype)
+        pattern = splice_attention(
+            self.materialize(dt, A, B, C, heads, rows), P_attn, self.attn_heads, heads, rows
+        ).to(x.dtype)
         pattern = checked_pattern(self.hook_pattern(pattern), pattern, self.hook_pattern.name)
         values = x.index_copy(2, index, v.to(x.dtype))
         if heads is not None:
