@@ -20,7 +20,7 @@ from transformer_lens.hook_points import HookPoint
 from gna_lens.models.config import SSMConfig
 from gna_lens.models.mixers.base import StepState, checked_pattern, has_hooks
 
-__all__ = ["Attention", "causal_attention", "rotate"]
+__all__ = ["Attention", "AttentionHeads", "causal_attention", "rotate"]
 
 #: RoPE's ``(cos, sin)`` ``[pos, rotary_dim]``, or ``None`` (no rotation, as in Nemotron-H).
 Rope = tuple[Tensor, Tensor] | None
@@ -61,6 +61,47 @@ def causal_attention(
         bias = bias.masked_fill(~allowed, torch.finfo(dtype).min)
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias, scale=scale)
     return out.transpose(1, 2)
+
+
+class AttentionHeads:
+    """Attention heads inside an SSM mixer (:class:`~gna_lens.models.mixers.hybrid.HybridMixer`,
+    :class:`~gna_lens.models.mixers.teacher_heads.TeacherHeadsMixer`): RoPE, the grouped-query
+    KV heads, the explicit softmax (``hook_attn_scores``) and the fused path.
+
+    The mixer provides ``cfg``, ``attn_heads`` (sorted), ``kv_heads`` (sorted), the buffer
+    ``attn_kv`` (each attention head's index in ``kv_heads``), ``scale`` and
+    ``hook_attn_scores``.
+    """
+
+    cfg: SSMConfig
+    attn_heads: list[int]
+    kv_heads: list[int]
+    attn_kv: Tensor
+    scale: float
+    hook_attn_scores: HookPoint
+
+    def _rope(self, x: Tensor, rope: Rope) -> Tensor:
+        return rotate(x, rope, self.cfg.rotary_dim)
+
+    def _per_head(self, t: Tensor) -> Tensor:
+        """KV heads -> one entry per attention head (axis 2)."""
+        if len(self.kv_heads) == len(self.attn_heads):  # sorted, distinct: the identity
+            return t
+        return t.index_select(2, self.attn_kv)
+
+    def _attend(self, q: Tensor, k: Tensor, allowed: Tensor | None) -> Tensor:
+        """``hook_attn_scores`` and the softmax pattern ``[batch, attn_head, query, key]``."""
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, self._per_head(k)) * self.scale
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+        scores = self.hook_attn_scores(scores)
+        return torch.softmax(scores.float(), dim=-1).to(q.dtype)
+
+    def _fused_attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        """Causal softmax attention of the attention heads (:func:`causal_attention`),
+        ``[batch, pos, attn_head, d_head]``; masked keys get ``finfo.min`` as :meth:`_attend`
+        gives them, so a query with no key left (left padding) averages every value."""
+        return causal_attention(q, self._per_head(k), self._per_head(v), mask, self.scale)
 
 
 class Attention(nn.Module):

@@ -54,7 +54,7 @@ from gna_lens.device import HOST
 from gna_lens.errors import ConfigError
 from gna_lens.models import ops
 from gna_lens.models.config import SSMConfig
-from gna_lens.models.mixers.attention import Rope, causal_attention, rotate
+from gna_lens.models.mixers.attention import AttentionHeads, Rope
 from gna_lens.models.mixers.base import (
     SSMMixer,
     StepState,
@@ -200,7 +200,7 @@ class HybridConfig(SSMConfig):
     teacher: dict[str, Any] = field(default_factory=dict)
 
 
-class HybridMixer(SSMMixer):
+class HybridMixer(AttentionHeads, SSMMixer):
     """One layer of a hybrid student: attention heads and SSM heads in the teacher's numbering
     (see the module docstring).
 
@@ -413,9 +413,6 @@ class HybridMixer(SSMMixer):
             self.D.fill_(1.0)
 
     # ------------------------------------------------------------------ shared by both paths
-    def _rope(self, x: Tensor, rope: Rope) -> Tensor:
-        return rotate(x, rope, self.cfg.rotary_dim)
-
     def _qkv(self, h: Tensor, rope: Rope) -> tuple[Tensor, Tensor, Tensor]:
         """The attention heads' rotated queries, rotated keys and values (KV heads)."""
         b, L, _ = h.shape
@@ -424,20 +421,6 @@ class HybridMixer(SSMMixer):
         k = self.hook_k(self.k_proj(h).view(b, L, len(self.kv_heads), d))
         v = self.hook_v(self.v_proj(h).view(b, L, len(self.kv_heads), d))
         return self.hook_rot_q(self._rope(q, rope)), self.hook_rot_k(self._rope(k, rope)), v
-
-    def _per_head(self, t: Tensor) -> Tensor:
-        """KV heads -> one entry per attention head (axis 2)."""
-        if len(self.kv_heads) == len(self.attn_heads):
-            return t
-        return t.index_select(2, self.attn_kv)  # type: ignore[arg-type]
-
-    def _attend(self, q: Tensor, k: Tensor, allowed: Tensor | None) -> Tensor:
-        """``hook_attn_scores`` and the softmax pattern ``[batch, attn_head, query, key]``."""
-        scores = torch.einsum("bqhd,bkhd->bhqk", q, self._per_head(k)) * self.scale
-        if allowed is not None:
-            scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
-        scores = self.hook_attn_scores(scores)
-        return torch.softmax(scores.float(), dim=-1).to(q.dtype)
 
     def _ssm_inputs(self, h: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """``hook_ssm_input``, ``hook_ssm_B``, ``hook_ssm_C``, ``hook_ssm_dt`` (padding: ``x`` and
@@ -576,15 +559,6 @@ class HybridMixer(SSMMixer):
             z = both.index_select(2, self.head_order)  # type: ignore[arg-type]
         z = self.hook_z(z)
         return self.out_proj(z.reshape(b, L, -1).to(h.dtype))
-
-    def _fused_attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
-        """Causal softmax attention of every attention head at once
-        (``scaled_dot_product_attention``), ``[batch, pos, attn_head, d_head]``.
-
-        With a padding mask the masked keys get ``finfo.min`` added, as :meth:`_attend`
-        fills them, so a query with no key left (left padding) averages every value as there.
-        """
-        return causal_attention(q, self._per_head(k), self._per_head(v), mask, self.scale)
 
     def _pattern(
         self,

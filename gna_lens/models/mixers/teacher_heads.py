@@ -40,7 +40,7 @@ from transformer_lens.hook_points import HookPoint
 
 from gna_lens.errors import ConfigError
 from gna_lens.models import kernels
-from gna_lens.models.mixers.attention import Rope, causal_attention, rotate
+from gna_lens.models.mixers.attention import AttentionHeads, Rope
 from gna_lens.models.mixers.base import (
     StepState,
     checked_pattern,
@@ -53,7 +53,7 @@ from gna_lens.models.mixers.swapped import splice_attention
 __all__ = ["TeacherHeadsMixer", "teacher_heads_class"]
 
 
-class TeacherHeadsMixer(Mamba2Mixer):
+class TeacherHeadsMixer(AttentionHeads, Mamba2Mixer):
     """A Mamba-2-style layer with some heads replaced by the teacher's attention heads (module
     docstring). Made by :meth:`from_mixer`, never by its constructor.
 
@@ -191,9 +191,6 @@ class TeacherHeadsMixer(Mamba2Mixer):
         return tuple("attention" if h in swapped else "ssm" for h in range(self.cfg.n_heads))
 
     # ------------------------------------------------------------------ attention heads
-    def _rope(self, x: Tensor, rope: Rope) -> Tensor:
-        return rotate(x, rope, self.cfg.rotary_dim)
-
     def _qkv(self, h: Tensor, rope: Rope) -> tuple[Tensor, Tensor, Tensor]:
         """Rotated queries ``[b, L, attn_head, d]``, rotated keys and values (KV heads)."""
         b, L, _ = h.shape
@@ -202,18 +199,6 @@ class TeacherHeadsMixer(Mamba2Mixer):
         k = self.hook_k(self.k_proj(h).view(b, L, kv, d))
         v = self.hook_v(self.v_proj(h).view(b, L, kv, d))
         return self.hook_rot_q(self._rope(q, rope)), self.hook_rot_k(self._rope(k, rope)), v
-
-    def _per_head(self, t: Tensor) -> Tensor:
-        """KV heads -> one entry per swapped head (axis 2)."""
-        return t.index_select(2, self.attn_kv)  # type: ignore[arg-type]
-
-    def _attend(self, q: Tensor, k: Tensor, allowed: Tensor | None) -> Tensor:
-        """``hook_attn_scores`` and the softmax pattern ``[batch, attn_head, query, key]``."""
-        scores = torch.einsum("bqhd,bkhd->bhqk", q, self._per_head(k)) * self.scale
-        if allowed is not None:
-            scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
-        scores = self.hook_attn_scores(scores)
-        return torch.softmax(scores.float(), dim=-1).to(q.dtype)
 
     def _heads_output(
         self, y: Tensor, x: Tensor, z: Tensor, y_attn: Tensor, dtype: torch.dtype
@@ -254,12 +239,6 @@ class TeacherHeadsMixer(Mamba2Mixer):
             return self._heads_output(self._scan(x, dt, A, B, C), x, z, y_attn, h.dtype)
         y, y_attn = self._scan_materialized(x, dt, A, B, C, P_attn, v_heads)
         return self._heads_output(y, x, z, y_attn, h.dtype)
-
-    def _fused_attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
-        """Causal softmax attention of the swapped heads (``scaled_dot_product_attention``),
-        ``[batch, pos, attn_head, d_head]``; masked keys get ``finfo.min`` as :meth:`_attend`
-        gives them."""
-        return causal_attention(q, self._per_head(k), self._per_head(v), mask, self.scale)
 
     def _scan_materialized(
         self, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, P_attn: Tensor, v: Tensor
