@@ -414,10 +414,10 @@ def tiny_llamba_state(config: dict[str, Any], seed: int = 0) -> dict[str, torch.
 
     def w(*shape: int, scale: float | None = None) -> torch.Tensor:
         s = scale if scale is not None else shape[-1] ** -0.5
-        return torch.randn(*shape, generator=gen) * s
+        return torch.randn(*shape, generator=gen, device=HOST) * s
 
     def norm(n: int) -> torch.Tensor:
-        return torch.rand(n, generator=gen) + 0.5
+        return torch.rand(n, generator=gen, device=HOST) + 0.5
 
     tied = bool(config.get("tie_embeddings", False))
     state = {"backbone.embedding.weight": w(vocab, d, scale=None if tied else 1.0)}
