@@ -9,6 +9,7 @@ reference where a hook, a dtype or the switch asks for it. A fake that permutes 
 fail the parity check (``test_a_wrong_kernel_fails_the_parity_check``).
 """
 
+import importlib
 import sys
 import types
 from collections import Counter
@@ -166,8 +167,24 @@ def _counted(name, fn):
     return call
 
 
+#: Hugging Face modeling modules that bind mamba_ssm's functions when first imported
+#: (transformers' ``use_kernel_func_from_hub_with_fallback`` resolves them at decoration time).
+_HF_MODELING = [
+    f"transformers.models.{m}.modeling_{m}"
+    for m in ("mamba", "falcon_mamba", "mamba2", "bamba", "jamba", "nemotron_h",
+              "granitemoehybrid", "falcon_h1", "zamba2")
+]  # fmt: skip
+
+
 def _install(monkeypatch, ssd=fake_mamba_chunk_scan_combined, scan=fake_selective_scan_fn):
-    """Put fake mamba_ssm / causal_conv1d modules in sys.modules and open the CUDA seam."""
+    """Put fake mamba_ssm / causal_conv1d modules in sys.modules and open the CUDA seam.
+
+    Transformers' modeling modules are imported first, so that they bind their real (PyTorch)
+    fallbacks: imported while the fakes are in sys.modules, they would keep the fakes for the
+    rest of the process and break later Hugging Face parity tests (they did, when this file ran
+    before test_hooked_ssm.py)."""
+    for name in _HF_MODELING:
+        importlib.import_module(name)
     FAKE_CALLS.clear()
     mods = {n: types.ModuleType(n) for n in ("mamba_ssm", "mamba_ssm.ops", "mamba_ssm.ops.triton")}
     ssd_mod = types.ModuleType("mamba_ssm.ops.triton.ssd_combined")
