@@ -89,21 +89,11 @@ class ModelComparison:
         Returns:
             ``{"markdown": ..., "csv": ..., "state": ..., "json": ...}``.
         """
-        import json
+        from gna_lens._tables import write_table_files
 
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        paths = {
-            "markdown": folder / "comparison.md",
-            "csv": folder / "comparison.csv",
-            "state": folder / "state.csv",
-            "json": folder / "comparison.json",
-        }
-        paths["markdown"].write_text(self.to_markdown(), encoding="utf-8")
-        self.to_dataframe().to_csv(paths["csv"], index=False)
+        paths = write_table_files(self, folder, stem="comparison")
+        paths["state"] = Path(folder) / "state.csv"
         self.state_dataframe().to_csv(paths["state"], index=False)
-        text = json.dumps(self.to_dict(), indent=1, default=str) + "\n"
-        paths["json"].write_text(text, encoding="utf-8")
         return paths
 
 

@@ -80,6 +80,15 @@ class AttentionHeads:
     scale: float
     hook_attn_scores: HookPoint
 
+    def _add_attention_hooks(self) -> None:
+        """The attention heads' hook points (shapes in the comments)."""
+        self.hook_q = HookPoint()  # [batch, pos, attn_head, d_head]
+        self.hook_k = HookPoint()  # [batch, pos, kv_head, d_head]
+        self.hook_v = HookPoint()  # [batch, pos, kv_head, d_head]
+        self.hook_rot_q = HookPoint()  # [batch, pos, attn_head, d_head]
+        self.hook_rot_k = HookPoint()  # [batch, pos, kv_head, d_head]
+        self.hook_attn_scores = HookPoint()  # [batch, attn_head, query_pos, key_pos]
+
     def _rope(self, x: Tensor, rope: Rope) -> Tensor:
         return rotate(x, rope, self.cfg.rotary_dim)
 

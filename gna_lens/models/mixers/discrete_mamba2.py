@@ -135,14 +135,6 @@ class DiscreteMamba2Mixer(Mamba2Mixer):
         self.last_path = {"conv": path}
         return self.activate(conv.transpose(1, 2))
 
-    def _ssm_inputs(self, xBC: Tensor, dt_raw: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """``hook_ssm_input``, ``hook_ssm_B``, ``hook_ssm_C`` (the qk heads as groups) and
-        ``hook_ssm_dt`` (``softplus(a)``)."""
-        cfg = self.cfg
-        b, L = xBC.shape[:2]
-        E, H, G, N, P = cfg.d_inner, cfg.n_heads, cfg.n_groups, cfg.d_state, cfg.d_head
-        x, B, C = xBC.split([E, G * N, G * N], dim=-1)
-        x = self.hook_ssm_input(x.reshape(b, L, H, P))
-        B = self.hook_ssm_B(B.reshape(b, L, G, N))
-        C = self.hook_ssm_C(C.reshape(b, L, G, N))
-        return x, B, C, self.hook_ssm_dt(torch.nn.functional.softplus(dt_raw))
+    def step_size(self, dt_raw: Tensor) -> Tensor:
+        """``dt = softplus(a)`` (no bias, no limits)."""
+        return torch.nn.functional.softplus(dt_raw)

@@ -293,12 +293,7 @@ class HybridMixer(AttentionHeads, SSMMixer):
         # teacher head -> its place in cat([attention heads, SSM heads]) (the fast path's z)
         order = self.attn_heads + self.ssm_heads
         self._buffer("head_order", [order.index(h) for h in range(H)])
-        self.hook_q = HookPoint()  # [batch, pos, attn_head, d_head]
-        self.hook_k = HookPoint()  # [batch, pos, kv_head, d_head]
-        self.hook_v = HookPoint()  # [batch, pos, kv_head, d_head]
-        self.hook_rot_q = HookPoint()  # [batch, pos, attn_head, d_head]
-        self.hook_rot_k = HookPoint()  # [batch, pos, kv_head, d_head]
-        self.hook_attn_scores = HookPoint()  # [batch, attn_head, query_pos, key_pos]
+        self._add_attention_hooks()
         self.hook_ssm_input = HookPoint()  # [batch, pos, ssm_head, d_head]
         self.hook_ssm_dt = HookPoint()  # [batch, pos, ssm_head]
         self.hook_ssm_B = HookPoint()  # [batch, pos, group, d_state]

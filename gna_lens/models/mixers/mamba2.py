@@ -225,9 +225,13 @@ class Mamba2Mixer(SSMMixer):
         x = self.hook_ssm_input(x.reshape(b, L, H, P))
         B = self.hook_ssm_B(B.reshape(b, L, G, N))
         C = self.hook_ssm_C(C.reshape(b, L, G, N))
-        lo, hi = cfg.time_step_limit
-        dt = F.softplus(dt_raw + self.dt_bias).clamp(min=lo, max=hi)
-        return x, B, C, self.hook_ssm_dt(dt)
+        return x, B, C, self.hook_ssm_dt(self.step_size(dt_raw))
+
+    def step_size(self, dt_raw: Tensor) -> Tensor:
+        """``dt`` of its ``in_proj`` section: ``softplus(dt_raw + dt_bias)`` clamped to
+        ``time_step_limit`` (a variant may drop the bias and the limits)."""
+        lo, hi = self.cfg.time_step_limit
+        return F.softplus(dt_raw + self.dt_bias).clamp(min=lo, max=hi)
 
     def _output(self, y: Tensor, x: Tensor, z: Tensor, dtype: torch.dtype) -> Tensor:
         """``D`` skip, gated norm, ``hook_z`` and ``out_proj`` of the scan output ``y``."""

@@ -48,7 +48,35 @@ from gna_lens.models.mixers.base import (
 )
 from gna_lens.models.mixers.mamba2 import Mamba2Mixer
 
-__all__ = ["SwappedMamba2Mixer", "splice_attention"]
+__all__ = ["SwappedMamba2Mixer", "mixed_pattern_output", "splice_attention"]
+
+
+def mixed_pattern_output(
+    mixer: Any,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    P_attn: Tensor,
+    x: Tensor,
+    v: Tensor,
+    heads: Tensor | None,
+    rows: Tensor | None,
+) -> Tensor:
+    """``y`` ``[batch, row, head, d_head]`` of the heads and rows of ``hook_pattern`` in a layer
+    whose heads are of both kinds: the SSM matrices with the attention heads' softmax patterns
+    spliced in (:func:`splice_attention`), through ``mixer.hook_pattern`` (edits take effect),
+    times the values (``x``, the attention heads' ``v`` in their places ``mixer.attn_index``)."""
+    index: Tensor = mixer.attn_index
+    pattern = splice_attention(
+        mixer.materialize(dt, A, B, C, heads, rows), P_attn, mixer.attn_heads, heads, rows
+    ).to(x.dtype)
+    hook = mixer.hook_pattern
+    pattern = checked_pattern(hook(pattern), pattern, hook.name)
+    values = x.index_copy(2, index, v.to(x.dtype))
+    if heads is not None:
+        values = values.index_select(2, heads)
+    return torch.einsum("bhrj,bjhp->brhp", pattern, values)
 
 
 def splice_attention(
@@ -249,14 +277,7 @@ class SwappedMamba2Mixer(Mamba2Mixer):
             assert y is not None
             return y
         self._check_dtype(x.dtype)
-        pattern = splice_attention(
-            self.materialize(dt, A, B, C, heads, rows), P_attn, self.attn_heads, heads, rows
-        ).to(x.dtype)
-        pattern = checked_pattern(self.hook_pattern(pattern), pattern, self.hook_pattern.name)
-        values = x.index_copy(2, index, v.to(x.dtype))
-        if heads is not None:
-            values = values.index_select(2, heads)
-        y_sel = torch.einsum("bhrj,bjhp->brhp", pattern, values)
+        y_sel = mixed_pattern_output(self, dt, A, B, C, P_attn, x, v, heads, rows)
         return scatter_rows_heads(y, y_sel, heads, rows, head_dim=2)
 
     # ------------------------------------------------------------------ incremental

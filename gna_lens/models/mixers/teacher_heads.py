@@ -36,19 +36,17 @@ from typing import Any, ClassVar
 import torch
 from jaxtyping import Float
 from torch import Tensor, nn
-from transformer_lens.hook_points import HookPoint
 
 from gna_lens.errors import ConfigError
 from gna_lens.models import kernels
 from gna_lens.models.mixers.attention import AttentionHeads, Rope
 from gna_lens.models.mixers.base import (
     StepState,
-    checked_pattern,
     has_hooks,
     scatter_rows_heads,
 )
 from gna_lens.models.mixers.mamba2 import Mamba2Mixer
-from gna_lens.models.mixers.swapped import splice_attention
+from gna_lens.models.mixers.swapped import mixed_pattern_output
 
 __all__ = ["TeacherHeadsMixer", "teacher_heads_class"]
 
@@ -177,12 +175,7 @@ class TeacherHeadsMixer(AttentionHeads, Mamba2Mixer):
         for name, values in (("attn_index", heads), ("attn_kv", kv_of)):
             index = torch.tensor(values, dtype=torch.long, device=device)
             self.register_buffer(name, index, persistent=False)
-        self.hook_q = HookPoint()  # [batch, pos, attn_head, d_head]
-        self.hook_k = HookPoint()  # [batch, pos, kv_head, d_head]
-        self.hook_v = HookPoint()  # [batch, pos, kv_head, d_head]
-        self.hook_rot_q = HookPoint()  # [batch, pos, attn_head, d_head]
-        self.hook_rot_k = HookPoint()  # [batch, pos, kv_head, d_head]
-        self.hook_attn_scores = HookPoint()  # [batch, attn_head, query_pos, key_pos]
+        self._add_attention_hooks()
 
     @property
     def head_kinds(self) -> tuple[str, ...]:
@@ -260,14 +253,7 @@ class TeacherHeadsMixer(AttentionHeads, Mamba2Mixer):
             y, path = kernels.mamba2_scan(self.scan_values(x, dt), dt, A, B, C, self.cfg.chunk_size)
             self._record_scan(f"materialized+{path}")
         self._check_dtype(x.dtype)
-        pattern = splice_attention(
-            self.materialize(dt, A, B, C, heads, rows), P_attn, self.attn_heads, heads, rows
-        ).to(x.dtype)
-        pattern = checked_pattern(self.hook_pattern(pattern), pattern, self.hook_pattern.name)
-        values = x.index_copy(2, index, v.to(x.dtype))
-        if heads is not None:
-            values = values.index_select(2, heads)
-        y_sel = torch.einsum("bhrj,bjhp->brhp", pattern, values)
+        y_sel = mixed_pattern_output(self, dt, A, B, C, P_attn, x, v, heads, rows)
         # every head's output (swapped heads: attention), the pattern's heads and rows read off it
         y_attn_all = torch.einsum("bhqk,bkhp->bqhp", P_attn.to(v.dtype), v)
         both = y.index_copy(2, index, y_attn_all.to(y.dtype))
