@@ -641,7 +641,7 @@ def smollm2_layers(
 
 
 def zoo_layers(
-    names: Sequence[str] = ("zoo-mamba2", "zoo-llama"),
+    names: Sequence[str] = ("zoo-llama", "zoo-mamba2", "zoo-mamba1", "zoo-bamba"),
     *,
     n_rank: int = 60,
     n_eval: int = 60,

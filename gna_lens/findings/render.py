@@ -594,9 +594,11 @@ SEED_CLAIMS: tuple[tuple[str, str, str], ...] = (
     ("SSM G&A is smoother (less sharp), and SSM retrieval falls faster with dictionary size",
      "abstract; slides", "sharpness"),
     ("SSM G&A is more redundant: SSMs are less sensitive to ablating their G&A heads",
-     "slides (Llama-3B vs Llamba-3B)", "attempted-not:no Transformer and SSM here share a "
-     "retrieval task both do well (zoo-llama does letter-MC, not KV), so their drops are not "
-     "comparable; Llamba is not loaded yet (issue 32)"),
+     "slides (Llama-3B vs Llamba-3B)", "untestable:the paper's pair (Llama-3.2-3B and its "
+     "distilled SSM Llamba-3B) needs the Hugging Face hub, which is unreachable here; gna_lens "
+     "loads Llamba and `gna-lens evaluate` runs the comparison where the hub is reachable "
+     "(docs/recipes/llama_vs_llamba.md); no Transformer and SSM here share a retrieval task both "
+     "do well (zoo-llama does letter-MC, not KV), so the zoo's drops are not comparable"),
     ("Pretrained hybrids hand the Aggregate role to attention", "abstract; slides", "hybrid"),
     ("Replacing one G&A head of a pretrained SSM by attention boosts retrieval", "abstract; "
      "slides (layer-to-layer distillation)", "swap"),
@@ -605,7 +607,7 @@ SEED_CLAIMS: tuple[tuple[str, str, str], ...] = (
      "students"),
     ("With attention doing retrieval, a small SSM state suffices (state 4 / 8 / 64)",
      "slides (state size)", "attempted-not:no state-size sweep of distilled students was run "
-     "(gna_lens.hybrid.state_bytes reports the sizes, not the accuracies)"),
+     "(gna_lens.models.state.state_bytes reports the sizes, not the accuracies)"),
 )  # fmt: skip
 
 
@@ -739,7 +741,7 @@ def render_markdown(results: Mapping[str, Any], command: str) -> str:
         f"{env.get('transformers', '?')}; it took {minutes:.1f} min"
         + (
             f" (experiments {', '.join(results['resumed'])} were read back from the checkpoint "
-            "of an interrupted run of the same code: `--resume`; their times are those runs')."
+            "of an earlier run: `--resume`; their times are that run's)."
             if results.get("resumed")
             else "."
         ),
