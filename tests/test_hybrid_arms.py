@@ -186,6 +186,12 @@ def test_seeds_data_and_draws_are_rows_that_only_splits_and_reruns_read_back(tmp
         assert sum(v["texts"] for v in shares.values()) == pytest.approx(1.0)
         assert sum(v["tokens"] for v in shares.values()) == pytest.approx(1.0)
     assert "Distillation data composition" in table.to_markdown()
+    # every training seed reads its own stream, and the table says what each one held
+    by_seed = table.method["data_composition_by_seed"]
+    assert set(by_seed) == {"default", "no-kv"} and set(by_seed["default"]) == {"0", "1"}
+    assert by_seed["default"]["0"] == comp["default"] and "kv-paper" in by_seed["default"]["1"]
+    assert "default, training seed 1:" in table.to_markdown()
+    assert "of data seed 1," in table.method["data_composition_text"]["no-kv, training seed 1"]
     # random students: as many heads per layer as the top set, none of the ranking's top 2
     top = set(table.ranking[:2])
     top_layers = collections.Counter(layer for layer, _ in table.row("top-2").heads)

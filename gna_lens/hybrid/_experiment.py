@@ -171,8 +171,8 @@ class HybridTable:
         kv_tasks: Names of the held-out KV tasks (columns), by dictionary size.
         chance: Per KV task and for the knowledge task, the accuracy of guessing.
         knowledge_task: What the knowledge column measures (``None``: not measured).
-        method: Budget, data (and its composition per source), stages, seeds, d_state, head
-            layout, teacher provenance, how the random heads were matched, whether the
+        method: Budget, data (and its composition per source and training seed), stages, seeds,
+            d_state, head layout, teacher provenance, how the random heads were matched, whether the
             comparison is controlled (``"controlled"``, ``"controls"``), ...
         seconds: Wall time, total and per stage of the experiment.
     """
@@ -1049,14 +1049,16 @@ def run_experiment(
 
     for choice in choices:
         data_for(choice, seed_list[0])
-    composition: dict[str, Any] = {}
+    # what each student reads: the composition of every (choice, training seed) stream
+    composition: dict[tuple[str, int], Any] = {}
     for choice in choices:
-        first = datas[(choice, seed_list[0])]
-        if isinstance(first, DistillData):
-            composition[choice] = data_composition(
-                first, tok, max_length=max_length, tokens=total.tokens
-            )
-            say(f"distillation data {choice}: {composition[choice].describe()}")
+        for s in seed_list:
+            stream = data_for(choice, s)
+            if isinstance(stream, DistillData):
+                composition[(choice, s)] = data_composition(
+                    stream, tok, max_length=max_length, tokens=total.tokens
+                )
+                say(f"distillation data {choice}: {composition[(choice, s)].describe()}")
     seconds["tasks"] = time.perf_counter() - t0
     prov = provenance_of(teacher)
     settings = {
@@ -1274,8 +1276,17 @@ def run_experiment(
         if choices == ["default"]
         else "; ".join(f"{c}: {t}" for c, t in data_text.items()),
         "distill_data": list(choices),
-        "data_composition": {c: v.shares for c, v in composition.items()},
-        "data_composition_text": {c: v.describe() for c, v in composition.items()},
+        "data_composition": {
+            c: v.shares for (c, sd), v in composition.items() if sd == seed_list[0]
+        },
+        "data_composition_by_seed": {
+            c: {str(sd): v.shares for (c2, sd), v in composition.items() if c2 == c}
+            for c in dict.fromkeys(c for c, _ in composition)
+        },
+        "data_composition_text": {
+            (c if len(seed_list) == 1 else f"{c}, training seed {sd}"): v.describe()
+            for (c, sd), v in composition.items()
+        },
         "stages": list(stages),
         "student": f"d_state {d_state}, head layout {head_layout!r}, SSM heads initialized from the teacher's q/k/v (build_hybrid seed = the training seed)",
         "random_heads": f"{random_draws} draw(s) per k, layer-matched to the top-k set "
