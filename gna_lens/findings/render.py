@@ -542,11 +542,23 @@ def _controlled_students_status(
     knowledge_kept = True
     if teacher and teacher.get("knowledge") and tops:
         t = teacher["knowledge"]
-        knowledge_kept = all(r["knowledge"]["high"] >= t["low"] for r in tops)
+        # kept: every top-k student within reach of the teacher *and* above chance (a student
+        # at chance overlaps a weak teacher's interval without keeping anything)
+        chance = (ctl.get("chance") or {}).get(ctl.get("knowledge_task") or "", 0.0)
+        below = [r for r in tops if r["knowledge"]["high"] < t["low"]]
+        at_chance = [r for r in tops if r["knowledge"]["low"] <= chance]
+        knowledge_kept = not below and not at_chance
+        why = (
+            " (below the teacher's interval: not kept)"
+            if below
+            else f" (interval reaches chance {100 * chance:.0f}%: not kept)"
+            if at_chance
+            else ""
+        )
         text += (
             f"; knowledge (MMLU cloze): teacher {_pct(t)}, top-k students "
             + ", ".join(f"{r['name']} {_pct(r['knowledge'])}" for r in tops)
-            + ("" if knowledge_kept else " (below the teacher's interval: not kept)")
+            + why
         )
     if pending:
         text += f"; not distilled yet: {', '.join(pending)}"
