@@ -100,7 +100,7 @@ def run_all(
                 exclude=_top_labels(results, None),
                 progress=progress,
             ),
-            "zoo": zoo_layers(ZOO_ALL, reports=reports, progress=progress),
+            "zoo": zoo_layers(reports=reports, progress=progress),
         },
         "7": lambda: second_probe(question_top=_top_labels(results, 8), progress=progress),
     }

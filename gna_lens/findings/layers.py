@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from gna_lens.errors import InterventionError, TaskError
+from gna_lens.findings.experiments import ZOO_ALL
 from gna_lens.heads import Head, Subject
 from gna_lens.models.provenance import provenance_of
 from gna_lens.render.markdown import head_label
@@ -641,7 +642,7 @@ def smollm2_layers(
 
 
 def zoo_layers(
-    names: Sequence[str] = ("zoo-llama", "zoo-mamba2", "zoo-mamba1", "zoo-bamba"),
+    names: Sequence[str] = ZOO_ALL,
     *,
     n_rank: int = 60,
     n_eval: int = 60,

@@ -1038,8 +1038,9 @@ def run_experiment(
     from gna_lens.hybrid._data import DistillData, data_composition
     from gna_lens.hybrid._data import distill_data as make_data
 
-    # one data stream per (choice, training seed), made when a student needs it; the first
-    # seed's now, so that a choice this tokenizer cannot make fails before anything runs
+    # one data stream per (choice, training seed), made when a student needs it, and its
+    # composition measured now (each seed reads its own stream), so that a choice this
+    # tokenizer cannot make fails before anything runs
     datas: dict[tuple[str, int], Any] = {}
 
     def data_for(choice: str, s: int) -> Any:
@@ -1047,18 +1048,14 @@ def run_experiment(
             datas[(choice, s)] = data if data is not None else make_data(tok, choice, s)
         return datas[(choice, s)]
 
-    for choice in choices:
-        data_for(choice, seed_list[0])
-    # what each student reads: the composition of every (choice, training seed) stream
-    composition: dict[tuple[str, int], Any] = {}
+    composition: dict[str, dict[int, Any]] = {}
     for choice in choices:
         for s in seed_list:
             stream = data_for(choice, s)
             if isinstance(stream, DistillData):
-                composition[(choice, s)] = data_composition(
-                    stream, tok, max_length=max_length, tokens=total.tokens
-                )
-                say(f"distillation data {choice}: {composition[(choice, s)].describe()}")
+                comp = data_composition(stream, tok, max_length=max_length, tokens=total.tokens)
+                composition.setdefault(choice, {})[s] = comp
+                say(f"distillation data {choice}: {comp.describe()}")
     seconds["tasks"] = time.perf_counter() - t0
     prov = provenance_of(teacher)
     settings = {
@@ -1276,16 +1273,14 @@ def run_experiment(
         if choices == ["default"]
         else "; ".join(f"{c}: {t}" for c, t in data_text.items()),
         "distill_data": list(choices),
-        "data_composition": {
-            c: v.shares for (c, sd), v in composition.items() if sd == seed_list[0]
-        },
+        "data_composition": {c: by[seed_list[0]].shares for c, by in composition.items()},
         "data_composition_by_seed": {
-            c: {str(sd): v.shares for (c2, sd), v in composition.items() if c2 == c}
-            for c in dict.fromkeys(c for c, _ in composition)
+            c: {str(sd): v.shares for sd, v in by.items()} for c, by in composition.items()
         },
         "data_composition_text": {
             (c if len(seed_list) == 1 else f"{c}, training seed {sd}"): v.describe()
-            for (c, sd), v in composition.items()
+            for c, by in composition.items()
+            for sd, v in by.items()
         },
         "stages": list(stages),
         "student": f"d_state {d_state}, head layout {head_layout!r}, SSM heads initialized from the teacher's q/k/v (build_hybrid seed = the training seed)",
