@@ -5,8 +5,11 @@ Every accuracy, effect and before/after number in a report carries one of these:
 - :func:`wilson_interval`: a binomial proportion (an accuracy over ``n`` prompts). Unlike the
   normal approximation it stays inside ``[0, 1]`` and is sensible at 0% and 100%.
 - :func:`bootstrap_interval`: the mean of per-unit values (per-prompt metric changes, per-sequence
-  loss changes), percentile bootstrap over the units. Paired designs (the same prompts before
-  and after an ablation) pass the per-unit *differences*, so the interval is the paired one.
+  loss changes), *expanded* percentile bootstrap over the units (Hesterberg 2015: the percentile
+  levels widened to those of a Student-t interval with the sample's ``n``, so the interval keeps
+  its 95% at the small ``n`` a plain percentile bootstrap under-covers: about 90% at 8 units).
+  Paired designs (the same prompts before and after an ablation) pass the per-unit
+  *differences*, so the interval is the paired one.
 - :func:`draws_interval`: the mean over random draws (random-head baselines) with a percentile
   bootstrap interval over the draws.
 
@@ -27,6 +30,7 @@ __all__ = [
     "Interval",
     "bootstrap_interval",
     "draws_interval",
+    "expanded_levels",
     "paired_permutation_test",
     "spearman",
     "two_level_interval",
@@ -132,6 +136,67 @@ def wilson_interval(successes: float, n: int) -> Interval:
     return Interval(p, low, high, n, "wilson")
 
 
+def _t_two_sided(t: float, df: int) -> float:
+    """``P(|T| < t)`` for Student's t with integer ``df`` (closed form in ``theta = atan(t /
+    sqrt(df))``, Abramowitz & Stegun 26.7.3-4)."""
+    theta = math.atan(t / math.sqrt(df))
+    c, s = math.cos(theta), math.sin(theta)
+    if df % 2:  # odd
+        if df == 1:
+            return 2 * theta / math.pi
+        term, total = c, c
+        for k in range(3, df - 1, 2):
+            term *= (k - 1) / k * c * c
+            total += term
+        return 2 / math.pi * (theta + s * total)
+    term, total = 1.0, 1.0
+    for k in range(2, df - 1, 2):
+        term *= (k - 1) / k * c * c
+        total += term
+    return s * total
+
+
+def t_quantile(p: float, df: int) -> float:
+    """The ``p`` quantile (``p >= 0.5``) of Student's t with integer ``df >= 1``.
+
+    Examples:
+        >>> round(t_quantile(0.975, 7), 3), round(t_quantile(0.975, 1), 2)
+        (2.365, 12.71)
+    """
+    if not (0.5 <= p < 1 and df >= 1):
+        raise GnaLensError(f"t_quantile(p={p}, df={df}); expected 0.5 <= p < 1 and df >= 1.")
+    target, lo, hi = 2 * p - 1, 0.0, 1.0
+    while _t_two_sided(hi, df) < target:
+        hi *= 2
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _t_two_sided(mid, df) < target else (lo, mid)
+    return (lo + hi) / 2
+
+
+def expanded_levels(n: int, level: float = 0.95) -> tuple[float, float]:
+    """The percentile levels of the expanded percentile bootstrap for ``n`` units.
+
+    The bootstrap distribution of a mean is too narrow by about ``sqrt((n - 1) / n)`` and its
+    normal tails too light for small ``n``; taking the percentiles at ``Phi(-sqrt(n / (n - 1)) *
+    t_{n-1})`` instead of 2.5% / 97.5% restores the nominal coverage (Hesterberg, "What teachers
+    should know about the bootstrap", 2015). Measured coverage (``tests/test_stats_coverage.py``,
+    normal and skewed units): at least 94% from 8 units up where the plain percentile gives 89%
+    to 93%.
+
+    Examples:
+        >>> [round(x, 4) for x in expanded_levels(8)]
+        [0.0057, 0.9943]
+        >>> [round(x, 4) for x in expanded_levels(64)]
+        [0.022, 0.978]
+    """
+    if n < 2:
+        return (1 - level) / 2, (1 + level) / 2
+    z = math.sqrt(n / (n - 1)) * t_quantile((1 + level) / 2, n - 1)
+    a = 0.5 * math.erfc(z / math.sqrt(2))
+    return a, 1 - a
+
+
 #: Elements gathered at once by the bootstrap of many rows (float64: 256 MiB).
 _BOOT_ELEMENTS = 1 << 25
 
@@ -155,7 +220,8 @@ def _resample_means(values: Tensor, n_boot: int, seed: int) -> Tensor:
 def bootstrap_interval(
     values: Tensor | Any, *, n_boot: int = N_BOOTSTRAP, seed: int = 0
 ) -> Interval | list[Interval]:
-    """Mean of ``values`` with a 95% percentile-bootstrap interval over its last axis.
+    """Mean of ``values`` with a 95% expanded-percentile bootstrap interval over its last axis
+    (the levels of :func:`expanded_levels`; ``method`` ``"bootstrap"``).
 
     Args:
         values: ``[n]`` per-unit values (e.g. per-prompt metric changes), or ``[rows, n]`` for
@@ -182,8 +248,9 @@ def bootstrap_interval(
         )
     if not bool(torch.isnan(x).any()) and x.shape[1] > 1:
         means = _resample_means(x, n_boot, seed)  # [rows, n_boot]
-        lo = torch.quantile(means, 0.025, dim=-1)
-        hi = torch.quantile(means, 0.975, dim=-1)
+        a, b = expanded_levels(x.shape[1])
+        lo = torch.quantile(means, a, dim=-1)
+        hi = torch.quantile(means, b, dim=-1)
         m = x.mean(-1)
         return [
             Interval(float(m[i]), float(lo[i]), float(hi[i]), x.shape[1], "bootstrap")
@@ -201,8 +268,9 @@ def _one_bootstrap(x: Tensor, n_boot: int, seed: int) -> Interval:
     if n == 1:
         return Interval(m, math.nan, math.nan, 1, "none")
     means = _resample_means(x, n_boot, seed)
+    a, b = expanded_levels(n)
     return Interval(
-        m, float(torch.quantile(means, 0.025)), float(torch.quantile(means, 0.975)), n, "bootstrap"
+        m, float(torch.quantile(means, a)), float(torch.quantile(means, b)), n, "bootstrap"
     )
 
 
@@ -219,9 +287,8 @@ def draws_interval(values: Tensor | Any, *, n_boot: int = N_BOOTSTRAP, seed: int
         An :class:`Interval` over the draws.
 
     Note:
-        A percentile bootstrap over few draws is narrower than 95%: measured on normal values
-        (1,000 samples each, ``tests/test_stats_coverage.py``), it holds the true mean 84.5% of
-        the time at 5 draws, 90% at 10 and 92.5% at 20; skewed values lose 2 to 5 points more.
+        The levels are the expanded percentile's (:func:`expanded_levels`); a plain percentile
+        bootstrap over few draws is narrower than 95% (84.5% at 5 normal draws, 90% at 10).
         Random-head baselines use :func:`two_level_interval` over draws and prompts instead.
     """
     out = bootstrap_interval(

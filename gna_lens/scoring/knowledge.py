@@ -208,9 +208,9 @@ class TaskRow:
         random_change: Mean change of those draws (bootstrap over draws and prompts), or
             ``None``.
         random_draws: Accuracy after each random draw.
-        vs_random: The removed set's change minus the random sets' mean change, per prompt
-            (paired bootstrap over prompts; negative: the set hurts more than random sets), or
-            ``None``.
+        vs_random: The removed set's change minus the random sets' change, per draw and prompt
+            (paired by prompt; bootstrap over draws *and* prompts, so the interval covers which
+            random sets were drawn; negative: the set hurts more than random sets), or ``None``.
         p_value: Two-sided p-value of ``vs_random`` being 0 (sign-flip permutation test over
             prompts, 10,000 flips), or ``None``.
     """
@@ -258,6 +258,8 @@ class ControlRow:
         change: ``after - before`` (paired bootstrap over windows).
         random_change: Mean change over the random draws (bootstrap over draws and windows), or
             ``None``.
+        vs_random: The set's change minus the random sets' change, paired by window (bootstrap
+            over draws and windows), or ``None``: how much more the set costs than random sets.
         unit: What the loss is: ``"nats/token"`` (text: mean next-token loss) or ``"nats/answer"``
             (a knowledge task: the answer's loss among its options).
     """
@@ -269,6 +271,7 @@ class ControlRow:
     change: Interval
     random_change: Interval | None = None
     unit: str = "nats/token"
+    vs_random: Interval | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The row with its intervals as dicts."""
@@ -279,6 +282,7 @@ class ControlRow:
             "after": self.after,
             "change": self.change.to_dict(),
             "random_change": self.random_change.to_dict() if self.random_change else None,
+            "vs_random": self.vs_random.to_dict() if self.vs_random else None,
             "unit": self.unit,
         }
 
@@ -493,9 +497,10 @@ def retrieval_vs_knowledge(
         n = len(task)
         after = values[0]
         rand = values[1:].double()  # [draws, prompts]
-        diff = None
+        diff = pairs = None
         if sets:
-            diff = (after.double() - base.double()) - (rand - base.double()[None]).mean(0)
+            pairs = after.double()[None] - rand  # [draws, prompts]: the set's change minus each
+            diff = pairs.mean(0)  # random set's, prompt by prompt
         rows.append(
             TaskRow(
                 task=name,
@@ -510,7 +515,7 @@ def retrieval_vs_knowledge(
                     two_level_interval(rand - base.double()[None], seed=seed) if sets else None
                 ),
                 random_draws=tuple(rand.mean(-1).tolist()) if sets else (),
-                vs_random=_paired(diff) if diff is not None else None,
+                vs_random=two_level_interval(pairs, seed=seed) if pairs is not None else None,
                 p_value=paired_permutation_test(diff, seed=seed) if diff is not None else None,
             )
         )
@@ -530,6 +535,7 @@ def retrieval_vs_knowledge(
             after=float(res.values[0].float().mean()),
             change=_paired(diffs[0]),
             random_change=two_level_interval(diffs[1:], seed=seed) if sets else None,
+            vs_random=two_level_interval(diffs[:1] - diffs[1:], seed=seed) if sets else None,
             unit="nats/token" if isinstance(control, TextControl) else "nats/answer",
         )
     return KnowledgeTable(
@@ -552,8 +558,8 @@ def retrieval_vs_knowledge(
             "paths": step_paths,
             "fallbacks": fallbacks,
             "intervals": "Wilson 95% for accuracies; paired bootstrap 95% for changes; "
-            "bootstrap over draws and prompts for the random baseline; the set vs the random "
-            "sets: paired bootstrap over prompts, sign-flip permutation p-value",
+            "bootstrap over draws and prompts for the random baseline and for the set vs the "
+            "random sets (paired by prompt), sign-flip permutation p-value over prompts",
         },
     )
 
