@@ -37,6 +37,7 @@ from gna_lens.findings.experiments import (
     second_probe,
     sharpness_and_capacity,
     smollm2_heads,
+    templates_table,
     zoo_ablation,
 )
 from gna_lens.findings.layers import smollm2_layers, zoo_layers
@@ -66,10 +67,10 @@ def run_all(
     sweep_dtype: str | None = None,
     checkpoint: Path | None = None,
 ) -> dict[str, Any]:
-    """Run every experiment (or those named in ``only``: ``"1"`` .. ``"7"``); returns the results.
+    """Run every experiment (or those named in ``only``: ``"1"`` .. ``"8"``); returns the results.
 
     6: layer pruning (gradual and individual) and dictionary-size curves; 7: the second,
-    induction-proof KV probe.
+    induction-proof KV probe; 8: each template's top heads removed on both templates.
 
     The zoo models are ranked once and the reports shared by findings 2-5.
 
@@ -103,6 +104,13 @@ def run_all(
             "zoo": zoo_layers(reports=reports, progress=progress),
         },
         "7": lambda: second_probe(question_top=_top_labels(results, 8), progress=progress),
+        "8": lambda: templates_table(
+            tops={
+                "question": _top_labels(results, 8),
+                "facts": [h["head"] for h in results.get("7", {}).get("top_heads", [])][:8],
+            },
+            progress=progress,
+        ),
     }
     results: dict[str, Any] = {"seconds": {}}
     done: dict[str, Any] = {}
@@ -274,7 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--zoo-page", default="docs/zoo.md", help="zoo page written from the cards ('' to skip)"
     )
-    parser.add_argument("--only", nargs="*", default=None, help="experiments to run (1-7)")
+    parser.add_argument("--only", nargs="*", default=None, help="experiments to run (1-8)")
     parser.add_argument(
         "--render", default=None, help="only re-render the page from a results JSON (no runs)"
     )

@@ -39,6 +39,7 @@ __all__ = [
     "sharpness_and_capacity",
     "smollm2_heads",
     "smollm2_label",
+    "templates_table",
     "zoo_ablation",
 ]
 
@@ -392,6 +393,63 @@ def second_probe(
         "strongest_induction": [_label(h) for h in induction.top(5)],
         "method": _method(report),
     }
+
+
+def templates_table(
+    model: Any = None,
+    tops: Mapping[str, Sequence[str]] | None = None,
+    *,
+    ks: Sequence[int] = (4, 8),
+    n_eval: int = 60,
+    n_pairs: int = 6,
+    n_prose: int = 64,
+    random_draws: int = 10,
+    seed: int = 0,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Each template's top ``k`` removed on held-out prompts of *both* templates (finding 8).
+
+    The question template can be answered by copying (an induction head finds the key and copies
+    what followed it); the facts template cannot. ``tops`` holds each template's ranking (labels,
+    best first: finding 1's joint set for ``"question"``, finding 7's for ``"facts"``); every
+    set of size ``k`` is removed on ``n_eval`` held-out prompts of each template (seed + 1, as
+    findings 1 and 7: disjoint from the selection prompts) and on ``n_prose`` held-out prose
+    windows, with ``random_draws`` layer-matched random sets that exclude both rankings' heads.
+    """
+    from gna_lens.models import load_model
+
+    model = model if model is not None else load_model("smollm2-135m")
+    tok = model.tokenizer
+    tops = dict(tops or {})
+    held = {
+        f"kv-{t}": kv_retrieval(
+            tok, n_pairs=n_pairs, n_samples=n_eval, seed=seed + 1, template=t, values="words"
+        )
+        for t in ("question", "facts")
+    }
+    prose = text_control(tok, split="eval", n_sequences=n_prose)
+    every = [_head(x) for labels in tops.values() for x in labels]
+    cells = []
+    for template, labels in tops.items():
+        for k in ks:
+            table = retrieval_vs_knowledge(
+                model, [_head(x) for x in labels[:k]], held, control=prose,
+                random_draws=random_draws, seed=seed, exclude=every, progress=progress,
+            )  # fmt: skip
+            cells.append({"selected_on": template, "k": k} | _table(table))
+    return {
+        "model": smollm2_label(model),
+        "tops": {t: list(v) for t, v in tops.items()},
+        "n_eval": n_eval,
+        "n_prose": n_prose,
+        "random_draws": random_draws,
+        "cells": cells,
+    }
+
+
+def _head(label: str) -> Head:
+    layer, head = (int(x) for x in label[1:].split("H"))
+    return (layer, head)
 
 
 # ----------------------------------------------------------------------------- zoo

@@ -1,0 +1,152 @@
+"""The verdict rules (gna_lens.findings.rules) on the stored cases that the earlier, point-estimate
+rules got wrong (issue 39). Each case below was granted a kinder status before; each assertion
+fails on those rules."""
+
+from gna_lens.findings.render import (
+    _flat_status,
+    _layers_status,
+    _mask_status,
+    _retrieval_status,
+    _set_control_status,
+    _swap_status,
+    seed_claims,
+    status_rows,
+)
+from gna_lens.findings.rules import holm, interval_p_value, p_text, within_margin
+from gna_lens.stats import wilson_interval
+
+
+def iv(value, low, high, n=60):
+    return {"value": value, "low": low, "high": high, "n": n}
+
+
+def acc(p, n=60):
+    return wilson_interval(p * n, n).to_dict()
+
+
+def test_an_interval_that_crosses_the_margin_is_inconclusive_not_flat():
+    # SmolLM2's top 8, held-out prose: +0.054 [-0.033, +0.139] at the 0.1 bound ("reproduced")
+    top8 = {"change": iv(0.054, -0.033, 0.139, 8), "random_change": iv(0.048, 0.002, 0.099, 80)}
+    row = _set_control_status("SmolLM2", 8, top8)
+    assert row["status"] == "inconclusive", row
+    assert within_margin(top8["change"], 0.1, two_sided=False) == "inconclusive"
+    # inside the margin: flat; wholly above: not reproduced
+    assert _set_control_status("m", 4, {"change": iv(0.03, 0.01, 0.06, 64)})["status"] == (
+        "reproduced"
+    )
+    assert _set_control_status("m", 8, {"change": iv(0.3, 0.2, 0.4, 64)})["status"] == (
+        "not reproduced"
+    )
+
+
+def test_a_set_that_costs_what_random_sets_cost_is_partly_not_flat():
+    ctrl = {
+        "change": iv(0.15, 0.05, 0.25, 64),
+        "random_change": iv(0.12, 0.04, 0.2, 640),
+        "vs_random": iv(0.03, -0.02, 0.08, 640),
+    }
+    row = _set_control_status("m", 8, ctrl)
+    assert row["status"] == "partly" and "no more than random" in row["why"]
+    assert "minus random" in row["numbers"]
+
+
+def test_a_null_is_not_partly():
+    # the head swap: +5.8 [-0.5, +11.9] points was "partly" for its point estimate above 0
+    swap = {"paired_kv16": {"mean of the random swaps": iv(0.058, -0.005, 0.119)}}
+    assert _swap_status(swap)[0] == "inconclusive"
+    assert _swap_status({"paired_kv16": {"mean of the random swaps": iv(0.1, 0.02, 0.2)}})[0] == (
+        "reproduced"
+    )
+
+
+def test_keeping_the_patterns_counts_only_when_denying_them_hurts():
+    def masks(base, kept, denied, n=60):
+        return {"model": "m", "task": "kv", "chance": 1 / 6, "baseline": acc(base, n),
+                "kept": acc(kept, n), "denied": acc(denied, n)}  # fmt: skip
+
+    # zoo-llama: denied = no mask (90.7%), kept 92.9%: was "partly (keeping works)"
+    llama = _mask_status(masks(0.9071, 0.9286, 0.9071, 140) | {"chance": 0.25})
+    assert llama["status"] == "not reproduced" and "shows nothing" in llama["why"]
+    # SmolLM2: denied 70.0% [57.5, 80.1] vs 76.7% unmasked, kept 78.3%
+    assert _mask_status(masks(0.7667, 0.7833, 0.70))["status"] == "not reproduced"
+    assert _mask_status(masks(0.9, 0.9, 0.3))["status"] == "reproduced"
+    assert _mask_status(masks(0.9, 0.5, 0.3))["status"] == "partly"  # denying hurts
+
+
+def test_knowledge_flat_needs_the_whole_interval_inside_five_points():
+    row = {"before": acc(0.6), "chance": 0.25, "change": iv(-0.02, -0.1, 0.06)}
+    assert _flat_status(row)[0] == "inconclusive"  # was "reproduced": the interval holds 0
+    assert _flat_status(row | {"change": iv(0.0, -0.03, 0.03)})[0] == "reproduced"
+    assert _flat_status(row | {"change": iv(-0.2, -0.3, -0.1)})[0] == "not reproduced"
+
+
+def test_beating_random_heads_is_judged_on_the_paired_interval_and_holm():
+    base = {"before": acc(0.77), "after": acc(0.2), "chance": 1 / 6,
+            "change": iv(-0.57, -0.69, -0.42), "random_change": iv(-0.3, -0.6, 0.0)}  # fmt: skip
+    # point estimates: the drop is < 2x random's... but judged on the paired interval now
+    assert _retrieval_status(base | {"vs_random": iv(-0.27, -0.4, -0.1), "p_value": 1e-4})[0] == (
+        "reproduced"
+    )
+    # 2x random heads on point estimates, but the set-level interval reaches 0: not shown
+    wide = base | {"random_change": iv(-0.1, -0.5, 0.0), "vs_random": iv(-0.47, -0.9, 0.02)}
+    assert _retrieval_status(wide | {"p_value": 0.001})[0] == "not reproduced"
+    # significant alone, not after Holm's correction
+    assert (
+        _retrieval_status(
+            base | {"vs_random": iv(-0.2, -0.3, -0.1), "p_value": 0.02, "p_adjusted": 0.08}
+        )[0]
+        == "not reproduced"
+    )
+
+
+def test_single_layers_need_holm_over_the_layers():
+    # SmolLM2's L17: -16.7 [-28.3, -6.7] points, the control +0.058 [0.017, 0.094]: the only
+    # layer below 0, which fails a correction over 30 layers (was "reproduced")
+    flat = iv(0.0, -0.05, 0.05)
+    singles = [
+        {"layer": i, "change": flat, "control_change": iv(0.01, 0.0, 0.02)} for i in range(29)
+    ]
+    singles.append(
+        {
+            "layer": 17,
+            "change": iv(-0.167, -0.283, -0.067),
+            "control_change": iv(0.058, 0.017, 0.094),
+        }
+    )
+    p = {"baseline": acc(0.77), "chance": 1 / 6, "individual": singles}
+    row = _layers_status("SmolLM2", p)
+    assert row["status"] == "not reproduced" and "L17" in row["numbers"], row
+    strong = [*singles[:-1], dict(singles[-1], change=iv(-0.5, -0.6, -0.4))]
+    assert _layers_status("m", p | {"individual": strong})["status"] == "reproduced"
+
+
+def test_holm_and_p_value_floor():
+    assert holm([0.01, None, 0.04, 0.03]) == [0.03, None, 0.06, 0.06]
+    assert holm([]) == []
+    assert "floor of 10,000" in p_text(1 / 10_001)
+    assert p_text(0.2) == "p = 0.2"
+    assert abs(interval_p_value(iv(-1.96, -3.92, 0.0)) - 0.05) < 1e-3
+
+
+def test_the_status_table_adjusts_p_values_across_its_rows():
+    row = {"task": "kv", "chance": 1 / 6, "before": acc(0.77), "after": acc(0.3),
+           "change": iv(-0.47, -0.59, -0.32), "random_change": iv(-0.01, -0.03, 0.01),
+           "vs_random": iv(-0.46, -0.58, -0.31), "p_value": 0.03}  # fmt: skip
+    r1 = {
+        "model": "m",
+        "removal": [{"k": k, "rows": [dict(row)], "control": None} for k in (4, 8)],
+        "knowledge": {"rows": []},
+    }
+    rows = status_rows({"1": r1})
+    # two decisions at p = 0.03 each: Holm 0.06, not below 0.05
+    assert [s["status"] for s in rows] == ["not reproduced", "not reproduced"]
+    assert "Holm 0.06" in rows[0]["numbers"]
+    one = status_rows({"1": r1 | {"removal": r1["removal"][:1]}})
+    assert one[0]["status"] == "partly"
+
+
+def test_the_per_head_dictionary_claim_is_not_credited_to_a_set_level_row():
+    claims = {c["claim"][:40]: c for c in seed_claims({})}
+    per_head = next(c for k, c in claims.items() if k.startswith("Per head, dictionary size"))
+    assert per_head["status"] == "not attempted"
+    assert any(k.startswith("A handful of heads carries retrieval") for k in claims)
