@@ -150,3 +150,27 @@ def test_the_per_head_dictionary_claim_is_not_credited_to_a_set_level_row():
     per_head = next(c for k, c in claims.items() if k.startswith("Per head, dictionary size"))
     assert per_head["status"] == "not attempted"
     assert any(k.startswith("A handful of heads carries retrieval") for k in claims)
+
+
+def test_hybrid_students_are_compared_as_head_sets():
+    """Issue 39: the prompt-only interval of the controlled hybrid run ignored which random heads
+    were drawn (3 sets, the same under both seeds); the set-level one covers it, and its exact
+    permutation p-value cannot go below 1 / (sets + 1)."""
+    from gna_lens.findings.render import _students_status, set_level_comparisons
+
+    def row(kind, heads, seed, correct):
+        return {"name": f"{kind}{heads}{seed}", "kind": kind, "k": 1, "heads": [[0, heads]],
+                "seed": seed, "data": "default", "kv_correct": {"kv-4": correct}}  # fmt: skip
+
+    good, bad = [1] * 20, [0] * 20
+    rows = [row("top", 9, s, good) for s in (0, 1)]
+    rows += [row("random", h, s, bad) for h in (1, 2) for s in (0, 1)]
+    rows += [row("random", 3, s, good) for s in (0, 1)]  # one random set as good as the top set
+    (cmp,) = set_level_comparisons({"rows": rows})
+    assert cmp["n_sets"] == 3 and cmp["p_set"] == 0.5 and cmp["p_floor"] == 0.25
+    assert cmp["vs_random"]["low"] <= 0 < cmp["vs_random"]["value"]  # the interval sees set 3
+    status, why = _students_status(None, {"rows": rows, "comparisons": [], "method": {}})
+    assert status == "not reproduced" and "set-level p = 0.5" in why
+    rows[-2:] = [row("random", 3, s, bad) for s in (0, 1)]
+    status, why = _students_status(None, {"rows": rows, "comparisons": [], "method": {}})
+    assert status == "partly" and "floor is 1 / (sets + 1)" in why  # p = 0.25 at best

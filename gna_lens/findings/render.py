@@ -678,28 +678,99 @@ def _students_status(
     )
 
 
+def set_level_comparisons(ctl: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The controlled hybrid run's top-k students against its random-k students *as head sets*.
+
+    Per data arm and task: each random head set's per-prompt correctness (averaged over the
+    training seeds that distilled it) is compared, prompt by prompt, with the top-k students'
+    (averaged over seeds); the interval is :func:`~gna_lens.stats.two_level_interval` over the
+    random sets and the prompts, so it covers which sets were drawn; ``p_set`` is the exact
+    one-sided set-level permutation p-value (the top set ranked among the ``n_sets + 1`` sets
+    by mean accuracy), whose floor is ``1 / (n_sets + 1)``. Empty when the rows hold no
+    per-prompt results.
+    """
+    import torch
+
+    from gna_lens.stats import two_level_interval
+
+    rows = [r for r in ctl.get("rows", []) if r.get("kv_correct")]
+    out = []
+    for data in dict.fromkeys(r.get("data") for r in rows if r.get("kind") == "top"):
+        arm = [r for r in rows if r.get("data") == data]
+        tops = [r for r in arm if r["kind"] == "top"]
+        sets: dict[tuple[tuple[int, int], ...], list[Mapping[str, Any]]] = {}
+        for r in arm:
+            if r["kind"] == "random":
+                sets.setdefault(tuple(tuple(h) for h in r["heads"]), []).append(r)
+        if not tops or not sets:
+            continue
+        for task in tops[0]["kv_correct"]:
+            top = torch.tensor([r["kv_correct"][task] for r in tops], dtype=torch.float64)
+            rand = torch.stack(
+                [
+                    torch.tensor([r["kv_correct"][task] for r in group], dtype=torch.float64).mean(
+                        0
+                    )
+                    for group in sets.values()
+                ]
+            )  # [sets, prompts]
+            diff = top.mean(0)[None] - rand
+            top_mean = float(top.mean())
+            at_least = sum(float(x.mean()) >= top_mean for x in rand)
+            out.append(
+                {
+                    "data": data,
+                    "task": task,
+                    "k": tops[0]["k"],
+                    "n_sets": len(sets),
+                    "seeds": sorted({r.get("seed", 0) for r in arm}),
+                    "vs_random": two_level_interval(diff).to_dict(),
+                    "p_set": (1 + at_least) / (len(sets) + 1),
+                    "p_floor": 1 / (len(sets) + 1),
+                }
+            )
+    return out
+
+
 def _controlled_students_status(
     ctl: Mapping[str, Any], first: Mapping[str, Any] | None
 ) -> tuple[str, str]:
-    comps = ctl.get("comparisons", [])
+    sets = set_level_comparisons(ctl)
+    comps = sets or [c for c in ctl.get("comparisons", []) if "paired_random_mean" in c]
     arms = []
     verdicts = []
+    significant = bool(sets)
     for data in dict.fromkeys(c["data"] for c in comps):
-        group = [c for c in comps if c["data"] == data and "paired_random_mean" in c]
-        if not group:
-            continue
-        k, n = group[0]["k"], group[0].get("n_random", 0)
+        group = [c for c in comps if c["data"] == data]
+        k = group[0]["k"]
         seeds = ", ".join(str(x) for x in group[0]["seeds"])
-        sizes = ", ".join(f"{c['task']} {_pts(c['paired_random_mean'])}" for c in group)
-        arms.append(
-            f"{data} data (seed {seeds}; {n} layer-matched random-{k}), top-{k} minus the "
-            f"random students' mean: {sizes}"
-        )
+        if sets:
+            ivs = [c["vs_random"] for c in group]
+            n = group[0]["n_sets"]
+            sizes = ", ".join(
+                f"{c['task']} {_pts(c['vs_random'])} (set-level p = {c['p_set']:.2g}, floor "
+                f"{c['p_floor']:.2g})"
+                for c in group
+            )
+            significant &= all(c["p_set"] < 0.05 for c in group)
+            what = (
+                f"{n} distinct layer-matched random-{k} head sets), top-{k} minus the random "
+                "sets, interval over sets and prompts"
+            )
+        else:
+            ivs = [c["paired_random_mean"] for c in group]
+            n = group[0].get("n_random", 0)
+            sizes = ", ".join(f"{c['task']} {_pts(c['paired_random_mean'])}" for c in group)
+            what = (
+                f"{n} layer-matched random-{k}), top-{k} minus the random students' mean "
+                "(interval over prompts only: no per-prompt results stored)"
+            )
+        arms.append(f"{data} data (seed {seeds}; {what}: {sizes}")
         verdicts.append(
             "all"
-            if all(c["paired_random_mean"]["low"] > 0 for c in group)
+            if all(effect(x) == "positive" for x in ivs)
             else "some"
-            if any(c["paired_random_mean"]["low"] > 0 for c in group)
+            if any(effect(x) == "positive" for x in ivs)
             else "none"
         )
     pending = ctl.get("method", {}).get("pending") or []
@@ -736,7 +807,17 @@ def _controlled_students_status(
         )
     if not verdicts or all(v == "none" for v in verdicts):
         return NOT, text
-    if all(v == "all" for v in verdicts) and not pending and knowledge_kept:
+    if sets and not significant:
+        text += (
+            "; no set-level p-value below 0.05 (with this few random sets it cannot be: the "
+            "floor is 1 / (sets + 1))"
+        )
+    if (
+        all(v == "all" for v in verdicts)
+        and not pending
+        and knowledge_kept
+        and (significant or not sets)
+    ):
         return REPRODUCED, text
     return PARTLY, text
 
