@@ -337,3 +337,22 @@ def test_a_head_in_both_roles_keeps_the_intersection_and_denies_the_union(toy):
     # Alone, each role's mask is what the role keeps.
     assert torch.equal(gna_masks([head], [])(batch)[head], g)
     assert torch.equal(gna_masks([], [head])(batch)[head], a)
+
+
+def test_pair_candidates_put_every_gather_below_an_aggregate():
+    """Issue 39: a gather must sit before the aggregate it feeds. With the scores swapped (the
+    best aggregate score on layer 0, the best gather score on layer 1), the old pick returned
+    aggregates in L0 and gathers in L1 (zoo-mamba2's masks did so); now no pair inverts."""
+    from gna_lens.scoring import pair_candidates
+
+    model = toy_gna_model()
+    report = score_heads(model, toy_gna_task(model), control=toy_control(model), progress=False)
+    gathers, aggregates = pair_candidates(report, 2)
+    assert gathers == [TOY_GATHER_HEAD] and aggregates == [TOY_AGGREGATE_HEAD]
+    sc = report.scores
+    swapped = sc["gather_score"].clone(), sc["aggregate_score"].clone()
+    sc["gather_score"], sc["aggregate_score"] = swapped[1] * 10, swapped[0] * 10
+    sc["gather_null"], sc["aggregate_null"] = sc["aggregate_null"] * 0, sc["gather_null"] * 0
+    gathers, aggregates = pair_candidates(report, 2)
+    assert all(g[0] < max(a[0] for a in aggregates) for g in gathers), (gathers, aggregates)
+    assert all(a[0] > min(g[0] for g in gathers) for a in aggregates), (gathers, aggregates)

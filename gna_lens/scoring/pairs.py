@@ -108,6 +108,12 @@ def pair_candidates(
     (``gather_score - gather_null``), aggregate candidates by aggregate score above its null times
     the correct share.
 
+    A Gather head feeds an Aggregate head, so it must sit in an earlier layer: the aggregates
+    are picked first, then the gathers among the heads below the highest aggregate's layer, then
+    the aggregates again among the heads above the lowest gather's layer (every aggregate has a
+    gather below it, every gather an aggregate above it). A model whose candidates all sit in
+    one layer gets no pair: ``([], [])``.
+
     Args:
         report: A :func:`~gna_lens.score_heads` report with ablation effects.
         k: Candidates per role.
@@ -135,9 +141,21 @@ def pair_candidates(
     a = ((sc["aggregate_score"] - sc["aggregate_null"]) * sc["correct_share"]).masked_fill(
         ~ok, -math.inf
     )
-    n = min(k, int(ok.sum()))
-    gathers = [report.heads[i] for i in torch.argsort(-g, stable=True)[:n].tolist()]
-    aggregates = [report.heads[i] for i in torch.argsort(-a, stable=True)[:n].tolist()]
+    layer = torch.tensor([h[0] for h in report.heads], device=g.device)
+
+    def best(score: Tensor, allowed: Tensor) -> list[Head]:
+        score = score.masked_fill(~allowed, -math.inf)
+        n = min(k, int((allowed & ok).sum()))
+        return [report.heads[i] for i in torch.argsort(-score, stable=True)[:n].tolist()]
+
+    everywhere = torch.ones_like(ok)
+    first = best(a, everywhere)
+    if not first:
+        return [], []
+    gathers = best(g, layer < max(h[0] for h in first))
+    if not gathers:
+        return [], []
+    aggregates = best(a, layer > min(h[0] for h in gathers))
     return gathers, aggregates
 
 
