@@ -298,3 +298,24 @@ def test_findings_page_shows_the_joint_set_and_the_rank_intervals(split):
     assert len(bounds) == 3 * len(extras["stability"]["n_prompts"])  # 0.05 / 0.1 / 0.2
     top = report.top(1, joint=False)[0]
     assert f"L{top[0]}H{top[1]} [1, " in stab[2]
+
+
+def test_metric_agreement_compares_the_published_set_and_draws_ties():
+    """Issue 39: the accuracy top k was compared with the per-head order and its ties broken by
+    head index (which favours exactly the low-index heads the joint walk rejects)."""
+    from gna_lens.findings.experiments import metric_agreement
+    from gna_lens.testing import toy_control, toy_gna_model, toy_gna_task
+
+    model = toy_gna_model()
+    task = toy_gna_task(model, n_samples=8)
+    report = score_heads(model, task, control=toy_control(model), progress=False)
+    picks = []
+    for seed in range(4):
+        out = metric_agreement(model, task, report, ks=(4,), n_boot=20, seed=seed, progress=False)
+        o = out["overlap"]["4"]
+        assert o["joint_top"] == [f"L{h[0]}H{h[1]}" for h in report.top(4)]
+        assert o["shared_with_joint"] == len(set(o["joint_top"]) & set(o["accuracy_top"]))
+        assert set(o["accuracy_top"][:2]) == {"L0H0", "L1H0"}  # the two hand-built heads
+        picks.append(tuple(o["accuracy_top"][2:]))  # heads tied at 0: drawn
+        assert len(out["accuracy_effects"]) == out["n_heads"]
+    assert len(set(picks)) > 1, picks  # head order would give the same lowest-index pair

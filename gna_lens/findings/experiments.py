@@ -265,9 +265,10 @@ def metric_agreement(
     heads), over every head the report measured; the Spearman correlation of the per-head mean
     effects comes with a 95% bootstrap interval over prompts (prompts resampled, both means
     recomputed), and the top-k overlap compares the two orders among the heads the report
-    calls retrieval-specific (control effect within its bound). Accuracy effects tie often on
-    few prompts: ties are broken by head order (neutral), and the number of heads tied at the
-    cut is reported.
+    calls retrieval-specific (control effect within its bound), and the accuracy top k with the
+    set the report publishes (:meth:`GnaReport.top`, the joint walk). Accuracy effects tie often
+    on few prompts: ties are broken by a draw seeded with ``seed`` (head order would favour
+    low-index heads), and the number of heads tied at the cut is reported.
 
     Returns:
         ``{"n_prompts", "n_heads", "spearman": interval, "overlap": {k: {...}}, "method"}``.
@@ -306,16 +307,20 @@ def metric_agreement(
     ld = effects["logit_diff"].mean(-1)
     acc = effects["accuracy"].mean(-1)
     order_ld = sorted(eligible, key=lambda i: float(ld[i]))  # most harmful first
-    order_acc = sorted(eligible, key=lambda i: float(acc[i]))  # stable: head order on ties
+    draw = random.Random(seed).sample(range(len(heads)), len(heads))
+    order_acc = sorted(eligible, key=lambda i: (float(acc[i]), draw[i]))  # seeded ties
     overlap = {}
     for k in ks:
         a = {heads[i] for i in order_ld[:k]}
         c = {heads[i] for i in order_acc[:k]}
+        joint = report.top(k)
         cut = float(acc[order_acc[k - 1]]) if len(order_acc) >= k else math.nan
         overlap[str(k)] = {
             "logit_diff_top": [_label(heads[i]) for i in order_ld[:k]],
             "accuracy_top": [_label(heads[i]) for i in order_acc[:k]],
             "shared": len(a & c),
+            "joint_top": [_label(h) for h in joint],
+            "shared_with_joint": len(set(joint) & c),
             "tied_at_cut": sum(1 for i in eligible if float(acc[i]) == cut),
             "logit_diff_top_at_baseline_accuracy": [
                 _label(heads[i]) for i in order_ld[:k] if float(acc[i]) == 0.0
@@ -328,6 +333,7 @@ def metric_agreement(
         "baseline_accuracy": float(sweeps["accuracy"].baseline.double().mean()),
         "spearman": spear,
         "overlap": overlap,
+        "accuracy_effects": {_label(h): float(acc[i]) for i, h in enumerate(heads)},
         "method": "zero ablation of each head alone at every position (as the report), both "
         "metrics on the same prompts; accuracy over the choices; orders among heads whose "
         f"control effect is <= {report.max_control:g}",

@@ -1361,6 +1361,11 @@ def _smollm2_section(r: Mapping[str, Any]) -> list[str]:
     ]
 
 
+def _compares_joint(a: Mapping[str, Any]) -> bool:
+    """Whether a metric-agreement result compares the published joint set (newer runs)."""
+    return any("shared_with_joint" in o for o in a.get("overlap", {}).values())
+
+
 def _agreement_lines(a: Mapping[str, Any] | None) -> list[str]:
     """The paper's metric (accuracy drop) against the ranking's (logit difference)."""
     if not a:
@@ -1373,7 +1378,13 @@ def _agreement_lines(a: Mapping[str, Any] | None) -> list[str]:
         f"single-head accuracy drop) {sp['value']:.2f} [{_num(sp['low'], '{:.2f}')}, "
         f"{_num(sp['high'], '{:.2f}')}] (bootstrap over prompts; baseline accuracy "
         f"{100 * a['baseline_accuracy']:.1f}%). Top k among the {a['n_eligible']} "
-        "retrieval-specific heads (accuracy ties broken by head order):",
+        "retrieval-specific heads, and the published (joint) top k against the accuracy top k "
+        + (
+            "(accuracy ties broken by a seeded draw):"
+            if _compares_joint(a)
+            else "(accuracy ties broken by head order, which favours low-index heads; this run "
+            "stored no joint comparison):"
+        ),
         "",
     ]
     rows = []
@@ -1384,6 +1395,9 @@ def _agreement_lines(a: Mapping[str, Any] | None) -> list[str]:
                 " ".join(o["logit_diff_top"]),
                 " ".join(o["accuracy_top"]),
                 f"{o['shared']} of {k}",
+                f"{o['shared_with_joint']} of {k} ({' '.join(o['joint_top'])})"
+                if "shared_with_joint" in o
+                else "-",
                 o["tied_at_cut"],
                 " ".join(o["logit_diff_top_at_baseline_accuracy"]) or "none",
             ]
@@ -1396,6 +1410,7 @@ def _agreement_lines(a: Mapping[str, Any] | None) -> list[str]:
                 "logit-difference top k",
                 "accuracy top k",
                 "shared",
+                "published joint top k shared with the accuracy top k",
                 "heads tied at the accuracy cut",
                 "logit-difference top heads that leave accuracy unchanged",
             ],
