@@ -145,8 +145,8 @@ def build_tasks(
     Args:
         tokenizer: The model's tokenizer.
         task: ``"kv"`` (KV retrieval, question template, word values; held out: the same on other
-            prompts, and the paper's template with number values, or word values where the
-            tokenizer splits numbers), ``"mc"`` (MMLU
+            prompts, the paper's template with number values, or word values where the
+            tokenizer splits numbers, and the induction-proof ``"facts"`` template), ``"mc"`` (MMLU
             offline: letter format as the probe; held out: letter and its cloze twin on other
             questions), or a path to a JSON lines / CSV / parquet file of multiple-choice records.
         n_samples: Selection prompts.
@@ -183,6 +183,18 @@ def build_tasks(
                 f"word values: number values cannot be scored in one token ({str(err)[:160]}...)"
             )
         held[f"kv-{n_pairs}-paper"] = paper
+        try:  # the induction-proof template: copying the line after the key cannot answer it
+            held[f"kv-{n_pairs}-facts"] = kv_retrieval(
+                tokenizer, n_pairs=n_pairs, n_samples=n_eval, seed=seed + 3, template="facts",
+                values="words",
+            )  # fmt: skip
+            notes["facts_template"] = (
+                "induction-proof (The k is v. ... What is the k? It is): the question template "
+                "can be answered by copying what followed the key, this one cannot; a drop here "
+                "is retrieval that induction cannot do"
+            )
+        except TaskError as err:
+            notes["facts_template"] = f"not measured: {str(err)[:160]}"
         held = {k: _disjoint(v, probe, k) for k, v in held.items()}
         return ScanTasks(probe, held, notes=notes | {"selection_seed": seed})
     if task == "mc":

@@ -115,6 +115,9 @@ def test_scan_held_out_prompts_are_disjoint_from_the_selection_prompts(tmp_path)
     raw = {s.prompt for s in __import__("gna_lens").tasks.kv_retrieval(
         tok, n_pairs=2, n_samples=40, seed=1, template="question", values="words")}  # fmt: skip
     assert len(sets.held_out["kv-2"]) == len(raw - chosen) or len(raw & chosen) == 0
+    # the induction-proof template is measured held out too (issue 39): copying cannot answer it
+    assert sets.held_out["kv-2-facts"].info["template"] == "facts"
+    assert "induction-proof" in sets.notes["facts_template"]
     result = scan(
         model, "kv", n_samples=12, n_eval=40, top=2, out=None, progress=False, control=None,
         random_draws=2,
