@@ -319,3 +319,32 @@ def test_metric_agreement_compares_the_published_set_and_draws_ties():
         picks.append(tuple(o["accuracy_top"][2:]))  # heads tied at 0: drawn
         assert len(out["accuracy_effects"]) == out["n_heads"]
     assert len(set(picks)) > 1, picks  # head order would give the same lowest-index pair
+
+
+def test_joint_stability_redoes_the_walk_on_resampled_selection_data():
+    """Issue 39: the joint set's own stability (how often each member stays in the set over
+    resampled selection prompts and control windows)."""
+    from gna_lens.scoring.report import _joint_walk
+    from gna_lens.scoring.stability import joint_stability
+
+    model = toy_gna_model(generic_head=True)
+    control = toy_control(model)
+    report = score_heads(model, toy_gna_task(model, n_samples=12), control=control, progress=False)
+    js = joint_stability(model, control, report, k=2, n_boot=20, progress=False)
+    assert js.heads == tuple(report.top(2)) and js.same_set == 1.0 and js.mean_shared == 2.0
+    assert js.share == {TOY_GATHER_HEAD: 1.0, TOY_AGGREGATE_HEAD: 1.0}  # never the generic one
+    assert set(js.to_dataframe()["published"]) == {True}
+    # The cached measure on the original windows reproduces score_heads' own walk.
+    full = report.sample_effects["control_effect"]
+    calls = []
+
+    def measure(sets):
+        calls.append(len(sets))
+        res = control_sweep(model, control, sets, progress=False)
+        return (res.values.double() - res.baseline.double()[None]).cpu()
+
+    again, _ = _joint_walk(model, control, report, full, 4, mode="zero", positions=None,
+                           progress=False, measure=measure)  # fmt: skip
+    assert again.heads == report.joint_set.heads[:4] and calls
+    with pytest.raises(GnaLensError, match="positions"):
+        joint_stability(model, control, report, positions=[-1], progress=False)

@@ -208,7 +208,7 @@ def smollm2_heads(
         "knowledge": _table(knowledge),
         "masks": masks,
         "metric_agreement": agreement,
-    } | selection_extras(report)
+    } | selection_extras(report, model, text_control(tok, split="select"))
 
 
 def smollm2_selection(
@@ -232,18 +232,26 @@ def smollm2_selection(
     return probe, report
 
 
-def selection_extras(report: GnaReport) -> dict[str, Any]:
+def selection_extras(
+    report: GnaReport, model: Any = None, control: Any = None, *, joint_boot: int = 50
+) -> dict[str, Any]:
     """How stable the selection is: the greedy joint set (``"joint"``: each accepted head with
-    the joint control effect of the set so far, the heads turned down) and the top 10's rank
+    the joint control effect of the set so far, the heads turned down), the top 10's rank
     intervals at the control bounds 0.05 / 0.1 / 0.2 nats/token, from half and from all the
-    selection prompts (``"stability"``, :func:`~gna_lens.scoring.rank_stability`)."""
-    from gna_lens.scoring.stability import rank_stability
+    selection prompts (``"stability"``, :func:`~gna_lens.scoring.rank_stability`), and, given
+    the model and the selection control, the joint top 8's own stability over ``joint_boot``
+    resamples (``"joint_stability"``, :func:`~gna_lens.scoring.joint_stability`)."""
+    from gna_lens.scoring.stability import joint_stability, rank_stability
 
     n = len(report.sample_effects["ablation_effect"][0]) if report.sample_effects else 0
     counts = sorted({max(1, n // 2), n}) if n else None
+    js = None
+    if model is not None and control is not None and n and report.joint_set is not None:
+        js = joint_stability(model, control, report, k=8, n_boot=joint_boot, progress=False)
     return {
         "joint": report.joint_set.to_dict() if report.joint_set is not None else None,
         "stability": rank_stability(report, n_prompts=counts).to_dict() if n else None,
+        "joint_stability": js.to_dict() if js is not None else None,
     }
 
 

@@ -1279,6 +1279,28 @@ def _stability_lines(st: Mapping[str, Any] | None) -> list[str]:
     return [*out, ""]
 
 
+def _joint_stability_lines(js: Mapping[str, Any] | None) -> list[str]:
+    """How often each head stays in the joint set over resampled selection data; says so when
+    the run did not measure it."""
+    if not js:
+        return [
+            "**How stable the joint set is**: not measured in this run (the rank intervals above "
+            "are per head; `gna_lens.scoring.joint_stability` redoes the joint walk on resampled "
+            "selection data, and `make findings` runs it).",
+            "",
+        ]
+    kept = ", ".join(f"{h} {100 * js['share'].get(h, 0.0):.0f}%" for h in js["heads"])
+    others = [(h, v) for h, v in js["share"].items() if h not in js["heads"]]
+    extra = ", ".join(f"{h} {100 * v:.0f}%" for h, v in others[:8]) or "none"
+    return [
+        f"**How stable the joint set is** ({js['method']}): each published head's share of the "
+        f"resampled joint top {js['k']}: {kept}; other heads that entered: {extra}. A resample "
+        f"keeps {js['mean_shared']:.1f} of the {js['k']} published heads on average; "
+        f"{100 * js['same_set']:.0f}% of resamples give the same set.",
+        "",
+    ]
+
+
 def _rank(x: float | None) -> str:
     return "unranked" if x is None else f"{x:.0f}"
 
@@ -1317,6 +1339,7 @@ def _smollm2_section(r: Mapping[str, Any]) -> list[str]:
         "",
         *_joint_lines(r.get("joint"), r.get("extras_run")),
         *_stability_lines(r.get("stability")),
+        *_joint_stability_lines(r.get("joint_stability")),
         f"Concentration: among the {r['n_hurting_specific']} non-generic heads whose ablation "
         f"hurts, the top one carries {_share(share['1'])} of the summed harm, the top 4 "
         f"{_share(share['4'])}, the top 8 {_share(share['8'])}, the top 16 {_share(share['16'])}.",

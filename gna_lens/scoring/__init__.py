@@ -10,6 +10,8 @@
   ``unmeasured`` (heads never ablated, and why), heatmaps, JSON and an offline HTML report; its
   :class:`JointSet` is the greedy set of heads whose control effect *removed together* stays
   within the bound (what ``top(k)`` returns).
+- :func:`joint_stability`: how often each head stays in the joint set over resampled selection
+  data.
 - :func:`rank_stability`: 95% bootstrap intervals of the top heads' ranks, per control bound and
   prompt count.
 - :func:`find_gna_pairs`: Gather -> Aggregate pairs confirmed by ablation and pattern masks
@@ -54,7 +56,13 @@ from gna_lens.scoring.report import (
     resolve_control,
     score_heads,
 )
-from gna_lens.scoring.stability import RankInterval, RankStability, rank_stability
+from gna_lens.scoring.stability import (
+    JointStability,
+    RankInterval,
+    RankStability,
+    joint_stability,
+    rank_stability,
+)
 
 __all__ = [
     "EXACT_ALL_MAX",
@@ -68,6 +76,7 @@ __all__ = [
     "GnaReport",
     "InductionScores",
     "JointSet",
+    "JointStability",
     "KnowledgeTable",
     "MaskResult",
     "PatternScores",
@@ -80,6 +89,7 @@ __all__ = [
     "default_top_layers",
     "find_gna_pairs",
     "gna_masks",
+    "joint_stability",
     "mask_experiment",
     "masked_accuracy",
     "matched_random_sets",

@@ -27,7 +27,7 @@ import contextlib
 import json
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -1164,9 +1164,14 @@ def _joint_walk(
     mode: str,
     positions: Any,
     progress: bool,
+    measure: Callable[[list[list[Head]]], Tensor] | None = None,
 ) -> tuple[JointSet, str]:
     """The greedy joint set of :func:`score_heads` (see :class:`JointSet`), and its
     ``method["joint_control"]`` line.
+
+    ``measure`` (head sets -> per-sample control changes ``[sets, samples]``) replaces the
+    control sweep; :func:`~gna_lens.scoring.stability.joint_stability` passes one that reads
+    cached per-window changes on resampled windows.
 
     The first candidate joins on its own control effect (already measured, within the bound);
     each later round ablates the accepted heads plus the next candidate together (after a round
@@ -1196,12 +1201,15 @@ def _joint_walk(
                 bar.update(1)
                 continue
             batch = candidates[pos : pos + width]
-            res = control_sweep(
-                model, control, [[*accepted, c] for c in batch], mode=mode, positions=positions,
-                progress=False,
-            )  # fmt: skip
+            sets = [[*accepted, c] for c in batch]
+            if measure is None:
+                res = control_sweep(
+                    model, control, sets, mode=mode, positions=positions, progress=False
+                )
+                diffs = to_host(res.values.double() - res.baseline.double()[None])
+            else:
+                diffs = measure(sets)
             sweeps, cells = sweeps + 1, cells + len(batch)
-            diffs = to_host(res.values.double() - res.baseline.double()[None])
             means = diffs.mean(-1).tolist()
             for j, c in enumerate(batch):
                 if means[j] <= bound:

@@ -22,7 +22,7 @@ from gna_lens.errors import GnaLensError
 from gna_lens.scoring.patterns import Head
 from gna_lens.scoring.report import GnaReport
 
-__all__ = ["RankInterval", "RankStability", "rank_stability"]
+__all__ = ["JointStability", "RankInterval", "RankStability", "joint_stability", "rank_stability"]
 
 
 @dataclass(frozen=True)
@@ -291,3 +291,171 @@ def _counts(n: int, m: int, n_boot: int, gen: torch.Generator) -> Tensor:
     idx = torch.randint(0, n, (n_boot, m), generator=gen, device=HOST)
     out = torch.zeros(n_boot, n, dtype=torch.float64, device=HOST)
     return out.scatter_add_(1, idx, torch.ones(n_boot, m, dtype=torch.float64, device=HOST))
+
+
+@dataclass(frozen=True)
+class JointStability:
+    """How often each head stays in the joint set over resampled selection data.
+
+    Attributes:
+        heads: The published joint set's first ``k`` heads (:meth:`GnaReport.top`).
+        share: ``{head: share of resamples whose joint top k holds it}`` for every head that
+            appeared in one, most frequent first.
+        mean_shared: The mean number of the published heads a resample's set keeps.
+        same_set: The share of resamples whose joint top k is the published set (any order).
+        k: Heads per set.
+        n_boot: Resamples.
+        seed: Seed of the resampling.
+        method: How the sets were redrawn, in one line.
+    """
+
+    heads: tuple[Head, ...]
+    share: dict[Head, float]
+    mean_shared: float
+    same_set: float
+    k: int
+    n_boot: int
+    seed: int
+    method: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serializable dict (heads as ``"L{layer}H{head}"``)."""
+        from gna_lens.render.markdown import head_label
+
+        return {
+            "heads": [head_label(h) for h in self.heads],
+            "share": {head_label(h): v for h, v in self.share.items()},
+            "mean_shared": self.mean_shared,
+            "same_set": self.same_set,
+            "k": self.k,
+            "n_boot": self.n_boot,
+            "seed": self.seed,
+            "method": self.method,
+        }
+
+    def to_dataframe(self) -> Any:
+        """One row per head that entered a resampled set: ``layer, head, share, published``."""
+        import pandas as pd
+
+        data = [[h[0], h[1], v, h in self.heads] for h, v in self.share.items()]
+        return pd.DataFrame(data, columns=["layer", "head", "share", "published"])
+
+
+def joint_stability(
+    model: Any,
+    control: Any,
+    report: GnaReport,
+    *,
+    k: int = 8,
+    n_boot: int = 50,
+    seed: int = 0,
+    positions: Any = None,
+    progress: bool = True,
+) -> JointStability:
+    """Redo the joint walk of :func:`~gna_lens.score_heads` on resampled selection data.
+
+    Each resample draws the report's prompts and, independently, its control windows with
+    replacement; ranks the heads as ``top(joint=False)`` does on those means; and walks the joint
+    set again, each set's joint control change read on the resampled windows. A set's
+    per-window changes are measured once (a control sweep of the set ablated) and reused by
+    every resample that meets it, so the cost is the distinct sets the walks try, not
+    ``n_boot`` walks.
+
+    Args:
+        model: The model the report was scored on.
+        control: The control the report was scored with (the same windows).
+        report: A :func:`~gna_lens.score_heads` report with a control, per-sample effects and a
+            joint set of at least ``k`` heads.
+        k: Heads per set.
+        n_boot: Resamples.
+        seed: Seed of the resampling.
+        positions: The ablated positions the report was scored with (``None``: all).
+        progress: Show a progress bar.
+
+    Returns:
+        A :class:`JointStability`.
+
+    Raises:
+        GnaLensError: For a report without per-sample effects of both kinds, or without a joint
+            set.
+    """
+    import dataclasses
+
+    from tqdm.auto import tqdm
+
+    from gna_lens.device import to_host
+    from gna_lens.heads import Subject
+    from gna_lens.interventions import control_sweep
+    from gna_lens.scoring.report import _joint_walk
+
+    samples = report.sample_effects or {}
+    if "ablation_effect" not in samples or "control_effect" not in samples:
+        raise GnaLensError(
+            "joint_stability needs a report with per-sample ablation and control effects "
+            "(score_heads(..., control=...) with exact ablation keeps them)."
+        )
+    if report.joint_set is None:
+        raise GnaLensError("joint_stability needs a report with a joint set (joint_k > 0).")
+    from gna_lens.interventions.ablation import positions_label
+
+    mode = str(report.method.get("mode", "zero"))
+    if report.method.get("positions", positions_label(positions)) != positions_label(positions):
+        raise GnaLensError(
+            f"joint_stability(positions={positions!r}): the report was scored at "
+            f"{report.method['positions']!r} positions. Fix: pass the positions given to "
+            "score_heads."
+        )
+    subject = Subject.of(model)
+    published = tuple(report.top(k))
+    effects = samples["ablation_effect"].double()
+    controls = samples["control_effect"].double()
+    n_p, n_w = effects.shape[1], controls.shape[1]
+    cache: dict[tuple[Head, ...], Tensor] = {}
+
+    def measure_on(windows: Tensor) -> Any:
+        def measure(sets: list[list[Head]]) -> Tensor:
+            todo = [s for s in sets if tuple(sorted(s)) not in cache]
+            if todo:
+                res = control_sweep(
+                    subject, control, todo, mode=mode, positions=positions, progress=False
+                )
+                diffs = to_host(res.values.double() - res.baseline.double()[None])
+                for s, d in zip(todo, diffs, strict=True):
+                    cache[tuple(sorted(s))] = d
+            return torch.stack([cache[tuple(sorted(s))][windows] for s in sets])
+
+        return measure
+
+    gen = torch.Generator(device=HOST).manual_seed(seed)
+    counts: dict[Head, int] = {}
+    shared = same = 0
+    for _ in tqdm(range(n_boot), desc="joint stability", disable=not progress, leave=False):
+        p_idx = torch.randint(0, n_p, (n_p,), generator=gen, device=HOST)
+        w_idx = torch.randint(0, n_w, (n_w,), generator=gen, device=HOST)
+        scores = dict(report.scores)
+        scores["ablation_effect"] = effects[:, p_idx].nanmean(-1).to(scores["ablation_effect"])
+        scores["control_effect"] = controls[:, w_idx].nanmean(-1).to(scores["control_effect"])
+        redrawn = dataclasses.replace(report, scores=scores, joint_set=None)
+        joint, _ = _joint_walk(
+            subject, control, redrawn, controls[:, w_idx], k, mode=mode, positions=positions,
+            progress=False, measure=measure_on(w_idx),
+        )  # fmt: skip
+        got = set(joint.heads[:k])
+        for h in got:
+            counts[h] = counts.get(h, 0) + 1
+        shared += len(got & set(published))
+        same += got == set(published)
+    share = {h: c / n_boot for h, c in sorted(counts.items(), key=lambda x: (-x[1], x[0]))}
+    return JointStability(
+        heads=published,
+        share=share,
+        mean_shared=shared / n_boot,
+        same_set=same / n_boot,
+        k=k,
+        n_boot=n_boot,
+        seed=seed,
+        method=f"{n_boot} resamples: the {n_p} selection prompts and, independently, the "
+        f"{n_w} control windows drawn with replacement; per-head order and joint walk redone "
+        f"on each (bound {report.max_control:g} {report.control_unit}); {len(cache)} distinct "
+        "sets measured",
+    )
