@@ -174,3 +174,37 @@ def test_hybrid_students_are_compared_as_head_sets():
     rows[-2:] = [row("random", 3, s, bad) for s in (0, 1)]
     status, why = _students_status(None, {"rows": rows, "comparisons": [], "method": {}})
     assert status == "partly" and "floor is 1 / (sets + 1)" in why  # p = 0.25 at best
+
+
+def test_finding_8_rows_judge_each_template_on_its_own_prompts_and_the_page_shows_four_cells():
+    from gna_lens.findings.render import render_markdown
+
+    def row(task, before, after, vs, p):
+        return {"task": task, "n": 60, "chance": 1 / 6, "before": acc(before), "after": acc(after),
+                "change": iv(after - before, after - before - 0.1, after - before + 0.1),
+                "random_change": iv(-0.02, -0.06, 0.02), "vs_random": iv(*vs), "p_value": p}  # fmt: skip
+
+    def cell(template, k, own, other, prose):
+        rows = {"question": own, "facts": other} if template == "question" else {
+            "question": other, "facts": own}  # fmt: skip
+        return {"selected_on": template, "k": k, "heads_label": [], "rows": [
+            row("kv-question", 0.77, rows["question"], (rows["question"] - 0.77, -0.7, -0.4), 1e-4),
+            row("kv-facts", 0.5, rows["facts"], (rows["facts"] - 0.5, -0.5, 0.05), 0.2)],
+            "control": {"n": 64, "change": iv(*prose), "random_change": iv(0.02, 0.0, 0.04),
+                        "vs_random": iv(prose[0] - 0.02, prose[1] - 0.04, prose[2])}}  # fmt: skip
+
+    r8 = {"model": "SmolLM2-135M (GGUF)", "tops": {"question": ["L1H0"], "facts": ["L2H0"]},
+          "n_eval": 60, "n_prose": 64, "random_draws": 10,
+          "cells": [cell("question", 4, 0.2, 0.45, (0.05, 0.02, 0.08)),
+                    cell("facts", 4, 0.3, 0.6, (0.08, 0.03, 0.14))]}  # fmt: skip
+    rows = [x for x in status_rows({"8": r8}) if "template" in x["model"]]
+    got = {(x["label"], x["status"]) for x in rows}
+    assert ("SmolLM2 question top 4", "reproduced") in got
+    assert ("SmolLM2 question top 4 (prose)", "reproduced") in got
+    # the facts set's own drop: its paired interval reaches 0 -> not reproduced
+    assert ("SmolLM2 facts top 4", "not reproduced") in got
+    assert ("SmolLM2 facts top 4 (prose)", "inconclusive") in got  # crosses 0.1
+    page = render_markdown({"8": r8, "seconds": {}}, "make findings")
+    assert "## 8. Which heads do retrieval that copying cannot do" in page
+    assert page.count("| question top 4 |") == 2 and page.count("| facts top 4 |") == 2
+    assert "| test | rule |" in page and "inconclusive" in page

@@ -67,10 +67,11 @@ def run_all(
     sweep_dtype: str | None = None,
     checkpoint: Path | None = None,
 ) -> dict[str, Any]:
-    """Run every experiment (or those named in ``only``: ``"1"`` .. ``"8"``); returns the results.
+    """Run every experiment (or those named in ``only``: ``"1"`` .. ``"9"``); returns the results.
 
     6: layer pruning (gradual and individual) and dictionary-size curves; 7: the second,
-    induction-proof KV probe; 8: each template's top heads removed on both templates.
+    induction-proof KV probe; 8: each template's top heads removed on both templates; 9: layer
+    pruning and dictionary-size curves of SmolLM2 on the induction-proof template.
 
     The zoo models are ranked once and the reports shared by findings 2-5.
 
@@ -105,10 +106,13 @@ def run_all(
         },
         "7": lambda: second_probe(question_top=_top_labels(results, 8), progress=progress),
         "8": lambda: templates_table(
-            tops={
-                "question": _top_labels(results, 8),
-                "facts": [h["head"] for h in results.get("7", {}).get("top_heads", [])][:8],
-            },
+            tops={"question": _top_labels(results, 8), "facts": _facts_top(results, 8)},
+            progress=progress,
+        ),
+        "9": lambda: smollm2_layers(
+            heads=_facts_top(results, 4),
+            exclude=_top_labels(results, None) + _facts_top(results, None),
+            template="facts",
             progress=progress,
         ),
     }
@@ -159,6 +163,12 @@ def _top_labels(results: dict[str, Any], k: int | None) -> list[str]:
     return heads if k is None else heads[:k]
 
 
+def _facts_top(results: dict[str, Any], k: int | None) -> list[str]:
+    """Finding 7's (the induction-proof facts template's) top heads as labels."""
+    heads = [h["head"] for h in results.get("7", {}).get("top_heads", [])]
+    return heads if k is None else heads[:k]
+
+
 def write_figures(results: dict[str, Any], assets: Path) -> list[Path]:
     """Finding 6's SVG figures under ``assets`` (the names the page links to)."""
     res = results.get("6")
@@ -167,6 +177,8 @@ def write_figures(results: dict[str, Any], assets: Path) -> list[Path]:
     assets.mkdir(parents=True, exist_ok=True)
     items = [("smollm2", res["smollm2"])]
     items += [(z["model"].removeprefix("zoo-"), z) for z in res.get("zoo", [])]
+    if results.get("9"):
+        items.append(("smollm2_facts", results["9"]))
     written = []
     for key, r in items:
         for kind, fig in (("pruning", pruning_figure), ("dictionary", dictionary_figure)):
@@ -282,7 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--zoo-page", default="docs/zoo.md", help="zoo page written from the cards ('' to skip)"
     )
-    parser.add_argument("--only", nargs="*", default=None, help="experiments to run (1-8)")
+    parser.add_argument("--only", nargs="*", default=None, help="experiments to run (1-9)")
     parser.add_argument(
         "--render", default=None, help="only re-render the page from a results JSON (no runs)"
     )

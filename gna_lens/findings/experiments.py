@@ -146,7 +146,7 @@ def smollm2_heads(
         progress=progress,
     )  # fmt: skip
     overlap = {s.prompt for s in probe} & {s.prompt for s in held}
-    control_eval = text_control(tok, split="eval")
+    control_eval = text_control(tok, split="eval", n_sequences=64)
     ranked = report.top(max(ks))
     removal = []
     for k in ks:

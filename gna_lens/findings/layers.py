@@ -593,11 +593,13 @@ def smollm2_layers(
     seed: int = 0,
     steps: Any = None,
     individual: Any = None,
+    template: str = "question",
     progress: bool = True,
 ) -> dict[str, Any]:
     """Both layer experiments on SmolLM2-135M (loaded with ``load_model`` unless given).
 
-    Layer pruning on ``n_eval`` KV prompts (question template, ``n_pairs`` word pairs, seed
+    Layer pruning on ``n_eval`` KV prompts (``template``: ``"question"``, which copying can
+    answer, or the induction-proof ``"facts"``; ``n_pairs`` word pairs, seed
     ``seed + 1``: :func:`~gna_lens.findings.experiments.smollm2_heads`' held-out prompts) with
     the prose control's evaluation split; dictionary-size curves with ``heads`` removed (e.g.
     that finding's top 4, as labels ``"L16H0"`` or tuples) on ``n_eval`` prompts per size.
@@ -622,19 +624,21 @@ def smollm2_layers(
     model = model if model is not None else load_model("smollm2-135m")
     tok = model.tokenizer
     held = kv_retrieval(
-        tok, n_pairs=n_pairs, n_samples=n_eval, seed=seed + 1, template="question",
+        tok, n_pairs=n_pairs, n_samples=n_eval, seed=seed + 1, template=template,  # type: ignore[arg-type]
         values="words",
     )  # fmt: skip
     pruning = layer_pruning(
-        model, held, text_control(tok, split="eval"), steps=steps, individual=individual,
+        model, held, text_control(tok, split="eval", n_sequences=64), steps=steps,
+        individual=individual,
         progress=progress,
     )  # fmt: skip
     dictionary = dictionary_size_curves(
         model, chosen, sizes=sizes, n_samples=n_eval, random_draws=random_draws, seed=seed,
-        exclude=_heads(exclude), missing="skip", progress=progress,
+        exclude=_heads(exclude), missing="skip", template=template, progress=progress,
     )  # fmt: skip
     return {
         "model": smollm2_label(model),
+        "template": template,
         "heads": [_label(h) for h in chosen],
         "pruning": pruning,
         "dictionary": dictionary,

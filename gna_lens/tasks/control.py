@@ -240,8 +240,10 @@ def resolve_control(
 
     Args:
         control: ``"prose"`` (the shipped prose: 8 windows of 48 tokens whose last 24 tokens
-            are scored, or 64 windows of 64 tokens with ``positions="last"``, where each window
-            gives one prediction), ``None`` (no
+            are scored to select heads, 64 such windows for the held-out ``split="eval"``, where
+            an interval must be narrow enough to decide a 0.1 nats/token margin; 64 windows of
+            64 tokens with ``positions="last"``, where each window gives one prediction),
+            ``None`` (no
             control), a :class:`~gna_lens.tasks.TextControl`, a :class:`~gna_lens.tasks.Task`
             (a knowledge task, e.g. cloze questions), a str or list of str (texts), or a
             ``datasets.Dataset`` with a ``text`` column.
@@ -260,7 +262,7 @@ def resolve_control(
         return None
     if isinstance(control, TextControl | Task):
         return control
-    n = 64 if positions == "last" else 8
+    n = 64 if positions == "last" or split == "eval" else 8
     length = 64 if positions == "last" else 48
     if isinstance(control, str) and control == "prose":
         if tokenizer is None:
