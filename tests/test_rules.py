@@ -208,3 +208,22 @@ def test_finding_8_rows_judge_each_template_on_its_own_prompts_and_the_page_show
     assert "## 8. Which heads do retrieval that copying cannot do" in page
     assert page.count("| question top 4 |") == 2 and page.count("| facts top 4 |") == 2
     assert "| test | rule |" in page and "inconclusive" in page
+
+
+def test_a_claim_is_decided_by_the_rows_that_decide_it():
+    from gna_lens.findings.render import _summary
+
+    rows = [{"model": "a", "status": "reproduced"}, {"model": "b", "status": "inconclusive"}]
+    assert _summary(rows)[0] == "reproduced" and "b: inconclusive" in _summary(rows)[1]
+    assert _summary(rows[1:])[0] == "inconclusive"
+    assert _summary([*rows, {"model": "c", "status": "not reproduced"}])[0] == "partly"
+
+
+def test_a_gather_that_is_an_induction_head_is_not_credited_in_full():
+    from gna_lens.findings.render import _roles_status
+
+    heads = [{"head": "L18H6", "role": "gather"}, {"head": "L17H2", "role": "aggregate"}]
+    # SmolLM2's L18H6: the model's strongest induction head (prefix matching 0.915)
+    row = _roles_status("SmolLM2", heads, {"L18H6": 0.915, "L17H2": 0.02})
+    assert row["status"] == "partly" and "L18H6 0.92" in row["numbers"]
+    assert _roles_status("SmolLM2", heads, {"L18H6": 0.01})["status"] == "reproduced"

@@ -224,9 +224,14 @@ def status_rows(results: Mapping[str, Any]) -> list[dict[str, str]]:
         [(results["1"]["model"], results["1"].get("top_heads"))] if "1" in results else []
     )
     role_sources += [(r["model"], r.get("top_heads")) for r in results.get("2", [])]
-    for model, heads in role_sources:
+    induction = {
+        x["head"]: x["prefix_matching"]
+        for x in (results.get("7") or {}).get("question_induction", [])
+    }
+    for i, (model, heads) in enumerate(role_sources):
         if heads:
-            out.append(_roles_status(model, heads[:4]))
+            smollm2 = i == 0 and "1" in results
+            out.append(_roles_status(model, heads[:4], induction if smollm2 else None))
     if "1" in results and results["1"].get("masks"):
         r = results["1"]
         out.append(_mask_status(r["masks"] | {"model": r["model"], "task": "kv"}))
@@ -468,9 +473,18 @@ def _hybrid_status(r: Mapping[str, Any]) -> dict[str, str]:
     }
 
 
-def _roles_status(model: str, heads: Sequence[Mapping[str, Any]]) -> dict[str, str]:
+#: Prefix-matching score above which a head counts as an induction head (chance is about 0.01).
+INDUCTION = 0.5
+
+
+def _roles_status(
+    model: str, heads: Sequence[Mapping[str, Any]], induction: Mapping[str, float] | None = None
+) -> dict[str, str]:
     """Status of "the top heads gather and aggregate" from the pattern roles of the top heads
-    (a role needs its score above its null, see :mod:`gna_lens.scoring.patterns`).
+    (a role needs its score above its null, see :mod:`gna_lens.scoring.patterns`). Where the
+    heads' prefix-matching scores are known (``induction``) and every gather is an induction
+    head, the gather role is not credited in full: on a template that copying answers, an
+    induction head's pattern can look like gathering.
 
     Examples:
         >>> _roles_status("m", [{"head": "L1H0", "role": "gather"}, {"head": "L2H0", "role": "-"}])["status"]
@@ -482,6 +496,14 @@ def _roles_status(model: str, heads: Sequence[Mapping[str, Any]]) -> dict[str, s
     numbers = ", ".join(f"{h} {r}" for h, r in roles.items())
     base = {"claim": "The top heads gather and aggregate (their patterns)", "model": model,
             "numbers": f"top {len(heads)}: {numbers}"}  # fmt: skip
+    copying = [h for h in gather if (induction or {}).get(h, 0.0) >= INDUCTION]
+    if copying:
+        base["numbers"] += "; prefix matching " + ", ".join(
+            f"{h} {induction[h]:.2f}" for h in copying if induction
+        )
+    if gather and aggregate and len(copying) == len(gather):
+        return base | {"status": PARTLY, "why": "a gather and an aggregate pattern among them, "
+                       f"but every gather is an induction head (prefix matching >= {INDUCTION})"}  # fmt: skip
     if gather and aggregate:
         return base | {"status": REPRODUCED, "why": "a gather and an aggregate pattern among them"}
     if gather or aggregate:
@@ -619,23 +641,22 @@ def _set_control_status(model: str, k: int, ctrl: Mapping[str, Any]) -> dict[str
 # ----------------------------------------------------------------------------- seed claims
 def _summary(rows: Sequence[Mapping[str, str]]) -> tuple[str, str]:
     """One status for several rows: reproduced (or not reproduced) only when every testable row
-    says so, partly when they differ; rows that cannot test the claim count only when no row
-    can. The text lists every row's status.
+    says so, partly when they differ; rows that cannot test or cannot decide the claim (not
+    testable, inconclusive: an interval across its margin, e.g. the same set measured on fewer
+    prose windows) count only when no row decides. The text lists every row's status.
 
     Examples:
         >>> _summary([{"model": "a", "status": "reproduced"}, {"model": "b", "status": "not reproduced"}])
         ('partly', 'a: reproduced; b: not reproduced')
     """
     got = [r["status"] for r in rows]
-    testable = [x for x in got if x in (REPRODUCED, PARTLY, NOT, INCONCLUSIVE)]
+    testable = [x for x in got if x in (REPRODUCED, PARTLY, NOT)]
     if not testable:
-        status = NO_RESULT if NO_RESULT in got else got[0]
+        status = INCONCLUSIVE if INCONCLUSIVE in got else NO_RESULT if NO_RESULT in got else got[0]
     elif all(x == REPRODUCED for x in testable):
         status = REPRODUCED
     elif all(x == NOT for x in testable):
         status = NOT
-    elif not any(x in (REPRODUCED, PARTLY) for x in testable):
-        status = INCONCLUSIVE if INCONCLUSIVE in testable else NOT
     else:
         status = PARTLY
     detail = "; ".join(
