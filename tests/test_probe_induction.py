@@ -171,37 +171,18 @@ def test_refuses_more_tokens_than_the_vocabulary_and_unknown_heads():
         scores.score((5, 0))
 
 
-def _copying_oracle(sample, rng) -> bool:
-    """Copy the token after the longest earlier match of the prompt's suffix (what an ideal
-    induction head does); a copy that is not a choice's first token is a uniform guess."""
-    ids = sample.input_ids
-    n, guess = len(ids), None
-    for m in range(n - 1, 0, -1):
-        suffix = ids[n - m :]
-        starts = [i for i in range(n - m) if ids[i : i + m] == suffix]
-        if starts:
-            guess = ids[starts[-1] + m]
-            break
-    firsts = [c[0] for c in sample.choice_ids]
-    if guess is not None and firsts.count(guess) == 1:
-        return firsts.index(guess) == sample.answer_index
-    return rng.randrange(len(firsts)) == sample.answer_index
-
-
 @pytest.mark.parametrize("kind", ["word", "byte_bpe"])
 def test_a_copying_oracle_solves_the_question_template_and_guesses_on_facts(kind):
     """Issue 39: the facts template is induction-proof only while copying scores chance on it;
     a template change that lets copying work there fails here."""
-    import random
-
     from gna_lens.stats import wilson_interval
+    from gna_lens.tasks import copying_oracle
 
     tok = tokenizer(kind, False)
     kw = dict(n_pairs=6, n_samples=120, values="words", words=KEYS, seed=5)
-    rng = random.Random(0)
     question = kv_retrieval(tok, template="question", **kw)
-    assert all(_copying_oracle(s, rng) for s in question)  # 100%: copying answers it
+    assert all(copying_oracle(question))  # 100%: copying answers it
     facts = kv_retrieval(tok, template=PROOF, **kw)
-    hits = sum(_copying_oracle(s, rng) for s in facts)
+    hits = sum(copying_oracle(facts))
     acc = wilson_interval(hits, len(facts))
     assert acc.low <= facts.chance <= acc.high, (acc, facts.chance)

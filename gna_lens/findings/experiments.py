@@ -451,9 +451,16 @@ def templates_table(
                 random_draws=random_draws, seed=seed, exclude=every, progress=progress,
             )  # fmt: skip
             cells.append({"selected_on": template, "k": k} | _table(table))
+    from gna_lens.tasks import copying_oracle
+
+    oracle = {
+        name: wilson_interval(sum(copying_oracle(task, seed=seed)), len(task)).to_dict()
+        for name, task in held.items()
+    }
     return {
         "model": smollm2_label(model),
         "tops": {t: list(v) for t, v in tops.items()},
+        "copying_oracle": oracle,
         "n_eval": n_eval,
         "n_prose": n_prose,
         "random_draws": random_draws,

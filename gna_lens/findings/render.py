@@ -334,6 +334,15 @@ def _templates_section(r: Mapping[str, Any]) -> list[str]:
                 ]
             )
     tops = "; ".join(f"{t}: {' '.join(v)}" for t, v in r["tops"].items())
+    acc = r.get("copying_oracle")
+    oracle = (
+        ": a copying oracle (`gna_lens.tasks.copying_oracle`: copy the token after the longest "
+        "earlier match of the prompt's suffix) answers the held-out prompts "
+        + ", ".join(f"{t} {_pct(v)}" for t, v in acc.items())
+        + f" (chance {100 * _row(r['cells'][0], 'kv-facts')['chance']:.1f}%)"
+        if acc
+        else " (this run did not store the copying oracle's score)"
+    )
     shows = []
     for k in dict.fromkeys(c["k"] for c in r["cells"]):
         parts = []
@@ -355,11 +364,9 @@ def _templates_section(r: Mapping[str, Any]) -> list[str]:
         "",
         "The question template can be answered by copying: an induction head that finds the "
         "query's key in the dictionary and copies the token after it answers 100% of it. The "
-        "facts template cannot be (the key is not followed by its value's line continuation): a "
-        "copying oracle (copy the token after the longest earlier match of the prompt's suffix, "
-        "`tests/test_probe_induction.py`) answers 120 question prompts 100.0% [96.9, 100.0] "
-        "and 120 facts prompts 20.8% [14.5, 28.9] (chance 16.7%) on SmolLM2's tokenizer "
-        "(measured 2026-11-28). Each template's "
+        "facts template cannot be (the key is not followed by its value's line continuation)"
+        + oracle
+        + ". Each template's "
         "top heads (selected on its own prompts: finding 1's joint set, finding 7's ranking) "
         "are removed on held-out prompts of *both* templates "
         f"(n = {r['n_eval']} each) and on {r['n_prose']} held-out prose windows of 64 tokens, "

@@ -24,7 +24,14 @@ from gna_lens.tasks.control import (
     text_control,
 )
 from gna_lens.tasks.evaluate import EvalResult, evaluate
-from gna_lens.tasks.kv import KV_TEMPLATES, KVTemplate, kv_retrieval, load_words, requery
+from gna_lens.tasks.kv import (
+    KV_TEMPLATES,
+    KVTemplate,
+    copying_oracle,
+    kv_retrieval,
+    load_words,
+    requery,
+)
 from gna_lens.tasks.mc import format_question, multiple_choice
 from gna_lens.tasks.records import MCRecord, load_mmlu, load_records
 
@@ -39,6 +46,7 @@ __all__ = [
     "Task",
     "TextControl",
     "build_sample",
+    "copying_oracle",
     "evaluate",
     "format_question",
     "kv_retrieval",

@@ -27,7 +27,7 @@ from gna_lens.tasks._core import (
 )
 from gna_lens.tasks._tokens import Encoding, continuations, encode, render, tokenizer_name
 
-__all__ = ["KV_TEMPLATES", "KVTemplate", "kv_retrieval", "load_words"]
+__all__ = ["KV_TEMPLATES", "KVTemplate", "copying_oracle", "kv_retrieval", "load_words"]
 
 _MAX_TRIES = 200
 _EXAMPLES = {
@@ -539,3 +539,44 @@ def requery(task: Task, seed: int = 0) -> Task:
         info=task.info | {"requery_seed": seed},
         tokenizer=task.tokenizer,
     )
+
+
+def copying_oracle(task: Task, seed: int = 0) -> list[bool]:
+    """Per prompt, whether pure copying answers it: the answer an ideal induction head gives.
+
+    The oracle copies the token that followed the longest earlier occurrence of the prompt's
+    suffix (the latest one on ties); where that token is the first token of exactly one
+    choice it answers that choice, else it guesses uniformly (seeded). A template that an
+    induction head can answer (``"question"``) scores 100%; an induction-proof one
+    (``"facts"``) should score chance: a probe of retrieval *beyond copying* needs the latter.
+
+    Args:
+        task: A task (any choices-scored task; KV retrieval is the use).
+        seed: Seed of the guesses.
+
+    Returns:
+        One bool per prompt: the oracle's answer is the right one.
+
+    Examples:
+        >>> from gna_lens.testing import toy_gna_model, toy_gna_task
+        >>> task = toy_gna_task(toy_gna_model(), n_samples=8)  # lines "key value", query "key"
+        >>> all(copying_oracle(task))  # copying answers every prompt
+        True
+    """
+    rng = random.Random(seed)
+    out = []
+    for sample in task:
+        ids = sample.input_ids
+        n, guess = len(ids), None
+        for m in range(n - 1, 0, -1):
+            suffix = ids[n - m :]
+            starts = [i for i in range(n - m) if ids[i : i + m] == suffix]
+            if starts:
+                guess = ids[starts[-1] + m]
+                break
+        firsts = [c[0] for c in sample.choice_ids]
+        if guess is not None and firsts.count(guess) == 1:
+            out.append(firsts.index(guess) == sample.answer_index)
+        else:
+            out.append(rng.randrange(len(firsts)) == sample.answer_index)
+    return out
