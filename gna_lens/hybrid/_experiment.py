@@ -631,8 +631,16 @@ def _rank(
     info: dict[str, Any] = {}
     everything = len(report.heads)
     if report.has_control:
-        ranked = list(report.top(everything, joint=False))
-        info["criterion"] = report.criterion
+        # the joint set first (heads that keep the control within its bound removed together:
+        # the set the findings page publishes), then the per-head order for the rest
+        joint = list(report.joint_set.heads) if report.joint_set is not None else []
+        ranked = joint + [h for h in report.top(everything, joint=False) if h not in joint]
+        info["criterion"] = report.criterion + (
+            f"; the first {len(joint)} heads are the joint set (removed together within the "
+            "bound), the rest follow the per-head order"
+            if joint
+            else ""
+        )
     else:
         ranked = []
         info["criterion"] = "raw ablation effect (no control measured)"
