@@ -745,6 +745,7 @@ def set_level_comparisons(ctl: Mapping[str, Any]) -> list[dict[str, Any]]:
     """
     import torch
 
+    from gna_lens.device import HOST
     from gna_lens.stats import two_level_interval
 
     rows = [r for r in ctl.get("rows", []) if r.get("kv_correct")]
@@ -758,16 +759,16 @@ def set_level_comparisons(ctl: Mapping[str, Any]) -> list[dict[str, Any]]:
                 sets.setdefault(tuple(tuple(h) for h in r["heads"]), []).append(r)
         if not tops or not sets:
             continue
+
+        def correct(rows: list[Mapping[str, Any]], task: str) -> torch.Tensor:
+            """``[students, prompts]`` correctness, on the host."""
+            return torch.tensor(
+                [r["kv_correct"][task] for r in rows], dtype=torch.float64, device=HOST
+            )
+
         for task in tops[0]["kv_correct"]:
-            top = torch.tensor([r["kv_correct"][task] for r in tops], dtype=torch.float64)
-            rand = torch.stack(
-                [
-                    torch.tensor([r["kv_correct"][task] for r in group], dtype=torch.float64).mean(
-                        0
-                    )
-                    for group in sets.values()
-                ]
-            )  # [sets, prompts]
+            top = correct(tops, task)
+            rand = torch.stack([correct(g, task).mean(0) for g in sets.values()])  # [sets, prompts]
             diff = top.mean(0)[None] - rand
             top_mean = float(top.mean())
             at_least = sum(float(x.mean()) >= top_mean for x in rand)
