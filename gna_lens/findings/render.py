@@ -208,7 +208,7 @@ def status_rows(results: Mapping[str, Any]) -> list[dict[str, str]]:
         cloze = _row(rem, "cloze")
         c_status, _ = _flat_status(cloze)
         if status == REPRODUCED and c_status != REPRODUCED:
-            status, why = PARTLY, why + "; but cloze moves"
+            status, why = PARTLY, why + f"; but cloze is not shown flat ({c_status})"
         out.append(
             {
                 "claim": "Retrieval falls, knowledge (cloze) stays",
