@@ -6,8 +6,10 @@ Status rules (:func:`status_rows`), each stated on the page next to the table:
 - **reproduced**: the paper's claim holds on this model with 95% intervals that exclude the
   alternative (e.g. the retrieval drop's interval excludes 0, it is at least twice the drop of
   as many random heads, and retrieval reaches chance within its interval);
-- **partly**: the direction holds but not all of the claim (e.g. retrieval falls, but not to
-  chance; or attention heads aggregate, but masking them barely hurts);
+- **partly**: part of the claim holds with an effect whose interval excludes 0 (e.g. retrieval
+  falls beyond random heads, but not to chance);
+- **inconclusive**: an interval crosses the margin a claim of no effect needs, or a null effect
+  is all there is (the rules: :mod:`gna_lens.findings.rules`);
 - **not reproduced**: the model does the task and the claim fails;
 - **not testable offline**: the model does not do the task the claim needs (accuracy within
   chance's reach), or what the claim needs (a model, a benchmark) cannot be installed offline;
