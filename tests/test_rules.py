@@ -227,3 +227,12 @@ def test_a_gather_that_is_an_induction_head_is_not_credited_in_full():
     row = _roles_status("SmolLM2", heads, {"L18H6": 0.915, "L17H2": 0.02})
     assert row["status"] == "partly" and "L18H6 0.92" in row["numbers"]
     assert _roles_status("SmolLM2", heads, {"L18H6": 0.01})["status"] == "reproduced"
+
+
+def test_the_hybrid_claim_shows_the_k0_arm_or_says_it_is_missing():
+    from gna_lens.findings.render import _students_status
+
+    ctl = {"rows": [], "comparisons": [], "method": {}}
+    assert "no k = 0 student" in _students_status(None, ctl)[1]
+    ctl["rows"] = [{"name": "k=0", "kind": "none", "k": 0, "kv": {"kv-4": acc(0.25, 64)}}]
+    assert "k = 0 students (no attention head): k=0 kv-4 25.0%" in _students_status(None, ctl)[1]

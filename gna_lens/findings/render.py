@@ -833,6 +833,13 @@ def _controlled_students_status(
     pending = ctl.get("method", {}).get("pending") or []
     text = "SmolLM2 students, controlled run: " + "; ".join(arms or ["no comparison yet"])
     rows = ctl.get("rows", [])
+    none = [r for r in rows if r.get("kind") == "none" and r.get("kv")]
+    if none:
+        text += "; k = 0 students (no attention head): " + ", ".join(
+            f"{r['name']} " + " / ".join(f"{t} {_pct(v)}" for t, v in r["kv"].items()) for r in none
+        )
+    else:
+        text += "; no k = 0 student in this run"
     teacher = next((r for r in rows if r.get("kind") == "teacher"), None)
     tops = [r for r in rows if r.get("kind") == "top" and r.get("knowledge")]
     knowledge_kept = True
