@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from gna_lens.device import HOST, to_host
+from gna_lens.errors import TaskError
 from gna_lens.heads import Head, Subject, describe_head_groups, head_view
 from gna_lens.models.provenance import provenance_of
 from gna_lens.render.markdown import head_label
@@ -53,6 +54,20 @@ CARD_TASKS = ("kv-2", "kv-4", "kv-8", "kv-16", "cloze", "letter", "letter-unseen
 
 def _label(h: Head) -> str:
     return head_label(h)
+
+
+def _heads(heads: Sequence[Any]) -> list[Head]:
+    """``[(16, 0), ...]`` from tuples or labels like ``"L16H0"``."""
+    out = []
+    for h in heads:
+        if isinstance(h, str):
+            layer, _, head = h.upper().lstrip("L").partition("H")
+            if not (layer.isdigit() and head.isdigit()):
+                raise TaskError(f"heads contains {h!r}; expected labels like 'L16H0' or tuples.")
+            out.append((int(layer), int(head)))
+        else:
+            out.append((int(h[0]), int(h[1])))
+    return out
 
 
 def head_rows(report: GnaReport, heads: Sequence[Head]) -> list[dict[str, Any]]:
@@ -386,9 +401,8 @@ def second_probe(
 
     def scored(labels: Sequence[str]) -> list[dict[str, Any]]:
         out = []
-        for label in labels:
-            layer, head = (int(x) for x in label[1:].split("H"))
-            out.append({"head": label, "prefix_matching": float(induction.score((layer, head)))})
+        for label, head in zip(labels, _heads(labels), strict=True):
+            out.append({"head": label, "prefix_matching": float(induction.score(head))})
         return out
 
     return {
@@ -442,12 +456,12 @@ def templates_table(
         for t in ("question", "facts")
     }
     prose = text_control(tok, split="eval", n_sequences=n_prose)
-    every = [_head(x) for labels in tops.values() for x in labels]
+    every = _heads([x for labels in tops.values() for x in labels])
     cells = []
     for template, labels in tops.items():
         for k in ks:
             table = retrieval_vs_knowledge(
-                model, [_head(x) for x in labels[:k]], held, control=prose,
+                model, _heads(labels[:k]), held, control=prose,
                 random_draws=random_draws, seed=seed, exclude=every, progress=progress,
             )  # fmt: skip
             cells.append({"selected_on": template, "k": k} | _table(table))
@@ -466,11 +480,6 @@ def templates_table(
         "random_draws": random_draws,
         "cells": cells,
     }
-
-
-def _head(label: str) -> Head:
-    layer, head = (int(x) for x in label[1:].split("H"))
-    return (layer, head)
 
 
 # ----------------------------------------------------------------------------- zoo

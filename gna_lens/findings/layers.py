@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from gna_lens.errors import InterventionError, TaskError
-from gna_lens.findings.experiments import ZOO_ALL
+from gna_lens.findings.experiments import ZOO_ALL, _heads
 from gna_lens.heads import Head, Subject
 from gna_lens.models.provenance import provenance_of
 from gna_lens.render.markdown import head_label
@@ -567,20 +567,6 @@ def dictionary_size_curves(
 
 
 # ----------------------------------------------------------------------------- findings runs
-def _heads(heads: Sequence[Any]) -> list[Head]:
-    """``[(16, 0), ...]`` from tuples or labels like ``"L16H0"``."""
-    out = []
-    for h in heads:
-        if isinstance(h, str):
-            layer, _, head = h.upper().lstrip("L").partition("H")
-            if not (layer.isdigit() and head.isdigit()):
-                raise TaskError(f"heads contains {h!r}; expected labels like 'L16H0' or tuples.")
-            out.append((int(layer), int(head)))
-        else:
-            out.append((int(h[0]), int(h[1])))
-    return out
-
-
 def smollm2_layers(
     model: Any = None,
     heads: Sequence[Any] = (),
