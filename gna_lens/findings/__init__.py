@@ -33,6 +33,7 @@ from gna_lens.findings.experiments import (
     CARD_TASKS,
     ZOO_ALL,
     hybrid_roles,
+    k_curve,
     pattern_masks,
     second_probe,
     sharpness_and_capacity,
@@ -67,11 +68,13 @@ def run_all(
     sweep_dtype: str | None = None,
     checkpoint: Path | None = None,
 ) -> dict[str, Any]:
-    """Run every experiment (or those named in ``only``: ``"1"`` .. ``"9"``); returns the results.
+    """Run every experiment (or those named in ``only``: ``"1"`` .. ``"10"``); returns the results.
 
     6: layer pruning (gradual and individual) and dictionary-size curves; 7: the second,
     induction-proof KV probe; 8: each template's top heads removed on both templates; 9: layer
-    pruning and dictionary-size curves of SmolLM2 on the induction-proof template.
+    pruning and dictionary-size curves of SmolLM2 on the induction-proof template; 10: the top 1
+    to 16 heads of finding 1's joint walk removed on both templates (diminishing returns), and
+    finding 1's masks on the facts template.
 
     The zoo models are ranked once and the reports shared by findings 2-5.
 
@@ -113,6 +116,11 @@ def run_all(
             heads=_facts_top(results, 4),
             exclude=_top_labels(results, None) + _facts_top(results, None),
             template="facts",
+            progress=progress,
+        ),
+        "10": lambda: k_curve(
+            order=_joint_order(results),
+            masks=results.get("1", {}).get("masks"),
             progress=progress,
         ),
     }
@@ -161,6 +169,11 @@ def _top_labels(results: dict[str, Any], k: int | None) -> list[str]:
     """Finding 1's top heads as labels (the first ``k``; ``None``: all of them)."""
     heads = [h["head"] for h in results.get("1", {}).get("top_heads", [])]
     return heads if k is None else heads[:k]
+
+
+def _joint_order(results: dict[str, Any]) -> list[str]:
+    """Finding 1's joint walk, every head it accepted, as labels (best first)."""
+    return [f"L{a}H{b}" for a, b in results.get("1", {}).get("joint", {}).get("heads", [])]
 
 
 def _facts_top(results: dict[str, Any], k: int | None) -> list[str]:
@@ -294,7 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--zoo-page", default="docs/zoo.md", help="zoo page written from the cards ('' to skip)"
     )
-    parser.add_argument("--only", nargs="*", default=None, help="experiments to run (1-9)")
+    parser.add_argument("--only", nargs="*", default=None, help="experiments to run (1-10)")
     parser.add_argument(
         "--render", default=None, help="only re-render the page from a results JSON (no runs)"
     )

@@ -33,6 +33,7 @@ from gna_lens.tasks import Task, evaluate, kv_retrieval, text_control
 __all__ = [
     "ZOO_ALL",
     "hybrid_roles",
+    "k_curve",
     "metric_agreement",
     "pattern_masks",
     "rank_zoo_model",
@@ -449,12 +450,7 @@ def templates_table(
     model = model if model is not None else load_model("smollm2-135m")
     tok = model.tokenizer
     tops = dict(tops or {})
-    held = {
-        f"kv-{t}": kv_retrieval(
-            tok, n_pairs=n_pairs, n_samples=n_eval, seed=seed + 1, template=t, values="words"
-        )
-        for t in ("question", "facts")
-    }
+    held = _both_templates(tok, n_pairs=n_pairs, n_eval=n_eval, seed=seed)
     prose = text_control(tok, split="eval", n_sequences=n_prose)
     every = _heads([x for labels in tops.values() for x in labels])
     cells = []
@@ -480,6 +476,80 @@ def templates_table(
         "random_draws": random_draws,
         "cells": cells,
     }
+
+
+def _both_templates(tok: Any, *, n_pairs: int, n_eval: int, seed: int) -> dict[str, Task]:
+    """The held-out KV prompts of findings 1, 7, 8 and 10 (seed + 1) in the question and the
+    induction-proof facts template."""
+    return {
+        f"kv-{t}": kv_retrieval(
+            tok, n_pairs=n_pairs, n_samples=n_eval, seed=seed + 1, template=t, values="words"
+        )
+        for t in ("question", "facts")
+    }
+
+
+def k_curve(
+    model: Any = None,
+    order: Sequence[str] = (),
+    *,
+    ks: Sequence[int] = (1, 2, 4, 8, 12, 16),
+    masks: Mapping[str, Sequence[str]] | None = None,
+    n_eval: int = 60,
+    n_pairs: int = 6,
+    n_prose: int = 64,
+    random_draws: int = 10,
+    seed: int = 0,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Finding 10: the top 1 to ``max(ks)`` heads of ``order`` removed, on both templates.
+
+    At each ``k`` the first ``k`` heads of ``order`` (finding 1's joint walk) are removed on the
+    held-out prompts of both templates and on ``n_prose`` prose windows, against
+    ``random_draws`` layer-matched random sets (:func:`templates_table`). For the slides'
+    "diminishing returns", each prompt's answer is also read with the top ``k`` removed for every
+    ``k`` (the same prompts, so the halves compare paired): the drop of the first ``h`` heads
+    (``h = max(ks) // 2``) minus the further drop of the next ``h``, with a bootstrap interval over
+    prompts. ``masks`` (``{"gather_heads", "aggregate_heads"}`` labels, finding 1's pair) are
+    also tried on the induction-proof facts template.
+    """
+    from gna_lens.interventions import ablate_heads
+    from gna_lens.models import load_model
+
+    model = model if model is not None else load_model("smollm2-135m")
+    if len(order) < max(ks):
+        raise TaskError(
+            f"k_curve(order={list(order)!r}, ks={list(ks)}): order has fewer heads than max(ks)."
+        )
+    table = templates_table(
+        model, {"question": list(order)}, ks=ks, n_eval=n_eval, n_pairs=n_pairs,
+        n_prose=n_prose, random_draws=random_draws, seed=seed, progress=progress,
+    )  # fmt: skip
+    held = _both_templates(model.tokenizer, n_pairs=n_pairs, n_eval=n_eval, seed=seed)
+    heads = _heads(order)
+    h = max(ks) // 2
+    halves: dict[str, Any] = {}
+    for name, task in held.items():
+        correct = {0: evaluate(model, task, progress=progress).correct.to(HOST, torch.float64)}
+        for k in (h, 2 * h):
+            with ablate_heads(model, heads[:k]):
+                correct[k] = evaluate(model, task, progress=progress).correct.to(
+                    HOST, torch.float64
+                )
+        first = correct[0] - correct[h]
+        second = correct[h] - correct[2 * h]
+        halves[name] = {
+            "h": h,
+            "first": bootstrap_interval(first).to_dict(),  # type: ignore[union-attr]
+            "second": bootstrap_interval(second).to_dict(),  # type: ignore[union-attr]
+            "first_minus_second": bootstrap_interval(first - second).to_dict(),  # type: ignore[union-attr]
+        }
+    out = table | {"order": list(order), "halves": halves}
+    if masks and masks.get("gather_heads") and masks.get("aggregate_heads"):
+        out["masks_facts"] = mask_experiment(
+            model, held["kv-facts"], _heads(masks["gather_heads"]), _heads(masks["aggregate_heads"])
+        ).to_dict()
+    return out
 
 
 # ----------------------------------------------------------------------------- zoo
