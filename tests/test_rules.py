@@ -236,3 +236,42 @@ def test_the_hybrid_claim_shows_the_k0_arm_or_says_it_is_missing():
     assert "no k = 0 student" in _students_status(None, ctl)[1]
     ctl["rows"] = [{"name": "k=0", "kind": "none", "k": 0, "kv": {"kv-4": acc(0.25, 64)}}]
     assert "k = 0 students (no attention head): k=0 kv-4 25.0%" in _students_status(None, ctl)[1]
+
+
+def test_diminishing_returns_needs_the_paired_halves_to_differ():
+    from gna_lens.findings.render import render_markdown
+
+    def cell(k, vs_high):
+        row = {"task": "kv-question", "n": 60, "chance": 1 / 6, "before": acc(0.77),
+               "after": acc(0.15), "change": iv(-0.62, -0.74, -0.5),
+               "random_change": iv(-0.02, -0.06, 0.02), "vs_random": iv(-0.6, -0.72, vs_high),
+               "p_value": 1e-4}  # fmt: skip
+        return {"selected_on": "question", "k": k, "heads_label": [], "rows": [row],
+                "control": {"n": 64, "change": iv(0.05, 0.02, 0.08)}}  # fmt: skip
+
+    def r10(diff, vs_high=-0.48):
+        halves = {"h": 8, "first": iv(0.6, 0.5, 0.7), "second": iv(0.05, 0.0, 0.1),
+                  "first_minus_second": iv(*diff)}  # fmt: skip
+        return {"order": [f"L{i}H0" for i in range(16)], "n_eval": 60, "n_prose": 64,
+                "random_draws": 10, "cells": [cell(8, vs_high), cell(16, vs_high)],
+                "halves": {"kv-question": halves},
+                "masks_facts": {"gather_heads": ["L1H0"], "aggregate_heads": ["L2H0"],
+                                "baseline": acc(0.5), "kept": acc(0.48), "denied": acc(0.5),
+                                "chance": 1 / 6}}  # fmt: skip
+
+    def status(r):
+        return {x["claim"][:17]: x["status"] for x in status_rows({"10": r})}
+
+    assert status(r10((0.55, 0.4, 0.7)))["A handful of head"] == "reproduced"
+    # the point estimate says "fewer", the interval does not: inconclusive, not reproduced
+    assert status(r10((0.2, -0.05, 0.45)))["A handful of head"] == "inconclusive"
+    assert status(r10((-0.3, -0.5, -0.1)))["A handful of head"] == "not reproduced"
+    # the top 8 must beat random sets first
+    assert status(r10((0.55, 0.4, 0.7), vs_high=0.02))["A handful of head"] == "not reproduced"
+    # finding 1's masks on the facts template: denying changes nothing -> not credited
+    assert status(r10((0.55, 0.4, 0.7)))["Keeping only the "] == "not reproduced"
+    claims = {c["claim"][:20]: c["status"] for c in seed_claims({"10": r10((0.55, 0.4, 0.7))})}
+    assert claims["A handful of heads c"] == "reproduced"
+    page = render_markdown({"10": r10((0.55, 0.4, 0.7)), "seconds": {}}, "make findings")
+    assert "## 10. How many heads" in page and page.count("| question top ") == 2
+    assert "| diminishing returns |" in page

@@ -253,6 +253,8 @@ def status_rows(results: Mapping[str, Any]) -> list[dict[str, str]]:
         out.append(_probe_status(results["7"]))
     if "8" in results:
         out.extend(_templates_status(results["8"]))
+    if "10" in results:
+        out.extend(_kcurve_status(results["10"]))
     if "5" in results:
         out.append(_hybrid_status(results["5"]))
     return out
@@ -268,6 +270,9 @@ def _decided_rows(results: Mapping[str, Any]) -> list[Any]:
         rows.append(_row(rem, r["probe"]))
     for cell in (results.get("8") or {}).get("cells", []):
         rows.append(_row(cell, f"kv-{cell['selected_on']}"))
+    for cell in (results.get("10") or {}).get("cells", []):
+        if cell["k"] == (results["10"].get("halves") or {}).get("kv-question", {}).get("h"):
+            rows += list(cell["rows"])
     return rows
 
 
@@ -316,10 +321,10 @@ def _templates_status(r: Mapping[str, Any]) -> list[dict[str, str]]:
     return out
 
 
-def _templates_section(r: Mapping[str, Any]) -> list[str]:
-    """Finding 8's table: four cells per size (each template's top k on each template)."""
+def _cells_table(cells: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The removal cells of findings 8 and 10 as one table (a row per cell and template)."""
     rows = []
-    for cell in r["cells"]:
+    for cell in cells:
         ctrl = cell.get("control") or {}
         for x in cell["rows"]:
             rows.append(
@@ -335,6 +340,13 @@ def _templates_section(r: Mapping[str, Any]) -> list[str]:
                     _nats(ctrl.get("vs_random")),
                 ]
             )
+    head = ["removed", "measured on", "before", "after", "random sets' change", "vs random",
+            "p (sign flips)", "prose change (nats/token)", "prose vs random"]  # fmt: skip
+    return _md_table(head, rows)
+
+
+def _templates_section(r: Mapping[str, Any]) -> list[str]:
+    """Finding 8's table: four cells per size (each template's top k on each template)."""
     tops = "; ".join(f"{t}: {' '.join(v)}" for t, v in r["tops"].items())
     acc = r.get("copying_oracle")
     oracle = (
@@ -381,20 +393,97 @@ def _templates_section(r: Mapping[str, Any]) -> list[str]:
         "",
         *shows,
         "",
-        *_md_table(
-            [
-                "removed",
-                "measured on",
-                "before",
-                "after",
-                "random sets' change",
-                "vs random",
-                "p (sign flips)",
-                "prose change (nats/token)",
-                "prose vs random",
-            ],
-            rows,
-        ),
+        *_cells_table(r["cells"]),
+        "",
+    ]
+
+
+def _halves_text(x: Mapping[str, Any]) -> str:
+    h = x["h"]
+    return (
+        f"heads 1-{h} cost {_pts(x['first'])}, heads {h + 1}-{2 * h} a further "
+        f"{_pts(x['second'])}; difference {_pts(x['first_minus_second'])}"
+    )
+
+
+def _kcurve_status(r: Mapping[str, Any]) -> list[dict[str, str]]:
+    """Finding 10's rows: "a handful of heads, diminishing returns" on each template (the
+    question template's ranking removed), and finding 1's masks on the facts template.
+
+    Reproduced when the top ``h`` heads beat random sets of their size (:func:`_retrieval_status`
+    passes or reaches partly) and the first ``h`` heads' drop exceeds the next ``h``'s,
+    paired by prompt (the difference's interval above 0); inconclusive when that interval
+    includes 0; not reproduced when the next ``h`` cost more, or the top ``h`` do not beat
+    random sets."""
+    out = []
+    claim = "A handful of heads carries retrieval, with diminishing returns"
+    for task, x in (r.get("halves") or {}).items():
+        h = x["h"]
+        cell = next((c for c in r["cells"] if c["k"] == h), None)
+        row = _row(cell, task) if cell else None
+        template = task.removeprefix("kv-")
+        model = f"SmolLM2-135M, {template} template" + (
+            " (copying cannot answer it)" if template == "facts" else " (copying answers it)"
+        )
+        numbers = _halves_text(x) + (
+            f"; top {h} vs random {_pts(row.get('vs_random'))}" if row else ""
+        )
+        first = _retrieval_status(row)[0] if row else NOT
+        gain = effect(x["first_minus_second"])
+        if row is not None and not _does(row):
+            status, why = UNTESTABLE, "the model is at chance on this task"
+        elif first not in (REPRODUCED, PARTLY):
+            status, why = NOT, f"the top {h} do not beat random sets of {h} ({first})"
+        elif gain == "positive":
+            status = REPRODUCED
+            why = (
+                f"the top {h} beat random sets, and the next {h} heads add less (the "
+                "difference's interval, paired by prompt, lies above 0)"
+            )
+        elif gain == "negative":
+            status, why = NOT, f"the next {h} heads cost more than the first {h}"
+        else:
+            status = INCONCLUSIVE
+            why = f"the next {h} heads' added drop is not shown smaller (interval includes 0)"
+        out.append({"claim": claim, "model": model, "numbers": numbers, "status": status,
+                    "why": why, "label": f"SmolLM2 {template}"})  # fmt: skip
+    if r.get("masks_facts"):
+        out.append(_mask_status(r["masks_facts"] | {"model": "SmolLM2-135M, facts template",
+                                                    "task": "kv-facts"}))  # fmt: skip
+    return out
+
+
+def _kcurve_section(r: Mapping[str, Any]) -> list[str]:
+    """Finding 10: the k-curve table, the paired halves, the masks on the facts template."""
+    halves = [f"- {t}: {_halves_text(x)}." for t, x in (r.get("halves") or {}).items()]
+    m = r.get("masks_facts")
+    masks = (
+        [
+            f"Finding 1's masks (gathers {' '.join(m['gather_heads'])}, aggregates "
+            f"{' '.join(m['aggregate_heads'])}) on the held-out facts prompts: no mask "
+            f"{_pct(m['baseline'])}, only the G&A patterns kept {_pct(m['kept'])}, denied "
+            f"{_pct(m['denied'])} (chance {100 * m['chance']:.1f}%).",
+            "",
+        ]
+        if m
+        else []
+    )
+    ks = ", ".join(str(c["k"]) for c in r["cells"])
+    return [
+        "## 10. How many heads: the top 1 to 16 removed",
+        "",
+        f"The first k heads of finding 1's joint walk ({' '.join(r['order'])}; the walk stops "
+        f"at {len(r['order'])} heads, so the curve stops there, not at the slides' 20) are "
+        f"removed for k = {ks} on the held-out prompts of both templates (n = {r['n_eval']} "
+        f"each) and on {r['n_prose']} held-out prose windows, against {r['random_draws']} "
+        "layer-matched random sets per k (no head of the ranking). *Diminishing returns* is "
+        "read paired, prompt by prompt, on the same prompts: the accuracy the first half of "
+        "the heads removes minus what the second half removes further (bootstrap over prompts):",
+        "",
+        *halves,
+        "",
+        *masks,
+        *_cells_table(r["cells"]),
         "",
     ]
 
@@ -916,9 +1005,7 @@ SEED_CLAIMS: tuple[tuple[str, str, str], ...] = (
      "heads); finding 6's curves remove the top 4 as a set (status table: 'Removing the top heads "
      "costs more'), which tests a different claim"),
     ("A handful of heads carries retrieval, with diminishing returns past the top 10-20",
-     "slides (heads kept)", "attempted-not:no k-curve (KV accuracy and prose cost with the top 1 "
-     "to 20 heads removed, vs random sets of each size) was run; finding 1 removes k = 1, 2, 4, "
-     "8"),
+     "slides (heads kept)", "k-curve"),
     ("A Gather head condenses each segment into its last token; an Aggregate head reads those "
      "tokens at the final position", "abstract; slides (G&A patterns)", "roles"),
     ("SSMs develop G&A too: keeping only the G&A patterns keeps retrieval, denying them breaks "
@@ -979,6 +1066,7 @@ def seed_claims(
         "masks": rows("Keeping only the G&A patterns"),
         "sharpness": rows("SSM G&A heads are less sharp"),
         "hybrid": rows("In the hybrid"),
+        "k-curve": rows("A handful of heads"),
     }
     external = results.get("external", {})
     out = []
@@ -1186,6 +1274,8 @@ def render_markdown(results: Mapping[str, Any], command: str) -> str:
         lines += _probe_section(results["7"])
     if "8" in results:
         lines += _templates_section(results["8"])
+    if "10" in results:
+        lines += _kcurve_section(results["10"])
     return "\n".join(lines) + "\n"
 
 

@@ -68,6 +68,11 @@ RULES: tuple[tuple[str, str], ...] = (
         "interval below no mask's): if denying does not hurt, keeping shows nothing",
     ),
     (
+        "diminishing returns",
+        "the top h heads beat random sets of h, and the accuracy the first h remove minus what "
+        "the next h remove further, paired by prompt, has a 95% interval above 0",
+    ),
+    (
         "multiple comparisons",
         "Holm's step-down correction across each family: the layers of a pruning curve, the "
         "sizes of a dictionary curve, the p-values of the status table; p-values at the floor of "
