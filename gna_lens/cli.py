@@ -693,8 +693,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     hy.add_argument(
         "--random-draws", type=int, default=1,
-        help="random-head students per k, layer-matched to the top-k set (1; 3 or more for a "
-        "controlled comparison)",
+        help="random-head students per k and training seed, each seed with its own "
+        "layer-matched sets (1; 5 or more per seed for a controlled comparison)",
     )  # fmt: skip
     hy.add_argument(
         "--distill-data", default="default",

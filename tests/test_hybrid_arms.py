@@ -200,7 +200,8 @@ def test_seeds_data_and_draws_are_rows_that_only_splits_and_reruns_read_back(tmp
     for r in randoms:
         assert collections.Counter(layer for layer, _ in r.heads) == top_layers
         assert not top & set(r.heads)
-    assert table.method["random_matching"]["2"].startswith("3 distinct sets, same layers")
+    # 3 draws per training seed, each seed its own: 6 distinct sets drawn in one sequence
+    assert table.method["random_matching"]["2"].startswith("6 distinct sets, same layers")
     # a row of an earlier version (no seed / data / arm in the row) is read back as well
     old = json.loads((out / "rows" / "top-2.json").read_text())
     for key in ("seed", "data", "arm"):
@@ -214,7 +215,12 @@ def test_seeds_data_and_draws_are_rows_that_only_splits_and_reruns_read_back(tmp
     seed1 = [r for r in table.rows if r.seed == 1]
     assert len(seed1) == 10 and all(" seed=1" in r.name for r in seed1)
     assert table.row("top-2").seed == 0 and table.row("top-2").arm == "top-2"
-    assert table.row("random-2 #2 seed=1 data=no-kv").heads == table.row("random-2 #2").heads
+    # seed 1's random sets are not seed 0's: 6 distinct sets per data arm, layer-matched
+    sets = {r.heads for r in table.rows if r.kind == "random" and r.data == "no-kv"}
+    assert len(sets) == 6 and table.row("random-2 #2 seed=1").heads not in {
+        table.row(f"random-2{d}").heads for d in ("", " #2", " #3")
+    }
+    assert table.row("random-2 #2 seed=1 data=no-kv").heads == table.row("random-2 #2 seed=1").heads
     files = {p.name for p in (out / "rows").glob("*.json")}
     assert {
         "top-2.json",
@@ -236,7 +242,9 @@ def test_seeds_data_and_draws_are_rows_that_only_splits_and_reruns_read_back(tmp
     assert third.calls == [] and [r.name for r in again.rows] == [r.name for r in table.rows]
     # comparisons: per data; against the mean of every random student, per prompt
     comps = {(c["data"], c["task"]): c for c in again.comparisons()}
-    assert set(comps) == {(d, t) for d in ("default", "no-kv") for t in ("kv-2", "kv-4")}
+    # each size in the question template and in the induction-proof facts template
+    tasks = ("kv-2", "kv-4", "kv-2-facts", "kv-4-facts")
+    assert set(comps) == {(d, t) for d in ("default", "no-kv") for t in tasks}
     c = comps[("default", "kv-4")]
     rows = [r for r in again.rows if r.data == "default"]
     tops = torch.tensor([r.kv_correct["kv-4"] for r in rows if r.kind == "top"]).double()
@@ -251,6 +259,21 @@ def test_seeds_data_and_draws_are_rows_that_only_splits_and_reruns_read_back(tmp
     )
     assert again.method["controlled"] is True  # 2 seeds, a no-kv arm, 3 random, same layers
     assert "vs mean" in again.to_markdown() and "per seed: seed 0" in again.to_markdown()
+    # a row measured before a task was added: kept without it unless asked to train it again
+    stale = json.loads((out / "rows" / "top-2.json").read_text())
+    for key in ("kv", "kv_correct"):
+        stale["row"][key].pop("kv-4-facts")
+    (out / "rows" / "top-2.json").write_text(json.dumps(stale))
+    fourth = _StubDistill()
+    kept = _run(teacher, out, fourth, monkeypatch, only="k=0", **arms)
+    assert fourth.calls == [] and kept.method["unmeasured"] == {"top-2": ["kv-4-facts"]}
+    assert "not measured" in kept.to_markdown().split("top-2 |", 1)[1].split("\n", 1)[0]
+    c = {(c["data"], c["task"]): c for c in kept.comparisons()}[("default", "kv-4-facts")]
+    assert c["seeds"] == [1]  # the comparison reads the students that measured the task
+    fifth = _StubDistill()
+    again = _run(teacher, out, fifth, monkeypatch, only="top-2 seed=0 data=default", **arms)
+    assert [c["seed"] for c in fifth.calls] == [0] and "unmeasured" not in again.method
+    assert "kv-4-facts" in again.row("top-2").kv
 
 
 def test_an_only_entry_that_selects_no_row_is_refused(tmp_path, monkeypatch):

@@ -857,9 +857,15 @@ def set_level_comparisons(ctl: Mapping[str, Any]) -> list[dict[str, Any]]:
                 [r["kv_correct"][task] for r in rows], dtype=torch.float64, device=HOST
             )
 
-        for task in tops[0]["kv_correct"]:
-            top = correct(tops, task)
-            rand = torch.stack([correct(g, task).mean(0) for g in sets.values()])  # [sets, prompts]
+        # a task added later is measured by the students trained since: each task on its own
+        for task in dict.fromkeys(t for r in tops for t in r["kv_correct"]):
+            tops_t = [r for r in tops if task in r["kv_correct"]]
+            groups = [[r for r in g if task in r["kv_correct"]] for g in sets.values()]
+            groups = [g for g in groups if g]
+            if not groups:
+                continue
+            top = correct(tops_t, task)
+            rand = torch.stack([correct(g, task).mean(0) for g in groups])  # [sets, prompts]
             diff = top.mean(0)[None] - rand
             top_mean = float(top.mean())
             at_least = sum(float(x.mean()) >= top_mean for x in rand)
@@ -868,11 +874,11 @@ def set_level_comparisons(ctl: Mapping[str, Any]) -> list[dict[str, Any]]:
                     "data": data,
                     "task": task,
                     "k": tops[0]["k"],
-                    "n_sets": len(sets),
-                    "seeds": sorted({r.get("seed", 0) for r in arm}),
+                    "n_sets": len(groups),
+                    "seeds": sorted({r.get("seed", 0) for g in [tops_t, *groups] for r in g}),
                     "vs_random": two_level_interval(diff).to_dict(),
-                    "p_set": (1 + at_least) / (len(sets) + 1),
-                    "p_floor": 1 / (len(sets) + 1),
+                    "p_set": (1 + at_least) / (len(groups) + 1),
+                    "p_floor": 1 / (len(groups) + 1),
                 }
             )
     return out
@@ -895,7 +901,7 @@ def _controlled_students_status(
             n = group[0]["n_sets"]
             sizes = ", ".join(
                 f"{c['task']} {_pts(c['vs_random'])} (set-level p = {c['p_set']:.2g}, floor "
-                f"{c['p_floor']:.2g})"
+                f"{c['p_floor']:.2g}" + (f"; {c['n_sets']} sets" if c["n_sets"] != n else "") + ")"
                 for c in group
             )
             significant &= all(c["p_set"] < 0.05 for c in group)

@@ -264,12 +264,16 @@ class HybridTable:
         students = [r for r in self.rows if r.kind != "teacher"]
         for data in dict.fromkeys(r.data for r in students):
             group = [r for r in students if r.data == data]
-            base = [r for r in group if r.kind == "none"]
             for k in sorted({r.k for r in group if r.kind == "top"}):
-                tops = [r for r in group if r.kind == "top" and r.k == k]
-                rand = [r for r in group if r.kind == "random" and r.k == k]
-                seeds = sorted({r.seed for r in tops})
                 for t in self.kv_tasks:
+                    # rows measured before a task was added have no cell for it
+                    measured = [r for r in group if t in r.kv]
+                    base = [r for r in measured if r.kind == "none"]
+                    tops = [r for r in measured if r.kind == "top" and r.k == k]
+                    rand = [r for r in measured if r.kind == "random" and r.k == k]
+                    seeds = sorted({r.seed for r in tops})
+                    if not tops:
+                        continue
                     entry: dict[str, Any] = {
                         "k": k,
                         "task": t,
@@ -556,6 +560,16 @@ def _tasks(
             except TaskError:
                 task = kv_retrieval(tok, values="words", **kw)
         kv[f"kv-{n}"] = _disjoint(task, selection)
+    # the induction-proof template: copying the token after the key cannot answer it
+    for n in kv_pairs:
+        try:
+            facts = kv_retrieval(
+                tok, values="words", template="facts", n_pairs=n, n_samples=n_eval,
+                seed=EVAL_KV_SEED + n,
+            )  # fmt: skip
+            kv[f"kv-{n}-facts"] = _disjoint(facts, selection)
+        except TaskError as err:
+            notes[f"kv-{n}-facts"] = f"facts template not measured: {str(err)[:160]}"
     prose = None
     try:
         prose = text_control(tok, split="eval", n_sequences=prose_windows, seq_len=prose_len)
@@ -588,7 +602,9 @@ def _tasks(
     )
     method["held_out"] = (
         f"KV retrieval, {template} template, {values_used} values, {n_eval} prompts per size, "
-        f"seed {EVAL_KV_SEED} + n_pairs (selection prompts dropped)"
+        f"seed {EVAL_KV_SEED} + n_pairs (selection prompts dropped); the same sizes and seeds in "
+        "the induction-proof facts template (kv-n-facts, word values: copying the token after "
+        "the key cannot answer it)"
     )
     if prose is not None:
         method["prose"] = prose.describe()
@@ -873,9 +889,12 @@ def run_experiment(
     ranking's top ``max(keep)``), and one student for ``k = 0``; each built by
     :func:`~gna_lens.hybrid.build_hybrid` and distilled by :func:`~gna_lens.hybrid.distill`
     with the same budget, once per training seed of ``seeds`` and per distillation data of
-    ``distill_data``. The ranking and the random head sets do not depend on the training seed.
-    Every student and the teacher are measured on held-out KV retrieval at each dictionary
-    size, the held-out prose and a knowledge task (module docstring), with recurrent-state
+    ``distill_data``. The ranking does not depend on the training seed; the random head sets
+    do: each training seed gets ``random_draws`` sets of its own (all distinct), so that the
+    random baseline covers ``random_draws x len(seeds)`` head sets. Every student and the
+    teacher are measured on held-out KV retrieval at each dictionary size (in the experiment's
+    template and, for a teacher with a tokenizer of words, the induction-proof facts template),
+    the held-out prose and a knowledge task (module docstring), with recurrent-state
     and KV-cache bytes at ``lengths``.
 
     Rows are named ``"top-8"``, ``"random-8 #2"``, ``"k=0"``, followed by ``" seed=1"`` for a
@@ -905,8 +924,9 @@ def run_experiment(
         seeds: Training seeds: each student is distilled once per seed (the distillation
             data's seed, the SSM heads' initialization and the data order); ``None``:
             ``(seed,)``.
-        random_draws: Random-head students per ``k > 0`` (default 1; 3 or more for a
-            controlled comparison: one random set can be lucky or unlucky).
+        random_draws: Random-head students per ``k > 0`` and training seed, each with its own
+            head set (default 1; 5 or more per seed for a controlled comparison: one random
+            set can be lucky or unlucky, and the set-level p-value's floor is 1 / (sets + 1)).
         distill_data: The distillation data, one choice or several of
             :data:`~gna_lens.hybrid.DISTILL_DATA`: ``"default"`` (KV texts in the paper's and
             the question template, prose, MMLU) or ``"no-kv"`` (prose and MMLU only: no text
@@ -1115,35 +1135,43 @@ def run_experiment(
                 encoding="utf-8",
             )
     seconds["ranking"] = float(rank_info.get("seconds", 0.0))
-    arms: list[tuple[str, str, int, list[Head]]] = []
+    # per training seed: k = 0, then per k the top-k set and that seed's own random draws
+    arms: dict[int, list[tuple[str, str, int, list[Head]]]] = {s: [] for s in seed_list}
     matching: dict[int, Any] = {}
     for k in ks:
         if k == 0:
-            arms.append(("k=0", "none", 0, []))
+            for s in seed_list:
+                arms[s].append(("k=0", "none", 0, []))
             continue
         top = sorted(ranking[:k])
-        arms.append((f"top-{k}", "top", k, top))
+        for s in seed_list:
+            arms[s].append((f"top-{k}", "top", k, top))
         if random_draws:
             from gna_lens.heads import head_view
             from gna_lens.scoring import matched_random_sets
 
-            # as many heads per layer as the top-k set, none of the ranking's top max(keep)
+            # as many heads per layer as the top-k set, none of the ranking's top max(keep);
+            # distinct sets, random_draws per training seed (the first seed's are the draws a
+            # one-seed run makes: the sets are drawn in one sequence)
             drawn = matched_random_sets(
-                head_view(teacher), top, random_draws, seed=1000 * seed + k,
+                head_view(teacher), top, random_draws * len(seed_list), seed=1000 * seed + k,
                 exclude=ranking[: max(ks)],
             )  # fmt: skip
             matching[k] = drawn
-            for d, chosen in enumerate(drawn.sets):
-                arms.append(
-                    (f"random-{k}" + (f" #{d + 1}" if d else ""), "random", k, list(chosen))
-                )
-    plan = [(choice, s, arm) for choice in choices for s in seed_list for arm in arms]
+            for i, s in enumerate(seed_list):
+                mine = drawn.sets[i * random_draws : (i + 1) * random_draws]
+                for d, chosen in enumerate(mine):
+                    arms[s].append(
+                        (f"random-{k}" + (f" #{d + 1}" if d else ""), "random", k, list(chosen))
+                    )
+    plan = [(choice, s, arm) for choice in choices for s in seed_list for arm in arms[s]]
     rows: list[HybridRow] = []
     # The teacher's row depends on the evaluation settings only (read back under other budgets).
     teacher_key = {
         key: settings[key] for key in ("teacher", "seed", "n_eval", "kv_pairs", "control")
     } | {
         "kv_template": str(kv_template),
+        "kv_tasks": list(evals.kv),
         "n_knowledge": n_knowledge,
         "prose_windows": prose_windows,
         "prose_len": prose_len,
@@ -1173,6 +1201,7 @@ def run_experiment(
     seconds["teacher"] = rows[0].seconds
     twin = teacher_twin(teacher)
     pending: list[str] = []
+    unmeasured: dict[str, list[str]] = {}
     for choice, train_seed, (arm, kind, k, heads) in plan:
         label = (
             arm
@@ -1190,15 +1219,24 @@ def run_experiment(
             fingerprint["train_seed"] = train_seed
         if choice != "default":
             fingerprint["distill_data"] = choice
+        selected = selectors is None or _selected(selectors, arm, train_seed, choice)
         if row_file is not None and resume and row_file.is_file():
             saved = json.loads(row_file.read_text(encoding="utf-8"))
             if saved.get("fingerprint") == fingerprint:
                 back = HybridRow.from_dict(saved["row"])
-                rows.append(replace(back, name=label, seed=train_seed, data=choice, arm=arm))
-                seconds[label] = rows[-1].seconds
-                say(f"{label}: read back from {row_file}")
-                continue
-        if selectors is not None and not _selected(selectors, arm, train_seed, choice):
+                missing = [t for t in evals.kv if t not in back.kv]
+                # a row measured before a task was added: kept as it is (its cells for the
+                # task empty) unless this run is asked to train it again
+                if not missing or not selected:
+                    rows.append(replace(back, name=label, seed=train_seed, data=choice, arm=arm))
+                    seconds[label] = rows[-1].seconds
+                    if missing:
+                        unmeasured[label] = missing
+                    say(f"{label}: read back from {row_file}" + (
+                        f" (not measured on {', '.join(missing)})" if missing else ""))  # fmt: skip
+                    continue
+                say(f"{label}: trained again: its row lacks {', '.join(missing)}")
+        if not selected:
             pending.append(label)
             say(f"{label}: not selected by only=; left for another run")
             continue
@@ -1292,9 +1330,10 @@ def run_experiment(
         },
         "stages": list(stages),
         "student": f"d_state {d_state}, head layout {head_layout!r}, SSM heads initialized from the teacher's q/k/v (build_hybrid seed = the training seed)",
-        "random_heads": f"{random_draws} draw(s) per k, layer-matched to the top-k set "
-        f"(matched_random_sets, seed 1000 * {seed} + k), never a head of the ranking's top "
-        f"{max(ks)}, the same sets for every training seed"
+        "random_heads": f"{random_draws} draw(s) per k and training seed, layer-matched to the "
+        f"top-k set (matched_random_sets, seed 1000 * {seed} + k, {random_draws} x "
+        f"{len(seed_list)} distinct sets drawn in one sequence, training seed i taking the i-th "
+        f"block of {random_draws}), never a head of the ranking's top {max(ks)}"
         + "".join(f"; k={k}: {v.describe()}" for k, v in matching.items()),
         "random_matching": {str(k): v.describe() for k, v in matching.items()},
         "seeds": f"selection {SELECTION_SEED}; held-out KV {EVAL_KV_SEED} + n; training seeds "
@@ -1315,6 +1354,8 @@ def run_experiment(
         method["only"] = _only_entries(only)
     if pending:
         method["pending"] = pending
+    if unmeasured:
+        method["unmeasured"] = unmeasured
     table = HybridTable(
         teacher=name,
         rows=tuple(rows),

@@ -274,7 +274,10 @@ def hybrid_markdown(table: Any) -> str:
     for r in table.rows:
         cells = [r.name, "all" if r.kind == "teacher" else str(r.k)]
         cells.append("all" if r.kind == "teacher" else heads_text(r.heads))
-        cells += [r.kv[t].format(percent=True).replace("%", "") for t in table.kv_tasks]
+        cells += [
+            r.kv[t].format(percent=True).replace("%", "") if t in r.kv else "not measured"
+            for t in table.kv_tasks
+        ]
         cells.append(r.prose.format() if r.prose else "n/a")
         cells.append(r.knowledge.format(percent=True).replace("%", "") if r.knowledge else "n/a")
         cells += [
@@ -364,7 +367,7 @@ def hybrid_markdown(table: Any) -> str:
     for key in (
         "teacher", "ranking", "selection", "held_out", "knowledge", "prose", "distillation",
         "budget", "data", "stages", "student", "random_heads", "seeds", "controls", "only",
-        "pending", "machine", "versions",
+        "pending", "unmeasured", "machine", "versions",
     ):  # fmt: skip
         if key in m:
             lines.append(f"- {key.replace('_', ' ')}: {m[key]}")

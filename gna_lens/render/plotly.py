@@ -631,7 +631,7 @@ def hybrid_figure(table: Any) -> Any:
     colors = {"top": "#1f77b4", "random": "#d62728"}
     for i, t in enumerate(table.kv_tasks, start=1):
         for kind in ("top", "random"):
-            rows = hybrid_curve_rows(table, kind)
+            rows = [r for r in hybrid_curve_rows(table, kind) if t in r.kv]
             fig.add_trace(
                 go.Scatter(
                     x=[r.k for r in rows],
@@ -651,7 +651,7 @@ def hybrid_figure(table: Any) -> Any:
                 col=i,
             )
         teacher = next((r for r in table.rows if r.kind == "teacher"), None)
-        if teacher is not None:
+        if teacher is not None and t in teacher.kv:
             fig.add_hline(
                 y=100 * teacher.kv[t].value, line_dash="dash", line_color="gray", row=1, col=i
             )

@@ -270,7 +270,7 @@ def hybrid_svg(table: Any, panel: int = 240, height: int = 300) -> str:
         for k in ks:
             out.append(f'<text x="{x(k):.1f}" y="{top + h + 14}" text-anchor="middle">{k}</text>')
         teacher = next((r for r in table.rows if r.kind == "teacher"), None)
-        if teacher is not None:
+        if teacher is not None and t in teacher.kv:
             v = teacher.kv[t].value
             out.append(
                 f'<line x1="{x0}" x2="{x0 + panel}" y1="{y(v):.1f}" y2="{y(v):.1f}" '
@@ -283,7 +283,7 @@ def hybrid_svg(table: Any, panel: int = 240, height: int = 300) -> str:
                 'stroke="black" stroke-dasharray="2 3"/>'
             )
         for kind, col, dx in (("top", "#1f77b4", -3), ("random", "#d62728", 3)):
-            rows = hybrid_curve_rows(table, kind)
+            rows = [r for r in hybrid_curve_rows(table, kind) if t in r.kv]
             pts = " ".join(f"{x(r.k) + dx:.1f},{y(r.kv[t].value):.1f}" for r in rows)
             out.append(f'<polyline points="{pts}" fill="none" stroke="{col}" stroke-width="1.5"/>')
             for r in rows:
