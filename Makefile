@@ -54,9 +54,10 @@ typecheck: $(STAMP)
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -q -d site
 
-# Runs every tutorial notebook top to bottom (offline, packaged models; a few minutes each at most).
+# Runs every tutorial notebook top to bottom (offline, packaged models; a few minutes each at most),
+# two notebooks at a time (pytest-xdist; CI sets OMP_NUM_THREADS=1: one core each).
 tutorials: $(STAMP)
-	$(PY) -m pytest -q --nbmake --nbmake-timeout=300 tutorials/
+	$(PY) -m pytest -q -n 2 --nbmake --nbmake-timeout=300 tutorials/
 
 # Re-measure docs/findings.md and docs/zoo.md on SmolLM2-135M and the zoo (the page states its run time).
 findings: $(STAMP)

@@ -628,7 +628,11 @@ class _Run:
 
     def label(self, lo: int, hi: int) -> str:
         cells = self.sweep.cells[lo:hi]
-        names = [heads_label(c, "+") for c in cells]
+        # head cells are tuples of heads; layer, hook and patching cells carry their label
+        names = [
+            heads_label(c, "+") if isinstance(c, tuple) else (c.label or f"cell at layer {c.start}")
+            for c in cells
+        ]
         return names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]} ({len(names)} cells)"
 
     def cells_left(self) -> str:

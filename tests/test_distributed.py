@@ -301,3 +301,18 @@ def test_layer_sweep_shards_task_and_control_with_the_same_numbers(llama, pool, 
     assert "control_executor" in sharded.method
     for key in ("mean_over", "control_mean_over") if mode == "mean" else ():
         assert sharded.method[key] == local.method[key]
+
+
+def test_too_many_failures_in_a_layer_sweep_name_the_layer_cells_left(llama, pool):
+    """Layer cells are not head sets: the message names them by their label (it raised a
+    TypeError instead of the message when a layer sweep's worker failed)."""
+    model, task = llama
+    _arm(pool, model)
+    pool.max_restarts = 0
+    try:
+        with pytest.raises(WorkerError) as err:
+            layer_sweep(model, task, "logit_diff", max_rows=2, progress=False, executor=pool)
+    finally:
+        pool.max_restarts = 3
+    msg = str(err.value)
+    assert "max_restarts=0" in msg and re.search(r"cells not done: \d+ of 4 cells", msg), msg
