@@ -422,18 +422,18 @@ def _kcurve_status(r: Mapping[str, Any]) -> list[dict[str, str]]:
         cell = next((c for c in r["cells"] if c["k"] == h), None)
         row = _row(cell, task) if cell else None
         template = task.removeprefix("kv-")
-        model = f"SmolLM2-135M, {template} template" + (
+        model = f"SmolLM2-135M, the question ranking on the {template} template" + (
             " (copying cannot answer it)" if template == "facts" else " (copying answers it)"
         )
         numbers = _halves_text(x) + (
             f"; top {h} vs random {_pts(row.get('vs_random'))}" if row else ""
         )
-        first = _retrieval_status(row)[0] if row else NOT
+        first, first_why = _retrieval_status(row) if row else (NOT, "no cell of that size")
         gain = effect(x["first_minus_second"])
         if row is not None and not _does(row):
             status, why = UNTESTABLE, "the model is at chance on this task"
         elif first not in (REPRODUCED, PARTLY):
-            status, why = NOT, f"the top {h} do not beat random sets of {h} ({first})"
+            status, why = NOT, f"the top {h} do not beat random sets of {h}: {first_why}"
         elif gain == "positive":
             status = REPRODUCED
             why = (
@@ -476,7 +476,9 @@ def _kcurve_section(r: Mapping[str, Any]) -> list[str]:
         f"at {len(r['order'])} heads, so the curve stops there, not at the slides' 20) are "
         f"removed for k = {ks} on the held-out prompts of both templates (n = {r['n_eval']} "
         f"each) and on {r['n_prose']} held-out prose windows, against {r['random_draws']} "
-        "layer-matched random sets per k (no head of the ranking). *Diminishing returns* is "
+        "layer-matched random sets per k that contain no head of this order (finding 8's "
+        "also leave out the facts ranking's heads, so its top-4 and top-8 cells drew other "
+        "random sets). *Diminishing returns* is "
         "read paired, prompt by prompt, on the same prompts: the accuracy the first half of "
         "the heads removes minus what the second half removes further (bootstrap over prompts):",
         "",
@@ -500,7 +502,8 @@ def _mask_status(r: Mapping[str, Any]) -> dict[str, str]:
                 "why": "the model is at chance on this task"}  # fmt: skip
     if "gather_heads" in r and not r["gather_heads"] and not r.get("aggregate_heads"):
         return {"claim": claim, "model": r["model"], "numbers": numbers, "status": NO_RESULT,
-                "why": "no candidate heads to mask"}  # fmt: skip
+                "why": "no candidate pair to mask: no gather candidate sits in a layer below an "
+                "aggregate candidate (pair_candidates)"}  # fmt: skip
     if base["value"] == kept["value"] == denied["value"]:
         return {"claim": claim, "model": r["model"], "numbers": numbers, "status": NO_RESULT,
                 "why": "kept, denied and no mask give the same accuracy: the masks changed no "
