@@ -311,7 +311,9 @@ def test_too_many_failures_in_a_layer_sweep_name_the_layer_cells_left(llama, poo
     pool.max_restarts = 0
     try:
         with pytest.raises(WorkerError) as err:
-            layer_sweep(model, task, "logit_diff", max_rows=2, progress=False, executor=pool)
+            layer_sweep(
+                model, task, "logit_diff", control=None, max_rows=2, progress=False, executor=pool
+            )
     finally:
         pool.max_restarts = 3
     msg = str(err.value)
