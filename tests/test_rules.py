@@ -275,3 +275,30 @@ def test_diminishing_returns_needs_the_paired_halves_to_differ():
     page = render_markdown({"10": r10((0.55, 0.4, 0.7)), "seconds": {}}, "make findings")
     assert "## 10. How many heads" in page and page.count("| question top ") == 2
     assert "| diminishing returns |" in page
+
+
+def test_students_at_chance_on_the_facts_template_recover_only_copying():
+    """A top-k student that retrieves on the question template (copying answers it) but sits at
+    chance on the facts template, where the teacher does not, has not recovered the teacher's
+    retrieval: the claim cannot be reproduced, and the row says why."""
+    from gna_lens.findings.render import _students_status
+
+    def row(kind, heads, seed, correct, kv):
+        return {"name": f"{kind}{heads}{seed}", "kind": kind, "k": 1, "heads": [[0, heads]],
+                "seed": seed, "data": "default", "kv_correct": {"kv-4": correct}, "kv": kv}  # fmt: skip
+
+    good, bad = [1] * 40, [0] * 40
+    top_kv = {"kv-4": acc(1.0, 40), "kv-4-facts": acc(0.22, 64)}
+    rows = [row("top", 9, s, good, top_kv) for s in (0, 1)]
+    rows += [row("random", h, s, bad, {"kv-4": acc(0.0, 40)}) for h in range(1, 21) for s in (0, 1)]
+    rows.append({"name": "teacher", "kind": "teacher", "kv": {"kv-4": acc(0.83, 64),
+                 "kv-4-facts": acc(0.55, 64)}})  # fmt: skip
+    ctl = {"rows": rows, "comparisons": [], "method": {}, "kv_tasks": ["kv-4", "kv-4-facts"],
+           "chance": {"kv-4": 0.25, "kv-4-facts": 0.25}}  # fmt: skip
+    status, why = _students_status(None, ctl)
+    assert status == "partly" and "what copying does" in why, why
+    assert "teacher kv-4-facts 55.0% [" in why
+    # the same students above chance on the facts template: nothing holds the claim back
+    for r in rows[:2]:
+        r["kv"] = {"kv-4": acc(1.0, 40), "kv-4-facts": acc(0.6, 64)}
+    assert _students_status(None, ctl)[0] == "reproduced"

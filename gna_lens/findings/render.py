@@ -966,6 +966,31 @@ def _controlled_students_status(
             + ", ".join(f"{r['name']} {_pct(r['knowledge'])}" for r in tops)
             + why
         )
+    copying_only = False
+    facts = [t for t in ctl.get("kv_tasks") or [] if t.endswith("-facts")]
+    if teacher and facts:
+        chance = ctl.get("chance") or {}
+        measured = [
+            r for r in rows if r.get("kind") == "top" and all(t in r.get("kv", {}) for t in facts)
+        ]
+        text += "; facts template (copying cannot answer it): teacher " + " / ".join(
+            f"{t} {_pct(teacher['kv'][t])}" for t in facts if t in teacher.get("kv", {})
+        )
+        if measured:
+            text += ", top-k students " + ", ".join(
+                f"{r['name']} " + " / ".join(_pct(r["kv"][t]) for t in facts) for r in measured
+            )
+            above = [t for t in facts if teacher["kv"][t]["low"] > chance.get(t, 0.0)]
+            copying_only = bool(above) and all(
+                r["kv"][t]["low"] <= chance.get(t, 0.0) for r in measured for t in above
+            )
+            if copying_only:
+                text += (
+                    " (each of these students' intervals reaches chance where the teacher's lies "
+                    "above it: the retrieval the students recover is what copying does)"
+                )
+        else:
+            text += "; no top-k student measured on it yet"
     if pending:
         text += f"; not distilled yet: {', '.join(pending)}"
     if first and not any(c["data"] == "default" for c in comps):
@@ -983,6 +1008,7 @@ def _controlled_students_status(
         all(v == "all" for v in verdicts)
         and not pending
         and knowledge_kept
+        and not copying_only
         and (significant or not sets)
     ):
         return REPRODUCED, text
