@@ -484,7 +484,10 @@ def test_the_hybrid_command_runs_end_to_end_and_writes_the_table(tmp_path, capsy
     assert names == ["teacher", "k=0", "top-2", "random-2"]
     top2 = data["rows"][2]
     assert [tuple(h) for h in top2["heads"]] == sorted(tuple(h) for h in data["ranking"][:2])
-    assert set(top2["kv"]) == {"kv-2", "kv-4"} and top2["kv"]["kv-2"]["method"] == "wilson"
+    # each size in the question template and the induction-proof facts template
+    tasks = {"kv-2", "kv-4", "kv-2-facts", "kv-4-facts"}
+    assert set(top2["kv"]) == tasks and top2["kv"]["kv-2"]["method"] == "wilson"
+    assert "facts template" in data["method"]["held_out"]
     assert (
         top2["state"]["4096"]["kv_cache_bytes"]
         > 0
@@ -496,7 +499,7 @@ def test_the_hybrid_command_runs_end_to_end_and_writes_the_table(tmp_path, capsy
         assert key in method, key
     assert "local folder" in method["teacher"] and "prose" in method["notes"]
     comp = {c["task"]: c for c in data["comparisons"]}
-    assert set(comp) == {"kv-2", "kv-4"} and comp["kv-2"]["k"] == 2
+    assert set(comp) == tasks and comp["kv-2"]["k"] == 2
     paired = comp["kv-2"]["paired_random"]  # over the same held-out prompts
     top_c, rand_c = (torch.tensor(data["rows"][i]["kv_correct"]["kv-2"]) for i in (2, 3))
     assert paired["value"] == pytest.approx(float((top_c - rand_c).double().mean()))
