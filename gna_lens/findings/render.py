@@ -930,7 +930,7 @@ def _controlled_students_status(
         )
     pending = ctl.get("method", {}).get("pending") or []
     text = "SmolLM2 students, controlled run: " + "; ".join(arms or ["no comparison yet"])
-    if "joint set" not in str(ctl.get("method", {}).get("ranking", "")):
+    if "heads are the joint set" not in str(ctl.get("method", {}).get("ranking", "")):
         text += (
             "; the top-k students keep the per-head top k, not the joint set (this run's "
             "ranking predates the joint walk; the joint set would change every student)"
