@@ -7,13 +7,14 @@ import argparse
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from gna_lens.device import DevicePolicy
 from gna_lens.runtime import choose_threads
+from gna_lens.testing import ARCHITECTURES
 
 __all__ = ["main"]
 
@@ -66,32 +67,37 @@ def _scan(args: argparse.Namespace) -> int:
     name = args.model or DEFAULT_SCAN_MODEL
     command = "gna-lens " + " ".join(sys.argv[1:] if args.argv is None else args.argv)
     progress = not args.json
-    threads, why = scan_threads(args.threads)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
     is_zoo = name.startswith("zoo-")
     control = None if args.control == "none" else args.control
-    if control not in (None, "prose"):
+    if control not in (None, "prose", "auto"):
         from pathlib import Path
 
         path = Path(control)
         if not path.is_file():
             print(
-                f"gna-lens scan: error: --control {control!r}; expected 'prose', 'none' or a "
+                f"gna-lens scan: error: --control {control!r}; expected 'auto', 'prose', 'none' or a "
                 "UTF-8 text file whose prose is the control.",
                 file=sys.stderr,
             )
             return 2
         control = path.read_text(encoding="utf-8")
+    if is_zoo and args.task not in ("kv", "mc"):
+        print(
+            f"gna-lens scan: error: --task {args.task!r} on the zoo model {name}; expected 'kv' "
+            "(the zoo's kv-8 split) or 'mc' (its letter split): zoo models are scanned on their "
+            "own splits.",
+            file=sys.stderr,
+        )
+        return 2
+    if not _prepare_out(args.out, "scan"):
+        return 2
+    threads, why = scan_threads(args.threads)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
     executor = None
     if args.workers is not None or args.ray_address is not None:
         from gna_lens.distributed import RayExecutor
 
-        if args.workers is not None and args.workers < 1:
-            print(
-                f"gna-lens scan: error: --workers {args.workers}; expected >= 1.", file=sys.stderr
-            )
-            return 2
         # Each worker loads the model by the name it was loaded with here (its provenance).
         executor = RayExecutor(
             workers=args.workers, address=args.ray_address, threads_per_worker=args.threads
@@ -126,6 +132,7 @@ def _scan(args: argparse.Namespace) -> int:
             name=name,
             progress=progress,
             executor=executor,
+            force=args.force,
         )
     except (GnaLensError, OSError) as err:
         print(f"gna-lens scan: error: {err}", file=sys.stderr)
@@ -285,6 +292,8 @@ def _evaluate(args: argparse.Namespace) -> int:
         )
         return 2
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if not _prepare_out(args.out, "evaluate"):
+        return 2
     threads, why = scan_threads(args.threads)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -337,7 +346,7 @@ def _evaluate(args: argparse.Namespace) -> int:
 
 def _device_flags(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument(
-        "--device", default="auto",
+        "--device", default="auto", type=device_arg,
         help=f"where {what} runs: auto (CUDA where torch sees one, else the CPU), cpu, cuda, "
         "cuda:N",
     )  # fmt: skip
@@ -378,12 +387,18 @@ def _hybrid(args: argparse.Namespace) -> int:
     budget: Any = args.budget.strip()
     if budget.replace("_", "").isdigit():
         budget = int(budget.replace("_", ""))
+    try:
+        parse_budget(budget, where="--budget")
+    except GnaLensError as err:
+        print(f"gna-lens hybrid: error: {err}", file=sys.stderr)
+        return 2
+    if not _prepare_out(args.out, "hybrid"):
+        return 2
     threads, why = scan_threads(args.threads)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     progress = not args.quiet
     try:
-        parse_budget(budget, where="--budget")
         if progress:
             print(f"gna-lens hybrid: {args.teacher} ({why})", file=sys.stderr, flush=True)
         table = run_experiment(
@@ -467,14 +482,100 @@ def head_groups_arg(text: str) -> str | int | None:
     return size
 
 
+def count_arg(minimum: int) -> Callable[[str], int]:
+    """An argparse ``type`` for a count of at least ``minimum``: checked when the command line is
+    read, before any model loads.
+
+    Examples:
+        >>> count_arg(1)("24")
+        24
+        >>> count_arg(1)("-3")
+        Traceback (most recent call last):
+        ...
+        argparse.ArgumentTypeError: '-3': expected a positive int (1 or more)
+    """
+    want = "a positive int (1 or more)" if minimum == 1 else f"an int of {minimum} or more"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected {want}")
+        return value
+
+    parse.__name__ = "count"
+    return parse
+
+
+def device_arg(text: str) -> str:
+    """``--device``: a device this machine has (``auto``, ``cpu``, ``cuda``, ``cuda:N``), checked
+    before the model loads (:func:`gna_lens.device.resolve_device`)."""
+    from gna_lens.device import resolve_device
+    from gna_lens.errors import ConfigError
+
+    try:
+        resolve_device(text)
+    except ConfigError as err:
+        raise argparse.ArgumentTypeError(str(err).replace("device=", "", 1)) from None
+    return text
+
+
+def out_arg(text: str) -> str:
+    """``--out``: a folder, new or existing; an existing file is refused before any work."""
+    from pathlib import Path
+
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is a file; expected a folder to write into (new or existing). Fix: "
+            "another --out, or move the file."
+        )
+    return text
+
+
+def task_arg(text: str) -> str:
+    """``scan --task``: ``kv``, ``mc`` or an existing file of multiple-choice records."""
+    from pathlib import Path
+
+    if text in ("kv", "mc") or Path(text).is_file():
+        return text
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is not 'kv', 'mc' or an existing file; pass one of those (a file holds "
+        "multiple-choice records: JSON lines, CSV or parquet)"
+    )
+
+
+def _prepare_out(folder: str, command: str) -> bool:
+    """Make ``folder`` (the run's output) before any work, so a run is never lost at its end."""
+    import os
+    from pathlib import Path
+
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        print(f"gna-lens {command}: error: --out {folder!r}: {err}", file=sys.stderr)
+        return False
+    if not os.access(folder, os.W_OK):
+        print(
+            f"gna-lens {command}: error: --out {folder!r} is not writable; pass a folder you "
+            "can write to.",
+            file=sys.stderr,
+        )
+        return False
+    return True
+
+
 def _train_zoo(args: argparse.Namespace) -> int:
     from gna_lens.zoo.train import train_zoo_main
 
     return int(train_zoo_main(args.rest))
 
 
-#: The model ``gna-lens scan`` studies when given none: the zoo Transformer.
-DEFAULT_SCAN_MODEL = "zoo-llama"
+#: The model ``gna-lens scan`` studies when given none: the packaged SmolLM2-135M (as ``make
+#: demo``, ``evaluate`` and ``hybrid``), which does the default task.
+DEFAULT_SCAN_MODEL = "smollm2-135m"
 
 #: The columns of the table ``gna-lens scan`` prints.
 TABLE_COLUMNS = (
@@ -496,7 +597,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "demo", help="load a model, cache a run, summarize one implicit attention"
     )
     demo.add_argument("model", nargs="?", default=None, help="local checkpoint dir or hub name")
-    demo.add_argument("--arch", default="mamba2", help="architecture of the default tiny model")
+    demo.add_argument(
+        "--arch", default="mamba2", choices=[a for a in ARCHITECTURES if a != "llama"],
+        help="architecture of the default tiny random model (mamba2)",
+    )  # fmt: skip
     demo.set_defaults(func=_demo)
     sc = sub.add_parser(
         "scan", help="rank heads for retrieval; print a table, write an HTML report"
@@ -508,14 +612,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"zoo name, local HF dir, .gguf file, smollm2-135m or hub name "
         f"(default {DEFAULT_SCAN_MODEL})",
     )
-    sc.add_argument("--task", default="kv", help="kv, mc (MMLU letter vs cloze) or a records FILE")
     sc.add_argument(
-        "--n-samples", type=int, default=24, help="selection prompts the heads are ranked on (24)"
+        "--task",
+        default="kv",
+        type=task_arg,
+        help="kv, mc (MMLU letter vs cloze) or a records FILE",
     )
     sc.add_argument(
-        "--n-eval", type=int, default=48, help="held-out prompts per task, disjoint (default 48)"
+        "--n-samples",
+        type=count_arg(1),
+        default=24,
+        help="selection prompts the heads are ranked on (24)",
     )
-    sc.add_argument("--top", type=int, default=4, help="heads to report and remove (default 4)")
+    sc.add_argument(
+        "--n-eval", type=count_arg(1), default=48, help="held-out prompts per task, disjoint (48)"
+    )
+    sc.add_argument(
+        "--top", type=count_arg(1), default=4, help="heads to report and remove (default 4)"
+    )
     sc.add_argument(
         "--strategy",
         default="auto",
@@ -526,7 +640,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     sc.add_argument(
         "--top-layers",
-        type=int,
+        type=count_arg(1),
         default=None,
         help="coarse_to_fine: layers whose heads are ablated (default 4, fewer where their "
         "heads exceed 300)",
@@ -542,7 +656,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     sc.add_argument(
         "--exact",
-        type=int,
+        type=count_arg(1),
         default=None,
         help="attribution strategy: heads confirmed by exact ablation after attribution ranks "
         "all of them (default max(4 * top, 32)); giving it selects that strategy",
@@ -555,15 +669,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     sc.add_argument("--positions", default="all", choices=["all", "last"], help="ablated positions")
     sc.add_argument(
         "--control",
-        default="prose",
-        help="prose (shipped text), none, or a text FILE; zoo models use their cloze split",
+        default="auto",
+        help="auto (default: a zoo model's cloze split, else prose), prose (shipped text), none, "
+        "or a text FILE",
     )
     sc.add_argument(
         "--max-control", type=float, default=0.1,
         help="heads whose control loss rises more (nats/token) are left out of the ranking",
     )  # fmt: skip
     sc.add_argument(
-        "--random-draws", type=int, default=10, help="random head sets of the baseline (10)"
+        "--random-draws",
+        type=count_arg(0),
+        default=10,
+        help="random head sets of the baseline (10)",
     )
     sc.add_argument(
         "--sweep-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
@@ -573,17 +691,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         "or bfloat16 (on a CPU without native bfloat16 it can be 10x slower); held-out numbers "
         "are always float32",
     )  # fmt: skip
-    sc.add_argument("--out", default="gna_lens_report", help="folder for report.html / report.json")
-    sc.add_argument("--seed", type=int, default=0)
+    sc.add_argument(
+        "--out",
+        default="gna_lens_report",
+        type=out_arg,
+        help="folder for report.html / report.json",
+    )
+    sc.add_argument(
+        "--seed", type=int, default=0,
+        help="seed of the selection prompts; held-out prompts and random sets use others (0)",
+    )  # fmt: skip
     sc.add_argument(
         "--threads",
-        type=int,
+        type=count_arg(1),
         default=None,
         help="torch threads (default: OMP_NUM_THREADS if set, else the idle cores, at least 1); "
         "with --workers, also each worker's (default: the cores split among the workers)",
     )
     sc.add_argument(
-        "--workers", type=int, default=None,
+        "--workers", type=count_arg(1), default=None,
         help="shard the selection sweeps over N Ray workers, one model copy each (needs "
         "gna-lens[ray]; default without --ray-address: this process only)",
     )  # fmt: skip
@@ -593,6 +719,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "with --workers: a local Ray instance",
     )  # fmt: skip
     _device_flags(sc, "the model")
+    sc.add_argument(
+        "--force", action="store_true",
+        help="scan even when the model is not above chance on the selection prompts (checked "
+        "before any sweep)",
+    )  # fmt: skip
     sc.add_argument("--json", action="store_true", help="print the JSON report instead of tables")
     sc.set_defaults(func=_scan)
     ev = sub.add_parser(
@@ -631,13 +762,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="ablated positions: all, or the last context token of each request",
     )  # fmt: skip
     ev.add_argument(
-        "--limit", type=int, default=100, help="items per task (default 100; 0 for all)"
+        "--limit", type=count_arg(0), default=100, help="items per task (default 100; 0 for all)"
     )
-    ev.add_argument("--batch-size", type=int, default=8, help="rows per forward pass (8)")
+    ev.add_argument("--batch-size", type=count_arg(1), default=8, help="rows per forward pass (8)")
     ev.add_argument("--metric", default=None, help="metric of every task (default: acc, ...)")
-    ev.add_argument("--num-fewshot", type=int, default=None, help="lm-eval's few-shot count")
     ev.add_argument(
-        "--ranking-samples", type=int, default=16,
+        "--num-fewshot", type=count_arg(0), default=None, help="lm-eval's few-shot count"
+    )
+    ev.add_argument(
+        "--ranking-samples", type=count_arg(1), default=16,
         help="KV prompts the ranking is made on when --ranking is not given (16)",
     )  # fmt: skip
     ev.add_argument(
@@ -646,22 +779,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         "accuracy (the paper's protocol: every head ablated alone, accuracy drop)",
     )  # fmt: skip
     ev.add_argument(
-        "--random-draws", type=int, default=0,
+        "--random-draws", type=count_arg(0), default=0,
         help="extra rows random-K #1..#N, each removing K random heads outside the top K, "
         "layer-matched, and their mean (0: none)",
     )  # fmt: skip
     ev.add_argument(
-        "--random-k", type=int, default=None,
+        "--random-k", type=count_arg(1), default=None,
         help="heads per random row, one of --remove-top (default: its largest)",
     )  # fmt: skip
     ev.add_argument(
         "--sweep-dtype", default="float32", choices=["auto", "float32", "bfloat16"],
         help="arithmetic of the ranking sweeps when the ranking is computed here (auto: as scan)",
     )  # fmt: skip
-    ev.add_argument("--out", default="gna_lens_table", help="folder for table.md/csv/json/svg")
+    ev.add_argument(
+        "--out", default="gna_lens_table", type=out_arg, help="folder for table.md/csv/json/svg"
+    )
     _device_flags(ev, "the model")
-    ev.add_argument("--seed", type=int, default=0)
-    ev.add_argument("--threads", type=int, default=None, help="torch threads (as scan)")
+    ev.add_argument(
+        "--seed", type=int, default=0, help="seed of the ranking prompts and random sets (0)"
+    )
+    ev.add_argument("--threads", type=count_arg(1), default=None, help="torch threads (as scan)")
     ev.add_argument("--quiet", action="store_true", help="no progress, no table on stdout")
     ev.set_defaults(func=_evaluate)
     hy = sub.add_parser(
@@ -681,8 +818,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--budget", default="200k tokens",
         help="distillation budget per student: tokens (200000, '2M tokens') or time ('20 min')",
     )  # fmt: skip
-    hy.add_argument("--out", default="gna_lens_hybrid", help="folder for table.md/csv/json/svg")
-    hy.add_argument("--d-state", type=int, default=16, help="SSM heads' state size (16)")
+    hy.add_argument(
+        "--out", default="gna_lens_hybrid", type=out_arg, help="folder for table.md/csv/json/svg"
+    )
+    hy.add_argument("--d-state", type=count_arg(1), default=16, help="SSM heads' state size (16)")
     hy.add_argument("--head-layout", default="head", choices=["head", "kv_group"])
     hy.add_argument("--stages", default="1,2", help="distillation stages (1,2)")
     hy.add_argument(
@@ -692,7 +831,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--train", default="ssm", choices=["ssm", "mixers", "all"], help="what stage 2 trains"
     )
     hy.add_argument(
-        "--random-draws", type=int, default=1,
+        "--random-draws", type=count_arg(0), default=1,
         help="random-head students per k and training seed, each seed with its own "
         "layer-matched sets (1; 5 or more per seed for a controlled comparison)",
     )  # fmt: skip
@@ -717,14 +856,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--kv-template", default=None, choices=["question", "paper"],
         help="held-out KV template (default question; zoo teachers: their own splits)",
     )  # fmt: skip
-    hy.add_argument("--n-rank", type=int, default=24, help="selection prompts (24)")
-    hy.add_argument("--n-eval", type=int, default=64, help="held-out prompts per KV size (64)")
+    hy.add_argument("--n-rank", type=count_arg(1), default=24, help="selection prompts (24)")
     hy.add_argument(
-        "--n-knowledge", type=int, default=100, help="MMLU cloze questions (100; 0: none)"
+        "--n-eval", type=count_arg(1), default=64, help="held-out prompts per KV size (64)"
     )
-    hy.add_argument("--prose-windows", type=int, default=16, help="held-out prose windows (16)")
-    hy.add_argument("--batch-size", type=int, default=8, help="texts per distillation step (8)")
-    hy.add_argument("--max-length", type=int, default=256, help="tokens per text (256)")
+    hy.add_argument(
+        "--n-knowledge", type=count_arg(0), default=100, help="MMLU cloze questions (100; 0: none)"
+    )
+    hy.add_argument(
+        "--prose-windows", type=count_arg(1), default=16, help="held-out prose windows (16)"
+    )
+    hy.add_argument(
+        "--batch-size", type=count_arg(1), default=8, help="texts per distillation step (8)"
+    )
+    hy.add_argument("--max-length", type=count_arg(2), default=256, help="tokens per text (256)")
     hy.add_argument(
         "--autocast", default="none", choices=["none", "auto", "bfloat16"],
         help="distillation in mixed precision: bfloat16 (~2x faster on AVX512-BF16 CPUs and GPUs, "
@@ -737,8 +882,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "float32)",
     )  # fmt: skip
     _device_flags(hy, "the teacher and the students")
-    hy.add_argument("--seed", type=int, default=0)
-    hy.add_argument("--threads", type=int, default=None, help="torch threads (as scan)")
+    hy.add_argument(
+        "--seed", type=int, default=0,
+        help="training seed when --seeds is not given; also of the ranking prompts (0)",
+    )  # fmt: skip
+    hy.add_argument("--threads", type=count_arg(1), default=None, help="torch threads (as scan)")
     hy.add_argument(
         "--save-students", action="store_true", help="save each student under OUT/students"
     )

@@ -52,7 +52,15 @@ from gna_lens.scoring.report import (
     choose_strategy,
     default_top_layers,
 )
-from gna_lens.tasks import Task, kv_retrieval, load_mmlu, load_records, multiple_choice
+from gna_lens.stats import wilson_interval
+from gna_lens.tasks import (
+    Task,
+    evaluate,
+    kv_retrieval,
+    load_mmlu,
+    load_records,
+    multiple_choice,
+)
 
 __all__ = [
     "EXACT_ALL_MAX",
@@ -384,7 +392,7 @@ def scan(
     metric: str = "logit_diff",
     mode: str = "zero",
     positions: Any = None,
-    control: Any = "prose",
+    control: Any = "auto",
     max_control: float = MAX_CONTROL,
     random_draws: int = RANDOM_DRAWS,
     sweep_dtype: str | None = "auto",
@@ -394,6 +402,7 @@ def scan(
     progress: bool = True,
     executor: Any = None,
     exact_budget_s: float = EXACT_BUDGET_S,
+    force: bool = False,
 ) -> ScanResult:
     """Rank every head of ``model`` for in-context retrieval on selection prompts, then measure
     the top heads on held-out prompts; write the report.
@@ -432,7 +441,8 @@ def scan(
         metric: Ablation metric of the ranking (``"logit_diff"``, ``"accuracy"``, ...).
         mode: ``"zero"`` or ``"mean"`` ablation (of the ranking and the held-out measurement).
         positions: ``None`` (every position) or ``"last"``.
-        control: ``"prose"`` (default), ``None``, or any control of
+        control: ``"auto"`` (default: the zoo's cloze split on a zoo model, else ``"prose"``),
+            ``"prose"``, ``None``, or any control of
             :func:`~gna_lens.scoring.resolve_control`; zoo models use their cloze split.
         max_control: Bound of the retrieval-specific ranking (nats/token).
         random_draws: Random head sets of the held-out baseline.
@@ -452,20 +462,30 @@ def scan(
         executor: ``None`` (this process) or a :class:`gna_lens.distributed.RayExecutor`:
             the selection sweeps (every head on the task and the control) are sharded over its
             Ray workers; the rest runs here.
+        force: Scan even when the model is not above chance on the selection prompts. Before
+            any sweep, the model answers them once; if the 95% interval of its accuracy does not
+            lie above chance, the scan stops (a ranking on a task the model does not do says
+            nothing about retrieval). ``method["baseline_check"]`` records the check.
 
     Returns:
         A :class:`ScanResult`.
 
     Raises:
         TaskError: For an unknown task or an empty task file.
-        GnaLensError: If ``top``, ``exact``, ``n_samples`` or ``n_eval`` is not positive, or
-            ``exact`` comes with a strategy other than ``"auto"`` / ``"attribution"``.
+        GnaLensError: If ``top``, ``exact``, ``n_samples`` or ``n_eval`` is not positive,
+            ``exact`` comes with a strategy other than ``"auto"`` / ``"attribution"``, ``out``
+            is a file, or the model is at chance on the selection prompts and ``force`` is off.
     """
 
     if top < 1 or (exact is not None and exact < 1) or n_samples < 1 or n_eval < 1:
         raise GnaLensError(
             f"scan: top={top}, exact={exact}, n_samples={n_samples}, n_eval={n_eval}; expected "
             "positive ints."
+        )
+    if out is not None and Path(out).exists() and not Path(out).is_dir():
+        raise GnaLensError(
+            f"scan(out={str(out)!r}): it is a file; expected a folder (new or existing) for "
+            "report.html and report.json. Fix: another out, or move the file."
         )
     if mode == "resample":
         raise GnaLensError(
@@ -484,6 +504,9 @@ def scan(
     c_eval = sets.control_eval if sets.control_eval is not None else control
     c_eval = resolve_control(c_eval, tok, positions=positions, split="eval")
     timings["tasks"] = time.perf_counter() - t0
+    t = time.perf_counter()
+    baseline_check = _check_baseline(model, probe, name, force=force)
+    timings["baseline_check"] = time.perf_counter() - t
     with applied_head_groups(model, head_groups) as groups_choice:
         subject = Subject.of(model)  # with the head groups in place; every step below gets it
         view = subject.view
@@ -573,6 +596,7 @@ def scan(
             "selection_prompts": len(probe),
             "held_out_prompts": {k: len(v) for k, v in sets.held_out.items()},
             "held_out": "disjoint from the selection prompts (checked by prompt text)",
+            "baseline_check": baseline_check,
             "control_eval": knowledge.control.control if knowledge.control else "none",
             **{f"tasks_{k}": v for k, v in sets.notes.items()},
         }
@@ -659,6 +683,28 @@ def describe_timings(timings: dict[str, float], heads: dict[str, float]) -> str:
         detail = ", ".join(f"{a} {b:.1f} s" for a, b in heads.items()) if k == "heads" else ""
         parts.append(f"{k} {v:.1f} s" + (f" ({detail})" if detail else ""))
     return ", ".join(parts)
+
+
+def _check_baseline(model: Any, probe: Task, name: str | None, *, force: bool) -> str:
+    """The model's accuracy on the selection prompts against chance, before any sweep; stops a
+    scan of a model that does not do the task unless ``force``."""
+    result = evaluate(model, probe, progress=False)
+    hit = wilson_interval(float(result.correct.sum()), len(result))
+    text = (
+        f"selection accuracy {hit.format(percent=True)} on {len(result)} prompts, chance "
+        f"{100 * result.chance:.1f}%"
+    )
+    if hit.low > result.chance:
+        return f"{text}: above chance"
+    if force:
+        return f"{text}: not above chance; scanned anyway (force)"
+    raise GnaLensError(
+        f"scan: {name or 'the model'} is not above chance on the selection prompts "
+        f"({probe.name}): {text}. A ranking on a task the model does not do says nothing about "
+        "retrieval, so no sweep was run. Fix: a model that does the task (smollm2-135m; among "
+        "the zoo, zoo-mamba2 or zoo-bamba), more --n-samples if the interval is only wide, or "
+        "--force (force=True) to scan anyway."
+    )
 
 
 def _warnings(report: GnaReport, knowledge: KnowledgeTable, asked: int, got: int) -> list[str]:

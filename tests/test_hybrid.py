@@ -415,7 +415,7 @@ def test_scan_cli_runs_on_a_saved_student(tmp_path, capsys):
     )
     s = build_hybrid(tiny_hf_model("llama", vocab_size=len(tok)), KEEP, d_state=4, tokenizer=tok)
     folder = s.save_pretrained(tmp_path / "student")
-    args = ["scan", str(folder), "--n-samples", "4", "--top", "2", "--control", "none"]
+    args = ["scan", str(folder), "--n-samples", "4", "--top", "2", "--control", "none", "--force"]
     args += ["--out", str(tmp_path / "report")]
     assert main([*args, "--random-draws", "0", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)

@@ -389,7 +389,7 @@ def test_scan_groups_a_large_jamba_by_default(tmp_path, monkeypatch):
     monkeypatch.setattr(scan_module, "build_tasks", tasks)
     result = scan_module.scan(
         m, n_samples=4, n_eval=4, top=2, out=tmp_path, control=None, random_draws=1,
-        progress=False,
+        progress=False, force=True,
     )  # fmt: skip
     data = json.loads(result.json_path.read_text())
     assert data["layer_heads"] == [2, 4, 2, 2, 4] and data["method"]["head_group_size"] == 64
@@ -833,7 +833,7 @@ def test_scan_ranks_both_parts_of_every_layer(family, tmp_path, monkeypatch):
     monkeypatch.setattr(scan_module, "build_tasks", tasks)
     result = scan_module.scan(
         m, n_samples=4, n_eval=4, top=3, out=tmp_path, control=None, random_draws=1,
-        progress=False,
+        progress=False, force=True,
     )  # fmt: skip
     data = json.loads(result.json_path.read_text())
     assert data["layer_heads"] == [lh.n_heads if lh else 0 for lh in view.layers]

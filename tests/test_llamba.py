@@ -388,7 +388,7 @@ def test_scan_cli_ranks_the_heads_of_a_cartesia_checkpoint(tmp_path, capsys):
     tok.save_pretrained(str(folder))
     out = tmp_path / "report"
     args = ["scan", str(folder), "--n-samples", "6", "--n-eval", "6", "--top", "2",
-            "--control", "none", "--random-draws", "2", "--out", str(out)]  # fmt: skip
+            "--control", "none", "--random-draws", "2", "--out", str(out), "--force"]  # fmt: skip
     assert main(args) == 0, capsys.readouterr()
     data = json.loads((out / "report.json").read_text())
     assert data["layer_heads"] == [4, 4] and len(data["heads"]) == 8

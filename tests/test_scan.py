@@ -120,7 +120,7 @@ def test_scan_held_out_prompts_are_disjoint_from_the_selection_prompts(tmp_path)
     assert "induction-proof" in sets.notes["facts_template"]
     result = scan(
         model, "kv", n_samples=12, n_eval=40, top=2, out=None, progress=False, control=None,
-        random_draws=2,
+        random_draws=2, force=True,  # random weights: at chance
     )  # fmt: skip
     assert result.tasks is not None
     selection = {s.prompt for s in result.tasks.selection}
@@ -175,11 +175,12 @@ def test_scan_cli_prints_the_table_and_json(tmp_path, toy_scan, capsys):
     assert {"layer", "head", "kind", "ablation_effect", "gather_score"} <= set(data["heads"][0])
 
 
-def test_scan_cli_unknown_model_names_it_and_the_fix(tmp_path, capsys):
+def test_scan_cli_unknown_model_names_it_and_the_fix(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the default --out is made before loading
     missing = str(tmp_path / "no-such-model")
     assert main(["scan", missing]) == 2
     err = capsys.readouterr().err
-    assert missing in err and "no model config found" in err and "zoo name" in err
+    assert missing in err and "no such folder" in err and "zoo name" in err
     assert main(["scan", "zoo-no-such"]) == 2
     err = capsys.readouterr().err
     assert "zoo-no-such" in err and "zoo-llama" in err  # lists the zoo's names
@@ -385,7 +386,7 @@ def test_scan_groups_a_large_mamba1_into_channel_blocks_by_default_and_says_so(
     tmp_path, mamba1_scan, capsys
 ):
     out = tmp_path / "report"
-    args = ["scan", "tiny-mamba1", "--n-samples", "4", "--n-eval", "4", "--top", "2"]
+    args = ["scan", "tiny-mamba1", "--n-samples", "4", "--n-eval", "4", "--top", "2", "--force"]
     assert main([*args, "--random-draws", "1", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     groups = (
@@ -452,7 +453,17 @@ def test_scan_cli_head_groups_rejects_what_is_not_auto_none_or_a_block_size(valu
 
 
 def test_scan_cli_head_groups_the_model_refuses_is_a_clear_error(tmp_path, mamba1_scan, capsys):
-    args = ["scan", "tiny-mamba1", "--n-samples", "4", "--n-eval", "4", "--out", str(tmp_path)]
+    args = [
+        "scan",
+        "tiny-mamba1",
+        "--n-samples",
+        "4",
+        "--n-eval",
+        "4",
+        "--out",
+        str(tmp_path),
+        "--force",
+    ]
     assert main([*args, "--head-groups", "48"]) == 2
     err = capsys.readouterr().err
     assert "gna-lens scan: error: set_head_groups: block size 48" in err

@@ -1115,7 +1115,7 @@ def layer_sweep(
     reference: Any = None,
     include_bos: bool = False,
     removed: Sequence[int] = (),
-    control: Any = "prose",
+    control: Any = "auto",
     method: str = "batched",
     max_rows: int = 64,
     progress: bool = True,
@@ -1148,7 +1148,8 @@ def layer_sweep(
         removed: Layers removed in every run, the baseline included (the paper first removes
             every layer above L17 of Llama-3.1-8B, then sweeps the rest).
         control: What needs no in-context retrieval (:func:`~gna_lens.tasks.resolve_control`):
-            ``"prose"`` (default: next-token loss on prose shipped with gna_lens), ``None``, a
+            ``"auto"`` (default: the zoo's cloze split on a zoo model, else ``"prose"``),
+            ``"prose"`` (next-token loss on prose shipped with gna_lens), ``None``, a
             :class:`~gna_lens.tasks.TextControl`, a knowledge :class:`~gna_lens.tasks.Task`
             (answer NLL among its options), texts or a ``datasets.Dataset``.
         method: ``"batched"`` or ``"loop"`` (the reference).
@@ -1198,7 +1199,7 @@ def prune_from_end(
     positions: Any = None,
     reference: Any = None,
     include_bos: bool = False,
-    control: Any = "prose",
+    control: Any = "auto",
     method: str = "batched",
     max_rows: int = 64,
     progress: bool = True,
@@ -1220,7 +1221,7 @@ def prune_from_end(
         positions: ``None``, ``"last"`` or a list of positions.
         reference: Task or token ids for ``mode="mean"``.
         include_bos: Mean ablation: average over and edit the BOS position too.
-        control: As in :func:`layer_sweep` (default ``"prose"``).
+        control: As in :func:`layer_sweep` (default ``"auto"``).
         method: ``"batched"`` or ``"loop"``.
         max_rows: Prompts per forward pass.
         progress: Show a progress bar.

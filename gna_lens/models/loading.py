@@ -191,7 +191,28 @@ def _resolve_with_note(name: str) -> tuple[str, dict[str, str]]:
             f"load_model({name!r}): no zoo model of that name; expected one of {known} "
             "(gna_lens.zoo.names())."
         )
+    _check_local_path(name)
     return name, {}
+
+
+def _check_local_path(name: str) -> None:
+    """Refuse a file where a checkpoint folder is expected, and a local path that is not there,
+    before any loader guesses at them (a hub lookup of a path, ``torch.load`` of a JSON file)."""
+    path = Path(name).expanduser()
+    if path.is_file():
+        raise ConfigError(
+            f"load_model({name!r}) is a file; expected the checkpoint folder that holds "
+            "config.json and the weights, a .gguf file, a zoo name or a hub name. Fix: "
+            f"load_model({str(path.parent)!r})."
+        )
+    local = name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name
+    if local and not path.exists():
+        raise ConfigError(
+            f"load_model({name!r}): no such folder ({path.resolve()}); expected a checkpoint "
+            "folder holding config.json, a .gguf file, a zoo name (gna_lens.zoo.names()) or a "
+            "hub name such as 'HuggingFaceTB/SmolLM2-135M'. Fix the path (a relative path starts "
+            "from the current folder)."
+        )
 
 
 _ZOO_ROOT = Path(__file__).resolve().parent.parent / "zoo" / "models"

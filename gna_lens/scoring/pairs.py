@@ -300,7 +300,7 @@ def find_gna_pairs(
     task: Task,
     *,
     report: GnaReport | None = None,
-    control: Any = "prose",
+    control: Any = "auto",
     n_candidates: int = 3,
     min_effect: float = 0.05,
     tolerance: float = 0.1,

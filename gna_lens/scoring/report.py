@@ -1538,7 +1538,7 @@ def score_heads(
     task: Task,
     ablation: bool = True,
     *,
-    control: Any = "prose",
+    control: Any = "auto",
     metric: str = "logit_diff",
     mode: str = "zero",
     positions: Any = None,
@@ -1591,8 +1591,9 @@ def score_heads(
         model: A TransformerBridge or a HookedSSM.
         task: A task with spans, e.g. :func:`gna_lens.tasks.kv_retrieval`.
         ablation: Measure each head's ablation effects (batched sweeps).
-        control: What needs no in-context retrieval (:func:`resolve_control`): ``"prose"``
-            (default), ``None``, a :class:`~gna_lens.tasks.TextControl`, a knowledge
+        control: What needs no in-context retrieval (:func:`resolve_control`): ``"auto"``
+            (default: the zoo's cloze split on a zoo model, else ``"prose"``), ``"prose"``,
+            ``None``, a :class:`~gna_lens.tasks.TextControl`, a knowledge
             :class:`~gna_lens.tasks.Task`, texts or a ``datasets.Dataset``.
         metric: ``"logit_diff"``, ``"accuracy"``, ``"logprob"`` or ``"choice_logprob"``.
         mode: ``"zero"``, ``"mean"`` (the head's mean output over ``reference``, default the task

