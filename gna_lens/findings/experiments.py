@@ -110,8 +110,8 @@ def _method(report: GnaReport) -> dict[str, Any]:
 def smollm2_label(model: Any) -> str:
     """SmolLM2's name and which of its weights ``model`` holds, from its provenance.
 
-    ``load_model("smollm2-135m")`` gives the hub's weights where a hub answers and the packaged
-    GGUF copy otherwise; the label says which (and a model not loaded by ``load_model`` says so).
+    ``load_model("smollm2-135m")`` gives the packaged GGUF copy, a hub name the hub's weights;
+    the label says which (and a model not loaded by ``load_model`` says so).
 
     Examples:
         >>> from gna_lens.models.provenance import Provenance, attach

