@@ -205,3 +205,18 @@ def test_scan_refuses_an_out_that_is_a_file(tmp_path):
     taken.write_text("")
     with pytest.raises(GnaLensError, match=r"scan\(out=.*report'\): it is a file"):
         scan(model, "kv", out=taken, progress=False, force=True)
+
+
+def test_transformerlens_cache_shorthands_work_on_hooked_ssm():
+    from gna_lens.testing import tiny_hooked_ssm
+
+    model = tiny_hooked_ssm("bamba")  # layers: ssm, attention, ssm
+    _, cache = model.run_with_cache(model.to_tokens("a b c d"))
+    assert cache["pattern", 0] is cache["blocks.0.mixer.hook_pattern"]  # implicit attention
+    assert cache["pattern", 1] is cache["blocks.1.attn.hook_pattern"]  # real attention
+    assert cache["pattern", -1] is cache["blocks.2.mixer.hook_pattern"]
+    assert cache["attn_out", 0] is cache["blocks.0.hook_mixer_out"]
+    assert cache["resid_post", 2] is cache["blocks.2.hook_resid_post"]
+    assert cache["embed"] is cache["hook_embed"]
+    with pytest.raises(KeyError, match=r"cache\[\('q', 0\)\]: no 'blocks\.0\.attn\.hook_q'"):
+        cache["q", 0]

@@ -81,6 +81,58 @@ ReturnType = Literal["logits", "loss", "both"] | None
 ModelInput = str | list[str] | Int[Tensor, "batch pos"] | Float[Tensor, "batch pos d_model"]
 
 
+class SSMActivationCache(ActivationCache):
+    """TransformerLens's ``ActivationCache`` whose shorthand keys also find HookedSSM's names.
+
+    ``cache["pattern", L]``, ``cache["resid_post", -1]`` and the other
+    ``transformer_lens.utilities.get_act_name`` shorthands work as on a TransformerBridge: on an
+    SSM layer, a name under ``blocks.L.attn.`` is read from ``blocks.L.mixer.`` (``"pattern"``:
+    the materialized implicit attention) and ``"attn_out"`` from ``blocks.L.hook_mixer_out``;
+    attention layers of hybrids keep TransformerLens's names.
+
+    Examples:
+        >>> from gna_lens.testing import tiny_hooked_ssm
+        >>> model = tiny_hooked_ssm("mamba2")
+        >>> _, cache = model.run_with_cache(model.to_tokens("a b c"))
+        >>> cache["pattern", 0] is cache["blocks.0.mixer.hook_pattern"]
+        True
+        >>> cache["resid_post", -1].shape == cache["blocks.1.hook_resid_post"].shape
+        True
+    """
+
+    def __getitem__(self, key: Any) -> Tensor:
+        if key in self.cache_dict:
+            return self.cache_dict[key]
+        from transformer_lens.utilities import get_act_name
+
+        if isinstance(key, str):
+            name = get_act_name(key)
+        else:
+            parts = list(key)
+            if len(parts) > 1 and parts[1] is not None and parts[1] < 0:
+                parts[1] += self.model.cfg.n_layers
+            name = get_act_name(*parts)
+        for candidate in (name, *_ssm_names(name)):
+            if candidate in self.cache_dict:
+                return self.cache_dict[candidate]
+        raise KeyError(
+            f"cache[{key!r}]: no {name!r} (nor its SSM name) in this cache of "
+            f"{len(self.cache_dict)} activations; cached names look like "
+            f"{sorted(self.cache_dict)[:4]}. Fix: cache it (run_with_cache without names_filter, "
+            "or with this name), or use a name of docs/hook_points.md."
+        )
+
+
+def _ssm_names(name: str) -> tuple[str, ...]:
+    """An SSM layer's names for a TransformerLens attention name (``blocks.L.attn.X``)."""
+    parts = name.split(".")
+    if len(parts) == 3 and parts[0] == "blocks" and parts[2] == "hook_attn_out":
+        return (f"blocks.{parts[1]}.hook_mixer_out",)
+    if len(parts) == 4 and parts[0] == "blocks" and parts[2] == "attn":
+        return (f"blocks.{parts[1]}.mixer.{parts[3]}",)
+    return ()
+
+
 class HookedSSM(HookedRootModule):
     """A Mamba-family language model with TransformerLens hooks and editable implicit attention.
 
@@ -298,7 +350,7 @@ class HookedSSM(HookedRootModule):
                 self._check_hook_name(name)
         out, cache = super().run_with_cache(*model_args, names_filter=names_filter, **kwargs)
         has_batch = not kwargs.get("remove_batch_dim", False)
-        return out, ActivationCache(cache, self, has_batch_dim=has_batch)
+        return out, SSMActivationCache(cache, self, has_batch_dim=has_batch)
 
     @contextmanager
     def pattern_selection(
