@@ -15,6 +15,7 @@ from gna_lens.distributed import RayExecutor
 from gna_lens.errors import (
     ConfigError,
     GnaLensError,
+    GnaLensWarning,
     HookError,
     InterventionError,
     PatternEditError,
@@ -86,6 +87,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "ConfigError",
     "GnaLensError",
+    "GnaLensWarning",
     "GnaReport",
     "HookError",
     "HookedSSM",

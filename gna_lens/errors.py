@@ -43,3 +43,7 @@ class DistillationDiverged(GnaLensError, RuntimeError):
     started, or stopped being finite: the run stops instead of finishing on broken weights. The
     message names the stage, the step, the starting and the current loss, and the fix (a lower
     learning rate; float32 instead of bfloat16 autocast to check)."""
+
+
+class GnaLensWarning(UserWarning):
+    """A result that is not what was asked for, and why (e.g. ``top(k)`` returning fewer heads)."""

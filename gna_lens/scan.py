@@ -26,13 +26,14 @@ import platform
 import random
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from gna_lens.errors import ConfigError, GnaLensError, TaskError
+from gna_lens.errors import ConfigError, GnaLensError, GnaLensWarning, TaskError
 from gna_lens.heads import Subject
 from gna_lens.models.provenance import provenance_of
 from gna_lens.scoring import (
@@ -125,6 +126,20 @@ class ScanResult:
     excluded: list[Any] = field(default_factory=list)
     tasks: ScanTasks | None = None
     warnings: list[str] = field(default_factory=list)
+
+    def __repr__(self) -> str:
+        top = " ".join(f"L{layer}H{head}" for layer, head in self.top)
+        return (
+            f"ScanResult(top {len(self.top)}: {top}; {self.n_exact} heads ablated exactly, "
+            f"{self.seconds:.0f} s; .summary() for the numbers)"
+        )
+
+    def summary(self) -> str:
+        """The ranking's top heads, the held-out numbers with intervals, and the warnings."""
+        parts = [self.report.summary(max(len(self.top), 1)), "Held out, the top heads removed:"]
+        parts += [f"  {line}" for line in self.knowledge.format_lines()]
+        parts += [f"Warning: {w}" for w in self.warnings]
+        return "\n".join(parts)
 
 
 def _disjoint(held: Task, selection: Task, name: str) -> Task:
@@ -572,11 +587,13 @@ def scan(
         n_exact = int(report.method.get("n_exact", 0))
         if name:
             report = dataclasses.replace(report, model_name=name)
-        if report.has_control:
-            top_heads = report.top(top)
-            excluded = report.excluded(top)
-        else:
-            top_heads, excluded = report.top(top, by="ablation_effect"), []
+        with warnings.catch_warnings():  # fewer than asked for: result.warnings says so
+            warnings.simplefilter("ignore", GnaLensWarning)
+            if report.has_control:
+                top_heads = report.top(top)
+                excluded = report.excluded(top)
+            else:
+                top_heads, excluded = report.top(top, by="ablation_effect"), []
         _stage(
             progress,
             f"held-out prompts: accuracy before / after removing the top {len(top_heads)} heads, "

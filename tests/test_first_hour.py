@@ -1,6 +1,7 @@
 """A new user's first hour (issue 40): mistakes refused before any model loads, with the value,
 the expectation and the fix; defaults that work on the models the docs name."""
 
+import dataclasses
 import json
 
 import pytest
@@ -220,3 +221,26 @@ def test_transformerlens_cache_shorthands_work_on_hooked_ssm():
     assert cache["embed"] is cache["hook_embed"]
     with pytest.raises(KeyError, match=r"cache\[\('q', 0\)\]: no 'blocks\.0\.attn\.hook_q'"):
         cache["q", 0]
+
+
+def test_reports_print_short_and_top_says_why_it_returns_fewer():
+    from gna_lens import GnaLensWarning, score_heads
+    from gna_lens.testing import toy_control, toy_gna_model, toy_gna_task
+
+    model = toy_gna_model(generic_head=True)
+    report = score_heads(
+        model, toy_gna_task(model, n_samples=8), control=toy_control(model), progress=False
+    )
+    assert len(repr(report)) < 400 and str(report) == repr(report)
+    assert repr(report).startswith("GnaReport('HookedSSM', 6 heads, 6 ablated")
+    text = report.summary(2)
+    assert "Ranking: heads ranked by logit_diff" in text and "ablation_effect_low" in text
+    assert len(text.splitlines()) < 12
+    assert len(report.top(len(report.heads))) == 5  # k covers every head: "all that qualify"
+    short = dataclasses.replace(report.joint_set, heads=report.joint_set.heads[:2], exhausted=True)
+    with pytest.warns(GnaLensWarning, match=r"top\(3\) returns 2 heads: the joint set holds 2"):
+        heads = dataclasses.replace(report, joint_set=short).top(3)
+    assert len(heads) == 2
+    strict = dataclasses.replace(report, max_control=-1.0)  # no head's control effect is <= -1
+    with pytest.warns(GnaLensWarning, match=r"top\(3\) returns 0 heads: 0 heads were measured"):
+        assert strict.top(3) == []

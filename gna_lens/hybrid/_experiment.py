@@ -322,6 +322,12 @@ class HybridTable:
                     out.append(entry)
         return out
 
+    def __repr__(self) -> str:
+        return (
+            f"HybridTable(teacher {self.teacher!r}, {len(self.rows)} rows, KV tasks "
+            f"{list(self.kv_tasks)}; .to_markdown() for the table)"
+        )
+
     def to_markdown(self) -> str:
         """The table and the method, as markdown."""
         return hybrid_markdown(self)

@@ -225,6 +225,12 @@ class BenchmarkTable:
             )
         return pd.DataFrame(rows)
 
+    def __repr__(self) -> str:
+        return (
+            f"BenchmarkTable({self.model!r}, remove_top {list(self.remove_top)}, tasks "
+            f"{list(self.tasks)}, {len(self.cells)} cells; .to_markdown() for the table)"
+        )
+
     def to_markdown(self) -> str:
         """The table (rows: heads removed, then any random rows; columns: tasks) and the
         method, as markdown."""

@@ -21,6 +21,7 @@ from gna_lens.interventions.ablation import positions_label
 from gna_lens.interventions.batching import describe_task
 from gna_lens.models.provenance import provenance_method
 from gna_lens.render.html import knowledge_html
+from gna_lens.render.markdown import heads_label
 from gna_lens.scoring.patterns import Head
 from gna_lens.stats import (
     Interval,
@@ -348,6 +349,17 @@ class KnowledgeTable:
             "random_sets": [[list(h) for h in s] for s in self.random_sets],
             "method": self.method,
         }
+
+    def __repr__(self) -> str:
+        return (
+            f"KnowledgeTable({len(self.heads)} heads removed: {heads_label(self.heads)}; "
+            f"{len(self.tasks)} tasks{', control' if self.control else ''}; .summary() for the "
+            "numbers)"
+        )
+
+    def summary(self) -> str:
+        """The numbers with their 95% intervals, one line per task and the control."""
+        return "\n".join([repr(self), *self.format_lines()])
 
     def format_lines(self) -> list[str]:
         """Plain-text lines: one per task, then the control."""

@@ -27,6 +27,7 @@ import contextlib
 import json
 import math
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +38,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from gna_lens.device import HOST, DevicePolicy, host_full, to_host
-from gna_lens.errors import GnaLensError, InterventionError
+from gna_lens.errors import GnaLensError, GnaLensWarning, InterventionError
 from gna_lens.heads import (
     GroupSpec,
     HeadList,
@@ -497,6 +498,48 @@ class GnaReport:
         """Heads never ablated exactly (see :attr:`unmeasured`)."""
         return sum(len(u.heads) for u in self.unmeasured)
 
+    def __repr__(self) -> str:
+        n_ablated = int((~self.scores["ablation_effect"].isnan()).sum())
+        control = f"control {self.control!r}" if self.has_control else "no control"
+        return (
+            f"GnaReport({self.model_name!r}, {len(self.heads)} heads, {n_ablated} ablated, "
+            f"metric {self.metric}, {control}; .summary() for the top heads)"
+        )
+
+    def summary(self, k: int = 5) -> str:
+        """What was measured and the top ``k`` heads with their 95% intervals, as text.
+
+        Examples:
+            >>> from gna_lens.testing import toy_gna_model, toy_gna_task, toy_control
+            >>> model = toy_gna_model()
+            >>> report = score_heads(model, toy_gna_task(model, n_samples=8),
+            ...                      control=toy_control(model), progress=False)
+            >>> print(report.summary(2).splitlines()[2])
+            Task: kv_retrieval(template=toy, n_pairs=4, values=words) (n=8, scoring=choices) on 8 prompts
+        """
+        heads: list[Head] = []
+        lines = [repr(self), f"Weights: {self.method.get('weights', 'not recorded')}"]
+        lines.append(f"Task: {self.task} on {self.method.get('n_prompts', '?')} prompts")
+        if self.has_control:
+            lines.append(f"Ranking: {self.criterion}")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", GnaLensWarning)
+                heads = self.top(k)
+        elif not bool(self.scores["ablation_effect"].isnan().all()):
+            lines.append("Ranking: raw ablation effect (no control: not retrieval-specific)")
+            heads = self.top(k, by="ablation_effect")
+        if heads:
+            df = self.to_dataframe().set_index(["layer", "head"]).loc[list(heads)].reset_index()
+            cols = ["layer", "head", "kind", "role", "ablation_effect", "ablation_effect_low"]
+            cols += ["ablation_effect_high", "control_effect"]
+            table = df[cols].dropna(axis=1, how="all")
+            lines.append(table.to_string(index=False, float_format=lambda x: f"{x:.4f}"))
+        if len(heads) < k:
+            lines.append(f"({len(heads)} of the {k} asked for qualify; see excluded({k}))")
+        if self.n_unmeasured:
+            lines.append(f"{self.n_unmeasured} heads never measured (report.unmeasured)")
+        return "\n".join(lines)
+
     def layer_ranking(self) -> Any:
         """The coarse stage's layers in rank order: a dataframe with ``rank``, ``scanned``
         (whether its heads were ablated) and the columns of
@@ -585,7 +628,9 @@ class GnaReport:
         Returns:
             ``[(layer, head), ...]``, a :class:`~gna_lens.heads.HeadList` that remembers the
             Mamba-1 channel groups the report was scored under (functions given these heads
-            refuse a model whose groups differ). Fewer than ``k`` when fewer heads qualify.
+            refuse a model whose groups differ). Fewer than ``k`` when fewer heads qualify, with
+            a :class:`GnaLensWarning` that says why (none when ``k`` covers every head: "all
+            that qualify").
 
         Raises:
             GnaLensError: For an unknown column, one that was not measured, the default ranking
@@ -643,9 +688,24 @@ class GnaReport:
                         f"{k} heads, or top({k}, joint=False) for the per-head order (bounded one "
                         "head at a time, not together)."
                     )
+                if len(js) < k < len(self.heads):  # (k >= every head: "all that qualify")
+                    why = (
+                        f"the model has {len(self.heads)} heads"
+                        if len(js) == len(self.heads)
+                        else f"the joint set holds {len(js)}: each other candidate, removed with "
+                        f"them, pushes the control effect above max_control {self.max_control:g} "
+                        f"or was never measured (see excluded({k}) and unmeasured)"
+                    )
+                    _short(k, len(js), why)
                 return HeadList(list(js.heads[: max(k, 0)]), self.head_groups)
             values = self.scores["ablation_effect"].double()
             ok = self._eligible()
+            if int(ok.sum()) < k < len(self.heads):
+                _short(
+                    k, int(ok.sum()), f"{int(ok.sum())} heads were measured and have a control "
+                    f"effect of at most max_control {self.max_control:g} (see excluded({k}) "
+                    "and unmeasured)",
+                )  # fmt: skip
             key = values.masked_fill(~ok, math.inf)
             order = torch.argsort(key, stable=True).tolist()
             return HeadList(
@@ -684,7 +744,9 @@ class GnaReport:
         Raises:
             GnaLensError: On a report without control effects, or as :meth:`top`.
         """
-        chosen = self.top(k, joint=joint)
+        with warnings.catch_warnings():  # top(k) short of k: these are why
+            warnings.simplefilter("ignore", GnaLensWarning)
+            chosen = self.top(k, joint=joint)
         effect, ctrl = self.scores["ablation_effect"], self.scores["control_effect"]
         idx = {h: i for i, h in enumerate(self.heads)}
         cutoff = float(effect[idx[chosen[-1]]]) if chosen and len(chosen) == k else math.inf
@@ -1531,6 +1593,11 @@ def _layer_reason(layers: LayerSweepResult, ranked: list[int], k: int) -> Any:
         )
 
     return reason
+
+
+def _short(k: int, got: int, why: str) -> None:
+    """Warn that :meth:`GnaReport.top` returns fewer heads than asked for, and why."""
+    warnings.warn(f"GnaReport.top({k}) returns {got} heads: {why}.", GnaLensWarning, stacklevel=3)
 
 
 def score_heads(
