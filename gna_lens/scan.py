@@ -605,7 +605,7 @@ def scan(
             mode=mode, positions=positions, progress=progress,
         )  # fmt: skip
         timings["held_out"] = time.perf_counter() - t
-    warnings = _warnings(report, knowledge, top, len(top_heads))
+    cautions = _warnings(report, knowledge, top, len(top_heads))
     method = (
         report.method
         | groups_choice
@@ -628,7 +628,7 @@ def scan(
         seconds = time.perf_counter() - t0
         stages = describe_timings(timings, report.timings)
         machine = subject.policy.machine()
-        warn_html = "".join(f"<p><b>Warning:</b> {html.escape(w)}</p>" for w in warnings)
+        warn_html = "".join(f"<p><b>Warning:</b> {html.escape(w)}</p>" for w in cautions)
         meta = (
             "<h2>Provenance</h2><p>Weights: "
             + html.escape(prov.describe())
@@ -671,7 +671,7 @@ def scan(
             "n_exact": n_exact,
             "held_out": knowledge.to_dict(),
             "retrieval_vs_knowledge": knowledge.to_dataframe().to_dict(orient="records"),
-            "warnings": warnings,
+            "warnings": cautions,
             "provenance": prov.to_dict(),
             "command": command,
             "versions": _versions(),
@@ -684,7 +684,7 @@ def scan(
     seconds = time.perf_counter() - t0
     return ScanResult(
         report, knowledge, top_heads, html_path, json_path, seconds, timings, n_exact, excluded,
-        sets, warnings,
+        sets, cautions,
     )  # fmt: skip
 
 
