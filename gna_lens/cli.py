@@ -53,21 +53,43 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _zoo_scan_tasks(model: Any, args: argparse.Namespace) -> Any:
-    """A zoo model is scanned on its own splits and cloze control (``gna_lens.zoo.scan_tasks``)."""
-    from gna_lens import zoo
+def _scan_tasks(model: Any, args: argparse.Namespace, is_zoo: bool) -> Any:
+    """The scan's prompts: a zoo model's own splits and cloze control
+    (``gna_lens.zoo.scan_tasks``), else :func:`gna_lens.scan.build_tasks` with the task flags."""
+    if is_zoo:
+        from gna_lens import zoo
 
-    return zoo.scan_tasks(model.tokenizer, args.task, n_samples=args.n_samples, n_eval=args.n_eval)
+        n = dict(n_samples=args.n_samples, n_eval=args.n_eval)
+        return zoo.scan_tasks(model.tokenizer, args.task, **n)
+    from gna_lens.scan import build_tasks
+
+    kv = dict(n_pairs=args.n_pairs or 6, template=args.template or "question")
+    return build_tasks(
+        model.tokenizer, args.task, args.n_samples, args.seed, n_eval=args.n_eval,
+        values=args.values or "words", **kv,  # type: ignore[arg-type]
+    )  # fmt: skip
 
 
 def _scan(args: argparse.Namespace) -> int:
     from gna_lens.errors import GnaLensError
-    from gna_lens.scan import describe_timings, load_scan_model, scan
+    from gna_lens.scan import describe_timings, estimate_scan, load_scan_model, scan
 
     name = args.model or DEFAULT_SCAN_MODEL
     command = "gna-lens " + " ".join(sys.argv[1:] if args.argv is None else args.argv)
-    progress = not args.json
+    progress = not (args.json or args.quiet)
     is_zoo = name.startswith("zoo-")
+    kv_flags = [f for f, v in (("--n-pairs", args.n_pairs), ("--template", args.template),
+                               ("--values", args.values)) if v is not None]  # fmt: skip
+    if kv_flags and (is_zoo or args.task != "kv"):
+        where = f"the zoo model {name} (scanned on its own kv-8 split)" if is_zoo else (
+            f"--task {args.task!r}"
+        )  # fmt: skip
+        print(
+            f"gna-lens scan: error: {', '.join(kv_flags)} set the KV prompts of --task kv on a "
+            f"hub or local model; not {where}. Fix: drop them.",
+            file=sys.stderr,
+        )
+        return 2
     control = None if args.control == "none" else args.control
     if control not in (None, "prose", "auto"):
         from pathlib import Path
@@ -108,26 +130,35 @@ def _scan(args: argparse.Namespace) -> int:
             print(f"gna-lens scan: loading {name} ({why})", file=sys.stderr, flush=True)
         model = load_scan_model(name, device=args.device, dtype=args.dtype)
         load_s = time.perf_counter() - t0
-        result = scan(
-            model,
-            args.task,
-            n_samples=args.n_samples,
-            n_eval=args.n_eval,
+        common = dict(
             top=args.top,
             exact=args.exact,
             strategy=args.strategy,
             top_layers=args.top_layers,
             head_groups=args.head_groups,
-            out=args.out,
             seed=args.seed,
-            metric=args.metric,
-            mode=args.mode,
             positions="last" if args.positions == "last" else None,
             control=control,
-            max_control=args.max_control,
             random_draws=args.random_draws,
+            tasks=_scan_tasks(model, args, is_zoo),
+        )
+        if args.dry_run:
+            est = estimate_scan(model, args.task, **common)  # type: ignore[arg-type]
+            print(f"Dry run of gna-lens scan {name} (nothing measured, nothing written):")
+            print(f"Loading: {load_s:.1f} s")
+            print("\n".join(est.format_lines()))
+            return 0
+        result = scan(
+            model,
+            args.task,
+            n_samples=args.n_samples,
+            n_eval=args.n_eval,
+            out=args.out,
+            metric=args.metric,
+            mode=args.mode,
+            max_control=args.max_control,
             sweep_dtype=None if args.sweep_dtype == "float32" else args.sweep_dtype,
-            tasks=_zoo_scan_tasks(model, args) if is_zoo else None,
+            **common,  # type: ignore[arg-type]
             command=command,
             name=name,
             progress=progress,
@@ -143,6 +174,8 @@ def _scan(args: argparse.Namespace) -> int:
             executor.close()
     if args.json:
         print(result.json_path.read_text() if result.json_path else result.report.to_json())
+        return 0
+    if args.quiet:
         return 0
     report, method = result.report, result.report.method
     print(f"\nModel: {name} ({type(model).__name__}); task: {report.task}")
@@ -614,11 +647,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"(default {DEFAULT_SCAN_MODEL})",
     )
     sc.add_argument(
-        "--task",
-        default="kv",
-        type=task_arg,
-        help="kv, mc (MMLU letter vs cloze) or a records FILE",
+        "--task", default="kv", type=task_arg,
+        help="kv (KV retrieval: question template, 6 pairs, word values, unless --template / "
+        "--n-pairs / --values say otherwise; zoo models: their own kv-8 split in the paper's "
+        "template), mc (MMLU letter vs cloze) or a records FILE",
+    )  # fmt: skip
+    sc.add_argument(
+        "--n-pairs", type=count_arg(2), default=None, help="--task kv: pairs per prompt (6)"
     )
+    sc.add_argument(
+        "--template", default=None, choices=["question", "paper", "facts"],
+        help="--task kv: the selection prompts' template (question; the others are measured "
+        "held out; facts is induction-proof)",
+    )  # fmt: skip
+    sc.add_argument(
+        "--values", default=None, choices=["words", "numbers", "auto"],
+        help="--task kv: values (words; numbers 0-99 as the paper; auto: numbers where they "
+        "are single tokens)",
+    )  # fmt: skip
     sc.add_argument(
         "--n-samples",
         type=count_arg(1),
@@ -720,6 +766,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "with --workers: a local Ray instance",
     )  # fmt: skip
     _device_flags(sc, "the model")
+    sc.add_argument(
+        "--dry-run", action="store_true",
+        help="load the model, time one forward pass, print the work (cells per stage), the "
+        "estimated time and memory on this device, then stop",
+    )  # fmt: skip
+    sc.add_argument("--quiet", action="store_true", help="no progress, no table on stdout")
     sc.add_argument(
         "--force", action="store_true",
         help="scan even when the model is not above chance on the selection prompts (checked "

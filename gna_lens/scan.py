@@ -52,10 +52,12 @@ from gna_lens.scoring.report import (
     applied_head_groups,
     choose_strategy,
     default_top_layers,
+    probe_forward,
 )
 from gna_lens.stats import wilson_interval
 from gna_lens.tasks import (
     Task,
+    TextControl,
     evaluate,
     kv_retrieval,
     load_mmlu,
@@ -65,10 +67,12 @@ from gna_lens.tasks import (
 
 __all__ = [
     "EXACT_ALL_MAX",
+    "ScanEstimate",
     "ScanResult",
     "ScanTasks",
     "build_tasks",
     "default_exact",
+    "estimate_scan",
     "load_scan_model",
     "scan",
 ]
@@ -162,20 +166,25 @@ def build_tasks(
     n_pairs: int = 6,
     *,
     n_eval: int = 48,
+    template: str = "question",
+    values: str = "words",
 ) -> ScanTasks:
     """The selection task and the disjoint held-out tasks (a zoo model's: ``zoo.scan_tasks``).
 
     Args:
         tokenizer: The model's tokenizer.
-        task: ``"kv"`` (KV retrieval, question template, word values; held out: the same on other
-            prompts, the paper's template with number values, or word values where the
-            tokenizer splits numbers, and the induction-proof ``"facts"`` template), ``"mc"`` (MMLU
-            offline: letter format as the probe; held out: letter and its cloze twin on other
-            questions), or a path to a JSON lines / CSV / parquet file of multiple-choice records.
+        task: ``"kv"`` (KV retrieval in ``template`` with ``values``; held out: the same on other
+            prompts, and the paper's template (number values, or word values where the
+            tokenizer splits numbers) and the induction-proof ``"facts"`` template where
+            ``template`` is another), ``"mc"`` (MMLU offline: letter format as the probe; held
+            out: letter and its cloze twin on other questions), or a path to a JSON lines / CSV /
+            parquet file of multiple-choice records.
         n_samples: Selection prompts.
         seed: Seed of the selection; held-out sets use other seeds or other records.
         n_pairs: Dictionary size for ``"kv"``.
         n_eval: Prompts per held-out task.
+        template: ``"kv"``'s template: ``"question"`` (default), ``"paper"`` or ``"facts"``.
+        values: ``"kv"``'s values: ``"words"`` (default), ``"numbers"`` or ``"auto"``.
 
     Returns:
         A :class:`ScanTasks`.
@@ -184,40 +193,39 @@ def build_tasks(
         TaskError: For an unknown task or an empty or unreadable file.
     """
     if task == "kv":
-        kw = dict(n_pairs=n_pairs, template="question", values="words")
+        kw = dict(n_pairs=n_pairs, template=template, values=values)
         probe = kv_retrieval(tokenizer, n_samples=n_samples, seed=seed, **kw)  # type: ignore[arg-type]
         held = {f"kv-{n_pairs}": kv_retrieval(tokenizer, n_samples=n_eval, seed=seed + 1, **kw)}  # type: ignore[arg-type]
-        notes = {
-            "template": "question (Below is a list of key-value pairs ... What is the value for "
-            "key X?); the paper's template is measured held out too"
-        }
-        try:
-            paper = kv_retrieval(
-                tokenizer, n_pairs=n_pairs, n_samples=n_eval, seed=seed + 2, template="paper",
-                values="numbers",
-            )  # fmt: skip
-            notes["paper_template"] = "number values 0-99, as in the paper"
-        except TaskError as err:  # e.g. a tokenizer that splits numbers into digits
-            paper = kv_retrieval(
-                tokenizer, n_pairs=n_pairs, n_samples=n_eval, seed=seed + 2, template="paper",
-                values="words",
-            )  # fmt: skip
-            notes["paper_template"] = (
-                f"word values: number values cannot be scored in one token ({str(err)[:160]}...)"
-            )
-        held[f"kv-{n_pairs}-paper"] = paper
-        try:  # the induction-proof template: copying the line after the key cannot answer it
-            held[f"kv-{n_pairs}-facts"] = kv_retrieval(
-                tokenizer, n_pairs=n_pairs, n_samples=n_eval, seed=seed + 3, template="facts",
-                values="words",
-            )  # fmt: skip
-            notes["facts_template"] = (
-                "induction-proof (The k is v. ... What is the k? It is): the question template "
-                "can be answered by copying what followed the key, this one cannot; a drop here "
-                "is retrieval that induction cannot do"
-            )
-        except TaskError as err:
-            notes["facts_template"] = f"not measured: {str(err)[:160]}"
+        notes = {"template": f"{template}, {probe.info['values']} values"}
+        if template != "paper":
+            try:
+                paper = kv_retrieval(
+                    tokenizer, n_pairs=n_pairs, n_samples=n_eval, seed=seed + 2, template="paper",
+                    values="numbers",
+                )  # fmt: skip
+                notes["paper_template"] = "number values 0-99, as in the paper"
+            except TaskError as err:  # e.g. a tokenizer that splits numbers into digits
+                paper = kv_retrieval(
+                    tokenizer, n_pairs=n_pairs, n_samples=n_eval, seed=seed + 2, template="paper",
+                    values="words",
+                )  # fmt: skip
+                notes["paper_template"] = (
+                    f"word values: number values cannot be scored in one token ({str(err)[:160]}...)"
+                )
+            held[f"kv-{n_pairs}-paper"] = paper
+        if template != "facts":
+            try:  # the induction-proof template: copying the line after the key cannot answer it
+                held[f"kv-{n_pairs}-facts"] = kv_retrieval(
+                    tokenizer, n_pairs=n_pairs, n_samples=n_eval, seed=seed + 3, template="facts",
+                    values="words",
+                )  # fmt: skip
+                notes["facts_template"] = (
+                    "induction-proof (The k is v. ... What is the k? It is): the question template "
+                    "can be answered by copying what followed the key, this one cannot; a drop here "
+                    "is retrieval that induction cannot do"
+                )
+            except TaskError as err:
+                notes["facts_template"] = f"not measured: {str(err)[:160]}"
         held = {k: _disjoint(v, probe, k) for k, v in held.items()}
         return ScanTasks(probe, held, notes=notes | {"selection_seed": seed})
     if task == "mc":
@@ -526,24 +534,9 @@ def scan(
         subject = Subject.of(model)  # with the head groups in place; every step below gets it
         view = subject.view
         n_heads = view.n_heads_total
-        prefilter = None
-        if strategy == "attribution" or (
-            strategy == "auto" and exact is not None and exact < n_heads
-        ):
-            prefilter = min(exact or default_exact(top), n_heads)
-            strategy = "attribution"
-        elif exact is not None and exact < n_heads:
-            raise GnaLensError(
-                f"scan(exact={exact}, strategy={strategy!r}): exact is the attribution strategy's "
-                "number of heads confirmed exactly. Fix: strategy='attribution' (or 'auto'), or drop "
-                "exact."
-            )
-        elif exact is not None and strategy == "auto":
-            strategy = "exact"  # exact covers every head
-        strategy, strategy_why = choose_strategy(
-            subject, probe, strategy, prefilter=prefilter, top_layers=top_layers,
-            exact_budget_s=exact_budget_s,
-        )  # fmt: skip
+        strategy, strategy_why, prefilter = _pick_strategy(
+            subject, probe, strategy, exact, top, top_layers, exact_budget_s
+        )
         if strategy == "exact":
             how = f"exact ablation of all {n_heads}"
         elif strategy == "attribution":
@@ -688,6 +681,175 @@ def scan(
     )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class ScanEstimate:
+    """What :func:`scan` would run, counted before it runs, and its cost estimated on this device
+    (``gna-lens scan --dry-run``).
+
+    The unit of work is a *row*: one selection prompt through the whole model. Every stage is
+    counted in rows: a head's cell runs the layers from the head's own onward (a share of a row),
+    control windows and held-out prompts count by their length against the selection prompts'.
+    One timed forward of 16 selection prompts gives the seconds per row. It is an estimate: the
+    control sweep is counted for every head measured (the scan runs it only on heads that can
+    still enter the ranking), the joint walk for :data:`JOINT_K` candidates, pattern scores as
+    one forward.
+
+    Attributes:
+        strategy: The strategy the scan would choose, and ``strategy_why``, its reason.
+        n_heads: Addressable heads; ``n_exact``, those ablated exactly.
+        rows: Per stage, its work in rows.
+        per_row_s: Measured seconds per row (``probe``: what was timed).
+        device: The device, in words.
+        weights_bytes: The model's parameters and buffers.
+        peak_bytes: The process's peak memory after the timed forward (CUDA: peak allocated;
+            CPU: peak resident set), or ``None`` where it cannot be read.
+    """
+
+    strategy: str
+    strategy_why: str
+    n_heads: int
+    n_exact: int
+    rows: dict[str, float]
+    per_row_s: float
+    probe: str
+    device: str
+    weights_bytes: int
+    peak_bytes: int | None
+
+    @property
+    def seconds(self) -> float:
+        """The estimated wall time of the scan's stages (loading not included)."""
+        return sum(self.rows.values()) * self.per_row_s
+
+    def format_lines(self) -> list[str]:
+        """The estimate as text, a stage a line."""
+        gib = 2.0**30
+        lines = [
+            f"Strategy: {self.strategy} ({self.strategy_why})",
+            f"Heads: {self.n_heads}, of which {self.n_exact} ablated exactly",
+            f"Timed: {self.probe}: {1e3 * self.per_row_s:.2f} ms per row on {self.device}",
+        ]
+        for stage, rows in self.rows.items():
+            lines.append(f"  {stage}: {rows:,.0f} rows, {rows * self.per_row_s:,.1f} s")
+        lines.append(
+            f"Estimated time: {self.seconds:,.0f} s ({self.seconds / 60:.1f} min) plus loading"
+        )
+        peak = f"; peak after the timed forward {self.peak_bytes / gib:.2f} GiB" if (
+            self.peak_bytes is not None
+        ) else ""  # fmt: skip
+        lines.append(f"Memory: weights {self.weights_bytes / gib:.2f} GiB{peak}")
+        return lines
+
+
+def estimate_scan(
+    model: Any,
+    task: str = "kv",
+    *,
+    n_samples: int = 24,
+    n_eval: int = 48,
+    top: int = 4,
+    seed: int = 0,
+    exact: int | None = None,
+    strategy: str = "auto",
+    top_layers: int | None = None,
+    head_groups: Any = "auto",
+    positions: Any = None,
+    control: Any = "auto",
+    random_draws: int = RANDOM_DRAWS,
+    tasks: ScanTasks | None = None,
+    exact_budget_s: float = EXACT_BUDGET_S,
+) -> ScanEstimate:
+    """Count the work :func:`scan` would do with these arguments and time one forward pass:
+    the cost of the scan, before it runs (the arguments are :func:`scan`'s).
+
+    Returns:
+        A :class:`ScanEstimate`.
+
+    Examples:
+        >>> from gna_lens.testing import toy_gna_model, toy_gna_task, toy_control
+        >>> model = toy_gna_model()
+        >>> sets = ScanTasks(toy_gna_task(model, n_samples=8), {"kv": toy_gna_task(model, seed=1)})
+        >>> est = estimate_scan(model, tasks=sets, control=None, random_draws=2)
+        >>> est.strategy, est.n_exact, sorted(est.rows)
+        ('exact', 4, ['ablation', 'baseline_check', 'held_out', 'pattern_scores'])
+    """
+    sets = tasks or build_tasks(
+        model.tokenizer, task, n_samples=n_samples, seed=seed, n_eval=n_eval
+    )
+    probe = sets.selection
+    tok = model.tokenizer
+    c_sel = sets.control_select if sets.control_select is not None else control
+    c_sel = resolve_control(c_sel, tok, positions=positions, split="select")
+    c_eval = sets.control_eval if sets.control_eval is not None else control
+    c_eval = resolve_control(c_eval, tok, positions=positions, split="eval")
+    sel_len = sum(len(s.input_ids) for s in probe) / len(probe)
+
+    def rows_of(prompts: Any) -> float:
+        if prompts is None:
+            return 0.0
+        if isinstance(prompts, TextControl):
+            return prompts.tokens.numel() / sel_len
+        return sum(len(s.input_ids) for s in prompts) / sel_len
+
+    with applied_head_groups(model, head_groups):
+        subject = Subject.of(model)
+        view = subject.view
+        chosen, why, prefilter = _pick_strategy(
+            subject, probe, strategy, exact, top, top_layers, exact_budget_s
+        )
+        n_layers = view.n_layers
+        depths = [(n_layers - layer) / n_layers for layer, _ in view.heads()]
+        mean_depth = sum(depths) / max(len(depths), 1)
+        n_sel, ctrl = float(len(probe)), rows_of(c_sel)
+        rows = {"baseline_check": n_sel, "pattern_scores": n_sel}
+        if chosen == "exact":
+            n_exact = len(depths)
+        elif chosen == "attribution":
+            n_exact = int(prefilter or default_exact(top))
+            rows["attribution"] = 3 * n_sel  # a forward and a backward pass
+        else:
+            k = default_top_layers(view) if top_layers is None else top_layers
+            widest = sorted((lh.n_heads for lh in view), reverse=True)
+            n_exact = sum(widest[:k])
+            layer_depth = sum((n_layers - i) / n_layers for i in range(n_layers))
+            rows["layers"] = layer_depth * (n_sel + ctrl)
+        rows["ablation"] = n_exact * mean_depth * n_sel
+        if ctrl:
+            rows["control"] = n_exact * mean_depth * ctrl
+            rows["joint_control"] = min(JOINT_K, n_exact) * ctrl
+        held = sum(rows_of(t) for t in sets.held_out.values()) + rows_of(c_eval)
+        rows["held_out"] = (2 + random_draws) * held
+        run, what = probe_forward(subject, probe)
+        policy = subject.policy
+        run()  # warm-up
+        times = []
+        for _ in range(3):
+            policy.synchronize()
+            t0 = time.perf_counter()
+            run()
+            policy.synchronize()
+            times.append(time.perf_counter() - t0)
+        per_row = sorted(times)[1] / 16
+        weights = sum(t.numel() * t.element_size() for t in subject.model.state_dict().values())
+        return ScanEstimate(
+            strategy=chosen, strategy_why=why, n_heads=view.n_heads_total, n_exact=n_exact,
+            rows=rows, per_row_s=per_row, probe=what, device=policy.describe(),
+            weights_bytes=int(weights), peak_bytes=_peak_bytes(policy),
+        )  # fmt: skip
+
+
+def _peak_bytes(policy: Any) -> int | None:
+    """Peak memory so far: CUDA's peak allocated, else the process's peak resident set."""
+    if policy.is_cuda:
+        return int(torch.cuda.max_memory_allocated(policy.device))
+    try:
+        import resource
+
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # KiB on Linux
+    except (ImportError, OSError):
+        return None
+
+
 def describe_timings(timings: dict[str, float], heads: dict[str, float]) -> str:
     """``"tasks 0.1 s, heads 80.2 s (pattern_scores 2.0 s, ...), held_out 40.0 s"``.
 
@@ -700,6 +862,32 @@ def describe_timings(timings: dict[str, float], heads: dict[str, float]) -> str:
         detail = ", ".join(f"{a} {b:.1f} s" for a, b in heads.items()) if k == "heads" else ""
         parts.append(f"{k} {v:.1f} s" + (f" ({detail})" if detail else ""))
     return ", ".join(parts)
+
+
+def _pick_strategy(
+    subject: Subject, probe: Task, strategy: str, exact: int | None, top: int,
+    top_layers: int | None, exact_budget_s: float,
+) -> tuple[str, str, int | None]:  # fmt: skip
+    """``(strategy, why, prefilter)`` of a scan: ``exact`` given below the head count selects
+    attribution (confirming that many heads exactly), then :func:`choose_strategy`."""
+    n_heads = subject.view.n_heads_total
+    prefilter = None
+    if strategy == "attribution" or (strategy == "auto" and exact is not None and exact < n_heads):
+        prefilter = min(exact or default_exact(top), n_heads)
+        strategy = "attribution"
+    elif exact is not None and exact < n_heads:
+        raise GnaLensError(
+            f"scan(exact={exact}, strategy={strategy!r}): exact is the attribution strategy's "
+            "number of heads confirmed exactly. Fix: strategy='attribution' (or 'auto'), or drop "
+            "exact."
+        )
+    elif exact is not None and strategy == "auto":
+        strategy = "exact"  # exact covers every head
+    chosen, why = choose_strategy(
+        subject, probe, strategy, prefilter=prefilter, top_layers=top_layers,
+        exact_budget_s=exact_budget_s,
+    )  # fmt: skip
+    return chosen, why, prefilter
 
 
 def _check_baseline(model: Any, probe: Task, name: str | None, *, force: bool) -> str:

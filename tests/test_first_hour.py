@@ -244,3 +244,48 @@ def test_reports_print_short_and_top_says_why_it_returns_fewer():
     strict = dataclasses.replace(report, max_control=-1.0)  # no head's control effect is <= -1
     with pytest.warns(GnaLensWarning, match=r"top\(3\) returns 0 heads: 0 heads were measured"):
         assert strict.top(3) == []
+
+
+def test_scan_dry_run_counts_the_work_times_one_forward_and_runs_no_sweep(
+    tmp_path, monkeypatch, capsys
+):
+    from gna_lens import scan as scan_module
+    from gna_lens.scoring import report as report_module
+    from tests.test_scan import _kv_world
+
+    model, _, _ = _kv_world()
+    monkeypatch.setattr(scan_module, "load_scan_model", lambda name, **kw: model)
+
+    def no_sweep(*args, **kwargs):
+        raise AssertionError("a dry run ran a sweep")
+
+    monkeypatch.setattr(scan_module, "score_heads", no_sweep)
+    monkeypatch.setattr(report_module, "score_heads", no_sweep)
+    out = tmp_path / "report"
+    argv = ["scan", "tiny", "--n-pairs", "2", "--n-samples", "8", "--n-eval", "8", "--control"]
+    assert main([*argv, "none", "--random-draws", "2", "--out", str(out), "--dry-run"]) == 0
+    text = capsys.readouterr().out
+    assert "Dry run of gna-lens scan tiny (nothing measured, nothing written)" in text
+    assert "Strategy: exact (auto: exact, every one of the 16 heads" in text
+    for stage in ("baseline_check", "pattern_scores", "ablation", "held_out"):
+        assert f"  {stage}: " in text
+    assert "  control: " not in text  # --control none
+    assert "Estimated time:" in text and "Memory: weights" in text
+    assert not any(out.iterdir())  # the folder is made, nothing written in it
+    est = scan_module.estimate_scan(
+        model, "kv", n_samples=8, n_eval=8, random_draws=2, control=None
+    )
+    assert est.n_exact == est.n_heads == 16 and est.per_row_s > 0
+    assert est.rows["held_out"] > est.rows["baseline_check"]  # 4 runs of the held-out sets
+
+
+def test_scan_task_flags_set_the_kv_prompts_and_are_refused_on_zoo_models(tmp_path, capsys):
+    err = _refused(["scan", "zoo-mamba2", "--template", "facts", "--out", str(tmp_path)], capsys)
+    assert "--template set the KV prompts of --task kv on a hub or local model" in err
+    from gna_lens.scan import build_tasks
+    from tests.test_scan import _kv_world
+
+    _, tok, _ = _kv_world()
+    sets = build_tasks(tok, "kv", 6, 0, n_pairs=2, n_eval=6, template="paper", values="numbers")
+    assert sets.selection.info["template"] == "paper" and sets.selection.info["values"] == "numbers"
+    assert set(sets.held_out) == {"kv-2", "kv-2-facts"}  # the paper template is the selection's

@@ -382,7 +382,7 @@ def test_scan_groups_a_large_jamba_by_default(tmp_path, monkeypatch):
     m = tiny_hooked_ssm("jamba", vocab_size=len(tok()), mamba_expand=4)  # 3 x 128 channels
     assert head_view(m).n_heads_total > 300
 
-    def tasks(tok_, task, n_samples, seed, n_eval=8, zoo=False):
+    def tasks(tok_, task, n_samples, seed, n_eval=8, **kv):
         held_out = {"kv-4": make_task(n_pairs=4, n_samples=n_eval, seed=seed + 1)}
         return scan_module.ScanTasks(make_task(n_pairs=4, n_samples=n_samples), held_out)
 
@@ -826,7 +826,7 @@ def test_scan_ranks_both_parts_of_every_layer(family, tmp_path, monkeypatch):
     m = model(family)
     view = head_view(m)
 
-    def tasks(tok_, task, n_samples, seed, n_eval=8, zoo=False):
+    def tasks(tok_, task, n_samples, seed, n_eval=8, **kv):
         held_out = {"kv-4": make_task(n_pairs=4, n_samples=n_eval, seed=seed + 1)}
         return scan_module.ScanTasks(make_task(n_pairs=4, n_samples=n_samples), held_out)
 

@@ -182,7 +182,7 @@ def test_html_and_scan_cli_show_the_joint_control_effect(split, tmp_path, monkey
     assert list(table["joint_control_effect"]) == [iv.value for iv in report.joint_set.effects[:3]]
     assert table.columns.get_loc("joint_control_effect") > table.columns.get_loc("control_effect")
 
-    def tasks(tok, task, n_samples, seed, n_eval=8, zoo=False):
+    def tasks(tok, task, n_samples, seed, n_eval=8, **kv):
         return ScanTasks(
             toy_gna_task(model, n_samples=n_samples, seed=seed),
             {"kv-4": toy_gna_task(model, n_samples=n_eval, seed=seed + 1)},

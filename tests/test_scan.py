@@ -26,7 +26,7 @@ def toy_scan(monkeypatch):
 
     model = toy_gna_model(generic_head=True)
 
-    def tasks(tok, task, n_samples, seed, n_eval=8, zoo=False):
+    def tasks(tok, task, n_samples, seed, n_eval=8, **kv):
         return ScanTasks(
             toy_gna_task(model, n_samples=n_samples, seed=seed),
             {"kv-4": toy_gna_task(model, n_samples=n_eval, seed=seed + 1)},
@@ -259,10 +259,13 @@ def test_scan_cli_gives_a_zoo_model_its_own_splits_and_others_none(monkeypatch, 
     monkeypatch.setattr(scan, "scan", fake_scan)
     if argv[0] == "my-model":  # any other model: loaded as usual (here a stand-in)
         monkeypatch.setattr(scan, "load_scan_model", lambda name, **kw: zoo.load("zoo-llama"))
+        built = ScanTasks(toy_gna_task(toy_gna_model(), n_samples=4), {})
+        monkeypatch.setattr(scan, "build_tasks", lambda *a, **kw: seen.update(build=kw) or built)
     args = ["scan", *argv, "--n-samples", "20", "--n-eval", "10", "--out", str(tmp_path)]
     assert cli.main(args) == 2
-    if argv[0] != "zoo-llama":
-        assert seen["tasks"] is None
+    if argv[0] != "zoo-llama":  # the task flags' defaults: question template, 6 pairs, words
+        assert seen["tasks"] is built
+        assert seen["build"] == dict(n_eval=10, values="words", n_pairs=6, template="question")
         return
     tok = zoo.load("zoo-llama").tokenizer
     want = zoo.scan_tasks(tok, seen["task"], n_samples=20, n_eval=10)
@@ -366,7 +369,7 @@ def mamba1_scan(monkeypatch):
         source="random chains of the test words", split="all",
     )  # fmt: skip
 
-    def tasks(tok_, task, n_samples, seed, n_eval=8, zoo=False):
+    def tasks(tok_, task, n_samples, seed, n_eval=8, **kv):
         return ScanTasks(
             make_task(n_pairs=4, n_samples=n_samples, seed=seed),
             {"kv-4": make_task(n_pairs=4, n_samples=n_eval, seed=seed + 1)},

@@ -13,6 +13,7 @@ imports :mod:`gna_lens.scoring`.
 """
 
 import html
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +84,10 @@ def report_html(report: Any, *, k: int = 6, extra_html: str = "", interactive: b
     if joint is not None and k > joint.joint_k and not joint.exhausted:
         k = joint.joint_k  # the joint set's first k are all it knows
     if has_ablation and report.has_control:
-        top, title = report.top(k), f"Top {k} retrieval-specific heads ({report.criterion})"
+        with warnings.catch_warnings():  # fewer than k: the table shows what qualifies
+            warnings.simplefilter("ignore", UserWarning)
+            top = report.top(k)
+        title = f"Top {k} retrieval-specific heads ({report.criterion})"
     elif has_ablation:
         top, title = report.top(k, by="ablation_effect"), f"Top {k} heads by ablation effect"
     else:

@@ -1060,7 +1060,7 @@ def resolve_sweep_dtype(
     ``"auto"`` (:func:`gna_lens.runtime.choose_precision`): the model's own arithmetic where
     the model is small (at most :data:`EXACT_ALL_MAX` heads, as grouped now: its exact sweep is
     affordable in float32) or its weights are not float32; else a forward pass like the
-    sweep's (:func:`_probe_forward`: 16 of ``task``'s prompts, last-position logits) is timed in
+    sweep's (:func:`probe_forward`: 16 of ``task``'s prompts, last-position logits) is timed in
     float32 and under bfloat16 autocast on the model's device, and
     bfloat16 is taken only where it is measured faster (by
     :data:`~gna_lens.runtime.MIN_SPEEDUP`) and passes :func:`check_bfloat16` on the same
@@ -1092,7 +1092,7 @@ def resolve_sweep_dtype(
             "resolve_sweep_dtype(model, 'auto') on a large model needs task= (its prompts are "
             "what bfloat16 is timed and checked on). Fix: pass the selection task."
         )
-    run, what = _probe_forward(model, task) if large and task is not None else (None, "")
+    run, what = probe_forward(model, task) if large and task is not None else (None, "")
     choice = choose_precision(
         "auto",
         run=run,
@@ -1114,7 +1114,7 @@ def resolve_sweep_dtype(
     return choice.autocast, record
 
 
-def _probe_forward(model: Any, task: Task, rows: int = 16) -> tuple[Any, str]:
+def probe_forward(model: Any, task: Task, rows: int = 16) -> tuple[Any, str]:
     """The work ``sweep_dtype="auto"`` times: a forward pass like the sweep's own (the last
     position's logits only) on ``rows`` selection prompts of the task's most common length (its
     prompts repeated where it has fewer). Matrix shapes decide which precision is faster (on one
@@ -1436,7 +1436,7 @@ def _estimate_applies(policy: DevicePolicy) -> bool:
 
 def _exact_seconds(model: Any, task: Task, view: Any) -> tuple[float, str]:
     """Estimated seconds of the task's and the control's exact sweeps over every head."""
-    run, what = _probe_forward(model, task)
+    run, what = probe_forward(model, task)
     policy = policy_of(model)
     run()  # warm-up (kernels compiled, memory pools filled)
     times = []
@@ -1958,14 +1958,16 @@ def _score_heads(
         method["joint_control"] = line
     if n_examples:
         clock = time.perf_counter()
-        if ablation and report.has_control:
-            js = report.joint_set
-            k_ex = min(n_examples, n)
-            top = report.top(k_ex, joint=False if js is not None and k_ex > js.joint_k else None)
-        else:
-            top = report.top(
-                min(n_examples, n), by="ablation_effect" if ablation else "aggregate_score"
-            )
+        with warnings.catch_warnings():  # fewer heads than n_examples: fewer examples
+            warnings.simplefilter("ignore", GnaLensWarning)
+            if ablation and report.has_control:
+                js = report.joint_set
+                k_ex = min(n_examples, n)
+                joint = False if js is not None and k_ex > js.joint_k else None
+                top = report.top(k_ex, joint=joint)
+            else:
+                by = "ablation_effect" if ablation else "aggregate_score"
+                top = report.top(min(n_examples, n), by=by)
         if top:
             object.__setattr__(report, "examples", _examples(subject, task, top))
         timings["examples"] = time.perf_counter() - clock
