@@ -1963,8 +1963,8 @@ def _score_heads(
             if ablation and report.has_control:
                 js = report.joint_set
                 k_ex = min(n_examples, n)
-                joint = False if js is not None and k_ex > js.joint_k else None
-                top = report.top(k_ex, joint=joint)
+                use_joint = False if js is not None and k_ex > js.joint_k else None
+                top = report.top(k_ex, joint=use_joint)
             else:
                 by = "ablation_effect" if ablation else "aggregate_score"
                 top = report.top(min(n_examples, n), by=by)
