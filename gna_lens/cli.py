@@ -875,7 +875,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--out", default="gna_lens_hybrid", type=out_arg, help="folder for table.md/csv/json/svg"
     )
     hy.add_argument("--d-state", type=count_arg(1), default=16, help="SSM heads' state size (16)")
-    hy.add_argument("--head-layout", default="head", choices=["head", "kv_group"])
+    hy.add_argument(
+        "--head-layout", default="head", choices=["head", "kv_group"],
+        help="SSM heads of the students: one per attention head (head) or per KV group",
+    )  # fmt: skip
     hy.add_argument("--stages", default="1,2", help="distillation stages (1,2)")
     hy.add_argument(
         "--stage1-share", type=float, default=0.25, help="share of the budget for stage 1 (0.25)"

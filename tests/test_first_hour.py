@@ -3,6 +3,7 @@ the expectation and the fix; defaults that work on the models the docs name."""
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -289,3 +290,39 @@ def test_scan_task_flags_set_the_kv_prompts_and_are_refused_on_zoo_models(tmp_pa
     sets = build_tasks(tok, "kv", 6, 0, n_pairs=2, n_eval=6, template="paper", values="numbers")
     assert sets.selection.info["template"] == "paper" and sets.selection.info["values"] == "numbers"
     assert set(sets.held_out) == {"kv-2", "kv-2-facts"}  # the paper template is the selection's
+
+
+def test_train_zoo_writes_only_where_it_is_told(monkeypatch, tmp_path):
+    import gna_lens.zoo.train as train
+    from gna_lens.zoo import MODELS_DIR
+
+    seen = []
+    monkeypatch.setattr(train, "train_model", lambda recipe, out, **kw: seen.append(out) or {})
+    monkeypatch.setattr(train, "measure", lambda out: (_ for _ in ()).throw(SystemExit(0)))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit):
+        train.train_zoo_main(["zoo-llama"])
+    assert seen == [Path("zoo_models") / "zoo-llama"]  # not the package's MODELS_DIR
+    assert MODELS_DIR not in seen[0].resolve().parents
+
+
+def test_every_flag_of_every_subcommand_has_help(monkeypatch):
+    import argparse
+
+    seen = {}
+
+    def capture(self, args=None, namespace=None):
+        seen["parser"] = self
+        raise SystemExit(0)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", capture)
+    with pytest.raises(SystemExit):
+        main(["scan"])
+    subs = next(a for a in seen["parser"]._actions if isinstance(a, argparse._SubParsersAction))
+    missing = [
+        (name, act.option_strings or act.dest)
+        for name, sub in subs.choices.items()
+        for act in sub._actions
+        if act.help is None and act.dest != "help"
+    ]
+    assert missing == []

@@ -121,7 +121,7 @@ def path(name: str) -> Path:
     if not isinstance(name, str) or not (MODELS_DIR / name / "config.json").is_file():
         raise ConfigError(
             f"zoo model {name!r} not found; expected one of {names()} (the checkpoints under "
-            f"{MODELS_DIR}). Retrain missing ones with `gna-lens train-zoo`."
+            f"{MODELS_DIR}). Retrain missing ones with `gna-lens train-zoo NAME --out {MODELS_DIR}`."
         )
     return MODELS_DIR / name
 

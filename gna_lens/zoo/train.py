@@ -5,6 +5,8 @@ seed with plain Hugging Face models (torch forward, CPU is fine), saves each as 
 folder (``model.safetensors``, ``config.json``, tokenizer), then re-loads it the way users do
 (:func:`gna_lens.zoo.load`) and measures the card's accuracies on the held-out splits of
 :func:`gna_lens.zoo.tasks`. Never run in CI: each model takes 10-30 minutes on one CPU thread.
+It writes under ``--out`` (default ``./zoo_models``); the shipped checkpoints are replaced only
+when ``--out`` names their folder (``gna_lens.zoo.MODELS_DIR``).
 
 Examples:
     Retrain one model into a scratch folder (slow, so not run here)::
@@ -755,11 +757,15 @@ def train_zoo_main(argv: Sequence[str] | None = None) -> int:
         "names", nargs="*", help=f"models to train (default: all of {list(RECIPES)})"
     )
     parser.add_argument(
-        "--out", default=str(MODELS_DIR), help="folder receiving <name>/ (default: the package's)"
-    )
+        "--out", default="zoo_models",
+        help="folder receiving <name>/ (default: ./zoo_models; the shipped checkpoints are "
+        f"replaced only when this names their folder, {MODELS_DIR})",
+    )  # fmt: skip
     parser.add_argument("--steps", type=int, default=None, help="override each recipe's steps")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    parser.add_argument("--eval-every", type=int, default=500, help="quick held-out eval interval")
+    parser.add_argument(
+        "--eval-every", type=int, default=500, help="steps between quick held-out evals (500)"
+    )
     parser.add_argument(
         "--card-only", action="store_true", help="re-measure existing checkpoints' cards"
     )
