@@ -52,7 +52,7 @@ from gna_lens.scoring.report import (
     applied_head_groups,
     choose_strategy,
     default_top_layers,
-    probe_forward,
+    time_per_row,
 )
 from gna_lens.stats import wilson_interval
 from gna_lens.tasks import (
@@ -517,15 +517,10 @@ def scan(
         )
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
-    sets = tasks or build_tasks(
-        model.tokenizer, task, n_samples=n_samples, seed=seed, n_eval=n_eval
+    sets, c_select, c_eval = _prompts(
+        model, task, tasks, n_samples, seed, n_eval, control, positions
     )
     probe = sets.selection
-    tok = model.tokenizer
-    c_select = sets.control_select if sets.control_select is not None else control
-    c_select = resolve_control(c_select, tok, positions=positions, split="select")
-    c_eval = sets.control_eval if sets.control_eval is not None else control
-    c_eval = resolve_control(c_eval, tok, positions=positions, split="eval")
     timings["tasks"] = time.perf_counter() - t0
     t = time.perf_counter()
     baseline_check = _check_baseline(model, probe, name, force=force)
@@ -773,15 +768,8 @@ def estimate_scan(
         >>> est.strategy, est.n_exact, sorted(est.rows)
         ('exact', 4, ['ablation', 'baseline_check', 'held_out', 'pattern_scores'])
     """
-    sets = tasks or build_tasks(
-        model.tokenizer, task, n_samples=n_samples, seed=seed, n_eval=n_eval
-    )
+    sets, c_sel, c_eval = _prompts(model, task, tasks, n_samples, seed, n_eval, control, positions)
     probe = sets.selection
-    tok = model.tokenizer
-    c_sel = sets.control_select if sets.control_select is not None else control
-    c_sel = resolve_control(c_sel, tok, positions=positions, split="select")
-    c_eval = sets.control_eval if sets.control_eval is not None else control
-    c_eval = resolve_control(c_eval, tok, positions=positions, split="eval")
     sel_len = sum(len(s.input_ids) for s in probe) / len(probe)
 
     def rows_of(prompts: Any) -> float:
@@ -819,17 +807,8 @@ def estimate_scan(
             rows["joint_control"] = min(JOINT_K, n_exact) * ctrl
         held = sum(rows_of(t) for t in sets.held_out.values()) + rows_of(c_eval)
         rows["held_out"] = (2 + random_draws) * held
-        run, what = probe_forward(subject, probe)
+        per_row, what = time_per_row(subject, probe)
         policy = subject.policy
-        run()  # warm-up
-        times = []
-        for _ in range(3):
-            policy.synchronize()
-            t0 = time.perf_counter()
-            run()
-            policy.synchronize()
-            times.append(time.perf_counter() - t0)
-        per_row = sorted(times)[1] / 16
         weights = sum(t.numel() * t.element_size() for t in subject.model.state_dict().values())
         return ScanEstimate(
             strategy=chosen, strategy_why=why, n_heads=view.n_heads_total, n_exact=n_exact,
@@ -862,6 +841,25 @@ def describe_timings(timings: dict[str, float], heads: dict[str, float]) -> str:
         detail = ", ".join(f"{a} {b:.1f} s" for a, b in heads.items()) if k == "heads" else ""
         parts.append(f"{k} {v:.1f} s" + (f" ({detail})" if detail else ""))
     return ", ".join(parts)
+
+
+def _prompts(
+    model: Any, task: str, tasks: ScanTasks | None, n_samples: int, seed: int, n_eval: int,
+    control: Any, positions: Any,
+) -> tuple[ScanTasks, Any, Any]:  # fmt: skip
+    """A scan's prompt sets (``tasks``, else :func:`build_tasks`) and its two controls (the sets'
+    own, else ``control``): ``(sets, control of the ranking, control held out)``."""
+    sets = tasks or build_tasks(
+        model.tokenizer, task, n_samples=n_samples, seed=seed, n_eval=n_eval
+    )
+    tok = model.tokenizer
+    c_select = sets.control_select if sets.control_select is not None else control
+    c_eval = sets.control_eval if sets.control_eval is not None else control
+    return (
+        sets,
+        resolve_control(c_select, tok, positions=positions, split="select"),
+        resolve_control(c_eval, tok, positions=positions, split="eval"),
+    )
 
 
 def _pick_strategy(

@@ -1060,7 +1060,7 @@ def resolve_sweep_dtype(
     ``"auto"`` (:func:`gna_lens.runtime.choose_precision`): the model's own arithmetic where
     the model is small (at most :data:`EXACT_ALL_MAX` heads, as grouped now: its exact sweep is
     affordable in float32) or its weights are not float32; else a forward pass like the
-    sweep's (:func:`probe_forward`: 16 of ``task``'s prompts, last-position logits) is timed in
+    sweep's (:func:`_probe_forward`: 16 of ``task``'s prompts, last-position logits) is timed in
     float32 and under bfloat16 autocast on the model's device, and
     bfloat16 is taken only where it is measured faster (by
     :data:`~gna_lens.runtime.MIN_SPEEDUP`) and passes :func:`check_bfloat16` on the same
@@ -1092,7 +1092,7 @@ def resolve_sweep_dtype(
             "resolve_sweep_dtype(model, 'auto') on a large model needs task= (its prompts are "
             "what bfloat16 is timed and checked on). Fix: pass the selection task."
         )
-    run, what = probe_forward(model, task) if large and task is not None else (None, "")
+    run, what = _probe_forward(model, task) if large and task is not None else (None, "")
     choice = choose_precision(
         "auto",
         run=run,
@@ -1114,7 +1114,7 @@ def resolve_sweep_dtype(
     return choice.autocast, record
 
 
-def probe_forward(model: Any, task: Task, rows: int = 16) -> tuple[Any, str]:
+def _probe_forward(model: Any, task: Task, rows: int = 16) -> tuple[Any, str]:
     """The work ``sweep_dtype="auto"`` times: a forward pass like the sweep's own (the last
     position's logits only) on ``rows`` selection prompts of the task's most common length (its
     prompts repeated where it has fewer). Matrix shapes decide which precision is faster (on one
@@ -1434,9 +1434,10 @@ def _estimate_applies(policy: DevicePolicy) -> bool:
     return policy.is_cuda
 
 
-def _exact_seconds(model: Any, task: Task, view: Any) -> tuple[float, str]:
-    """Estimated seconds of the task's and the control's exact sweeps over every head."""
-    run, what = probe_forward(model, task)
+def time_per_row(model: Any, task: Task, rows: int = 16) -> tuple[float, str]:
+    """Seconds per prompt of a sweep-like forward (:func:`_probe_forward` of ``rows`` prompts):
+    the median of 3 timed runs after a warm-up; and what was timed, in words."""
+    run, what = _probe_forward(model, task, rows)
     policy = policy_of(model)
     run()  # warm-up (kernels compiled, memory pools filled)
     times = []
@@ -1446,8 +1447,12 @@ def _exact_seconds(model: Any, task: Task, view: Any) -> tuple[float, str]:
         run()
         policy.synchronize()
         times.append(time.perf_counter() - t0)
-    rows = 16
-    per_row = sorted(times)[1] / rows
+    return sorted(times)[1] / rows, what
+
+
+def _exact_seconds(model: Any, task: Task, view: Any) -> tuple[float, str]:
+    """Estimated seconds of the task's and the control's exact sweeps over every head."""
+    per_row, what = time_per_row(model, task)
     depth = sum((view.n_layers - layer) / view.n_layers for layer, _ in view.heads()) / max(
         view.n_heads_total, 1
     )
