@@ -583,20 +583,13 @@ def task_arg(text: str) -> str:
 
 def _prepare_out(folder: str, command: str) -> bool:
     """Make ``folder`` (the run's output) before any work, so a run is never lost at its end."""
-    import os
-    from pathlib import Path
+    from gna_lens.errors import ConfigError
+    from gna_lens.runtime import output_folder
 
     try:
-        Path(folder).mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        print(f"gna-lens {command}: error: --out {folder!r}: {err}", file=sys.stderr)
-        return False
-    if not os.access(folder, os.W_OK):
-        print(
-            f"gna-lens {command}: error: --out {folder!r} is not writable; pass a folder you "
-            "can write to.",
-            file=sys.stderr,
-        )
+        output_folder(folder, "--out")
+    except ConfigError as err:
+        print(f"gna-lens {command}: error: {err}", file=sys.stderr)
         return False
     return True
 

@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -511,3 +512,39 @@ def choose_precision(
         f"auto: bfloat16 autocast, because {probe.describe()}{hw}; checked: {words}",
         probe, words, True,
     )  # fmt: skip
+
+
+def output_folder(out: Any, where: str) -> Path | None:
+    """Make the folder a run writes into, before any work, so that a run is never lost at its end
+    (``None``: the run writes nothing).
+
+    Args:
+        out: The folder (made with its parents), or ``None``.
+        where: The caller, for the message (``"scan(out=...)"``, ``"--out"``).
+
+    Returns:
+        The folder as a :class:`~pathlib.Path`, or ``None``.
+
+    Raises:
+        ConfigError: If ``out`` is a file, or the folder cannot be made or written.
+
+    Examples:
+        >>> import tempfile
+        >>> output_folder(Path(tempfile.mkdtemp()) / "run", "scan(out=...)").is_dir()
+        True
+    """
+    if out is None:
+        return None
+    folder = Path(out)
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(
+            f"{where} {str(out)!r} is a file; expected a folder to write into (new or existing). "
+            "Fix: another folder, or move the file."
+        )
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"{where} {str(out)!r}: the folder cannot be made ({err}).") from err
+    if not os.access(folder, os.W_OK):
+        raise ConfigError(f"{where} {str(out)!r} is not writable; pass a folder you can write to.")
+    return folder

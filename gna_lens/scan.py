@@ -36,6 +36,7 @@ import torch
 from gna_lens.errors import ConfigError, GnaLensError, GnaLensWarning, TaskError
 from gna_lens.heads import Subject
 from gna_lens.models.provenance import provenance_of
+from gna_lens.runtime import output_folder
 from gna_lens.scoring import (
     MAX_CONTROL,
     GnaReport,
@@ -505,11 +506,7 @@ def scan(
             f"scan: top={top}, exact={exact}, n_samples={n_samples}, n_eval={n_eval}; expected "
             "positive ints."
         )
-    if out is not None and Path(out).exists() and not Path(out).is_dir():
-        raise GnaLensError(
-            f"scan(out={str(out)!r}): it is a file; expected a folder (new or existing) for "
-            "report.html and report.json. Fix: another out, or move the file."
-        )
+    output_folder(out, "scan(out=...)")  # made now: a run is never lost at its end
     if mode == "resample":
         raise GnaLensError(
             "scan(mode='resample') is not offered: it needs a reference prompt set per task. "

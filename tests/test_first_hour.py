@@ -198,15 +198,21 @@ def test_scan_stops_before_any_sweep_on_a_model_at_chance_unless_forced(tmp_path
     assert result.report.method["baseline_check"].endswith("scanned anyway (force)")
 
 
-def test_scan_refuses_an_out_that_is_a_file(tmp_path):
+def test_entry_points_refuse_an_out_that_is_a_file_before_loading(tmp_path, no_loading):
+    from gna_lens.hybrid._experiment import run_experiment  # not the stubs of no_loading
+    from gna_lens.lm_eval.table import evaluate_table
     from gna_lens.scan import scan
     from tests.test_scan import _kv_world
 
     model, _, _ = _kv_world()
     taken = tmp_path / "report"
     taken.write_text("")
-    with pytest.raises(GnaLensError, match=r"scan\(out=.*report'\): it is a file"):
+    with pytest.raises(ConfigError, match=r"scan\(out=\.\.\.\) '.*report' is a file"):
         scan(model, "kv", out=taken, progress=False, force=True)
+    with pytest.raises(ConfigError, match=r"evaluate_table\(out=\.\.\.\) '.*report' is a file"):
+        evaluate_table("smollm2-135m", ["gna_kv"], [0], out=taken)
+    with pytest.raises(ConfigError, match=r"run_experiment\(out=\.\.\.\) '.*report' is a file"):
+        run_experiment("smollm2-135m", [0], out=taken, progress=False)
 
 
 def test_transformerlens_cache_shorthands_work_on_hooked_ssm():

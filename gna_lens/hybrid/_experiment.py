@@ -37,6 +37,7 @@ from gna_lens.hybrid._data import EVAL_KV_SEED, SELECTION_SEED
 from gna_lens.render.markdown import heads_text, hybrid_markdown
 from gna_lens.render.plotly import hybrid_figure
 from gna_lens.render.svg import hybrid_svg
+from gna_lens.runtime import output_folder
 from gna_lens.stats import Interval, bootstrap_interval, wilson_interval
 
 __all__ = ["HybridRow", "HybridTable", "run_experiment"]
@@ -1016,6 +1017,7 @@ def run_experiment(
             "distill_data=, not both."
         )
     selectors = _parse_only(only, choices, seed_list)
+    output_folder(out, "run_experiment(out=...)")  # made before the teacher loads
 
     def say(text: str) -> None:
         if progress:

@@ -31,6 +31,7 @@ from gna_lens.lm_eval.tasks import LOCAL_TASKS, is_local, write_tasks
 from gna_lens.render.markdown import benchmark_markdown
 from gna_lens.render.plotly import benchmark_figure
 from gna_lens.render.svg import benchmark_svg
+from gna_lens.runtime import output_folder
 from gna_lens.scoring import RandomHeadSets, matched_random_sets
 from gna_lens.stats import Interval, bootstrap_interval, two_level_interval, wilson_interval
 
@@ -629,6 +630,7 @@ def evaluate_table(
             f"{[k for k in ks if k] or 'a remove_top with a non-zero row'}, or add it to "
             "remove_top."
         )
+    output_folder(out, "evaluate_table(out=...)")  # made before the model loads
     if isinstance(model, str | Path):
         from gna_lens.models import load_model
 
