@@ -50,6 +50,9 @@ def _demo(args: argparse.Namespace) -> int:
     for value, pos in zip(top.values.tolist(), top.indices.tolist(), strict=True):
         print(f"    pos {pos:3d} {toks[pos]!r:>12}  {value:.4f}")
     print(f"Done in {time.perf_counter() - t0:.1f}s")
+    print(
+        f"The main job (`make demo`): gna-lens scan {DEFAULT_SCAN_MODEL} --dry-run, then without it"
+    )
     return 0
 
 
@@ -621,7 +624,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"gna-lens {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
-        "demo", help="load a model, cache a run, summarize one implicit attention"
+        "demo",
+        help="load a model (default: a tiny random Mamba-2), cache a run, summarize one implicit "
+        "attention; the main job, `make demo`, is `gna-lens scan smollm2-135m`",
     )
     demo.add_argument("model", nargs="?", default=None, help="local checkpoint dir or hub name")
     demo.add_argument(
