@@ -332,3 +332,16 @@ def test_every_flag_of_every_subcommand_has_help(monkeypatch):
         if act.help is None and act.dest != "help"
     ]
     assert missing == []
+
+
+def test_an_empty_task_is_refused_by_evaluate_and_score_heads():
+    from gna_lens import score_heads
+    from gna_lens.tasks import evaluate
+    from gna_lens.testing import toy_gna_model, toy_gna_task
+
+    model = toy_gna_model()
+    empty = dataclasses.replace(toy_gna_task(model, n_samples=2), samples=())
+    with pytest.raises(TaskError, match=r"has no prompts; an accuracy of nothing is undefined"):
+        evaluate(model, empty)
+    with pytest.raises(GnaLensError, match=r"score_heads: task .* has no prompts"):
+        score_heads(model, empty, control=None, progress=False)

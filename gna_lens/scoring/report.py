@@ -1781,6 +1781,14 @@ def _score_heads(
 ) -> GnaReport:
     """:func:`score_heads` with the head groups in place (the model's view is built here, once,
     and every step below is handed it)."""
+    if not isinstance(task, Task) or not len(task):
+        what = f"task {task.name!r} has no prompts" if isinstance(task, Task) else (
+            f"task is a {type(task).__name__}"
+        )  # fmt: skip
+        raise GnaLensError(
+            f"score_heads: {what}; expected a gna_lens.tasks.Task with at least one prompt "
+            "(e.g. kv_retrieval(tokenizer, n_samples=24))."
+        )
     subject = Subject.of(model)
     model, view = subject.model, subject.view
     positions = check_positions(positions)

@@ -231,6 +231,11 @@ def evaluate(
         raise TaskError(f"method={method!r}; expected 'auto', 'single_pass' or 'per_choice'.")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise TaskError(f"batch_size={batch_size!r}; expected a positive int.")
+    if not len(task):
+        raise TaskError(
+            f"task {task.name!r} has no prompts; an accuracy of nothing is undefined. Fix: a task "
+            "with at least one prompt (n_samples >= 1)."
+        )
     pad = task.pad_token_id if pad_token_id is None else int(pad_token_id)
     single = all(s.single_token_choices for s in task)
     if task.scoring == "exact":
