@@ -710,7 +710,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--metric", default="logit_diff", choices=["logit_diff", "accuracy", "logprob", "choice_logprob"],
         help="ablation metric of the ranking (accuracy with every head exact: the paper's)",
     )  # fmt: skip
-    sc.add_argument("--mode", default="zero", choices=["zero", "mean"], help="ablation mode")
+    sc.add_argument(
+        "--mode", default="zero", choices=["zero", "mean", "resample"],
+        help="ablation mode: zero (the paper's), mean (each head's mean output over the prompts "
+        "of the same set) or resample (each prompt's head outputs from the next prompt of the "
+        "same set)",
+    )  # fmt: skip
     sc.add_argument("--positions", default="all", choices=["all", "last"], help="ablated positions")
     sc.add_argument(
         "--control",

@@ -463,7 +463,9 @@ def scan(
             :meth:`~gna_lens.models.HookedSSM.set_head_groups`. It holds for the whole scan (the
             held-out stage removes the same groups); the report records it.
         metric: Ablation metric of the ranking (``"logit_diff"``, ``"accuracy"``, ...).
-        mode: ``"zero"`` or ``"mean"`` ablation (of the ranking and the held-out measurement).
+        mode: ``"zero"``, ``"mean"`` or ``"resample"`` ablation (of the ranking and the held-out
+            measurement; resample takes each prompt's head outputs from the next prompt of the
+            same set: each task and control rotated by one).
         positions: ``None`` (every position) or ``"last"``.
         control: ``"auto"`` (default: the zoo's cloze split on a zoo model, else ``"prose"``),
             ``"prose"``, ``None``, or any control of
@@ -507,11 +509,6 @@ def scan(
             "positive ints."
         )
     output_folder(out, "scan(out=...)")  # made now: a run is never lost at its end
-    if mode == "resample":
-        raise GnaLensError(
-            "scan(mode='resample') is not offered: it needs a reference prompt set per task. "
-            "Use score_heads(..., mode='resample', reference=...) directly, or mode='mean'."
-        )
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
     sets, c_select, c_eval = _prompts(

@@ -1,6 +1,7 @@
 """The control that tells retrieval heads from generic ones, and the intervals every number
 carries: control texts, the control sweep (batched == loop), specificity, Wilson/bootstrap."""
 
+import dataclasses
 import math
 
 import pytest
@@ -172,13 +173,14 @@ def test_specificity_puts_both_effects_in_one_currency():
     assert s[3] < 0.35 and math.isnan(float(s[4]))
 
 
-def test_resample_without_a_distinct_reference_is_refused():
+def test_resample_with_the_task_itself_is_refused_and_without_one_rotates():
     model = toy_gna_model()
     task = toy_gna_task(model, n_samples=4)
     with pytest.raises(InterventionError, match="reference is the task itself"):
-        score_heads(model, task, mode="resample", control=None, progress=False)
-    with pytest.raises(InterventionError, match="reference is the task itself"):
         score_heads(model, task, mode="resample", reference=task, control=None, progress=False)
+    one = dataclasses.replace(task, samples=task.samples[:1])
+    with pytest.raises(InterventionError, match="has 1; expected at least 2 prompts"):
+        score_heads(model, one, mode="resample", control=None, progress=False)
 
 
 def test_bfloat16_sweeps_are_recorded_and_close_to_float32():

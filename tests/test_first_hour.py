@@ -345,3 +345,31 @@ def test_an_empty_task_is_refused_by_evaluate_and_score_heads():
         evaluate(model, empty)
     with pytest.raises(GnaLensError, match=r"score_heads: task .* has no prompts"):
         score_heads(model, empty, control=None, progress=False)
+
+
+def test_resample_without_a_reference_rotates_each_set_by_one_and_scan_offers_it(tmp_path):
+    from gna_lens import score_heads
+    from gna_lens.interventions.sources import rotated
+    from gna_lens.scan import ScanTasks, scan
+    from gna_lens.testing import (
+        TOY_AGGREGATE_HEAD,
+        TOY_GATHER_HEAD,
+        toy_gna_model,
+        toy_gna_task,
+    )
+
+    model = toy_gna_model()
+    task = toy_gna_task(model, n_samples=8)
+    auto = score_heads(model, task, mode="resample", control=None, progress=False)
+    given = score_heads(
+        model, task, mode="resample", reference=rotated(task, "t"), control=None, progress=False
+    )
+    assert torch.equal(auto.scores["ablation_effect"], given.scores["ablation_effect"])
+    assert "rotated by one" in auto.method["reference"]
+    sets = ScanTasks(task, {"kv": toy_gna_task(model, n_samples=16, seed=1)})
+    result = scan(model, tasks=sets, mode="resample", top=2, out=None, progress=False,
+                  random_draws=0, control=None)  # fmt: skip
+    assert set(result.top) == {TOY_GATHER_HEAD, TOY_AGGREGATE_HEAD}
+    row = result.knowledge.rows[0]
+    assert row.before.value == 1.0 and row.change.high < 0  # resampling the pair's outputs hurts
+    assert "rotated by one" in result.report.method["reference"]

@@ -48,6 +48,7 @@ from gna_lens.interventions.sources import (
     check_resample_pairs,
     column_mask,
     edit_positions,
+    rotated,
 )
 from gna_lens.render.markdown import heads_label
 from gna_lens.stats import spearman
@@ -738,9 +739,7 @@ def control_sweep(
                     f"control_sweep(mode='resample') on {describe_task(control)}: one sample "
                     "cannot be resampled from another; expected at least 2 samples."
                 )
-            reference = dataclasses.replace(
-                control, samples=control.samples[1:] + control.samples[:1]
-            )
+            reference = rotated(control, "control_sweep")
         elif mode != "zero":
             reference = control
         res = ablation_sweep(

@@ -2,6 +2,7 @@
 list), the ablation modes (zero, mean over reference prompts, resample) and their
 :class:`Source` of values; activation patching's clean outputs come from the same place."""
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -31,6 +32,7 @@ __all__ = [
     "edit_positions",
     "mean_positions",
     "reference_rows",
+    "rotated",
 ]
 
 
@@ -434,6 +436,30 @@ def edit_positions(source: Source, positions: Any, prompts: Sequence[Sequence[in
     for length in sorted({len(p) for p in prompts}):
         column_mask(spec, length, HOST)
     return spec
+
+
+def rotated(task: Task, where: str) -> Task:
+    """``task`` rotated by one: the reference resample ablation takes where none is given (prompt
+    ``i`` takes its head outputs from prompt ``i + 1`` of the same set, the same lengths in a
+    generated task such as KV retrieval).
+
+    Raises:
+        InterventionError: For a task of fewer than 2 prompts (``where`` names the caller).
+
+    Examples:
+        >>> from gna_lens.testing import toy_gna_model, toy_gna_task
+        >>> task = toy_gna_task(toy_gna_model(), n_samples=3)
+        >>> rotated(task, "here")[0].prompt == task[1].prompt
+        True
+    """
+    if len(task) < 2:
+        raise InterventionError(
+            f"{where}: mode='resample' resamples each prompt from another of the same set, and "
+            f"{task.name!r} has {len(task)}; expected at least 2 prompts, or reference=."
+        )
+    return dataclasses.replace(
+        task, samples=task.samples[1:] + task.samples[:1], name=f"{task.name}, rotated by one"
+    )
 
 
 def check_resample_pairs(

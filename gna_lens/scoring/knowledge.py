@@ -19,6 +19,7 @@ from gna_lens.heads import HeadView, ModelLike, Subject
 from gna_lens.interventions import ablate_heads, ablation_sweep, control_sweep
 from gna_lens.interventions.ablation import positions_label
 from gna_lens.interventions.batching import describe_task
+from gna_lens.interventions.sources import rotated
 from gna_lens.models.provenance import provenance_method
 from gna_lens.render.html import knowledge_html
 from gna_lens.render.markdown import heads_label
@@ -467,7 +468,8 @@ def retrieval_vs_knowledge(
             other top heads, so that no "random" set is a top head).
         mode: Ablation mode (``"zero"``, ``"mean"``, ``"resample"``).
         positions: Ablated positions (``None``: all).
-        reference: Reference of ``"mean"`` / ``"resample"``.
+        reference: Reference of ``"mean"`` / ``"resample"`` (resample without one: each task
+            rotated by one, prompt ``i`` resampled from prompt ``i + 1``).
         batch_size: Prompts per forward pass (multi-token tasks).
         progress: Show progress bars.
 
@@ -500,8 +502,11 @@ def retrieval_vs_knowledge(
     step_paths: dict[str, Any] = {}
     fallbacks: list[str] = []
     for name, task in tasks.items():
+        ref = rotated(task, "retrieval_vs_knowledge") if (
+            mode == "resample" and reference is None
+        ) else reference  # fmt: skip
         base, values, path, path_info = _per_sample_correct(
-            model, task, cells, mode, positions, reference, batch_size, progress
+            model, task, cells, mode, positions, ref, batch_size, progress
         )
         paths.add(path)
         step_paths[name] = path_info["paths"]

@@ -53,7 +53,7 @@ from gna_lens.interventions import ablation_sweep, attribute_heads, control_swee
 from gna_lens.interventions.ablation import SweepResult, positions_label
 from gna_lens.interventions.batching import describe_task
 from gna_lens.interventions.layers import LayerSweepResult, layer_sweep
-from gna_lens.interventions.sources import check_positions
+from gna_lens.interventions.sources import check_positions, rotated
 from gna_lens.models.kernels import path_summary
 from gna_lens.models.provenance import provenance_method
 from gna_lens.render.html import write_report_html
@@ -1799,13 +1799,15 @@ def _score_heads(
     dtype_choice: dict[str, Any] = {}
     if ablation:  # pattern scores alone run no sweep
         sweep_dtype, dtype_choice = resolve_sweep_dtype(subject, sweep_dtype, task)
-    if mode == "resample" and (reference is None or reference is task):
+    if mode == "resample" and reference is task:
         raise InterventionError(
-            "score_heads(mode='resample'): reference is the task itself (or None), so every prompt "
-            "would take its own head outputs and nothing would be ablated. Fix: pass "
-            "reference=<another task of the same lengths> (e.g. the same generator with another "
-            "seed), or use mode='mean' / 'zero'."
+            "score_heads(mode='resample'): reference is the task itself, so every prompt would "
+            "take its own head outputs and nothing would be ablated. Fix: pass reference=<another "
+            "task of the same lengths> (e.g. the same generator with another seed), or none (the "
+            "task rotated by one), or use mode='mean' / 'zero'."
         )
+    if mode == "resample" and reference is None:
+        reference = rotated(task, "score_heads")
     if mode == "mean" and reference is None:
         reference = task
     timings: dict[str, float] = {}
