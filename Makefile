@@ -41,8 +41,10 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m gna_lens.cli scan smollm2-135m --task kv --n-samples 16 --n-eval 48 --top 4 --sweep-dtype auto --out reports/demo
 
+# Two test processes (pytest-xdist): each test runs one torch thread, so one process left a core
+# idle; the Ray tests share one process (xdist_group "ray").
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadgroup
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check --no-cache gna_lens tests benchmarks

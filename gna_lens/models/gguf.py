@@ -220,8 +220,9 @@ def convert_gguf(
             "transformers": __import__("transformers").__version__,
         }
         (tmp / _DONE).write_text(json.dumps(info, indent=1) + "\n", encoding="utf-8")
-        shutil.rmtree(out, ignore_errors=True)
-        tmp.replace(out)
+        if force or not (out / _DONE).exists():  # another process may have finished first:
+            shutil.rmtree(out, ignore_errors=True)  # its folder is the same, and in use
+            tmp.replace(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if progress:
