@@ -55,7 +55,7 @@ from gna_lens.interventions.batching import describe_task
 from gna_lens.interventions.layers import LayerSweepResult, layer_sweep
 from gna_lens.interventions.sources import check_positions, rotated
 from gna_lens.models.kernels import path_summary
-from gna_lens.models.provenance import provenance_method
+from gna_lens.models.provenance import provenance_method, provenance_of
 from gna_lens.render.html import write_report_html
 from gna_lens.render.markdown import heads_label
 from gna_lens.runtime import choose_precision, native_bfloat16
@@ -1010,6 +1010,10 @@ _JOINT_COLUMNS = ("joint_control_effect", "joint_control_low", "joint_control_hi
 
 
 def _model_name(model: Any) -> str:
+    """The name the model was loaded by (``"smollm2-135m"``), else its config's, else its class."""
+    prov = provenance_of(model)
+    if prov.known and prov.name:
+        return str(prov.name)
     cfg = getattr(model, "cfg", None)
     for attr in ("model_name", "name_or_path"):
         name = getattr(cfg, attr, None)
