@@ -25,9 +25,6 @@ try:
 except ImportError:  # the extra gna-lens[ray] is not installed
     ray = None
 
-#: One local Ray instance at a time: under `pytest -n 2` these tests share one worker.
-pytestmark = pytest.mark.xdist_group("ray")
-
 
 def test_import_gna_lens_never_imports_ray():
     code = (

@@ -431,7 +431,7 @@ def test_unknown_architecture_is_refused(tmp_path):
     path = tiny_checkpoint("llama", tmp_path / "llama")
     with pytest.raises(ConfigError, match=r"model_type='llama'.*TransformerBridge"):
         HookedSSM.from_pretrained(str(path))
-    with pytest.raises(ConfigError, match="no model config"):
+    with pytest.raises(ConfigError, match="no such folder"):
         load_model(tmp_path / "missing")
 
 

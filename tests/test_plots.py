@@ -76,7 +76,7 @@ def test_sharpness_comparison_shows_the_top_heads_of_each_model(report):
     fig = sharpness_comparison({"toy": report, "ragged": rep}, top=3)
     assert [t.name for t in fig.data] == ["toy", "ragged"]
     for trace, r in zip(fig.data, (report, rep), strict=True):
-        top = r.top(3)
+        top = r.top(len(r.heads))[:3]  # the first 3 that qualify (the ragged report has fewer)
         assert list(trace.text) == [f"L{la}H{h}" for la, h in top]
         expected = [float(r.scores["sharpness"][r.heads.index(h)]) for h in top]
         assert list(trace.y) == pytest.approx(expected)

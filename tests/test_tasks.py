@@ -358,7 +358,7 @@ def test_error_answer_index_out_of_range():
 def test_error_n_pairs_more_than_values():
     tok = tokenizer("word", False)
     with pytest.raises(TaskError, match=r"n_pairs=101 .*0-99.*values='words'"):
-        kv_retrieval(tok, n_pairs=101, words=KEYS)
+        kv_retrieval(tok, n_pairs=101, words=KEYS, values="numbers")
     with pytest.raises(
         TaskError,
         match=r"only 60 of the 60 words.*n_pairs=40 with values='words' needs at least 80",
@@ -378,11 +378,14 @@ def test_error_values_split_into_several_tokens_suggests_words():
         TaskError,
         match=r"only 10 of the 100 candidate values.*'10' -> \['1', '0'\].*Fix: values='words'",
     ):
-        kv_retrieval(tok, n_pairs=12, words=KEYS)
+        kv_retrieval(tok, n_pairs=12, words=KEYS, values="numbers")
     assert len(kv_retrieval(tok, n_pairs=12, n_samples=2, words=KEYS, values="words")) == 2
     # The query "K:" + " 50" merge into ": 50" with this tokenizer: said, not silently mis-scored.
     with pytest.raises(TaskError, match=r"merged with the query's end"):
-        kv_retrieval(tokenizer("newline_bpe", False), n_pairs=4, template="question", words=KEYS)
+        kv_retrieval(
+            tokenizer("newline_bpe", False), n_pairs=4, template="question", words=KEYS,
+            values="numbers",
+        )  # fmt: skip
 
 
 def test_error_prompt_longer_than_model_context():

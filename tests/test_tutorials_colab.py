@@ -40,6 +40,8 @@ def _colab_notebook(path: Path, standins: Path) -> dict:
         "sys.modules['google.colab'] = colab\n"
         "from tests import colab_standins\n"
         f"colab_standins.install({str(standins)!r})\n"
+        "import torch\n"
+        "torch.set_num_threads(1)  # as the suite's own tests: one thread each\n"
         "import plotly.io as pio\n"
         "pio.renderers.default = 'json'\n"
     )

@@ -24,6 +24,7 @@ this module stays cheap.
 import math
 import os
 import shutil
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -233,7 +234,9 @@ def sharpness_comparison(
                 f"sharpness_comparison: reports[{label!r}] is {type(report).__name__}; expected a "
                 "GnaReport (from gna_lens.score_heads)."
             )
-        heads = report.top(top, by=by if by is not None else _default_rank(report))
+        with warnings.catch_warnings():  # fewer than top: the figure shows what qualifies
+            warnings.simplefilter("ignore", UserWarning)
+            heads = report.top(top, by=by if by is not None else _default_rank(report))
         index = {h: i for i, h in enumerate(report.heads)}
         sharp = report.scores["sharpness"]
         fig.add_trace(

@@ -11,7 +11,6 @@ equal-length token windows. A knowledge task (e.g. cloze questions answered from
 the other kind of control: pass the :class:`~gna_lens.tasks.Task` itself.
 """
 
-import dataclasses
 import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -234,20 +233,10 @@ def text_control(
     )
 
 
-def _is_zoo_tokenizer(tokenizer: Any) -> bool:
-    """Whether ``tokenizer`` is the zoo's word-level tokenizer (the same vocabulary)."""
-    get_vocab = getattr(tokenizer, "get_vocab", None)
-    if get_vocab is None:
-        return False
-    vocab = get_vocab()
-    return len(vocab) == len(_zoo_vocab()) and vocab == _zoo_vocab()
-
-
-@functools.cache
-def _zoo_vocab() -> dict[str, int]:
-    from gna_lens import zoo
-
-    return dict(zoo.tokenizer().get_vocab())
+#: What ``control="auto"`` takes for particular tokenizers, before the prose: callables
+#: ``(tokenizer, split) -> control or None``. :mod:`gna_lens.zoo` adds its cloze split for the
+#: zoo's tokenizer when it is imported (the zoo sits above this module, so it registers itself).
+AUTO_CONTROLS: list[Any] = []
 
 
 def resolve_control(
@@ -257,7 +246,8 @@ def resolve_control(
 
     Args:
         control: ``"auto"`` (a zoo model's tokenizer: the zoo's cloze split,
-            :func:`gna_lens.zoo.control`, named so in the task's name; any other: ``"prose"``),
+            :func:`gna_lens.zoo.control`, named so in the task's name, once :mod:`gna_lens.zoo`
+            is imported (:data:`AUTO_CONTROLS`); any other: ``"prose"``),
             ``"prose"`` (the shipped prose: 8 windows of 48 tokens whose last 24 tokens
             are scored to select heads, 64 such windows for the held-out ``split="eval"``, where
             an interval must be narrow enough to decide a 0.1 nats/token margin; 64 windows of
@@ -282,12 +272,10 @@ def resolve_control(
     if isinstance(control, TextControl | Task):
         return control
     if isinstance(control, str) and control == "auto":
-        if _is_zoo_tokenizer(tokenizer):  # the zoo reads prose as <unk>: its cloze split instead
-            from gna_lens import zoo
-
-            cloze = zoo.control(tokenizer, split if split == "eval" else "select")
-            why = "control='auto': the zoo's cloze split, since the zoo tokenizer reads prose as <unk>"
-            return dataclasses.replace(cloze, name=f"{cloze.name}; {why}")
+        for pick in AUTO_CONTROLS:  # e.g. the zoo's cloze split for the zoo's tokenizer
+            chosen = pick(tokenizer, split)
+            if chosen is not None:
+                return chosen
         control = "prose"
     n = 64 if positions == "last" or split == "eval" else 8
     length = 64 if positions == "last" else 48

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from gna_lens.errors import ConfigError, TaskError
+from gna_lens.tasks.control import AUTO_CONTROLS
 
 __all__ = [
     "MODELS_DIR",
@@ -318,3 +319,21 @@ def scan_tasks(tokenizer: Any, task: str = "kv", n_samples: int = 24, n_eval: in
             "second half)"
         },
     )
+
+
+@functools.cache
+def _zoo_vocab() -> tuple[tuple[str, int], ...]:
+    return tuple(sorted(tokenizer().get_vocab().items()))
+
+
+def _auto_control(tok: Any, split: str) -> Any:
+    """``control="auto"`` on the zoo's tokenizer (which reads prose as ``<unk>``): its cloze split."""
+    get_vocab = getattr(tok, "get_vocab", None)
+    if get_vocab is None or tuple(sorted(get_vocab().items())) != _zoo_vocab():
+        return None
+    cloze = control(tok, "eval" if split == "eval" else "select")
+    why = "control='auto': the zoo's cloze split, since the zoo tokenizer reads prose as <unk>"
+    return dataclasses.replace(cloze, name=f"{cloze.name}; {why}")
+
+
+AUTO_CONTROLS.append(_auto_control)
