@@ -373,3 +373,20 @@ def test_resample_without_a_reference_rotates_each_set_by_one_and_scan_offers_it
     row = result.knowledge.rows[0]
     assert row.before.value == 1.0 and row.change.high < 0  # resampling the pair's outputs hurts
     assert "rotated by one" in result.report.method["reference"]
+
+
+def test_hybrid_rows_stay_valid_when_only_the_teachers_note_is_reworded():
+    """The stored plan (docs/assets/hybrid_controlled) was written while 'smollm2-135m' noted
+    two copies; its rows must read back now that the note says one (issue 40's rename)."""
+    import json
+
+    from gna_lens.hybrid._experiment import _same_key
+
+    root = Path(__file__).resolve().parent.parent / "docs" / "assets" / "hybrid_controlled"
+    stored = json.loads((root / "ranking.json").read_text())["settings"]
+    now = dict(stored)
+    details = stored["teacher"][: stored["teacher"].find("). ") + 1]
+    now["teacher"] = details + ". 'smollm2-135m' is the GGUF copy (reworded)"
+    assert "names two copies" in stored["teacher"] and _same_key(stored, now)
+    assert not _same_key(stored, {**now, "teacher": details.replace("b179c9523d0e", "0" * 12)})
+    assert not _same_key(stored, {**now, "seed": 1})

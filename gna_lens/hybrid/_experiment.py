@@ -801,6 +801,23 @@ def _check_only(
             )
 
 
+def _same_key(saved: Any, current: dict[str, Any]) -> bool:
+    """Whether a stored fingerprint (or ranking settings) is this run's. The teacher is compared
+    by its weights' identity, ``"<where> (<details>)"`` of :meth:`Provenance.describe`, without
+    the note that follows (its wording may change; the weights named are the same)."""
+
+    def weights(text: Any) -> Any:
+        cut = str(text).find("). ")
+        return text if cut < 0 else str(text)[: cut + 1]
+
+    if not isinstance(saved, dict):
+        return False
+    return {**saved, "teacher": weights(saved.get("teacher"))} == {
+        **current,
+        "teacher": weights(current.get("teacher")),
+    }
+
+
 def _write_row(row_file: Path, fingerprint: dict[str, Any], row: HybridRow) -> None:
     """Write a finished row; a row of other settings already there (e.g. a random student of
     an earlier version's uniform draw) is moved to ``rows/superseded/``, not overwritten."""
@@ -810,7 +827,7 @@ def _write_row(row_file: Path, fingerprint: dict[str, Any], row: HybridRow) -> N
             old = json.loads(row_file.read_text(encoding="utf-8"))
         except ValueError:
             old = None
-        if isinstance(old, dict) and old.get("fingerprint") != fingerprint:
+        if isinstance(old, dict) and not _same_key(old.get("fingerprint"), fingerprint):
             keep = row_file.parent / "superseded"
             keep.mkdir(exist_ok=True)
             row_file.replace(keep / f"{row_file.stem}.{_digest(old.get('fingerprint') or {})}.json")
@@ -1124,7 +1141,7 @@ def run_experiment(
     rank_file = folder / "ranking.json" if folder is not None else None
     if rank_file is not None and resume and rank_file.is_file():
         saved = json.loads(rank_file.read_text(encoding="utf-8"))
-        if saved.get("settings") == rank_settings and len(saved["ranking"]) >= max(ks):
+        if _same_key(saved.get("settings"), rank_settings) and len(saved["ranking"]) >= max(ks):
             ranking = [(int(a), int(b)) for a, b in saved["ranking"]]
             rank_info = saved["info"]
             say("ranking read back from " + str(rank_file))
@@ -1189,7 +1206,7 @@ def run_experiment(
     teacher_file = folder / "rows" / "teacher.json" if folder is not None else None
     if teacher_file is not None and resume and teacher_file.is_file():
         saved = json.loads(teacher_file.read_text(encoding="utf-8"))
-        if saved.get("fingerprint") == teacher_key:
+        if _same_key(saved.get("fingerprint"), teacher_key):
             rows.append(HybridRow.from_dict(saved["row"]))
             say(f"teacher: read back from {teacher_file}")
     if not rows:
@@ -1231,7 +1248,7 @@ def run_experiment(
         selected = selectors is None or _selected(selectors, arm, train_seed, choice)
         if row_file is not None and resume and row_file.is_file():
             saved = json.loads(row_file.read_text(encoding="utf-8"))
-            if saved.get("fingerprint") == fingerprint:
+            if _same_key(saved.get("fingerprint"), fingerprint):
                 back = HybridRow.from_dict(saved["row"])
                 missing = [t for t in evals.kv if t not in back.kv]
                 # a row measured before a task was added: kept as it is (its cells for the
