@@ -39,7 +39,10 @@ def _demo(args: argparse.Namespace) -> int:
     pattern = cache[name][0]
     _n_heads, n_q, n_k = pattern.shape
     last = pattern[:, -1, :]
+    from gna_lens.models import provenance_of
+
     print(f"Model: {type(model).__name__} ({model.cfg.architecture}), {model.cfg.n_layers} layers")
+    print(f"Weights: {provenance_of(model).describe()}")
     print(f"Prompt: {n_q} tokens; logits {tuple(logits.shape)}")
     print(f"{name}: shape {tuple(cache[name].shape)} [batch, head_index, query_pos, key_pos]")
     print(f"  lower-triangular: {bool(pattern.triu(1).abs().max() == 0)}")
