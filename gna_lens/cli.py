@@ -119,7 +119,7 @@ def _scan(args: argparse.Namespace) -> int:
         return 2
     if not _prepare_out(args.out, "scan"):
         return 2
-    threads, why = scan_threads(args.threads)
+    threads, why = choose_threads(args.threads)  # --threads: checked >= 1 by argparse
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     executor = None
@@ -288,14 +288,6 @@ def _print_coarse(report: Any, max_lines: int = 8) -> None:
             print(f"  ... and {len(report.unmeasured) - max_lines} more layers in the report")
 
 
-def scan_threads(requested: int | None) -> tuple[int, str]:
-    """Torch threads for a scan, and why (:func:`gna_lens.runtime.choose_threads`: ``requested``,
-    else ``OMP_NUM_THREADS``, else the cores idle now, at least one)."""
-    if requested is not None and requested < 1:
-        raise SystemExit(f"gna-lens scan: --threads {requested}; expected a positive int.")
-    return choose_threads(requested)
-
-
 def _evaluate(args: argparse.Namespace) -> int:
     try:
         from gna_lens.lm_eval import compare_models, evaluate_table
@@ -333,7 +325,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not _prepare_out(args.out, "evaluate"):
         return 2
-    threads, why = scan_threads(args.threads)
+    threads, why = choose_threads(args.threads)  # --threads: checked >= 1 by argparse
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     progress = not args.quiet
@@ -434,7 +426,7 @@ def _hybrid(args: argparse.Namespace) -> int:
         return 2
     if not _prepare_out(args.out, "hybrid"):
         return 2
-    threads, why = scan_threads(args.threads)
+    threads, why = choose_threads(args.threads)  # --threads: checked >= 1 by argparse
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     progress = not args.quiet
