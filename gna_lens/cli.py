@@ -580,7 +580,7 @@ def task_arg(text: str) -> str:
 
 
 def _prepare_out(folder: str, command: str) -> bool:
-    """Make ``folder`` (the run's output) before any work, so a run is never lost at its end."""
+    """Check ``folder`` (the run's output) before any work, so a run is never lost at its end."""
     from gna_lens.errors import ConfigError
     from gna_lens.runtime import output_folder
 

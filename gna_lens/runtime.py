@@ -515,36 +515,40 @@ def choose_precision(
 
 
 def output_folder(out: Any, where: str) -> Path | None:
-    """Make the folder a run writes into, before any work, so that a run is never lost at its end
-    (``None``: the run writes nothing).
+    """Check, before any work, that a run can write its output folder, so that a run is never
+    lost at its end (``None``: the run writes nothing). Nothing is made here: the folder is made
+    when the run writes, so a run refused later leaves nothing behind.
 
     Args:
-        out: The folder (made with its parents), or ``None``.
+        out: The folder (new or existing), or ``None``.
         where: The caller, for the message (``"scan(out=...)"``, ``"--out"``).
 
     Returns:
         The folder as a :class:`~pathlib.Path`, or ``None``.
 
     Raises:
-        ConfigError: If ``out`` is a file, or the folder cannot be made or written.
+        ConfigError: If ``out`` or a folder above it is a file, or the nearest existing folder
+            is not writable.
 
     Examples:
         >>> import tempfile
-        >>> output_folder(Path(tempfile.mkdtemp()) / "run", "scan(out=...)").is_dir()
-        True
+        >>> output_folder(Path(tempfile.mkdtemp()) / "run" / "a", "scan(out=...)").name
+        'a'
     """
     if out is None:
         return None
     folder = Path(out)
-    if folder.exists() and not folder.is_dir():
+    there = folder
+    while not there.exists() and there.parent != there:
+        there = there.parent
+    if not there.is_dir():
+        which = "is a file" if there == folder else f"is under {str(there)!r}, a file"
         raise ConfigError(
-            f"{where} {str(out)!r} is a file; expected a folder to write into (new or existing). "
+            f"{where} {str(out)!r} {which}; expected a folder to write into (new or existing). "
             "Fix: another folder, or move the file."
         )
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise ConfigError(f"{where} {str(out)!r}: the folder cannot be made ({err}).") from err
-    if not os.access(folder, os.W_OK):
-        raise ConfigError(f"{where} {str(out)!r} is not writable; pass a folder you can write to.")
+    if not os.access(there, os.W_OK):
+        raise ConfigError(
+            f"{where} {str(out)!r}: {str(there)!r} is not writable; pass a folder you can write to."
+        )
     return folder

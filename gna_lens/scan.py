@@ -508,7 +508,7 @@ def scan(
             f"scan: top={top}, exact={exact}, n_samples={n_samples}, n_eval={n_eval}; expected "
             "positive ints."
         )
-    output_folder(out, "scan(out=...)")  # made now: a run is never lost at its end
+    output_folder(out, "scan(out=...)")  # checked now: a run is never lost at its end
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
     sets, c_select, c_eval = _prompts(

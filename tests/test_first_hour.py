@@ -278,7 +278,7 @@ def test_scan_dry_run_counts_the_work_times_one_forward_and_runs_no_sweep(
         assert f"  {stage}: " in text
     assert "  control: " not in text  # --control none
     assert "Estimated time:" in text and "Memory: weights" in text
-    assert not any(out.iterdir())  # the folder is made, nothing written in it
+    assert not out.exists()  # nothing written, no folder made
     est = scan_module.estimate_scan(
         model, "kv", n_samples=8, n_eval=8, random_draws=2, control=None
     )

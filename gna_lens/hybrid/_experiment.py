@@ -1034,7 +1034,7 @@ def run_experiment(
             "distill_data=, not both."
         )
     selectors = _parse_only(only, choices, seed_list)
-    output_folder(out, "run_experiment(out=...)")  # made before the teacher loads
+    output_folder(out, "run_experiment(out=...)")  # checked before the teacher loads
 
     def say(text: str) -> None:
         if progress:

@@ -630,7 +630,7 @@ def evaluate_table(
             f"{[k for k in ks if k] or 'a remove_top with a non-zero row'}, or add it to "
             "remove_top."
         )
-    output_folder(out, "evaluate_table(out=...)")  # made before the model loads
+    output_folder(out, "evaluate_table(out=...)")  # checked before the model loads
     if isinstance(model, str | Path):
         from gna_lens.models import load_model
 
