@@ -775,7 +775,7 @@ def _parse_only(
 
 def _selected(selectors: Sequence[_Selector], arm: str, seed: int, data: str) -> bool:
     return any(
-        (a is None or a == arm or a == arm.split(" #")[0])
+        (a is None or a in (arm, arm.split(" #")[0], f"{arm} #1"))
         and (s is None or s == seed)
         and (d is None or d == data)
         for a, s, d in selectors
