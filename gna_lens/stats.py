@@ -95,11 +95,6 @@ class Interval:
             "method": self.method,
         }
 
-    @property
-    def excludes_zero(self) -> bool:
-        """Whether the whole interval lies on one side of 0."""
-        return self.low > 0 or self.high < 0
-
 
 def wilson_interval(successes: float, n: int) -> Interval:
     """The Wilson score interval (95%) of a proportion ``successes / n``.

@@ -129,11 +129,6 @@ class PatchResult(CellResult):
         """``values - baseline``: what each patch changes in the corrupted run, per example."""
         return self.values - self.baseline[None]
 
-    def normalized(self, clean_baseline: Tensor | None = None) -> Float[Tensor, "cell batch"]:
-        """``(values - corrupted) / (clean - corrupted)`` per example: 1 = fully restored."""
-        clean = self.clean_baseline if clean_baseline is None else clean_baseline
-        return (self.values - self.baseline[None]) / (clean - self.baseline)[None]
-
     def recovered(self) -> Float[Tensor, " cell"]:
         """Per cell, ``(mean patched - mean corrupted) / (mean clean - mean corrupted)``."""
         corrupted = float(self.baseline.float().mean())

@@ -229,13 +229,6 @@ class CellResult:
             rows.append(row | context)
         return pd.DataFrame(rows)
 
-    def to_records(self) -> list[dict[str, Any]]:
-        """The dataframe's rows as JSON-serializable dicts (tuples as lists, NaN as ``None``)."""
-        return [
-            {key: _json(v) for key, v in row.items()}
-            for row in self.to_dataframe().to_dict(orient="records")
-        ]
-
     def to_dict(self) -> dict[str, Any]:
         """Everything, JSON-serializable (NaN as ``None``): :meth:`from_dict` reads it back."""
         out: dict[str, Any] = {"type": type(self).__name__}

@@ -161,11 +161,6 @@ class Intervention:
                 f"segments={self.segments!r}; expected 'auto', {' or '.join(map(repr, _SEGMENTS))}."
             )
 
-    @property
-    def active(self) -> bool:
-        """Whether anything is done to the model."""
-        return bool(self.heads or self.mask)
-
     def describe(self) -> str:
         """One line, e.g. ``"zero ablation of L16H0;L17H2 at all positions"``."""
         parts = []

@@ -16,7 +16,7 @@ class SSMConfig(TransformerLensConfig):
     ``n_heads`` / ``d_head`` describe the SSM heads that ``hook_pattern`` and ``hook_z`` index:
     Mamba-2 heads, or for Mamba-1 one "head" per channel (``n_heads = d_inner``, ``d_head = 1``).
     In a hybrid, attention layers have ``n_attn_heads`` heads of size ``attn_d_head``; use
-    :meth:`layer_n_heads` and :attr:`layer_types` for per-layer head counts.
+    :attr:`layer_types` for the kind of each layer.
 
     Attributes:
         architecture: ``"mamba1"``, ``"falcon_mamba"``, ``"mamba2"``, ``"bamba"``,
@@ -133,13 +133,6 @@ class SSMConfig(TransformerLensConfig):
         if self.mlp_types:
             return self.mlp_types[layer]
         return "gated" if self.architecture in ("bamba", "falcon_h1") else ""
-
-    def layer_n_heads(self, layer: int) -> int:
-        """Number of heads of ``layer`` (SSM heads, attention query heads, 0 for MLP blocks)."""
-        kind = self.layer_types[layer]
-        if kind == "mlp":
-            return 0
-        return self.n_attn_heads if kind == "attention" else self.n_heads
 
     @property
     def is_hybrid(self) -> bool:

@@ -44,7 +44,6 @@ correct share beats chance (interval of ``correct - chance`` above 0). Both can 
 matters is what ablation measures (:func:`~gna_lens.scoring.score_heads`).
 """
 
-import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -524,8 +523,3 @@ def _group_rows(P: Tensor, positions: Sequence[int], groups: list[list[int]], si
         w[..., 0] = 0.0
     w = w / w.sum(-1, keepdim=True).clamp(min=1e-300)
     return torch.stack([w[g].mean(0) for g in groups])
-
-
-def uniform_entropy(k: int) -> float:
-    """Entropy of a uniform distribution over ``k`` items (the least sharp read-out)."""
-    return math.log(k) if k > 0 else 0.0
