@@ -293,7 +293,7 @@ def scan_tokenizer() -> Any:
     shipped prose (the control), as ``benchmarks/bench_real_size.py`` builds it (19,652 words;
     a real BPE tokenizer cuts prompts to about the same lengths)."""
     from gna_lens.tasks import load_prose, load_words
-    from gna_lens.tasks._testing import word_tokenizer
+    from gna_lens.tasks.toy_tokenizers import word_tokenizer
 
     texts = [
         "Below is a list of key-value pairs.\nkey: value\nWhat is the value for key X?\nX:",

@@ -32,7 +32,7 @@ from gna_lens.heads import head_view
 from gna_lens.interventions.metrics import Metric
 from gna_lens.stats import spearman
 from gna_lens.tasks import KV_TEMPLATES, Task, build_sample, kv_retrieval, load_words
-from gna_lens.tasks._testing import word_tokenizer
+from gna_lens.tasks.toy_tokenizers import word_tokenizer
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "llama": dict(

@@ -217,7 +217,7 @@ def build(name: str) -> Any:
 
 def task(n_prompts: int) -> Any:
     from gna_lens.tasks import kv_retrieval
-    from gna_lens.tasks._testing import word_tokenizer
+    from gna_lens.tasks.toy_tokenizers import word_tokenizer
 
     tok = word_tokenizer(
         ["Memorize the following dictionary:", "The value of the key '", " is", *KEYS]
@@ -265,7 +265,7 @@ def scan_tokenizer() -> Any:
     windows are the same length in tokens (8 windows of 48).
     """
     from gna_lens.tasks import load_prose, load_words
-    from gna_lens.tasks._testing import word_tokenizer
+    from gna_lens.tasks.toy_tokenizers import word_tokenizer
 
     texts = [
         "Below is a list of key-value pairs.\nkey: value\nWhat is the value for key X?\nX:",

@@ -402,8 +402,8 @@ class RayExecutor:
 
         Args:
             model: The caller's model (its provenance and weights fingerprint are read).
-            job: The sweep's :class:`~gna_lens.interventions._engine.SweepJob`.
-            sweep: The caller's plan (:class:`~gna_lens.interventions._engine.CellSweep`).
+            job: The sweep's :class:`~gna_lens.interventions.engine.SweepJob`.
+            sweep: The caller's plan (:class:`~gna_lens.interventions.engine.CellSweep`).
             bar: A tqdm bar, advanced by prompts x cells as units finish.
 
         Returns:
@@ -730,7 +730,7 @@ class _SweepWorker:
         self, sweep_id: int, job_box: list[Any], lo: int, hi: int, parts: tuple[int, ...]
     ) -> tuple[Tensor, Tensor, dict[str, Any]]:
         import gna_lens.interventions  # noqa: F401  (registers every sweep's planner)
-        from gna_lens.interventions._engine import plan_job
+        from gna_lens.interventions.engine import plan_job
 
         if self.error:
             raise WorkerError(self.error)

@@ -489,7 +489,8 @@ class HeadView:
         )
 
 
-def _is_hooked_ssm(model: Any) -> bool:
+def is_hooked_ssm(model: Any) -> bool:
+    """Whether ``model`` is a :class:`~gna_lens.models.HookedSSM` (else a TransformerLens model)."""
     from gna_lens.models import HookedSSM
 
     return isinstance(model, HookedSSM)
@@ -597,7 +598,7 @@ def head_view(model: "ModelLike") -> HeadView:
             "load it with gna_lens.load_model(name) or TransformerBridge.boot_transformers(name)."
         )
     layers: list[LayerHeads | None] = []
-    if _is_hooked_ssm(model):
+    if is_hooked_ssm(model):
         ssm: Any = model
         groups = ssm.head_group_spec
         for layer, block in enumerate(ssm.blocks):
@@ -722,7 +723,7 @@ class Subject:
         """
         if isinstance(model, Subject):
             return model
-        return cls(model, head_view(model), DevicePolicy.of(model), _is_hooked_ssm(model))
+        return cls(model, head_view(model), DevicePolicy.of(model), is_hooked_ssm(model))
 
     @property
     def device(self) -> torch.device:
@@ -745,7 +746,9 @@ def policy_of(model: Any) -> DevicePolicy:
     return model.policy if isinstance(model, Subject) else DevicePolicy.of(model)
 
 
-def _probe_tokens(model: Any) -> Tensor:
+def probe_tokens(model: Any) -> Tensor:
+    """Six fixed token ids ``[1, 6]`` on the model's device, for the probes that check an edit
+    takes effect."""
     vocab = int(getattr(model.cfg, "d_vocab", 0) or 0) or 2
     return ((DevicePolicy.of(model).arange(6) * 7 + 3) % vocab)[None]
 
@@ -800,7 +803,7 @@ def _probe(model: Any, lh: LayerHeads, target: EditTarget) -> str | None:
             return y
         return torch.zeros_like(x)
 
-    tokens = _probe_tokens(model)
+    tokens = probe_tokens(model)
     stop = lh.layer + 1
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")

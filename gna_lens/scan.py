@@ -296,20 +296,20 @@ def load_scan_model(
     """
     from gna_lens.models import load_model
     from gna_lens.models.families import checkpoint_family
-    from gna_lens.models.loading import _find_mamba_ssm, _resolve
+    from gna_lens.models.loading import find_mamba_ssm, resolve_name
 
     hint = (
         "Pass a zoo name (gna_lens.zoo.names(), e.g. 'zoo-llama'), 'smollm2-135m', a local "
         "folder with config.json and weights, a .gguf file, or a hub name where a hub is "
         "reachable."
     )
-    resolved = _resolve(name)  # ConfigError for unknown zoo names and missing .gguf files
+    resolved = resolve_name(name)  # ConfigError for unknown zoo names and missing .gguf files
     model_type: Any = "mamba_ssm"
     archs: list[str] = []
     own = checkpoint_family(resolved)  # gna_lens's own format (hybrid students)
     if own is not None:
         model_type, archs = own.model_type, [own.hf_class]
-    elif _find_mamba_ssm(resolved) is None:  # mamba_ssm checkpoints are Mamba / Mamba-2 LMs
+    elif find_mamba_ssm(resolved) is None:  # mamba_ssm checkpoints are Mamba / Mamba-2 LMs
         model_type, archs = _check_architecture(name, resolved, hint)
     try:
         model = load_model(  # by its own name: the provenance records what it resolved to

@@ -628,7 +628,7 @@ def toy_gna_model(generic_head: bool = False) -> Any:
     import transformers as tf
 
     from gna_lens.models import HookedSSM
-    from gna_lens.tasks._testing import word_tokenizer
+    from gna_lens.tasks.toy_tokenizers import word_tokenizer
 
     n = len(TOY_WORDS)
     tok = word_tokenizer([" ".join(TOY_WORDS)])

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from gna_lens.tasks import KV_TEMPLATES, Task, build_sample, kv_retrieval
-from gna_lens.tasks._testing import word_tokenizer
+from gna_lens.tasks.toy_tokenizers import word_tokenizer
 
 KEYS = ("apple", "river", "stone", "cloud", "lamp", "tree", "house", "bird")
 SSM_ARCHS = (

@@ -6,7 +6,7 @@ import random
 import torch
 
 from gna_lens.tasks import load_words
-from gna_lens.tasks._testing import (
+from gna_lens.tasks.toy_tokenizers import (
     byte_level_bpe_tokenizer,
     metaspace_bpe_tokenizer,
     newline_merging_bpe_tokenizer,

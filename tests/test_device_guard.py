@@ -13,7 +13,7 @@ from device_guard import DeviceRuleError, FactoryGuard, library_violations, viol
 from interventions_helpers import model as helper_model
 from interventions_helpers import task as make_task
 
-import gna_lens.interventions._engine as engine
+import gna_lens.interventions.engine as engine
 from gna_lens.interventions import ablation_sweep
 
 GOOD = "baseline=host_full(n),"
@@ -60,7 +60,7 @@ def test_dynamic_guard_fails_on_a_planted_zeros_in_the_sweep(monkeypatch):
     exec(compile(_planted_engine_source(), engine.__file__, "exec"), namespace)
     monkeypatch.setattr(engine, "run_cells", namespace["run_cells"])  # what CellSweep.run calls
     m, t = helper_model("mamba2"), make_task()
-    with FactoryGuard(), pytest.raises(DeviceRuleError, match=r"_engine\.py:\d+: torch\.zeros"):
+    with FactoryGuard(), pytest.raises(DeviceRuleError, match=r"engine\.py:\d+: torch\.zeros"):
         ablation_sweep(m, t, "logit_diff", heads=[(0, 0)], progress=False)
     monkeypatch.undo()
     with FactoryGuard() as guard:  # the real engine passes, having checked its factories

@@ -207,7 +207,7 @@ def test_build_hybrid_distill_swap(device, guarded):
 def test_hybrid_cli_on_the_device(device, guarded, tmp_path):
     from gna_lens.cli import main
     from gna_lens.tasks import load_words
-    from gna_lens.tasks._testing import word_tokenizer
+    from gna_lens.tasks.toy_tokenizers import word_tokenizer
     from gna_lens.testing import tiny_checkpoint
 
     t = word_tokenizer(

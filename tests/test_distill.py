@@ -458,7 +458,7 @@ def test_swap_heads_refuses_what_it_cannot_swap():
 def test_the_hybrid_command_runs_end_to_end_and_writes_the_table(tmp_path, capsys):
     from gna_lens.cli import main
     from gna_lens.tasks import load_words
-    from gna_lens.tasks._testing import word_tokenizer
+    from gna_lens.tasks.toy_tokenizers import word_tokenizer
     from gna_lens.testing import tiny_checkpoint
 
     t = word_tokenizer(

@@ -126,7 +126,7 @@ def test_the_cli_prints_load_errors_without_a_traceback(tmp_path, capsys):
 
 def test_kv_retrieval_refuses_zero_prompts():
     from gna_lens.tasks import kv_retrieval
-    from gna_lens.tasks._testing import word_tokenizer
+    from gna_lens.tasks.toy_tokenizers import word_tokenizer
 
     tok = word_tokenizer(["Memorize the following dictionary: The value of the key ' is a b c"])
     with pytest.raises(TaskError, match=r"n_samples=0; expected a positive int"):
@@ -149,7 +149,7 @@ def smollm2_tokenizer():
 
 def test_kv_values_auto_takes_words_where_numbers_split_and_says_so(smollm2_tokenizer):
     from gna_lens.tasks import kv_retrieval, load_words
-    from gna_lens.tasks._testing import word_tokenizer
+    from gna_lens.tasks.toy_tokenizers import word_tokenizer
 
     with pytest.raises(TaskError, match="values='numbers': only 0 of the 100 candidate values"):
         kv_retrieval(smollm2_tokenizer, n_samples=4, values="numbers")

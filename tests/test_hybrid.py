@@ -403,7 +403,7 @@ def test_scan_cli_runs_on_a_saved_student(tmp_path, capsys):
 
     from gna_lens.cli import main
     from gna_lens.tasks import load_words
-    from gna_lens.tasks._testing import word_tokenizer
+    from gna_lens.tasks.toy_tokenizers import word_tokenizer
 
     tok = word_tokenizer(
         [

@@ -49,7 +49,7 @@ def _word_tok():
     every source of the distillation data is usable."""
     from gna_lens.hybrid._data import _mmlu_texts
     from gna_lens.tasks import load_prose, load_words
-    from gna_lens.tasks._testing import word_tokenizer
+    from gna_lens.tasks.toy_tokenizers import word_tokenizer
 
     return word_tokenizer(
         [

@@ -573,7 +573,7 @@ def test_sweep_over_both_parts_equals_a_loop_of_single_ablations(family, mode, p
     """Every head of a two-part layer, sets spanning both parts and another layer: the batched
     sweep (packed, or expanded at each part's output, or incremental from the prefix state)
     equals a loop of ablate_heads."""
-    from gna_lens.interventions import _engine
+    from gna_lens.interventions import engine as _engine
     from gna_lens.interventions.metrics import Metric
     from gna_lens.testing import tiny_hooked_ssm
 

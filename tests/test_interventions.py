@@ -505,7 +505,7 @@ def test_intervention_errors_repeat_the_input():
     ):
         m(tokens(t))
     from gna_lens.tasks import multiple_choice
-    from gna_lens.tasks._testing import word_tokenizer
+    from gna_lens.tasks.toy_tokenizers import word_tokenizer
 
     mc_tok = word_tokenizer(["Which is red?", "apple", "sky", "grass", "Answer:"])
     mc = multiple_choice(
@@ -520,7 +520,7 @@ def test_intervention_errors_repeat_the_input():
 def test_both_sweep_strategies_equal_the_loop(arch, strategy, monkeypatch):
     """Whichever strategy the timing picks (one prompt expanded at the layer output, or cells x
     prompts packed), the numbers are those of the loop."""
-    from gna_lens.interventions import _engine
+    from gna_lens.interventions import engine as _engine
 
     m = model(arch)
     monkeypatch.setitem(_engine._STRATEGY, m, {False: strategy, True: strategy})

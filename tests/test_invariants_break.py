@@ -25,8 +25,7 @@ from test_interventions import (
 )
 
 import gna_lens.interventions as I
-from gna_lens.interventions import _engine as engine
-from gna_lens.interventions import ablation
+from gna_lens.interventions import ablation, engine
 from gna_lens.models import HookedSSM, ops
 from gna_lens.testing import tiny_checkpoint
 

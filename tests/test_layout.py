@@ -165,3 +165,29 @@ def test_the_circle_finder_finds_a_planted_circle():
     g = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert circles(g) == [["a", "b", "c"]]
     assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_crossings() -> list[str]:
+    """``from gna_lens.X import _name`` (or ``from gna_lens.X._module import ...``) where X is
+    another package than the importer's: a private name a reader of X may change freely."""
+    modules = _modules()
+    found = []
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.ImportFrom) or node.level or not node.module:
+                continue
+            if not node.module.startswith("gna_lens") or package(node.module) == package(name):
+                continue
+            private_module = any(_private(p) for p in node.module.split(".")[2:])
+            names = [a.name for a in node.names if _private(a.name)]
+            if private_module or names:
+                found.append(f"{name}: from {node.module} import {', '.join(names) or '...'}")
+    return sorted(found)
+
+
+def test_no_private_name_crosses_a_package():
+    assert private_crossings() == []

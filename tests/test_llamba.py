@@ -376,7 +376,7 @@ def test_a_mamba_ssm_config_is_not_taken_for_llamba():
 def test_scan_cli_ranks_the_heads_of_a_cartesia_checkpoint(tmp_path, capsys):
     from gna_lens.cli import main
     from gna_lens.tasks import load_words
-    from gna_lens.tasks._testing import word_tokenizer
+    from gna_lens.tasks.toy_tokenizers import word_tokenizer
 
     words = load_words()[:40]
     tok = word_tokenizer(
@@ -456,7 +456,7 @@ def test_evaluate_compares_a_llama_and_a_llamba_with_state_sizes(tmp_path, capsy
     pytest.importorskip("lm_eval")
     from gna_lens.cli import main
     from gna_lens.tasks import load_words
-    from gna_lens.tasks._testing import word_tokenizer
+    from gna_lens.tasks.toy_tokenizers import word_tokenizer
 
     words = load_words()[:40]
     tok = word_tokenizer(

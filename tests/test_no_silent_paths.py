@@ -19,7 +19,8 @@ from transformer_lens.HookedRootModule import HookedRootModule
 import gna_lens.interventions as I
 from gna_lens.errors import HookError, InterventionError, PatternEditError
 from gna_lens.heads import head_view, require_editable
-from gna_lens.interventions import _engine, hooks
+from gna_lens.interventions import engine as _engine
+from gna_lens.interventions import hooks
 from gna_lens.testing import tiny_hooked_ssm
 
 TOKENS = torch.tensor([[5, 6, 7, 8, 9]])
@@ -378,7 +379,7 @@ def test_layer_sweep_records_its_paths_and_a_fallback(monkeypatch):
     path is a recorded fallback with its reason, on the task and the control alike."""
     from interventions_helpers import model as helper_model
 
-    from gna_lens.interventions import _runner
+    from gna_lens.interventions import runner as _runner
 
     m = helper_model("llama")
     t = make_task(n_samples=2)

@@ -86,7 +86,7 @@ def test_scan_prefilters_by_attribution_then_ablates_exactly(tmp_path, toy_scan)
 def _kv_world():
     """A word tokenizer covering the KV templates and a small word list, and a tiny model."""
     from gna_lens.tasks import load_words
-    from gna_lens.tasks._testing import word_tokenizer
+    from gna_lens.tasks.toy_tokenizers import word_tokenizer
     from gna_lens.testing import tiny_hooked_ssm
 
     words = load_words()[:40]

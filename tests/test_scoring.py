@@ -16,7 +16,7 @@ from gna_lens.scoring import (
     score_heads,
 )
 from gna_lens.tasks import kv_retrieval
-from gna_lens.tasks._testing import word_tokenizer
+from gna_lens.tasks.toy_tokenizers import word_tokenizer
 from gna_lens.testing import (
     TOY_AGGREGATE_HEAD,
     TOY_GATHER_HEAD,

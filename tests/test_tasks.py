@@ -368,7 +368,7 @@ def test_error_n_pairs_more_than_values():
 
 def test_error_values_split_into_several_tokens_suggests_words():
     # Trained on a corpus without two-digit numbers: "84" is two tokens.
-    from gna_lens.tasks._testing import byte_level_bpe_tokenizer
+    from gna_lens.tasks.toy_tokenizers import byte_level_bpe_tokenizer
 
     corpus = [
         f"{k}:{i % 10}\nThe value of the key '{k}' is {i % 10} or {k}\n" for i, k in enumerate(KEYS)
@@ -506,7 +506,7 @@ def test_mmlu_offline_complete_and_few_shot_never_includes_scored_question():
 
 
 def test_kv_never_uses_words_the_tokenizer_does_not_know():
-    from gna_lens.tasks._testing import word_tokenizer
+    from gna_lens.tasks.toy_tokenizers import word_tokenizer
 
     tok = word_tokenizer(["alpha beta gamma delta"])
     words = ["alpha", "beta", "gamma", "delta", "unknownword", "otherunknown"]

@@ -120,9 +120,9 @@ def _teacher_model(teacher: Any) -> tuple[Any, Any, dict[str, Any]]:
     if isinstance(teacher, str | Path):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from gna_lens.models.loading import _resolve
+        from gna_lens.models.loading import resolve_name
 
-        name = _resolve(str(teacher))
+        name = resolve_name(str(teacher))
         try:
             hf = AutoModelForCausalLM.from_pretrained(name)
         except (OSError, ValueError) as err:

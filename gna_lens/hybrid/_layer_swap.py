@@ -76,10 +76,10 @@ def _read_teacher(teacher: Any, call: str = "swap_layers") -> _Teacher:
     if isinstance(teacher, str | Path):
         from transformers import AutoModelForCausalLM
 
-        from gna_lens.models.loading import _resolve
+        from gna_lens.models.loading import resolve_name
 
         try:
-            hf = AutoModelForCausalLM.from_pretrained(_resolve(str(teacher)))
+            hf = AutoModelForCausalLM.from_pretrained(resolve_name(str(teacher)))
         except (OSError, ValueError) as err:
             raise ConfigError(
                 f"{call}(teacher={str(teacher)!r}): could not load it as a Hugging Face "

@@ -27,19 +27,19 @@ from gna_lens.heads import (
     normalize_head_sets,
     require_editable,
 )
-from gna_lens.interventions._engine import (
+from gna_lens.interventions.batching import Group, describe_task, length_groups, parse_bytes
+from gna_lens.interventions.engine import (
     PLANNERS,
     CellSweep,
     SweepJob,
     SweepPlan,
     execute,
 )
-from gna_lens.interventions._engine import plan_job as plan_job  # re-exported: older imports
-from gna_lens.interventions._runner import Runner
-from gna_lens.interventions.batching import Group, describe_task, length_groups, parse_bytes
+from gna_lens.interventions.engine import plan_job as plan_job  # re-exported: older imports
 from gna_lens.interventions.hooks import EMBED_HOOK, hooked
 from gna_lens.interventions.metrics import Metric
 from gna_lens.interventions.result import CellResult
+from gna_lens.interventions.runner import Runner
 from gna_lens.interventions.sources import (
     SkipBos,
     Source,
@@ -514,7 +514,7 @@ def ablation_sweep(
 
     Examples:
         >>> from gna_lens.tasks import kv_retrieval
-        >>> from gna_lens.tasks._testing import word_tokenizer
+        >>> from gna_lens.tasks.toy_tokenizers import word_tokenizer
         >>> from gna_lens.testing import tiny_hooked_ssm
         >>> keys = ["apple", "river", "stone", "cloud", "lamp"]
         >>> tok = word_tokenizer(["Memorize the following dictionary:",

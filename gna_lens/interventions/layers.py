@@ -63,20 +63,11 @@ from gna_lens.heads import (
     LayerHeads,
     ModelLike,
     Subject,
-    _is_hooked_ssm,
-    _probe_tokens,
+    is_hooked_ssm,
     model_of,
+    probe_tokens,
     uncomparable_outputs,
 )
-from gna_lens.interventions._engine import (
-    PLANNERS,
-    CellSweep,
-    HookCell,
-    SweepJob,
-    SweepPlan,
-    execute,
-)
-from gna_lens.interventions._runner import PathLog, Runner
 from gna_lens.interventions.ablation import (
     _InputRows,
     _NextTokenNLL,
@@ -84,9 +75,18 @@ from gna_lens.interventions.ablation import (
     positions_label,
 )
 from gna_lens.interventions.batching import Group, describe_control, describe_task, length_groups
+from gna_lens.interventions.engine import (
+    PLANNERS,
+    CellSweep,
+    HookCell,
+    SweepJob,
+    SweepPlan,
+    execute,
+)
 from gna_lens.interventions.hooks import hooked
 from gna_lens.interventions.metrics import Metric
 from gna_lens.interventions.result import CellResult
+from gna_lens.interventions.runner import PathLog, Runner
 from gna_lens.interventions.sources import (
     Source,
     bos_token_id,
@@ -179,7 +179,7 @@ def _layer_subject(model: Any) -> _LayerSubject:
     except InterventionError:  # no addressable heads: layers still are
         base = None
     heads = base.view if base is not None else None
-    ssm = base.is_ssm if base is not None else _is_hooked_ssm(plain)
+    ssm = base.is_ssm if base is not None else is_hooked_ssm(plain)
     infos = _layer_infos(plain, heads, ssm)
     policy = base.policy if base is not None else DevicePolicy.of(plain)
     subject = Subject(plain, _runner_view(plain, heads, infos), policy, ssm)
@@ -251,7 +251,7 @@ def _probe(model: Any, name: str, watch: str | None) -> str | None:
     def seen(x: Tensor, hook: Any) -> None:
         fired[str(watch)] = 1
 
-    tokens = _probe_tokens(model)
+    tokens = probe_tokens(model)
     hooks: list[tuple[str, HookFn]] = [(name, edit)] + ([(watch, seen)] if watch else [])
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -983,7 +983,7 @@ def _plan_layers(
     """Plan the layer cells on the task (``metric`` given) or on a control (``metric=None``: a
     text control's next-token loss, or a knowledge task's answer NLL among its options).
 
-    Each cell is a :class:`~gna_lens.interventions._engine.HookCell` starting at its lowest
+    Each cell is a :class:`~gna_lens.interventions.engine.HookCell` starting at its lowest
     layer; ``removed`` layers are removed in every run, the baseline's included. Mean ablation
     of a control averages over the control's own windows (samples). ``check_edits=False``: as in
     :func:`~gna_lens.interventions.ablation.ablation_sweep` (a sharded sweep's workers check)."""

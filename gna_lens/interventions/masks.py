@@ -128,7 +128,7 @@ def gather_mask(
 
     Examples:
         >>> from gna_lens.tasks import build_sample
-        >>> from gna_lens.tasks._testing import word_tokenizer
+        >>> from gna_lens.tasks.toy_tokenizers import word_tokenizer
         >>> tok = word_tokenizer(["red", "blue", "pick"])
         >>> s = build_sample(tok, "red\\nblue\\npick", [(0, 4), (4, 9)], answer_segment=1,
         ...                  choices=[" red", " blue"])
@@ -152,7 +152,7 @@ def aggregate_mask(
 
     Examples:
         >>> from gna_lens.tasks import build_sample
-        >>> from gna_lens.tasks._testing import word_tokenizer
+        >>> from gna_lens.tasks.toy_tokenizers import word_tokenizer
         >>> tok = word_tokenizer(["red", "blue", "pick"])
         >>> s = build_sample(tok, "red\\nblue\\npick", [(0, 4), (4, 9)], answer_segment=1,
         ...                  choices=[" red", " blue"])

@@ -20,8 +20,6 @@ from torch import Tensor
 from gna_lens.device import HOST, host_full, to_host
 from gna_lens.errors import InterventionError
 from gna_lens.heads import ModelLike, Subject, normalize_head_sets, require_editable
-from gna_lens.interventions._engine import HookCell, SweepPlan, run_cells
-from gna_lens.interventions._runner import Runner
 from gna_lens.interventions.ablation import (
     _label,
     cell_kind,
@@ -34,8 +32,10 @@ from gna_lens.interventions.batching import (
     parse_bytes,
     tokens_of,
 )
+from gna_lens.interventions.engine import HookCell, SweepPlan, run_cells
 from gna_lens.interventions.metrics import Metric
 from gna_lens.interventions.result import CellResult
+from gna_lens.interventions.runner import Runner
 from gna_lens.interventions.sources import Source, check_positions, collect_z, column_mask
 from gna_lens.tasks import Task
 

@@ -54,10 +54,10 @@ def _with_local_tasks(argv: list[str]) -> list[str]:
         )
     from transformers import AutoTokenizer
 
-    from gna_lens.models.loading import _resolve
+    from gna_lens.models.loading import resolve_name
 
     name = m.group(1)
-    tokenizer = AutoTokenizer.from_pretrained(_resolve(name))
+    tokenizer = AutoTokenizer.from_pretrained(resolve_name(name))
     limit_arg = _value(argv, "--limit")
     limit = int(float(limit_arg)) if limit_arg and float(limit_arg) >= 1 else 100
     folder = task_cache_dir() / f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', name)}-{limit}"

@@ -574,8 +574,8 @@ class GnaLM(TemplateLM):
 
     def _forward(self, rows: Sequence[_Row], padding: str) -> tuple[Tensor, list[int]]:
         """Logits ``[batch, width, vocab]`` of padded rows under the intervention."""
-        from gna_lens.tasks._core import pad_sequences
-        from gna_lens.tasks.evaluate import _logits
+        from gna_lens.tasks.core import pad_sequences
+        from gna_lens.tasks.evaluate import checked_logits
 
         pad = self.tokenizer.pad_token_id
         pad = self.eot_token_id if pad is None else int(pad)
@@ -586,7 +586,7 @@ class GnaLM(TemplateLM):
             device=self._device,
         )
         with torch.no_grad(), self.intervened(rows, ids.shape[1], offsets) as model:
-            logits = _logits(model, ids, attn)
+            logits = checked_logits(model, ids, attn)
         return logits, offsets
 
     # ------------------------------------------------------------------ scoring

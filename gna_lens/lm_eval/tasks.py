@@ -146,7 +146,7 @@ def write_task(task: Task, folder: str | Path, name: str, description: str = "")
     Examples:
         >>> import tempfile
         >>> from gna_lens.tasks import multiple_choice
-        >>> from gna_lens.tasks._testing import word_tokenizer
+        >>> from gna_lens.tasks.toy_tokenizers import word_tokenizer
         >>> tok = word_tokenizer(["What is 2 + 2? Answer:"])
         >>> task = multiple_choice([("What is 2 + 2?", ["3", "4"], 1)], tok)
         >>> path = write_task(task, tempfile.mkdtemp(), "sums")

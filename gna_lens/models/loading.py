@@ -98,7 +98,7 @@ def load_model(
     dtype = resolve_dtype(dtype) or torch.float32
     model: Any
     name, packaged = _resolve_with_note(given)
-    found = _find_mamba_ssm(name, kwargs.get("revision"))
+    found = find_mamba_ssm(name, kwargs.get("revision"))
     if found is not None:
         folder, revision = found
         with contextlib.nullcontext() if progress else _no_progress_bars():
@@ -143,13 +143,13 @@ def _no_progress_bars() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def _resolve(name: str) -> str:
+def resolve_name(name: str) -> str:
     """Turn a ``.gguf`` file, a zoo name or a packaged model name into a loadable name/folder."""
     return _resolve_with_note(name)[0]
 
 
 def _resolve_with_note(name: str) -> tuple[str, dict[str, str]]:
-    """:func:`_resolve`, and for a packaged model which of its copies was taken and why."""
+    """:func:`resolve_name`, and for a packaged model which of its copies was taken and why."""
     from gna_lens.models import gguf
 
     if name.lower().endswith(".gguf"):
@@ -308,7 +308,7 @@ def _looks_like_repo_id(name: str) -> bool:
     return len(parts) == 2 and all(parts) and not name.startswith((".", "~"))
 
 
-def _find_mamba_ssm(name: str, revision: Any = None) -> tuple[Path, str] | None:
+def find_mamba_ssm(name: str, revision: Any = None) -> tuple[Path, str] | None:
     """``(folder, hub revision)`` when ``name`` is a checkpoint in mamba_ssm's format."""
     from gna_lens.models import convert_mamba_ssm as cms
 

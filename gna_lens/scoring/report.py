@@ -1126,7 +1126,7 @@ def _probe_forward(model: Any, task: Task, rows: int = 16) -> tuple[Any, str]:
     the sweep's batch, not a toy one."""
     from collections import Counter
 
-    from gna_lens.interventions._runner import Runner
+    from gna_lens.interventions.runner import Runner
 
     ids = [list(s.input_ids) for s in task]
     length = Counter(len(i) for i in ids).most_common(1)[0][0]
@@ -1504,9 +1504,9 @@ def auto_head_groups(model: Any) -> int | None:
         >>> auto_head_groups(tiny_hooked_ssm("mamba1")) is None  # 128 channels: exact as they are
         True
     """
-    from gna_lens.heads import _is_hooked_ssm
+    from gna_lens.heads import is_hooked_ssm
 
-    if not _is_hooked_ssm(model) or not model.channel_heads:
+    if not is_hooked_ssm(model) or not model.channel_heads:
         return None
     if model.head_group_spec or head_view(model).n_heads_total <= EXACT_ALL_MAX:
         return None
@@ -1530,7 +1530,7 @@ def applied_head_groups(model: Any, head_groups: Any) -> Iterator[dict[str, Any]
         InterventionError: For another value, or a spec the model refuses (a Mamba-2 model, a
             size that does not divide ``d_inner``, ...).
     """
-    from gna_lens.heads import _is_hooked_ssm
+    from gna_lens.heads import is_hooked_ssm
 
     if isinstance(head_groups, str) and head_groups not in ("auto", "none"):
         raise InterventionError(
@@ -1538,7 +1538,7 @@ def applied_head_groups(model: Any, head_groups: Any) -> Iterator[dict[str, Any]
             f"{DEFAULT_CHANNEL_GROUP} channels on a Mamba-1 model above {EXACT_ALL_MAX} heads), "
             "None / 'none' (single channels), an int block size or {layer: size or channel sets}."
         )
-    mamba1 = _is_hooked_ssm(model) and model.channel_heads
+    mamba1 = is_hooked_ssm(model) and model.channel_heads
     if head_groups == "auto":
         size = auto_head_groups(model)
         if size is None:
@@ -1564,7 +1564,7 @@ def applied_head_groups(model: Any, head_groups: Any) -> Iterator[dict[str, Any]
     if not mamba1:
         raise InterventionError(
             f"head_groups={head_groups!r} on a {type(model).__name__}"
-            + (f" ({model.cfg.architecture})" if _is_hooked_ssm(model) else "")
+            + (f" ({model.cfg.architecture})" if is_hooked_ssm(model) else "")
             + ": channel groups are for Mamba-1 layers (Mamba-1, FalconMamba, Jamba), whose "
             "heads are single channels; other models' heads are real heads. Fix: "
             "head_groups='auto' or None."

@@ -15,7 +15,6 @@ segment holds the answer, all computed from the tokenizer's character offsets.
   turns what a user passes as ``control=`` (``"prose"``, texts, a dataset, a task) into one.
 """
 
-from gna_lens.tasks._core import Batch, Sample, Task, build_sample
 from gna_lens.tasks.control import (
     PROSE_SOURCE,
     TextControl,
@@ -23,6 +22,7 @@ from gna_lens.tasks.control import (
     resolve_control,
     text_control,
 )
+from gna_lens.tasks.core import Batch, Sample, Task, build_sample
 from gna_lens.tasks.evaluate import EvalResult, evaluate
 from gna_lens.tasks.kv import (
     KV_TEMPLATES,

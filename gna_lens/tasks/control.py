@@ -23,8 +23,8 @@ from torch import Tensor
 
 from gna_lens.device import HOST
 from gna_lens.errors import GnaLensError, TaskError
-from gna_lens.tasks._core import Task
 from gna_lens.tasks._tokens import tokenizer_name
+from gna_lens.tasks.core import Task
 
 __all__ = ["PROSE_SOURCE", "TextControl", "load_prose", "resolve_control", "text_control"]
 

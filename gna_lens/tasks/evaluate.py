@@ -10,7 +10,7 @@ from torch import Tensor
 
 from gna_lens.device import HOST, DevicePolicy
 from gna_lens.errors import ConfigError, TaskError
-from gna_lens.tasks._core import PaddingSide, Task, pad_sequences
+from gna_lens.tasks.core import PaddingSide, Task, pad_sequences
 
 __all__ = ["EvalResult", "evaluate"]
 
@@ -85,7 +85,9 @@ class EvalResult:
         )
 
 
-def _logits(model: Any, ids: Tensor, mask: Tensor) -> Tensor:
+def checked_logits(model: Any, ids: Tensor, mask: Tensor) -> Tensor:
+    """``model(ids, attention_mask=mask)``'s logits ``[batch, pos, d_vocab]``, or a ``TaskError``
+    that says what the model returned instead."""
     out = model(ids, attention_mask=mask)
     if not isinstance(out, Tensor):
         out = getattr(out, "logits", None)
@@ -210,7 +212,7 @@ def evaluate(
     Examples:
         >>> import torch
         >>> from gna_lens.tasks import kv_retrieval
-        >>> from gna_lens.tasks._testing import word_tokenizer
+        >>> from gna_lens.tasks.toy_tokenizers import word_tokenizer
         >>> keys = ["present", "scallops", "river", "lamp", "cloud"]
         >>> tok = word_tokenizer(["Memorize the following dictionary:",
         ...                       "The value of the key '", " is"] + keys)
@@ -278,7 +280,7 @@ def evaluate(
             batch_ids, mask, offsets = pad_sequences(
                 [r[2] for r in chunk], padding_side=padding_side, pad_token_id=pad, device=device
             )
-            logits = _logits(model, batch_ids, mask)
+            logits = checked_logits(model, batch_ids, mask)
             _check_vocab(task, max_id, logits.shape[-1])
             for b, (i, c, row, n_prompt) in enumerate(chunk):
                 s = task[i]

@@ -18,14 +18,14 @@ from importlib import resources
 from typing import Any, Literal
 
 from gna_lens.errors import TaskError
-from gna_lens.tasks._core import (
+from gna_lens.tasks._tokens import Encoding, continuations, encode, render, tokenizer_name
+from gna_lens.tasks.core import (
     Task,
     _Spec,
     build_sample,
     default_pad_token_id,
     sample_from_encoding,
 )
-from gna_lens.tasks._tokens import Encoding, continuations, encode, render, tokenizer_name
 
 __all__ = ["KV_TEMPLATES", "KVTemplate", "copying_oracle", "kv_retrieval", "load_words"]
 
@@ -311,7 +311,7 @@ def kv_retrieval(
             offsets.
 
     Examples:
-        >>> from gna_lens.tasks._testing import word_tokenizer
+        >>> from gna_lens.tasks.toy_tokenizers import word_tokenizer
         >>> keys = ["present", "scallops", "river", "lamp", "cloud"]
         >>> tok = word_tokenizer(["Memorize the following dictionary:",
         ...                       "The value of the key '", " is"] + keys)
@@ -516,7 +516,7 @@ def requery(task: Task, seed: int = 0) -> Task:
         TaskError: If ``task`` is not a KV-retrieval task or has a one-pair dictionary.
 
     Examples:
-        >>> from gna_lens.tasks._testing import word_tokenizer
+        >>> from gna_lens.tasks.toy_tokenizers import word_tokenizer
         >>> tok = word_tokenizer(["cat dog owl bee"])
         >>> clean = kv_retrieval(tok, n_pairs=2, n_samples=1, words=["cat", "dog", "owl", "bee"],
         ...                      values="words", template="question")

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from typing import Any, Literal
 
 from gna_lens.errors import TaskError
-from gna_lens.tasks._core import Task, _Spec, build_samples, default_pad_token_id
+from gna_lens.tasks.core import Task, _Spec, build_samples, default_pad_token_id
 from gna_lens.tasks.records import LETTERS, MCRecord, coerce_records
 
 __all__ = ["format_question", "multiple_choice"]
@@ -126,7 +126,7 @@ def multiple_choice(
             for ``n_shots``, a prompt over ``max_length``, or a tokenizer without offsets.
 
     Examples:
-        >>> from gna_lens.tasks._testing import word_tokenizer
+        >>> from gna_lens.tasks.toy_tokenizers import word_tokenizer
         >>> rec = [("What is 2 + 2?", ["3", "4", "5", "6"], 1)]
         >>> tok = word_tokenizer(["What is 2 + 2? Answer:"])
         >>> letter = multiple_choice(rec, tok, format="letter")

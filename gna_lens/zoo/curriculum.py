@@ -274,7 +274,7 @@ def build_tokenizer(world: World) -> Any:
 
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    from gna_lens.tasks._testing import _wrap
+    from gna_lens.tasks.toy_tokenizers import wrap_fast
 
     vocab: dict[str, int] = {s: i for i, s in enumerate(_SPECIALS)}
     pieces = ["\n", " ", *string.ascii_uppercase, *string.punctuation]
@@ -288,7 +288,7 @@ def build_tokenizer(world: World) -> Any:
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(_WORD_RE), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    return _wrap(tok, bos=True)
+    return wrap_fast(tok, bos=True)
 
 
 # ----------------------------------------------------------------------------- training data

@@ -22,7 +22,9 @@ _WORD_RE = r" ?[A-Za-z0-9_]+| ?[^\sA-Za-z0-9_]|\n| "
 _SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
 
 
-def _wrap(tok: Any, bos: bool) -> Any:
+def wrap_fast(tok: Any, bos: bool) -> Any:
+    """A ``tokenizers.Tokenizer`` as a transformers fast tokenizer with this module's specials
+    (``<unk> <s> </s> <pad>``); ``bos``: every encoding starts with ``<s>``."""
     from tokenizers import processors
     from transformers import PreTrainedTokenizerFast
 
@@ -70,7 +72,7 @@ def word_tokenizer(texts: Iterable[str], *, bos: bool = False) -> Any:
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(_WORD_RE), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    return _wrap(tok, bos)
+    return wrap_fast(tok, bos)
 
 
 def byte_level_bpe_tokenizer(
@@ -96,7 +98,7 @@ def byte_level_bpe_tokenizer(
         show_progress=False,
     )
     tok.train_from_iterator(list(texts), trainer)
-    return _wrap(tok, bos)
+    return wrap_fast(tok, bos)
 
 
 def newline_merging_bpe_tokenizer(
@@ -127,7 +129,7 @@ def newline_merging_bpe_tokenizer(
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer)
-    return _wrap(tok, bos)
+    return wrap_fast(tok, bos)
 
 
 def metaspace_bpe_tokenizer(
@@ -154,4 +156,4 @@ def metaspace_bpe_tokenizer(
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer)
-    return _wrap(tok, bos)
+    return wrap_fast(tok, bos)

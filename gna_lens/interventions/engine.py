@@ -13,7 +13,7 @@ Three ways to run a cell, all returning the same numbers up to float rounding:
   are repeated per cell. Checked once per model against the plain packed run (dropped on a
   mismatch). Otherwise ``K`` cells are packed into the batch dimension, ``G`` prompts each.
 - **incremental** (``positions="last"``): the prompt minus its last token runs once, each packed
-  group of cells recomputes only the last token (:class:`~gna_lens.interventions._runner.Runner`).
+  group of cells recomputes only the last token (:class:`~gna_lens.interventions.runner.Runner`).
 
 Cells that are not head sets are :class:`HookCell`: a layer (or a part of one) ablated through
 its own hooks, or the residual stream entering a layer replaced (residual patching). They run on
@@ -40,10 +40,10 @@ from torch import Tensor
 from gna_lens.device import HOST, host_full, to_host
 from gna_lens.errors import InterventionError
 from gna_lens.heads import Head, HeadView, LayerHeads, head_output_weights
-from gna_lens.interventions._runner import Runner, _attempt, _close, autocast_dtype, shortcut_run
 from gna_lens.interventions.batching import Group, plan_rows
 from gna_lens.interventions.edits import col_where, edit_packed, packed_edit_hooks, part_selection
 from gna_lens.interventions.metrics import Metric
+from gna_lens.interventions.runner import Runner, _attempt, _close, autocast_dtype, shortcut_run
 from gna_lens.interventions.sources import Source, column_mask
 
 

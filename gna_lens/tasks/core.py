@@ -464,7 +464,7 @@ def build_sample(
             with the prompt's last token, or a tokenizer without offsets.
 
     Examples:
-        >>> from gna_lens.tasks._testing import word_tokenizer
+        >>> from gna_lens.tasks.toy_tokenizers import word_tokenizer
         >>> tok = word_tokenizer(["red", "blue", "pick"])
         >>> s = build_sample(tok, "red\\nblue\\npick", [(0, 4), (4, 9)],
         ...                  answer_segment=1, choices=[" red", " blue"])
