@@ -798,7 +798,8 @@ def _scan_model(run: Run, name: str, record: dict[str, Any]) -> Iterator[Any]:
 
 
 def section_exact_scans(run: Run) -> dict[str, Any]:
-    from gna_lens.scoring.report import EXACT_BUDGET_S, choose_strategy, score_heads
+    from gna_lens.scoring import score_heads
+    from gna_lens.sweep_policy import EXACT_BUDGET_S, choose_strategy
     from gna_lens.tasks import kv_retrieval
 
     n_prompts = 8 if run.tiny else 16

@@ -9,7 +9,7 @@ One run, two processes side by side on the same machine:
 
 In each: a one-thread 64 x 576 by 576 x 1536 matmul (SmolLM2-135M's MLP width; the shape issue 28
 timed on an AVX2-only AMD EPYC: 1.9 ms float32, 20.1 ms bfloat16) in both dtypes, then the probe
-of :func:`gna_lens.scoring.report.resolve_sweep_dtype` on SmolLM2-135M and the demo's 16 selection
+of :func:`gna_lens.sweep_policy.resolve_sweep_dtype` on SmolLM2-135M and the demo's 16 selection
 prompts, with the model counted as large (``EXACT_ALL_MAX`` set to 0 for this benchmark; at its
 270 heads the scan keeps float32 without probing). With ``BENCH_PRECISION_SWEEP=1`` each process
 also runs the exact ablation sweep of 18 heads (layers 10 and 20) on the 16 prompts in float32
@@ -49,7 +49,7 @@ def _matmul_ms() -> dict[str, float]:
 def _child(threads: int) -> dict:
     import torch
 
-    import gna_lens.scoring.report as report
+    import gna_lens.sweep_policy as report
     from gna_lens import load_model
     from gna_lens.runtime import cpu_description
     from gna_lens.tasks import kv_retrieval

@@ -46,16 +46,16 @@ from gna_lens.scoring import (
     score_heads,
 )
 from gna_lens.scoring.knowledge import RANDOM_DRAWS
-from gna_lens.scoring.report import (
+from gna_lens.scoring.report import JOINT_K
+from gna_lens.stats import wilson_interval
+from gna_lens.sweep_policy import (
     EXACT_ALL_MAX,
     EXACT_BUDGET_S,
-    JOINT_K,
     applied_head_groups,
     choose_strategy,
     default_top_layers,
     time_per_row,
 )
-from gna_lens.stats import wilson_interval
 from gna_lens.tasks import (
     Task,
     TextControl,
@@ -450,14 +450,14 @@ def scan(
         strategy: ``"auto"`` (default: every head exact up to :data:`EXACT_ALL_MAX` heads, and on
             a GPU whenever its estimated time fits ``exact_budget_s``; else
             ``"coarse_to_fine"``), ``"exact"``, ``"coarse_to_fine"`` or ``"attribution"`` (see
-            :func:`~gna_lens.scoring.report.choose_strategy`).
+            :func:`~gna_lens.sweep_policy.choose_strategy`).
         exact_budget_s: Seconds an exact scan of every head may take on a GPU
-            (:data:`~gna_lens.scoring.report.EXACT_BUDGET_S`).
+            (:data:`~gna_lens.sweep_policy.EXACT_BUDGET_S`).
         top_layers: Layers whose heads the coarse-to-fine scan ablates (default
-            :func:`~gna_lens.scoring.report.default_top_layers`).
+            :func:`~gna_lens.sweep_policy.default_top_layers`).
         head_groups: What a Mamba-1 head is (see :func:`~gna_lens.scoring.score_heads`):
             ``"auto"`` (default: contiguous blocks of
-            :data:`~gna_lens.scoring.report.DEFAULT_CHANNEL_GROUP` channels on a Mamba-1 model
+            :data:`~gna_lens.sweep_policy.DEFAULT_CHANNEL_GROUP` channels on a Mamba-1 model
             above :data:`EXACT_ALL_MAX` single-channel heads, else the heads as they are),
             ``None`` (single channels) or a spec of
             :meth:`~gna_lens.models.HookedSSM.set_head_groups`. It holds for the whole scan (the
@@ -475,7 +475,7 @@ def scan(
         sweep_dtype: ``"auto"`` (default: ``"bfloat16"`` when the model has more than
             :data:`EXACT_ALL_MAX` heads and float32 weights, and a probe on this model and
             device measures bfloat16 faster and accurate enough, else ``None``; see
-            :func:`~gna_lens.scoring.report.resolve_sweep_dtype`), ``None``
+            :func:`~gna_lens.sweep_policy.resolve_sweep_dtype`), ``None``
             (float32) or ``"bfloat16"``: autocast of the selection sweeps only; the held-out
             numbers are always computed in the model's dtype. The report records the choice.
         tasks: The prompts to use instead of :func:`build_tasks`' (``task``, ``n_samples``,

@@ -10,8 +10,9 @@ import torch
 from gna_lens.errors import GnaLensError, InterventionError, TaskError
 from gna_lens.interventions import control_sweep
 from gna_lens.scoring import resolve_control, score_heads
-from gna_lens.scoring.report import specificity, sweep_precision
+from gna_lens.scoring.report import specificity
 from gna_lens.stats import bootstrap_interval, draws_interval, wilson_interval
+from gna_lens.sweep_policy import sweep_precision
 from gna_lens.tasks import PROSE_SOURCE, TextControl, load_prose, text_control
 from gna_lens.testing import (
     tiny_checkpoint,

@@ -263,7 +263,7 @@ def test_auto_strategy_exact_on_a_gpu_when_the_estimate_fits(monkeypatch):
     """Above EXACT_ALL_MAX heads: coarse to fine on the CPU; on a GPU (the seam says CUDA),
     every head exact when the estimate fits the budget, coarse to fine when it does not; the
     report says which and why."""
-    import gna_lens.scoring.report as R
+    import gna_lens.sweep_policy as R
 
     m = toy_gna_model()
     t = toy_gna_task(m, n_samples=8)

@@ -257,7 +257,7 @@ def test_scan_dry_run_counts_the_work_times_one_forward_and_runs_no_sweep(
     tmp_path, monkeypatch, capsys
 ):
     from gna_lens import scan as scan_module
-    from gna_lens.scoring import report as report_module
+    from gna_lens.scoring import pipeline as report_module
     from tests.test_scan import _kv_world
 
     model, _, _ = _kv_world()

@@ -781,7 +781,7 @@ def test_score_heads_pairs_and_report_widgets_cover_both_parts(family, tmp_path)
     the report's pattern widgets show an attention and an SSM head of one layer (SSM rows as
     normalized |M|), read from their own parts' hooks."""
     from gna_lens import find_gna_pairs, score_heads
-    from gna_lens.scoring.report import _examples
+    from gna_lens.scoring.pipeline import _examples
 
     m = model(family)
     view = head_view(m)

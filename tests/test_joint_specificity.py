@@ -324,7 +324,7 @@ def test_metric_agreement_compares_the_published_set_and_draws_ties():
 def test_joint_stability_redoes_the_walk_on_resampled_selection_data():
     """Issue 39: the joint set's own stability (how often each member stays in the set over
     resampled selection prompts and control windows)."""
-    from gna_lens.scoring.report import _joint_walk
+    from gna_lens.scoring.pipeline import _joint_walk
     from gna_lens.scoring.stability import joint_stability
 
     model = toy_gna_model(generic_head=True)

@@ -454,7 +454,7 @@ def test_layer_ranking_finds_the_layer_that_carries_retrieval_and_the_scan_its_h
 
 
 def test_strategy_policy(monkeypatch):
-    import gna_lens.scoring.report as report_module
+    import gna_lens.sweep_policy as report_module
 
     m = toy_gna_model()
     t = toy_gna_task(m, n_samples=4)

@@ -278,7 +278,7 @@ def test_scan_cli_gives_a_zoo_model_its_own_splits_and_others_none(monkeypatch, 
 def test_scan_cli_coarse_to_fine_above_the_exact_limit_says_what_it_never_measured(
     tmp_path, toy_scan, capsys, monkeypatch
 ):
-    import gna_lens.scoring.report as report_module
+    import gna_lens.sweep_policy as report_module
 
     monkeypatch.setattr(report_module, "EXACT_ALL_MAX", 4)  # the toy's 6 heads are now "many"
     verdicts = []
@@ -357,7 +357,7 @@ def mamba1_scan(monkeypatch):
     from interventions_helpers import task as make_task
     from interventions_helpers import tok
 
-    import gna_lens.scoring.report as report_module
+    import gna_lens.sweep_policy as report_module
     from gna_lens import scan as scan_module
     from gna_lens.tasks import TextControl
 

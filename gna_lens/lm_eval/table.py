@@ -561,7 +561,7 @@ def evaluate_table(
             ``table.md``. Only with ``ranking=None``.
         sweep_dtype: ``None`` (float32), ``"bfloat16"`` autocast for the ranking sweeps, or
             ``"auto"`` (bfloat16 only where measured faster and accurate enough; see
-            :func:`~gna_lens.scoring.report.resolve_sweep_dtype`).
+            :func:`~gna_lens.sweep_policy.resolve_sweep_dtype`).
         random_draws: Extra rows ``random-K #1`` ... ``#N``, each removing ``random_k`` random
             heads outside the ranking's top ``random_k``, with as many heads per layer as that
             top set (:func:`~gna_lens.scoring.matched_random_sets`: distinct sets, drawn by

@@ -42,19 +42,15 @@ from gna_lens.scoring.pairs import (
     pair_candidates,
 )
 from gna_lens.scoring.patterns import NORMALIZATION, PatternScores, pattern_scores, row_sharpness
+from gna_lens.scoring.pipeline import score_heads
 from gna_lens.scoring.report import (
-    EXACT_ALL_MAX,
     JOINT_K,
     MAX_CONTROL,
-    STRATEGIES,
     ExcludedHead,
     GnaReport,
     JointSet,
     RejectedHead,
     UnmeasuredHeads,
-    default_top_layers,
-    resolve_control,
-    score_heads,
 )
 from gna_lens.scoring.stability import (
     JointStability,
@@ -63,6 +59,8 @@ from gna_lens.scoring.stability import (
     joint_stability,
     rank_stability,
 )
+from gna_lens.sweep_policy import EXACT_ALL_MAX, STRATEGIES, default_top_layers
+from gna_lens.tasks.control import resolve_control
 
 __all__ = [
     "EXACT_ALL_MAX",

@@ -20,7 +20,8 @@ from gna_lens.interventions import aggregate_mask, gather_mask, mask_patterns
 from gna_lens.interventions.batching import describe_task
 from gna_lens.render.markdown import head_label
 from gna_lens.scoring.patterns import Head
-from gna_lens.scoring.report import GnaReport, score_heads
+from gna_lens.scoring.pipeline import score_heads
+from gna_lens.scoring.report import GnaReport
 from gna_lens.stats import Interval, wilson_interval
 from gna_lens.tasks import Batch, Task
 

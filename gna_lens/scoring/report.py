@@ -1,11 +1,13 @@
-"""``score_heads``: one table of G&A evidence per head, and the :class:`GnaReport` it returns.
+"""The data :func:`~gna_lens.scoring.score_heads` returns: :class:`GnaReport` (one table of G&A
+evidence per head), its :class:`JointSet` and the small records of heads left out.
 
 A head's retrieval effect alone does not make it a retrieval head: removing a head that every
-prediction needs breaks retrieval too. :func:`score_heads` therefore ablates every head on the
-task *and* on a control that needs no in-context retrieval (by default, next-token loss on prose
-shipped with gna_lens), and :meth:`GnaReport.top` ranks by retrieval effect among the heads whose
-control effect stays at most ``max_control`` nats/token (:data:`MAX_CONTROL`); the heads it leaves
-out are listed by :meth:`GnaReport.excluded`, each with its reason.
+prediction needs breaks retrieval too. :func:`~gna_lens.scoring.score_heads` therefore ablates
+every head on the task *and* on a control that needs no in-context retrieval (by default,
+next-token loss on prose shipped with gna_lens), and :meth:`GnaReport.top` ranks by retrieval
+effect among the heads whose control effect stays at most ``max_control`` nats/token
+(:data:`MAX_CONTROL`); the heads it leaves out are listed by :meth:`GnaReport.excluded`, each
+with its reason.
 
 ``specificity`` puts both effects in one currency, the share of the model's performance the
 ablation removes: ``r = clip(-ablation_effect / |baseline|, 0, 1)`` (the share of the task
@@ -16,19 +18,16 @@ control's per-token probability lost: ``+0.1`` nats/token is 9.5%), and
 
 Specificity does not compose: heads that each pass the bound alone can break the control when
 removed together (issue 30: on SmolLM2-135M each of a top 8 passed ``+0.1`` nats/token alone,
-and removing the 8 together cost ``+1.08``). :func:`score_heads` therefore also builds a greedy
-*joint* set (:class:`JointSet`): walking the per-head order, a head joins only if the control
-effect of the set with it, ablated together, stays at most ``max_control``;
-:meth:`GnaReport.top` returns that set's first ``k`` heads, whose removal together is bounded,
-and ``top(k, joint=False)`` the per-head order.
+and removing the 8 together cost ``+1.08``). The pipeline therefore also builds a greedy *joint*
+set (:class:`JointSet`): walking the per-head order, a head joins only if the control effect of
+the set with it, ablated together, stays at most ``max_control``; :meth:`GnaReport.top` returns
+that set's first ``k`` heads, whose removal together is bounded, and ``top(k, joint=False)`` the
+per-head order.
 """
 
-import contextlib
 import json
 import math
-import time
 import warnings
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,98 +36,40 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from gna_lens.device import HOST, DevicePolicy, host_full, to_host
-from gna_lens.errors import GnaLensError, GnaLensWarning, InterventionError
+from gna_lens.device import HOST, host_full
+from gna_lens.errors import GnaLensError, GnaLensWarning
 from gna_lens.heads import (
     GroupSpec,
     HeadList,
-    ModelLike,
-    Subject,
-    describe_head_groups,
-    head_view,
-    model_of,
-    policy_of,
 )
-from gna_lens.interventions import ablation_sweep, attribute_heads, control_sweep
-from gna_lens.interventions.ablation import SweepResult, positions_label
-from gna_lens.interventions.batching import describe_task
-from gna_lens.interventions.layers import LayerSweepResult, layer_sweep
-from gna_lens.interventions.sources import check_positions, rotated
-from gna_lens.models.kernels import path_summary
-from gna_lens.models.provenance import provenance_method, provenance_of
+from gna_lens.interventions.layers import LayerSweepResult
 from gna_lens.render.html import write_report_html
 from gna_lens.render.markdown import heads_label
-from gna_lens.runtime import choose_precision, native_bfloat16
-from gna_lens.scoring.patterns import NORMALIZATION, SCORE_NAMES, Head, pattern_scores
-from gna_lens.stats import Interval, bootstrap_interval
-from gna_lens.tasks import Task, TextControl
-from gna_lens.tasks.control import resolve_control
+from gna_lens.scoring.patterns import NORMALIZATION, SCORE_NAMES, Head
+from gna_lens.stats import Interval
 
 __all__ = [
-    "DEFAULT_CHANNEL_GROUP",
-    "EXACT_ALL_MAX",
-    "EXACT_BUDGET_S",
-    "JOINT_BATCH",
+    "COLUMNS",
     "JOINT_K",
     "MAX_CONTROL",
-    "STRATEGIES",
+    "SCORE_COLUMNS",
     "ExcludedHead",
     "GnaReport",
     "JointSet",
     "RejectedHead",
     "UnmeasuredHeads",
-    "applied_head_groups",
-    "auto_head_groups",
-    "check_bfloat16",
-    "choose_strategy",
-    "default_top_layers",
-    "native_bfloat16",
-    "resolve_control",
-    "resolve_sweep_dtype",
-    "score_heads",
+    "specificity",
 ]
+
 
 #: Default bound on a head's control effect (nats/token) for the retrieval-specific ranking:
 #: ``+0.1`` nats/token multiplies the control's perplexity by 1.105.
 MAX_CONTROL = 0.1
 
+
 #: Heads of the greedy joint set :func:`score_heads` builds by default (see :class:`JointSet`).
 JOINT_K = 16
 
-#: Next candidates of the greedy joint set measured in one control sweep after a candidate was
-#: turned down (turned-down heads come in runs): the first that keeps the set within the bound
-#: joins. Otherwise a round measures one candidate: on a CPU a sweep costs about its rows, and
-#: most candidates join.
-JOINT_BATCH = 4
-
-#: Models with at most this many heads get every head ablated exactly (``strategy="auto"``).
-EXACT_ALL_MAX = 300
-
-#: How :func:`score_heads` chooses the heads it ablates exactly:
-#: ``"auto"`` (``"exact"`` up to :data:`EXACT_ALL_MAX` heads, else ``"coarse_to_fine"``),
-#: ``"exact"`` (every head), ``"coarse_to_fine"`` (layers ranked by removal first, then every head
-#: of the top layers), ``"attribution"`` (attribution patching ranks every head, the top
-#: ``prefilter`` are ablated).
-STRATEGIES = ("auto", "exact", "coarse_to_fine", "attribution")
-
-#: On a CUDA device, ``strategy="auto"`` ablates every head exactly, even above
-#: :data:`EXACT_ALL_MAX` heads, when :func:`choose_strategy` estimates that the task's and the
-#: control's sweeps take at most this many seconds (a GPU sweeps a mamba2-1.3b's 3,072 heads in
-#: about that; the estimate's basis is recorded in ``method["strategy_choice"]``).
-EXACT_BUDGET_S = 120.0
-
-#: Layers whose heads a coarse-to-fine scan ablates, at most (see :func:`default_top_layers`).
-DEFAULT_TOP_LAYERS = 4
-
-#: Channels per head of the contiguous groups that ``head_groups="auto"`` makes on a Mamba-1 /
-#: FalconMamba model above :data:`EXACT_ALL_MAX` single-channel heads: 64, the head width of
-#: Mamba-2 (mamba-130m's 1,536 channels per layer make 24 groups, as many as mamba2-130m's heads;
-#: Falcon-Mamba-7B's 8,192 make 128).
-DEFAULT_CHANNEL_GROUP = 64
-
-#: Heads ablated exactly after attribution patching when ``strategy="attribution"`` is given no
-#: ``prefilter``.
-DEFAULT_PREFILTER = 32
 
 #: Numeric columns of :meth:`GnaReport.to_dataframe`, after ``layer, head, kind, role``.
 SCORE_COLUMNS = (
@@ -142,7 +83,11 @@ SCORE_COLUMNS = (
     "specificity",
     "attribution",
 )
+
+
 COLUMNS = ("layer", "head", "kind", "role", *SCORE_COLUMNS)
+
+
 _LOWER_FIRST = ("ablation_effect", "attribution", "entropy", "control_effect")
 
 
@@ -510,6 +455,7 @@ class GnaReport:
         """What was measured and the top ``k`` heads with their 95% intervals, as text.
 
         Examples:
+            >>> from gna_lens.scoring import score_heads
             >>> from gna_lens.testing import toy_gna_model, toy_gna_task, toy_control
             >>> model = toy_gna_model()
             >>> report = score_heads(model, toy_gna_task(model, n_samples=8),
@@ -639,6 +585,7 @@ class GnaReport:
                 with ``by``.
 
         Examples:
+            >>> from gna_lens.scoring import score_heads
             >>> from gna_lens.testing import toy_gna_model, toy_gna_task, toy_control
             >>> model = toy_gna_model(generic_head=True)
             >>> report = score_heads(model, toy_gna_task(model, n_samples=8),
@@ -786,6 +733,7 @@ class GnaReport:
         and without a joint set).
 
         Examples:
+            >>> from gna_lens.scoring import score_heads
             >>> from gna_lens.testing import toy_gna_model, toy_gna_task, toy_control
             >>> model = toy_gna_model(generic_head=True)
             >>> report = score_heads(model, toy_gna_task(model, n_samples=8),
@@ -882,6 +830,7 @@ class GnaReport:
             GnaLensError: For a dict without the report's per-head rows.
 
         Examples:
+            >>> from gna_lens.scoring import score_heads
             >>> from gna_lens.testing import toy_gna_model, toy_gna_task, toy_control
             >>> model = toy_gna_model(generic_head=True)
             >>> report = score_heads(model, toy_gna_task(model, n_samples=8),
@@ -1009,985 +958,10 @@ class GnaReport:
 _JOINT_COLUMNS = ("joint_control_effect", "joint_control_low", "joint_control_high")
 
 
-def _model_name(model: Any) -> str:
-    """The name the model was loaded by (``"smollm2-135m"``), else its config's, else its class."""
-    prov = provenance_of(model)
-    if prov.known and prov.name:
-        return str(prov.name)
-    cfg = getattr(model, "cfg", None)
-    for attr in ("model_name", "name_or_path"):
-        name = getattr(cfg, attr, None)
-        if name:
-            return str(name)
-    return type(model).__name__
-
-
-def _examples(model: Any, task: Task, heads: list[Head]) -> dict[str, Any]:
-    """Patterns of ``heads`` on the task's first sample (SSM rows as |M| normalized)."""
-    from gna_lens.heads import head_patterns
-    from gna_lens.scoring.patterns import _capture_part_patterns
-
-    subject = Subject.of(model)
-    model, view = subject.model, subject.view
-    sample = task[0]
-    device = subject.device
-    parts = view.parts_of(heads)  # one hook_pattern per part of a layer
-    with torch.no_grad(), _capture_part_patterns(model, view, parts) as store:
-        model(torch.tensor([sample.input_ids], device=device))
-    patterns = {}
-    for layer, h in heads:
-        part, i = view.part_of((layer, h))
-        # Mamba-1 groups: aggregated
-        p = head_patterns(store[(layer, part.offset)], part)[0, i].float()
-        if view.kind_of((layer, h)) == "ssm":
-            p = p.abs().tril()
-            p = p / p.sum(-1, keepdim=True).clamp(min=1e-30)
-        patterns[f"L{layer}H{h}"] = to_host(p).tolist()
-    tokenizer = getattr(model, "tokenizer", None)
-    tokens = (
-        [tokenizer.decode([i]) for i in sample.input_ids]
-        if tokenizer is not None
-        else [str(i) for i in sample.input_ids]
-    )
-    return {"tokens": tokens, "patterns": patterns, "sample": 0}
-
-
 def _clean(v: float) -> float | None:
     return None if math.isnan(v) else v
-
-
-def resolve_sweep_dtype(
-    model: Any, sweep_dtype: Any, task: Task | None = None
-) -> tuple[Any, dict[str, Any]]:
-    """The sweep dtype to run (``"auto"`` resolved) and what to record about the choice.
-
-    ``"auto"`` (:func:`gna_lens.runtime.choose_precision`): the model's own arithmetic where
-    the model is small (at most :data:`EXACT_ALL_MAX` heads, as grouped now: its exact sweep is
-    affordable in float32) or its weights are not float32; else a forward pass like the
-    sweep's (:func:`_probe_forward`: 16 of ``task``'s prompts, last-position logits) is timed in
-    float32 and under bfloat16 autocast on the model's device, and
-    bfloat16 is taken only where it is measured faster (by
-    :data:`~gna_lens.runtime.MIN_SPEEDUP`) and passes :func:`check_bfloat16` on the same
-    prompts. The record (``sweep_dtype_choice``, ``sweep_dtype_probe``) says what was measured.
-    Other values are returned as given.
-
-    Args:
-        model: The model.
-        sweep_dtype: ``"auto"``, ``None`` / ``"float32"`` or ``"bfloat16"``.
-        task: The selection task (the probe's and the check's prompts); needed by ``"auto"``
-            on a large model.
-
-    Examples:
-        >>> from gna_lens.testing import toy_gna_model
-        >>> resolve_sweep_dtype(toy_gna_model(), "auto")
-        (None, {'sweep_dtype_choice': 'auto: float32 (4 heads: a small model)'})
-    """
-    if sweep_dtype != "auto":
-        return sweep_dtype, {}
-    subject = Subject.of(model)
-    model = subject.model
-    n = subject.view.n_heads_total
-    param = next(iter(model.parameters()), None)
-    if param is None:
-        return None, {"sweep_dtype_choice": "auto: the model's own dtype (no parameters)"}
-    large = n > EXACT_ALL_MAX
-    if large and task is None and param.dtype == torch.float32:
-        raise GnaLensError(
-            "resolve_sweep_dtype(model, 'auto') on a large model needs task= (its prompts are "
-            "what bfloat16 is timed and checked on). Fix: pass the selection task."
-        )
-    run, what = _probe_forward(model, task) if large and task is not None else (None, "")
-    choice = choose_precision(
-        "auto",
-        run=run,
-        device=param.device,
-        what=what,
-        weights_dtype=param.dtype,
-        worth_it=(large, f"{n:,} heads: a small model"),
-        check=None if task is None else lambda: check_bfloat16(model, task),
-    )
-    record: dict[str, Any] = {"sweep_dtype_choice": choice.reason}
-    if choice.probe is not None:
-        record["sweep_dtype_probe"] = choice.probe.to_dict()
-        if choice.autocast is not None:
-            record["sweep_dtype_choice"] += (
-                f"; the model is large ({n:,} heads, more than {EXACT_ALL_MAX}); held-out "
-                "numbers are float32; --sweep-dtype float32 (sweep_dtype=None) for exact "
-                "arithmetic"
-            )
-    return choice.autocast, record
-
-
-def _probe_forward(model: Any, task: Task, rows: int = 16) -> tuple[Any, str]:
-    """The work ``sweep_dtype="auto"`` times: a forward pass like the sweep's own (the last
-    position's logits only) on ``rows`` selection prompts of the task's most common length (its
-    prompts repeated where it has fewer). Matrix shapes decide which precision is faster (on one
-    AVX512-BF16 Xeon a 64-row bfloat16 matmul was 2x slower than float32), so the probe runs
-    the sweep's batch, not a toy one."""
-    from collections import Counter
-
-    from gna_lens.interventions.runner import Runner
-
-    ids = [list(s.input_ids) for s in task]
-    length = Counter(len(i) for i in ids).most_common(1)[0][0]
-    same = [i for i in ids if len(i) == length]
-    subject = Subject.of(model)
-    device = subject.device
-    batch = torch.tensor(same, device=device).repeat(-(-rows // len(same)), 1)[:rows]
-    runner = Runner(subject)
-
-    def run() -> None:
-        with torch.no_grad():
-            runner.logits_last(batch)
-
-    return run, f"forward of {len(batch)} x {length} selection tokens, last-position logits"
-
-
-def check_bfloat16(model: Any, task: Task, n: int = 8) -> tuple[bool, str]:
-    """Whether bfloat16 autocast keeps ``model``'s clean logit differences on the first ``n``
-    prompts of ``task``: the mean absolute change must stay within 0.1 x the mean absolute
-    float32 value + 0.02 logits. Returns ``(ok, the numbers in words)``.
-
-    A guard for ``sweep_dtype="auto"``: trained models run in bfloat16 every day, but a model
-    whose mechanism needs float32 (e.g. a hand-built one with huge weights) must not be swept in
-    it.
-    """
-    from gna_lens.tasks import evaluate
-
-    sub = task[: min(n, len(task))]
-    with torch.no_grad():
-        ref = evaluate(model, sub).logit_diffs.double()
-        with sweep_precision(model, "bfloat16"):
-            low = evaluate(model, sub).logit_diffs.double()
-    change, scale = float((low - ref).abs().mean()), float(ref.abs().mean())
-    ok = change <= 0.1 * scale + 0.02
-    words = (
-        f"clean logit difference on {len(sub)} selection prompts moves by {change:.4f} on "
-        f"average under bfloat16 (float32 mean |value| {scale:.4f}; allowed 0.1 x that + 0.02)"
-    )
-    return ok, words
-
-
-@contextlib.contextmanager
-def sweep_precision(model: Any, dtype: str | None) -> Iterator[str]:
-    """Autocast for the ablation sweeps: ``None``/``"float32"`` (none) or ``"bfloat16"``."""
-    if dtype in (None, "float32", torch.float32):
-        yield "float32"
-        return
-    if dtype not in ("bfloat16", torch.bfloat16):
-        raise GnaLensError(
-            f"sweep_dtype={dtype!r}; expected None or 'float32' (exact arithmetic of the model's "
-            "own dtype), 'bfloat16' (autocast: faster only where the device has native bfloat16) "
-            "or 'auto' (bfloat16 where measured faster)."
-        )
-    with policy_of(model).autocast("bfloat16"):
-        yield "bfloat16 (autocast)"
-
-
-def _intervals(sweep: SweepResult) -> tuple[Tensor, Tensor]:
-    """Per-cell 95% bootstrap intervals (over samples) of the paired effect, as tensors."""
-    ivs = sweep.effect_intervals()
-    return (
-        torch.tensor([iv.low for iv in ivs], dtype=torch.float32, device=HOST),
-        torch.tensor([iv.high for iv in ivs], dtype=torch.float32, device=HOST),
-    )
-
-
-def _scatter(heads: list[Head], sweep: SweepResult, *cols: Tensor) -> list[Tensor]:
-    """Per-head tensors (NaN for heads not in the sweep) of the sweep's effects and ``cols``."""
-    by_cell = {c[0]: i for i, c in enumerate(sweep.cells)}
-    out = []
-    for col in (sweep.effects, *cols):
-        full = host_full(len(heads))
-        for i, h in enumerate(heads):
-            j = by_cell.get(h)
-            if j is not None:
-                full[i] = float(col[j])
-        out.append(full)
-    return out
-
-
-def _scatter_samples(heads: list[Head], sweep: SweepResult) -> Float[Tensor, "head sample"]:
-    """Per-head, per-sample effects ``[head, sample]`` (value minus baseline; NaN rows for
-    heads not in the sweep)."""
-    diffs = to_host(sweep.values.float() - sweep.baseline.float()[None])
-    by_cell = {c[0]: i for i, c in enumerate(sweep.cells)}
-    full = host_full((len(heads), int(sweep.values.shape[1])))
-    for i, h in enumerate(heads):
-        j = by_cell.get(h)
-        if j is not None:
-            full[i] = diffs[j]
-    return full
-
-
-def _joint_walk(
-    model: Any,
-    control: TextControl | Task,
-    report: GnaReport,
-    control_samples: Tensor,
-    joint_k: int,
-    *,
-    mode: str,
-    positions: Any,
-    progress: bool,
-    measure: Callable[[list[list[Head]]], Tensor] | None = None,
-) -> tuple[JointSet, str]:
-    """The greedy joint set of :func:`score_heads` (see :class:`JointSet`), and its
-    ``method["joint_control"]`` line.
-
-    ``measure`` (head sets -> per-sample control changes ``[sets, samples]``) replaces the
-    control sweep; :func:`~gna_lens.scoring.stability.joint_stability` passes one that reads
-    cached per-window changes on resampled windows.
-
-    The first candidate joins on its own control effect (already measured, within the bound);
-    each later round ablates the accepted heads plus the next candidate together (after a round
-    whose first candidate was turned down, each of the next :data:`JOINT_BATCH` candidates, in
-    one control sweep), and the first candidate whose set stays within the bound joins (the
-    candidates before it are turned down; those after it are tried again with the larger set).
-    """
-    from tqdm.auto import tqdm
-
-    bound, unit = report.max_control, report.control_unit
-    candidates = list(report.top(len(report.heads), joint=False))
-    index = {h: i for i, h in enumerate(report.heads)}
-    accepted: list[Head] = []
-    effects: list[Interval] = []
-    rejected: list[RejectedHead] = []
-    pos = sweeps = cells = 0
-    width = 1  # candidates per round: JOINT_BATCH after a turned-down one
-    bar = tqdm(total=min(joint_k, len(candidates)), desc="joint control set", disable=not progress,
-               leave=False)  # fmt: skip
-    try:
-        while len(accepted) < joint_k and pos < len(candidates):
-            if not accepted:
-                head = candidates[pos]
-                pos += 1
-                accepted.append(head)
-                effects.append(_paired_interval(control_samples[index[head]]))
-                bar.update(1)
-                continue
-            batch = candidates[pos : pos + width]
-            sets = [[*accepted, c] for c in batch]
-            if measure is None:
-                res = control_sweep(
-                    model, control, sets, mode=mode, positions=positions, progress=False
-                )
-                diffs = to_host(res.values.double() - res.baseline.double()[None])
-            else:
-                diffs = measure(sets)
-            sweeps, cells = sweeps + 1, cells + len(batch)
-            means = diffs.mean(-1).tolist()
-            for j, c in enumerate(batch):
-                if means[j] <= bound:
-                    accepted.append(c)
-                    effects.append(_paired_interval(diffs[j]))
-                    pos += j + 1
-                    bar.update(1)
-                    break
-                rejected.append(RejectedHead(c, float(means[j]), len(accepted)))
-            else:
-                pos += len(batch)
-            width = JOINT_BATCH if means[0] > bound else 1
-    finally:
-        bar.close()
-    exhausted = pos >= len(candidates)
-    joint = JointSet(
-        heads=tuple(accepted),
-        effects=tuple(effects),
-        rejected=tuple(rejected),
-        bound=bound,
-        unit=unit,
-        joint_k=joint_k,
-        exhausted=exhausted,
-        n_candidates=len(candidates),
-    )
-    line = (
-        f"greedy joint set: walking the per-head order ({len(candidates)} heads within "
-        f"max_control alone), a head joins only if it and the heads accepted before it, "
-        f"{mode}-ablated together at {positions_label(positions)} positions, raise the control "
-        f"loss by at most {bound:g} {unit} on average; one candidate per control sweep, "
-        f"{JOINT_BATCH} after one is turned down ({sweeps} sweeps of {cells} head sets); "
-        f"{len(accepted)} heads accepted (joint_k={joint_k}), "
-        f"{len(rejected)} turned down" + ("; every candidate tried" if exhausted else "")
-    )
-    return joint, line
-
-
-def _paired_interval(diffs: Tensor) -> Interval:
-    """The mean of per-sample effects with its 95% paired bootstrap interval."""
-    iv = bootstrap_interval(diffs.double())
-    assert isinstance(iv, Interval)
-    return iv
-
-
-def default_top_layers(view: Any) -> int:
-    """Layers a coarse-to-fine scan ablates head by head: :data:`DEFAULT_TOP_LAYERS` (4: a
-    Gather layer and the Aggregate layer after it, twice over), fewer where that many layers
-    hold more than :data:`EXACT_ALL_MAX` heads, at least 1.
-
-    Args:
-        view: The model's :func:`~gna_lens.heads.head_view`.
-
-    Examples:
-        >>> from gna_lens.testing import tiny_hooked_ssm
-        >>> from gna_lens.heads import head_view
-        >>> default_top_layers(head_view(tiny_hooked_ssm("mamba2")))  # 8 heads per layer
-        4
-        >>> default_top_layers(head_view(tiny_hooked_ssm("mamba1")))  # 64 channels per layer
-        4
-    """
-    widest = max((lh.n_heads for lh in view), default=1)
-    return max(1, min(DEFAULT_TOP_LAYERS, EXACT_ALL_MAX // max(widest, 1)))
-
-
-def _resolve_strategy(strategy: Any, prefilter: Any, top_layers: Any, view: Any) -> str:
-    """The strategy to run (``"auto"`` resolved), after checking the arguments that go with it."""
-    if strategy not in STRATEGIES:
-        raise InterventionError(
-            f"strategy={strategy!r}; expected one of {STRATEGIES}: 'auto' (exact up to "
-            f"{EXACT_ALL_MAX} heads, else coarse_to_fine), 'exact', 'coarse_to_fine' (layers "
-            "first, then the heads of the top layers) or 'attribution' (prefilter)."
-        )
-    if prefilter is not None and (not isinstance(prefilter, int) or prefilter < 1):
-        raise InterventionError(f"prefilter={prefilter!r}; expected a positive int or None.")
-    if top_layers is not None and (
-        not isinstance(top_layers, int) or isinstance(top_layers, bool) or top_layers < 1
-    ):
-        raise InterventionError(f"top_layers={top_layers!r}; expected a positive int or None.")
-    if prefilter is not None and strategy not in ("auto", "attribution"):
-        raise InterventionError(
-            f"prefilter={prefilter} with strategy={strategy!r}: the prefilter is the attribution "
-            "strategy's cut. Fix: strategy='attribution' (or 'auto'), or drop prefilter."
-        )
-    if top_layers is not None and strategy in ("exact", "attribution"):
-        raise InterventionError(
-            f"top_layers={top_layers} with strategy={strategy!r}: top_layers is the "
-            "coarse-to-fine scan's. Fix: strategy='coarse_to_fine' (or 'auto'), or drop it."
-        )
-    if strategy != "auto":
-        return str(strategy)
-    if prefilter is not None:
-        return "attribution"
-    return "exact" if view.n_heads_total <= EXACT_ALL_MAX else "coarse_to_fine"
-
-
-def choose_strategy(
-    model: Any,
-    task: Task,
-    strategy: str = "auto",
-    *,
-    prefilter: int | None = None,
-    top_layers: int | None = None,
-    exact_budget_s: float = EXACT_BUDGET_S,
-) -> tuple[str, str]:
-    """Which heads :func:`score_heads` ablates exactly, and why, in words for the report.
-
-    ``"auto"``: every head (``"exact"``) on models with at most :data:`EXACT_ALL_MAX` heads; on a
-    CUDA device also above that whenever the estimated time of the task's and the control's
-    sweeps is at most ``exact_budget_s`` (estimate: one timed forward of 16 selection prompts,
-    per row, times the prompts, times the heads, times the mean share of the layers a head's
-    cell runs through, twice for the control); else ``"coarse_to_fine"`` (CPUs, and models too
-    large for the budget). ``prefilter`` selects ``"attribution"``.
-
-    Args:
-        model: The model (its device decides whether the estimate is made).
-        task: The selection prompts.
-        strategy: One of :data:`STRATEGIES`.
-        prefilter: As :func:`score_heads`.
-        top_layers: As :func:`score_heads`.
-        exact_budget_s: Seconds an exact scan may take on a GPU.
-
-    Returns:
-        ``(strategy, reason)``.
-
-    Examples:
-        >>> from gna_lens.testing import toy_gna_model, toy_gna_task
-        >>> model = toy_gna_model()
-        >>> choose_strategy(model, toy_gna_task(model))
-        ('exact', 'auto: exact, every one of the 4 heads (at most 300)')
-    """
-    subject = Subject.of(model)
-    model, view = subject.model, subject.view
-    chosen = _resolve_strategy(strategy, prefilter, top_layers, view)
-    n = view.n_heads_total
-    if strategy != "auto":
-        return chosen, f"{chosen} (asked for)"
-    if chosen != "coarse_to_fine":
-        why = f"every one of the {n} heads (at most {EXACT_ALL_MAX})" if chosen == "exact" else (
-            f"prefilter={prefilter} given"
-        )  # fmt: skip
-        return chosen, f"auto: {chosen}, {why}"
-    policy = subject.policy
-    if not _estimate_applies(policy):
-        return chosen, (
-            f"auto: coarse_to_fine, {n} heads (more than {EXACT_ALL_MAX}) on "
-            f"{policy.device.type}; an exact scan of every head is chosen only on a GPU whose "
-            "estimated time fits exact_budget_s"
-        )
-    est, basis = _exact_seconds(model, task, view)
-    fits = est <= exact_budget_s
-    return ("exact" if fits else "coarse_to_fine"), (
-        f"auto: {'exact' if fits else 'coarse_to_fine'}, every one of {n} heads estimated at "
-        f"{est:.0f} s on {policy.describe()} ({'within' if fits else 'over'} "
-        f"exact_budget_s={exact_budget_s:g}; {basis})"
-    )
-
-
-def _estimate_applies(policy: DevicePolicy) -> bool:
-    """Whether ``"auto"`` estimates an exact scan (a seam the CPU tests replace)."""
-    return policy.is_cuda
-
-
-def time_per_row(model: Any, task: Task, rows: int = 16) -> tuple[float, str]:
-    """Seconds per prompt of a sweep-like forward (:func:`_probe_forward` of ``rows`` prompts):
-    the median of 3 timed runs after a warm-up; and what was timed, in words."""
-    run, what = _probe_forward(model, task, rows)
-    policy = policy_of(model)
-    run()  # warm-up (kernels compiled, memory pools filled)
-    times = []
-    for _ in range(3):
-        policy.synchronize()
-        t0 = time.perf_counter()
-        run()
-        policy.synchronize()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[1] / rows, what
-
-
-def _exact_seconds(model: Any, task: Task, view: Any) -> tuple[float, str]:
-    """Estimated seconds of the task's and the control's exact sweeps over every head."""
-    per_row, what = time_per_row(model, task)
-    depth = sum((view.n_layers - layer) / view.n_layers for layer, _ in view.heads()) / max(
-        view.n_heads_total, 1
-    )
-    est = 2 * view.n_heads_total * len(task) * depth * per_row
-    return est, (
-        f"{per_row * 1e3:.3f} ms per row of a {what} x {len(task)} prompts x "
-        f"{view.n_heads_total} heads x {depth:.2f} mean depth x 2 for the control"
-    )
-
-
-def _executor_line(*sweeps: SweepResult | None) -> str:
-    """The sweeps' executor in one line: workers, where, and restarts per sweep."""
-    runs = [
-        (s.metric, s.info["executor"]) for s in sweeps if s is not None and "executor" in s.info
-    ]
-    if not runs:
-        return "this process"
-    ex = runs[0][1]
-    each = (
-        f"{ex['gpus_per_worker']:g} GPU" if ex.get("gpus_per_worker")
-        else f"{ex['threads_per_worker']} CPU thread(s)"
-    )  # fmt: skip
-    restarts = ", ".join(
-        f"{'control' if metric == 'nll' else 'task'} sweep {e['restarts']} restart(s)"
-        for metric, e in runs
-    )
-    return (
-        f"Ray, {ex['workers']} workers x {each} ({ex['address']}); model: {ex['model_source']}; "
-        f"{restarts}"
-    )
-
-
-def auto_head_groups(model: Any) -> int | None:
-    """The block size ``head_groups="auto"`` gives ``model``, or ``None`` (heads as they are).
-
-    A :class:`~gna_lens.models.HookedSSM` with Mamba-1 layers (Mamba-1, FalconMamba, Jamba)
-    without channel groups of its own and with more than :data:`EXACT_ALL_MAX` heads gets
-    contiguous blocks of :data:`DEFAULT_CHANNEL_GROUP` channels (the largest divisor of
-    ``d_inner`` up to it) in its Mamba-1 layers. Any other model (Transformers, Mamba-2, the
-    Mamba-2 hybrids, a small Mamba-1, a Mamba-1 whose groups were set with ``set_head_groups``)
-    gets ``None``.
-
-    Examples:
-        >>> from gna_lens.testing import tiny_hooked_ssm
-        >>> auto_head_groups(tiny_hooked_ssm("mamba1")) is None  # 128 channels: exact as they are
-        True
-    """
-    from gna_lens.heads import is_hooked_ssm
-
-    if not is_hooked_ssm(model) or not model.channel_heads:
-        return None
-    if model.head_group_spec or head_view(model).n_heads_total <= EXACT_ALL_MAX:
-        return None
-    d_inner = int(model.cfg.d_inner)
-    return max(k for k in range(1, DEFAULT_CHANNEL_GROUP + 1) if d_inner % k == 0)
-
-
-@contextlib.contextmanager
-def applied_head_groups(model: Any, head_groups: Any) -> Iterator[dict[str, Any]]:
-    """Inside the block, ``model``'s heads are grouped as ``head_groups`` says; yields what to
-    record in a report's ``method`` (``{}`` when nothing changed).
-
-    Args:
-        model: Any model :func:`~gna_lens.head_view` takes.
-        head_groups: ``"auto"`` (:func:`auto_head_groups`), ``None`` / ``"none"`` (single
-            channels on a Mamba-1 model, even where ``set_head_groups`` grouped them; nothing on
-            other models), or a spec of :meth:`~gna_lens.models.HookedSSM.set_head_groups` (an
-            int block size or ``{layer: size or channel sets}``; Mamba-1 / FalconMamba only).
-
-    Raises:
-        InterventionError: For another value, or a spec the model refuses (a Mamba-2 model, a
-            size that does not divide ``d_inner``, ...).
-    """
-    from gna_lens.heads import is_hooked_ssm
-
-    if isinstance(head_groups, str) and head_groups not in ("auto", "none"):
-        raise InterventionError(
-            f"head_groups={head_groups!r}; expected 'auto' (contiguous blocks of "
-            f"{DEFAULT_CHANNEL_GROUP} channels on a Mamba-1 model above {EXACT_ALL_MAX} heads), "
-            "None / 'none' (single channels), an int block size or {layer: size or channel sets}."
-        )
-    mamba1 = is_hooked_ssm(model) and model.channel_heads
-    if head_groups == "auto":
-        size = auto_head_groups(model)
-        if size is None:
-            yield {}
-            return
-        n = head_view(model).n_heads_total
-        note = (
-            f"auto: {n:,} single-channel heads is more than EXACT_ALL_MAX ({EXACT_ALL_MAX}), so "
-            f"each head is a contiguous block of {size} channels (head_groups=None for single "
-            f"channels); these (layer, head) indices address blocks: reuse them inside "
-            f"`with model.head_groups({size}):`"
-        )
-        with model.head_groups(size):
-            yield {"head_groups_choice": note, "head_group_size": size}
-        return
-    if head_groups is None or head_groups == "none":
-        if not mamba1 or not model.head_group_spec:
-            yield {}
-            return
-        with model.head_groups(None):
-            yield {"head_groups_choice": "none: single channels (the model's groups set aside)"}
-        return
-    if not mamba1:
-        raise InterventionError(
-            f"head_groups={head_groups!r} on a {type(model).__name__}"
-            + (f" ({model.cfg.architecture})" if is_hooked_ssm(model) else "")
-            + ": channel groups are for Mamba-1 layers (Mamba-1, FalconMamba, Jamba), whose "
-            "heads are single channels; other models' heads are real heads. Fix: "
-            "head_groups='auto' or None."
-        )
-    with model.head_groups(head_groups):
-        choice: dict[str, Any] = {"head_groups_choice": f"given: {head_groups!r}"}
-        if isinstance(head_groups, int):
-            choice["head_group_size"] = head_groups
-        yield choice
-
-
-def _unmeasured(heads: list[Head], targets: list[Head], reason: Any) -> list[UnmeasuredHeads]:
-    """Per layer, the heads not in ``targets`` with ``reason(layer)``."""
-    chosen = set(targets)
-    by_layer: dict[int, list[Head]] = {}
-    for h in heads:
-        if h not in chosen:
-            by_layer.setdefault(h[0], []).append(h)
-    return [UnmeasuredHeads(layer, tuple(hs), reason(layer)) for layer, hs in by_layer.items()]
-
-
-def _layer_reason(layers: LayerSweepResult, ranked: list[int], k: int) -> Any:
-    effects, ctrl, sel = layers.effects, layers.control_effects, layers.selectivity
-    row = {c[0]: i for i, c in enumerate(layers.cells)}
-    unit = layers.method.get("control_unit") or ""
-
-    def reason(layer: int) -> str:
-        i = row[layer]
-        numbers = f"{layers.metric} effect {float(effects[i]):+.3f}"
-        if layers.has_control:
-            numbers += f", control {float(ctrl[i]):+.3f} {unit}, selectivity {float(sel[i]):+.3f}"
-        return (
-            f"layer ranked {ranked.index(layer) + 1} of {len(ranked)} by layer removal "
-            f"({numbers}); only the heads of the top {k} layers were ablated (top_layers={k})"
-        )
-
-    return reason
 
 
 def _short(k: int, got: int, why: str) -> None:
     """Warn that :meth:`GnaReport.top` returns fewer heads than asked for, and why."""
     warnings.warn(f"GnaReport.top({k}) returns {got} heads: {why}.", GnaLensWarning, stacklevel=3)
-
-
-def score_heads(
-    model: ModelLike,
-    task: Task,
-    ablation: bool = True,
-    *,
-    control: Any = "auto",
-    metric: str = "logit_diff",
-    mode: str = "zero",
-    positions: Any = None,
-    reference: Any = None,
-    max_control: float = MAX_CONTROL,
-    prefilter: int | None = None,
-    strategy: str = "auto",
-    top_layers: int | None = None,
-    head_groups: Any = "auto",
-    sweep_dtype: str | None = None,
-    batch_size: int = 8,
-    n_examples: int = 4,
-    progress: bool = True,
-    executor: Any = None,
-    exact_budget_s: float = EXACT_BUDGET_S,
-    joint_k: int = JOINT_K,
-) -> GnaReport:
-    """Score every head of ``model`` on ``task``: pattern scores, retrieval and control effects.
-
-    Heads are ablated alone on the task and on the control; effects carry 95% bootstrap
-    intervals over the prompts (the control's windows). The default ranking
-    (:meth:`GnaReport.top`) is retrieval-specific: by retrieval effect among the heads whose
-    control effect stays at most ``max_control`` nats/token, and, since heads that each pass
-    alone can break the control together, a greedy joint set (:class:`JointSet`) of up to
-    ``joint_k`` of them whose control effect *removed together* stays at most ``max_control``:
-    walking the per-head order, each head joins only if the set with it, ablated together (same
-    mode and positions), stays within the bound (one control sweep per candidate, of
-    :data:`JOINT_BATCH` candidates after one is turned down). ``method["joint_control"]`` says
-    what was done.
-
-    Which heads are ablated (``strategy``): on models with at most :data:`EXACT_ALL_MAX` heads,
-    every one (``"exact"``). On larger models, coarse to fine as the paper works
-    (``"coarse_to_fine"``): every layer is removed alone on the task and the control
-    (:func:`~gna_lens.interventions.layer_sweep`), layers are ranked by selectivity (share of
-    the task lost minus share of the control lost), and every head of the ``top_layers`` best
-    layers is ablated. ``"attribution"`` ranks every head by attribution patching and ablates
-    the ``prefilter`` first. Heads never ablated keep NaN effects and are listed, with the
-    reason, in :attr:`GnaReport.unmeasured`.
-
-    Defaults and why: ``mode="zero"`` at every position (``positions=None``) is the paper's
-    ablation, so rankings compare with the published ones; the control, not the ablation, keeps
-    generic heads out of the top (zeroing some early heads of SmolLM2-135M breaks every
-    prediction, mean-ablating them barely does: see the gotchas). ``metric="logit_diff"`` (the
-    answer's logit minus the best other choice's) is continuous, so 24 prompts separate heads
-    that an accuracy on the same prompts, moving in steps of 1/24, ties at zero;
-    ``metric="accuracy"`` with ``prefilter=None`` is the paper's protocol exactly (single-head
-    ablation, measure, reinsert, every head).
-
-    Args:
-        model: A TransformerBridge or a HookedSSM.
-        task: A task with spans, e.g. :func:`gna_lens.tasks.kv_retrieval`.
-        ablation: Measure each head's ablation effects (batched sweeps).
-        control: What needs no in-context retrieval (:func:`resolve_control`): ``"auto"``
-            (default: the zoo's cloze split on a zoo model, else ``"prose"``), ``"prose"``,
-            ``None``, a :class:`~gna_lens.tasks.TextControl`, a knowledge
-            :class:`~gna_lens.tasks.Task`, texts or a ``datasets.Dataset``.
-        metric: ``"logit_diff"``, ``"accuracy"``, ``"logprob"`` or ``"choice_logprob"``.
-        mode: ``"zero"``, ``"mean"`` (the head's mean output over ``reference``, default the task
-            itself) or ``"resample"`` (needs a ``reference`` task other than ``task``).
-        positions: ``None`` (every position), ``"last"`` (the query position only) or a list.
-        reference: The reference of ``"mean"`` / ``"resample"``.
-        max_control: Bound (nats/token) of the retrieval-specific ranking.
-        prefilter: Heads ablated exactly after attribution patching ranks all of them
-            (``strategy="attribution"``; default :data:`DEFAULT_PREFILTER`). Given with
-            ``strategy="auto"``, it selects ``"attribution"``.
-        strategy: ``"auto"`` (default: ``"exact"`` up to :data:`EXACT_ALL_MAX` heads, and on a
-            CUDA device whenever :func:`choose_strategy` estimates every head fits
-            ``exact_budget_s``; else ``"coarse_to_fine"``), ``"exact"``, ``"coarse_to_fine"`` or
-            ``"attribution"`` (:data:`STRATEGIES`). ``method["strategy_choice"]`` says why.
-        top_layers: Layers whose heads a coarse-to-fine scan ablates (default
-            :func:`default_top_layers`: 4, fewer where their heads would exceed
-            :data:`EXACT_ALL_MAX`).
-        head_groups: What a Mamba-1 head is, for this call only (:func:`applied_head_groups`):
-            ``"auto"`` (default: on a Mamba-1 / FalconMamba model with more than
-            :data:`EXACT_ALL_MAX` single-channel heads and no groups of its own, contiguous
-            blocks of :data:`DEFAULT_CHANNEL_GROUP` channels, e.g. 24 per layer of mamba-130m;
-            otherwise the model's heads as they are), ``None`` (single channels), or an int
-            block size / ``{layer: ...}`` of :meth:`~gna_lens.models.HookedSSM.set_head_groups`.
-            The report's ``(layer, head)`` then address groups (``method["head_groups"]`` says
-            which; ablate them inside ``with model.head_groups(size):``).
-        sweep_dtype: ``None`` (the model's dtype), ``"bfloat16"`` (autocast of the ablation
-            sweeps only) or ``"auto"`` (on models above :data:`EXACT_ALL_MAX` heads, bfloat16
-            only where a probe on this model and device measures it faster and it passes
-            :func:`check_bfloat16`; see :func:`resolve_sweep_dtype`); recorded in ``method``
-            (``sweep_dtype_choice``, and ``sweep_dtype_probe`` with the timings). On SmolLM2-135M
-            bfloat16 was 1.64x faster on one CPU with AVX512-BF16, 1.78x slower on another,
-            and 10x slower with AVX2 kernels only (benchmarks/RESULTS.md): it is measured.
-        batch_size: Prompts per forward pass of the pattern scores.
-        n_examples: Top heads whose patterns on the first sample are kept for display.
-        progress: Show progress bars.
-        executor: ``None`` (this process) or a :class:`gna_lens.distributed.RayExecutor`: the
-            head ablation sweeps on the task and the control are sharded over its Ray workers
-            (pattern scores, the coarse stage and attribution run here); ``method["executor"]``
-            records the workers and any restarts.
-        exact_budget_s: On a CUDA device, the seconds within which ``"auto"`` ablates every
-            head exactly (:func:`choose_strategy`; default :data:`EXACT_BUDGET_S`).
-        joint_k: Heads of the greedy joint set (default :data:`JOINT_K`; 0: none, and
-            :meth:`GnaReport.top` bounds each head alone). ``top(k)`` needs ``k <= joint_k``
-            unless the walk ran out of candidates. Costs a control sweep of one head set per
-            candidate tried (of :data:`JOINT_BATCH` after one is turned down).
-
-    Returns:
-        A :class:`GnaReport`.
-
-    Raises:
-        InterventionError: For a resample ablation without a distinct reference, or bad modes,
-            metrics, positions, strategies, ``top_layers`` or ``joint_k``.
-        TaskError: For a prose control the tokenizer does not cover.
-
-    Examples:
-        >>> from gna_lens.testing import toy_gna_model, toy_gna_task
-        >>> model = toy_gna_model()
-        >>> report = score_heads(model, toy_gna_task(model, n_samples=8), control=None,
-        ...                      progress=False)
-        >>> sorted(report.top(2, by="ablation_effect"))
-        [(0, 0), (1, 0)]
-        >>> report.top(1, by="correct_share")
-        [(1, 0)]
-
-        Coarse to fine (the default above :data:`EXACT_ALL_MAX` heads), here forced:
-
-        >>> report = score_heads(model, toy_gna_task(model, n_samples=8), control=None,
-        ...                      strategy="coarse_to_fine", top_layers=1, progress=False)
-        >>> report.method["strategy"], report.n_unmeasured, report.unmeasured[0].layer
-        ('coarse_to_fine', 2, 1)
-    """
-    if not isinstance(joint_k, int) or isinstance(joint_k, bool) or joint_k < 0:
-        raise InterventionError(
-            f"score_heads(joint_k={joint_k!r}); expected an int >= 0: the heads of the greedy "
-            f"joint set whose control effect removed together stays within max_control. Fix: "
-            f"joint_k={JOINT_K} (default), the k you will ask top(k) for, or 0 for none."
-        )
-    with applied_head_groups(model_of(model), head_groups) as groups_choice:
-        # A Subject built by the caller stays valid unless the grouping changed just now.
-        same = isinstance(model, Subject) and not groups_choice
-        return _score_heads(
-            model if same else model_of(model), task, ablation, control=control, metric=metric, mode=mode,
-            positions=positions, reference=reference, max_control=max_control,
-            prefilter=prefilter, strategy=strategy, top_layers=top_layers,
-            sweep_dtype=sweep_dtype, batch_size=batch_size, n_examples=n_examples,
-            progress=progress, groups_choice=groups_choice, executor=executor,
-            exact_budget_s=exact_budget_s, joint_k=joint_k,
-        )  # fmt: skip
-
-
-def _score_heads(
-    model: Any,
-    task: Task,
-    ablation: bool,
-    *,
-    control: Any,
-    metric: str,
-    mode: str,
-    positions: Any,
-    reference: Any,
-    max_control: float,
-    prefilter: int | None,
-    strategy: str,
-    top_layers: int | None,
-    sweep_dtype: str | None,
-    batch_size: int,
-    n_examples: int,
-    progress: bool,
-    groups_choice: dict[str, Any],
-    executor: Any = None,
-    exact_budget_s: float = EXACT_BUDGET_S,
-    joint_k: int = JOINT_K,
-) -> GnaReport:
-    """:func:`score_heads` with the head groups in place (the model's view is built here, once,
-    and every step below is handed it)."""
-    if not isinstance(task, Task) or not len(task):
-        what = f"task {task.name!r} has no prompts" if isinstance(task, Task) else (
-            f"task is a {type(task).__name__}"
-        )  # fmt: skip
-        raise GnaLensError(
-            f"score_heads: {what}; expected a gna_lens.tasks.Task with at least one prompt "
-            "(e.g. kv_retrieval(tokenizer, n_samples=24))."
-        )
-    subject = Subject.of(model)
-    model, view = subject.model, subject.view
-    positions = check_positions(positions)
-    strategy, strategy_why = choose_strategy(
-        subject, task, strategy, prefilter=prefilter, top_layers=top_layers,
-        exact_budget_s=exact_budget_s,
-    )  # fmt: skip
-    dtype_choice: dict[str, Any] = {}
-    if ablation:  # pattern scores alone run no sweep
-        sweep_dtype, dtype_choice = resolve_sweep_dtype(subject, sweep_dtype, task)
-    if mode == "resample" and reference is task:
-        raise InterventionError(
-            "score_heads(mode='resample'): reference is the task itself, so every prompt would "
-            "take its own head outputs and nothing would be ablated. Fix: pass reference=<another "
-            "task of the same lengths> (e.g. the same generator with another seed), or none (the "
-            "task rotated by one), or use mode='mean' / 'zero'."
-        )
-    if mode == "resample" and reference is None:
-        reference = rotated(task, "score_heads")
-    if mode == "mean" and reference is None:
-        reference = task
-    timings: dict[str, float] = {}
-    clock = time.perf_counter()
-    scores = pattern_scores(subject, task, batch_size=batch_size, progress=progress)
-    timings["pattern_scores"] = time.perf_counter() - clock
-    heads = list(scores.heads)
-    n = len(heads)
-    nan = host_full(n)
-    table: dict[str, Tensor] = {name: getattr(scores, name) for name in SCORE_NAMES}
-    sample_effects: dict[str, Tensor] = {}
-    for name in SCORE_COLUMNS[len(SCORE_NAMES) :]:
-        table[name] = nan.clone()
-    baseline = control_baseline = math.nan
-    resolved = None
-    method: dict[str, Any] = provenance_method(model) | {
-        "metric": metric,
-        "mode": mode,
-        "positions": positions_label(positions),
-        "reference": "none" if reference is None else (
-            "the task itself" if reference is task else describe_task(reference)
-            if isinstance(reference, Task) else f"token ids {tuple(reference.shape)}"
-        ),
-        "n_prompts": len(task),
-        "intervals": "95% percentile bootstrap over prompts (control: over windows), paired",
-    }  # fmt: skip
-    layers: LayerSweepResult | None = None
-    unmeasured: list[UnmeasuredHeads] = []
-    if ablation:
-        targets = heads
-        resolved = resolve_control(control, getattr(model, "tokenizer", None), positions=positions)
-        if strategy == "attribution":
-            cut = DEFAULT_PREFILTER if prefilter is None else prefilter
-            clock = time.perf_counter()
-            est = attribute_heads(subject, task, metric="logit_diff", batch_size=batch_size)
-            timings["attribution"] = time.perf_counter() - clock
-            by_head = {c[0]: e for c, e in zip(est.cells, est.effects.tolist(), strict=True)}
-            attribution = torch.tensor([by_head.get(h, math.nan) for h in heads], device=HOST)
-            table["attribution"] = attribution
-            order = torch.argsort(attribution.nan_to_num(nan=math.inf), stable=True).tolist()
-            targets = [heads[i] for i in order[:cut]]
-            unmeasured = _unmeasured(
-                heads, targets,
-                lambda layer: f"ranked below the top {cut} of {n} heads by attribution patching "
-                "(its estimate is in the 'attribution' column)",
-            )  # fmt: skip
-            method.update(prefilter=f"attribution patching, top {cut}")
-        if strategy == "coarse_to_fine":
-            k = default_top_layers(view) if top_layers is None else top_layers
-            clock = time.perf_counter()
-            with sweep_precision(subject, sweep_dtype):
-                layers = layer_sweep(
-                    subject, task, metric, [lh.layer for lh in view], positions=positions,
-                    control=resolved, progress=progress,
-                )  # fmt: skip
-            timings["layer_sweep"] = time.perf_counter() - clock
-            ranked = [c[0] for c in layers.ranking()]
-            chosen = set(ranked[:k])
-            targets = [h for h in heads if h[0] in chosen]
-            unmeasured = _unmeasured(heads, targets, _layer_reason(layers, ranked, k))
-            method.update(
-                top_layers=k,
-                layer_ranking=(
-                    f"{layers.method['ablation']}, each layer alone, on the task and the control; "
-                    + ("ranked by selectivity (share of the task lost minus share of the control "
-                       "lost)" if layers.has_control else "ranked by task effect")
-                    + f"; the heads of the top {k} layers ablated"
-                ),
-            )  # fmt: skip
-        with sweep_precision(subject, sweep_dtype) as precision:
-            clock = time.perf_counter()
-            sweep = ablation_sweep(
-                subject, task, metric=metric, heads=targets, mode=mode, positions=positions,
-                reference=reference, progress=progress, executor=executor,
-            )  # fmt: skip
-            timings["ablation_sweep"] = time.perf_counter() - clock
-            forward_paths = path_summary(model)  # the sweep's last forward: kernels or not
-            ctrl = None
-            if resolved is not None:
-                clock = time.perf_counter()
-                ctrl = control_sweep(
-                    subject, resolved, targets, mode=mode, positions=positions, progress=progress,
-                    executor=executor,
-                )  # fmt: skip
-                timings["control_sweep"] = time.perf_counter() - clock
-        effect, lo, hi = _scatter(heads, sweep, *_intervals(sweep))
-        table.update(ablation_effect=effect, ablation_effect_low=lo, ablation_effect_high=hi)
-        sample_effects = {"ablation_effect": _scatter_samples(heads, sweep)}
-        baseline = sweep.baseline_mean
-        method.update(
-            strategy=strategy,
-            strategy_choice=strategy_why,
-            n_exact=len(targets),
-            n_unmeasured=n - len(targets),
-            sweep_dtype=precision,
-            ablation_path=sweep.method,
-            paths={"ablation": sweep.info.get("paths", {})},
-            forward_paths=forward_paths,
-            fallbacks=[f"ablation sweep: {f}" for f in sweep.info.get("fallbacks", [])],
-        )
-        if executor is not None:
-            method.update(executor=_executor_line(sweep, ctrl))
-        if "mean_over" in sweep.info:  # mean ablation: which positions the mean was taken over
-            method.update(mean_over=sweep.info["mean_over"], include_bos=sweep.info["include_bos"])
-        method.setdefault("prefilter", "none")
-        if ctrl is not None:
-            c_eff, c_lo, c_hi = _scatter(heads, ctrl, *_intervals(ctrl))
-            table.update(control_effect=c_eff, control_effect_low=c_lo, control_effect_high=c_hi)
-            table["specificity"] = specificity(effect, baseline, c_eff)
-            sample_effects["control_effect"] = _scatter_samples(heads, ctrl)
-            control_baseline = ctrl.baseline_mean
-            method.update(control_path=ctrl.method)
-            method["paths"]["control"] = ctrl.info.get("paths", {})
-            method["fallbacks"] += [f"control sweep: {f}" for f in ctrl.info.get("fallbacks", [])]
-    description = ""
-    if resolved is not None:
-        description = (
-            resolved.describe()
-            if isinstance(resolved, TextControl)
-            else f"answer NLL among the options on {describe_task(resolved)}"
-        )
-        unit = "nats/token" if isinstance(resolved, TextControl) else "nats/answer"
-        method.update(control=description, max_control=max_control, control_unit=unit)
-    groups = describe_head_groups(view)
-    if groups:
-        method["head_groups"] = groups
-    method.update(groups_choice)
-    if ablation:
-        method.update(dtype_choice)
-    report = GnaReport(
-        model_name=_model_name(model),
-        task=describe_task(task),
-        heads=tuple(heads),
-        kinds=scores.kinds,
-        scores=table,
-        metric=metric if ablation else "none",
-        baseline=baseline,
-        n_layers=view.n_layers,
-        layer_heads=tuple(lh.n_heads if lh is not None else 0 for lh in view.layers),
-        roles=scores.roles,
-        control=description,
-        control_baseline=control_baseline,
-        max_control=max_control,
-        method=method,
-        layers=layers,
-        unmeasured=tuple(unmeasured),
-        timings=timings,
-        head_groups=view.group_spec,
-        sample_effects=sample_effects,
-    )
-    if ablation and resolved is not None and report.has_control:
-        if joint_k:
-            clock = time.perf_counter()
-            with sweep_precision(subject, sweep_dtype):
-                joint, line = _joint_walk(
-                    subject, resolved, report, sample_effects["control_effect"], joint_k,
-                    mode=mode, positions=positions, progress=progress,
-                )  # fmt: skip
-            object.__setattr__(report, "joint_set", joint)
-            timings["joint_control"] = time.perf_counter() - clock
-        else:
-            line = "off (joint_k=0): top() bounds each head's control effect alone, not the set's"
-        method["joint_control"] = line
-    if n_examples:
-        clock = time.perf_counter()
-        with warnings.catch_warnings():  # fewer heads than n_examples: fewer examples
-            warnings.simplefilter("ignore", GnaLensWarning)
-            if ablation and report.has_control:
-                js = report.joint_set
-                k_ex = min(n_examples, n)
-                use_joint = False if js is not None and k_ex > js.joint_k else None
-                top = report.top(k_ex, joint=use_joint)
-            else:
-                by = "ablation_effect" if ablation else "aggregate_score"
-                top = report.top(min(n_examples, n), by=by)
-        if top:
-            object.__setattr__(report, "examples", _examples(subject, task, top))
-        timings["examples"] = time.perf_counter() - clock
-    return report

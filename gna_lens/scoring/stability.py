@@ -386,7 +386,7 @@ def joint_stability(
     from gna_lens.device import to_host
     from gna_lens.heads import Subject
     from gna_lens.interventions import control_sweep
-    from gna_lens.scoring.report import _joint_walk
+    from gna_lens.scoring.pipeline import _joint_walk
 
     samples = report.sample_effects or {}
     if "ablation_effect" not in samples or "control_effect" not in samples:

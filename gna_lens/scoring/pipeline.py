@@ -1,0 +1,678 @@
+""":func:`score_heads`: the pipeline that turns a model and a task into a
+:class:`~gna_lens.scoring.report.GnaReport`, as named stages (decisions, pattern scores, the
+ablation and control sweeps, the joint walk, the report), each a function of its own.
+"""
+
+import math
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from gna_lens.device import HOST, host_full, to_host
+from gna_lens.errors import GnaLensError, GnaLensWarning, InterventionError
+from gna_lens.heads import (
+    ModelLike,
+    Subject,
+    describe_head_groups,
+    model_of,
+)
+from gna_lens.interventions import ablation_sweep, attribute_heads, control_sweep
+from gna_lens.interventions.ablation import SweepResult, positions_label
+from gna_lens.interventions.batching import describe_task
+from gna_lens.interventions.layers import LayerSweepResult, layer_sweep
+from gna_lens.interventions.sources import check_positions, rotated
+from gna_lens.models.kernels import path_summary
+from gna_lens.models.provenance import provenance_method, provenance_of
+from gna_lens.scoring.patterns import SCORE_NAMES, Head, pattern_scores
+from gna_lens.scoring.report import (
+    JOINT_K,
+    MAX_CONTROL,
+    SCORE_COLUMNS,
+    GnaReport,
+    JointSet,
+    RejectedHead,
+    UnmeasuredHeads,
+    specificity,
+)
+from gna_lens.stats import Interval, bootstrap_interval
+from gna_lens.sweep_policy import (
+    DEFAULT_PREFILTER,
+    EXACT_BUDGET_S,
+    applied_head_groups,
+    choose_strategy,
+    default_top_layers,
+    resolve_sweep_dtype,
+    sweep_precision,
+)
+from gna_lens.tasks import Task, TextControl
+from gna_lens.tasks.control import resolve_control
+
+__all__ = [
+    "JOINT_BATCH",
+    "score_heads",
+]
+
+
+#: Next candidates of the greedy joint set measured in one control sweep after a candidate was
+#: turned down (turned-down heads come in runs): the first that keeps the set within the bound
+#: joins. Otherwise a round measures one candidate: on a CPU a sweep costs about its rows, and
+#: most candidates join.
+JOINT_BATCH = 4
+
+
+def _model_name(model: Any) -> str:
+    """The name the model was loaded by (``"smollm2-135m"``), else its config's, else its class."""
+    prov = provenance_of(model)
+    if prov.known and prov.name:
+        return str(prov.name)
+    cfg = getattr(model, "cfg", None)
+    for attr in ("model_name", "name_or_path"):
+        name = getattr(cfg, attr, None)
+        if name:
+            return str(name)
+    return type(model).__name__
+
+
+def _examples(model: Any, task: Task, heads: list[Head]) -> dict[str, Any]:
+    """Patterns of ``heads`` on the task's first sample (SSM rows as |M| normalized)."""
+    from gna_lens.heads import head_patterns
+    from gna_lens.scoring.patterns import _capture_part_patterns
+
+    subject = Subject.of(model)
+    model, view = subject.model, subject.view
+    sample = task[0]
+    device = subject.device
+    parts = view.parts_of(heads)  # one hook_pattern per part of a layer
+    with torch.no_grad(), _capture_part_patterns(model, view, parts) as store:
+        model(torch.tensor([sample.input_ids], device=device))
+    patterns = {}
+    for layer, h in heads:
+        part, i = view.part_of((layer, h))
+        # Mamba-1 groups: aggregated
+        p = head_patterns(store[(layer, part.offset)], part)[0, i].float()
+        if view.kind_of((layer, h)) == "ssm":
+            p = p.abs().tril()
+            p = p / p.sum(-1, keepdim=True).clamp(min=1e-30)
+        patterns[f"L{layer}H{h}"] = to_host(p).tolist()
+    tokenizer = getattr(model, "tokenizer", None)
+    tokens = (
+        [tokenizer.decode([i]) for i in sample.input_ids]
+        if tokenizer is not None
+        else [str(i) for i in sample.input_ids]
+    )
+    return {"tokens": tokens, "patterns": patterns, "sample": 0}
+
+
+def _intervals(sweep: SweepResult) -> tuple[Tensor, Tensor]:
+    """Per-cell 95% bootstrap intervals (over samples) of the paired effect, as tensors."""
+    ivs = sweep.effect_intervals()
+    return (
+        torch.tensor([iv.low for iv in ivs], dtype=torch.float32, device=HOST),
+        torch.tensor([iv.high for iv in ivs], dtype=torch.float32, device=HOST),
+    )
+
+
+def _scatter(heads: list[Head], sweep: SweepResult, *cols: Tensor) -> list[Tensor]:
+    """Per-head tensors (NaN for heads not in the sweep) of the sweep's effects and ``cols``."""
+    by_cell = {c[0]: i for i, c in enumerate(sweep.cells)}
+    out = []
+    for col in (sweep.effects, *cols):
+        full = host_full(len(heads))
+        for i, h in enumerate(heads):
+            j = by_cell.get(h)
+            if j is not None:
+                full[i] = float(col[j])
+        out.append(full)
+    return out
+
+
+def _scatter_samples(heads: list[Head], sweep: SweepResult) -> Float[Tensor, "head sample"]:
+    """Per-head, per-sample effects ``[head, sample]`` (value minus baseline; NaN rows for
+    heads not in the sweep)."""
+    diffs = to_host(sweep.values.float() - sweep.baseline.float()[None])
+    by_cell = {c[0]: i for i, c in enumerate(sweep.cells)}
+    full = host_full((len(heads), int(sweep.values.shape[1])))
+    for i, h in enumerate(heads):
+        j = by_cell.get(h)
+        if j is not None:
+            full[i] = diffs[j]
+    return full
+
+
+def _joint_walk(
+    model: Any,
+    control: TextControl | Task,
+    report: GnaReport,
+    control_samples: Tensor,
+    joint_k: int,
+    *,
+    mode: str,
+    positions: Any,
+    progress: bool,
+    measure: Callable[[list[list[Head]]], Tensor] | None = None,
+) -> tuple[JointSet, str]:
+    """The greedy joint set of :func:`score_heads` (see :class:`JointSet`), and its
+    ``method["joint_control"]`` line.
+
+    ``measure`` (head sets -> per-sample control changes ``[sets, samples]``) replaces the
+    control sweep; :func:`~gna_lens.scoring.stability.joint_stability` passes one that reads
+    cached per-window changes on resampled windows.
+
+    The first candidate joins on its own control effect (already measured, within the bound);
+    each later round ablates the accepted heads plus the next candidate together (after a round
+    whose first candidate was turned down, each of the next :data:`JOINT_BATCH` candidates, in
+    one control sweep), and the first candidate whose set stays within the bound joins (the
+    candidates before it are turned down; those after it are tried again with the larger set).
+    """
+    from tqdm.auto import tqdm
+
+    bound, unit = report.max_control, report.control_unit
+    candidates = list(report.top(len(report.heads), joint=False))
+    index = {h: i for i, h in enumerate(report.heads)}
+    accepted: list[Head] = []
+    effects: list[Interval] = []
+    rejected: list[RejectedHead] = []
+    pos = sweeps = cells = 0
+    width = 1  # candidates per round: JOINT_BATCH after a turned-down one
+    bar = tqdm(total=min(joint_k, len(candidates)), desc="joint control set", disable=not progress,
+               leave=False)  # fmt: skip
+    try:
+        while len(accepted) < joint_k and pos < len(candidates):
+            if not accepted:
+                head = candidates[pos]
+                pos += 1
+                accepted.append(head)
+                effects.append(_paired_interval(control_samples[index[head]]))
+                bar.update(1)
+                continue
+            batch = candidates[pos : pos + width]
+            sets = [[*accepted, c] for c in batch]
+            if measure is None:
+                res = control_sweep(
+                    model, control, sets, mode=mode, positions=positions, progress=False
+                )
+                diffs = to_host(res.values.double() - res.baseline.double()[None])
+            else:
+                diffs = measure(sets)
+            sweeps, cells = sweeps + 1, cells + len(batch)
+            means = diffs.mean(-1).tolist()
+            for j, c in enumerate(batch):
+                if means[j] <= bound:
+                    accepted.append(c)
+                    effects.append(_paired_interval(diffs[j]))
+                    pos += j + 1
+                    bar.update(1)
+                    break
+                rejected.append(RejectedHead(c, float(means[j]), len(accepted)))
+            else:
+                pos += len(batch)
+            width = JOINT_BATCH if means[0] > bound else 1
+    finally:
+        bar.close()
+    exhausted = pos >= len(candidates)
+    joint = JointSet(
+        heads=tuple(accepted),
+        effects=tuple(effects),
+        rejected=tuple(rejected),
+        bound=bound,
+        unit=unit,
+        joint_k=joint_k,
+        exhausted=exhausted,
+        n_candidates=len(candidates),
+    )
+    line = (
+        f"greedy joint set: walking the per-head order ({len(candidates)} heads within "
+        f"max_control alone), a head joins only if it and the heads accepted before it, "
+        f"{mode}-ablated together at {positions_label(positions)} positions, raise the control "
+        f"loss by at most {bound:g} {unit} on average; one candidate per control sweep, "
+        f"{JOINT_BATCH} after one is turned down ({sweeps} sweeps of {cells} head sets); "
+        f"{len(accepted)} heads accepted (joint_k={joint_k}), "
+        f"{len(rejected)} turned down" + ("; every candidate tried" if exhausted else "")
+    )
+    return joint, line
+
+
+def _paired_interval(diffs: Tensor) -> Interval:
+    """The mean of per-sample effects with its 95% paired bootstrap interval."""
+    iv = bootstrap_interval(diffs.double())
+    assert isinstance(iv, Interval)
+    return iv
+
+
+def _executor_line(*sweeps: SweepResult | None) -> str:
+    """The sweeps' executor in one line: workers, where, and restarts per sweep."""
+    runs = [
+        (s.metric, s.info["executor"]) for s in sweeps if s is not None and "executor" in s.info
+    ]
+    if not runs:
+        return "this process"
+    ex = runs[0][1]
+    each = (
+        f"{ex['gpus_per_worker']:g} GPU" if ex.get("gpus_per_worker")
+        else f"{ex['threads_per_worker']} CPU thread(s)"
+    )  # fmt: skip
+    restarts = ", ".join(
+        f"{'control' if metric == 'nll' else 'task'} sweep {e['restarts']} restart(s)"
+        for metric, e in runs
+    )
+    return (
+        f"Ray, {ex['workers']} workers x {each} ({ex['address']}); model: {ex['model_source']}; "
+        f"{restarts}"
+    )
+
+
+def _unmeasured(heads: list[Head], targets: list[Head], reason: Any) -> list[UnmeasuredHeads]:
+    """Per layer, the heads not in ``targets`` with ``reason(layer)``."""
+    chosen = set(targets)
+    by_layer: dict[int, list[Head]] = {}
+    for h in heads:
+        if h not in chosen:
+            by_layer.setdefault(h[0], []).append(h)
+    return [UnmeasuredHeads(layer, tuple(hs), reason(layer)) for layer, hs in by_layer.items()]
+
+
+def _layer_reason(layers: LayerSweepResult, ranked: list[int], k: int) -> Any:
+    effects, ctrl, sel = layers.effects, layers.control_effects, layers.selectivity
+    row = {c[0]: i for i, c in enumerate(layers.cells)}
+    unit = layers.method.get("control_unit") or ""
+
+    def reason(layer: int) -> str:
+        i = row[layer]
+        numbers = f"{layers.metric} effect {float(effects[i]):+.3f}"
+        if layers.has_control:
+            numbers += f", control {float(ctrl[i]):+.3f} {unit}, selectivity {float(sel[i]):+.3f}"
+        return (
+            f"layer ranked {ranked.index(layer) + 1} of {len(ranked)} by layer removal "
+            f"({numbers}); only the heads of the top {k} layers were ablated (top_layers={k})"
+        )
+
+    return reason
+
+
+def score_heads(
+    model: ModelLike,
+    task: Task,
+    ablation: bool = True,
+    *,
+    control: Any = "auto",
+    metric: str = "logit_diff",
+    mode: str = "zero",
+    positions: Any = None,
+    reference: Any = None,
+    max_control: float = MAX_CONTROL,
+    prefilter: int | None = None,
+    strategy: str = "auto",
+    top_layers: int | None = None,
+    head_groups: Any = "auto",
+    sweep_dtype: str | None = None,
+    batch_size: int = 8,
+    n_examples: int = 4,
+    progress: bool = True,
+    executor: Any = None,
+    exact_budget_s: float = EXACT_BUDGET_S,
+    joint_k: int = JOINT_K,
+) -> GnaReport:
+    """Score every head of ``model`` on ``task``: pattern scores, retrieval and control effects.
+
+    Heads are ablated alone on the task and on the control; effects carry 95% bootstrap
+    intervals over the prompts (the control's windows). The default ranking
+    (:meth:`GnaReport.top`) is retrieval-specific: by retrieval effect among the heads whose
+    control effect stays at most ``max_control`` nats/token, and, since heads that each pass
+    alone can break the control together, a greedy joint set (:class:`JointSet`) of up to
+    ``joint_k`` of them whose control effect *removed together* stays at most ``max_control``:
+    walking the per-head order, each head joins only if the set with it, ablated together (same
+    mode and positions), stays within the bound (one control sweep per candidate, of
+    :data:`JOINT_BATCH` candidates after one is turned down). ``method["joint_control"]`` says
+    what was done.
+
+    Which heads are ablated (``strategy``): on models with at most :data:`EXACT_ALL_MAX` heads,
+    every one (``"exact"``). On larger models, coarse to fine as the paper works
+    (``"coarse_to_fine"``): every layer is removed alone on the task and the control
+    (:func:`~gna_lens.interventions.layer_sweep`), layers are ranked by selectivity (share of
+    the task lost minus share of the control lost), and every head of the ``top_layers`` best
+    layers is ablated. ``"attribution"`` ranks every head by attribution patching and ablates
+    the ``prefilter`` first. Heads never ablated keep NaN effects and are listed, with the
+    reason, in :attr:`GnaReport.unmeasured`.
+
+    Defaults and why: ``mode="zero"`` at every position (``positions=None``) is the paper's
+    ablation, so rankings compare with the published ones; the control, not the ablation, keeps
+    generic heads out of the top (zeroing some early heads of SmolLM2-135M breaks every
+    prediction, mean-ablating them barely does: see the gotchas). ``metric="logit_diff"`` (the
+    answer's logit minus the best other choice's) is continuous, so 24 prompts separate heads
+    that an accuracy on the same prompts, moving in steps of 1/24, ties at zero;
+    ``metric="accuracy"`` with ``prefilter=None`` is the paper's protocol exactly (single-head
+    ablation, measure, reinsert, every head).
+
+    Args:
+        model: A TransformerBridge or a HookedSSM.
+        task: A task with spans, e.g. :func:`gna_lens.tasks.kv_retrieval`.
+        ablation: Measure each head's ablation effects (batched sweeps).
+        control: What needs no in-context retrieval (:func:`resolve_control`): ``"auto"``
+            (default: the zoo's cloze split on a zoo model, else ``"prose"``), ``"prose"``,
+            ``None``, a :class:`~gna_lens.tasks.TextControl`, a knowledge
+            :class:`~gna_lens.tasks.Task`, texts or a ``datasets.Dataset``.
+        metric: ``"logit_diff"``, ``"accuracy"``, ``"logprob"`` or ``"choice_logprob"``.
+        mode: ``"zero"``, ``"mean"`` (the head's mean output over ``reference``, default the task
+            itself) or ``"resample"`` (needs a ``reference`` task other than ``task``).
+        positions: ``None`` (every position), ``"last"`` (the query position only) or a list.
+        reference: The reference of ``"mean"`` / ``"resample"``.
+        max_control: Bound (nats/token) of the retrieval-specific ranking.
+        prefilter: Heads ablated exactly after attribution patching ranks all of them
+            (``strategy="attribution"``; default :data:`DEFAULT_PREFILTER`). Given with
+            ``strategy="auto"``, it selects ``"attribution"``.
+        strategy: ``"auto"`` (default: ``"exact"`` up to :data:`EXACT_ALL_MAX` heads, and on a
+            CUDA device whenever :func:`choose_strategy` estimates every head fits
+            ``exact_budget_s``; else ``"coarse_to_fine"``), ``"exact"``, ``"coarse_to_fine"`` or
+            ``"attribution"`` (:data:`STRATEGIES`). ``method["strategy_choice"]`` says why.
+        top_layers: Layers whose heads a coarse-to-fine scan ablates (default
+            :func:`default_top_layers`: 4, fewer where their heads would exceed
+            :data:`EXACT_ALL_MAX`).
+        head_groups: What a Mamba-1 head is, for this call only (:func:`applied_head_groups`):
+            ``"auto"`` (default: on a Mamba-1 / FalconMamba model with more than
+            :data:`EXACT_ALL_MAX` single-channel heads and no groups of its own, contiguous
+            blocks of :data:`DEFAULT_CHANNEL_GROUP` channels, e.g. 24 per layer of mamba-130m;
+            otherwise the model's heads as they are), ``None`` (single channels), or an int
+            block size / ``{layer: ...}`` of :meth:`~gna_lens.models.HookedSSM.set_head_groups`.
+            The report's ``(layer, head)`` then address groups (``method["head_groups"]`` says
+            which; ablate them inside ``with model.head_groups(size):``).
+        sweep_dtype: ``None`` (the model's dtype), ``"bfloat16"`` (autocast of the ablation
+            sweeps only) or ``"auto"`` (on models above :data:`EXACT_ALL_MAX` heads, bfloat16
+            only where a probe on this model and device measures it faster and it passes
+            :func:`check_bfloat16`; see :func:`resolve_sweep_dtype`); recorded in ``method``
+            (``sweep_dtype_choice``, and ``sweep_dtype_probe`` with the timings). On SmolLM2-135M
+            bfloat16 was 1.64x faster on one CPU with AVX512-BF16, 1.78x slower on another,
+            and 10x slower with AVX2 kernels only (benchmarks/RESULTS.md): it is measured.
+        batch_size: Prompts per forward pass of the pattern scores.
+        n_examples: Top heads whose patterns on the first sample are kept for display.
+        progress: Show progress bars.
+        executor: ``None`` (this process) or a :class:`gna_lens.distributed.RayExecutor`: the
+            head ablation sweeps on the task and the control are sharded over its Ray workers
+            (pattern scores, the coarse stage and attribution run here); ``method["executor"]``
+            records the workers and any restarts.
+        exact_budget_s: On a CUDA device, the seconds within which ``"auto"`` ablates every
+            head exactly (:func:`choose_strategy`; default :data:`EXACT_BUDGET_S`).
+        joint_k: Heads of the greedy joint set (default :data:`JOINT_K`; 0: none, and
+            :meth:`GnaReport.top` bounds each head alone). ``top(k)`` needs ``k <= joint_k``
+            unless the walk ran out of candidates. Costs a control sweep of one head set per
+            candidate tried (of :data:`JOINT_BATCH` after one is turned down).
+
+    Returns:
+        A :class:`GnaReport`.
+
+    Raises:
+        InterventionError: For a resample ablation without a distinct reference, or bad modes,
+            metrics, positions, strategies, ``top_layers`` or ``joint_k``.
+        TaskError: For a prose control the tokenizer does not cover.
+
+    Examples:
+        >>> from gna_lens.testing import toy_gna_model, toy_gna_task
+        >>> model = toy_gna_model()
+        >>> report = score_heads(model, toy_gna_task(model, n_samples=8), control=None,
+        ...                      progress=False)
+        >>> sorted(report.top(2, by="ablation_effect"))
+        [(0, 0), (1, 0)]
+        >>> report.top(1, by="correct_share")
+        [(1, 0)]
+
+        Coarse to fine (the default above :data:`EXACT_ALL_MAX` heads), here forced:
+
+        >>> report = score_heads(model, toy_gna_task(model, n_samples=8), control=None,
+        ...                      strategy="coarse_to_fine", top_layers=1, progress=False)
+        >>> report.method["strategy"], report.n_unmeasured, report.unmeasured[0].layer
+        ('coarse_to_fine', 2, 1)
+    """
+    if not isinstance(joint_k, int) or isinstance(joint_k, bool) or joint_k < 0:
+        raise InterventionError(
+            f"score_heads(joint_k={joint_k!r}); expected an int >= 0: the heads of the greedy "
+            f"joint set whose control effect removed together stays within max_control. Fix: "
+            f"joint_k={JOINT_K} (default), the k you will ask top(k) for, or 0 for none."
+        )
+    with applied_head_groups(model_of(model), head_groups) as groups_choice:
+        # A Subject built by the caller stays valid unless the grouping changed just now.
+        same = isinstance(model, Subject) and not groups_choice
+        return _score_heads(
+            model if same else model_of(model), task, ablation, control=control, metric=metric, mode=mode,
+            positions=positions, reference=reference, max_control=max_control,
+            prefilter=prefilter, strategy=strategy, top_layers=top_layers,
+            sweep_dtype=sweep_dtype, batch_size=batch_size, n_examples=n_examples,
+            progress=progress, groups_choice=groups_choice, executor=executor,
+            exact_budget_s=exact_budget_s, joint_k=joint_k,
+        )  # fmt: skip
+
+
+def _score_heads(
+    model: Any,
+    task: Task,
+    ablation: bool,
+    *,
+    control: Any,
+    metric: str,
+    mode: str,
+    positions: Any,
+    reference: Any,
+    max_control: float,
+    prefilter: int | None,
+    strategy: str,
+    top_layers: int | None,
+    sweep_dtype: str | None,
+    batch_size: int,
+    n_examples: int,
+    progress: bool,
+    groups_choice: dict[str, Any],
+    executor: Any = None,
+    exact_budget_s: float = EXACT_BUDGET_S,
+    joint_k: int = JOINT_K,
+) -> GnaReport:
+    """:func:`score_heads` with the head groups in place (the model's view is built here, once,
+    and every step below is handed it)."""
+    if not isinstance(task, Task) or not len(task):
+        what = f"task {task.name!r} has no prompts" if isinstance(task, Task) else (
+            f"task is a {type(task).__name__}"
+        )  # fmt: skip
+        raise GnaLensError(
+            f"score_heads: {what}; expected a gna_lens.tasks.Task with at least one prompt "
+            "(e.g. kv_retrieval(tokenizer, n_samples=24))."
+        )
+    subject = Subject.of(model)
+    model, view = subject.model, subject.view
+    positions = check_positions(positions)
+    strategy, strategy_why = choose_strategy(
+        subject, task, strategy, prefilter=prefilter, top_layers=top_layers,
+        exact_budget_s=exact_budget_s,
+    )  # fmt: skip
+    dtype_choice: dict[str, Any] = {}
+    if ablation:  # pattern scores alone run no sweep
+        sweep_dtype, dtype_choice = resolve_sweep_dtype(subject, sweep_dtype, task)
+    if mode == "resample" and reference is task:
+        raise InterventionError(
+            "score_heads(mode='resample'): reference is the task itself, so every prompt would "
+            "take its own head outputs and nothing would be ablated. Fix: pass reference=<another "
+            "task of the same lengths> (e.g. the same generator with another seed), or none (the "
+            "task rotated by one), or use mode='mean' / 'zero'."
+        )
+    if mode == "resample" and reference is None:
+        reference = rotated(task, "score_heads")
+    if mode == "mean" and reference is None:
+        reference = task
+    timings: dict[str, float] = {}
+    clock = time.perf_counter()
+    scores = pattern_scores(subject, task, batch_size=batch_size, progress=progress)
+    timings["pattern_scores"] = time.perf_counter() - clock
+    heads = list(scores.heads)
+    n = len(heads)
+    nan = host_full(n)
+    table: dict[str, Tensor] = {name: getattr(scores, name) for name in SCORE_NAMES}
+    sample_effects: dict[str, Tensor] = {}
+    for name in SCORE_COLUMNS[len(SCORE_NAMES) :]:
+        table[name] = nan.clone()
+    baseline = control_baseline = math.nan
+    resolved = None
+    method: dict[str, Any] = provenance_method(model) | {
+        "metric": metric,
+        "mode": mode,
+        "positions": positions_label(positions),
+        "reference": "none" if reference is None else (
+            "the task itself" if reference is task else describe_task(reference)
+            if isinstance(reference, Task) else f"token ids {tuple(reference.shape)}"
+        ),
+        "n_prompts": len(task),
+        "intervals": "95% percentile bootstrap over prompts (control: over windows), paired",
+    }  # fmt: skip
+    layers: LayerSweepResult | None = None
+    unmeasured: list[UnmeasuredHeads] = []
+    if ablation:
+        targets = heads
+        resolved = resolve_control(control, getattr(model, "tokenizer", None), positions=positions)
+        if strategy == "attribution":
+            cut = DEFAULT_PREFILTER if prefilter is None else prefilter
+            clock = time.perf_counter()
+            est = attribute_heads(subject, task, metric="logit_diff", batch_size=batch_size)
+            timings["attribution"] = time.perf_counter() - clock
+            by_head = {c[0]: e for c, e in zip(est.cells, est.effects.tolist(), strict=True)}
+            attribution = torch.tensor([by_head.get(h, math.nan) for h in heads], device=HOST)
+            table["attribution"] = attribution
+            order = torch.argsort(attribution.nan_to_num(nan=math.inf), stable=True).tolist()
+            targets = [heads[i] for i in order[:cut]]
+            unmeasured = _unmeasured(
+                heads, targets,
+                lambda layer: f"ranked below the top {cut} of {n} heads by attribution patching "
+                "(its estimate is in the 'attribution' column)",
+            )  # fmt: skip
+            method.update(prefilter=f"attribution patching, top {cut}")
+        if strategy == "coarse_to_fine":
+            k = default_top_layers(view) if top_layers is None else top_layers
+            clock = time.perf_counter()
+            with sweep_precision(subject, sweep_dtype):
+                layers = layer_sweep(
+                    subject, task, metric, [lh.layer for lh in view], positions=positions,
+                    control=resolved, progress=progress,
+                )  # fmt: skip
+            timings["layer_sweep"] = time.perf_counter() - clock
+            ranked = [c[0] for c in layers.ranking()]
+            chosen = set(ranked[:k])
+            targets = [h for h in heads if h[0] in chosen]
+            unmeasured = _unmeasured(heads, targets, _layer_reason(layers, ranked, k))
+            method.update(
+                top_layers=k,
+                layer_ranking=(
+                    f"{layers.method['ablation']}, each layer alone, on the task and the control; "
+                    + ("ranked by selectivity (share of the task lost minus share of the control "
+                       "lost)" if layers.has_control else "ranked by task effect")
+                    + f"; the heads of the top {k} layers ablated"
+                ),
+            )  # fmt: skip
+        with sweep_precision(subject, sweep_dtype) as precision:
+            clock = time.perf_counter()
+            sweep = ablation_sweep(
+                subject, task, metric=metric, heads=targets, mode=mode, positions=positions,
+                reference=reference, progress=progress, executor=executor,
+            )  # fmt: skip
+            timings["ablation_sweep"] = time.perf_counter() - clock
+            forward_paths = path_summary(model)  # the sweep's last forward: kernels or not
+            ctrl = None
+            if resolved is not None:
+                clock = time.perf_counter()
+                ctrl = control_sweep(
+                    subject, resolved, targets, mode=mode, positions=positions, progress=progress,
+                    executor=executor,
+                )  # fmt: skip
+                timings["control_sweep"] = time.perf_counter() - clock
+        effect, lo, hi = _scatter(heads, sweep, *_intervals(sweep))
+        table.update(ablation_effect=effect, ablation_effect_low=lo, ablation_effect_high=hi)
+        sample_effects = {"ablation_effect": _scatter_samples(heads, sweep)}
+        baseline = sweep.baseline_mean
+        method.update(
+            strategy=strategy,
+            strategy_choice=strategy_why,
+            n_exact=len(targets),
+            n_unmeasured=n - len(targets),
+            sweep_dtype=precision,
+            ablation_path=sweep.method,
+            paths={"ablation": sweep.info.get("paths", {})},
+            forward_paths=forward_paths,
+            fallbacks=[f"ablation sweep: {f}" for f in sweep.info.get("fallbacks", [])],
+        )
+        if executor is not None:
+            method.update(executor=_executor_line(sweep, ctrl))
+        if "mean_over" in sweep.info:  # mean ablation: which positions the mean was taken over
+            method.update(mean_over=sweep.info["mean_over"], include_bos=sweep.info["include_bos"])
+        method.setdefault("prefilter", "none")
+        if ctrl is not None:
+            c_eff, c_lo, c_hi = _scatter(heads, ctrl, *_intervals(ctrl))
+            table.update(control_effect=c_eff, control_effect_low=c_lo, control_effect_high=c_hi)
+            table["specificity"] = specificity(effect, baseline, c_eff)
+            sample_effects["control_effect"] = _scatter_samples(heads, ctrl)
+            control_baseline = ctrl.baseline_mean
+            method.update(control_path=ctrl.method)
+            method["paths"]["control"] = ctrl.info.get("paths", {})
+            method["fallbacks"] += [f"control sweep: {f}" for f in ctrl.info.get("fallbacks", [])]
+    description = ""
+    if resolved is not None:
+        description = (
+            resolved.describe()
+            if isinstance(resolved, TextControl)
+            else f"answer NLL among the options on {describe_task(resolved)}"
+        )
+        unit = "nats/token" if isinstance(resolved, TextControl) else "nats/answer"
+        method.update(control=description, max_control=max_control, control_unit=unit)
+    groups = describe_head_groups(view)
+    if groups:
+        method["head_groups"] = groups
+    method.update(groups_choice)
+    if ablation:
+        method.update(dtype_choice)
+    report = GnaReport(
+        model_name=_model_name(model),
+        task=describe_task(task),
+        heads=tuple(heads),
+        kinds=scores.kinds,
+        scores=table,
+        metric=metric if ablation else "none",
+        baseline=baseline,
+        n_layers=view.n_layers,
+        layer_heads=tuple(lh.n_heads if lh is not None else 0 for lh in view.layers),
+        roles=scores.roles,
+        control=description,
+        control_baseline=control_baseline,
+        max_control=max_control,
+        method=method,
+        layers=layers,
+        unmeasured=tuple(unmeasured),
+        timings=timings,
+        head_groups=view.group_spec,
+        sample_effects=sample_effects,
+    )
+    if ablation and resolved is not None and report.has_control:
+        if joint_k:
+            clock = time.perf_counter()
+            with sweep_precision(subject, sweep_dtype):
+                joint, line = _joint_walk(
+                    subject, resolved, report, sample_effects["control_effect"], joint_k,
+                    mode=mode, positions=positions, progress=progress,
+                )  # fmt: skip
+            object.__setattr__(report, "joint_set", joint)
+            timings["joint_control"] = time.perf_counter() - clock
+        else:
+            line = "off (joint_k=0): top() bounds each head's control effect alone, not the set's"
+        method["joint_control"] = line
+    if n_examples:
+        clock = time.perf_counter()
+        with warnings.catch_warnings():  # fewer heads than n_examples: fewer examples
+            warnings.simplefilter("ignore", GnaLensWarning)
+            if ablation and report.has_control:
+                js = report.joint_set
+                k_ex = min(n_examples, n)
+                use_joint = False if js is not None and k_ex > js.joint_k else None
+                top = report.top(k_ex, joint=use_joint)
+            else:
+                by = "ablation_effect" if ablation else "aggregate_score"
+                top = report.top(min(n_examples, n), by=by)
+        if top:
+            object.__setattr__(report, "examples", _examples(subject, task, top))
+        timings["examples"] = time.perf_counter() - clock
+    return report
