@@ -3,10 +3,12 @@
 ablation and control sweeps, the joint walk, the report), each a function of its own.
 """
 
+import contextlib
 import math
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -445,6 +447,44 @@ def score_heads(
         )  # fmt: skip
 
 
+@dataclass
+class _Run:
+    """One :func:`score_heads` call: its settings, and what its stages fill in, in order."""
+
+    subject: Subject
+    task: Task
+    metric: str
+    mode: str
+    positions: Any
+    reference: Any
+    sweep_dtype: Any
+    progress: bool
+    executor: Any
+    heads: list[Head] = field(default_factory=list)
+    kinds: Any = None
+    roles: Any = None
+    table: dict[str, Tensor] = field(default_factory=dict)
+    samples: dict[str, Tensor] = field(default_factory=dict)
+    method: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    targets: list[Head] = field(default_factory=list)
+    unmeasured: list[UnmeasuredHeads] = field(default_factory=list)
+    layers: LayerSweepResult | None = None
+    control: Any = None
+    baseline: float = math.nan
+    control_baseline: float = math.nan
+
+    @contextlib.contextmanager
+    def timed(self, stage: str) -> Iterator[None]:
+        """Record the seconds the block takes as ``timings[stage]``."""
+        clock = time.perf_counter()
+        yield
+        self.timings[stage] = time.perf_counter() - clock
+
+    def precision(self) -> Any:
+        return sweep_precision(self.subject, self.sweep_dtype)
+
+
 def _score_heads(
     model: Any,
     task: Task,
@@ -468,18 +508,10 @@ def _score_heads(
     exact_budget_s: float = EXACT_BUDGET_S,
     joint_k: int = JOINT_K,
 ) -> GnaReport:
-    """:func:`score_heads` with the head groups in place (the model's view is built here, once,
-    and every step below is handed it)."""
-    if not isinstance(task, Task) or not len(task):
-        what = f"task {task.name!r} has no prompts" if isinstance(task, Task) else (
-            f"task is a {type(task).__name__}"
-        )  # fmt: skip
-        raise GnaLensError(
-            f"score_heads: {what}; expected a gna_lens.tasks.Task with at least one prompt "
-            "(e.g. kv_retrieval(tokenizer, n_samples=24))."
-        )
+    """:func:`score_heads` with the head groups in place, as its stages (the model's view is
+    built here, once, and every stage is handed it)."""
+    _check_task(task)
     subject = Subject.of(model)
-    model, view = subject.model, subject.view
     positions = check_positions(positions)
     strategy, strategy_why = choose_strategy(
         subject, task, strategy, prefilter=prefilter, top_layers=top_layers,
@@ -488,6 +520,52 @@ def _score_heads(
     dtype_choice: dict[str, Any] = {}
     if ablation:  # pattern scores alone run no sweep
         sweep_dtype, dtype_choice = resolve_sweep_dtype(subject, sweep_dtype, task)
+    reference = _reference(task, mode, reference)
+    run = _Run(subject, task, metric, mode, positions, reference, sweep_dtype, progress, executor)
+    _pattern_stage(run, batch_size)
+    if ablation:
+        run.control = resolve_control(
+            control, getattr(subject.model, "tokenizer", None), positions=positions
+        )
+        run.targets = run.heads
+        if strategy == "attribution":
+            _attribution_stage(
+                run, DEFAULT_PREFILTER if prefilter is None else prefilter, batch_size
+            )
+        if strategy == "coarse_to_fine":
+            _layer_stage(
+                run, default_top_layers(subject.view) if top_layers is None else top_layers
+            )
+        _sweep_stage(run, strategy, strategy_why)
+    description = _describe_control(run, max_control)
+    groups = describe_head_groups(subject.view)
+    if groups:
+        run.method["head_groups"] = groups
+    run.method.update(groups_choice)
+    if ablation:
+        run.method.update(dtype_choice)
+    report = _report(run, ablation, description, max_control)
+    if ablation and run.control is not None and report.has_control:
+        _joint_stage(run, report, joint_k)
+    if n_examples:
+        with run.timed("examples"):
+            _examples_stage(run, report, ablation, n_examples)
+    return report
+
+
+def _check_task(task: Any) -> None:
+    if not isinstance(task, Task) or not len(task):
+        what = f"task {task.name!r} has no prompts" if isinstance(task, Task) else (
+            f"task is a {type(task).__name__}"
+        )  # fmt: skip
+        raise GnaLensError(
+            f"score_heads: {what}; expected a gna_lens.tasks.Task with at least one prompt "
+            "(e.g. kv_retrieval(tokenizer, n_samples=24))."
+        )
+
+
+def _reference(task: Task, mode: str, reference: Any) -> Any:
+    """The reference a mean / resample ablation reads (a task rotated by one for resample)."""
     if mode == "resample" and reference is task:
         raise InterventionError(
             "score_heads(mode='resample'): reference is the task itself, so every prompt would "
@@ -496,26 +574,26 @@ def _score_heads(
             "task rotated by one), or use mode='mean' / 'zero'."
         )
     if mode == "resample" and reference is None:
-        reference = rotated(task, "score_heads")
+        return rotated(task, "score_heads")
     if mode == "mean" and reference is None:
-        reference = task
-    timings: dict[str, float] = {}
-    clock = time.perf_counter()
-    scores = pattern_scores(subject, task, batch_size=batch_size, progress=progress)
-    timings["pattern_scores"] = time.perf_counter() - clock
-    heads = list(scores.heads)
-    n = len(heads)
-    nan = host_full(n)
-    table: dict[str, Tensor] = {name: getattr(scores, name) for name in SCORE_NAMES}
-    sample_effects: dict[str, Tensor] = {}
+        return task
+    return reference
+
+
+def _pattern_stage(run: _Run, batch_size: int) -> None:
+    """Pattern scores of every head; the table's effect columns start as NaN."""
+    with run.timed("pattern_scores"):
+        scores = pattern_scores(run.subject, run.task, batch_size=batch_size, progress=run.progress)
+    run.heads, run.kinds, run.roles = list(scores.heads), scores.kinds, scores.roles
+    run.table = {name: getattr(scores, name) for name in SCORE_NAMES}
+    nan = host_full(len(run.heads))
     for name in SCORE_COLUMNS[len(SCORE_NAMES) :]:
-        table[name] = nan.clone()
-    baseline = control_baseline = math.nan
-    resolved = None
-    method: dict[str, Any] = provenance_method(model) | {
-        "metric": metric,
-        "mode": mode,
-        "positions": positions_label(positions),
+        run.table[name] = nan.clone()
+    task, reference = run.task, run.reference
+    run.method = provenance_method(run.subject.model) | {
+        "metric": run.metric,
+        "mode": run.mode,
+        "positions": positions_label(run.positions),
         "reference": "none" if reference is None else (
             "the task itself" if reference is task else describe_task(reference)
             if isinstance(reference, Task) else f"token ids {tuple(reference.shape)}"
@@ -523,156 +601,167 @@ def _score_heads(
         "n_prompts": len(task),
         "intervals": "95% percentile bootstrap over prompts (control: over windows), paired",
     }  # fmt: skip
-    layers: LayerSweepResult | None = None
-    unmeasured: list[UnmeasuredHeads] = []
-    if ablation:
-        targets = heads
-        resolved = resolve_control(control, getattr(model, "tokenizer", None), positions=positions)
-        if strategy == "attribution":
-            cut = DEFAULT_PREFILTER if prefilter is None else prefilter
-            clock = time.perf_counter()
-            est = attribute_heads(subject, task, metric="logit_diff", batch_size=batch_size)
-            timings["attribution"] = time.perf_counter() - clock
-            by_head = {c[0]: e for c, e in zip(est.cells, est.effects.tolist(), strict=True)}
-            attribution = torch.tensor([by_head.get(h, math.nan) for h in heads], device=HOST)
-            table["attribution"] = attribution
-            order = torch.argsort(attribution.nan_to_num(nan=math.inf), stable=True).tolist()
-            targets = [heads[i] for i in order[:cut]]
-            unmeasured = _unmeasured(
-                heads, targets,
-                lambda layer: f"ranked below the top {cut} of {n} heads by attribution patching "
-                "(its estimate is in the 'attribution' column)",
-            )  # fmt: skip
-            method.update(prefilter=f"attribution patching, top {cut}")
-        if strategy == "coarse_to_fine":
-            k = default_top_layers(view) if top_layers is None else top_layers
-            clock = time.perf_counter()
-            with sweep_precision(subject, sweep_dtype):
-                layers = layer_sweep(
-                    subject, task, metric, [lh.layer for lh in view], positions=positions,
-                    control=resolved, progress=progress,
-                )  # fmt: skip
-            timings["layer_sweep"] = time.perf_counter() - clock
-            ranked = [c[0] for c in layers.ranking()]
-            chosen = set(ranked[:k])
-            targets = [h for h in heads if h[0] in chosen]
-            unmeasured = _unmeasured(heads, targets, _layer_reason(layers, ranked, k))
-            method.update(
-                top_layers=k,
-                layer_ranking=(
-                    f"{layers.method['ablation']}, each layer alone, on the task and the control; "
-                    + ("ranked by selectivity (share of the task lost minus share of the control "
-                       "lost)" if layers.has_control else "ranked by task effect")
-                    + f"; the heads of the top {k} layers ablated"
-                ),
-            )  # fmt: skip
-        with sweep_precision(subject, sweep_dtype) as precision:
-            clock = time.perf_counter()
+
+
+def _attribution_stage(run: _Run, cut: int, batch_size: int) -> None:
+    """Attribution patching ranks every head; the first ``cut`` are ablated exactly."""
+    heads = run.heads
+    with run.timed("attribution"):
+        est = attribute_heads(run.subject, run.task, metric="logit_diff", batch_size=batch_size)
+    by_head = {c[0]: e for c, e in zip(est.cells, est.effects.tolist(), strict=True)}
+    attribution = torch.tensor([by_head.get(h, math.nan) for h in heads], device=HOST)
+    run.table["attribution"] = attribution
+    order = torch.argsort(attribution.nan_to_num(nan=math.inf), stable=True).tolist()
+    run.targets = [heads[i] for i in order[:cut]]
+    run.unmeasured = _unmeasured(
+        heads, run.targets,
+        lambda layer: f"ranked below the top {cut} of {len(heads)} heads by attribution "
+        "patching (its estimate is in the 'attribution' column)",
+    )  # fmt: skip
+    run.method.update(prefilter=f"attribution patching, top {cut}")
+
+
+def _layer_stage(run: _Run, k: int) -> None:
+    """Every layer removed alone on the task and the control; the heads of the top ``k`` layers
+    are ablated exactly."""
+    with run.timed("layer_sweep"), run.precision():
+        layers = layer_sweep(
+            run.subject, run.task, run.metric, [lh.layer for lh in run.subject.view],
+            positions=run.positions, control=run.control, progress=run.progress,
+        )  # fmt: skip
+    ranked = [c[0] for c in layers.ranking()]
+    chosen = set(ranked[:k])
+    run.targets = [h for h in run.heads if h[0] in chosen]
+    run.unmeasured = _unmeasured(run.heads, run.targets, _layer_reason(layers, ranked, k))
+    run.layers = layers
+    run.method.update(
+        top_layers=k,
+        layer_ranking=(
+            f"{layers.method['ablation']}, each layer alone, on the task and the control; "
+            + ("ranked by selectivity (share of the task lost minus share of the control "
+               "lost)" if layers.has_control else "ranked by task effect")
+            + f"; the heads of the top {k} layers ablated"
+        ),
+    )  # fmt: skip
+
+
+def _sweep_stage(run: _Run, strategy: str, strategy_why: str) -> None:
+    """Each target head ablated alone on the task and on the control."""
+    subject, heads, targets = run.subject, run.heads, run.targets
+    with run.precision() as precision:
+        with run.timed("ablation_sweep"):
             sweep = ablation_sweep(
-                subject, task, metric=metric, heads=targets, mode=mode, positions=positions,
-                reference=reference, progress=progress, executor=executor,
+                subject, run.task, metric=run.metric, heads=targets, mode=run.mode,
+                positions=run.positions, reference=run.reference, progress=run.progress,
+                executor=run.executor,
             )  # fmt: skip
-            timings["ablation_sweep"] = time.perf_counter() - clock
-            forward_paths = path_summary(model)  # the sweep's last forward: kernels or not
-            ctrl = None
-            if resolved is not None:
-                clock = time.perf_counter()
+        forward_paths = path_summary(subject.model)  # the sweep's last forward: kernels or not
+        ctrl = None
+        if run.control is not None:
+            with run.timed("control_sweep"):
                 ctrl = control_sweep(
-                    subject, resolved, targets, mode=mode, positions=positions, progress=progress,
-                    executor=executor,
+                    subject, run.control, targets, mode=run.mode, positions=run.positions,
+                    progress=run.progress, executor=run.executor,
                 )  # fmt: skip
-                timings["control_sweep"] = time.perf_counter() - clock
-        effect, lo, hi = _scatter(heads, sweep, *_intervals(sweep))
-        table.update(ablation_effect=effect, ablation_effect_low=lo, ablation_effect_high=hi)
-        sample_effects = {"ablation_effect": _scatter_samples(heads, sweep)}
-        baseline = sweep.baseline_mean
-        method.update(
-            strategy=strategy,
-            strategy_choice=strategy_why,
-            n_exact=len(targets),
-            n_unmeasured=n - len(targets),
-            sweep_dtype=precision,
-            ablation_path=sweep.method,
-            paths={"ablation": sweep.info.get("paths", {})},
-            forward_paths=forward_paths,
-            fallbacks=[f"ablation sweep: {f}" for f in sweep.info.get("fallbacks", [])],
-        )
-        if executor is not None:
-            method.update(executor=_executor_line(sweep, ctrl))
-        if "mean_over" in sweep.info:  # mean ablation: which positions the mean was taken over
-            method.update(mean_over=sweep.info["mean_over"], include_bos=sweep.info["include_bos"])
-        method.setdefault("prefilter", "none")
-        if ctrl is not None:
-            c_eff, c_lo, c_hi = _scatter(heads, ctrl, *_intervals(ctrl))
-            table.update(control_effect=c_eff, control_effect_low=c_lo, control_effect_high=c_hi)
-            table["specificity"] = specificity(effect, baseline, c_eff)
-            sample_effects["control_effect"] = _scatter_samples(heads, ctrl)
-            control_baseline = ctrl.baseline_mean
-            method.update(control_path=ctrl.method)
-            method["paths"]["control"] = ctrl.info.get("paths", {})
-            method["fallbacks"] += [f"control sweep: {f}" for f in ctrl.info.get("fallbacks", [])]
-    description = ""
-    if resolved is not None:
-        description = (
-            resolved.describe()
-            if isinstance(resolved, TextControl)
-            else f"answer NLL among the options on {describe_task(resolved)}"
-        )
-        unit = "nats/token" if isinstance(resolved, TextControl) else "nats/answer"
-        method.update(control=description, max_control=max_control, control_unit=unit)
-    groups = describe_head_groups(view)
-    if groups:
-        method["head_groups"] = groups
-    method.update(groups_choice)
-    if ablation:
-        method.update(dtype_choice)
-    report = GnaReport(
-        model_name=_model_name(model),
-        task=describe_task(task),
-        heads=tuple(heads),
-        kinds=scores.kinds,
-        scores=table,
-        metric=metric if ablation else "none",
-        baseline=baseline,
+    effect, lo, hi = _scatter(heads, sweep, *_intervals(sweep))
+    run.table.update(ablation_effect=effect, ablation_effect_low=lo, ablation_effect_high=hi)
+    run.samples = {"ablation_effect": _scatter_samples(heads, sweep)}
+    run.baseline = sweep.baseline_mean
+    method = run.method
+    method.update(
+        strategy=strategy,
+        strategy_choice=strategy_why,
+        n_exact=len(targets),
+        n_unmeasured=len(heads) - len(targets),
+        sweep_dtype=precision,
+        ablation_path=sweep.method,
+        paths={"ablation": sweep.info.get("paths", {})},
+        forward_paths=forward_paths,
+        fallbacks=[f"ablation sweep: {f}" for f in sweep.info.get("fallbacks", [])],
+    )
+    if run.executor is not None:
+        method.update(executor=_executor_line(sweep, ctrl))
+    if "mean_over" in sweep.info:  # mean ablation: which positions the mean was taken over
+        method.update(mean_over=sweep.info["mean_over"], include_bos=sweep.info["include_bos"])
+    method.setdefault("prefilter", "none")
+    if ctrl is not None:
+        c_eff, c_lo, c_hi = _scatter(heads, ctrl, *_intervals(ctrl))
+        run.table.update(control_effect=c_eff, control_effect_low=c_lo, control_effect_high=c_hi)
+        run.table["specificity"] = specificity(effect, run.baseline, c_eff)
+        run.samples["control_effect"] = _scatter_samples(heads, ctrl)
+        run.control_baseline = ctrl.baseline_mean
+        method.update(control_path=ctrl.method)
+        method["paths"]["control"] = ctrl.info.get("paths", {})
+        method["fallbacks"] += [f"control sweep: {f}" for f in ctrl.info.get("fallbacks", [])]
+
+
+def _describe_control(run: _Run, max_control: float) -> str:
+    """The control in words ("" without one); its bound and unit go into ``method``."""
+    resolved = run.control
+    if resolved is None:
+        return ""
+    text = isinstance(resolved, TextControl)
+    description = (
+        resolved.describe()
+        if text
+        else f"answer NLL among the options on {describe_task(resolved)}"
+    )
+    unit = "nats/token" if text else "nats/answer"
+    run.method.update(control=description, max_control=max_control, control_unit=unit)
+    return description
+
+
+def _report(run: _Run, ablation: bool, description: str, max_control: float) -> GnaReport:
+    view = run.subject.view
+    return GnaReport(
+        model_name=_model_name(run.subject.model),
+        task=describe_task(run.task),
+        heads=tuple(run.heads),
+        kinds=run.kinds,
+        scores=run.table,
+        metric=run.metric if ablation else "none",
+        baseline=run.baseline,
         n_layers=view.n_layers,
         layer_heads=tuple(lh.n_heads if lh is not None else 0 for lh in view.layers),
-        roles=scores.roles,
+        roles=run.roles,
         control=description,
-        control_baseline=control_baseline,
+        control_baseline=run.control_baseline,
         max_control=max_control,
-        method=method,
-        layers=layers,
-        unmeasured=tuple(unmeasured),
-        timings=timings,
+        method=run.method,
+        layers=run.layers,
+        unmeasured=tuple(run.unmeasured),
+        timings=run.timings,
         head_groups=view.group_spec,
-        sample_effects=sample_effects,
+        sample_effects=run.samples,
     )
-    if ablation and resolved is not None and report.has_control:
-        if joint_k:
-            clock = time.perf_counter()
-            with sweep_precision(subject, sweep_dtype):
-                joint, line = _joint_walk(
-                    subject, resolved, report, sample_effects["control_effect"], joint_k,
-                    mode=mode, positions=positions, progress=progress,
-                )  # fmt: skip
-            object.__setattr__(report, "joint_set", joint)
-            timings["joint_control"] = time.perf_counter() - clock
+
+
+def _joint_stage(run: _Run, report: GnaReport, joint_k: int) -> None:
+    """The greedy joint set: heads whose control effect removed together stays in the bound."""
+    if not joint_k:
+        line = "off (joint_k=0): top() bounds each head's control effect alone, not the set's"
+    else:
+        with run.timed("joint_control"), run.precision():
+            joint, line = _joint_walk(
+                run.subject, run.control, report, run.samples["control_effect"], joint_k,
+                mode=run.mode, positions=run.positions, progress=run.progress,
+            )  # fmt: skip
+        object.__setattr__(report, "joint_set", joint)
+    run.method["joint_control"] = line
+
+
+def _examples_stage(run: _Run, report: GnaReport, ablation: bool, n_examples: int) -> None:
+    """The patterns of the top heads on the first prompt, for display."""
+    n = len(run.heads)
+    with warnings.catch_warnings():  # fewer heads than n_examples: fewer examples
+        warnings.simplefilter("ignore", GnaLensWarning)
+        if ablation and report.has_control:
+            js = report.joint_set
+            k_ex = min(n_examples, n)
+            use_joint = False if js is not None and k_ex > js.joint_k else None
+            top = report.top(k_ex, joint=use_joint)
         else:
-            line = "off (joint_k=0): top() bounds each head's control effect alone, not the set's"
-        method["joint_control"] = line
-    if n_examples:
-        clock = time.perf_counter()
-        with warnings.catch_warnings():  # fewer heads than n_examples: fewer examples
-            warnings.simplefilter("ignore", GnaLensWarning)
-            if ablation and report.has_control:
-                js = report.joint_set
-                k_ex = min(n_examples, n)
-                use_joint = False if js is not None and k_ex > js.joint_k else None
-                top = report.top(k_ex, joint=use_joint)
-            else:
-                by = "ablation_effect" if ablation else "aggregate_score"
-                top = report.top(min(n_examples, n), by=by)
-        if top:
-            object.__setattr__(report, "examples", _examples(subject, task, top))
-        timings["examples"] = time.perf_counter() - clock
-    return report
+            by = "ablation_effect" if ablation else "aggregate_score"
+            top = report.top(min(n_examples, n), by=by)
+    if top:
+        object.__setattr__(report, "examples", _examples(run.subject, run.task, top))
