@@ -35,3 +35,18 @@ def pytest_sessionfinish(session, exitstatus):
             "(e.g. pass --out tmp_path / ... to the CLI)."
         )
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture(autouse=True)
+def _device_rule():
+    """Every test runs under the run-time device guard: a tensor factory called from gna_lens
+    without ``device=`` fails the test that reached it (``tests/device_guard.py``)."""
+    import os
+
+    from device_guard import FactoryGuard
+
+    if os.environ.get("GNA_NO_GUARD"):
+        yield
+        return
+    with FactoryGuard():
+        yield

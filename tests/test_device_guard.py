@@ -47,6 +47,14 @@ def test_static_guard_fails_on_a_planted_zeros_in_the_sweep():
         ("y = logits.to('cpu')", True),
         ("y = logits.to(device)", False),
         ("y = torch.zeros_like(logits)", False),  # inherits the device of its argument
+        # literal devices: the value lands on the CPU whatever the model's device
+        ("x = torch.zeros(n, device='cpu')", True),
+        ("y = logits.to(device='cpu')", True),
+        ("d = torch.device('cpu')", True),
+        ("x = torch.ones(n, device='cuda:0')", True),
+        ("x = torch.from_numpy(a)", True),
+        ("x = torch.Tensor(n)", True),
+        ("x = torch.zeros(n, device=HOST)", False),  # the named host: results, by the rule
     ],
 )
 def test_static_guard_rules(code, caught):
