@@ -130,7 +130,11 @@ def test_sweeps_heads_layers_controls(device, guarded, arch):
         m = on(arch, dev)
         return I.layer_sweep(m, t, "logit_diff", control=windows, progress=False).effects
 
-    for fn in (heads, control, layers):
+    def heads_at(dev):  # explicit positions: the column masks inside the sweep's hooks
+        m = on(arch, dev)
+        return I.ablation_sweep(m, t, "logit_diff", positions=[1, 3], progress=False).effects
+
+    for fn in (heads, heads_at, control, layers):
         check_same(device, fn(device), fn)
 
 
@@ -144,10 +148,17 @@ def test_remove_layers_ablate_heads_and_masks(device, guarded):
             removed = m(tokens)
         with I.ablate_heads(m, [(0, 0), (1, 1)]):
             ablated = m(tokens)
+        # explicit positions: the hooks build their column masks on the model's device
+        with I.ablate_heads(m, [(0, 0), (1, 1)], positions=[1, 3]):
+            at_positions = m(tokens)
+        with I.ablate_heads(m, [(0, 0)], mode="mean", positions="last", reference=t):
+            mean_last = m(tokens)
+        with I.ablate_layers(m, [1], positions=[2]):
+            layer_at = m(tokens)
         masks = {(1, 0): I.aggregate_mask(t[0])}
         with I.mask_patterns(m, masks):
             masked = m(tokens)
-    for other in (removed, ablated, masked):
+    for other in (removed, ablated, at_positions, mean_last, layer_at, masked):
         assert other.device.type == device and not torch.allclose(other, clean)
     with torch.no_grad():
         assert torch.equal(m(tokens), clean)  # nothing left behind
