@@ -153,6 +153,13 @@ class FactoryGuard:
         return guarded
 
     def __enter__(self) -> "FactoryGuard":
+        # torch caches its set of factories (functools.cache) the first time a `with
+        # torch.device(...)` block asks: filled now, it holds the real ones, not the wrappers
+        # (which it would keep for the process: transformers' model set-up then left a
+        # TransformerBridge's padded-batch logits different, in every later test).
+        from torch.utils._device import _device_constructors
+
+        _device_constructors()
         for name in FACTORIES:
             self._saved[name] = getattr(torch, name)
             setattr(torch, name, self._wrap(name, self._saved[name]))

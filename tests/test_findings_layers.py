@@ -257,7 +257,7 @@ def _comp(data, task, low, value=0.1):
     ],
 )
 def test_the_hybrid_claim_follows_the_controlled_run(lows, pending, status):
-    from gna_lens.findings.render import _students_status
+    from gna_lens.findings.status import _students_status
 
     first = {"comparisons": [_comp("default", "kv-4", 0.4) | {"k": 8}]}
     ctl = {
@@ -276,7 +276,7 @@ def test_the_hybrid_claim_follows_the_controlled_run(lows, pending, status):
 
 
 def test_the_hybrid_claim_needs_the_students_knowledge_kept():
-    from gna_lens.findings.render import _students_status
+    from gna_lens.findings.status import _students_status
 
     def acc(v, lo, hi):
         return {"value": v, "low": lo, "high": hi, "n": 100, "method": "wilson"}

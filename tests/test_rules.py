@@ -2,7 +2,8 @@
 rules got wrong (issue 39). Each case below was granted a kinder status before; each assertion
 fails on those rules."""
 
-from gna_lens.findings.render import (
+from gna_lens.findings.rules import holm, interval_p_value, p_text, within_margin
+from gna_lens.findings.status import (
     _flat_status,
     _layers_status,
     _mask_status,
@@ -12,7 +13,6 @@ from gna_lens.findings.render import (
     seed_claims,
     status_rows,
 )
-from gna_lens.findings.rules import holm, interval_p_value, p_text, within_margin
 from gna_lens.stats import wilson_interval
 
 
@@ -156,7 +156,7 @@ def test_hybrid_students_are_compared_as_head_sets():
     """Issue 39: the prompt-only interval of the controlled hybrid run ignored which random heads
     were drawn (3 sets, the same under both seeds); the set-level one covers it, and its exact
     permutation p-value cannot go below 1 / (sets + 1)."""
-    from gna_lens.findings.render import _students_status, set_level_comparisons
+    from gna_lens.findings.status import _students_status, set_level_comparisons
 
     def row(kind, heads, seed, correct):
         return {"name": f"{kind}{heads}{seed}", "kind": kind, "k": 1, "heads": [[0, heads]],
@@ -211,7 +211,7 @@ def test_finding_8_rows_judge_each_template_on_its_own_prompts_and_the_page_show
 
 
 def test_a_claim_is_decided_by_the_rows_that_decide_it():
-    from gna_lens.findings.render import _summary
+    from gna_lens.findings.status import _summary
 
     rows = [{"model": "a", "status": "reproduced"}, {"model": "b", "status": "inconclusive"}]
     assert _summary(rows)[0] == "reproduced" and "b: inconclusive" in _summary(rows)[1]
@@ -220,7 +220,7 @@ def test_a_claim_is_decided_by_the_rows_that_decide_it():
 
 
 def test_a_gather_that_is_an_induction_head_is_not_credited_in_full():
-    from gna_lens.findings.render import _roles_status
+    from gna_lens.findings.status import _roles_status
 
     heads = [{"head": "L18H6", "role": "gather"}, {"head": "L17H2", "role": "aggregate"}]
     # SmolLM2's L18H6: the model's strongest induction head (prefix matching 0.915)
@@ -230,7 +230,7 @@ def test_a_gather_that_is_an_induction_head_is_not_credited_in_full():
 
 
 def test_the_hybrid_claim_shows_the_k0_arm_or_says_it_is_missing():
-    from gna_lens.findings.render import _students_status
+    from gna_lens.findings.status import _students_status
 
     ctl = {"rows": [], "comparisons": [], "method": {}}
     assert "no k = 0 student" in _students_status(None, ctl)[1]
@@ -281,7 +281,7 @@ def test_students_at_chance_on_the_facts_template_recover_only_copying():
     """A top-k student that retrieves on the question template (copying answers it) but sits at
     chance on the facts template, where the teacher does not, has not recovered the teacher's
     retrieval: the claim cannot be reproduced, and the row says why."""
-    from gna_lens.findings.render import _students_status
+    from gna_lens.findings.status import _students_status
 
     def row(kind, heads, seed, correct, kv):
         return {"name": f"{kind}{heads}{seed}", "kind": kind, "k": 1, "heads": [[0, heads]],

@@ -285,7 +285,7 @@ def _acc(v, n=60):
 def test_findings_status_of_the_hybrid_follows_its_numbers():
     """Issue 30: "partly" only when denying the *attention* candidates lowers retrieval; an
     attention head merely among the candidates (zoo-bamba) is not reproduced."""
-    from gna_lens.findings.render import _hybrid_status
+    from gna_lens.findings.status import _hybrid_status
 
     def result(kinds, kv8, attn=None, cloze=(1.0, 1.0)):
         def masked(pair):
@@ -318,7 +318,7 @@ def test_findings_status_of_the_hybrid_follows_its_numbers():
 
 
 def test_findings_status_of_masks_and_removals_follows_their_numbers():
-    from gna_lens.findings.render import _mask_status, _retrieval_status
+    from gna_lens.findings.status import _mask_status, _retrieval_status
 
     def masks(base, kept, denied, chance=0.25):
         return {"model": "zoo-x", "task": "letter", "chance": chance, "baseline": _acc(base),
@@ -373,7 +373,7 @@ def test_the_shipped_findings_page_records_the_weights_it_measured():
 def test_set_level_control_and_every_seed_claim_get_a_status():
     """Issue 30: the set removed together is judged on its joint prose loss (SmolLM2's top 8:
     +1.08 nats/token, random +0.07, must not pass), and every claim of the seeds has a row."""
-    from gna_lens.findings.render import SEED_CLAIMS, _set_control_status, seed_claims
+    from gna_lens.findings.status import SEED_CLAIMS, _set_control_status, seed_claims
 
     def ctrl(change, rand, half=0.02):
         return {
@@ -398,7 +398,7 @@ def test_set_level_control_and_every_seed_claim_get_a_status():
 
 
 def test_layer_dictionary_and_probe_statuses_follow_their_numbers():
-    from gna_lens.findings.render import _dictionary_status, _layers_status, _probe_status
+    from gna_lens.findings.status import _dictionary_status, _layers_status, _probe_status
 
     def single(layer, change, control):
         ctrl = _iv(control, control - 0.02, control + 0.02)

@@ -42,7 +42,8 @@ from gna_lens.findings.experiments import (
     zoo_ablation,
 )
 from gna_lens.findings.layers import smollm2_layers, zoo_layers
-from gna_lens.findings.render import render_markdown, status_rows
+from gna_lens.findings.render import render_markdown
+from gna_lens.findings.status import status_rows
 from gna_lens.render.figures import dictionary_figure, pruning_figure
 from gna_lens.runtime import choose_threads, cpu_description
 
