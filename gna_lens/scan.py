@@ -18,6 +18,7 @@ A scan selects heads on one prompt set and measures them on another:
    and as many random heads from the same layers, ``random_draws`` times.
 """
 
+import contextlib
 import dataclasses
 import html
 import importlib.metadata
@@ -27,6 +28,7 @@ import random
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +48,7 @@ from gna_lens.scoring import (
     score_heads,
 )
 from gna_lens.scoring.knowledge import RANDOM_DRAWS
+from gna_lens.scoring.patterns import Head
 from gna_lens.scoring.report import JOINT_K
 from gna_lens.stats import wilson_interval
 from gna_lens.sweep_policy import (
@@ -511,85 +514,51 @@ def scan(
     output_folder(out, "scan(out=...)")  # checked now: a run is never lost at its end
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
-    sets, c_select, c_eval = _prompts(
-        model, task, tasks, n_samples, seed, n_eval, control, positions
-    )
+    with _timed(timings, "tasks"):
+        sets, c_select, c_eval = _prompts(
+            model, task, tasks, n_samples, seed, n_eval, control, positions
+        )
     probe = sets.selection
-    timings["tasks"] = time.perf_counter() - t0
-    t = time.perf_counter()
-    baseline_check = _check_baseline(model, probe, name, force=force)
-    timings["baseline_check"] = time.perf_counter() - t
+    with _timed(timings, "baseline_check"):
+        baseline_check = _check_baseline(model, probe, name, force=force)
     with applied_head_groups(model, head_groups) as groups_choice:
         subject = Subject.of(model)  # with the head groups in place; every step below gets it
-        view = subject.view
-        n_heads = view.n_heads_total
         strategy, strategy_why, prefilter = _pick_strategy(
             subject, probe, strategy, exact, top, top_layers, exact_budget_s
         )
-        if strategy == "exact":
-            how = f"exact ablation of all {n_heads}"
-        elif strategy == "attribution":
-            how = (
-                f"attribution over all {n_heads}, exact ablation of the {prefilter} it ranks first"
-            )
-        else:
-            k = default_top_layers(view) if top_layers is None else top_layers
-            how = (
-                f"coarse to fine: each of {view.n_layers} layers removed alone, then exact ablation "
-                f"of the heads of the top {k}"
-            )
-        if groups_choice.get("head_group_size"):
-            how += f"; each head a block of {groups_choice['head_group_size']} channels"
+        how = _plan_in_words(subject.view, strategy, prefilter, top_layers, groups_choice)
         _stage(
             progress,
             f"scoring heads on {len(probe)} selection prompts and the control ({how}; sweep "
             f"{sweep_dtype or 'float32'})",
         )
-        t = time.perf_counter()
-        report = score_heads(
-            subject,
-            probe,
-            control=c_select,
-            metric=metric,
-            mode=mode,
-            positions=positions,
-            max_control=max_control,
-            prefilter=prefilter,
-            strategy=strategy,
-            top_layers=top_layers,
-            head_groups=head_groups,
-            executor=executor,
-            sweep_dtype=sweep_dtype,
-            progress=progress,
-            joint_k=max(JOINT_K, top),  # the top heads are removed together: a joint set of them
-        )
-        timings["heads"] = time.perf_counter() - t
+        with _timed(timings, "heads"):
+            report = score_heads(
+                subject, probe, control=c_select, metric=metric, mode=mode, positions=positions,
+                max_control=max_control, prefilter=prefilter, strategy=strategy,
+                top_layers=top_layers, head_groups=head_groups, executor=executor,
+                sweep_dtype=sweep_dtype, progress=progress,
+                joint_k=max(JOINT_K, top),  # the top heads are removed together: a joint set
+            )  # fmt: skip
         if "strategy_choice" in report.method:  # chosen here, before score_heads ran it
             report.method["strategy_choice"] = strategy_why
-        n_exact = int(report.method.get("n_exact", 0))
         if name:
             report = dataclasses.replace(report, model_name=name)
-        with warnings.catch_warnings():  # fewer than asked for: result.warnings says so
-            warnings.simplefilter("ignore", GnaLensWarning)
-            if report.has_control:
-                top_heads = report.top(top)
-                excluded = report.excluded(top)
-            else:
-                top_heads, excluded = report.top(top, by="ablation_effect"), []
+        top_heads, excluded = _top_heads(report, top)
         _stage(
             progress,
             f"held-out prompts: accuracy before / after removing the top {len(top_heads)} heads, "
             f"control, {random_draws} random draws",
         )
-        t = time.perf_counter()
-        knowledge = retrieval_vs_knowledge(
-            subject, top_heads, sets.held_out, control=c_eval, random_draws=random_draws, seed=seed,
-            mode=mode, positions=positions, progress=progress,
-        )  # fmt: skip
-        timings["held_out"] = time.perf_counter() - t
+        with _timed(timings, "held_out"):
+            knowledge = retrieval_vs_knowledge(
+                subject, top_heads, sets.held_out, control=c_eval, random_draws=random_draws,
+                seed=seed, mode=mode, positions=positions, progress=progress,
+            )  # fmt: skip
     cautions = _warnings(report, knowledge, top, len(top_heads))
-    method = (
-        report.method
+    report = dataclasses.replace(
+        report,
+        method=report.method
         | groups_choice
         | {
             "selection_prompts": len(probe),
@@ -598,76 +567,123 @@ def scan(
             "baseline_check": baseline_check,
             "control_eval": knowledge.control.control if knowledge.control else "none",
             **{f"tasks_{k}": v for k, v in sets.notes.items()},
-        }
+        },
     )
-    report = dataclasses.replace(report, method=method)
-    prov = provenance_of(model)
+    n_exact = int(report.method.get("n_exact", 0))
     html_path = json_path = None
-    t = time.perf_counter()
-    if out is not None:
-        folder = Path(out)
-        folder.mkdir(parents=True, exist_ok=True)
-        seconds = time.perf_counter() - t0
-        stages = describe_timings(timings, report.timings)
-        machine = subject.policy.machine()
-        warn_html = "".join(f"<p><b>Warning:</b> {html.escape(w)}</p>" for w in cautions)
-        meta = (
-            "<h2>Provenance</h2><p>Weights: "
-            + html.escape(prov.describe())
-            + (
-                "<br>Weights files: "
-                + html.escape(", ".join(f"{f} (sha256 {h})" for f, h in prov.files))
-                if prov.files
-                else ""
-            )
-            + (f"<br>Hub revision: {html.escape(prov.revision)}" if prov.revision else "")
-            + "<br>Command: <code>"
-            + html.escape(command or " ".join(sys.argv))
-            + "</code><br>Versions: "
-            + html.escape(_versions())
-            + "<br>Machine: "
-            + html.escape(machine)
-            + f"<br>Heads ablated exactly: {n_exact} of {n_heads} (strategy {strategy})"
-            + (
-                f"<br>Sweeps sharded: {html.escape(str(report.method['executor']))}"
-                if "executor" in report.method
-                else ""
-            )
-            + (
-                "<br>"
-                + html.escape(method["head_groups"])
-                + html.escape(f" (head groups {method.get('head_groups_choice', 'as set')})")
-                if method.get("head_groups")
-                else ""
-            )
-            + f"<br>Scan time: {seconds:.1f} s ({html.escape(stages)}; model loading not "
-            "included)</p>"
-        )
-        html_path = report.to_html(
-            folder / "report.html", k=top, extra_html=warn_html + knowledge.to_html() + meta
-        )
-        json_path = folder / "report.json"
-        payload = report.to_dict() | {
-            "top": [list(h) for h in top_heads],
-            "excluded": [e.to_dict() for e in excluded],
-            "n_exact": n_exact,
-            "held_out": knowledge.to_dict(),
-            "retrieval_vs_knowledge": knowledge.to_dataframe().to_dict(orient="records"),
-            "warnings": cautions,
-            "provenance": prov.to_dict(),
-            "command": command,
-            "versions": _versions(),
-            "machine": machine,
-            "timings": timings,
-            "timings_heads": report.timings,
-        }
-        json_path.write_text(json.dumps(payload, indent=1), encoding="utf-8")
-    timings["report"] = time.perf_counter() - t
-    seconds = time.perf_counter() - t0
+    with _timed(timings, "report"):
+        if out is not None:
+            html_path, json_path = _write_report(
+                Path(out), subject, report, knowledge, top_heads, excluded, cautions, top,
+                strategy, command, timings, time.perf_counter() - t0,
+            )  # fmt: skip
     return ScanResult(
-        report, knowledge, top_heads, html_path, json_path, seconds, timings, n_exact, excluded,
-        sets, cautions,
+        report, knowledge, top_heads, html_path, json_path, time.perf_counter() - t0, timings,
+        n_exact, excluded, sets, cautions,
     )  # fmt: skip
+
+
+@contextlib.contextmanager
+def _timed(timings: dict[str, float], stage: str) -> Iterator[None]:
+    """Record the seconds the block takes as ``timings[stage]``."""
+    clock = time.perf_counter()
+    yield
+    timings[stage] = time.perf_counter() - clock
+
+
+def _plan_in_words(
+    view: Any, strategy: str, prefilter: int | None, top_layers: int | None, groups: dict[str, Any]
+) -> str:
+    """Which heads the scan ablates exactly, for the progress line."""
+    n_heads = view.n_heads_total
+    if strategy == "exact":
+        how = f"exact ablation of all {n_heads}"
+    elif strategy == "attribution":
+        how = f"attribution over all {n_heads}, exact ablation of the {prefilter} it ranks first"
+    else:
+        k = default_top_layers(view) if top_layers is None else top_layers
+        how = (
+            f"coarse to fine: each of {view.n_layers} layers removed alone, then exact ablation "
+            f"of the heads of the top {k}"
+        )
+    if groups.get("head_group_size"):
+        how += f"; each head a block of {groups['head_group_size']} channels"
+    return how
+
+
+def _top_heads(report: GnaReport, top: int) -> tuple[list[Head], list[Any]]:
+    """The top heads the held-out stage removes, and the heads passed over (fewer than asked
+    for: the result's warnings say so)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GnaLensWarning)
+        if report.has_control:
+            return report.top(top), report.excluded(top)
+        return report.top(top, by="ablation_effect"), []
+
+
+def _write_report(
+    folder: Path,
+    subject: Subject,
+    report: GnaReport,
+    knowledge: KnowledgeTable,
+    top_heads: list[Head],
+    excluded: list[Any],
+    cautions: list[str],
+    top: int,
+    strategy: str,
+    command: str | None,
+    timings: dict[str, float],
+    seconds: float,
+) -> tuple[Path, Path]:
+    """``report.html`` (offline) and ``report.json`` in ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    prov = provenance_of(subject.model)
+    method = report.method
+    n_exact = int(method.get("n_exact", 0))
+    machine = subject.policy.machine()
+    esc = html.escape
+    lines = [f"Weights: {esc(prov.describe())}"]
+    if prov.files:
+        lines.append("Weights files: " + esc(", ".join(f"{f} (sha256 {h})" for f, h in prov.files)))
+    if prov.revision:
+        lines.append(f"Hub revision: {esc(prov.revision)}")
+    lines += [
+        f"Command: <code>{esc(command or ' '.join(sys.argv))}</code>",
+        f"Versions: {esc(_versions())}",
+        f"Machine: {esc(machine)}",
+        f"Heads ablated exactly: {n_exact} of {subject.view.n_heads_total} (strategy {strategy})",
+    ]
+    if "executor" in method:
+        lines.append(f"Sweeps sharded: {esc(str(method['executor']))}")
+    if method.get("head_groups"):
+        lines.append(
+            esc(method["head_groups"])
+            + esc(f" (head groups {method.get('head_groups_choice', 'as set')})")
+        )
+    stages = describe_timings(timings, report.timings)
+    lines.append(f"Scan time: {seconds:.1f} s ({esc(stages)}; model loading not included)")
+    meta = "<h2>Provenance</h2><p>" + "<br>".join(lines) + "</p>"
+    warn_html = "".join(f"<p><b>Warning:</b> {esc(w)}</p>" for w in cautions)
+    html_path = report.to_html(
+        folder / "report.html", k=top, extra_html=warn_html + knowledge.to_html() + meta
+    )
+    json_path = folder / "report.json"
+    payload = report.to_dict() | {
+        "top": [list(h) for h in top_heads],
+        "excluded": [e.to_dict() for e in excluded],
+        "n_exact": n_exact,
+        "held_out": knowledge.to_dict(),
+        "retrieval_vs_knowledge": knowledge.to_dataframe().to_dict(orient="records"),
+        "warnings": cautions,
+        "provenance": prov.to_dict(),
+        "command": command,
+        "versions": _versions(),
+        "machine": machine,
+        "timings": timings,
+        "timings_heads": report.timings,
+    }
+    json_path.write_text(json.dumps(payload, indent=1), encoding="utf-8")
+    return html_path, json_path
 
 
 @dataclass(frozen=True)
