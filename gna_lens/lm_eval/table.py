@@ -15,6 +15,7 @@ import importlib.metadata
 import json
 import logging
 import math
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -587,15 +588,93 @@ def evaluate_table(
             given, or a ``random_k`` that is not a non-zero row of ``remove_top`` (or given
             without ``random_draws``).
     """
-    import sys
-    import tempfile
-
-    import lm_eval
-    from lm_eval.tasks import TaskManager
-
-    from gna_lens.models import provenance_of
+    from gna_lens.models.provenance import portable, provenance_of
 
     t0 = time.perf_counter()
+    ks, rk = _check_table_args(remove_top, tasks, ranking, ranking_metric, random_draws, random_k)
+    output_folder(out, "evaluate_table(out=...)")  # checked before the model loads
+    if isinstance(model, str | Path):
+        from gna_lens.models import load_model
+
+        model = load_model(str(model), dtype=_dtype(dtype), device=_device(device))
+    prov = provenance_of(model)
+
+    def stage(text: str) -> None:
+        if progress:
+            print(f"gna-lens evaluate: {text}", file=sys.stderr, flush=True)
+
+    r_metric = ranking_metric or "logit_diff"
+    heads, source, groups = _table_ranking(
+        model, ranking, max(ks), stage, mode=mode, positions=positions,
+        ranking_samples=ranking_samples, seed=seed, sweep_dtype=sweep_dtype, progress=progress,
+        metric=r_metric,
+    )  # fmt: skip
+    # The rows: (label, k, kind, draw, heads removed); the first is the baseline.
+    rows: list[_Row] = [(str(k), k, "top", 0, tuple(heads[:k])) for k in ks]
+    outputs, written, drawn, times = _run_rows(
+        model, rows, heads, groups, tasks, stage, rk=rk, random_draws=random_draws, mode=mode,
+        positions=positions, limit=limit, batch_size=batch_size, num_fewshot=num_fewshot,
+        task_dir=task_dir, out=out, seed=seed, progress=progress,
+    )  # fmt: skip
+    cells, base = _table_cells(rows, outputs, tasks, metric, seed)
+    if drawn is not None:
+        cells += [_random_mean(cells, task, rk, base[task][1], seed) for task in tasks]
+    method = {
+        "mode": mode,
+        "positions": positions,
+        "ranking_source": source,
+        # Only for a ranking computed here; a given one's metric is in its source.
+        "ranking_metric": None if ranking is not None else r_metric,
+        "ranking_metric_description": None
+        if ranking is not None
+        else _ranking_metric_description(r_metric),
+        "ranking": format_heads(heads),
+        "head_groups": {layer: [list(c) for c in sets] for layer, sets in groups},
+        "weights": prov.describe(),
+        "provenance": prov.to_dict(),
+        "limit": limit,
+        "num_fewshot": num_fewshot,
+        "seed": seed,
+        "local_tasks": {
+            n: {"description": LOCAL_TASKS[n], "gna_lens_task": t.name, "items": len(t)}
+            | {k: v for k, v in t.info.items() if isinstance(v, str | int | float)}
+            for n, t in written.items()
+        },
+        "interval": "Wilson 95% for 0/1 metrics, else bootstrap; changes: paired bootstrap "
+        "95% over the same items",
+        "versions": _versions(),
+        "torch_threads": torch.get_num_threads(),
+    }
+    if drawn is not None:
+        method["random"] = _random_method(drawn, rk, random_draws, seed)
+    table = BenchmarkTable(
+        model=portable(str(prov.name if prov.name else getattr(model.cfg, "model_name", "model"))),
+        tasks=tuple(tasks),
+        remove_top=ks,
+        ranking=tuple(heads),
+        cells=tuple(cells),
+        method=method,
+        seconds={"total": time.perf_counter() - t0} | times,
+    )
+    if out is not None:
+        table.write(out)
+    return table
+
+
+#: One row of the table: (label, k, kind, draw, heads removed).
+_Row = tuple[str, int, str, int, tuple[Head, ...]]
+
+
+def _check_table_args(
+    remove_top: Sequence[int],
+    tasks: Sequence[str],
+    ranking: Any,
+    ranking_metric: str | None,
+    random_draws: Any,
+    random_k: int | None,
+) -> tuple[tuple[int, ...], int]:
+    """The rows' sizes and the random rows' size, after checking every argument that goes with
+    them (before any model loads)."""
     ks = tuple(int(k) for k in remove_top)
     if not ks or any(k < 0 for k in ks) or list(ks) != sorted(set(ks)):
         raise ConfigError(
@@ -630,29 +709,32 @@ def evaluate_table(
             f"{[k for k in ks if k] or 'a remove_top with a non-zero row'}, or add it to "
             "remove_top."
         )
-    output_folder(out, "evaluate_table(out=...)")  # checked before the model loads
-    if isinstance(model, str | Path):
-        from gna_lens.models import load_model
+    return ks, rk
 
-        model = load_model(str(model), dtype=_dtype(dtype), device=_device(device))
-    prov = provenance_of(model)
-    log = logging.getLogger("lm_eval")
-    level = log.level
-    if not progress:
-        log.setLevel(logging.WARNING)
 
-    def stage(text: str) -> None:
-        if progress:
-            print(f"gna-lens evaluate: {text}", file=sys.stderr, flush=True)
-
+def _table_ranking(
+    model: Any,
+    ranking: Any,
+    k_max: int,
+    stage: Any,
+    *,
+    mode: str,
+    positions: str,
+    ranking_samples: int,
+    seed: int,
+    sweep_dtype: Any,
+    progress: bool,
+    metric: str,
+) -> tuple[Sequence[Head], str, tuple[Any, ...]]:
+    """The ranked heads (computed here, read from a report, or given), where they came from,
+    and their channel groups; the first ``k_max`` of them."""  # fmt: skip
     heads: Sequence[Head]
-    r_metric = ranking_metric or "logit_diff"
     if ranking is None:
-        stage(f"ranking heads on {ranking_samples} KV-retrieval prompts (score_heads, {r_metric})")
+        stage(f"ranking heads on {ranking_samples} KV-retrieval prompts (score_heads, {metric})")
         heads, source = _compute_ranking(
-            model, max(ks), mode=mode, positions=None if positions == "all" else "last",
+            model, k_max, mode=mode, positions=None if positions == "all" else "last",
             n_samples=ranking_samples, seed=seed, sweep_dtype=sweep_dtype, progress=progress,
-            metric=r_metric,
+            metric=metric,
         )  # fmt: skip
     elif isinstance(ranking, str | Path):
         heads, source = load_ranking(ranking)
@@ -667,26 +749,56 @@ def evaluate_table(
             f"({type(model).__name__}) has no channel heads. Fix: evaluate the model the "
             "ranking was made on."
         )
-    if len(heads) < max(ks):
+    if len(heads) < k_max:
         raise ConfigError(
-            f"remove_top={list(ks)} needs {max(ks)} ranked heads but the ranking ({source}) has "
-            f"{len(heads)}. Fix: smaller k, or a longer ranking (gna-lens scan --top {max(ks)})."
+            f"remove_top up to {k_max} needs {k_max} ranked heads but the ranking ({source}) has "
+            f"{len(heads)}. Fix: smaller k, or a longer ranking (gna-lens scan --top {k_max})."
         )
-    heads = heads[: max(ks)]
+    return heads[:k_max], source, groups
+
+
+def _run_rows(
+    model: Any,
+    rows: list[_Row],
+    heads: Sequence[Head],
+    groups: tuple[Any, ...],
+    tasks: Sequence[str],
+    stage: Any,
+    *,
+    rk: int,
+    random_draws: int,
+    mode: str,
+    positions: str,
+    limit: int | None,
+    batch_size: int,
+    num_fewshot: int | None,
+    task_dir: Any,
+    out: Any,
+    seed: int,
+    progress: bool,
+) -> tuple[list[Any], dict[str, Any], RandomHeadSets | None, dict[str, float]]:
+    """lm-eval once per row (the random rows are added to ``rows`` here, drawn among the heads
+    as the rows address them); returns its outputs, the local tasks written, the random draw
+    and the seconds per row."""  # fmt: skip
+    import tempfile
+
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    log = logging.getLogger("lm_eval")
+    level = log.level
+    if not progress:
+        log.setLevel(logging.WARNING)
     times: dict[str, float] = {}
+    outputs: list[Any] = []
+    drawn = None
     tmp = None
-    stack = contextlib.ExitStack()
     # A ranking of channel groups removes the same groups: the model's heads become them here.
     grouping = (
         model.head_groups({layer: [list(c) for c in sets] for layer, sets in groups})
         if groups
         else contextlib.nullcontext()
     )
-    # The rows: (label, k, kind, draw, heads removed); the first is the baseline.
-    rows: list[tuple[str, int, str, int, tuple[Head, ...]]] = [
-        (str(k), k, "top", 0, tuple(heads[:k])) for k in ks
-    ]
-    drawn = None
     try:
         local = [t for t in tasks if is_local(t)]
         if task_dir is None:
@@ -701,38 +813,43 @@ def evaluate_table(
         tm = TaskManager(
             include_path=str(task_dir), include_defaults=any(t not in found for t in tasks)
         )
-        outputs = []
-        stack.enter_context(grouping)
-        if random_draws:  # drawn among the heads as the rows address them (groups included)
-            drawn = _random_heads(model, heads[:rk], random_draws, seed)
-            rows += [
-                (f"random-{rk} #{i}", rk, "random", i, tuple(s))
-                for i, s in enumerate(drawn.sets, 1)
-            ]
-        for label, k, kind, _, removed in rows:
-            t = time.perf_counter()
-            what = f"the top {k}" if kind == "top" else f"{k} random ({label})"
-            stage(f"lm-eval with {what} heads removed ({format_heads(removed) or 'none'})")
-            lm = GnaLM(
-                model=model, remove=list(removed), mode=mode, positions=positions,
-                batch_size=batch_size,
-            )  # fmt: skip
-            result = lm_eval.simple_evaluate(
-                model=lm, tasks=list(tasks), task_manager=tm, limit=limit,
-                num_fewshot=num_fewshot, log_samples=True, bootstrap_iters=1000,
-                random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-                fewshot_random_seed=seed,
-            )  # fmt: skip
-            if result is None:  # pragma: no cover - only on non-zero ranks
-                raise GnaLensError("lm_eval.simple_evaluate returned nothing.")
-            outputs.append(result)
-            times[f"k={k}" if kind == "top" else label] = time.perf_counter() - t
+        with grouping:
+            if random_draws:
+                drawn = _random_heads(model, list(heads[:rk]), random_draws, seed)
+                rows += [
+                    (f"random-{rk} #{i}", rk, "random", i, tuple(s))
+                    for i, s in enumerate(drawn.sets, 1)
+                ]
+            for label, k, kind, _, removed in rows:
+                t = time.perf_counter()
+                what = f"the top {k}" if kind == "top" else f"{k} random ({label})"
+                stage(f"lm-eval with {what} heads removed ({format_heads(removed) or 'none'})")
+                lm = GnaLM(
+                    model=model, remove=list(removed), mode=mode, positions=positions,
+                    batch_size=batch_size,
+                )  # fmt: skip
+                result = lm_eval.simple_evaluate(
+                    model=lm, tasks=list(tasks), task_manager=tm, limit=limit,
+                    num_fewshot=num_fewshot, log_samples=True, bootstrap_iters=1000,
+                    random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+                    fewshot_random_seed=seed,
+                )  # fmt: skip
+                if result is None:  # pragma: no cover - only on non-zero ranks
+                    raise GnaLensError("lm_eval.simple_evaluate returned nothing.")
+                outputs.append(result)
+                times[f"k={k}" if kind == "top" else label] = time.perf_counter() - t
     finally:
-        stack.close()
         log.setLevel(level)
         if tmp is not None:
             tmp.cleanup()
+    return outputs, written, drawn, times
 
+
+def _table_cells(
+    rows: list[_Row], outputs: list[Any], tasks: Sequence[str], metric: str | None, seed: int
+) -> tuple[list[TableCell], dict[str, tuple[list[tuple[str, int]], list[float]]]]:
+    """One cell per row and task, each with its change from the baseline row, paired by item;
+    and the baseline's items per task."""
     cells = []
     base: dict[str, tuple[list[tuple[str, int]], list[float]]] = {}
     for (_, k, kind, draw, removed), res in zip(rows, outputs, strict=True):
@@ -788,61 +905,23 @@ def evaluate_table(
                     heads=removed if kind == "random" else (),
                 ),
             )
-    if drawn is not None:
-        cells += [_random_mean(cells, task, rk, base[task][1], seed) for task in tasks]
-    times = {"total": time.perf_counter() - t0} | times
-    method = {
-        "mode": mode,
-        "positions": positions,
-        "ranking_source": source,
-        # Only for a ranking computed here; a given one's metric is in its source.
-        "ranking_metric": None if ranking is not None else r_metric,
-        "ranking_metric_description": None
-        if ranking is not None
-        else _ranking_metric_description(r_metric),
-        "ranking": format_heads(heads),
-        "head_groups": {layer: [list(c) for c in sets] for layer, sets in groups},
-        "weights": prov.describe(),
-        "provenance": prov.to_dict(),
-        "limit": limit,
-        "num_fewshot": num_fewshot,
+    return cells, base
+
+
+def _random_method(drawn: RandomHeadSets, rk: int, requested: int, seed: int) -> dict[str, Any]:
+    return {
+        "k": rk,
+        "draws": len(drawn.sets),
+        "requested": requested,
         "seed": seed,
-        "local_tasks": {
-            n: {"description": LOCAL_TASKS[n], "gna_lens_task": t.name, "items": len(t)}
-            | {k: v for k, v in t.info.items() if isinstance(v, str | int | float)}
-            for n, t in written.items()
-        },
-        "interval": "Wilson 95% for 0/1 metrics, else bootstrap; changes: paired bootstrap "
-        "95% over the same items",
-        "versions": _versions(),
-        "torch_threads": torch.get_num_threads(),
+        "pool": f"heads not in the ranking's top {rk}",
+        "matching": drawn.matching,
+        "matching_description": _matching_text(drawn, rk),
+        "sets": [format_heads(s) for s in drawn.sets],
+        "interval": "95% bootstrap over the draws and the items (two-level)"
+        if len(drawn.sets) > 1
+        else "95% bootstrap over the items only (a single draw: no spread over draws)",
     }
-    if drawn is not None:
-        method["random"] = {
-            "k": rk,
-            "draws": len(drawn.sets),
-            "requested": random_draws,
-            "seed": seed,
-            "pool": f"heads not in the ranking's top {rk}",
-            "matching": drawn.matching,
-            "matching_description": _matching_text(drawn, rk),
-            "sets": [format_heads(s) for s in drawn.sets],
-            "interval": "95% bootstrap over the draws and the items (two-level)"
-            if len(drawn.sets) > 1
-            else "95% bootstrap over the items only (a single draw: no spread over draws)",
-        }
-    table = BenchmarkTable(
-        model=str(prov.name if prov.name else getattr(model.cfg, "model_name", "model")),
-        tasks=tuple(tasks),
-        remove_top=ks,
-        ranking=tuple(heads),
-        cells=tuple(cells),
-        method=method,
-        seconds=times,
-    )
-    if out is not None:
-        table.write(out)
-    return table
 
 
 def _matching_text(drawn: RandomHeadSets, k: int) -> str:
