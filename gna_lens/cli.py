@@ -378,7 +378,7 @@ def _evaluate(args: argparse.Namespace) -> int:
 
 def _device_flags(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument(
-        "--device", default="auto", type=device_arg,
+        "--device", default="auto", type=_device_arg,
         help=f"where {what} runs: auto (CUDA where torch sees one, else the CPU), cpu, cuda, "
         "cuda:N",
     )  # fmt: skip
@@ -491,11 +491,11 @@ def _lm_eval(args: argparse.Namespace) -> int:
     return int(lm_eval_main(args.rest))
 
 
-def head_groups_arg(text: str) -> str | int | None:
+def _head_groups_arg(text: str) -> str | int | None:
     """``--head-groups``: ``"auto"``, ``"none"`` (``None``) or a positive int block size.
 
     Examples:
-        >>> head_groups_arg("auto"), head_groups_arg("none"), head_groups_arg("64")
+        >>> _head_groups_arg("auto"), _head_groups_arg("none"), _head_groups_arg("64")
         ('auto', None, 64)
     """
     value = text.strip().lower()
@@ -514,14 +514,14 @@ def head_groups_arg(text: str) -> str | int | None:
     return size
 
 
-def count_arg(minimum: int) -> Callable[[str], int]:
+def _count_arg(minimum: int) -> Callable[[str], int]:
     """An argparse ``type`` for a count of at least ``minimum``: checked when the command line is
     read, before any model loads.
 
     Examples:
-        >>> count_arg(1)("24")
+        >>> _count_arg(1)("24")
         24
-        >>> count_arg(1)("-3")
+        >>> _count_arg(1)("-3")
         Traceback (most recent call last):
         ...
         argparse.ArgumentTypeError: '-3': expected a positive int (1 or more)
@@ -541,7 +541,7 @@ def count_arg(minimum: int) -> Callable[[str], int]:
     return parse
 
 
-def device_arg(text: str) -> str:
+def _device_arg(text: str) -> str:
     """``--device``: a device this machine has (``auto``, ``cpu``, ``cuda``, ``cuda:N``), checked
     before the model loads (:func:`gna_lens.device.resolve_device`)."""
     from gna_lens.device import resolve_device
@@ -554,7 +554,7 @@ def device_arg(text: str) -> str:
     return text
 
 
-def out_arg(text: str) -> str:
+def _out_arg(text: str) -> str:
     """``--out``: a folder, new or existing; an existing file is refused before any work."""
     from pathlib import Path
 
@@ -567,7 +567,7 @@ def out_arg(text: str) -> str:
     return text
 
 
-def task_arg(text: str) -> str:
+def _task_arg(text: str) -> str:
     """``scan --task``: ``kv``, ``mc`` or an existing file of multiple-choice records."""
     from pathlib import Path
 
@@ -640,13 +640,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"(default {DEFAULT_SCAN_MODEL})",
     )
     sc.add_argument(
-        "--task", default="kv", type=task_arg,
+        "--task", default="kv", type=_task_arg,
         help="kv (KV retrieval: question template, 6 pairs, word values, unless --template / "
         "--n-pairs / --values say otherwise; zoo models: their own kv-8 split in the paper's "
         "template), mc (MMLU letter vs cloze) or a records FILE",
     )  # fmt: skip
     sc.add_argument(
-        "--n-pairs", type=count_arg(2), default=None, help="--task kv: pairs per prompt (6)"
+        "--n-pairs", type=_count_arg(2), default=None, help="--task kv: pairs per prompt (6)"
     )
     sc.add_argument(
         "--template", default=None, choices=["question", "paper", "facts"],
@@ -660,15 +660,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     )  # fmt: skip
     sc.add_argument(
         "--n-samples",
-        type=count_arg(1),
+        type=_count_arg(1),
         default=24,
         help="selection prompts the heads are ranked on (24)",
     )
     sc.add_argument(
-        "--n-eval", type=count_arg(1), default=48, help="held-out prompts per task, disjoint (48)"
+        "--n-eval", type=_count_arg(1), default=48, help="held-out prompts per task, disjoint (48)"
     )
     sc.add_argument(
-        "--top", type=count_arg(1), default=4, help="heads to report and remove (default 4)"
+        "--top", type=_count_arg(1), default=4, help="heads to report and remove (default 4)"
     )
     sc.add_argument(
         "--strategy",
@@ -680,14 +680,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     sc.add_argument(
         "--top-layers",
-        type=count_arg(1),
+        type=_count_arg(1),
         default=None,
         help="coarse_to_fine: layers whose heads are ablated (default 4, fewer where their "
         "heads exceed 300)",
     )
     sc.add_argument(
         "--head-groups",
-        type=head_groups_arg,
+        type=_head_groups_arg,
         default="auto",
         metavar="{auto,none,N}",
         help="Mamba-1 / FalconMamba heads: auto (default: contiguous blocks of 64 channels on "
@@ -696,7 +696,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     sc.add_argument(
         "--exact",
-        type=count_arg(1),
+        type=_count_arg(1),
         default=None,
         help="attribution strategy: heads confirmed by exact ablation after attribution ranks "
         "all of them (default max(4 * top, 32)); giving it selects that strategy",
@@ -724,7 +724,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )  # fmt: skip
     sc.add_argument(
         "--random-draws",
-        type=count_arg(0),
+        type=_count_arg(0),
         default=10,
         help="random head sets of the baseline (10)",
     )
@@ -739,7 +739,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sc.add_argument(
         "--out",
         default="gna_lens_report",
-        type=out_arg,
+        type=_out_arg,
         help="folder for report.html / report.json",
     )
     sc.add_argument(
@@ -748,13 +748,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )  # fmt: skip
     sc.add_argument(
         "--threads",
-        type=count_arg(1),
+        type=_count_arg(1),
         default=None,
         help="torch threads (default: OMP_NUM_THREADS if set, else the idle cores, at least 1); "
         "with --workers, also each worker's (default: the cores split among the workers)",
     )
     sc.add_argument(
-        "--workers", type=count_arg(1), default=None,
+        "--workers", type=_count_arg(1), default=None,
         help="shard the selection sweeps over N Ray workers, one model copy each (needs "
         "gna-lens[ray]; default without --ray-address: this process only)",
     )  # fmt: skip
@@ -813,15 +813,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="ablated positions: all, or the last context token of each request",
     )  # fmt: skip
     ev.add_argument(
-        "--limit", type=count_arg(0), default=100, help="items per task (default 100; 0 for all)"
+        "--limit", type=_count_arg(0), default=100, help="items per task (default 100; 0 for all)"
     )
-    ev.add_argument("--batch-size", type=count_arg(1), default=8, help="rows per forward pass (8)")
+    ev.add_argument("--batch-size", type=_count_arg(1), default=8, help="rows per forward pass (8)")
     ev.add_argument("--metric", default=None, help="metric of every task (default: acc, ...)")
     ev.add_argument(
-        "--num-fewshot", type=count_arg(0), default=None, help="lm-eval's few-shot count"
+        "--num-fewshot", type=_count_arg(0), default=None, help="lm-eval's few-shot count"
     )
     ev.add_argument(
-        "--ranking-samples", type=count_arg(1), default=16,
+        "--ranking-samples", type=_count_arg(1), default=16,
         help="KV prompts the ranking is made on when --ranking is not given (16)",
     )  # fmt: skip
     ev.add_argument(
@@ -830,12 +830,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "accuracy (the paper's protocol: every head ablated alone, accuracy drop)",
     )  # fmt: skip
     ev.add_argument(
-        "--random-draws", type=count_arg(0), default=0,
+        "--random-draws", type=_count_arg(0), default=0,
         help="extra rows random-K #1..#N, each removing K random heads outside the top K, "
         "layer-matched, and their mean (0: none)",
     )  # fmt: skip
     ev.add_argument(
-        "--random-k", type=count_arg(1), default=None,
+        "--random-k", type=_count_arg(1), default=None,
         help="heads per random row, one of --remove-top (default: its largest)",
     )  # fmt: skip
     ev.add_argument(
@@ -843,13 +843,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="arithmetic of the ranking sweeps when the ranking is computed here (auto: as scan)",
     )  # fmt: skip
     ev.add_argument(
-        "--out", default="gna_lens_table", type=out_arg, help="folder for table.md/csv/json/svg"
+        "--out", default="gna_lens_table", type=_out_arg, help="folder for table.md/csv/json/svg"
     )
     _device_flags(ev, "the model")
     ev.add_argument(
         "--seed", type=int, default=0, help="seed of the ranking prompts and random sets (0)"
     )
-    ev.add_argument("--threads", type=count_arg(1), default=None, help="torch threads (as scan)")
+    ev.add_argument("--threads", type=_count_arg(1), default=None, help="torch threads (as scan)")
     ev.add_argument("--quiet", action="store_true", help="no progress, no table on stdout")
     ev.set_defaults(func=_evaluate)
     hy = sub.add_parser(
@@ -870,9 +870,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="distillation budget per student: tokens (200000, '2M tokens') or time ('20 min')",
     )  # fmt: skip
     hy.add_argument(
-        "--out", default="gna_lens_hybrid", type=out_arg, help="folder for table.md/csv/json/svg"
+        "--out", default="gna_lens_hybrid", type=_out_arg, help="folder for table.md/csv/json/svg"
     )
-    hy.add_argument("--d-state", type=count_arg(1), default=16, help="SSM heads' state size (16)")
+    hy.add_argument("--d-state", type=_count_arg(1), default=16, help="SSM heads' state size (16)")
     hy.add_argument(
         "--head-layout", default="head", choices=["head", "kv_group"],
         help="SSM heads of the students: one per attention head (head) or per KV group",
@@ -885,7 +885,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--train", default="ssm", choices=["ssm", "mixers", "all"], help="what stage 2 trains"
     )
     hy.add_argument(
-        "--random-draws", type=count_arg(0), default=1,
+        "--random-draws", type=_count_arg(0), default=1,
         help="random-head students per k and training seed, each seed with its own "
         "layer-matched sets (1; 5 or more per seed for a controlled comparison)",
     )  # fmt: skip
@@ -910,20 +910,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--kv-template", default=None, choices=["question", "paper"],
         help="held-out KV template (default question; zoo teachers: their own splits)",
     )  # fmt: skip
-    hy.add_argument("--n-rank", type=count_arg(1), default=24, help="selection prompts (24)")
+    hy.add_argument("--n-rank", type=_count_arg(1), default=24, help="selection prompts (24)")
     hy.add_argument(
-        "--n-eval", type=count_arg(1), default=64, help="held-out prompts per KV size (64)"
+        "--n-eval", type=_count_arg(1), default=64, help="held-out prompts per KV size (64)"
     )
     hy.add_argument(
-        "--n-knowledge", type=count_arg(0), default=100, help="MMLU cloze questions (100; 0: none)"
+        "--n-knowledge", type=_count_arg(0), default=100, help="MMLU cloze questions (100; 0: none)"
     )
     hy.add_argument(
-        "--prose-windows", type=count_arg(1), default=16, help="held-out prose windows (16)"
+        "--prose-windows", type=_count_arg(1), default=16, help="held-out prose windows (16)"
     )
     hy.add_argument(
-        "--batch-size", type=count_arg(1), default=8, help="texts per distillation step (8)"
+        "--batch-size", type=_count_arg(1), default=8, help="texts per distillation step (8)"
     )
-    hy.add_argument("--max-length", type=count_arg(2), default=256, help="tokens per text (256)")
+    hy.add_argument("--max-length", type=_count_arg(2), default=256, help="tokens per text (256)")
     hy.add_argument(
         "--autocast", default="none", choices=["none", "auto", "bfloat16"],
         help="distillation in mixed precision: bfloat16 (~2x faster on AVX512-BF16 CPUs and GPUs, "
@@ -940,7 +940,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--seed", type=int, default=0,
         help="training seed when --seeds is not given; also of the ranking prompts (0)",
     )  # fmt: skip
-    hy.add_argument("--threads", type=count_arg(1), default=None, help="torch threads (as scan)")
+    hy.add_argument("--threads", type=_count_arg(1), default=None, help="torch threads (as scan)")
     hy.add_argument(
         "--save-students", action="store_true", help="save each student under OUT/students"
     )

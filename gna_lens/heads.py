@@ -416,9 +416,9 @@ class HeadView:
         if chosen is not None and tuple(chosen) != self.group_spec:
             raise InterventionError(
                 f"{what} {list(heads)!r} were chosen with "
-                f"{describe_group_spec(tuple(chosen), self) or 'single channels as heads'}, "
+                f"{_describe_group_spec(tuple(chosen), self) or 'single channels as heads'}, "
                 "but the model now has "
-                f"{describe_group_spec(self.group_spec, self) or 'single channels as heads'}: "
+                f"{_describe_group_spec(self.group_spec, self) or 'single channels as heads'}: "
                 "the same (layer, head) pairs would name other channels. Fix: use them "
                 "inside `with model.head_groups(spec):` with the groups they were chosen under "
                 "(for a report: `model.head_groups(report.head_groups_spec())`), or pass "
@@ -993,10 +993,10 @@ def describe_head_groups(view: HeadView) -> str:
         ...     print(describe_head_groups(head_view(model)))
         Mamba-1 channel groups as heads: every SSM layer (3): 4 blocks of 16 channels
     """
-    return describe_group_spec(view.group_spec, view)
+    return _describe_group_spec(view.group_spec, view)
 
 
-def describe_group_spec(spec: GroupSpec, view: HeadView) -> str:
+def _describe_group_spec(spec: GroupSpec, view: HeadView) -> str:
     """:func:`describe_head_groups` of the groups ``spec`` on ``view``'s model (``""``: none)."""
     parts: list[tuple[int, str]] = []
     for layer, channels in spec:

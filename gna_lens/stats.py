@@ -151,15 +151,15 @@ def _t_two_sided(t: float, df: int) -> float:
     return s * total
 
 
-def t_quantile(p: float, df: int) -> float:
+def _t_quantile(p: float, df: int) -> float:
     """The ``p`` quantile (``p >= 0.5``) of Student's t with integer ``df >= 1``.
 
     Examples:
-        >>> round(t_quantile(0.975, 7), 3), round(t_quantile(0.975, 1), 2)
+        >>> round(_t_quantile(0.975, 7), 3), round(_t_quantile(0.975, 1), 2)
         (2.365, 12.71)
     """
     if not (0.5 <= p < 1 and df >= 1):
-        raise GnaLensError(f"t_quantile(p={p}, df={df}); expected 0.5 <= p < 1 and df >= 1.")
+        raise GnaLensError(f"_t_quantile(p={p}, df={df}); expected 0.5 <= p < 1 and df >= 1.")
     target, lo, hi = 2 * p - 1, 0.0, 1.0
     while _t_two_sided(hi, df) < target:
         hi *= 2
@@ -187,7 +187,7 @@ def expanded_levels(n: int, level: float = 0.95) -> tuple[float, float]:
     """
     if n < 2:
         return (1 - level) / 2, (1 + level) / 2
-    z = math.sqrt(n / (n - 1)) * t_quantile((1 + level) / 2, n - 1)
+    z = math.sqrt(n / (n - 1)) * _t_quantile((1 + level) / 2, n - 1)
     a = 0.5 * math.erfc(z / math.sqrt(2))
     return a, 1 - a
 

@@ -146,7 +146,7 @@ def run_all(
         if checkpoint is not None:
             checkpoint.write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
     results["seconds"]["total"] = round(time.perf_counter() - t_all, 1)
-    results["external"] = read_external()
+    results["external"] = _read_external()
     results["environment"] = {
         "gna_lens": gna_lens.__version__,
         "torch": torch.__version__,
@@ -183,7 +183,7 @@ def _facts_top(results: dict[str, Any], k: int | None) -> list[str]:
     return heads if k is None else heads[:k]
 
 
-def write_figures(results: dict[str, Any], assets: Path) -> list[Path]:
+def _write_figures(results: dict[str, Any], assets: Path) -> list[Path]:
     """Finding 6's SVG figures under ``assets`` (the names the page links to)."""
     res = results.get("6")
     if not res:
@@ -202,7 +202,7 @@ def write_figures(results: dict[str, Any], assets: Path) -> list[Path]:
     return written
 
 
-def read_external(root: Path | None = None) -> dict[str, Any]:
+def _read_external(root: Path | None = None) -> dict[str, Any]:
     """The raw tables of :data:`EXTERNAL` found under ``root`` (the repository; default: the
     current directory), each with ``"path"`` added; missing ones are left out."""
     out: dict[str, Any] = {}
@@ -331,10 +331,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         stored = json.loads(Path(args.render).read_text(encoding="utf-8"))
         # The cited external tables (hybrid experiments) are read again: they are not rerun
         # here, and one may have been added since the measurements were taken.
-        stored["external"] = read_external()
+        stored["external"] = _read_external()
         page = render_markdown(stored, stored.get("command", "make findings"))
         Path(args.out).write_text(page, encoding="utf-8")
-        write_figures(stored, Path(args.out).parent / "assets")
+        _write_figures(stored, Path(args.out).parent / "assets")
         if args.zoo_page:
             Path(args.zoo_page).write_text(zoo_markdown(), encoding="utf-8")
         print(f"wrote {args.out} from {args.render}", file=sys.stderr)
@@ -357,7 +357,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     page = render_markdown(results, command.strip())
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(page, encoding="utf-8")
-    write_figures(results, Path(args.out).parent / "assets")
+    _write_figures(results, Path(args.out).parent / "assets")
     if args.zoo_page:
         Path(args.zoo_page).write_text(zoo_markdown(), encoding="utf-8")
     print(f"wrote {args.out}", file=sys.stderr)

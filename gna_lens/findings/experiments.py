@@ -71,7 +71,7 @@ def _heads(heads: Sequence[Any]) -> list[Head]:
     return out
 
 
-def head_rows(report: GnaReport, heads: Sequence[Head]) -> list[dict[str, Any]]:
+def _head_rows(report: GnaReport, heads: Sequence[Head]) -> list[dict[str, Any]]:
     """The report's numbers for ``heads``, JSON-ready (NaN as ``None``)."""
     df = report.to_dataframe().set_index(["layer", "head"])
     cols = (
@@ -157,7 +157,7 @@ def smollm2_heads(
     paper = kv_retrieval(
         tok, n_pairs=n_pairs, n_samples=n_eval, seed=seed + 2, template="paper", values="words"
     )
-    probe, report = smollm2_selection(
+    probe, report = _smollm2_selection(
         model, n_rank=n_rank, n_pairs=n_pairs, seed=seed, sweep_dtype=sweep_dtype,
         progress=progress,
     )  # fmt: skip
@@ -211,9 +211,9 @@ def smollm2_heads(
         "n_eval": len(held),
         "selection_overlap": len(overlap),
         "method": _method(report),
-        "top_heads": head_rows(report, ranked),
+        "top_heads": _head_rows(report, ranked),
         "excluded": _excluded(report, max(ks)),
-        "raw_top4": head_rows(report, raw4),
+        "raw_top4": _head_rows(report, raw4),
         "raw_top4_removal": _table(raw),
         "harm_share_top_k": {
             str(k): (sum(harms[:k]) / total if total else None) for k in (1, 2, 4, 8, 16)
@@ -227,7 +227,7 @@ def smollm2_heads(
     } | selection_extras(report, model, text_control(tok, split="select"))
 
 
-def smollm2_selection(
+def _smollm2_selection(
     model: Any,
     *,
     n_rank: int = 24,
@@ -413,7 +413,7 @@ def second_probe(
         "n_eval": len(held),
         "accuracy": wilson_interval(float(acc.correct.sum()), len(held)).to_dict(),
         "chance": float(held.chance),
-        "top_heads": head_rows(report, ranked),
+        "top_heads": _head_rows(report, ranked),
         "question_top": list(question_top),
         "overlap": sorted(set(mine) & set(question_top)),
         "induction_top": scored(mine),
@@ -676,7 +676,7 @@ def zoo_ablation(
                 "probe": probe,
                 "n_rank": n_rank,
                 "method": _method(report),
-                "top_heads": head_rows(report, ranked),
+                "top_heads": _head_rows(report, ranked),
                 "excluded": _excluded(report, max(ks)),
                 "rows": rows,
             }
@@ -739,7 +739,7 @@ def sharpness_and_capacity(
         else:
             model, tasks, _, report = rank_zoo_model(name, "kv-8", n_rank=n_rank, progress=progress)
         heads = report.top(top)
-        rows = head_rows(report, heads)
+        rows = _head_rows(report, heads)
         vals = torch.tensor([r["sharpness"] for r in rows], dtype=torch.float64, device=HOST)
         sharp.append(
             {
@@ -807,12 +807,12 @@ def hybrid_roles(
         "provenance": provenance_of(model).to_dict(),
         "probe": probe,
         "method": _method(report),
-        "aggregate_heads": head_rows(report, aggregates),
+        "aggregate_heads": _head_rows(report, aggregates),
         "aggregate_kinds": kinds,
         "aggregate_role_heads": labelled,
         "n_heads": len(report.heads),
         "n_attention_heads": n_attn,
-        "top_specific": head_rows(report, report.top(5)),
+        "top_specific": _head_rows(report, report.top(5)),
         "masking": masking,
         "masking_by_kind": by_kind,
     }

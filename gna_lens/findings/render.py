@@ -381,9 +381,9 @@ def _layers_section(r: Mapping[str, Any], facts: Mapping[str, Any] | None = None
         )
     for key, title, x in items:
         lines += [f"### {title}", ""]
-        lines += pruning_markdown(x["pruning"], figure=f"assets/findings_pruning_{key}.svg")
+        lines += _pruning_markdown(x["pruning"], figure=f"assets/findings_pruning_{key}.svg")
         lines += [""]
-        lines += dictionary_markdown(
+        lines += _dictionary_markdown(
             x["dictionary"], figure=f"assets/findings_dictionary_{key}.svg"
         )
         lines += [""]
@@ -814,7 +814,7 @@ def _hybrid_section(r: Mapping[str, Any]) -> list[str]:
     ]
 
 
-def pruning_markdown(result: Mapping[str, Any], figure: str | None = None) -> list[str]:
+def _pruning_markdown(result: Mapping[str, Any], figure: str | None = None) -> list[str]:
     """:func:`~gna_lens.findings.layers.layer_pruning`'s result as markdown lines: the gradual and the individual table
     (accuracy with Wilson intervals, changes with paired bootstrap intervals), and the figure
     (a path relative to the page, e.g. ``"assets/findings_pruning_smollm2.svg"``) if given.
@@ -824,7 +824,7 @@ def pruning_markdown(result: Mapping[str, Any], figure: str | None = None) -> li
         >>> from gna_lens.testing import toy_gna_model, toy_gna_task
         >>> model = toy_gna_model()
         >>> res = layer_pruning(model, toy_gna_task(model, n_samples=8), None)
-        >>> print("\\n".join(pruning_markdown(res)[4:7]))
+        >>> print("\\n".join(_pruning_markdown(res)[4:7]))
         | layers removed | retrieval accuracy | change | control change |
         |---|---|---|---|
         | none | 100.0% [67.6, 100.0] | +0.0 points [+0.0, +0.0] | n/a |
@@ -874,7 +874,7 @@ def pruning_markdown(result: Mapping[str, Any], figure: str | None = None) -> li
     return lines
 
 
-def dictionary_markdown(result: Mapping[str, Any], figure: str | None = None) -> list[str]:
+def _dictionary_markdown(result: Mapping[str, Any], figure: str | None = None) -> list[str]:
     """:func:`~gna_lens.findings.layers.dictionary_size_curves`' result as markdown lines: one row per dictionary size
     (nothing removed, the heads removed, as many random heads removed, the set vs the random
     sets with its p-value), the sizes not measured, and the figure if given.
@@ -885,7 +885,7 @@ def dictionary_markdown(result: Mapping[str, Any], figure: str | None = None) ->
         >>> model = toy_gna_model()
         >>> res = dictionary_size_curves(model, [TOY_AGGREGATE_HEAD], sizes=(2,),
         ...     tasks=lambda n: toy_gna_task(model, n_pairs=n, n_samples=8), random_draws=0)
-        >>> print("\\n".join(dictionary_markdown(res)[2:5]))
+        >>> print("\\n".join(_dictionary_markdown(res)[2:5]))
         | pairs | chance | nothing removed | L1H0 removed | 1 random heads removed | vs random | p |
         |---|---|---|---|---|---|---|
         | 2 | 50.0% | 100.0% [67.6, 100.0] | 50.0% [21.5, 78.5] | n/a | n/a | n/a |

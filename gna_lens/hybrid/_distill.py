@@ -408,7 +408,7 @@ def _autocast_dtype(value: Any) -> torch.dtype | None:
     )
 
 
-def choose_autocast(
+def _choose_autocast(
     student: HookedSSM,
     twin: HookedSSM,
     *,
@@ -538,7 +538,7 @@ def distill(
             weights, optimizer and losses stay float32; the SSM scans' within-chunk products
             run in bfloat16, their decays and states in float32), or
             ``"auto"``: bfloat16 only where one training step is measured faster on this
-            device and shape and passes an accuracy check (:func:`choose_autocast`; the
+            device and shape and passes an accuracy check (:func:`_choose_autocast`; the
             result's ``method["autocast_choice"]`` says what was measured). bfloat16 was about
             2x faster on a CPU with AVX512-BF16 (SmolLM2-135M, one thread); on a CPU without
             native bfloat16 (AVX2 only) a bfloat16 matmul can be 10x slower than float32.
@@ -603,7 +603,7 @@ def distill(
         raise ConfigError("distill: the student has no tokenizer (student.tokenizer is None).")
     precision = None
     if autocast == "auto":
-        precision = choose_autocast(
+        precision = _choose_autocast(
             student, twin, batch_size=batch_size, max_length=max_length,
             temperature=temperature, seed=seed,
         )  # fmt: skip

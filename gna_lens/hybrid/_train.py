@@ -167,7 +167,7 @@ def _lr(stage: Stage, step: int, fraction: float, warmup: int) -> float:
     return stage.lr * ramp * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * fraction)))
 
 
-def data_fingerprint(texts: Iterable[Any], n: int = 4) -> str:
+def _data_fingerprint(texts: Iterable[Any], n: int = 4) -> str:
     """SHA-256 (12 hex digits) of the first ``n`` texts: a resumed run must read the same data."""
     h = hashlib.sha256()
     for i, t in enumerate(texts):
@@ -397,7 +397,7 @@ def run_stages(
             f"(read {len(taken)} texts)."
         )
     probe_batch: Batch = (first[0], first[1])
-    fingerprint = fingerprint | {"data": data_fingerprint(taken)}
+    fingerprint = fingerprint | {"data": _data_fingerprint(taken)}
     state = TrainState()
     opt_state: dict[str, Any] | None = None
     resumed_at = None

@@ -181,7 +181,7 @@ def expand_hooks(
     return hooks
 
 
-def output_weights(model: Any, lh: LayerHeads) -> list[Tensor] | None:
+def _output_weights(model: Any, lh: LayerHeads) -> list[Tensor] | None:
     """``W_O`` of each part of a layer (:func:`~gna_lens.heads.head_output_weights`), or
     ``None`` when a part has no ``out_hook`` or no exposed ``W_O``. ``model``: the runner's
     :class:`~gna_lens.heads.Subject` (its view is not built again), or a model."""
@@ -192,7 +192,7 @@ def output_weights(model: Any, lh: LayerHeads) -> list[Tensor] | None:
     return None if any(w is None for w in out) else out  # type: ignore[return-value]
 
 
-def subgroups(
+def _subgroups(
     runner: Runner, cells: Sequence[AnyCell], groups: Sequence[Group], plan: SweepPlan
 ) -> list[tuple[Group, int]]:
     """The prompt batches a sweep runs, in order: each group split to the rows a forward pass may
@@ -265,7 +265,7 @@ def run_cells(
         only: Indices of the cells to run (default all; the others stay NaN). A sharded sweep's
             worker runs its share this way: the plan (prompt batches, rows per forward) is the
             one of the whole cell list, so each cell is computed as in one process.
-        parts: Indices into :func:`subgroups` of the prompt batches to run (default all; the
+        parts: Indices into :func:`_subgroups` of the prompt batches to run (default all; the
             baseline and values of the other samples stay NaN).
         memo: Kept by the caller between calls on the same sweep: the clean runs (or prefix
             states) of the prompt batches and the pack tuners are reused from it.
@@ -292,9 +292,9 @@ def run_cells(
     hook = _hook_cells(cells)
     if base_hooks and not hook:
         raise TypeError("internal: base_hooks are for HookCell sweeps")
-    batches = memo.get("subgroups")
+    batches = memo.get("_subgroups")
     if batches is None:
-        batches = memo["subgroups"] = subgroups(runner, cells, groups, plan)
+        batches = memo["_subgroups"] = _subgroups(runner, cells, groups, plan)
     for part in range(len(batches)) if parts is None else parts:
         g, cap = batches[part]
         tokens = baseline_tokens(g) if baseline_tokens is not None else g.tokens
@@ -484,7 +484,7 @@ def _layers(
         run = _LayerRun(
             ctx, g, tokens, source, ref_rows, idx, layer, cap, cache, cell_cols, positions, ids
         )
-        W = output_weights(runner.subject, view[layer])  # per part of the layer
+        W = _output_weights(runner.subject, view[layer])  # per part of the layer
         chosen = _STRATEGY.setdefault(model, {})
         why_not = _STRATEGY_WHY.setdefault(model, {})
         strategy = "packed" if W is None else chosen.get(runner.keep > 1)
@@ -689,9 +689,9 @@ class CellSweep:
 
     def batches(self) -> list[Tensor]:
         """The sample indices of each prompt batch the sweep runs (the shardable parts)."""
-        out = self.memo.get("subgroups")
+        out = self.memo.get("_subgroups")
         if out is None:
-            out = self.memo["subgroups"] = subgroups(
+            out = self.memo["_subgroups"] = _subgroups(
                 self.runner, self.cells, self.groups, self.plan
             )
         return [g.indices for g, _ in out]
@@ -702,7 +702,7 @@ class CellSweep:
         self.batches()
         d = int(getattr(self.runner.model.cfg, "d_model", 0) or 0)
         layers = len(set(self.start_layers()))
-        return [layers * g.tokens.numel() * d * 4 for g, _ in self.memo["subgroups"]]
+        return [layers * g.tokens.numel() * d * 4 for g, _ in self.memo["_subgroups"]]
 
     def start_layers(self) -> list[int]:
         """Per cell, the first layer it edits (cells of one layer share a run)."""

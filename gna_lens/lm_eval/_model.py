@@ -214,7 +214,7 @@ def _device(device: str | None) -> str:
     return str(resolve_device(device))
 
 
-def checkpoint_adds_bos(tokenizer: Any) -> bool | None:
+def _checkpoint_adds_bos(tokenizer: Any) -> bool | None:
     """Whether the checkpoint's own tokenizer adds BOS, where TransformerLens changed that.
 
     TransformerLens's bridge reloads every tokenizer with ``add_bos_token=True``; lm-eval's ``hf``
@@ -395,7 +395,7 @@ class GnaLM(TemplateLM):
             "forced by add_bos_token" if add_bos_token is not None else "tokenizer default"
         )
         if add_bos_token is None:
-            default = checkpoint_adds_bos(self.tokenizer)
+            default = _checkpoint_adds_bos(self.tokenizer)
             if default is not None:
                 self.add_bos_token = default
                 self.bos_rule = (

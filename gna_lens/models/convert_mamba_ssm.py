@@ -117,7 +117,7 @@ def _unknown(data: Mapping[str, Any], known: set[str], prefix: str, where: str) 
         )
 
 
-def padded_vocab(vocab_size: int, multiple: int) -> int:
+def _padded_vocab(vocab_size: int, multiple: int) -> int:
     """mamba_ssm's embedding rows: ``vocab_size`` rounded up to ``pad_vocab_size_multiple``."""
     return math.ceil(vocab_size / multiple) * multiple
 
@@ -155,7 +155,7 @@ def hf_config_from_mamba_ssm(data: Mapping[str, Any], *, where: str = "?") -> An
     _unknown(data, _TOP_KEYS | {"architectures", "torch_dtype", "dtype"}, "", where)
     d_model = _int(data, "d_model", where)
     n_layer = _int(data, "n_layer", where)
-    vocab = padded_vocab(
+    vocab = _padded_vocab(
         _int(data, "vocab_size", where), _int(data, "pad_vocab_size_multiple", where, 8)
     )
     if not _bool(data, "rms_norm", where, True):

@@ -164,7 +164,7 @@ def pad_sequences(
     )
 
 
-def make_batch(
+def _make_batch(
     samples: Sequence[Sample],
     indices: Sequence[int],
     *,
@@ -300,7 +300,7 @@ class Task(Sequence[Sample]):
         pad = self.pad_token_id if pad_token_id is None else int(pad_token_id)
         for start in range(0, len(self.samples), batch_size):
             chunk = self.samples[start : start + batch_size]
-            yield make_batch(
+            yield _make_batch(
                 chunk,
                 range(start, start + len(chunk)),
                 padding_side=padding_side,

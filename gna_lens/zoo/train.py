@@ -679,7 +679,7 @@ def _init_note(train_facts: dict[str, Any]) -> str:
     return "".join("; " + n for n in notes)
 
 
-def write_card(path: str | Path, name: str, train_facts: dict[str, Any], accuracies: dict) -> dict:
+def _write_card(path: str | Path, name: str, train_facts: dict[str, Any], accuracies: dict) -> dict:
     """Write ``card.json`` and ``README.md`` into the checkpoint folder ``path``."""
     from transformers import AutoTokenizer
 
@@ -783,7 +783,7 @@ def train_zoo_main(argv: Sequence[str] | None = None) -> int:
         else:
             facts = train_model(RECIPES[name], out, steps=args.steps, eval_every=args.eval_every)
         acc = measure(out)
-        write_card(out, name, facts, acc)
+        _write_card(out, name, facts, acc)
         summary = ", ".join(f"{k} {v['accuracy'] * 100:.1f}%" for k, v in acc.items())
         print(
             f"{name}: {facts['n_params']:,} params, {facts['steps']} steps, "

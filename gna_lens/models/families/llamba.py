@@ -295,7 +295,7 @@ def save(model: Any, path: Path) -> None:
         model.tokenizer.save_pretrained(str(path))
 
 
-def read_weights(path: Path) -> tuple[dict[str, torch.Tensor], list[Path]]:
+def _read_weights(path: Path) -> tuple[dict[str, torch.Tensor], list[Path]]:
     """The state dict of a Llamba folder and the files it came from.
 
     Raises:
@@ -384,7 +384,7 @@ def load(
     path = Path(path)
     config = read_config(path)
     cfg = config_from_hf(config)
-    state, files = read_weights(path)
+    state, files = _read_weights(path)
     state = convert_hf_state_dict(cfg, state)
     source = ""
     if tokenizer is None:

@@ -130,7 +130,7 @@ def config_fields(hf_config: Any) -> dict[str, Any]:
     )
 
 
-def hybrid_layers(cfg: SSMConfig) -> list[int]:
+def _hybrid_layers(cfg: SSMConfig) -> list[int]:
     """The hybrid layers (where the shared transformer blocks run), in order."""
     return [layer for layer, kind in enumerate(cfg.layer_types) if kind == "attention"]
 
@@ -148,7 +148,7 @@ def weight_renames(cfg: SSMConfig) -> Renames:
         (r"^model\.layers\.(\d+)\.(mamba_decoder\.)?mamba\.", r"blocks.\1.mixer."),
         (r"^model\.layers\.(\d+)\.linear\.", r"blocks.\1.shared_proj."),
     ]
-    for i, layer in enumerate(hybrid_layers(cfg)):
+    for i, layer in enumerate(_hybrid_layers(cfg)):
         attn, mlp = f"blocks.{layer}.attn.", f"blocks.{layer}.mlp."
         out += [
             (st + rf"self_attn\.linear_([qkv])_adapter_list\.{i}\.", attn + r"\2_proj.adapter."),

@@ -49,7 +49,7 @@ def pattern_through_hook(hook: HookPoint, pattern: Tensor) -> tuple[Tensor, bool
     return checked_pattern(out, pattern, hook.name), edited
 
 
-def mamba2_pattern_part(
+def _mamba2_pattern_part(
     head_group: Tensor,
     dt: Tensor,
     A: Tensor,
@@ -70,7 +70,7 @@ def mamba2_pattern_part(
         >>> dt, B, C = torch.rand(1, 5, 4, generator=g), torch.randn(1, 5, 2, 3), torch.randn(1, 5, 2, 3)
         >>> A, hg = -torch.rand(4, generator=g), torch.tensor([0, 0, 1, 1])
         >>> full = ops.mamba2_pattern(dt, A, B, C, hg)
-        >>> part = mamba2_pattern_part(hg, dt, A, B, C, torch.tensor([2, 3]), torch.tensor([1, 4]))
+        >>> part = _mamba2_pattern_part(hg, dt, A, B, C, torch.tensor([2, 3]), torch.tensor([1, 4]))
         >>> torch.equal(part, full[:, 2:4][:, :, [1, 4]])
         True
     """
@@ -389,7 +389,7 @@ class Mamba2Mixer(SSMMixer):
 
         budget = self.pattern_budget_bytes or kernels.current_pattern_budget()
         job = kernels.PatternJob(
-            build=lambda dt_, A_, B_, C_, h_, r_: mamba2_pattern_part(
+            build=lambda dt_, A_, B_, C_, h_, r_: _mamba2_pattern_part(
                 hg, dt_, A_, B_, C_, h_, r_, scale_keys=self.pattern_scales_keys
             ),
             shape=(batch, n_heads, n_rows, length),
