@@ -525,7 +525,6 @@ def ablation_sweep(
         >>> list(res.to_dataframe().columns[:4]), len(res) == 2 * 8
         (['layer', 'head', 'kind', 'effect'], True)
     """
-    from tqdm.auto import tqdm
 
     subject = Subject.of(model)
     view = subject.view
@@ -535,39 +534,56 @@ def ablation_sweep(
         reference=reference, include_bos=include_bos, method=method, pack=pack,
         max_rows=max_rows, memory_budget=memory_budget,
     )  # fmt: skip
+    sweep, result = _run_sweep(
+        subject, "ablation", _plan_ablation, args, lambda _: len(task), executor, progress
+    )
+    return dataclasses.replace(result, metric=sweep.metric.name, task=describe_task(task))
+
+
+def _run_sweep(
+    subject: Subject,
+    kind: str,
+    plan: Callable[..., Any],
+    args: dict[str, Any],
+    rows: Callable[[Any], int],
+    executor: Any,
+    progress: bool,
+) -> tuple[Any, SweepResult]:
+    """Plan a sweep (``plan(subject, **args)``), run it here or on ``executor`` with a progress
+    bar of ``rows(plan)`` rows per cell, and return the plan and its result (``metric`` and
+    ``task`` for the caller to fill in)."""
+    from tqdm.auto import tqdm
+
+    cells = args["cells"]
     with torch.no_grad():
         # With an executor the workers edit their own copies and check them (a probe forward
         # per layer); checking this copy too would add that to the sweep's serial time.
-        sweep = _plan_ablation(subject, **args, check_edits=executor is None)
+        sweep = plan(subject, **args, check_edits=executor is None)
         bar = tqdm(
-            total=len(cells) * len(task),
-            desc=f"ablation sweep ({len(cells)} cells)",
+            total=len(cells) * rows(sweep),
+            desc=f"{kind} sweep ({len(cells)} cells)",
             disable=not progress,
             leave=False,
         )
         try:
             values, baseline, info = execute(
-                subject.model, sweep, SweepJob("ablation", args), executor, bar
+                subject.model, sweep, SweepJob(kind, args), executor, bar
             )
         finally:
             bar.close()
-    used = method
-    if method == "batched":
-        used = (
-            "incremental"
-            if sweep.positions == "last" and not info["incremental_fallbacks"]
-            else "batched"
-        )
-    return SweepResult(
+    method = args["method"]
+    if method == "batched" and sweep.positions == "last" and not info["incremental_fallbacks"]:
+        method = "incremental"
+    return sweep, SweepResult(
         cells=tuple(cells),
-        kinds=tuple(cell_kind(view, c) for c in cells),
+        kinds=tuple(cell_kind(subject.view, c) for c in cells),
         values=values,
         baseline=baseline,
-        metric=sweep.metric.name,
-        task=describe_task(task),
-        mode=mode,
+        metric="",
+        task="",
+        mode=args["mode"],
         positions=positions_label(sweep.positions),
-        method=used,
+        method=method,
         info=info,
     )
 
@@ -729,7 +745,6 @@ def control_sweep(
         >>> res.metric, tuple(res.values.shape)
         ('nll', (2, 2))
     """
-    from tqdm.auto import tqdm
 
     if isinstance(control, Task):
         reference: Task | None = None
@@ -770,33 +785,10 @@ def control_sweep(
         control=control, cells=cells, mode=mode, positions=positions, include_bos=include_bos,
         method=method, n_scored=n_scored, max_rows=max_rows, memory_budget=memory_budget,
     )  # fmt: skip
-    with torch.no_grad():
-        sweep = _plan_control(subject, **args, check_edits=executor is None)  # as ablation_sweep
-        bar = tqdm(
-            total=len(cells) * sweep.n_samples,
-            desc=f"control sweep ({len(cells)} cells)",
-            disable=not progress,
-            leave=False,
-        )
-        try:
-            values, baseline, info = execute(
-                subject.model, sweep, SweepJob("control", args), executor, bar
-            )
-        finally:
-            bar.close()
-    last = sweep.positions == "last"
-    return SweepResult(
-        cells=tuple(cells),
-        kinds=tuple(cell_kind(view, c) for c in cells),
-        values=values,
-        baseline=baseline,
-        metric="nll",
-        task=control.describe(),
-        mode=mode,
-        positions=positions_label(sweep.positions),
-        method=method if not last or info["incremental_fallbacks"] else "incremental",
-        info=info,
+    _, result = _run_sweep(
+        subject, "control", _plan_control, args, lambda plan: plan.n_samples, executor, progress
     )
+    return dataclasses.replace(result, metric="nll", task=control.describe())
 
 
 def _plan_control(
