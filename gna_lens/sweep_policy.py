@@ -120,7 +120,7 @@ def resolve_sweep_dtype(
             "resolve_sweep_dtype(model, 'auto') on a large model needs task= (its prompts are "
             "what bfloat16 is timed and checked on). Fix: pass the selection task."
         )
-    run, what = _probe_forward(model, task) if large and task is not None else (None, "")
+    run, what = _probe_forward(subject, task) if large and task is not None else (None, "")
     choice = choose_precision(
         "auto",
         run=run,
