@@ -98,6 +98,64 @@ def tiny_tokenizer(vocab_size: int = 320) -> Any:
     )
 
 
+#: Shared by the tiny configs: attention of 4 query / 2 key-value heads; a Mamba-2 mixer of 8
+#: heads of 8, 2 groups, state 8 (the ``mamba_`` names of the Mamba-2 hybrids).
+_ATTN = dict(num_attention_heads=4, num_key_value_heads=2)
+_M2 = dict(
+    mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4,
+    mamba_expand=2, mamba_chunk_size=16,
+)  # fmt: skip
+_LONG = dict(max_position_embeddings=4096)
+
+#: ``arch: (transformers config class, fields)`` of :func:`tiny_hf_config` (``hidden_size=32``).
+_TINY: dict[str, tuple[str, dict[str, Any]]] = {
+    "mamba1": ("MambaConfig", dict(
+        num_hidden_layers=2, state_size=8, expand=2, conv_kernel=4, time_step_rank=4,
+        use_conv_bias=True)),
+    "mamba2": ("Mamba2Config", dict(
+        num_hidden_layers=2, state_size=8, expand=2, num_heads=8, head_dim=8, n_groups=2,
+        conv_kernel=4, chunk_size=16)),
+    "bamba": ("BambaConfig", dict(
+        num_hidden_layers=3, intermediate_size=64, attn_layer_indices=[1], pad_token_id=1,
+        **_ATTN, **_M2, **_LONG)),
+    # Mamba-2, attention (no RoPE), MLP-only, Mamba-2, MoE.
+    "nemotron_h": ("NemotronHConfig", dict(
+        layers_block_type=["mamba", "attention", "mlp", "mamba", "moe"], intermediate_size=64,
+        head_dim=8, mamba_num_heads=8, mamba_head_dim=8, n_groups=2, ssm_state_size=8,
+        conv_kernel=4, chunk_size=16, n_routed_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, moe_shared_expert_intermediate_size=24, n_group=2,
+        topk_group=1, routed_scaling_factor=1.5, **_ATTN, **_LONG)),
+    # Granite's multipliers away from 1, so that the parity tests see them.
+    "granitemoehybrid": ("GraniteMoeHybridConfig", dict(
+        num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"], intermediate_size=16,
+        shared_intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
+        position_embedding_type="rope", embedding_multiplier=3.0, attention_multiplier=0.2,
+        residual_multiplier=0.5, logits_scaling=2.0, **_ATTN, **_M2, **_LONG)),
+    # Falcon-H1's multipliers away from 1, so that the parity tests see them.
+    "falcon_h1": ("FalconH1Config", dict(
+        num_hidden_layers=3, intermediate_size=48, head_dim=8, mamba_d_ssm=64,
+        mamba_rms_norm=True, mamba_norm_before_gate=False, embedding_multiplier=2.0,
+        lm_head_multiplier=0.5, attention_in_multiplier=1.5, attention_out_multiplier=0.7,
+        key_multiplier=0.8, ssm_in_multiplier=1.25, ssm_out_multiplier=0.6,
+        ssm_multipliers=[0.9, 1.1, 1.2, 0.8, 1.3], mlp_multipliers=[1.2, 0.75],
+        **_ATTN, **_M2, **_LONG)),
+    # Mamba-1 + dense MLP, attention + MoE, Mamba-1 + dense, Mamba-1 + MoE, attention + dense.
+    "jamba": ("JambaConfig", dict(
+        num_hidden_layers=5, attn_layer_period=3, attn_layer_offset=1, expert_layer_period=2,
+        expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, intermediate_size=48,
+        mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4, **_ATTN, **_LONG)),
+    # Mamba-2, hybrid (shared block 0), Mamba-2, hybrid (block 1), hybrid (block 0 again).
+    "zamba2": ("Zamba2Config", dict(
+        num_hidden_layers=5, layers_block_type=["linear_attention", "hybrid"] * 2 + ["hybrid"],
+        num_mem_blocks=2, use_shared_attention_adapter=True, adapter_rank=4, use_mem_rope=True,
+        intermediate_size=48, num_attention_heads=4, n_mamba_heads=8, mamba_ngroups=2,
+        mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, chunk_size=16, **_LONG)),
+    "llama": ("LlamaConfig", dict(
+        num_hidden_layers=2, intermediate_size=64, max_position_embeddings=512, **_ATTN)),
+}  # fmt: skip
+_TINY["falcon_mamba"] = ("FalconMambaConfig", _TINY["mamba1"][1])
+
+
 def tiny_hf_config(arch: str, vocab_size: int = 320, **overrides: Any) -> Any:
     """A small Hugging Face config of ``arch`` (one of :data:`ARCHITECTURES`).
 
@@ -114,189 +172,11 @@ def tiny_hf_config(arch: str, vocab_size: int = 320, **overrides: Any) -> Any:
     """
     import transformers as tf
 
-    cls: Any
-
-    if arch in ("mamba1", "falcon_mamba"):
-        cls = tf.MambaConfig if arch == "mamba1" else tf.FalconMambaConfig
-        kw: dict[str, Any] = dict(
-            hidden_size=32,
-            num_hidden_layers=2,
-            state_size=8,
-            expand=2,
-            conv_kernel=4,
-            time_step_rank=4,
-            use_conv_bias=True,
-        )
-    elif arch == "mamba2":
-        cls = tf.Mamba2Config
-        kw = dict(
-            hidden_size=32,
-            num_hidden_layers=2,
-            state_size=8,
-            expand=2,
-            num_heads=8,
-            head_dim=8,
-            n_groups=2,
-            conv_kernel=4,
-            chunk_size=16,
-        )
-    elif arch == "bamba":
-        cls = tf.BambaConfig
-        kw = dict(
-            hidden_size=32,
-            num_hidden_layers=3,
-            intermediate_size=64,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            attn_layer_indices=[1],
-            mamba_n_heads=8,
-            mamba_d_head=8,
-            mamba_n_groups=2,
-            mamba_d_state=8,
-            mamba_d_conv=4,
-            mamba_expand=2,
-            mamba_chunk_size=16,
-            max_position_embeddings=4096,
-            pad_token_id=1,
-        )
-    elif arch == "nemotron_h":
-        cls = tf.NemotronHConfig
-        kw = dict(
-            hidden_size=32,
-            # Mamba-2, attention (no RoPE), MLP-only, Mamba-2, MoE.
-            layers_block_type=["mamba", "attention", "mlp", "mamba", "moe"],
-            intermediate_size=64,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-            mamba_num_heads=8,
-            mamba_head_dim=8,
-            n_groups=2,
-            ssm_state_size=8,
-            conv_kernel=4,
-            chunk_size=16,
-            n_routed_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=16,
-            moe_shared_expert_intermediate_size=24,
-            n_group=2,
-            topk_group=1,
-            routed_scaling_factor=1.5,
-            max_position_embeddings=4096,
-        )
-    elif arch == "granitemoehybrid":
-        cls = tf.GraniteMoeHybridConfig
-        kw = dict(
-            hidden_size=32,
-            num_hidden_layers=3,
-            layer_types=["mamba", "attention", "mamba"],
-            intermediate_size=16,
-            shared_intermediate_size=48,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            mamba_n_heads=8,
-            mamba_d_head=8,
-            mamba_n_groups=2,
-            mamba_d_state=8,
-            mamba_d_conv=4,
-            mamba_expand=2,
-            mamba_chunk_size=16,
-            position_embedding_type="rope",
-            # Granite's multipliers, away from 1 so the parity tests see them.
-            embedding_multiplier=3.0,
-            attention_multiplier=0.2,
-            residual_multiplier=0.5,
-            logits_scaling=2.0,
-            max_position_embeddings=4096,
-        )
-    elif arch == "falcon_h1":
-        cls = tf.FalconH1Config
-        kw = dict(
-            hidden_size=32,
-            num_hidden_layers=3,
-            intermediate_size=48,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-            mamba_d_ssm=64,
-            mamba_n_heads=8,
-            mamba_d_head=8,
-            mamba_n_groups=2,
-            mamba_d_state=8,
-            mamba_d_conv=4,
-            mamba_expand=2,
-            mamba_chunk_size=16,
-            mamba_rms_norm=True,
-            mamba_norm_before_gate=False,
-            max_position_embeddings=4096,
-            # Falcon-H1's multipliers, away from 1 so the parity tests see them.
-            embedding_multiplier=2.0,
-            lm_head_multiplier=0.5,
-            attention_in_multiplier=1.5,
-            attention_out_multiplier=0.7,
-            key_multiplier=0.8,
-            ssm_in_multiplier=1.25,
-            ssm_out_multiplier=0.6,
-            ssm_multipliers=[0.9, 1.1, 1.2, 0.8, 1.3],
-            mlp_multipliers=[1.2, 0.75],
-        )
-    elif arch == "jamba":
-        cls = tf.JambaConfig
-        kw = dict(
-            hidden_size=32,
-            # Mamba-1 + dense MLP, attention + MoE, Mamba-1 + dense, Mamba-1 + MoE,
-            # attention + dense.
-            num_hidden_layers=5,
-            attn_layer_period=3,
-            attn_layer_offset=1,
-            expert_layer_period=2,
-            expert_layer_offset=1,
-            num_experts=4,
-            num_experts_per_tok=2,
-            intermediate_size=48,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            mamba_d_state=8,
-            mamba_d_conv=4,
-            mamba_expand=2,
-            mamba_dt_rank=4,
-            max_position_embeddings=4096,
-        )
-    elif arch == "zamba2":
-        cls = tf.Zamba2Config
-        kw = dict(
-            hidden_size=32,
-            num_hidden_layers=5,
-            # Mamba-2, hybrid (shared block 0), Mamba-2, hybrid (block 1), hybrid (block 0 again).
-            layers_block_type=["linear_attention", "hybrid"] * 2 + ["hybrid"],
-            num_mem_blocks=2,
-            use_shared_attention_adapter=True,
-            adapter_rank=4,
-            use_mem_rope=True,
-            intermediate_size=48,
-            num_attention_heads=4,
-            n_mamba_heads=8,
-            mamba_ngroups=2,
-            mamba_d_state=8,
-            mamba_d_conv=4,
-            mamba_expand=2,
-            chunk_size=16,
-            max_position_embeddings=4096,
-        )
-    elif arch == "llama":
-        cls = tf.LlamaConfig
-        kw = dict(
-            hidden_size=32,
-            num_hidden_layers=2,
-            intermediate_size=64,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=512,
-        )
-    else:
+    if arch not in _TINY:
         raise ValueError(f"tiny_hf_config: unknown arch {arch!r}; expected one of {ARCHITECTURES}.")
+    class_name, kw = _TINY[arch]
+    cls = getattr(tf, class_name)
+    kw = dict(hidden_size=32, **kw)
     kw.update(vocab_size=vocab_size, bos_token_id=0, eos_token_id=0)
     kw.setdefault("pad_token_id", 1)
     kw.update(overrides)
