@@ -46,7 +46,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -860,7 +860,7 @@ def _merge_infos(infos: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _param_dtype(model: Any) -> torch.dtype:
     try:
-        return next(iter(model.parameters())).dtype
+        return cast("torch.dtype", next(iter(model.parameters())).dtype)
     except (StopIteration, AttributeError, TypeError):
         return torch.float32
 

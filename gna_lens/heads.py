@@ -51,7 +51,7 @@ import warnings
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, cast, runtime_checkable
 
 import torch
 from jaxtyping import Float
@@ -973,7 +973,7 @@ def head_output_weights(model: Any, layer: int, part: int | None = None) -> Tens
     # out_hook is the output times the block's multiplier (Granite, Falcon-H1)
     which = "attention" if in_attn else "ssm"
     mult = float(model.blocks[layer].out_multiplier(which)) if subject.is_ssm else 1.0
-    return w_o if mult == 1.0 else w_o * mult
+    return cast("Tensor | None", w_o if mult == 1.0 else w_o * mult)
 
 
 def describe_head_groups(view: HeadView) -> str:

@@ -39,7 +39,7 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -661,7 +661,7 @@ def distill(
                     ]
                 )
             losses = to_host(per_layer_loss).tolist()  # one synchronization
-            return sum(losses) / len(losses)
+            return cast("float", sum(losses) / len(losses))
 
         b1 = total.share(stage1_share) if 2 in picked_stages else total
         run.append(Stage("stage1", params1, step1, probe1, b1, lr1, word))

@@ -26,7 +26,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -414,7 +414,7 @@ def _prose_loss(model: Any, control: Any, batch_size: int) -> Interval:
 
 
 def _device(model: Any) -> torch.device:
-    return next(iter(model.parameters())).device
+    return cast("torch.device", next(iter(model.parameters())).device)
 
 
 def _accuracy(model: Any, task: Any, batch_size: int) -> tuple[Interval, tuple[int, ...]]:

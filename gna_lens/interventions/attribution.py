@@ -15,7 +15,7 @@ non-linearity (softmax saturation, LayerNorm). :meth:`SweepResult.correlation` c
 exact ablation (:func:`~gna_lens.interventions.ablation.ablation_sweep`).
 """
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -205,7 +205,7 @@ def attribute_heads(
 
 def bind(fn: Any, key: Any) -> Any:
     def bound(z: Tensor, hook: Any) -> Tensor | None:
-        return fn(z, hook, key)
+        return cast("Tensor | None", fn(z, hook, key))
 
     return bound
 

@@ -34,7 +34,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -362,7 +362,7 @@ class Runner:
         """Last-token logits ``[K * G, d_vocab]`` of ``K`` packed copies (cell-major)."""
         if self.is_ssm:
             with hooked(self.model, hooks):
-                return self.model.step(state, K)
+                return cast("Tensor", self.model.step(state, K))
         return self._bridge_step(state, K, hooks)
 
     def _bridge_prefix(self, tokens: Tensor) -> tuple[Tensor, Any]:
@@ -425,7 +425,7 @@ class Runner:
             extra = cache.get_seq_length() - length
             if extra > 0:
                 cache.crop(-extra)
-        return out[:, -1]
+        return cast("Tensor", out[:, -1])
 
 
 def _attempt(fn: Callable[[], Tensor]) -> tuple[Tensor | None, str | None]:

@@ -1,6 +1,8 @@
 """One residual block of a HookedSSM, assembled from the family's mixers (see
 :mod:`gna_lens.models.families`): its full forward and its single-token step."""
 
+from typing import cast
+
 from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
@@ -121,7 +123,7 @@ class SSMBlock(nn.Module):
                 resid = self.hook_resid_mid(resid)
             out = self.mlp(self.ln2(resid.to(self.ln2.weight.dtype)))
             resid = resid + self.hook_mlp_out(self.scaled(out))
-        return self.hook_resid_post(resid)
+        return cast("Tensor", self.hook_resid_post(resid))
 
     # ------------------------------------------------------------------ incremental
     def prefix_hooks(self) -> list[str]:

@@ -21,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlparse
 
 from gna_lens.errors import ConfigError
@@ -403,7 +403,7 @@ def gguf_quantization(path: str | Path) -> str:
                         name = gguf.LlamaFileType(value).name
                     except ValueError:
                         return f"file_type {value}"
-                    return name.removeprefix("MOSTLY_").removeprefix("ALL_")
+                    return cast("str", name.removeprefix("MOSTLY_").removeprefix("ALL_"))
             for _ in range(n_tensors):
                 f.seek(_read(f, "<Q"), os.SEEK_CUR)
                 n_dims = _read(f, "<I")

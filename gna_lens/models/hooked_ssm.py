@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from jaxtyping import Float, Int
@@ -274,7 +274,10 @@ class HookedSSM(HookedRootModule):
                     f"{sorted(hf_kwargs)} do not apply to a {own.model_type} checkpoint (gna_lens "
                     "reads it, not transformers); accepted: dtype, device, tokenizer."
                 )
-            return own.load(Path(name_or_path), dtype=dtype, device=device, tokenizer=tokenizer)
+            loaded: HookedSSM = own.load(
+                Path(name_or_path), dtype=dtype, device=device, tokenizer=tokenizer
+            )
+            return loaded
         config = AutoConfig.from_pretrained(name_or_path)
         SSMConfig.from_hf_config(config)  # fail early, before loading weights
         hf_model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, **hf_kwargs)
@@ -729,13 +732,13 @@ class HookedSSM(HookedRootModule):
         """``hook_embed``: the token embeddings (times Granite's embedding_multiplier)."""
         emb = self.embed(tokens)
         m = self.cfg.embedding_multiplier
-        return self.hook_embed(emb if m == 1.0 else emb * m)
+        return cast("Tensor", self.hook_embed(emb if m == 1.0 else emb * m))
 
     def logits_of(self, resid: Tensor) -> Tensor:
         """Final norm and unembedding (logits divided by Granite's logits_scaling)."""
         logits = self.unembed(self.ln_final(resid.to(self.ln_final.weight.dtype)))
         s = self.cfg.logits_scaling
-        return logits if s == 1.0 else logits / s
+        return cast("Tensor", logits if s == 1.0 else logits / s)
 
     @property
     def _uses_rope(self) -> bool:
@@ -998,7 +1001,7 @@ class HookedSSM(HookedRootModule):
         t = torch.as_tensor(tokens, device=HOST)
         if t.ndim == 2:
             return [tok.decode(row.tolist()) for row in t]
-        return tok.decode(t.tolist())
+        return cast("str | list[str]", tok.decode(t.tolist()))
 
     def to_single_token(self, string: str) -> int:
         """The id of ``string``, which must be exactly one token."""

@@ -51,7 +51,7 @@ import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -672,7 +672,7 @@ def build_pattern(job: PatternJob, dt: Tensor, A: Tensor, B: Tensor, C: Tensor) 
         The pattern, ``job.shape``.
     """
     if _needs_grad(dt, A, B, C):
-        return _BudgetedPattern.apply(job, dt, A, B, C)
+        return cast("Tensor", _BudgetedPattern.apply(job, dt, A, B, C))
     return _assemble(job, dt, A, B, C)
 
 
@@ -704,5 +704,5 @@ def apply_pattern(
         ``y``.
     """
     if not edited and _needs_grad(x, dt, A, B, C):
-        return _RecomputedApply.apply(job, pattern.detach(), x, dt, A, B, C)
+        return cast("Tensor", _RecomputedApply.apply(job, pattern.detach(), x, dt, A, B, C))
     return torch.einsum(job.equation, pattern, x)

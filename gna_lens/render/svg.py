@@ -11,7 +11,7 @@ The line charts of the findings page are in :mod:`gna_lens.render.figures`.
 import html
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -102,7 +102,7 @@ def benchmark_svg(table: Any, width: int = 560, height: int = 320) -> str:
     kmax = max(max(ks), 1)
 
     def x(k: float) -> float:
-        return left + w * k / kmax
+        return cast("float", left + w * k / kmax)
 
     def y(v: float) -> float:
         return top + h * (1 - v)
@@ -254,7 +254,7 @@ def hybrid_svg(table: Any, panel: int = 240, height: int = 300) -> str:
         x0 = left + i * (panel + gap)
 
         def x(k: float, x0: float = x0) -> float:
-            return x0 + panel * k / kmax
+            return cast("float", x0 + panel * k / kmax)
 
         out.append(
             f'<text x="{x0 + panel / 2}" y="{top - 6}" text-anchor="middle">{html.escape(t)}</text>'

@@ -15,7 +15,7 @@ import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from jaxtyping import Int
@@ -275,7 +275,7 @@ def resolve_control(
         for pick in AUTO_CONTROLS:  # e.g. the zoo's cloze split for the zoo's tokenizer
             chosen = pick(tokenizer, split)
             if chosen is not None:
-                return chosen
+                return cast("TextControl | Task | None", chosen)
         control = "prose"
     n = 64 if positions == "last" or split == "eval" else 8
     length = 64 if positions == "last" else 48

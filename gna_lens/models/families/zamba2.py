@@ -30,7 +30,7 @@ Examples:
 """
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -224,7 +224,7 @@ class SharedMLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         gate, up = self.hook_pre(gate), self.hook_pre_linear(up)
-        return self.down_proj(self.hook_post(self.act(gate) * up))
+        return cast("Tensor", self.down_proj(self.hook_post(self.act(gate) * up)))
 
 
 class Zamba2HybridBlock(SSMBlock):
@@ -277,7 +277,7 @@ class Zamba2HybridBlock(SSMBlock):
         x = self.ln_attn(torch.cat([resid, embed.to(resid.dtype)], dim=-1).to(dtype))
         attn = self.hook_attn_out(attend(x))
         out = self.hook_mlp_out(self.mlp(self.ln2(attn.to(dtype))))
-        return self.hook_shared_out(self.shared_proj(out))
+        return cast("Tensor", self.hook_shared_out(self.shared_proj(out)))
 
     def forward(
         self, resid: Tensor, mask: Tensor | None, rope: Rope, embed: Tensor | None = None
@@ -286,7 +286,7 @@ class Zamba2HybridBlock(SSMBlock):
         shared = self.shared_out(resid, embed, lambda x: self.attn(x, mask, rope))
         normed = self.ln1((resid + shared).to(self.ln1.weight.dtype))
         out = self.hook_mixer_out(self.mixer(normed, mask))
-        return self.hook_resid_post(resid + out)
+        return cast("Tensor", self.hook_resid_post(resid + out))
 
     def prefix_hooks(self) -> list[str]:
         pre = f"blocks.{self.layer}."
@@ -307,7 +307,7 @@ class Zamba2HybridBlock(SSMBlock):
         shared = self.shared_out(resid, embed, lambda x: self.attn.step(state, x, rope))
         normed = self.ln1((resid + shared).to(self.ln1.weight.dtype))
         out = self.hook_mixer_out(self.mixer.step(state, normed))
-        return self.hook_resid_post(resid + out)
+        return cast("Tensor", self.hook_resid_post(resid + out))
 
 
 #: The submodules whose own parameters the invocations of one shared block share.

@@ -10,6 +10,7 @@ keys and values.
 """
 
 from collections.abc import Mapping
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -166,7 +167,7 @@ class Attention(nn.Module):
         pattern = torch.softmax(scores.float(), dim=-1).to(q.dtype)
         pattern = checked_pattern(self.hook_pattern(pattern), pattern, self.hook_pattern.name)
         z = self.hook_z(torch.einsum("bhqk,bkhd->bqhd", pattern, v))
-        return self.o_proj(z.reshape(b, L, H * d))
+        return cast("Tensor", self.o_proj(z.reshape(b, L, H * d)))
 
     def forward(self, h: Tensor, mask: Tensor | None, rope: Rope) -> Tensor:
         L = h.shape[1]
@@ -195,13 +196,13 @@ class Attention(nn.Module):
             enable_gqa=KV != H,
         ).transpose(1, 2)
         z = self.hook_z(z)
-        return self.o_proj(z.reshape(b, L, H * d))
+        return cast("Tensor", self.o_proj(z.reshape(b, L, H * d)))
 
     def keys(self, h: Tensor) -> Tensor:
         """``k_proj(h)`` (times Falcon-H1's key_multiplier)."""
         m = self.cfg.key_multiplier
         k = self.k_proj(h)
-        return k if m == 1.0 else k * m
+        return cast("Tensor", k if m == 1.0 else k * m)
 
     def _rope(self, x: Tensor, rope: Rope) -> Tensor:
         """Rotate ``x`` (``rope=None``: no positional rotation, as in Nemotron-H)."""

@@ -42,7 +42,7 @@ output to float32 rounding (tested).
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -462,7 +462,7 @@ class HybridMixer(AttentionHeads, SSMMixer):
             ssm = self.hook_ssm_out(ssm + x * self.D[:, None])
             y = y.index_copy(2, index, ssm.to(y.dtype)) if self.attn_heads else ssm
         z = self.hook_z(y)
-        return self.out_proj(z.reshape(b, L, -1).to(dtype))
+        return cast("Tensor", self.out_proj(z.reshape(b, L, -1).to(dtype)))
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -553,7 +553,7 @@ class HybridMixer(AttentionHeads, SSMMixer):
             both = torch.cat([y_attn, y_ssm.to(y_attn.dtype)], dim=2)
             z = both.index_select(2, self.head_order)  # type: ignore[arg-type]
         z = self.hook_z(z)
-        return self.out_proj(z.reshape(b, L, -1).to(h.dtype))
+        return cast("Tensor", self.out_proj(z.reshape(b, L, -1).to(h.dtype)))
 
     def _pattern(
         self,

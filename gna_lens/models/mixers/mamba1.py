@@ -6,7 +6,7 @@ channel is a "head" (``hook_pattern`` is ``[batch, d_inner, query_pos, key_pos]`
 """
 
 from collections.abc import Mapping
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -105,7 +105,7 @@ class Mamba1Mixer(SSMMixer):
         y = self.hook_ssm_out(y + u * self.D)
         z = self.hook_gate(z)
         head_in = self.hook_z((y * F.silu(z)).view(b, L, -1, 1))
-        return self.out_proj(head_in.view(b, L, -1).to(dtype))
+        return cast("Tensor", self.out_proj(head_in.view(b, L, -1).to(dtype)))
 
     # ------------------------------------------------------------------ forward
     def forward(

@@ -6,7 +6,7 @@ families' variations (Falcon-H1's multipliers, the output norm's kind) are field
 """
 
 from collections.abc import Mapping
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -165,7 +165,7 @@ class Mamba2Mixer(SSMMixer):
         out = self.in_proj(h if m == 1.0 else h * m)
         if self.mup_vector is not None:
             out = out * self.mup_vector
-        return self.hook_in_proj(out)
+        return cast("Tensor", self.hook_in_proj(out))
 
     def _depthwise_conv(self) -> nn.Conv1d:
         """The causal depthwise convolution over ``conv_dim`` channels (``cfg.d_conv`` wide)."""
@@ -241,7 +241,7 @@ class Mamba2Mixer(SSMMixer):
         y = self.hook_ssm_out(y + x * self.D[:, None])
         normed = self.gate_norm(y.reshape(b, L, E), self.hook_gate(self.gate_input(z)))
         head_in = self.hook_z(normed.view(b, L, H, P))
-        return self.out_proj(head_in.reshape(b, L, E).to(dtype))
+        return cast("Tensor", self.out_proj(head_in.reshape(b, L, E).to(dtype)))
 
     # ------------------------------------------------------------------ forward
     def forward(

@@ -7,7 +7,7 @@ experts.
 """
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +41,7 @@ class GatedMLP(nn.Module):
         pre = self.hook_pre(gate if gm == 1.0 else gate * gm)
         lin = self.hook_pre_linear(self.up_proj(x))
         out = self.down_proj(self.hook_post(F.silu(pre) * lin))
-        return out if dm == 1.0 else out * dm
+        return cast("Tensor", out if dm == 1.0 else out * dm)
 
 
 def _mlp_act(name: str) -> Callable[[Tensor], Tensor]:
@@ -63,7 +63,8 @@ class PlainMLP(nn.Module):
         self.hook_post = HookPoint()  # [batch, pos, d_mlp]
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(self.hook_post(self.act(self.hook_pre(self.up_proj(x)))))
+        out: Tensor = self.down_proj(self.hook_post(self.act(self.hook_pre(self.up_proj(x)))))
+        return out
 
 
 class NemotronMoE(nn.Module):
@@ -114,7 +115,7 @@ class NemotronMoE(nn.Module):
                 continue
             h = F.linear(self.act(F.linear(flat[rows], up[e])), down[e])
             out.index_add_(0, rows, (h * dense[rows, e, None]).to(out.dtype))
-        return out.to(x.dtype).view(b, L, D) + self.shared_experts(x)
+        return cast("Tensor", out.to(x.dtype).view(b, L, D) + self.shared_experts(x))
 
 
 class _GraniteSharedMLP(nn.Module):
@@ -132,7 +133,7 @@ class _GraniteSharedMLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.input_linear(x).chunk(2, dim=-1)
         gate, up = self.hook_pre(gate), self.hook_pre_linear(up)
-        return self.output_linear(self.hook_post(F.silu(gate) * up))
+        return cast("Tensor", self.output_linear(self.hook_post(F.silu(gate) * up)))
 
 
 class _GraniteMoE(nn.Module):
@@ -200,7 +201,7 @@ class GraniteMLP(nn.Module):
         out = self.shared_mlp(x)
         if self.block_sparse_moe is not None:
             out = self.block_sparse_moe(x) + out
-        return out
+        return cast("Tensor", out)
 
 
 class JambaMoE(_GraniteMoE):

@@ -26,7 +26,7 @@ the SSM heads' ``M`` and the swapped heads' softmax pattern; an edit changes the
 """
 
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -243,7 +243,7 @@ class SwappedMamba2Mixer(Mamba2Mixer):
         y = self.hook_ssm_out(y + x * D)
         normed = self.gate_norm(y.reshape(b, L, cfg.d_inner), self.hook_gate(z))
         head_in = self.hook_z(normed.view(b, L, cfg.n_heads, cfg.d_head))
-        return self.out_proj(head_in.reshape(b, L, cfg.d_inner).to(dtype))
+        return cast("Tensor", self.out_proj(head_in.reshape(b, L, cfg.d_inner).to(dtype)))
 
     # ------------------------------------------------------------------ forward
     def forward(

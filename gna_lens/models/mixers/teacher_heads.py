@@ -31,7 +31,7 @@ student's own code (Mamba-2's, Llamba's DiscreteMamba2, ...), the swapped heads 
 
 import copy
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 from jaxtyping import Float
@@ -140,7 +140,7 @@ class TeacherHeadsMixer(AttentionHeads, Mamba2Mixer):
         new: Any = copy.deepcopy(mixer, memo={id(cfg): cfg})
         new.__class__ = teacher_heads_class(type(mixer))
         new._add_teacher_heads(chosen, weights)
-        return new
+        return cast("TeacherHeadsMixer", new)
 
     def _add_teacher_heads(self, heads: list[int], weights: Mapping[str, Tensor]) -> None:
         cfg = self.cfg
@@ -207,7 +207,7 @@ class TeacherHeadsMixer(AttentionHeads, Mamba2Mixer):
         index: Tensor = self.attn_index  # type: ignore[assignment]
         per_head = normed.view(b, L, H, P).index_copy(2, index, y_attn.to(normed.dtype))
         head_in = self.hook_z(per_head)
-        return self.out_proj(head_in.reshape(b, L, E).to(dtype))
+        return cast("Tensor", self.out_proj(head_in.reshape(b, L, E).to(dtype)))
 
     # ------------------------------------------------------------------ forward
     def forward(
