@@ -516,7 +516,7 @@ def _finite_max_abs(a: torch.Tensor, b: torch.Tensor) -> float | None:
 # ----------------------------------------------------------------------------- 1. agreement
 def section_agreement(run: Run) -> dict[str, Any]:
     from gna_lens import load_model, zoo
-    from gna_lens.scoring.report import score_heads
+    from gna_lens.scoring import score_heads
 
     n_prompts, n_control = (8, 8) if run.tiny else (16, 32)
     out: dict[str, Any] = {
