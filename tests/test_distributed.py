@@ -318,3 +318,31 @@ def test_too_many_failures_in_a_layer_sweep_name_the_layer_cells_left(llama, poo
         pool.max_restarts = 3
     msg = str(err.value)
     assert "max_restarts=0" in msg and re.search(r"cells not done: \d+ of 4 cells", msg), msg
+
+
+def test_the_cells_left_are_named_for_every_kind_of_cell():
+    """The message a failed sharded sweep ends with names the cells it did not finish, whatever
+    they are: head sets, layer cells, hook cells and residual patches (a layer cell made it
+    raise a TypeError instead). Checked on the scheduler's own bookkeeping, without Ray."""
+    from types import SimpleNamespace
+
+    from gna_lens.distributed import _Run, _Unit
+    from gna_lens.interventions.engine import HookCell
+
+    cells = [
+        ((0, 1), (1, 2)),  # a head set
+        HookCell(start=2, hooks=(("blocks.2.hook_resid_post", print),), label="layer 2 block"),
+        HookCell(start=1, resid=lambda group, resid: resid, label="L1 pos 5"),  # a patch
+        HookCell(start=3),  # no label
+    ]
+    run = object.__new__(_Run)
+    run.sweep = SimpleNamespace(cells=cells)
+    run.units = [_Unit(i, i, i + 1, (0,)) for i in range(len(cells))]
+    run.done = {0}
+    left = run.cells_left()
+    assert left.startswith("3 of 4 cells in 3 units: ")
+    for name in ("layer 2 block", "L1 pos 5", "cell at layer 3"):
+        assert name in left, left
+    run.done = set()
+    assert run.label(0, 1) == "L0H1+L1H2"
+    assert run.label(0, 4) == "L0H1+L1H2 .. cell at layer 3 (4 cells)"
