@@ -23,7 +23,7 @@ import os
 import platform
 import random
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, cast
@@ -1004,36 +1004,15 @@ def run_experiment(
     """
     import sys
 
-    from gna_lens.hybrid._build import HEAD_LAYOUTS, build_hybrid
+    from gna_lens.hybrid._build import build_hybrid
     from gna_lens.hybrid._distill import distill, teacher_twin
 
     t_start = time.perf_counter()
     seconds: dict[str, float] = {}
     total = parse_budget(budget)
-    if head_layout not in HEAD_LAYOUTS:
-        raise ConfigError(
-            f"run_experiment(head_layout={head_layout!r}); expected one of {list(HEAD_LAYOUTS)}."
-        )
-    if kv_template not in (None, "question", "paper"):
-        raise ConfigError(
-            f"run_experiment(kv_template={kv_template!r}); expected 'question' or 'paper'."
-        )
-    if isinstance(random_draws, bool) or not isinstance(random_draws, int) or random_draws < 0:
-        raise ConfigError(f"run_experiment(random_draws={random_draws!r}); expected an int >= 0.")
-    if data is not None and iter(data) is data:
-        raise ConfigError(
-            "run_experiment(data=...) got an iterator, which can be read once; every student "
-            "is distilled on the same texts. Pass a list or a re-iterable (default_distill_data)."
-        )
-    seed_list = _seed_list(seed, seeds)
-    choices = _data_choices(distill_data)
-    if data is not None and choices != ["default"]:
-        raise ConfigError(
-            f"run_experiment(distill_data={distill_data!r}) with data=...: your texts are the "
-            "distillation data, so there is no choice to make. Fix: pass either data= or "
-            "distill_data=, not both."
-        )
-    selectors = _parse_only(only, choices, seed_list)
+    seed_list, choices, selectors = _check_experiment_args(
+        head_layout, kv_template, random_draws, data, distill_data, seed, seeds, only
+    )
     output_folder(out, "run_experiment(out=...)")  # checked before the teacher loads
 
     def say(text: str) -> None:
@@ -1136,60 +1115,14 @@ def run_experiment(
     # The ranking depends on these only: a rerun with another budget or student reuses it.
     rank_keys = ("teacher", "seed", "n_rank", "rank_pairs", "control", "max_control", "sweep_dtype")
     rank_settings = {key: settings[key] for key in rank_keys}
-    ranking: list[Head] | None = None
-    rank_info: dict[str, Any] = {}
     rank_file = folder / "ranking.json" if folder is not None else None
-    if rank_file is not None and resume and rank_file.is_file():
-        saved = json.loads(rank_file.read_text(encoding="utf-8"))
-        if _same_key(saved.get("settings"), rank_settings) and len(saved["ranking"]) >= max(ks):
-            ranking = [(int(a), int(b)) for a, b in saved["ranking"]]
-            rank_info = saved["info"]
-            say("ranking read back from " + str(rank_file))
-    if ranking is None:
-        say(f"ranking the teacher's {len(every)} heads on {len(selection)} selection prompts")
-        t0 = time.perf_counter()
-        ranking, rank_info = _rank(
-            teacher, selection, ctrl, max(ks), max_control, progress, sweep_dtype
-        )
-        rank_info["seconds"] = round(time.perf_counter() - t0, 1)
-        if rank_file is not None:
-            rank_file.parent.mkdir(parents=True, exist_ok=True)
-            rank_file.write_text(
-                json.dumps(
-                    {"settings": rank_settings, "ranking": ranking, "info": rank_info}, indent=1
-                ),
-                encoding="utf-8",
-            )
+    ranking, rank_info = _ranking_stage(
+        rank_file if resume else None, rank_file, rank_settings, max(ks), say,
+        lambda: _rank(teacher, selection, ctrl, max(ks), max_control, progress, sweep_dtype),
+        f"ranking the teacher's {len(every)} heads on {len(selection)} selection prompts",
+    )  # fmt: skip
     seconds["ranking"] = float(rank_info.get("seconds", 0.0))
-    # per training seed: k = 0, then per k the top-k set and that seed's own random draws
-    arms: dict[int, list[tuple[str, str, int, list[Head]]]] = {s: [] for s in seed_list}
-    matching: dict[int, Any] = {}
-    for k in ks:
-        if k == 0:
-            for s in seed_list:
-                arms[s].append(("k=0", "none", 0, []))
-            continue
-        top = sorted(ranking[:k])
-        for s in seed_list:
-            arms[s].append((f"top-{k}", "top", k, top))
-        if random_draws:
-            from gna_lens.heads import head_view
-            from gna_lens.scoring import matched_random_sets
-
-            # as many heads per layer as the top-k set, none of the ranking's top max(keep);
-            # distinct sets, random_draws per training seed (the first seed's are the draws a
-            # one-seed run makes: the sets are drawn in one sequence)
-            drawn = matched_random_sets(
-                head_view(teacher), top, random_draws * len(seed_list), seed=1000 * seed + k,
-                exclude=ranking[: max(ks)],
-            )  # fmt: skip
-            matching[k] = drawn
-            for i, s in enumerate(seed_list):
-                mine = drawn.sets[i * random_draws : (i + 1) * random_draws]
-                for d, chosen in enumerate(mine):
-                    arms[s].append(
-                        (f"random-{k}" + (f" #{d + 1}" if d else ""), "random", k, list(chosen))
-                    )
+    arms, matching = _arms(teacher, ks, ranking, seed_list, random_draws, seed)
     plan = [(choice, s, arm) for choice in choices for s in seed_list for arm in arms[s]]
     rows: list[HybridRow] = []
     # The teacher's row depends on the evaluation settings only (read back under other budgets).
@@ -1204,26 +1137,12 @@ def run_experiment(
         "lengths": list(lengths),
     }
     teacher_file = folder / "rows" / "teacher.json" if folder is not None else None
-    if teacher_file is not None and resume and teacher_file.is_file():
-        saved = json.loads(teacher_file.read_text(encoding="utf-8"))
-        if _same_key(saved.get("fingerprint"), teacher_key):
-            rows.append(HybridRow.from_dict(saved["row"]))
-            say(f"teacher: read back from {teacher_file}")
-    if not rows:
-        say("measuring the teacher")
-        t0 = time.perf_counter()
-        got = _measure(teacher, evals, lengths, eval_batch_size)
-        row = HybridRow(
-            "teacher", "teacher", len(every), (), got.kv, got.prose, got.knowledge, got.state,
-            {}, time.perf_counter() - t0, got.kv_correct,
-        )  # fmt: skip
-        rows.append(row)
-        if teacher_file is not None:
-            teacher_file.parent.mkdir(parents=True, exist_ok=True)
-            teacher_file.write_text(
-                json.dumps({"fingerprint": teacher_key, "row": rows[0].to_dict()}, indent=1),
-                encoding="utf-8",
-            )
+    rows.append(
+        _teacher_row(
+            teacher_file, resume, teacher_key, say,
+            lambda: _measure(teacher, evals, lengths, eval_batch_size), len(every),
+        )
+    )  # fmt: skip
     seconds["teacher"] = rows[0].seconds
     twin = teacher_twin(teacher)
     pending: list[str] = []
@@ -1395,3 +1314,143 @@ def run_experiment(
     if folder is not None:
         table.write(folder)
     return table
+
+
+def _check_experiment_args(
+    head_layout: Any,
+    kv_template: Any,
+    random_draws: Any,
+    data: Any,
+    distill_data: Any,
+    seed: int,
+    seeds: Any,
+    only: Any,
+) -> tuple[list[int], list[str], list[_Selector] | None]:
+    """The training seeds, the data choices and the ``only=`` selectors, after checking every
+    argument that needs no model."""  # fmt: skip
+    from gna_lens.hybrid._build import HEAD_LAYOUTS
+
+    if head_layout not in HEAD_LAYOUTS:
+        raise ConfigError(
+            f"run_experiment(head_layout={head_layout!r}); expected one of {list(HEAD_LAYOUTS)}."
+        )
+    if kv_template not in (None, "question", "paper"):
+        raise ConfigError(
+            f"run_experiment(kv_template={kv_template!r}); expected 'question' or 'paper'."
+        )
+    if isinstance(random_draws, bool) or not isinstance(random_draws, int) or random_draws < 0:
+        raise ConfigError(f"run_experiment(random_draws={random_draws!r}); expected an int >= 0.")
+    if data is not None and iter(data) is data:
+        raise ConfigError(
+            "run_experiment(data=...) got an iterator, which can be read once; every student "
+            "is distilled on the same texts. Pass a list or a re-iterable (default_distill_data)."
+        )
+    seed_list = _seed_list(seed, seeds)
+    choices = _data_choices(distill_data)
+    if data is not None and choices != ["default"]:
+        raise ConfigError(
+            f"run_experiment(distill_data={distill_data!r}) with data=...: your texts are the "
+            "distillation data, so there is no choice to make. Fix: pass either data= or "
+            "distill_data=, not both."
+        )
+    return seed_list, choices, _parse_only(only, choices, seed_list)
+
+
+def _ranking_stage(
+    read: Path | None,
+    write: Path | None,
+    settings: dict[str, Any],
+    k_max: int,
+    say: Callable[[str], None],
+    rank: Callable[[], tuple[list[Head], dict[str, Any]]],
+    what: str,
+) -> tuple[list[Head], dict[str, Any]]:
+    """The teacher's ranking: read back from ``read`` when it was made under the same settings
+    and is long enough, else ranked now (``rank()``) and written to ``write``."""
+    if read is not None and read.is_file():
+        saved = json.loads(read.read_text(encoding="utf-8"))
+        if _same_key(saved.get("settings"), settings) and len(saved["ranking"]) >= k_max:
+            say("ranking read back from " + str(read))
+            return [(int(a), int(b)) for a, b in saved["ranking"]], saved["info"]
+    say(what)
+    t0 = time.perf_counter()
+    ranking, info = rank()
+    info["seconds"] = round(time.perf_counter() - t0, 1)
+    if write is not None:
+        write.parent.mkdir(parents=True, exist_ok=True)
+        write.write_text(
+            json.dumps({"settings": settings, "ranking": ranking, "info": info}, indent=1),
+            encoding="utf-8",
+        )
+    return ranking, info
+
+
+def _arms(
+    teacher: Any,
+    ks: list[int],
+    ranking: list[Head],
+    seed_list: list[int],
+    random_draws: int,
+    seed: int,
+) -> tuple[dict[int, list[tuple[str, str, int, list[Head]]]], dict[int, Any]]:
+    """Per training seed: k = 0, then per k the top-k set and that seed's own random draws; and
+    the random draws per k."""  # fmt: skip
+    arms: dict[int, list[tuple[str, str, int, list[Head]]]] = {s: [] for s in seed_list}
+    matching: dict[int, Any] = {}
+    for k in ks:
+        if k == 0:
+            for s in seed_list:
+                arms[s].append(("k=0", "none", 0, []))
+            continue
+        top = sorted(ranking[:k])
+        for s in seed_list:
+            arms[s].append((f"top-{k}", "top", k, top))
+        if random_draws:
+            from gna_lens.heads import head_view
+            from gna_lens.scoring import matched_random_sets
+
+            # as many heads per layer as the top-k set, none of the ranking's top max(keep);
+            # distinct sets, random_draws per training seed (the first seed's are the draws a
+            # one-seed run makes: the sets are drawn in one sequence)
+            drawn = matched_random_sets(
+                head_view(teacher), top, random_draws * len(seed_list), seed=1000 * seed + k,
+                exclude=ranking[: max(ks)],
+            )  # fmt: skip
+            matching[k] = drawn
+            for i, s in enumerate(seed_list):
+                mine = drawn.sets[i * random_draws : (i + 1) * random_draws]
+                for d, chosen in enumerate(mine):
+                    arms[s].append(
+                        (f"random-{k}" + (f" #{d + 1}" if d else ""), "random", k, list(chosen))
+                    )
+    return arms, matching
+
+
+def _teacher_row(
+    file: Path | None,
+    resume: bool,
+    key: dict[str, Any],
+    say: Callable[[str], None],
+    measure: Callable[[], Any],
+    n_heads: int,
+) -> HybridRow:
+    """The teacher's row: read back from ``file`` when measured under the same evaluation
+    settings, else measured now and written there."""
+    if file is not None and resume and file.is_file():
+        saved = json.loads(file.read_text(encoding="utf-8"))
+        if _same_key(saved.get("fingerprint"), key):
+            say(f"teacher: read back from {file}")
+            return HybridRow.from_dict(saved["row"])
+    say("measuring the teacher")
+    t0 = time.perf_counter()
+    got = measure()
+    row = HybridRow(
+        "teacher", "teacher", n_heads, (), got.kv, got.prose, got.knowledge, got.state,
+        {}, time.perf_counter() - t0, got.kv_correct,
+    )  # fmt: skip
+    if file is not None:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        file.write_text(
+            json.dumps({"fingerprint": key, "row": row.to_dict()}, indent=1), encoding="utf-8"
+        )
+    return row
