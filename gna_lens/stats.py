@@ -27,11 +27,14 @@ from gna_lens.device import HOST, to_host
 from gna_lens.errors import GnaLensError
 
 __all__ = [
+    "LEVEL",
+    "Estimate",
     "Interval",
     "bootstrap_interval",
     "draws_interval",
     "expanded_levels",
     "paired_permutation_test",
+    "percentile_interval",
     "spearman",
     "two_level_interval",
     "wilson_interval",
@@ -40,18 +43,32 @@ __all__ = [
 #: Bootstrap resamples used by default.
 N_BOOTSTRAP = 2000
 _Z95 = 1.959963984540054
+#: The coverage of every interval gna_lens reports.
+LEVEL = 0.95
 
 
 @dataclass(frozen=True)
-class Interval:
-    """A point estimate with its 95% interval.
+class Estimate:
+    """A point estimate with its interval: the one type of every number gna_lens reports.
+
+    Every result class that reports an interval (accuracies, effects, losses, random baselines,
+    hybrid rows, benchmark cells) holds these; they are made here, in :mod:`gna_lens.stats`
+    only (:func:`wilson_interval`, :func:`bootstrap_interval`, :func:`two_level_interval`,
+    :func:`percentile_interval`).
 
     Attributes:
         value: The estimate (a mean or a proportion).
-        low: Lower end of the 95% interval.
-        high: Upper end of the 95% interval.
+        low: Lower end of the interval.
+        high: Upper end of the interval.
         n: How many units it rests on (prompts, sequences, draws).
-        method: ``"wilson"``, ``"bootstrap"`` or ``"none"`` (a single unit: no interval).
+        method: ``"wilson"``, ``"bootstrap"``, ``"bootstrap (draws x prompts)"``,
+            ``"percentile"`` or ``"none"`` (a single unit: no interval).
+        level: The interval's coverage (0.95 throughout gna_lens).
+
+    Examples:
+        >>> e = Estimate(0.5, 0.25, 0.75, 12, "wilson")
+        >>> e.level, Estimate.from_dict(e.to_dict()) == e
+        (0.95, True)
     """
 
     value: float
@@ -59,6 +76,7 @@ class Interval:
     high: float
     n: int
     method: str
+    level: float = LEVEL
 
     def __str__(self) -> str:
         return self.format()
@@ -67,9 +85,9 @@ class Interval:
         """``"78.1% [66.4, 87.0]"`` (``percent``) or ``"-0.412 [-0.61, -0.22]"``.
 
         Examples:
-            >>> Interval(0.5, 0.25, 0.75, 12, "wilson").format(percent=True)
+            >>> Estimate(0.5, 0.25, 0.75, 12, "wilson").format(percent=True)
             '50.0% [25.0, 75.0]'
-            >>> Interval(-0.41234, -0.6, -0.2, 24, "bootstrap").format(signed=True)
+            >>> Estimate(-0.41234, -0.6, -0.2, 24, "bootstrap").format(signed=True)
             '-0.412 [-0.600, -0.200]'
         """
         if math.isnan(self.value):
@@ -82,21 +100,33 @@ class Interval:
         return f"{self.value:{sign}.{d}f} [{self.low:{sign}.{d}f}, {self.high:{sign}.{d}f}]"
 
     def to_dict(self) -> dict[str, Any]:
-        """``{"value", "low", "high", "n", "method"}`` with NaN as ``None``."""
-
-        def clean(x: float) -> float | None:
-            return None if math.isnan(x) else x
-
+        """``{"value", "low", "high", "n", "method", "level"}`` with NaN as ``None``."""
         return {
-            "value": clean(self.value),
-            "low": clean(self.low),
-            "high": clean(self.high),
+            "value": _clean(self.value),
+            "low": _clean(self.low),
+            "high": _clean(self.high),
             "n": self.n,
             "method": self.method,
+            "level": self.level,
         }
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Estimate":
+        """The estimate of :meth:`to_dict` (``None`` read as NaN; no ``level``: 0.95)."""
+        v = [math.nan if data[k] is None else float(data[k]) for k in ("value", "low", "high")]
+        level = float(data.get("level", LEVEL))
+        return cls(v[0], v[1], v[2], int(data["n"]), str(data["method"]), level)
 
-def wilson_interval(successes: float, n: int) -> Interval:
+
+#: The older name of :class:`Estimate` (the same class).
+Interval = Estimate
+
+
+def _clean(x: float) -> float | None:
+    return None if math.isnan(x) else x
+
+
+def wilson_interval(successes: float, n: int) -> Estimate:
     """The Wilson score interval (95%) of a proportion ``successes / n``.
 
     Args:
@@ -104,7 +134,7 @@ def wilson_interval(successes: float, n: int) -> Interval:
         n: Number of trials.
 
     Returns:
-        An :class:`Interval`; NaN for ``n == 0``.
+        An :class:`Estimate`; NaN for ``n == 0``.
 
     Raises:
         GnaLensError: For ``successes`` outside ``[0, n]``.
@@ -117,7 +147,7 @@ def wilson_interval(successes: float, n: int) -> Interval:
         0.0
     """
     if n <= 0:
-        return Interval(math.nan, math.nan, math.nan, 0, "wilson")
+        return Estimate(math.nan, math.nan, math.nan, 0, "wilson")
     if not -1e-9 <= successes <= n + 1e-9:
         raise GnaLensError(
             f"wilson_interval(successes={successes}, n={n}); expected 0 <= successes <= n."
@@ -128,7 +158,7 @@ def wilson_interval(successes: float, n: int) -> Interval:
     half = _Z95 * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
     low = 0.0 if successes <= 0 else max(0.0, centre - half)
     high = 1.0 if successes >= n else min(1.0, centre + half)
-    return Interval(p, low, high, n, "wilson")
+    return Estimate(p, low, high, n, "wilson")
 
 
 def _t_two_sided(t: float, df: int) -> float:
@@ -214,7 +244,7 @@ def _resample_means(values: Tensor, n_boot: int, seed: int) -> Tensor:
 
 def bootstrap_interval(
     values: Tensor | Any, *, n_boot: int = N_BOOTSTRAP, seed: int = 0
-) -> Interval | list[Interval]:
+) -> Estimate | list[Estimate]:
     """Mean of ``values`` with a 95% expanded-percentile bootstrap interval over its last axis
     (the levels of :func:`expanded_levels`; ``method`` ``"bootstrap"``).
 
@@ -226,7 +256,7 @@ def bootstrap_interval(
         seed: Seed of the resampling.
 
     Returns:
-        One :class:`Interval` for a 1-D input, else a list with one per row.
+        One :class:`Estimate` for a 1-D input, else a list with one per row.
 
     Examples:
         >>> import torch
@@ -248,28 +278,28 @@ def bootstrap_interval(
         hi = torch.quantile(means, b, dim=-1)
         m = x.mean(-1)
         return [
-            Interval(float(m[i]), float(lo[i]), float(hi[i]), x.shape[1], "bootstrap")
+            Estimate(float(m[i]), float(lo[i]), float(hi[i]), x.shape[1], "bootstrap")
             for i in range(x.shape[0])
         ]
     return [_one_bootstrap(row, n_boot, seed) for row in x]
 
 
-def _one_bootstrap(x: Tensor, n_boot: int, seed: int) -> Interval:
+def _one_bootstrap(x: Tensor, n_boot: int, seed: int) -> Estimate:
     x = x[~torch.isnan(x)]
     n = int(x.numel())
     if n == 0:
-        return Interval(math.nan, math.nan, math.nan, 0, "bootstrap")
+        return Estimate(math.nan, math.nan, math.nan, 0, "bootstrap")
     m = float(x.mean())
     if n == 1:
-        return Interval(m, math.nan, math.nan, 1, "none")
+        return Estimate(m, math.nan, math.nan, 1, "none")
     means = _resample_means(x, n_boot, seed)
     a, b = expanded_levels(n)
-    return Interval(
+    return Estimate(
         m, float(torch.quantile(means, a)), float(torch.quantile(means, b)), n, "bootstrap"
     )
 
 
-def draws_interval(values: Tensor | Any, *, n_boot: int = N_BOOTSTRAP, seed: int = 0) -> Interval:
+def draws_interval(values: Tensor | Any, *, n_boot: int = N_BOOTSTRAP, seed: int = 0) -> Estimate:
     """Mean over random draws with a 95% bootstrap interval of that mean.
 
     Args:
@@ -279,7 +309,7 @@ def draws_interval(values: Tensor | Any, *, n_boot: int = N_BOOTSTRAP, seed: int
         seed: Seed of the resampling.
 
     Returns:
-        An :class:`Interval` over the draws.
+        An :class:`Estimate` over the draws.
 
     Note:
         The levels are the expanded percentile's (:func:`expanded_levels`); a plain percentile
@@ -291,13 +321,13 @@ def draws_interval(values: Tensor | Any, *, n_boot: int = N_BOOTSTRAP, seed: int
         n_boot=n_boot,
         seed=seed,
     )
-    assert isinstance(out, Interval)
+    assert isinstance(out, Estimate)
     return out
 
 
 def two_level_interval(
     values: Tensor | Any, *, n_boot: int = N_BOOTSTRAP, seed: int = 0
-) -> Interval:
+) -> Estimate:
     """Mean over random draws *and* prompts with a 95% interval that covers both samplings.
 
     Each resample draws the draws with replacement and, independently, the prompts with
@@ -311,7 +341,7 @@ def two_level_interval(
         seed: Seed of the resampling.
 
     Returns:
-        An :class:`Interval` (``n``: draws x prompts; ``method``: ``"bootstrap (draws x
+        An :class:`Estimate` (``n``: draws x prompts; ``method``: ``"bootstrap (draws x
         prompts)"``). Its coverage, measured on simulated draws x prompts (a spread over draws,
         a prompt effect shared by the draws, noise): 94% at 10 draws x 60 prompts, 89% at 5 or
         3 draws, where the draws' spread is estimated from too few of them.
@@ -335,7 +365,7 @@ def two_level_interval(
     d, n = x.shape
     m = float(x.mean())
     if d * n == 1:
-        return Interval(m, math.nan, math.nan, 1, "none")
+        return Estimate(m, math.nan, math.nan, 1, "none")
     gen = torch.Generator(device=HOST).manual_seed(seed)
     rows = torch.randint(0, d, (n_boot, d), generator=gen, device=HOST)
     cols = torch.randint(0, n, (n_boot, n), generator=gen, device=HOST)
@@ -346,13 +376,41 @@ def two_level_interval(
     w_c = torch.zeros(n_boot, n, dtype=torch.float64, device=HOST)
     w_c.scatter_add_(1, cols, torch.ones(n_boot, n, dtype=torch.float64, device=HOST))
     means = torch.einsum("bi,ij,bj->b", w_r, x, w_c) / (d * n)
-    return Interval(
+    return Estimate(
         m,
         float(torch.quantile(means, 0.025)),
         float(torch.quantile(means, 0.975)),
         d * n,
         "bootstrap (draws x prompts)",
     )
+
+
+def percentile_interval(
+    value: float, draws: Tensor | Any, *, lower: str = "linear", upper: str = "linear"
+) -> Estimate:
+    """``value`` with the 2.5th and 97.5th percentiles of ``draws`` as its interval (``method``
+    ``"percentile"``; ``n``: the draws): the interval of a statistic recomputed on resamples
+    (a rank, a share) where the resamples are drawn by the caller.
+
+    Args:
+        value: The statistic on the data itself.
+        draws: ``[n]`` the statistic on each resample (``inf`` allowed: e.g. "not ranked").
+        lower: ``torch.quantile``'s interpolation for the low end (``"lower"`` keeps ranks
+            whole).
+        upper: The same for the high end (``"higher"``).
+
+    Examples:
+        >>> import torch
+        >>> percentile_interval(3.0, torch.arange(1.0, 101.0), lower="lower", upper="higher")
+        Estimate(value=3.0, low=3.0, high=98.0, n=100, method='percentile', level=0.95)
+    """
+    x = torch.as_tensor(draws, dtype=torch.float64, device=HOST).reshape(-1)
+    if x.numel() == 0:
+        return Estimate(value, math.nan, math.nan, 0, "percentile")
+    a, b = (1 - LEVEL) / 2, 1 - (1 - LEVEL) / 2
+    low = float(torch.quantile(x, a, interpolation=lower))  # type: ignore[arg-type]
+    high = float(torch.quantile(x, b, interpolation=upper))  # type: ignore[arg-type]
+    return Estimate(value, low, high, int(x.numel()), "percentile")
 
 
 def paired_permutation_test(diff: Tensor | Any, *, n_perm: int = 10_000, seed: int = 0) -> float:

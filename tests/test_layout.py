@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent / "gna_lens"
 
 #: Bottom to top; a package may import only packages listed before it (and itself).
 LIBRARY = (
-    "errors", "runtime", "device", "stats", "_tables", "render", "models", "heads", "tasks",
+    "errors", "runtime", "device", "stats", "table", "render", "models", "heads", "tasks",
     "interventions", "sweep_policy", "distributed", "plots", "scoring",
 )  # fmt: skip
 APPLICATIONS = ("zoo", "testing", "scan", "hybrid", "lm_eval", "findings", "cli")

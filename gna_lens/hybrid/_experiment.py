@@ -39,17 +39,11 @@ from gna_lens.render.plotly import hybrid_figure
 from gna_lens.render.svg import hybrid_svg
 from gna_lens.runtime import output_folder
 from gna_lens.stats import Interval, bootstrap_interval, wilson_interval
+from gna_lens.table import Record, Table
 
 __all__ = ["HybridRow", "HybridTable", "run_experiment"]
 
 Head = tuple[int, int]
-
-
-def _iv(d: dict[str, Any] | None) -> Interval | None:
-    if d is None:
-        return None
-    v = [math.nan if d[k] is None else float(d[k]) for k in ("value", "low", "high")]
-    return Interval(v[0], v[1], v[2], int(d["n"]), str(d["method"]))
 
 
 def _mean(values: Iterable[float]) -> float:
@@ -75,7 +69,7 @@ def _paired(x: torch.Tensor | None, y: torch.Tensor | None) -> dict[str, Any] | 
 
 
 @dataclass(frozen=True)
-class HybridRow:
+class HybridRow(Record):
     """One model of the table: the teacher, or a student.
 
     Attributes:
@@ -116,49 +110,13 @@ class HybridRow:
     data: str = "default"
     arm: str = ""
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "kind": self.kind,
-            "k": self.k,
-            "heads": [list(h) for h in self.heads],
-            "kv": {k: v.to_dict() for k, v in self.kv.items()},
-            "prose": None if self.prose is None else self.prose.to_dict(),
-            "knowledge": None if self.knowledge is None else self.knowledge.to_dict(),
-            "state": {str(L): v for L, v in self.state.items()},
-            "distill": self.distill,
-            "seconds": self.seconds,
-            "kv_correct": {k: list(v) for k, v in self.kv_correct.items()},
-            "seed": self.seed,
-            "data": self.data,
-            "arm": self.arm or self.name,
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "HybridRow":
-        kv = {k: _iv(v) for k, v in d["kv"].items()}
-        return cls(
-            name=d["name"],
-            kind=d["kind"],
-            k=int(d["k"]),
-            heads=tuple((int(a), int(b)) for a, b in d["heads"]),
-            kv={k: v for k, v in kv.items() if v is not None},
-            prose=_iv(d.get("prose")),
-            knowledge=_iv(d.get("knowledge")),
-            state={int(L): v for L, v in d["state"].items()},
-            distill=dict(d.get("distill") or {}),
-            seconds=float(d.get("seconds", 0.0)),
-            kv_correct={
-                k: tuple(int(x) for x in v) for k, v in (d.get("kv_correct") or {}).items()
-            },
-            seed=int(d.get("seed", 0)),
-            data=str(d.get("data", "default")),
-            arm=str(d.get("arm") or d["name"]),
-        )
+    def __post_init__(self) -> None:
+        if not self.arm:
+            object.__setattr__(self, "arm", self.name)
 
 
 @dataclass(frozen=True)
-class HybridTable:
+class HybridTable(Table):
     """The experiment's table: the teacher and one student per (k, top or random draw, training
     seed, distillation data).
 
@@ -334,32 +292,8 @@ class HybridTable:
         return hybrid_markdown(self)
 
     def to_dict(self) -> dict[str, Any]:
-        """Everything, JSON-ready."""
-        return {
-            "teacher": self.teacher,
-            "rows": [r.to_dict() for r in self.rows],
-            "ranking": [list(h) for h in self.ranking],
-            "kv_tasks": list(self.kv_tasks),
-            "chance": self.chance,
-            "knowledge_task": self.knowledge_task,
-            "comparisons": self.comparisons(),
-            "method": self.method,
-            "seconds": self.seconds,
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "HybridTable":
-        """The table back from :meth:`to_dict` (a ``table.json``)."""
-        return cls(
-            teacher=data["teacher"],
-            rows=tuple(HybridRow.from_dict(r) for r in data["rows"]),
-            ranking=tuple((int(a), int(b)) for a, b in data["ranking"]),
-            kv_tasks=tuple(data["kv_tasks"]),
-            chance=dict(data["chance"]),
-            knowledge_task=data.get("knowledge_task"),
-            method=dict(data.get("method", {})),
-            seconds=dict(data.get("seconds", {})),
-        )
+        """Everything, JSON-ready, with :meth:`comparisons` (which ``from_dict`` recomputes)."""
+        return super().to_dict() | {"comparisons": self.comparisons()}
 
     def figure(self) -> Any:
         """A plotly figure: per KV task, accuracy (95% intervals) against k, top-k and random-k
@@ -371,16 +305,6 @@ class HybridTable:
         task, top-k (blue) and random-k (red) students against k, teacher dashed, chance
         dotted."""
         return hybrid_svg(self, panel, height)
-
-    def write(self, folder: str | Path) -> dict[str, Path]:
-        """Write ``table.md``, ``table.csv``, ``table.json`` and ``table.svg`` into ``folder``.
-
-        Returns:
-            ``{"markdown": ..., "csv": ..., "json": ..., "svg": ...}``.
-        """
-        from gna_lens._tables import write_table_files
-
-        return write_table_files(self, folder)
 
 
 # ----------------------------------------------------------------------------- measurements

@@ -13,7 +13,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -21,6 +21,7 @@ from gna_lens.device import resolve_dtype
 from gna_lens.errors import ConfigError
 from gna_lens.lm_eval.table import DEFAULT_TASKS, BenchmarkTable, evaluate_table
 from gna_lens.models.state import StateBytes, state_bytes
+from gna_lens.table import Table
 
 __all__ = ["DEFAULT_STATE_LENGTHS", "ModelComparison", "compare_models"]
 
@@ -29,7 +30,7 @@ DEFAULT_STATE_LENGTHS = (2048, 8192, 32768)
 
 
 @dataclass(frozen=True)
-class ModelComparison:
+class ModelComparison(Table):
     """Benchmark tables of several models with the same tasks and rows, and their state sizes.
 
     Attributes:
@@ -38,6 +39,8 @@ class ModelComparison:
         method: What was compared and how (the settings shared by every table, the state
             dtype and lengths).
     """
+
+    _stem: ClassVar[str] = "comparison"
 
     tables: tuple[BenchmarkTable, ...]
     states: tuple[StateBytes, ...]
@@ -89,9 +92,7 @@ class ModelComparison:
         Returns:
             ``{"markdown": ..., "csv": ..., "state": ..., "json": ...}``.
         """
-        from gna_lens._tables import write_table_files
-
-        paths = write_table_files(self, folder, stem="comparison")
+        paths = super().write(folder)
         paths["state"] = Path(folder) / "state.csv"
         self.state_dataframe().to_csv(paths["state"], index=False)
         return paths

@@ -35,6 +35,7 @@ from gna_lens.render.svg import benchmark_svg
 from gna_lens.runtime import output_folder
 from gna_lens.scoring import RandomHeadSets, matched_random_sets
 from gna_lens.stats import Interval, bootstrap_interval, two_level_interval, wilson_interval
+from gna_lens.table import Record, Table
 
 __all__ = [
     "DEFAULT_LIMIT",
@@ -57,12 +58,11 @@ RANKING_METRICS = ("logit_diff", "accuracy")
 _CHANCE = {"gna_mmlu_letter": 0.25, "gna_mmlu_cloze": 0.25, "gna_kv": 1 / 6, "gna_kv_paper": 1 / 6}
 
 
-def _interval_dict(iv: Interval | None) -> dict[str, Any] | None:
-    return None if iv is None else iv.to_dict()
+_RANDOM_ONLY = ("kind", "draw", "heads")
 
 
 @dataclass(frozen=True)
-class TableCell:
+class TableCell(Record):
     """One task in one row of the table.
 
     Attributes:
@@ -115,21 +115,10 @@ class TableCell:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready (per-item values included; ``kind``, ``draw`` and ``heads`` in random rows)."""
-        out = {
-            "k": self.k,
-            "task": self.task,
-            "metric": self.metric,
-            "n": self.n,
-            "value": _interval_dict(self.value),
-            "stderr": None if math.isnan(self.stderr) else self.stderr,
-            "change": _interval_dict(self.change),
-            "relative": None if math.isnan(self.relative) else self.relative,
-            "chance": self.chance,
-            "items": list(self.items),
-        }
-        if self.kind != "top":
-            out |= {"kind": self.kind, "draw": self.draw, "heads": [list(h) for h in self.heads]}
-        return out
+        out = super().to_dict()
+        return (
+            {k: v for k, v in out.items() if k not in _RANDOM_ONLY} if self.kind == "top" else out
+        )
 
     def format(self) -> str:
         """``"53.0 [43.3, 62.5]"``, plus ``"; -7.0 [-12.0, -2.0] pts, -12%"`` for ``k > 0``."""
@@ -142,7 +131,7 @@ class TableCell:
 
 
 @dataclass(frozen=True)
-class BenchmarkTable:
+class BenchmarkTable(Table):
     """lm-eval results for the top 0 / k1 / k2 ... heads removed: the paper's table.
 
     Attributes:
@@ -238,59 +227,6 @@ class BenchmarkTable:
         method, as markdown."""
         return benchmark_markdown(self)
 
-    def to_dict(self) -> dict[str, Any]:
-        """Everything, JSON-ready."""
-        return {
-            "model": self.model,
-            "tasks": list(self.tasks),
-            "remove_top": list(self.remove_top),
-            "ranking": [list(h) for h in self.ranking],
-            "cells": [c.to_dict() for c in self.cells],
-            "method": self.method,
-            "seconds": self.seconds,
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "BenchmarkTable":
-        """The table back from :meth:`to_dict` (e.g. a ``table.json`` written earlier)."""
-
-        def iv(d: dict[str, Any] | None) -> Interval | None:
-            if d is None:
-                return None
-            v = [math.nan if d[k] is None else float(d[k]) for k in ("value", "low", "high")]
-            return Interval(v[0], v[1], v[2], int(d["n"]), str(d["method"]))
-
-        cells = []
-        for c in data["cells"]:
-            value = iv(c["value"])
-            assert value is not None
-            cells.append(
-                TableCell(
-                    k=int(c["k"]),
-                    task=c["task"],
-                    metric=c["metric"],
-                    n=int(c["n"]),
-                    value=value,
-                    stderr=math.nan if c["stderr"] is None else float(c["stderr"]),
-                    change=iv(c["change"]),
-                    relative=math.nan if c["relative"] is None else float(c["relative"]),
-                    chance=c.get("chance"),
-                    items=tuple(c.get("items", ())),
-                    kind=c.get("kind", "top"),
-                    draw=int(c.get("draw", 0)),
-                    heads=tuple((int(a), int(b)) for a, b in c.get("heads", ())),
-                )
-            )
-        return cls(
-            model=data["model"],
-            tasks=tuple(data["tasks"]),
-            remove_top=tuple(data["remove_top"]),
-            ranking=tuple((int(a), int(b)) for a, b in data["ranking"]),
-            cells=tuple(cells),
-            method=dict(data.get("method", {})),
-            seconds=dict(data.get("seconds", {})),
-        )
-
     def figure(self) -> Any:
         """A plotly figure: each task's metric (%, 95% intervals) against heads removed (random
         draws as open circles at their ``k``, their mean as an open diamond)."""
@@ -300,16 +236,6 @@ class BenchmarkTable:
         """The figure as a small self-contained SVG (no plotly, no browser; random draws as
         open circles beside their top-``k`` point, their mean as an open diamond)."""
         return benchmark_svg(self, width, height)
-
-    def write(self, folder: str | Path) -> dict[str, Path]:
-        """Write ``table.md``, ``table.csv``, ``table.json`` and ``table.svg`` into ``folder``.
-
-        Returns:
-            ``{"markdown": ..., "csv": ..., "json": ..., "svg": ...}``.
-        """
-        from gna_lens._tables import write_table_files
-
-        return write_table_files(self, folder)
 
 
 # ----------------------------------------------------------------------------- random rows

@@ -31,6 +31,7 @@ from gna_lens.stats import (
     two_level_interval,
     wilson_interval,
 )
+from gna_lens.table import Record
 from gna_lens.tasks import Task, TextControl, evaluate
 
 __all__ = [
@@ -193,7 +194,7 @@ def matched_random_sets(
 
 
 @dataclass(frozen=True)
-class TaskRow:
+class TaskRow(Record):
     """One task of a :class:`KnowledgeTable`.
 
     Attributes:
@@ -230,26 +231,9 @@ class TaskRow:
     vs_random: Interval | None = None
     p_value: float | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        """The row with its intervals as dicts."""
-        return {
-            "task": self.task,
-            "description": self.description,
-            "n": self.n,
-            "chance": self.chance,
-            "before": self.before.to_dict(),
-            "after": self.after.to_dict(),
-            "change": self.change.to_dict(),
-            "random_after": self.random_after.to_dict() if self.random_after else None,
-            "random_change": self.random_change.to_dict() if self.random_change else None,
-            "random_draws": list(self.random_draws),
-            "vs_random": self.vs_random.to_dict() if self.vs_random else None,
-            "p_value": self.p_value,
-        }
-
 
 @dataclass(frozen=True)
-class ControlRow:
+class ControlRow(Record):
     """The control of a :class:`KnowledgeTable`: a loss in nats.
 
     Attributes:
@@ -275,22 +259,9 @@ class ControlRow:
     unit: str = "nats/token"
     vs_random: Interval | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        """The row with its intervals as dicts."""
-        return {
-            "control": self.control,
-            "n": self.n,
-            "before": self.before,
-            "after": self.after,
-            "change": self.change.to_dict(),
-            "random_change": self.random_change.to_dict() if self.random_change else None,
-            "vs_random": self.vs_random.to_dict() if self.vs_random else None,
-            "unit": self.unit,
-        }
-
 
 @dataclass(frozen=True)
-class KnowledgeTable:
+class KnowledgeTable(Record):
     """Accuracy of a model on several tasks before and after removing some heads.
 
     Attributes:
@@ -340,16 +311,6 @@ class KnowledgeTable:
             rec["chance"] = r.chance
             records.append(rec)
         return pd.DataFrame(records)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Everything, JSON-ready."""
-        return {
-            "heads": [list(h) for h in self.heads],
-            "rows": [r.to_dict() for r in self.rows],
-            "control": self.control.to_dict() if self.control else None,
-            "random_sets": [[list(h) for h in s] for s in self.random_sets],
-            "method": self.method,
-        }
 
     def __repr__(self) -> str:
         return (

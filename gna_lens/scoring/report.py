@@ -46,7 +46,7 @@ from gna_lens.interventions.layers import LayerSweepResult
 from gna_lens.render.html import write_report_html
 from gna_lens.render.markdown import heads_label
 from gna_lens.scoring.patterns import NORMALIZATION, SCORE_NAMES, Head
-from gna_lens.stats import Interval
+from gna_lens.stats import Estimate, Interval
 
 __all__ = [
     "COLUMNS",
@@ -219,7 +219,7 @@ class JointSet:
         n_candidates: Heads the walk could try (those passing the bound alone).
 
     Examples:
-        >>> from gna_lens.stats import Interval
+        >>> from gna_lens.stats import Estimate, Interval
         >>> joint = JointSet(
         ...     heads=((0, 0), (1, 0)),
         ...     effects=(Interval(0.01, 0.0, 0.02, 8, "bootstrap"),
@@ -300,10 +300,7 @@ class JointSet:
 
         return cls(
             heads=tuple((int(a), int(b)) for a, b in data["heads"]),
-            effects=tuple(
-                Interval(num(e["value"]), num(e["low"]), num(e["high"]), int(e["n"]), e["method"])
-                for e in data["effects"]
-            ),
+            effects=tuple(Estimate.from_dict(e) for e in data["effects"]),
             rejected=tuple(
                 RejectedHead(
                     (int(r["layer"]), int(r["head_index"])), num(r["joint_effect"]), int(r["after"])

@@ -21,6 +21,8 @@ from gna_lens.device import HOST
 from gna_lens.errors import GnaLensError
 from gna_lens.scoring.patterns import Head
 from gna_lens.scoring.report import GnaReport
+from gna_lens.stats import percentile_interval
+from gna_lens.table import Record
 
 __all__ = ["JointStability", "RankInterval", "RankStability", "joint_stability", "rank_stability"]
 
@@ -72,7 +74,7 @@ class RankInterval:
 
 
 @dataclass(frozen=True)
-class RankStability:
+class RankStability(Record):
     """The top ``k`` of the per-head ranking per bound and prompt count, with rank intervals.
 
     Attributes:
@@ -110,20 +112,6 @@ class RankStability:
                 f"bounds {list(self.bounds)} and n_prompts {list(self.n_prompts)}."
             )
         return [r.head for r in self.rows if r.bound == bound and r.n_prompts == n]
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-serializable dict."""
-        return {
-            "bounds": list(self.bounds),
-            "n_prompts": list(self.n_prompts),
-            "n_available": self.n_available,
-            "k": self.k,
-            "n_boot": self.n_boot,
-            "seed": self.seed,
-            "unit": self.unit,
-            "method": self.method,
-            "rows": [r.to_dict() for r in self.rows],
-        }
 
     def to_dataframe(self) -> Any:
         """One row per bound, prompt count and top head: ``bound, n_prompts, rank, layer,
@@ -261,8 +249,10 @@ def rank_stability(
                         head=report.heads[i],
                         ablation_effect=float(point_effect[i]),
                         control_effect=float(point_ctrl[i]),
-                        rank_low=float(torch.quantile(r, 0.025, interpolation="lower")),
-                        rank_high=float(torch.quantile(r, 0.975, interpolation="higher")),
+                        rank_low=(
+                            iv := percentile_interval(rank, r, lower="lower", upper="higher")
+                        ).low,
+                        rank_high=iv.high,
                         p_top_k=float((r <= k).double().mean()),
                         p_eligible=float(eligible[i].double().mean()),
                     )
