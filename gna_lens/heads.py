@@ -683,6 +683,10 @@ class HookedModel(Protocol):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """A forward pass."""
 
+    def __getattr__(self, name: str) -> Any:
+        """Anything else the model has (``blocks``, ``tokenizer``, ``to_tokens``, ...), as
+        ``torch.nn.Module`` provides it."""
+
 
 @dataclass(frozen=True)
 class Subject:

@@ -76,3 +76,23 @@ def test_bridges_and_hooked_ssms_are_hooked_models(arch):
     assert not isinstance("gpt2", HookedModel)
     with pytest.raises(Exception, match="head_view got a str"):
         Subject.of("gpt2")  # type: ignore[arg-type]
+
+
+def test_functions_that_run_the_model_take_a_subject_too():
+    """``evaluate``, ``mask_experiment`` and ``prefix_matching_scores`` called the Subject itself
+    as the model (or read its tokenizer from it) before they were typed ``ModelLike``."""
+    from gna_lens.scoring import mask_experiment, prefix_matching_scores
+    from gna_lens.tasks import evaluate
+
+    model = helper_model("bamba")
+    task = helper_task(n_samples=4)
+    subject = Subject.of(model)
+    a, b = evaluate(subject, task, progress=False), evaluate(model, task, progress=False)
+    assert torch.equal(a.correct, b.correct)
+    gathers, aggregates = [(0, 0)], [(1, 0)]
+    assert mask_experiment(subject, task, gathers, aggregates) == mask_experiment(
+        model, task, gathers, aggregates
+    )
+    by_subject = prefix_matching_scores(subject, n_tokens=8, n_samples=2, progress=False)
+    by_model = prefix_matching_scores(model, n_tokens=8, n_samples=2, progress=False)
+    assert torch.equal(by_subject.prefix_matching, by_model.prefix_matching)

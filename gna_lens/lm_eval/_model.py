@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from gna_lens.device import HOST, resolve_device
 from gna_lens.errors import ConfigError, InterventionError
-from gna_lens.heads import Head, policy_of
+from gna_lens.heads import Head, HookedModel, policy_of
 from gna_lens.render.markdown import heads_label
 
 __all__ = ["DEFAULT_MAX_LENGTH", "GnaLM", "Intervention", "parse_heads", "register"]
@@ -326,7 +326,7 @@ class GnaLM(TemplateLM):
         self,
         pretrained: str | None = None,
         *,
-        model: Any = None,
+        model: HookedModel | None = None,
         remove: Any = None,
         mode: str = "zero",
         positions: str = "all",

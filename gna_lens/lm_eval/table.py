@@ -26,7 +26,7 @@ import torch
 
 from gna_lens.device import HOST
 from gna_lens.errors import ConfigError, GnaLensError
-from gna_lens.heads import Head, HeadList, head_view
+from gna_lens.heads import Head, HeadList, HookedModel, ModelLike, head_view
 from gna_lens.lm_eval._model import GnaLM, _device, _dtype, format_heads, parse_heads
 from gna_lens.lm_eval.tasks import LOCAL_TASKS, is_local, write_tasks
 from gna_lens.render.markdown import benchmark_markdown
@@ -239,7 +239,7 @@ class BenchmarkTable(Table):
 
 
 # ----------------------------------------------------------------------------- random rows
-def _random_heads(model: Any, top: Sequence[Head], n_draws: int, seed: int) -> RandomHeadSets:
+def _random_heads(model: ModelLike, top: Sequence[Head], n_draws: int, seed: int) -> RandomHeadSets:
     """``n_draws`` distinct random head sets, each with as many heads per layer as ``top`` and
     none of them in it (:func:`~gna_lens.scoring.matched_random_sets`, the baseline of
     ``retrieval_vs_knowledge``)."""
@@ -333,7 +333,7 @@ def load_ranking(path: str | Path) -> tuple[Sequence[Head], str]:
 
 
 def _compute_ranking(
-    model: Any, k: int, *, mode: str, positions: Any, n_samples: int, seed: int,
+    model: HookedModel, k: int, *, mode: str, positions: Any, n_samples: int, seed: int,
     sweep_dtype: str | None, progress: bool, metric: str = "logit_diff",
 ) -> tuple[Sequence[Head], str]:  # fmt: skip
     """Rank heads on KV-retrieval selection prompts, as ``gna-lens scan`` does; with
@@ -432,7 +432,7 @@ def _versions() -> str:
 
 
 def evaluate_table(
-    model: Any,
+    model: HookedModel,
     tasks: Sequence[str] = DEFAULT_TASKS,
     remove_top: Sequence[int] = (0, 10, 20, 30),
     ranking: Any = None,
@@ -639,7 +639,7 @@ def _check_table_args(
 
 
 def _table_ranking(
-    model: Any,
+    model: HookedModel,
     ranking: Any,
     k_max: int,
     stage: Any,
@@ -684,7 +684,7 @@ def _table_ranking(
 
 
 def _run_rows(
-    model: Any,
+    model: HookedModel,
     rows: list[_Row],
     heads: Sequence[Head],
     groups: tuple[Any, ...],

@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 
 from gna_lens.device import HOST, to_host
 from gna_lens.errors import InterventionError
-from gna_lens.heads import HeadList, LayerHeads, ModelLike, Subject
+from gna_lens.heads import HeadList, HookedModel, LayerHeads, ModelLike, Subject
 from gna_lens.scoring.patterns import NORMALIZATION, _group_rows
 
 __all__ = ["InductionScores", "prefix_matching_scores"]
@@ -163,7 +163,7 @@ def _adds_bos(tokenizer: Any) -> int | None:
     return int(bos) if ids and ids[0] == bos else None
 
 
-def _token_pool(model: Any, tokenizer: Any) -> list[int]:
+def _token_pool(model: HookedModel, tokenizer: Any) -> list[int]:
     """Token ids to draw from: the model's vocabulary minus the tokenizer's special tokens."""
     n_vocab = int(getattr(model.cfg, "d_vocab", 0) or 0)
     if tokenizer is not None:
@@ -287,7 +287,10 @@ def prefix_matching_scores(
         raise InterventionError(
             f"prefix_matching_scores: n_samples={n_samples!r}; expected a positive int."
         )
-    tokenizer = getattr(model, "tokenizer", None)
+    subject = Subject.of(model)
+    net: Any = subject.model  # the model's own extras (SSM mixers, pattern selection)
+    view = subject.view
+    tokenizer = getattr(net, "tokenizer", None)
     if prepend_bos is None:
         bos = _adds_bos(tokenizer)
     elif prepend_bos:
@@ -299,15 +302,12 @@ def prefix_matching_scores(
             )
     else:
         bos = None
-    pool = _token_pool(model, tokenizer)
+    pool = _token_pool(net, tokenizer)
     if len(pool) < n_tokens:
         raise InterventionError(
             f"prefix_matching_scores: n_tokens={n_tokens} distinct tokens needed but the "
             f"vocabulary has {len(pool)} ordinary tokens. Fix: n_tokens <= {len(pool)}."
         )
-    subject = Subject.of(model)
-    model, view = subject.model, subject.view
-    net: Any = model  # the model's own extras (SSM mixers, pattern selection)
     wanted = view.check_heads(heads) if heads is not None else view.heads()
     parts = {(p.layer, p.offset): p for p in view.parts_of(wanted)}
     part_heads = {

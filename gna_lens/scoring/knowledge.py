@@ -359,7 +359,7 @@ class KnowledgeTable(Record):
 
 
 def _per_sample_correct(
-    model: Any,
+    model: ModelLike,
     task: Task,
     cells: Sequence[tuple[Head, ...]],
     mode: str,

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from gna_lens.device import HOST
 from gna_lens.errors import GnaLensError
-from gna_lens.heads import ModelLike, policy_of
+from gna_lens.heads import ModelLike, Subject
 from gna_lens.interventions import aggregate_mask, gather_mask, mask_patterns
 from gna_lens.interventions.batching import describe_task
 from gna_lens.render.markdown import head_label
@@ -71,7 +71,7 @@ def masked_accuracy(
 
 
 def _masked_correct(
-    model: Any,
+    model: ModelLike,
     task: Task,
     masks: Callable[[Batch], Mapping[Head, Tensor]] | None,
     *,
@@ -80,17 +80,18 @@ def _masked_correct(
 ) -> Tensor:
     """Per-sample correctness ``[n]`` (float) under ``masks``."""
     _single_token_choices(task)
-    device = policy_of(model).device
+    subject = Subject.of(model)
+    device, run = subject.device, subject.model
     correct = torch.zeros(len(task), device=HOST)
     with torch.no_grad():
         for batch in task.batches(batch_size, padding_side="left"):
             ids = batch.input_ids.to(device)
             attn = batch.attention_mask.to(device)
             if masks is None:
-                logits = model(ids, attention_mask=attn)
+                logits = run(ids, attention_mask=attn)
             else:
-                with mask_patterns(model, dict(masks(batch)), mode=mode):  # type: ignore[arg-type]
-                    logits = model(ids, attention_mask=attn)
+                with mask_patterns(subject, dict(masks(batch)), mode=mode):  # type: ignore[arg-type]
+                    logits = run(ids, attention_mask=attn)
             last = logits[:, -1].float()
             for b, (s, i) in enumerate(zip(batch.samples, batch.indices, strict=True)):
                 choice = torch.tensor([c[0] for c in s.choice_ids], device=last.device)

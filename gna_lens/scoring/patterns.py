@@ -56,7 +56,7 @@ from tqdm.auto import tqdm
 
 from gna_lens.device import HOST, to_host
 from gna_lens.errors import InterventionError
-from gna_lens.heads import HeadView, LayerHeads, ModelLike, Subject
+from gna_lens.heads import HeadView, HookedModel, LayerHeads, ModelLike, Subject
 from gna_lens.interventions.batching import describe_task
 from gna_lens.tasks import Sample, Task
 
@@ -304,7 +304,7 @@ def _roles(per_sample: Tensor, chunk: int = 1024) -> tuple[str, ...]:
 
 @contextmanager
 def _capture_patterns(
-    model: Any, view: HeadView, layers: Sequence[int]
+    model: HookedModel, view: HeadView, layers: Sequence[int]
 ) -> Iterator[dict[int, Tensor]]:
     """Hooks that store each single-part layer's pattern (keyed by layer: hook names can be
     aliases); :func:`_capture_part_patterns` for layers of several parts."""
@@ -323,7 +323,7 @@ def _capture_patterns(
 
 @contextmanager
 def _capture_part_patterns(
-    model: Any, view: HeadView, parts: Sequence[LayerHeads]
+    model: HookedModel, view: HeadView, parts: Sequence[LayerHeads]
 ) -> Iterator[dict[tuple[int, int], Tensor]]:
     """Hooks that store the pattern of each of ``parts`` (parts of layers,
     :attr:`~gna_lens.heads.LayerHeads.parts`), keyed by ``(layer, offset)``."""

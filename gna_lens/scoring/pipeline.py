@@ -67,7 +67,7 @@ __all__ = [
 JOINT_BATCH = 4
 
 
-def _model_name(model: Any) -> str:
+def _model_name(model: ModelLike) -> str:
     """The name the model was loaded by (``"smollm2-135m"``), else its config's, else its class."""
     prov = provenance_of(model)
     if prov.known and prov.name:
@@ -80,18 +80,18 @@ def _model_name(model: Any) -> str:
     return type(model).__name__
 
 
-def _examples(model: Any, task: Task, heads: list[Head]) -> dict[str, Any]:
+def _examples(model: ModelLike, task: Task, heads: list[Head]) -> dict[str, Any]:
     """Patterns of ``heads`` on the task's first sample (SSM rows as |M| normalized)."""
     from gna_lens.heads import head_patterns
     from gna_lens.scoring.patterns import _capture_part_patterns
 
     subject = Subject.of(model)
-    model, view = subject.model, subject.view
+    run, view = subject.model, subject.view
     sample = task[0]
     device = subject.device
     parts = view.parts_of(heads)  # one hook_pattern per part of a layer
-    with torch.no_grad(), _capture_part_patterns(model, view, parts) as store:
-        model(torch.tensor([sample.input_ids], device=device))
+    with torch.no_grad(), _capture_part_patterns(run, view, parts) as store:
+        run(torch.tensor([sample.input_ids], device=device))
     patterns = {}
     for layer, h in heads:
         part, i = view.part_of((layer, h))
@@ -147,7 +147,7 @@ def _scatter_samples(heads: list[Head], sweep: SweepResult) -> Float[Tensor, "he
 
 
 def _joint_walk(
-    model: Any,
+    model: ModelLike,
     control: TextControl | Task,
     report: GnaReport,
     control_samples: Tensor,
@@ -486,7 +486,7 @@ class _Run:
 
 
 def _score_heads(
-    model: Any,
+    model: ModelLike,
     task: Task,
     ablation: bool,
     *,

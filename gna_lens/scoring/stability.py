@@ -19,6 +19,7 @@ from torch import Tensor
 
 from gna_lens.device import HOST
 from gna_lens.errors import GnaLensError
+from gna_lens.heads import ModelLike
 from gna_lens.scoring.patterns import Head
 from gna_lens.scoring.report import GnaReport
 from gna_lens.stats import percentile_interval
@@ -332,7 +333,7 @@ class JointStability:
 
 
 def joint_stability(
-    model: Any,
+    model: ModelLike,
     control: Any,
     report: GnaReport,
     *,

@@ -1,6 +1,6 @@
 """Accuracy of a model on a task, batched, with per-sample correctness and logit differences."""
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -10,6 +10,7 @@ from torch import Tensor
 
 from gna_lens.device import HOST, DevicePolicy
 from gna_lens.errors import ConfigError, TaskError
+from gna_lens.heads import ModelLike, model_of
 from gna_lens.tasks.core import PaddingSide, Task, pad_sequences
 
 __all__ = ["EvalResult", "evaluate"]
@@ -85,7 +86,7 @@ class EvalResult:
         )
 
 
-def checked_logits(model: Any, ids: Tensor, mask: Tensor) -> Tensor:
+def checked_logits(model: Callable[..., Any], ids: Tensor, mask: Tensor) -> Tensor:
     """``model(ids, attention_mask=mask)``'s logits ``[batch, pos, d_vocab]``, or a ``TaskError``
     that says what the model returned instead."""
     out = model(ids, attention_mask=mask)
@@ -104,7 +105,7 @@ def checked_logits(model: Any, ids: Tensor, mask: Tensor) -> Tensor:
     return out
 
 
-def _device(model: Any) -> torch.device:
+def _device(model: Callable[..., Any]) -> torch.device:
     """The model's device (:meth:`DevicePolicy.of`); the host for a plain callable, which has no
     parameters and no ``cfg.device`` to tell."""
     try:
@@ -113,7 +114,7 @@ def _device(model: Any) -> torch.device:
         return HOST
 
 
-def _model_vocab(model: Any) -> int | None:
+def _model_vocab(model: Callable[..., Any]) -> int | None:
     for holder, name in (("cfg", "d_vocab"), ("config", "vocab_size")):
         v = getattr(getattr(model, holder, None), name, None)
         if isinstance(v, int) and v > 0:
@@ -129,7 +130,7 @@ def _check_vocab(task: Task, max_id: int, vocab: int) -> None:
         )
 
 
-def model_context_length(model: Any) -> int | None:
+def model_context_length(model: Callable[..., Any]) -> int | None:
     """The model's maximum sequence length, where it declares one (``cfg.n_ctx`` etc.)."""
     for holder in ("cfg", "config"):
         obj = getattr(model, holder, None)
@@ -174,7 +175,7 @@ def _best_other(x: Tensor, k: int) -> float:
 
 @torch.no_grad()
 def evaluate(
-    model: Any,
+    model: ModelLike | Callable[..., Any],
     task: Task,
     batch_size: int = 8,
     *,
@@ -248,8 +249,9 @@ def evaluate(
             "single-token choices. Fix: method='auto' or 'per_choice'."
         )
     use_single = single and method != "per_choice"
-    device = _device(model)
-    limit = model_context_length(model)
+    net = model_of(model)
+    device = _device(net)
+    limit = model_context_length(net)
     n = len(task)
 
     # Rows: (sample index, choice index or -1 for the bare prompt, token ids, n prompt tokens).
@@ -270,7 +272,7 @@ def evaluate(
     max_id = max((max(r[2]) for r in rows), default=0)
     max_id = max([max_id] + [max(c) for s in task for c in s.choice_ids])
 
-    vocab = _model_vocab(model)
+    vocab = _model_vocab(net)
     if vocab is not None:
         _check_vocab(task, max_id, vocab)
     bar = tqdm(total=len(rows), desc=f"evaluate {task.name}", disable=not progress, leave=False)
@@ -280,7 +282,7 @@ def evaluate(
             batch_ids, mask, offsets = pad_sequences(
                 [r[2] for r in chunk], padding_side=padding_side, pad_token_id=pad, device=device
             )
-            logits = checked_logits(model, batch_ids, mask)
+            logits = checked_logits(net, batch_ids, mask)
             _check_vocab(task, max_id, logits.shape[-1])
             for b, (i, c, row, n_prompt) in enumerate(chunk):
                 s = task[i]
