@@ -96,3 +96,13 @@ def test_functions_that_run_the_model_take_a_subject_too():
     by_subject = prefix_matching_scores(subject, n_tokens=8, n_samples=2, progress=False)
     by_model = prefix_matching_scores(model, n_tokens=8, n_samples=2, progress=False)
     assert torch.equal(by_subject.prefix_matching, by_model.prefix_matching)
+
+
+def test_report_examples_show_the_tokens_not_their_ids():
+    """The report's example patterns are labelled by the tokenizer's tokens (the pipeline hands
+    the Subject down; reading the tokenizer off it gave none, and ids as labels)."""
+    model = toy_gna_model()
+    task = toy_gna_task(model, n_samples=8)
+    report = score_heads(model, task, control=toy_control(model), progress=False)
+    want = [model.tokenizer.decode([i]) for i in task[0].input_ids]
+    assert report.examples["tokens"] == want and not want[0].isdigit()

@@ -101,7 +101,7 @@ def _examples(model: ModelLike, task: Task, heads: list[Head]) -> dict[str, Any]
             p = p.abs().tril()
             p = p / p.sum(-1, keepdim=True).clamp(min=1e-30)
         patterns[f"L{layer}H{h}"] = to_host(p).tolist()
-    tokenizer = getattr(model, "tokenizer", None)
+    tokenizer = getattr(run, "tokenizer", None)
     tokens = (
         [tokenizer.decode([i]) for i in sample.input_ids]
         if tokenizer is not None
