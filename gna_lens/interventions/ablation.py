@@ -27,7 +27,13 @@ from gna_lens.heads import (
     normalize_head_sets,
     require_editable,
 )
-from gna_lens.interventions.batching import Group, describe_task, length_groups, parse_bytes
+from gna_lens.interventions.batching import (
+    Group,
+    describe_task,
+    length_groups,
+    parse_bytes,
+    row_groups,
+)
 from gna_lens.interventions.engine import (
     PLANNERS,
     CellSweep,
@@ -844,12 +850,7 @@ def _plan_control(
     edited = edit_positions(source, positions, rows)
     shift = 1 if mode == "resample" else 0
     check_resample_pairs(rows, source, [(i + shift) % n for i in range(n)], "control_sweep")
-    groups = [
-        Group(
-            torch.arange(s, min(s + max_rows, n), device=HOST), inputs[s : s + max_rows].to(device)
-        )
-        for s in range(0, n, max_rows)
-    ]
+    groups = row_groups(inputs, max_rows, device)
 
     def source_for(g: Group) -> tuple[Source, Tensor]:
         return source, (g.indices + shift) % max(source.n, 1)

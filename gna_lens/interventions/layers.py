@@ -46,7 +46,6 @@ a knowledge task's answer among its options), with paired 95% bootstrap interval
 """
 
 import time
-import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -63,10 +62,10 @@ from gna_lens.heads import (
     LayerHeads,
     ModelLike,
     Subject,
+    edit_ignored,
+    hook_points,
     is_hooked_ssm,
     model_of,
-    probe_tokens,
-    uncomparable_outputs,
 )
 from gna_lens.interventions.ablation import (
     _InputRows,
@@ -74,7 +73,12 @@ from gna_lens.interventions.ablation import (
     ablation_info,
     positions_label,
 )
-from gna_lens.interventions.batching import Group, describe_control, describe_task, length_groups
+from gna_lens.interventions.batching import (
+    describe_control,
+    describe_task,
+    length_groups,
+    row_groups,
+)
 from gna_lens.interventions.engine import (
     PLANNERS,
     CellSweep,
@@ -83,7 +87,7 @@ from gna_lens.interventions.engine import (
     SweepPlan,
     execute,
 )
-from gna_lens.interventions.hooks import hooked
+from gna_lens.interventions.hooks import bind, hooked
 from gna_lens.interventions.metrics import Metric
 from gna_lens.interventions.result import CellResult
 from gna_lens.interventions.runner import PathLog, Runner
@@ -187,15 +191,7 @@ def _layer_subject(model: Any) -> _LayerSubject:
 
 
 def _layer_infos(model: Any, heads: HeadView | None, ssm: bool) -> tuple[LayerInfo, ...]:
-    cfg: Any = getattr(model, "cfg", None)
-    hook_dict = getattr(model, "hook_dict", None)
-    n_layers = getattr(cfg, "n_layers", None)
-    if not isinstance(hook_dict, dict) or not isinstance(n_layers, int):
-        raise InterventionError(
-            f"layer interventions got a {type(model).__name__}; expected a TransformerLens model "
-            "with hook points and cfg.n_layers (a TransformerBridge or a gna_lens.HookedSSM). "
-            "Fix: load it with gna_lens.load_model(name)."
-        )
+    _, hook_dict, n_layers = hook_points(model, "layer interventions")
     out = []
     for layer in range(n_layers):
         pre, post = f"blocks.{layer}.hook_resid_pre", f"blocks.{layer}.hook_resid_post"
@@ -239,38 +235,6 @@ def _layer_infos(model: Any, heads: HeadView | None, ssm: bool) -> tuple[LayerIn
 _VERDICTS: "weakref.WeakKeyDictionary[Any, dict[str, str | None]]" = weakref.WeakKeyDictionary()
 
 
-def _probe(model: Any, name: str, watch: str | None) -> str | None:
-    """Zero ``name``'s tensor in a 6-token forward (and see that ``watch`` fires): the reason an
-    edit there would not take effect, or ``None``."""
-    fired: dict[str, int] = {}
-
-    def edit(x: Tensor, hook: Any) -> Tensor:
-        fired[name] = 1
-        return torch.zeros_like(x)
-
-    def seen(x: Tensor, hook: Any) -> None:
-        fired[str(watch)] = 1
-
-    tokens = probe_tokens(model)
-    hooks: list[tuple[str, HookFn]] = [(name, edit)] + ([(watch, seen)] if watch else [])
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        base = model(tokens)
-        with hooked(model, hooks):
-            out = model(tokens)
-    for hook_name in (name, watch):
-        if hook_name and hook_name not in fired:
-            return (
-                f"would be silently ignored: the hook {hook_name} never fired during a forward pass"
-            )
-    failure = uncomparable_outputs(base, out, "model(tokens)")  # fails closed
-    if failure is not None:
-        return failure
-    if float((out - base).abs().max()) <= 1e-6 * (float(base.abs().max()) + 1e-12):
-        return f"would be silently ignored: zeroing {name} did not change the logits"
-    return None
-
-
 def _require_editable(
     model: Any, infos: Sequence[LayerInfo], layers: Sequence[int], target: str
 ) -> None:
@@ -286,7 +250,8 @@ def _require_editable(
         for name in _target_hooks(info, target):
             watch = info.resid_pre_hook if target == "block" else None
             if name not in verdicts:
-                verdicts[name] = _probe(model, name, watch)
+                unchanged = f"would be silently ignored: zeroing {name} did not change the logits"
+                verdicts[name] = edit_ignored(model, name, torch.zeros_like, unchanged, watch=watch)
             if verdicts[name] is not None:
                 raise PatternEditError(
                     f"{type(model).__name__} layer {layer}: a {target} intervention is refused, "
@@ -803,13 +768,6 @@ def _runner_view(model: Any, view: HeadView | None, infos: Sequence[LayerInfo]) 
     )
 
 
-def bind(fn: Callable[..., Any], **kw: Any) -> HookFn:
-    def bound(x: Tensor, hook: Any) -> Any:
-        return fn(x, hook, **kw)
-
-    return bound
-
-
 class _NegMetric:
     """The answer's NLL among its options (a knowledge task as a control), per row."""
 
@@ -818,16 +776,6 @@ class _NegMetric:
 
     def __call__(self, logits: Tensor, idx: Tensor) -> Tensor:
         return -self.metric(logits, idx)
-
-
-def _groups_of_windows(tokens: Tensor, max_rows: int, device: Any) -> list[Group]:
-    n = tokens.shape[0]
-    return [
-        Group(
-            torch.arange(s, min(s + max_rows, n), device=HOST), tokens[s : s + max_rows].to(device)
-        )
-        for s in range(0, n, max_rows)
-    ]
 
 
 #: What each (target, mode) of a layer ablation does, in words (``method["ablation"]``).
@@ -1007,7 +955,7 @@ def _plan_layers(
             )
         runner = Runner(subject, keep=k)
         run_metric = _NextTokenNLL(on.tokens, k)
-        groups = _groups_of_windows(inputs, max_rows, device)
+        groups = row_groups(inputs, max_rows, device)
         ref: Any = inputs
         prompts = inputs.tolist()
     elif metric is None:  # a knowledge task as the control

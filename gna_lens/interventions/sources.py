@@ -12,7 +12,7 @@ from torch import Tensor
 from gna_lens.device import HOST
 from gna_lens.errors import InterventionError
 from gna_lens.heads import LayerHeads
-from gna_lens.interventions.batching import Group, length_groups
+from gna_lens.interventions.batching import Group, length_groups, row_groups
 from gna_lens.interventions.hooks import EMBED_HOOK, bind, hooked
 from gna_lens.tasks import Task
 
@@ -297,13 +297,7 @@ def reference_rows(
         rows = [tuple(int(t) for t in s.input_ids) for s in reference]
         return groups, label, rows
     if isinstance(reference, Tensor) and reference.ndim == 2 and not reference.is_floating_point():
-        toks = reference.to(device)
-        groups = [
-            Group(
-                torch.arange(s, min(s + max_rows, len(toks)), device=HOST), toks[s : s + max_rows]
-            )
-            for s in range(0, len(toks), max_rows)
-        ]
+        groups = row_groups(reference, max_rows, device)
         label = f"reference tokens {tuple(reference.shape)}"
         return groups, label, [tuple(r) for r in reference.tolist()]
     got = tuple(reference.shape) if isinstance(reference, Tensor) else type(reference).__name__
