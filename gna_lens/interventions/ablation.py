@@ -371,12 +371,7 @@ class SweepResult(CellResult):
         return _label(self.cells[i])
 
     def _index_columns(self, i: int) -> dict[str, Any]:
-        cell = self.cells[i]
-        single = len(cell) == 1
-        return {
-            "layer": cell[0][0] if single else tuple(lay for lay, _ in cell),
-            "head": cell[0][1] if single else tuple(h for _, h in cell),
-        }
+        return head_columns(self.cells[i])
 
     def _context_columns(self) -> dict[str, Any]:
         return {"mode": self.mode, "positions": self.positions}
@@ -427,6 +422,15 @@ class SweepResult(CellResult):
 
 def _label(cell: Sequence[Head]) -> str:
     return heads_label(cell, "+")
+
+
+def head_columns(cell: Sequence[Head]) -> dict[str, Any]:
+    """A head set's ``layer`` and ``head`` columns (tuples for a set of several heads)."""
+    single = len(cell) == 1
+    return {
+        "layer": cell[0][0] if single else tuple(lay for lay, _ in cell),
+        "head": cell[0][1] if single else tuple(h for _, h in cell),
+    }
 
 
 def cell_kind(view: HeadView, cell: Sequence[Head]) -> str:
