@@ -837,9 +837,22 @@ def edit_ignored(
     return None
 
 
+def cached_verdict(store: Any, model: Any, key: Any, probe: Any, *args: Any) -> str | None:
+    """``probe(*args)``'s verdict on ``key`` (``None``: the edit takes effect), cached per model
+    in ``store`` (a ``WeakKeyDictionary``); a model that cannot be weak-referenced is probed
+    every time."""
+    try:
+        verdicts = store.setdefault(model, {})
+    except TypeError:
+        verdicts = {}
+    if key not in verdicts:
+        verdicts[key] = probe(*args)
+    return cast("str | None", verdicts[key])
+
+
 def _probe(model: Any, lh: LayerHeads, target: EditTarget) -> str | None:
-    """The reason an edit of ``target`` in ``lh``'s layer fails (:func:`edit_ignored`), or None."""
-    name = lh.hook(target)
+    """The reason an edit of ``target`` fails (:func:`edit_ignored`) in the first of the layer's
+    parts that holds it (a multi-part layer's scores: its attention parts), or None."""
 
     def edit(x: Tensor) -> Tensor:
         if target == "scores":
@@ -849,12 +862,18 @@ def _probe(model: Any, lh: LayerHeads, target: EditTarget) -> str | None:
         return torch.zeros_like(x)
 
     attn = type(_attn_module(model, lh.layer)).__name__
-    unchanged = (
-        f"would be silently ignored: an edit returned from {name} did not change the layer's "
-        f"output: this attention ({attn}) computes its output inside the wrapped Hugging Face "
-        "module and only reports the pattern afterwards"
-    )
-    return edit_ignored(model, name, edit, unchanged, stop=lh.layer + 1)
+    parts = [p for p in lh.parts if target != "scores" or p.scores_hook is not None]
+    for part in parts or lh.parts[:1]:
+        name = part.hook(target)
+        unchanged = (
+            f"would be silently ignored: an edit returned from {name} did not change the "
+            f"layer's output: this attention ({attn}) computes its output inside the wrapped "
+            "Hugging Face module and only reports the pattern afterwards"
+        )
+        reason = edit_ignored(model, name, edit, unchanged, stop=lh.layer + 1)
+        if reason is not None:
+            return reason
+    return None
 
 
 def _attn_module(model: Any, layer: int) -> Any:
@@ -882,21 +901,11 @@ def require_editable(model: Any, view: HeadView, layers: Iterable[int], target: 
             show the edit takes effect (the output is not a tensor, changes shape or is not
             finite).
     """
-    try:
-        verdicts = _VERDICTS.setdefault(model, {})
-    except TypeError:  # not weak-referenceable: check every time
-        verdicts = {}
     for layer in sorted(set(layers)):
         lh = view[layer]
         if lh.verified:
             continue
-        key = (layer, target)
-        if key not in verdicts:
-            # Every part holding the target (a multi-part layer's scores: its attention parts)
-            parts = [p for p in lh.parts if target != "scores" or p.scores_hook is not None]
-            probes = (_probe(model, p, target) for p in parts or lh.parts[:1])
-            verdicts[key] = next((r for r in probes if r is not None), None)
-        reason = verdicts[key]
+        reason = cached_verdict(_VERDICTS, model, (layer, target), _probe, model, lh, target)
         if reason is not None:
             what = {
                 "pattern": "post-softmax pattern edits (mask_patterns mode='post')",

@@ -684,6 +684,29 @@ class _NextTokenNLL:
         return nll.float().view(len(idx), self.k).mean(-1)
 
 
+def _windows(
+    subject: Subject, control: TextControl, positions: Any, n_scored: int | None, max_rows: int
+) -> tuple[Runner, _NextTokenNLL, list[Group], Tensor]:
+    """A text control's runner, metric, groups and inputs: each window minus its final token is
+    an input, and the NLL of its last ``n_scored`` tokens (default half the window; 1 with
+    ``positions="last"``) is the metric.
+
+    Raises:
+        InterventionError: If that is not ``1 <= n_scored < seq_len``.
+    """
+    last = positions == "last"
+    k = 1 if last else (n_scored or max(1, control.seq_len // 2))
+    if not 1 <= k < control.seq_len or (last and k != 1):
+        raise InterventionError(
+            f"n_scored={n_scored} on control windows of {control.seq_len} tokens; expected "
+            f"1 <= n_scored < {control.seq_len} (and 1 with positions='last'; windows of at "
+            "least 2 tokens)."
+        )
+    inputs = control.tokens[:, :-1]
+    metric = _NextTokenNLL(control.tokens, k)
+    return Runner(subject, keep=k), metric, row_groups(inputs, max_rows, subject.device), inputs
+
+
 def control_sweep(
     model: ModelLike,
     control: TextControl | Task,
@@ -825,15 +848,8 @@ def _plan_control(
         )
     if method not in ("batched", "loop"):
         raise InterventionError(f"method={method!r}; expected 'batched' or 'loop'.")
-    last = positions == "last"
     device = subject.device
-    inputs = control.tokens[:, :-1]
-    k = 1 if last else (n_scored or max(1, control.seq_len // 2))
-    if not 1 <= k < control.seq_len or (last and k != 1):
-        raise InterventionError(
-            f"control_sweep(n_scored={n_scored}) on windows of {control.seq_len} tokens; expected "
-            f"1 <= n_scored < {control.seq_len} (and 1 with positions='last')."
-        )
+    runner, metric, groups, inputs = _windows(subject, control, positions, n_scored, max_rows)
     n = inputs.shape[0]
     if mode == "resample" and n < 2:
         raise InterventionError(
@@ -843,8 +859,6 @@ def _plan_control(
     layers = sorted({layer for c in cells for layer, _ in c})
     if check_edits:
         require_editable(model, view, layers, "z")
-    runner = Runner(subject, keep=k)
-    metric = _NextTokenNLL(control.tokens, k)
     plan = SweepPlan(parse_bytes(memory_budget), max_rows, None)
     source = build_source(
         model, mode, None if mode == "zero" else inputs.to(device),
@@ -854,14 +868,13 @@ def _plan_control(
     edited = edit_positions(source, positions, rows)
     shift = 1 if mode == "resample" else 0
     check_resample_pairs(rows, source, [(i + shift) % n for i in range(n)], "control_sweep")
-    groups = row_groups(inputs, max_rows, device)
 
     def source_for(g: Group) -> tuple[Source, Tensor]:
         return source, (g.indices + shift) % max(source.n, 1)
 
     return CellSweep(
         runner, list(cells), groups, source_for, metric, edited, plan, method, n,
-        extra={"n_scored": k} | ablation_info(source, edited),
+        extra={"n_scored": runner.keep} | ablation_info(source, edited),
     )  # fmt: skip
 
 

@@ -62,6 +62,7 @@ from gna_lens.heads import (
     LayerHeads,
     ModelLike,
     Subject,
+    cached_verdict,
     edit_ignored,
     hook_points,
     is_hooked_ssm,
@@ -69,7 +70,7 @@ from gna_lens.heads import (
 )
 from gna_lens.interventions.ablation import (
     _InputRows,
-    _NextTokenNLL,
+    _windows,
     ablation_info,
     positions_label,
 )
@@ -77,7 +78,6 @@ from gna_lens.interventions.batching import (
     describe_control,
     describe_task,
     length_groups,
-    row_groups,
 )
 from gna_lens.interventions.engine import (
     PLANNERS,
@@ -239,23 +239,21 @@ def _require_editable(
     model: Any, infos: Sequence[LayerInfo], layers: Sequence[int], target: str
 ) -> None:
     """Make sure the edits of ``target`` at ``layers`` change the output, or refuse."""
-    try:
-        verdicts = _VERDICTS.setdefault(model, {})
-    except TypeError:  # not weak-referenceable: check every time
-        verdicts = {}
     for layer in sorted(set(layers)):
         info = infos[layer]
         if info.verified:
             continue
+        watch = info.resid_pre_hook if target == "block" else None
         for name in _target_hooks(info, target):
-            watch = info.resid_pre_hook if target == "block" else None
-            if name not in verdicts:
-                unchanged = f"would be silently ignored: zeroing {name} did not change the logits"
-                verdicts[name] = edit_ignored(model, name, torch.zeros_like, unchanged, watch=watch)
-            if verdicts[name] is not None:
+            unchanged = f"would be silently ignored: zeroing {name} did not change the logits"
+            reason = cached_verdict(
+                _VERDICTS, model, name, edit_ignored, model, name, torch.zeros_like, unchanged,
+                None, watch,
+            )  # fmt: skip
+            if reason is not None:
                 raise PatternEditError(
                     f"{type(model).__name__} layer {layer}: a {target} intervention is refused, "
-                    f"since it {verdicts[name]}: refusing instead of returning results the edit "
+                    f"since it {reason}: refusing instead of returning results the edit "
                     "may not have changed. Fix: load the model as a gna_lens.HookedSSM or with "
                     "an architecture whose TransformerBridge blocks pass hook edits on (Llama, "
                     "Qwen2, GPT-2, ...)."
@@ -311,12 +309,16 @@ def _target_hooks(info: LayerInfo, target: str) -> tuple[str, ...]:
 
 
 # ----------------------------------------------------------------------------- validation
-def _check_layers(infos: Sequence[LayerInfo], layers: Any, what: str = "layers") -> list[int]:
-    n = len(infos)
+def _not_one_layer(layers: Any, what: str = "layers") -> None:
     if isinstance(layers, int) and not isinstance(layers, bool):
         raise InterventionError(
             f"{what}={layers!r} is one layer; expected a list, e.g. [{layers}]."
         )
+
+
+def _check_layers(infos: Sequence[LayerInfo], layers: Any, what: str = "layers") -> list[int]:
+    n = len(infos)
+    _not_one_layer(layers, what)
     try:
         items = list(layers)
     except TypeError:
@@ -768,16 +770,6 @@ def _runner_view(model: Any, view: HeadView | None, infos: Sequence[LayerInfo]) 
     )
 
 
-class _NegMetric:
-    """The answer's NLL among its options (a knowledge task as a control), per row."""
-
-    def __init__(self, task: Task):
-        self.metric = Metric("choice_logprob", task)
-
-    def __call__(self, logits: Tensor, idx: Tensor) -> Tensor:
-        return -self.metric(logits, idx)
-
-
 #: What each (target, mode) of a layer ablation does, in words (``method["ablation"]``).
 _ABLATION = {
     ("block", "zero"): "block removed: the identity on the residual stream",
@@ -890,7 +882,12 @@ def _sweep_cells(
         if method == "batched" else "loop (a full forward per cell)",
         "forwards": forwards,
         "seconds": round(time.perf_counter() - t0, 3),
-    } | paths | mean_info | _executor_info(info, ctrl)  # fmt: skip
+    } | paths | mean_info  # fmt: skip
+    # The Ray executor's record of the task's run (executor) and the control's.
+    if "executor" in runs[0][2]:
+        info["executor"] = runs[0][2]["executor"]
+    if ctrl and "executor" in ctrl[0][2]:
+        info["control_executor"] = ctrl[0][2]["executor"]
     return LayerSweepResult(
         cells=tuple(cells),
         kinds=tuple(_cell_kind(infos, c) for c in cells),
@@ -903,14 +900,6 @@ def _sweep_cells(
         control=description,
         info=info,
     )
-
-
-def _executor_info(info: dict[str, Any], ctrl: Sequence[Any]) -> dict[str, Any]:
-    """The Ray executor's record of the task's run (``executor``) and the control's."""
-    out = {"executor": info["executor"]} if "executor" in info else {}
-    if ctrl and "executor" in ctrl[0][2]:
-        out["control_executor"] = ctrl[0][2]["executor"]
-    return out
 
 
 def _plan_layers(
@@ -946,21 +935,16 @@ def _plan_layers(
     device = subject.device
     run_metric: Callable[[Tensor, Tensor], Tensor]
     if isinstance(on, TextControl):
-        last = positions == "last"
-        inputs = on.tokens[:, :-1]
-        k = 1 if last else max(1, on.seq_len // 2)
-        if k >= on.seq_len:
-            raise InterventionError(
-                f"the control's windows have {on.seq_len} tokens; expected at least 2."
-            )
-        runner = Runner(subject, keep=k)
-        run_metric = _NextTokenNLL(on.tokens, k)
-        groups = row_groups(inputs, max_rows, device)
+        runner, run_metric, groups, inputs = _windows(subject, on, positions, None, max_rows)
         ref: Any = inputs
         prompts = inputs.tolist()
     elif metric is None:  # a knowledge task as the control
         runner = Runner(subject)
-        run_metric = _NegMetric(on)
+        choice = Metric("choice_logprob", on)
+
+        def run_metric(logits: Tensor, idx: Tensor) -> Tensor:
+            return -choice(logits, idx)  # the answer's NLL among its options
+
         groups = length_groups(on, max_rows, device)
         ref, prompts = on, [s.input_ids for s in on]
     else:
@@ -968,16 +952,22 @@ def _plan_layers(
         run_metric = Metric(metric, on)
         groups = length_groups(on, max_rows, device)
         ref, prompts = reference, [s.input_ids for s in on]
-    hooks, mean_info = _cell_hooks(
-        subject, infos, cells, layers, target, mode, ref, positions, include_bos, prompts
-    )
+    # Mean ablation: BOS columns of the prompts left unedited unless include_bos.
+    source = None
+    if mode == "mean":
+        source = _layer_source(subject, infos, layers, target, ref, positions, include_bos)
+    edited = positions if source is None else edit_positions(source, positions, prompts)
     hook_cells = [
-        HookCell(start=min(c), hooks=tuple(h), label=_cell_label(c))
-        for c, h in zip(cells, hooks, strict=True)
-    ]
+        HookCell(
+            start=min(c), hooks=tuple(_hooks_for(infos, c, target, source, edited)),
+            label=_cell_label(c),
+        )
+        for c in cells
+    ]  # fmt: skip
     return CellSweep(
         runner, hook_cells, groups, None, run_metric, None,
-        SweepPlan(0, max_rows, None), method, len(prompts), extra=mean_info,
+        SweepPlan(0, max_rows, None), method, len(prompts),
+        extra={} if source is None else ablation_info(source, edited),
         base_hooks=_hooks_for(infos, removed, "block", None, None),
     )  # fmt: skip
 
@@ -990,39 +980,12 @@ def _cell_kind(infos: Sequence[LayerInfo], cell: Cell) -> str:
     return kinds.pop() if len(kinds) == 1 else "mixed"
 
 
-def _cell_hooks(
-    subject: Subject,
-    infos: Sequence[LayerInfo],
-    cells: Sequence[Cell],
-    layers: list[int],
-    target: str,
-    mode: str,
-    reference: Any,
-    positions: Any,
-    include_bos: bool,
-    prompts: Sequence[Sequence[int]],
-) -> tuple[list[list[tuple[str, HookFn]]], dict[str, Any]]:
-    """Each cell's hooks on ``prompts`` (mean ablation: BOS columns left unedited unless
-    ``include_bos``), and what the mean was taken over (``{}`` for zero ablation)."""
-    source = (
-        _layer_source(subject, infos, layers, target, reference, positions, include_bos)
-        if mode == "mean"
-        else None
-    )
-    edited = positions if source is None else edit_positions(source, positions, prompts)
-    hooks = [_hooks_for(infos, c, target, source, edited) for c in cells]
-    return hooks, {} if source is None else ablation_info(source, edited)
-
-
 def _layer_cells(infos: Sequence[LayerInfo], layers: Any, removed: list[int]) -> list[Cell]:
     """``None`` -> every layer not removed, alone; ints -> each alone; lists -> sets."""
     if layers is None:
         cells: list[Cell] = [(i.layer,) for i in infos if i.layer not in removed]
     else:
-        if isinstance(layers, int) and not isinstance(layers, bool):
-            raise InterventionError(
-                f"layers={layers!r} is one layer; expected a list, e.g. [{layers}]."
-            )
+        _not_one_layer(layers)
         items = list(layers)
         if not items:
             raise InterventionError("layers=[] is empty; expected layer indices or layer sets.")
