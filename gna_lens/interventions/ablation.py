@@ -332,14 +332,10 @@ class SweepResult(CellResult):
     A :class:`~gna_lens.interventions.result.CellResult` (effects with 95% intervals, ranking,
     ``to_dataframe``, ``to_dict``, ``plot``, ``info``) whose cells are head sets.
 
-    Attributes:
+    Attributes (beyond :class:`~gna_lens.interventions.result.CellResult`'s meaning):
         cells: The head sets, one per result row (a single head is a one-element set).
         kinds: Per cell, its heads' kind, ``"attention"`` or ``"ssm"``, or ``"mixed"`` for a
             cell of both kinds.
-        values: The metric under each intervention, per sample ``[cell, sample]``.
-        baseline: The metric without intervention, per sample ``[sample]``.
-        metric: The metric's name.
-        task: The task's description.
         mode: The ablation mode (``"zero"``, ``"mean"``, ``"resample"``) or ``"patch"``.
         positions: The positions edited (``"all"``, ``"last"`` or a list).
         method: How it was computed (``"batched"``, ``"incremental"``, ``"loop"``,
@@ -622,14 +618,7 @@ def _plan_ablation(
     subject = Subject.of(model)
     model, view = subject.model, subject.view
     met = Metric(metric, task)
-    positions = check_positions(positions)
-    if isinstance(positions, Tensor):
-        raise InterventionError(
-            "ablation_sweep: positions must be None, 'last' or a list of positions (per-row "
-            "tensors are for ablate_heads on your own batches)."
-        )
-    if method not in ("batched", "loop"):
-        raise InterventionError(f"method={method!r}; expected 'batched' or 'loop'.")
+    positions = sweep_positions(positions, method, "ablation_sweep")
     if pack is not None and (not isinstance(pack, int) or pack < 1):
         raise InterventionError(f"pack={pack!r}; expected a positive int or None (automatic).")
     if not isinstance(max_rows, int) or max_rows < 1:
@@ -682,6 +671,24 @@ class _NextTokenNLL:
         # than an upcast logsumexp and rounds each token's NLL to ~3 significant digits.
         nll = torch.nn.functional.cross_entropy(lg, targets.reshape(-1), reduction="none")
         return nll.float().view(len(idx), self.k).mean(-1)
+
+
+def sweep_positions(positions: Any, method: Any, who: str) -> Any:
+    """A sweep's ``positions`` (checked) after checking its ``method``.
+
+    Raises:
+        InterventionError: For per-row position tensors (those are for :func:`ablate_heads` on
+            your own batches) or a method other than ``"batched"`` / ``"loop"``.
+    """
+    positions = check_positions(positions)
+    if isinstance(positions, Tensor):
+        raise InterventionError(
+            f"{who}: positions must be None, 'last' or a list of positions (per-row tensors are "
+            "for ablate_heads on your own batches)."
+        )
+    if method not in ("batched", "loop"):
+        raise InterventionError(f"method={method!r}; expected 'batched' or 'loop'.")
+    return positions
 
 
 def _windows(
@@ -841,13 +848,7 @@ def _plan_control(
     (``check_edits``: as in :func:`_plan_ablation`)."""
     subject = Subject.of(model)
     model, view = subject.model, subject.view
-    positions = check_positions(positions)
-    if isinstance(positions, Tensor):
-        raise InterventionError(
-            "control_sweep: positions must be None, 'last' or a list of positions."
-        )
-    if method not in ("batched", "loop"):
-        raise InterventionError(f"method={method!r}; expected 'batched' or 'loop'.")
+    positions = sweep_positions(positions, method, "control_sweep")
     device = subject.device
     runner, metric, groups, inputs = _windows(subject, control, positions, n_scored, max_rows)
     n = inputs.shape[0]

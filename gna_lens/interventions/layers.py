@@ -73,6 +73,7 @@ from gna_lens.interventions.ablation import (
     _windows,
     ablation_info,
     positions_label,
+    sweep_positions,
 )
 from gna_lens.interventions.batching import (
     describe_control,
@@ -94,7 +95,6 @@ from gna_lens.interventions.runner import PathLog, Runner
 from gna_lens.interventions.sources import (
     Source,
     bos_token_id,
-    check_positions,
     column_mask,
     edit_positions,
     mean_positions,
@@ -350,16 +350,6 @@ def _check_target_mode(target: Any, mode: Any, include_bos: Any = False) -> None
         )
 
 
-def _check_layer_positions(positions: Any) -> Any:
-    positions = check_positions(positions)
-    if isinstance(positions, Tensor):
-        raise InterventionError(
-            "layer interventions take positions=None (all), 'last' or a list of positions; "
-            "per-row position tensors are for ablate_heads."
-        )
-    return positions
-
-
 # ----------------------------------------------------------------------------- hooks
 def _layer_source(
     subject: Subject,
@@ -532,26 +522,18 @@ def layer_ablation_hooks(
     Args:
         model: A TransformerBridge or a HookedSSM.
         layers: Layer indices, e.g. ``[16, 17]``.
-        target: ``"block"`` (the block's contribution to the residual stream; with
-            ``mode="zero"`` the block is the identity: the layer is removed), ``"mixer"`` (the
-            whole token mixer's output: the attention's or the SSM mixer's, or both parts'
-            outputs on a two-part layer, Falcon-H1 and Zamba2's hybrid layers), ``"attn"`` /
-            ``"ssm"`` (one part: ``hook_attn_out`` / ``hook_mixer_out``) or ``"mlp"`` (the
-            MLP's output).
-        mode: ``"zero"`` or ``"mean"``: the mean of the replaced quantity over ``reference``,
-            taken over the positions that are ablated (the reference prompts' last tokens for
-            ``positions="last"``, the listed positions of each prompt for a list, every position
-            for ``None``), a leading BOS left out of the mean and unedited unless
-            ``include_bos``; as for heads (:func:`~gna_lens.interventions.head_ablation_hooks`).
+        target: ``"block"`` (with ``mode="zero"`` the layer is removed), ``"mixer"`` (both
+            parts of a two-part layer), ``"attn"``, ``"ssm"`` or ``"mlp"`` (the module's table).
+        mode: ``"zero"`` or ``"mean"``: the replaced quantity's mean over ``reference`` at the
+            ablated positions, BOS left out and unedited unless ``include_bos``, as for heads
+            (:func:`~gna_lens.interventions.head_ablation_hooks`).
         positions: ``None`` (every position), ``"last"`` or a list of positions (negative from
             the end).
         reference: A :class:`~gna_lens.tasks.Task` or token ids ``[n, pos]`` (``"mean"`` only;
             its forward passes run here, once).
-        include_bos: Mean ablation only: average over (and edit) the BOS position too. In the
-            reference, a BOS is a prompt's first token when it is the tokenizer's
-            ``bos_token_id``; in the inputs, every position holding that token (found from
-            ``hook_embed``) is left unedited, and a list of positions naming one raises. Zero
-            ablation edits every chosen position, BOS included.
+        include_bos: Mean ablation only: average over (and edit) the BOS position too (as
+            :func:`~gna_lens.interventions.head_ablation_hooks`; a list of positions naming a
+            BOS raises).
 
     Returns:
         A list of ``(hook name, hook function)`` pairs (two per removed block: one reads
@@ -571,7 +553,7 @@ def layer_ablation_hooks(
     if not checked:
         raise InterventionError("layers=[] is empty; expected at least one layer index.")
     _check_target_mode(target, mode, include_bos)
-    positions = _check_layer_positions(positions)
+    positions = sweep_positions(positions, "batched", "layer interventions")
     for layer in checked:
         _target_hooks(infos[layer], target)
     if mode == "zero" and reference is not None:
@@ -678,19 +660,13 @@ class LayerSweepResult(CellResult):
     effects, selectivity, ranking, ``to_dataframe``, ``to_dict``, ``plot``) whose cells are
     layer sets.
 
-    Attributes:
+    Attributes (beyond :class:`~gna_lens.interventions.result.CellResult`'s meaning):
         cells: The layers ablated together, one tuple per row (``(l,)`` for individual removal,
             ``(n-k, ..., n-1)`` for gradual pruning).
         kinds: Per cell, the layers' kinds (``"attention"``, ``"ssm"``, ``"block"``; ``"mixed"``
             for sets of several kinds).
-        values: The task metric under each ablation, per prompt ``[cell, sample]``.
-        baseline: The task metric without it (with ``removed`` layers removed), ``[sample]``.
-        metric: The task metric's name.
-        task: The task's description.
-        control_values: The control's loss (nats/token, or nats/answer for a knowledge task)
-            under each ablation, per window ``[cell, window]``; ``None`` without a control.
-        control_baseline: The control's loss without ablation ``[window]``, or ``None``.
-        control: The control's description (``""`` when none).
+        baseline: The task metric with only the ``removed`` layers removed, ``[sample]``.
+        control_values: The control's loss (nats/token, or nats/answer for a knowledge task).
         info: How the numbers were made: protocol, target, mode, positions, metric, control,
             layers removed throughout, intervals, path, timings; for mean ablation, what the
             mean was taken over, as for heads (``mean_over``, ``mean_tokens``, ``mean_prompts``,
@@ -813,9 +789,7 @@ def _sweep_cells(
     ls = _layer_subject(model)
     model, infos = ls.subject.model, ls.infos
     _check_target_mode(target, mode, include_bos)
-    positions = _check_layer_positions(positions)
-    if method not in ("batched", "loop"):
-        raise InterventionError(f"method={method!r}; expected 'batched' or 'loop'.")
+    positions = sweep_positions(positions, method, "layer interventions")
     if not isinstance(max_rows, int) or isinstance(max_rows, bool) or max_rows < 1:
         raise InterventionError(f"max_rows={max_rows!r}; expected a positive int.")
     if mode == "zero" and reference is not None:

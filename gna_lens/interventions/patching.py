@@ -61,7 +61,6 @@ class PatchResult(CellResult):
         values: The metric on the patched corrupted run, ``[cell, batch]`` (one row of
             ``index_df`` per cell; ``batch`` = the task's samples).
         baseline: The metric on the unpatched corrupted run, ``[batch]``.
-        metric: The metric's name.
         task: The clean task's description.
         index_df: One row per cell: ``layer``, ``head`` (head patching) and ``pos`` (when
             patched position by position), ``kind``, ``label``.

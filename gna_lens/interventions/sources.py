@@ -260,14 +260,9 @@ def class_positions(
 
 
 def _class_label(positions: Any, include_bos: bool, bos_id: int | None) -> str:
-    if positions is None:
-        where = "every position"
-    elif isinstance(positions, Tensor) or positions == "last":
-        where = "the last (query) token"
-    else:
-        where = f"positions {list(positions)}"
-    if where.startswith("the last"):
-        return f"{where} of each reference prompt"
+    if isinstance(positions, Tensor) or positions == "last":
+        return "the last (query) token of each reference prompt"
+    where = "every position" if positions is None else f"positions {list(positions)}"
     if bos_id is None:
         return f"{where} of each reference prompt (no BOS token known)"
     if include_bos:
