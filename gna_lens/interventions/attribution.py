@@ -112,22 +112,17 @@ def attribute_heads(
     parts = {part.z_hook: part for part in view.parts_of(h for c in cells for h in c)}
     device = subject.device
     n = len(task)
+    source, edited = None, positions
     if corrupted is not None:
         groups = paired_groups(task, corrupted, batch_size, device)
     else:
         groups = length_groups(task, batch_size, device)
-    with torch.no_grad():
-        source = None
-        if corrupted is None:
+        with torch.no_grad():
             source = build_source(
                 model, mode, reference, list(parts.values()), positions, device,
                 include_bos=include_bos,
             )  # fmt: skip
-    edited = (
-        edit_positions(source, positions, [s.input_ids for s in task])
-        if source is not None
-        else positions
-    )
+        edited = edit_positions(source, positions, [s.input_ids for s in task])
     # Per (layer, head): per-sample estimate.
     est = {layer: host_full((n, view[layer].n_heads), 0.0) for layer in layers}
     baseline = host_full(n)
