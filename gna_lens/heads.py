@@ -354,13 +354,8 @@ class HeadView:
             ('attention', 'ssm')
         """
         layer, h = head
-        lh = self[layer]
-        if not 0 <= h < lh.n_heads:
-            raise InterventionError(
-                f"head ({layer}, {h}) is out of range: layer {layer} ({lh.kind}) has "
-                f"{lh.n_heads} heads (0..{lh.n_heads - 1})."
-            )
-        return lh.kind_of(h)
+        self[layer].part_of(h)  # raises for a head out of range
+        return self[layer].kind_of(h)
 
     def part_of(self, head: Head) -> tuple[LayerHeads, int]:
         """The part of its layer holding ``head`` (:attr:`LayerHeads.parts`) and its index
@@ -440,11 +435,7 @@ class HeadView:
             )
         out: list[Head] = []
         for item in heads:
-            if (
-                not isinstance(item, tuple | list)
-                or len(item) != 2
-                or not all(isinstance(x, int) and not isinstance(x, bool) for x in item)
-            ):
+            if not _is_pair(item):
                 raise InterventionError(
                     f"{what} contains {item!r}; expected (layer, head) pairs of ints, e.g. "
                     "[(3, 2), (4, 0)]."
@@ -489,6 +480,15 @@ class HeadView:
         )
 
 
+def _is_pair(item: Any) -> bool:
+    """Whether ``item`` is a ``(layer, head)`` pair of ints."""
+    return (
+        isinstance(item, tuple | list)
+        and len(item) == 2
+        and all(isinstance(x, int) and not isinstance(x, bool) for x in item)
+    )
+
+
 def is_hooked_ssm(model: Any) -> bool:
     """Whether ``model`` is a :class:`~gna_lens.models.HookedSSM` (else a TransformerLens model)."""
     from gna_lens.models import HookedSSM
@@ -503,21 +503,9 @@ def _hooked_ssm_part(
     (``"attn"``: an attention; ``"mixer"``: an SSM mixer), the first being the layer's head
     ``offset``."""
     cfg = model.cfg
-    resid_pre = f"blocks.{layer}.hook_resid_pre"
     if name == "attn":
-        pre = f"blocks.{layer}.attn."
-        return LayerHeads(
-            layer=layer,
-            kind="attention",
-            n_heads=int(cfg.n_attn_heads),
-            d_head=int(cfg.attn_d_head),
-            pattern_hook=pre + "hook_pattern",
-            z_hook=pre + "hook_z",
-            scores_hook=pre + "hook_attn_scores",
-            resid_pre_hook=resid_pre,
-            verified=True,
-            out_hook=f"blocks.{layer}.hook_attn_out",
-            offset=offset,
+        return _attention_part(
+            layer, cfg.n_attn_heads, cfg.attn_d_head, model.hook_dict, verified=True, offset=offset
         )
     if name != "mixer":
         raise InterventionError(
@@ -537,7 +525,7 @@ def _hooked_ssm_part(
         z_hook=pre + "hook_z",
         # pre-softmax scores cover every head only when all are attention heads
         scores_hook=pre + "hook_attn_scores" if layer_kind == "attention" else None,
-        resid_pre_hook=resid_pre,
+        resid_pre_hook=f"blocks.{layer}.hook_resid_pre",
         verified=True,
         out_hook=f"blocks.{layer}.hook_mixer_out",
         channels=sets,
@@ -545,6 +533,27 @@ def _hooked_ssm_part(
         head_kinds=tuple(kinds) if kinds is not None else None,  # type: ignore[arg-type]
         offset=offset,
         ssm_mixer=True,
+    )
+
+
+def _attention_part(
+    layer: int, n_heads: int, d_head: int, hook_dict: Any, verified: bool, offset: int = 0
+) -> LayerHeads:
+    """The heads of ``blocks.{layer}.attn`` (scores and output hooks where the model has them)."""
+    pre = f"blocks.{layer}.attn."
+    scores, out = pre + "hook_attn_scores", f"blocks.{layer}.hook_attn_out"
+    return LayerHeads(
+        layer=layer,
+        kind="attention",
+        n_heads=int(n_heads),
+        d_head=int(d_head),
+        pattern_hook=pre + "hook_pattern",
+        z_hook=pre + "hook_z",
+        scores_hook=scores if scores in hook_dict else None,
+        resid_pre_hook=f"blocks.{layer}.hook_resid_pre",
+        verified=verified,
+        out_hook=out if out in hook_dict else None,
+        offset=offset,
     )
 
 
@@ -572,6 +581,25 @@ def _layer_of_parts(layer: int, parts: Sequence[LayerHeads]) -> LayerHeads | Non
     )
 
 
+def hook_points(model: Any, who: str) -> tuple[Any, dict[str, Any], int]:
+    """A TransformerLens-style model's ``cfg``, ``hook_dict`` and ``cfg.n_layers``.
+
+    Raises:
+        InterventionError: If it has no hook points or no ``cfg.n_layers`` (``who`` names the
+            caller).
+    """
+    cfg: Any = getattr(model, "cfg", None)
+    hook_dict = getattr(model, "hook_dict", None)
+    n_layers = getattr(cfg, "n_layers", None)
+    if not isinstance(hook_dict, dict) or not isinstance(n_layers, int):
+        raise InterventionError(
+            f"{who} got a {type(model).__name__}; expected a TransformerLens model with "
+            "hook points and cfg.n_layers (a TransformerBridge or a gna_lens.HookedSSM). Fix: "
+            "load it with gna_lens.load_model(name) or TransformerBridge.boot_transformers(name)."
+        )
+    return cfg, hook_dict, n_layers
+
+
 def head_view(model: "ModelLike") -> HeadView:
     """The head view of a TransformerBridge, a HookedSSM or any TransformerLens-style model.
 
@@ -588,15 +616,7 @@ def head_view(model: "ModelLike") -> HeadView:
     """
     if isinstance(model, Subject):
         return model.view
-    cfg: Any = getattr(model, "cfg", None)
-    hook_dict = getattr(model, "hook_dict", None)
-    n_layers = getattr(cfg, "n_layers", None)
-    if not isinstance(hook_dict, dict) or not isinstance(n_layers, int):
-        raise InterventionError(
-            f"head_view got a {type(model).__name__}; expected a TransformerLens model with "
-            "hook points and cfg.n_layers (a TransformerBridge or a gna_lens.HookedSSM). Fix: "
-            "load it with gna_lens.load_model(name) or TransformerBridge.boot_transformers(name)."
-        )
+    cfg, hook_dict, n_layers = hook_points(model, "head_view")
     layers: list[LayerHeads | None] = []
     if is_hooked_ssm(model):
         ssm: Any = model
@@ -613,22 +633,7 @@ def head_view(model: "ModelLike") -> HeadView:
         for layer in range(n_layers):
             pre = f"blocks.{layer}.attn."
             if pre + "hook_pattern" in hook_dict and pre + "hook_z" in hook_dict:
-                scores = pre + "hook_attn_scores"
-                out = f"blocks.{layer}.hook_attn_out"
-                layers.append(
-                    LayerHeads(
-                        layer=layer,
-                        kind="attention",
-                        n_heads=int(cfg.n_heads),
-                        d_head=int(cfg.d_head),
-                        pattern_hook=pre + "hook_pattern",
-                        z_hook=pre + "hook_z",
-                        scores_hook=scores if scores in hook_dict else None,
-                        resid_pre_hook=f"blocks.{layer}.hook_resid_pre",
-                        verified=False,
-                        out_hook=out if out in hook_dict else None,
-                    )
-                )
+                layers.append(_attention_part(layer, cfg.n_heads, cfg.d_head, hook_dict, False))
             else:
                 layers.append(None)
     if not any(lh is not None for lh in layers):
@@ -790,43 +795,88 @@ def uncomparable_outputs(base: Any, out: Any, call: str) -> str | None:
     return None
 
 
-def _probe(model: Any, lh: LayerHeads, target: EditTarget) -> str | None:
-    """Run a tiny forward with and without an edit of ``target``; the reason it fails, or None.
+def edit_ignored(
+    model: Any,
+    name: str,
+    edit: Any,
+    unchanged: str,
+    stop: int | None = None,
+    watch: str | None = None,
+) -> str | None:
+    """Why an edit returned from hook ``name`` would not reach the output, or ``None``.
 
-    Fails closed: unless the edited output is a tensor of the unedited output's shape, finite,
-    and measurably different, the layer is refused (the reason says which check failed).
+    Runs a 6-token forward (up to layer ``stop``) without and with ``edit(x) -> x'``, and fails
+    closed: unless ``name`` (and ``watch``, when given) fired, both outputs are finite tensors of
+    one shape and the edited one is measurably different, it returns the reason (``unchanged``
+    when the output did not change).
     """
-    name = lh.hook(target)
-    fired: list[tuple[int, ...]] = []
+    fired: set[str] = set()
 
-    def edit(x: Tensor, hook: Any) -> Tensor:
-        fired.append(tuple(x.shape))
+    def run_edit(x: Tensor, hook: Any) -> Tensor:
+        fired.add(name)
+        return cast(Tensor, edit(x))
+
+    def seen(x: Tensor, hook: Any) -> None:
+        fired.add(str(watch))
+
+    tokens = probe_tokens(model)
+    kwargs = {} if stop is None else {"stop_at_layer": stop}
+    hooks = [(name, run_edit)] + ([(watch, seen)] if watch else [])
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        base = model(tokens, **kwargs)
+        with model.hooks(fwd_hooks=hooks):
+            out = model(tokens, **kwargs)
+    for hook_name in (name, watch):
+        if hook_name and hook_name not in fired:
+            return (
+                f"would be silently ignored: the hook {hook_name} never fired during a forward pass"
+            )
+    call = "model(tokens)" if stop is None else f"model(tokens, stop_at_layer={stop})"
+    failure = uncomparable_outputs(base, out, call)
+    if failure is not None:
+        return failure
+    if float((out - base).abs().max()) <= 1e-6 * (float(base.abs().max()) + 1e-12):
+        return unchanged
+    return None
+
+
+def cached_verdict(store: Any, model: Any, key: Any, probe: Any, *args: Any) -> str | None:
+    """``probe(*args)``'s verdict on ``key`` (``None``: the edit takes effect), cached per model
+    in ``store`` (a ``WeakKeyDictionary``); a model that cannot be weak-referenced is probed
+    every time."""
+    try:
+        verdicts = store.setdefault(model, {})
+    except TypeError:
+        verdicts = {}
+    if key not in verdicts:
+        verdicts[key] = probe(*args)
+    return cast("str | None", verdicts[key])
+
+
+def _probe(model: Any, lh: LayerHeads, target: EditTarget) -> str | None:
+    """The reason an edit of ``target`` fails (:func:`edit_ignored`) in the first of the layer's
+    parts that holds it (a multi-part layer's scores: its attention parts), or None."""
+
+    def edit(x: Tensor) -> Tensor:
         if target == "scores":
             y = torch.full_like(x, torch.finfo(x.dtype).min)
             y[..., 0] = 0.0  # every query attends to the first key only
             return y
         return torch.zeros_like(x)
 
-    tokens = probe_tokens(model)
-    stop = lh.layer + 1
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        base = model(tokens, stop_at_layer=stop)
-        with model.hooks(fwd_hooks=[(name, edit)]):
-            out = model(tokens, stop_at_layer=stop)
-    if not fired:
-        return f"would be silently ignored: the hook {name} never fired during a forward pass"
-    # Fail closed: an edit counts as effective only when it is shown to change the output.
-    failure = uncomparable_outputs(base, out, f"model(tokens, stop_at_layer={stop})")
-    if failure is not None:
-        return failure
-    scale = float(base.abs().max()) + 1e-12
-    if float((out - base).abs().max()) <= 1e-6 * scale:
-        return (
+    attn = type(_attn_module(model, lh.layer)).__name__
+    parts = [p for p in lh.parts if target != "scores" or p.scores_hook is not None]
+    for part in parts or lh.parts[:1]:
+        name = part.hook(target)
+        unchanged = (
             f"would be silently ignored: an edit returned from {name} did not change the "
-            f"layer's output: this attention ({type(_attn_module(model, lh.layer)).__name__}) computes its output inside the "
-            "wrapped Hugging Face module and only reports the pattern afterwards"
+            f"layer's output: this attention ({attn}) computes its output inside the wrapped "
+            "Hugging Face module and only reports the pattern afterwards"
         )
+        reason = edit_ignored(model, name, edit, unchanged, stop=lh.layer + 1)
+        if reason is not None:
+            return reason
     return None
 
 
@@ -855,21 +905,11 @@ def require_editable(model: Any, view: HeadView, layers: Iterable[int], target: 
             show the edit takes effect (the output is not a tensor, changes shape or is not
             finite).
     """
-    try:
-        verdicts = _VERDICTS.setdefault(model, {})
-    except TypeError:  # not weak-referenceable: check every time
-        verdicts = {}
     for layer in sorted(set(layers)):
         lh = view[layer]
         if lh.verified:
             continue
-        key = (layer, target)
-        if key not in verdicts:
-            # Every part holding the target (a multi-part layer's scores: its attention parts)
-            parts = [p for p in lh.parts if target != "scores" or p.scores_hook is not None]
-            probes = (_probe(model, p, target) for p in parts or lh.parts[:1])
-            verdicts[key] = next((r for r in probes if r is not None), None)
-        reason = verdicts[key]
+        reason = cached_verdict(_VERDICTS, model, (layer, target), _probe, model, lh, target)
         if reason is not None:
             what = {
                 "pattern": "post-softmax pattern edits (mask_patterns mode='post')",
@@ -902,12 +942,7 @@ def normalize_head_sets(view: HeadView, heads: Any, what: str = "heads") -> list
         raise InterventionError(f"{what}=[] is empty; expected (layer, head) pairs or head sets.")
     out: list[tuple[Head, ...]] = []
     for item in items:
-        is_pair = (
-            isinstance(item, tuple | list)
-            and len(item) == 2
-            and all(isinstance(x, int) and not isinstance(x, bool) for x in item)
-        )
-        if is_pair:
+        if _is_pair(item):
             out.append(tuple(view.check_heads([item], what)))
         elif isinstance(item, Sequence | set | frozenset) and not isinstance(item, str):
             view.check_group_origin(item, what)

@@ -27,7 +27,13 @@ from gna_lens.heads import (
     normalize_head_sets,
     require_editable,
 )
-from gna_lens.interventions.batching import Group, describe_task, length_groups, parse_bytes
+from gna_lens.interventions.batching import (
+    Group,
+    describe_task,
+    length_groups,
+    parse_bytes,
+    row_groups,
+)
 from gna_lens.interventions.engine import (
     PLANNERS,
     CellSweep,
@@ -326,14 +332,10 @@ class SweepResult(CellResult):
     A :class:`~gna_lens.interventions.result.CellResult` (effects with 95% intervals, ranking,
     ``to_dataframe``, ``to_dict``, ``plot``, ``info``) whose cells are head sets.
 
-    Attributes:
+    Attributes (beyond :class:`~gna_lens.interventions.result.CellResult`'s meaning):
         cells: The head sets, one per result row (a single head is a one-element set).
         kinds: Per cell, its heads' kind, ``"attention"`` or ``"ssm"``, or ``"mixed"`` for a
             cell of both kinds.
-        values: The metric under each intervention, per sample ``[cell, sample]``.
-        baseline: The metric without intervention, per sample ``[sample]``.
-        metric: The metric's name.
-        task: The task's description.
         mode: The ablation mode (``"zero"``, ``"mean"``, ``"resample"``) or ``"patch"``.
         positions: The positions edited (``"all"``, ``"last"`` or a list).
         method: How it was computed (``"batched"``, ``"incremental"``, ``"loop"``,
@@ -365,12 +367,7 @@ class SweepResult(CellResult):
         return _label(self.cells[i])
 
     def _index_columns(self, i: int) -> dict[str, Any]:
-        cell = self.cells[i]
-        single = len(cell) == 1
-        return {
-            "layer": cell[0][0] if single else tuple(lay for lay, _ in cell),
-            "head": cell[0][1] if single else tuple(h for _, h in cell),
-        }
+        return head_columns(self.cells[i])
 
     def _context_columns(self) -> dict[str, Any]:
         return {"mode": self.mode, "positions": self.positions}
@@ -421,6 +418,15 @@ class SweepResult(CellResult):
 
 def _label(cell: Sequence[Head]) -> str:
     return heads_label(cell, "+")
+
+
+def head_columns(cell: Sequence[Head]) -> dict[str, Any]:
+    """A head set's ``layer`` and ``head`` columns (tuples for a set of several heads)."""
+    single = len(cell) == 1
+    return {
+        "layer": cell[0][0] if single else tuple(lay for lay, _ in cell),
+        "head": cell[0][1] if single else tuple(h for _, h in cell),
+    }
 
 
 def cell_kind(view: HeadView, cell: Sequence[Head]) -> str:
@@ -612,14 +618,7 @@ def _plan_ablation(
     subject = Subject.of(model)
     model, view = subject.model, subject.view
     met = Metric(metric, task)
-    positions = check_positions(positions)
-    if isinstance(positions, Tensor):
-        raise InterventionError(
-            "ablation_sweep: positions must be None, 'last' or a list of positions (per-row "
-            "tensors are for ablate_heads on your own batches)."
-        )
-    if method not in ("batched", "loop"):
-        raise InterventionError(f"method={method!r}; expected 'batched' or 'loop'.")
+    positions = sweep_positions(positions, method, "ablation_sweep")
     if pack is not None and (not isinstance(pack, int) or pack < 1):
         raise InterventionError(f"pack={pack!r}; expected a positive int or None (automatic).")
     if not isinstance(max_rows, int) or max_rows < 1:
@@ -672,6 +671,47 @@ class _NextTokenNLL:
         # than an upcast logsumexp and rounds each token's NLL to ~3 significant digits.
         nll = torch.nn.functional.cross_entropy(lg, targets.reshape(-1), reduction="none")
         return nll.float().view(len(idx), self.k).mean(-1)
+
+
+def sweep_positions(positions: Any, method: Any, who: str) -> Any:
+    """A sweep's ``positions`` (checked) after checking its ``method``.
+
+    Raises:
+        InterventionError: For per-row position tensors (those are for :func:`ablate_heads` on
+            your own batches) or a method other than ``"batched"`` / ``"loop"``.
+    """
+    positions = check_positions(positions)
+    if isinstance(positions, Tensor):
+        raise InterventionError(
+            f"{who}: positions must be None, 'last' or a list of positions (per-row tensors are "
+            "for ablate_heads on your own batches)."
+        )
+    if method not in ("batched", "loop"):
+        raise InterventionError(f"method={method!r}; expected 'batched' or 'loop'.")
+    return positions
+
+
+def _windows(
+    subject: Subject, control: TextControl, positions: Any, n_scored: int | None, max_rows: int
+) -> tuple[Runner, _NextTokenNLL, list[Group], Tensor]:
+    """A text control's runner, metric, groups and inputs: each window minus its final token is
+    an input, and the NLL of its last ``n_scored`` tokens (default half the window; 1 with
+    ``positions="last"``) is the metric.
+
+    Raises:
+        InterventionError: If that is not ``1 <= n_scored < seq_len``.
+    """
+    last = positions == "last"
+    k = 1 if last else (n_scored or max(1, control.seq_len // 2))
+    if not 1 <= k < control.seq_len or (last and k != 1):
+        raise InterventionError(
+            f"n_scored={n_scored} on control windows of {control.seq_len} tokens; expected "
+            f"1 <= n_scored < {control.seq_len} (and 1 with positions='last'; windows of at "
+            "least 2 tokens)."
+        )
+    inputs = control.tokens[:, :-1]
+    metric = _NextTokenNLL(control.tokens, k)
+    return Runner(subject, keep=k), metric, row_groups(inputs, max_rows, subject.device), inputs
 
 
 def control_sweep(
@@ -808,22 +848,9 @@ def _plan_control(
     (``check_edits``: as in :func:`_plan_ablation`)."""
     subject = Subject.of(model)
     model, view = subject.model, subject.view
-    positions = check_positions(positions)
-    if isinstance(positions, Tensor):
-        raise InterventionError(
-            "control_sweep: positions must be None, 'last' or a list of positions."
-        )
-    if method not in ("batched", "loop"):
-        raise InterventionError(f"method={method!r}; expected 'batched' or 'loop'.")
-    last = positions == "last"
+    positions = sweep_positions(positions, method, "control_sweep")
     device = subject.device
-    inputs = control.tokens[:, :-1]
-    k = 1 if last else (n_scored or max(1, control.seq_len // 2))
-    if not 1 <= k < control.seq_len or (last and k != 1):
-        raise InterventionError(
-            f"control_sweep(n_scored={n_scored}) on windows of {control.seq_len} tokens; expected "
-            f"1 <= n_scored < {control.seq_len} (and 1 with positions='last')."
-        )
+    runner, metric, groups, inputs = _windows(subject, control, positions, n_scored, max_rows)
     n = inputs.shape[0]
     if mode == "resample" and n < 2:
         raise InterventionError(
@@ -833,8 +860,6 @@ def _plan_control(
     layers = sorted({layer for c in cells for layer, _ in c})
     if check_edits:
         require_editable(model, view, layers, "z")
-    runner = Runner(subject, keep=k)
-    metric = _NextTokenNLL(control.tokens, k)
     plan = SweepPlan(parse_bytes(memory_budget), max_rows, None)
     source = build_source(
         model, mode, None if mode == "zero" else inputs.to(device),
@@ -844,19 +869,13 @@ def _plan_control(
     edited = edit_positions(source, positions, rows)
     shift = 1 if mode == "resample" else 0
     check_resample_pairs(rows, source, [(i + shift) % n for i in range(n)], "control_sweep")
-    groups = [
-        Group(
-            torch.arange(s, min(s + max_rows, n), device=HOST), inputs[s : s + max_rows].to(device)
-        )
-        for s in range(0, n, max_rows)
-    ]
 
     def source_for(g: Group) -> tuple[Source, Tensor]:
         return source, (g.indices + shift) % max(source.n, 1)
 
     return CellSweep(
         runner, list(cells), groups, source_for, metric, edited, plan, method, n,
-        extra={"n_scored": k} | ablation_info(source, edited),
+        extra={"n_scored": runner.keep} | ablation_info(source, edited),
     )  # fmt: skip
 
 

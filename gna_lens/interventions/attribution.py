@@ -15,7 +15,7 @@ non-linearity (softmax saturation, LayerNorm). :meth:`SweepResult.correlation` c
 exact ablation (:func:`~gna_lens.interventions.ablation.ablation_sweep`).
 """
 
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -30,7 +30,7 @@ from gna_lens.interventions.ablation import (
     positions_label,
 )
 from gna_lens.interventions.batching import describe_task, length_groups, paired_groups, tokens_of
-from gna_lens.interventions.hooks import hooked
+from gna_lens.interventions.hooks import bind, hooked
 from gna_lens.interventions.metrics import Metric
 from gna_lens.interventions.sources import (
     build_source,
@@ -112,22 +112,17 @@ def attribute_heads(
     parts = {part.z_hook: part for part in view.parts_of(h for c in cells for h in c)}
     device = subject.device
     n = len(task)
+    source, edited = None, positions
     if corrupted is not None:
         groups = paired_groups(task, corrupted, batch_size, device)
     else:
         groups = length_groups(task, batch_size, device)
-    with torch.no_grad():
-        source = None
-        if corrupted is None:
+        with torch.no_grad():
             source = build_source(
                 model, mode, reference, list(parts.values()), positions, device,
                 include_bos=include_bos,
             )  # fmt: skip
-    edited = (
-        edit_positions(source, positions, [s.input_ids for s in task])
-        if source is not None
-        else positions
-    )
+        edited = edit_positions(source, positions, [s.input_ids for s in task])
     # Per (layer, head): per-sample estimate.
     est = {layer: host_full((n, view[layer].n_heads), 0.0) for layer in layers}
     baseline = host_full(n)
@@ -154,7 +149,7 @@ def attribute_heads(
             acts[name] = z.detach()
             return z + leaf
 
-        hooks: list[tuple[Any, Any]] = [(name, bind(grab, name)) for name in parts]
+        hooks: list[tuple[Any, Any]] = [(name, bind(grab, name=name)) for name in parts]
         with torch.enable_grad(), hooked(model, hooks):
             logits = net(tokens)[:, -1]
             values = met(logits, g.indices)
@@ -203,13 +198,6 @@ def attribute_heads(
     )
 
 
-def bind(fn: Any, key: Any) -> Any:
-    def bound(z: Tensor, hook: Any) -> Tensor | None:
-        return cast("Tensor | None", fn(z, hook, key))
-
-    return bound
-
-
 def _gradient_path(subject: Subject) -> str:
     """How the backward pass runs, for ``info["paths"]`` (the model says, where it can)."""
     describe = getattr(subject.model, "gradient_path", None) if subject.is_ssm else None
@@ -223,6 +211,6 @@ def _collect(model: Any, names: list[str], layers: list[int], tokens: Tensor) ->
     def keep(z: Tensor, hook: Any, name: str) -> None:
         out[name] = z.clone()
 
-    with hooked(model, [(name, bind(keep, name)) for name in names]):
+    with hooked(model, [(name, bind(keep, name=name)) for name in names]):
         model(tokens, **({"stop_at_layer": max(layers) + 1} if layers else {}))
     return out

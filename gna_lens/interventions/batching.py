@@ -24,6 +24,7 @@ __all__ = [
     "parse_bytes",
     "plan_rows",
     "row_bytes",
+    "row_groups",
     "tokens_of",
 ]
 
@@ -68,6 +69,17 @@ def length_groups(task: Task, max_samples: int, device: Any) -> list[Group]:
             )
             out.append(Group(torch.tensor(chunk, dtype=torch.long, device=HOST), tokens))
     return out
+
+
+def row_groups(tokens: Tensor, max_rows: int, device: Any) -> list[Group]:
+    """Unpadded token ids ``[n, pos]`` as groups of at most ``max_rows`` rows, in order."""
+    n = tokens.shape[0]
+    return [
+        Group(
+            torch.arange(s, min(s + max_rows, n), device=HOST), tokens[s : s + max_rows].to(device)
+        )
+        for s in range(0, n, max_rows)
+    ]
 
 
 def paired_groups(clean: Task, corrupted: Task, max_samples: int, device: Any) -> list[Group]:

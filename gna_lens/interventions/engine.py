@@ -627,30 +627,32 @@ class _LayerRun:
         v = self.ctx.metric(lg, self.idx.repeat(len(chunk))).view(len(chunk), G)
         self.ctx.store(chunk, self.g.indices, v)
 
-    def packed_all(self, ids: Sequence[int]) -> None:
-        tuner, G = self.ctx.tuners["packed"], len(self.g)
-        cap = max(1, self.cap // G)
-        pos = 0
+    def _tuned(self, which: str, cap: int, ids: Sequence[int], run: Callable[..., float]) -> None:
+        """``run(chunk)`` (its seconds) on chunks of ``ids`` sized by the ``which`` tuner."""
+        tuner, pos = self.ctx.tuners[which], 0
         while pos < len(ids):
             k = min(tuner.size(cap), len(ids) - pos)
-            chunk = ids[pos : pos + k]
-            lg, dt = self.packed(chunk)
-            tuner.report(k, dt, k * self.work, cap)
-            self._store_packed(chunk, lg)
+            tuner.report(k, run(ids[pos : pos + k]), k * self.work, cap)
             pos += k
 
+    def packed_all(self, ids: Sequence[int]) -> None:
+        def run(chunk: Sequence[int]) -> float:
+            lg, dt = self.packed(chunk)
+            self._store_packed(chunk, lg)
+            return dt
+
+        self._tuned("packed", max(1, self.cap // len(self.g)), ids, run)
+
     def expand_all(self, W: Sequence[Tensor], ids: Sequence[int], r: int) -> None:
-        tuner = self.ctx.tuners["expand"]
         one = slice(r, r + 1)
-        pos = 0
-        while pos < len(ids):
-            k = min(tuner.size(self.cap), len(ids) - pos)
-            chunk = ids[pos : pos + k]
+
+        def run(chunk: Sequence[int]) -> float:
             lg, dt = self.expanded(W, chunk, r)
-            tuner.report(k, dt, k * self.work, self.cap)
-            v = self.ctx.metric(lg, self.idx[one].repeat(k)).view(k, 1)
+            v = self.ctx.metric(lg, self.idx[one].repeat(len(chunk))).view(len(chunk), 1)
             self.ctx.store(chunk, self.g.indices[one], v)
-            pos += k
+            return dt
+
+        self._tuned("expand", self.cap, ids, run)
 
 
 # ----------------------------------------------------------------------------- plans and jobs

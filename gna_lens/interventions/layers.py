@@ -46,7 +46,6 @@ a knowledge task's answer among its options), with paired 95% bootstrap interval
 """
 
 import time
-import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -63,18 +62,24 @@ from gna_lens.heads import (
     LayerHeads,
     ModelLike,
     Subject,
+    cached_verdict,
+    edit_ignored,
+    hook_points,
     is_hooked_ssm,
     model_of,
-    probe_tokens,
-    uncomparable_outputs,
 )
 from gna_lens.interventions.ablation import (
     _InputRows,
-    _NextTokenNLL,
+    _windows,
     ablation_info,
     positions_label,
+    sweep_positions,
 )
-from gna_lens.interventions.batching import Group, describe_control, describe_task, length_groups
+from gna_lens.interventions.batching import (
+    describe_control,
+    describe_task,
+    length_groups,
+)
 from gna_lens.interventions.engine import (
     PLANNERS,
     CellSweep,
@@ -83,14 +88,13 @@ from gna_lens.interventions.engine import (
     SweepPlan,
     execute,
 )
-from gna_lens.interventions.hooks import hooked
+from gna_lens.interventions.hooks import bind, hooked
 from gna_lens.interventions.metrics import Metric
 from gna_lens.interventions.result import CellResult
 from gna_lens.interventions.runner import PathLog, Runner
 from gna_lens.interventions.sources import (
     Source,
     bos_token_id,
-    check_positions,
     column_mask,
     edit_positions,
     mean_positions,
@@ -187,15 +191,7 @@ def _layer_subject(model: Any) -> _LayerSubject:
 
 
 def _layer_infos(model: Any, heads: HeadView | None, ssm: bool) -> tuple[LayerInfo, ...]:
-    cfg: Any = getattr(model, "cfg", None)
-    hook_dict = getattr(model, "hook_dict", None)
-    n_layers = getattr(cfg, "n_layers", None)
-    if not isinstance(hook_dict, dict) or not isinstance(n_layers, int):
-        raise InterventionError(
-            f"layer interventions got a {type(model).__name__}; expected a TransformerLens model "
-            "with hook points and cfg.n_layers (a TransformerBridge or a gna_lens.HookedSSM). "
-            "Fix: load it with gna_lens.load_model(name)."
-        )
+    _, hook_dict, n_layers = hook_points(model, "layer interventions")
     out = []
     for layer in range(n_layers):
         pre, post = f"blocks.{layer}.hook_resid_pre", f"blocks.{layer}.hook_resid_post"
@@ -239,58 +235,25 @@ def _layer_infos(model: Any, heads: HeadView | None, ssm: bool) -> tuple[LayerIn
 _VERDICTS: "weakref.WeakKeyDictionary[Any, dict[str, str | None]]" = weakref.WeakKeyDictionary()
 
 
-def _probe(model: Any, name: str, watch: str | None) -> str | None:
-    """Zero ``name``'s tensor in a 6-token forward (and see that ``watch`` fires): the reason an
-    edit there would not take effect, or ``None``."""
-    fired: dict[str, int] = {}
-
-    def edit(x: Tensor, hook: Any) -> Tensor:
-        fired[name] = 1
-        return torch.zeros_like(x)
-
-    def seen(x: Tensor, hook: Any) -> None:
-        fired[str(watch)] = 1
-
-    tokens = probe_tokens(model)
-    hooks: list[tuple[str, HookFn]] = [(name, edit)] + ([(watch, seen)] if watch else [])
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        base = model(tokens)
-        with hooked(model, hooks):
-            out = model(tokens)
-    for hook_name in (name, watch):
-        if hook_name and hook_name not in fired:
-            return (
-                f"would be silently ignored: the hook {hook_name} never fired during a forward pass"
-            )
-    failure = uncomparable_outputs(base, out, "model(tokens)")  # fails closed
-    if failure is not None:
-        return failure
-    if float((out - base).abs().max()) <= 1e-6 * (float(base.abs().max()) + 1e-12):
-        return f"would be silently ignored: zeroing {name} did not change the logits"
-    return None
-
-
 def _require_editable(
     model: Any, infos: Sequence[LayerInfo], layers: Sequence[int], target: str
 ) -> None:
     """Make sure the edits of ``target`` at ``layers`` change the output, or refuse."""
-    try:
-        verdicts = _VERDICTS.setdefault(model, {})
-    except TypeError:  # not weak-referenceable: check every time
-        verdicts = {}
     for layer in sorted(set(layers)):
         info = infos[layer]
         if info.verified:
             continue
+        watch = info.resid_pre_hook if target == "block" else None
         for name in _target_hooks(info, target):
-            watch = info.resid_pre_hook if target == "block" else None
-            if name not in verdicts:
-                verdicts[name] = _probe(model, name, watch)
-            if verdicts[name] is not None:
+            unchanged = f"would be silently ignored: zeroing {name} did not change the logits"
+            reason = cached_verdict(
+                _VERDICTS, model, name, edit_ignored, model, name, torch.zeros_like, unchanged,
+                None, watch,
+            )  # fmt: skip
+            if reason is not None:
                 raise PatternEditError(
                     f"{type(model).__name__} layer {layer}: a {target} intervention is refused, "
-                    f"since it {verdicts[name]}: refusing instead of returning results the edit "
+                    f"since it {reason}: refusing instead of returning results the edit "
                     "may not have changed. Fix: load the model as a gna_lens.HookedSSM or with "
                     "an architecture whose TransformerBridge blocks pass hook edits on (Llama, "
                     "Qwen2, GPT-2, ...)."
@@ -346,12 +309,16 @@ def _target_hooks(info: LayerInfo, target: str) -> tuple[str, ...]:
 
 
 # ----------------------------------------------------------------------------- validation
-def _check_layers(infos: Sequence[LayerInfo], layers: Any, what: str = "layers") -> list[int]:
-    n = len(infos)
+def _not_one_layer(layers: Any, what: str = "layers") -> None:
     if isinstance(layers, int) and not isinstance(layers, bool):
         raise InterventionError(
             f"{what}={layers!r} is one layer; expected a list, e.g. [{layers}]."
         )
+
+
+def _check_layers(infos: Sequence[LayerInfo], layers: Any, what: str = "layers") -> list[int]:
+    n = len(infos)
+    _not_one_layer(layers, what)
     try:
         items = list(layers)
     except TypeError:
@@ -381,16 +348,6 @@ def _check_target_mode(target: Any, mode: Any, include_bos: Any = False) -> None
             f"mode={mode!r}; expected one of {LAYER_MODES} for layer interventions ('zero' on "
             "target='block' removes the layer; 'mean' needs reference=)."
         )
-
-
-def _check_layer_positions(positions: Any) -> Any:
-    positions = check_positions(positions)
-    if isinstance(positions, Tensor):
-        raise InterventionError(
-            "layer interventions take positions=None (all), 'last' or a list of positions; "
-            "per-row position tensors are for ablate_heads."
-        )
-    return positions
 
 
 # ----------------------------------------------------------------------------- hooks
@@ -565,26 +522,18 @@ def layer_ablation_hooks(
     Args:
         model: A TransformerBridge or a HookedSSM.
         layers: Layer indices, e.g. ``[16, 17]``.
-        target: ``"block"`` (the block's contribution to the residual stream; with
-            ``mode="zero"`` the block is the identity: the layer is removed), ``"mixer"`` (the
-            whole token mixer's output: the attention's or the SSM mixer's, or both parts'
-            outputs on a two-part layer, Falcon-H1 and Zamba2's hybrid layers), ``"attn"`` /
-            ``"ssm"`` (one part: ``hook_attn_out`` / ``hook_mixer_out``) or ``"mlp"`` (the
-            MLP's output).
-        mode: ``"zero"`` or ``"mean"``: the mean of the replaced quantity over ``reference``,
-            taken over the positions that are ablated (the reference prompts' last tokens for
-            ``positions="last"``, the listed positions of each prompt for a list, every position
-            for ``None``), a leading BOS left out of the mean and unedited unless
-            ``include_bos``; as for heads (:func:`~gna_lens.interventions.head_ablation_hooks`).
+        target: ``"block"`` (with ``mode="zero"`` the layer is removed), ``"mixer"`` (both
+            parts of a two-part layer), ``"attn"``, ``"ssm"`` or ``"mlp"`` (the module's table).
+        mode: ``"zero"`` or ``"mean"``: the replaced quantity's mean over ``reference`` at the
+            ablated positions, BOS left out and unedited unless ``include_bos``, as for heads
+            (:func:`~gna_lens.interventions.head_ablation_hooks`).
         positions: ``None`` (every position), ``"last"`` or a list of positions (negative from
             the end).
         reference: A :class:`~gna_lens.tasks.Task` or token ids ``[n, pos]`` (``"mean"`` only;
             its forward passes run here, once).
-        include_bos: Mean ablation only: average over (and edit) the BOS position too. In the
-            reference, a BOS is a prompt's first token when it is the tokenizer's
-            ``bos_token_id``; in the inputs, every position holding that token (found from
-            ``hook_embed``) is left unedited, and a list of positions naming one raises. Zero
-            ablation edits every chosen position, BOS included.
+        include_bos: Mean ablation only: average over (and edit) the BOS position too (as
+            :func:`~gna_lens.interventions.head_ablation_hooks`; a list of positions naming a
+            BOS raises).
 
     Returns:
         A list of ``(hook name, hook function)`` pairs (two per removed block: one reads
@@ -604,7 +553,7 @@ def layer_ablation_hooks(
     if not checked:
         raise InterventionError("layers=[] is empty; expected at least one layer index.")
     _check_target_mode(target, mode, include_bos)
-    positions = _check_layer_positions(positions)
+    positions = sweep_positions(positions, "batched", "layer interventions")
     for layer in checked:
         _target_hooks(infos[layer], target)
     if mode == "zero" and reference is not None:
@@ -711,19 +660,13 @@ class LayerSweepResult(CellResult):
     effects, selectivity, ranking, ``to_dataframe``, ``to_dict``, ``plot``) whose cells are
     layer sets.
 
-    Attributes:
+    Attributes (beyond :class:`~gna_lens.interventions.result.CellResult`'s meaning):
         cells: The layers ablated together, one tuple per row (``(l,)`` for individual removal,
             ``(n-k, ..., n-1)`` for gradual pruning).
         kinds: Per cell, the layers' kinds (``"attention"``, ``"ssm"``, ``"block"``; ``"mixed"``
             for sets of several kinds).
-        values: The task metric under each ablation, per prompt ``[cell, sample]``.
-        baseline: The task metric without it (with ``removed`` layers removed), ``[sample]``.
-        metric: The task metric's name.
-        task: The task's description.
-        control_values: The control's loss (nats/token, or nats/answer for a knowledge task)
-            under each ablation, per window ``[cell, window]``; ``None`` without a control.
-        control_baseline: The control's loss without ablation ``[window]``, or ``None``.
-        control: The control's description (``""`` when none).
+        baseline: The task metric with only the ``removed`` layers removed, ``[sample]``.
+        control_values: The control's loss (nats/token, or nats/answer for a knowledge task).
         info: How the numbers were made: protocol, target, mode, positions, metric, control,
             layers removed throughout, intervals, path, timings; for mean ablation, what the
             mean was taken over, as for heads (``mean_over``, ``mean_tokens``, ``mean_prompts``,
@@ -803,33 +746,6 @@ def _runner_view(model: Any, view: HeadView | None, infos: Sequence[LayerInfo]) 
     )
 
 
-def bind(fn: Callable[..., Any], **kw: Any) -> HookFn:
-    def bound(x: Tensor, hook: Any) -> Any:
-        return fn(x, hook, **kw)
-
-    return bound
-
-
-class _NegMetric:
-    """The answer's NLL among its options (a knowledge task as a control), per row."""
-
-    def __init__(self, task: Task):
-        self.metric = Metric("choice_logprob", task)
-
-    def __call__(self, logits: Tensor, idx: Tensor) -> Tensor:
-        return -self.metric(logits, idx)
-
-
-def _groups_of_windows(tokens: Tensor, max_rows: int, device: Any) -> list[Group]:
-    n = tokens.shape[0]
-    return [
-        Group(
-            torch.arange(s, min(s + max_rows, n), device=HOST), tokens[s : s + max_rows].to(device)
-        )
-        for s in range(0, n, max_rows)
-    ]
-
-
 #: What each (target, mode) of a layer ablation does, in words (``method["ablation"]``).
 _ABLATION = {
     ("block", "zero"): "block removed: the identity on the residual stream",
@@ -873,9 +789,7 @@ def _sweep_cells(
     ls = _layer_subject(model)
     model, infos = ls.subject.model, ls.infos
     _check_target_mode(target, mode, include_bos)
-    positions = _check_layer_positions(positions)
-    if method not in ("batched", "loop"):
-        raise InterventionError(f"method={method!r}; expected 'batched' or 'loop'.")
+    positions = sweep_positions(positions, method, "layer interventions")
     if not isinstance(max_rows, int) or isinstance(max_rows, bool) or max_rows < 1:
         raise InterventionError(f"max_rows={max_rows!r}; expected a positive int.")
     if mode == "zero" and reference is not None:
@@ -942,7 +856,12 @@ def _sweep_cells(
         if method == "batched" else "loop (a full forward per cell)",
         "forwards": forwards,
         "seconds": round(time.perf_counter() - t0, 3),
-    } | paths | mean_info | _executor_info(info, ctrl)  # fmt: skip
+    } | paths | mean_info  # fmt: skip
+    # The Ray executor's record of the task's run (executor) and the control's.
+    if "executor" in runs[0][2]:
+        info["executor"] = runs[0][2]["executor"]
+    if ctrl and "executor" in ctrl[0][2]:
+        info["control_executor"] = ctrl[0][2]["executor"]
     return LayerSweepResult(
         cells=tuple(cells),
         kinds=tuple(_cell_kind(infos, c) for c in cells),
@@ -955,14 +874,6 @@ def _sweep_cells(
         control=description,
         info=info,
     )
-
-
-def _executor_info(info: dict[str, Any], ctrl: Sequence[Any]) -> dict[str, Any]:
-    """The Ray executor's record of the task's run (``executor``) and the control's."""
-    out = {"executor": info["executor"]} if "executor" in info else {}
-    if ctrl and "executor" in ctrl[0][2]:
-        out["control_executor"] = ctrl[0][2]["executor"]
-    return out
 
 
 def _plan_layers(
@@ -998,21 +909,16 @@ def _plan_layers(
     device = subject.device
     run_metric: Callable[[Tensor, Tensor], Tensor]
     if isinstance(on, TextControl):
-        last = positions == "last"
-        inputs = on.tokens[:, :-1]
-        k = 1 if last else max(1, on.seq_len // 2)
-        if k >= on.seq_len:
-            raise InterventionError(
-                f"the control's windows have {on.seq_len} tokens; expected at least 2."
-            )
-        runner = Runner(subject, keep=k)
-        run_metric = _NextTokenNLL(on.tokens, k)
-        groups = _groups_of_windows(inputs, max_rows, device)
+        runner, run_metric, groups, inputs = _windows(subject, on, positions, None, max_rows)
         ref: Any = inputs
         prompts = inputs.tolist()
     elif metric is None:  # a knowledge task as the control
         runner = Runner(subject)
-        run_metric = _NegMetric(on)
+        choice = Metric("choice_logprob", on)
+
+        def run_metric(logits: Tensor, idx: Tensor) -> Tensor:
+            return -choice(logits, idx)  # the answer's NLL among its options
+
         groups = length_groups(on, max_rows, device)
         ref, prompts = on, [s.input_ids for s in on]
     else:
@@ -1020,16 +926,22 @@ def _plan_layers(
         run_metric = Metric(metric, on)
         groups = length_groups(on, max_rows, device)
         ref, prompts = reference, [s.input_ids for s in on]
-    hooks, mean_info = _cell_hooks(
-        subject, infos, cells, layers, target, mode, ref, positions, include_bos, prompts
-    )
+    # Mean ablation: BOS columns of the prompts left unedited unless include_bos.
+    source = None
+    if mode == "mean":
+        source = _layer_source(subject, infos, layers, target, ref, positions, include_bos)
+    edited = positions if source is None else edit_positions(source, positions, prompts)
     hook_cells = [
-        HookCell(start=min(c), hooks=tuple(h), label=_cell_label(c))
-        for c, h in zip(cells, hooks, strict=True)
-    ]
+        HookCell(
+            start=min(c), hooks=tuple(_hooks_for(infos, c, target, source, edited)),
+            label=_cell_label(c),
+        )
+        for c in cells
+    ]  # fmt: skip
     return CellSweep(
         runner, hook_cells, groups, None, run_metric, None,
-        SweepPlan(0, max_rows, None), method, len(prompts), extra=mean_info,
+        SweepPlan(0, max_rows, None), method, len(prompts),
+        extra={} if source is None else ablation_info(source, edited),
         base_hooks=_hooks_for(infos, removed, "block", None, None),
     )  # fmt: skip
 
@@ -1042,39 +954,12 @@ def _cell_kind(infos: Sequence[LayerInfo], cell: Cell) -> str:
     return kinds.pop() if len(kinds) == 1 else "mixed"
 
 
-def _cell_hooks(
-    subject: Subject,
-    infos: Sequence[LayerInfo],
-    cells: Sequence[Cell],
-    layers: list[int],
-    target: str,
-    mode: str,
-    reference: Any,
-    positions: Any,
-    include_bos: bool,
-    prompts: Sequence[Sequence[int]],
-) -> tuple[list[list[tuple[str, HookFn]]], dict[str, Any]]:
-    """Each cell's hooks on ``prompts`` (mean ablation: BOS columns left unedited unless
-    ``include_bos``), and what the mean was taken over (``{}`` for zero ablation)."""
-    source = (
-        _layer_source(subject, infos, layers, target, reference, positions, include_bos)
-        if mode == "mean"
-        else None
-    )
-    edited = positions if source is None else edit_positions(source, positions, prompts)
-    hooks = [_hooks_for(infos, c, target, source, edited) for c in cells]
-    return hooks, {} if source is None else ablation_info(source, edited)
-
-
 def _layer_cells(infos: Sequence[LayerInfo], layers: Any, removed: list[int]) -> list[Cell]:
     """``None`` -> every layer not removed, alone; ints -> each alone; lists -> sets."""
     if layers is None:
         cells: list[Cell] = [(i.layer,) for i in infos if i.layer not in removed]
     else:
-        if isinstance(layers, int) and not isinstance(layers, bool):
-            raise InterventionError(
-                f"layers={layers!r} is one layer; expected a list, e.g. [{layers}]."
-            )
+        _not_one_layer(layers)
         items = list(layers)
         if not items:
             raise InterventionError("layers=[] is empty; expected layer indices or layer sets.")

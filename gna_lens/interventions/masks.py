@@ -282,10 +282,8 @@ def pattern_mask_hooks(
     attn_layers = sorted({key[0] for key, part in parts.items() if part.kind == "attention"})
     # SSM parts and mixed ones (hybrid students) are edited through the pattern
     other_layers = sorted({key[0] for key, part in parts.items() if part.kind != "attention"})
-    if mode == "pre" and attn_layers:
-        require_editable(model, view, attn_layers, "scores")
-    if mode == "post" and attn_layers:
-        require_editable(model, view, attn_layers, "pattern")
+    if attn_layers:
+        require_editable(model, view, attn_layers, "scores" if mode == "pre" else "pattern")
     if other_layers:
         require_editable(model, view, other_layers, "pattern")
     mixers = net.ssm_mixers() if subject.is_ssm else {}

@@ -23,11 +23,13 @@ from gna_lens.heads import ModelLike, Subject, normalize_head_sets, require_edit
 from gna_lens.interventions.ablation import (
     _label,
     cell_kind,
+    head_columns,
     positions_label,
 )
 from gna_lens.interventions.batching import (
     Group,
     describe_task,
+    length_groups,
     paired_groups,
     parse_bytes,
     tokens_of,
@@ -59,7 +61,6 @@ class PatchResult(CellResult):
         values: The metric on the patched corrupted run, ``[cell, batch]`` (one row of
             ``index_df`` per cell; ``batch`` = the task's samples).
         baseline: The metric on the unpatched corrupted run, ``[batch]``.
-        metric: The metric's name.
         task: The clean task's description.
         index_df: One row per cell: ``layer``, ``head`` (head patching) and ``pos`` (when
             patched position by position), ``kind``, ``label``.
@@ -168,21 +169,6 @@ def _plain(v: Any) -> Any:
     return v.item() if hasattr(v, "item") and not isinstance(v, str | tuple | list) else v
 
 
-def _clean_run_source(
-    model: Any, parts: list[Any], clean: Task, positions: Any, device: Any
-) -> Source:
-    """The clean run's ``hook_z`` of ``parts`` (parts of layers), per sample."""
-    by_len: dict[int, list[int]] = {}
-    for i, s in enumerate(clean):
-        by_len.setdefault(s.n_tokens, []).append(i)
-    groups = [
-        Group(ix := torch.tensor(ids, device=HOST), tokens_of(clean, ix, device))
-        for ids in by_len.values()
-    ]
-    samples = collect_z(model, parts, groups, positions == "last", len(clean))
-    return Source("samples", samples=samples, last_only=positions == "last", label="clean run")
-
-
 def patch_heads(
     model: ModelLike,
     clean: Task,
@@ -221,88 +207,98 @@ def patch_heads(
         InterventionError: For unpaired tasks, unknown heads or positions.
         PatternEditError: If the model would ignore edits of ``hook_z``.
     """
-    from tqdm.auto import tqdm
-
-    subject = Subject.of(model)
+    subject, met, positions, groups, lengths = _paired(
+        model, clean, corrupted, metric, positions, max_rows, "patch_heads"
+    )
     model, view = subject.model, subject.view
     cells = normalize_head_sets(view, heads)
-    met = Metric(metric, clean)
-    positions = check_positions(positions, allow_each=True)
-    if isinstance(positions, Tensor):
-        raise InterventionError("patch_heads: positions must be None, 'last', 'each' or a list.")
-    device = subject.device
-    groups = paired_groups(clean, corrupted, max_rows, device)
-    lengths = {g.length for g in groups}
     cell_cols = None
-    rows: list[dict[str, Any]] = []
-    run_positions = positions
     if positions == "each":
-        if len(lengths) != 1:
-            raise InterventionError(
-                f"positions='each' needs prompts of one length; the tasks have lengths "
-                f"{sorted(lengths)}. Fix: a task with fixed-length prompts (e.g. KV retrieval with "
-                "single-token keys and values), or positions=None / 'last'."
-            )
         (length,) = lengths
-        base_cells = cells
-        cells = [c for c in base_cells for _ in range(length)]
-        cell_cols = [[p] for _ in base_cells for p in range(length)]
-        run_positions = None
-    layers = sorted({layer for c in cells for layer, _ in c})
-    require_editable(model, view, layers, "z")
+        cell_cols = [[p] for _ in cells for p in range(length)]
+        cells = [c for c in cells for _ in range(length)]
+    require_editable(model, view, sorted({layer for c in cells for layer, _ in c}), "z")
     plan = SweepPlan(parse_bytes(memory_budget), max_rows, pack)
     runner = Runner(subject)
     with torch.no_grad():
         parts = view.parts_of(h for c in cells for h in c)  # two hook_z in some hybrid layers
-        source = _clean_run_source(model, parts, clean, positions, device)
-        clean_base = _baseline(runner, clean, groups, met, device)
-
-        def source_for(g: Group) -> tuple[Source, Tensor]:
-            return source, g.indices
-
-        bar = tqdm(
-            total=len(cells) * len(clean), desc="patch heads", disable=not progress, leave=False
+        # The clean run's hook_z per sample: one forward per prompt length.
+        by_length = length_groups(clean, len(clean), subject.device)
+        samples = collect_z(model, parts, by_length, positions == "last", len(clean))
+        source = Source(
+            "samples", samples=samples, last_only=positions == "last", label="clean run"
         )
-        try:
-            values, baseline, info = run_cells(
-                runner,
-                cells,
-                groups,
-                source_for,
-                met,
-                lambda g: g.indices,
-                run_positions,
-                plan,
-                "batched",
-                baseline_tokens=lambda g: tokens_of(corrupted, g.indices, device),
-                bar=bar,
-                cell_cols=cell_cols,
-            )
-        finally:
-            bar.close()
-    for i, cell in enumerate(cells):
-        single = len(cell) == 1
-        row: dict[str, Any] = {
-            "layer": cell[0][0] if single else tuple(lay for lay, _ in cell),
-            "head": cell[0][1] if single else tuple(h for _, h in cell),
-        }
-        if cell_cols is not None:
-            row["pos"] = cell_cols[i][0]
-        row["kind"] = cell_kind(view, cell)
-        row["label"] = _label(cell)
-        rows.append(row)
+        clean_base = host_full(len(clean))
+        for g in groups:
+            clean_base[g.indices] = to_host(met(runner.logits_last(g.tokens), g.indices))
+        values, baseline, info = _run(
+            runner, cells, groups, lambda g: (source, g.indices), met,
+            None if cell_cols else positions, plan, corrupted, "patch heads", progress, cell_cols,
+        )  # fmt: skip
+    rows = [
+        head_columns(cell)
+        | ({"pos": cell_cols[i][0]} if cell_cols is not None else {})
+        | {"kind": cell_kind(view, cell), "label": _label(cell)}
+        for i, cell in enumerate(cells)
+    ]
     return _result(
         values, rows, [tuple(c) for c in cells], [r["kind"] for r in rows], met.name, baseline,
         clean_base, "hook_z", clean, corrupted, positions, info,
     )  # fmt: skip
 
 
-def _baseline(runner: Runner, task: Task, groups: list[Group], met: Metric, device: Any) -> Tensor:
-    out = host_full(len(task))
-    for g in groups:
-        logits = runner.logits_last(tokens_of(task, g.indices, device))
-        out[g.indices] = to_host(met(logits, g.indices))
-    return out
+def _paired(
+    model: Any, clean: Task, corrupted: Task, metric: Any, positions: Any, max_rows: int, who: str
+) -> tuple[Subject, Metric, Any, list[Group], list[int]]:
+    """What both patchings check first: the subject, the metric, the positions, the prompt
+    groups of equal length (clean and corrupted paired) and the prompt lengths.
+
+    Raises:
+        InterventionError: For unpaired tasks, or bad positions (``"each"``: of one length).
+    """
+    subject = Subject.of(model)
+    met = Metric(metric, clean)
+    positions = check_positions(positions, allow_each=True)
+    if isinstance(positions, Tensor):
+        raise InterventionError(f"{who}: positions must be None, 'last', 'each' or a list.")
+    groups = paired_groups(clean, corrupted, max_rows, subject.device)
+    lengths = sorted({g.length for g in groups})
+    if positions == "each" and len(lengths) != 1:
+        raise InterventionError(
+            f"positions='each' needs prompts of one length; the tasks have lengths {lengths}. "
+            "Fix: a task with fixed-length prompts (e.g. KV retrieval with single-token keys and "
+            "values), or positions=None / 'last' / a list."
+        )
+    return subject, met, positions, groups, lengths
+
+
+def _run(
+    runner: Runner,
+    cells: list[Any],
+    groups: list[Group],
+    source_for: Any,
+    met: Metric,
+    positions: Any,
+    plan: SweepPlan,
+    corrupted: Task,
+    desc: str,
+    progress: bool,
+    cell_cols: Any = None,
+) -> tuple[Tensor, Tensor, dict[str, Any]]:
+    """:func:`~gna_lens.interventions.engine.run_cells` on the corrupted prompts, with a bar."""
+    from tqdm.auto import tqdm
+
+    device = runner.subject.device
+    n = sum(len(g) for g in groups)
+    bar = tqdm(total=len(cells) * n, desc=desc, disable=not progress, leave=False)
+    try:
+        return run_cells(
+            runner, cells, groups, source_for, met, lambda g: g.indices, positions, plan,
+            "batched", baseline_tokens=lambda g: tokens_of(corrupted, g.indices, device), bar=bar,
+            cell_cols=cell_cols,
+        )  # fmt: skip
+    finally:
+        bar.close()
 
 
 def patch_residual(
@@ -333,42 +329,25 @@ def patch_residual(
     Returns:
         A :class:`PatchResult` with ``layer`` and ``pos`` in ``index_df``.
     """
-    from tqdm.auto import tqdm
-
-    subject = Subject.of(model)
-    model, view = subject.model, subject.view
-    met = Metric(metric, clean)
-    positions = check_positions(positions, allow_each=True)
-    if isinstance(positions, Tensor):
-        raise InterventionError("patch_residual: positions must be None, 'last', 'each' or a list.")
-    all_layers = list(range(view.n_layers))
-    if layers is None:
-        layers = all_layers
-    layers = list(layers)
+    subject, met, positions, groups, lengths = _paired(
+        model, clean, corrupted, metric, positions, max_rows, "patch_residual"
+    )
+    view = subject.view
+    layers = list(range(view.n_layers)) if layers is None else list(layers)
     bad = [x for x in layers if not isinstance(x, int) or not 0 <= x < view.n_layers]
     if bad or not layers:
         raise InterventionError(
             f"layers={layers!r}; expected a non-empty list of ints in 0..{view.n_layers - 1}."
         )
-    device = subject.device
-    groups = paired_groups(clean, corrupted, max_rows, device)
-    lengths = {g.length for g in groups}
     if positions == "each":
-        if len(lengths) != 1:
-            raise InterventionError(
-                f"positions='each' needs prompts of one length; got lengths {sorted(lengths)}. "
-                "Fix: fixed-length prompts, or positions=None / 'last' / a list."
-            )
-        (length,) = lengths
-        cells = [(layer, [p]) for layer in layers for p in range(length)]
+        cells = [(layer, [p]) for layer in layers for p in range(lengths[0])]
     else:
         if positions not in (None, "last"):
-            for length in sorted(lengths):
+            for length in lengths:
                 column_mask(positions, length, HOST)  # raises on out-of-range positions
         cells = [(layer, positions) for layer in layers]
     runner = Runner(subject)
-    n = len(clean)
-    clean_base = host_full(n)
+    clean_base = host_full(len(clean))
     names = [view[layer].resid_pre_hook for layer in sorted(set(layers))]
     current: dict[int, dict[str, Tensor]] = {}  # the clean run of the batch being patched
 
@@ -393,37 +372,19 @@ def patch_residual(
         HookCell(start=layer, resid=patched(layer, pos), label=f"L{layer} {pos}")
         for layer, pos in cells
     ]
-    bar = tqdm(total=len(cells) * n, desc="patch residual", disable=not progress, leave=False)
-    try:
-        with torch.no_grad():
-            values, baseline, info = run_cells(
-                runner, hook_cells, groups, None, met, lambda g: g.indices, None,
-                SweepPlan(0, max_rows, None), "batched",
-                baseline_tokens=lambda g: tokens_of(corrupted, g.indices, device), bar=bar,
-            )  # fmt: skip
-    finally:
-        bar.close()
+    with torch.no_grad():
+        values, baseline, info = _run(
+            runner, hook_cells, groups, None, met, None, SweepPlan(0, max_rows, None), corrupted,
+            "patch residual", progress,
+        )  # fmt: skip
     info["forwards"] += len(groups)  # the clean runs the patches are taken from
-    rows = []
-    for layer, pos in cells:
-        row: dict[str, Any] = {"layer": layer}
-        if positions == "each":
-            row["pos"] = pos[0]
-        rows.append(row)
+    rows = [
+        {"layer": layer} | ({"pos": pos[0]} if positions == "each" else {}) for layer, pos in cells
+    ]
     return _result(
-        values,
-        rows,
-        [(layer,) for layer, _ in cells],
-        ["resid"] * len(cells),
-        met.name,
-        baseline,
-        clean_base,
-        "hook_resid_pre",
-        clean,
-        corrupted,
-        positions,
-        info,
-    )
+        values, rows, [(layer,) for layer, _ in cells], ["resid"] * len(cells), met.name,
+        baseline, clean_base, "hook_resid_pre", clean, corrupted, positions, info,
+    )  # fmt: skip
 
 
 def _resid_cols(positions: Any, length: int) -> Any:

@@ -42,7 +42,7 @@ from torch import Tensor
 from gna_lens.device import exact_matmul
 from gna_lens.errors import InterventionError
 from gna_lens.heads import Subject
-from gna_lens.interventions.hooks import hooked
+from gna_lens.interventions.hooks import bind, hooked
 
 Hooks = Sequence[tuple[Any, Callable[..., Any]]]
 
@@ -235,7 +235,7 @@ class Runner:
         def keep(x: Tensor, hook: Any, name: str) -> None:
             cache[name] = x.detach().clone()
 
-        keepers = [(n, _bind_name(keep, n)) for n in dict.fromkeys(names)]
+        keepers = [(n, bind(keep, name=n)) for n in dict.fromkeys(names)]
         return self.logits_last(tokens, list(hooks) + keepers), cache
 
     def from_layer(self, layer: int, resid: Tensor, tokens: Tensor, hooks: Hooks) -> Tensor:
@@ -437,10 +437,3 @@ def _attempt(fn: Callable[[], Tensor]) -> tuple[Tensor | None, str | None]:
         return fn(), None
     except ShortcutNotApplicable as err:
         return None, str(err)
-
-
-def _bind_name(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
-    def bound(x: Tensor, hook: Any) -> Any:
-        return fn(x, hook, name=name)
-
-    return bound

@@ -12,7 +12,7 @@ from torch import Tensor
 from gna_lens.device import HOST
 from gna_lens.errors import InterventionError
 from gna_lens.heads import LayerHeads
-from gna_lens.interventions.batching import Group, length_groups
+from gna_lens.interventions.batching import Group, length_groups, row_groups
 from gna_lens.interventions.hooks import EMBED_HOOK, bind, hooked
 from gna_lens.tasks import Task
 
@@ -104,46 +104,40 @@ def column_mask(positions: Any, length: int, device: Any) -> Tensor | None:
     return mask
 
 
+@dataclasses.dataclass(eq=False)  # compared and hashed by identity, as before
 class Source:
     """What replaces a head's output: zero, a mean, or per-sample activations.
 
     Keyed by what is replaced: the ``hook_z`` name of each part of a layer
-    (:attr:`gna_lens.heads.LayerHeads.parts`) for head interventions, the layer for layer
-    interventions. ``samples[key][r]`` holds reference row ``r``'s activation (``hook_z``:
+    (:attr:`gna_lens.heads.LayerHeads.parts`) for head interventions, the replaced hook for
+    layer interventions. ``samples[key][r]`` holds reference row ``r``'s activation (``hook_z``:
     ``[L_r, H, d]``, or ``[1, H, d]`` at its query position when ``last_only``).
+
+    Attributes:
+        tokens: The reference rows' token ids (mean and resample sources).
+        embeds: The reference rows' ``hook_embed`` outputs, where the model has that hook
+            (resample).
+        bos_id: The tokenizer's BOS id (``None``: none known).
+        info: How the replacement was computed (for the result's ``info``).
+        forwards: Forward passes run over the reference.
     """
 
-    def __init__(
-        self,
-        kind: Literal["zero", "mean", "samples"],
-        mean: dict[Any, Tensor] | None = None,
-        samples: dict[Any, list[Tensor]] | None = None,
-        last_only: bool = False,
-        label: str = "",
-        tokens: list[tuple[int, ...]] | None = None,
-        embeds: list[Tensor] | None = None,
-        bos_id: int | None = None,
-        include_bos: bool = False,
-        info: dict[str, Any] | None = None,
-        forwards: int = 0,
-    ):
-        self.kind = kind
-        self.mean = mean or {}
-        self.samples = samples or {}
-        self.last_only = last_only
-        self.label = label
-        self.n = len(next(iter(self.samples.values()))) if self.samples else 0
-        #: The reference rows' token ids (mean and resample sources).
-        self.tokens = tokens or []
-        #: The reference rows' ``hook_embed`` outputs, where the model has that hook (resample).
-        self.embeds = embeds or []
-        #: The tokenizer's BOS id (``None``: none known).
-        self.bos_id = bos_id
-        self.include_bos = include_bos
-        #: How the replacement was computed (for the result's ``info``).
-        self.info = info or {}
-        #: Forward passes run over the reference.
-        self.forwards = forwards
+    kind: Literal["zero", "mean", "samples"]
+    mean: dict[Any, Tensor] = dataclasses.field(default_factory=dict)
+    samples: dict[Any, list[Tensor]] = dataclasses.field(default_factory=dict)
+    last_only: bool = False
+    label: str = ""
+    tokens: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
+    embeds: list[Tensor] = dataclasses.field(default_factory=list)
+    bos_id: int | None = None
+    include_bos: bool = False
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    forwards: int = 0
+
+    @property
+    def n(self) -> int:
+        """Reference rows of a per-sample source (``0`` otherwise)."""
+        return len(next(iter(self.samples.values()))) if self.samples else 0
 
     @property
     def skips_bos(self) -> bool:
@@ -266,14 +260,9 @@ def class_positions(
 
 
 def _class_label(positions: Any, include_bos: bool, bos_id: int | None) -> str:
-    if positions is None:
-        where = "every position"
-    elif isinstance(positions, Tensor) or positions == "last":
-        where = "the last (query) token"
-    else:
-        where = f"positions {list(positions)}"
-    if where.startswith("the last"):
-        return f"{where} of each reference prompt"
+    if isinstance(positions, Tensor) or positions == "last":
+        return "the last (query) token of each reference prompt"
+    where = "every position" if positions is None else f"positions {list(positions)}"
     if bos_id is None:
         return f"{where} of each reference prompt (no BOS token known)"
     if include_bos:
@@ -297,13 +286,7 @@ def reference_rows(
         rows = [tuple(int(t) for t in s.input_ids) for s in reference]
         return groups, label, rows
     if isinstance(reference, Tensor) and reference.ndim == 2 and not reference.is_floating_point():
-        toks = reference.to(device)
-        groups = [
-            Group(
-                torch.arange(s, min(s + max_rows, len(toks)), device=HOST), toks[s : s + max_rows]
-            )
-            for s in range(0, len(toks), max_rows)
-        ]
+        groups = row_groups(reference, max_rows, device)
         label = f"reference tokens {tuple(reference.shape)}"
         return groups, label, [tuple(r) for r in reference.tolist()]
     got = tuple(reference.shape) if isinstance(reference, Tensor) else type(reference).__name__
