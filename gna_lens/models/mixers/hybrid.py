@@ -54,12 +54,13 @@ from gna_lens.device import HOST
 from gna_lens.errors import ConfigError
 from gna_lens.models import ops
 from gna_lens.models.config import SSMConfig
-from gna_lens.models.mixers.attention import AttentionHeads, Rope
+from gna_lens.models.mixers.attention import AttentionHeads, Rope, allowed_keys
 from gna_lens.models.mixers.base import (
     SSMMixer,
     StepState,
     checked_pattern,
     has_hooks,
+    masked,
     reverse_segsum,
     scatter_rows_heads,
     state_through_hook,
@@ -469,8 +470,7 @@ class HybridMixer(AttentionHeads, SSMMixer):
         self, h: Float[Tensor, "batch pos d_model"], mask: Tensor | None, rope: Rope = None
     ) -> Float[Tensor, "batch pos d_model"]:
         L = h.shape[1]
-        if mask is not None:
-            h = h * mask[..., None].to(h.dtype)
+        h = masked(h, mask)
         materialize = has_hooks(self.hook_pattern)
         if not materialize:
             return self._forward_fast(h, mask, rope)
@@ -482,10 +482,7 @@ class HybridMixer(AttentionHeads, SSMMixer):
         y_attn = y_ssm = None
         if self.attn_heads:
             q, k, v = self._qkv(h, rope)
-            allowed = torch.ones(L, L, dtype=torch.bool, device=h.device).tril()[None, None]
-            if mask is not None:
-                allowed = allowed & mask.bool()[:, None, None, :]
-            P_attn = self._attend(q, k, allowed)
+            P_attn = self._attend(q, k, allowed_keys(L, mask, h.device))
             v = self._per_head(v)
             if need_fast:
                 y_attn = torch.einsum("bhqk,bkhd->bqhd", P_attn, v)
@@ -524,10 +521,7 @@ class HybridMixer(AttentionHeads, SSMMixer):
         if self.attn_heads:
             q, k, v = self._qkv(h, rope)
             if has_hooks(self.hook_attn_scores):
-                allowed = torch.ones(L, L, dtype=torch.bool, device=h.device).tril()[None, None]
-                if mask is not None:
-                    allowed = allowed & mask.bool()[:, None, None, :]
-                P = self._attend(q, k, allowed)
+                P = self._attend(q, k, allowed_keys(L, mask, h.device))
                 y_attn = torch.einsum("bhqk,bkhd->bqhd", P, self._per_head(v))
             else:
                 y_attn = self._fused_attention(q, k, v, mask)

@@ -22,11 +22,10 @@ from gna_lens.models.mixers.base import (
     conv_last,
     conv_tail,
     has_hooks,
+    masked,
     reverse_segsum,
-    scatter_rows_heads,
     state_through_hook,
 )
-from gna_lens.models.mixers.mamba2 import pattern_through_hook, reads
 
 __all__ = ["Mamba1Mixer"]
 
@@ -45,12 +44,6 @@ class Mamba1Mixer(SSMMixer):
 
     "Heads" are channels: ``hook_pattern`` is ``[batch, d_inner, query_pos, key_pos]`` and
     ``hook_z`` is ``[batch, pos, d_inner, 1]``.
-
-    Attributes:
-        last_path: The path of the last forward pass, ``{"conv": ..., "scan": ...}`` (see
-            :func:`gna_lens.models.kernels.kernel_paths`).
-        pattern_budget_bytes: Working memory of the pattern's construction beside the pattern
-            (``None``: :func:`gna_lens.models.kernels.pattern_budget`).
     """
 
     channel_heads: ClassVar[bool] = True
@@ -82,8 +75,6 @@ class Mamba1Mixer(SSMMixer):
         self.hook_ssm_out = HookPoint()  # [batch, pos, d_inner], y + D u
         self.hook_gate = HookPoint()  # [batch, pos, d_inner], z before SiLU
         self.hook_z = HookPoint()  # [batch, pos, head_index, d_head=1]
-        self.last_path: dict[str, str] = {}
-        self.pattern_budget_bytes: int | None = None
 
     # ------------------------------------------------------------------ shared by both paths
     def norm_dt_B_C(self, dt_low: Tensor, B: Tensor, C: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -111,18 +102,9 @@ class Mamba1Mixer(SSMMixer):
     def forward(
         self, h: Float[Tensor, "batch pos d_model"], mask: Tensor | None
     ) -> Float[Tensor, "batch pos d_model"]:
-        if mask is not None:
-            h = h * mask[..., None].to(h.dtype)
+        h = masked(h, mask)
         xs, z = self.hook_in_proj(self.in_proj(h)).chunk(2, dim=-1)
-        fused = not reads(self.hook_conv)  # SiLU inside the convolution while unhooked
-        conv, path = kernels.causal_conv1d(
-            xs.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, silu=fused
-        )
-        self.last_path = {"conv": path}
-        u = conv.transpose(1, 2) if fused else F.silu(self.hook_conv(conv.transpose(1, 2)))
-        if mask is not None:
-            u = u * mask[..., None].to(u.dtype)
-        u = self.hook_ssm_input(u)
+        u = self.hook_ssm_input(masked(self._conv_silu(xs), mask))
         delta, B, C = self._dt_B_C(u)
         A = -torch.exp(self.A_log.float())
         y = self._scan(u, delta, A, B, C)
@@ -147,13 +129,7 @@ class Mamba1Mixer(SSMMixer):
             self.last_path["scan"] = path
             return y
         self.last_path["scan"] = "materialized" if y is None else f"materialized+{path}"
-        self._check_dtype(u.dtype)
-        job, d_sel, A_sel = self._pattern_job(delta, A, B, C, heads, rows)
-        pattern = kernels.build_pattern(job, d_sel, A_sel, B, C).to(u.dtype)
-        pattern, edited = pattern_through_hook(self.hook_pattern, pattern)
-        u_sel = u if heads is None else u.index_select(-1, heads)
-        y_sel = kernels.apply_pattern(job, pattern, u_sel, d_sel, A_sel, B, C, edited)  # [b, R, e]
-        return scatter_rows_heads(y, y_sel, heads, rows, head_dim=-1)
+        return self._pattern_output(u, delta, A, B, C, y, heads, rows, head_dim=-1)
 
     def materialize(
         self,
@@ -270,7 +246,7 @@ class Mamba1Mixer(SSMMixer):
         self._refuse_step_patterns()
         xs, z = self.hook_in_proj(self.in_proj(h)).chunk(2, dim=-1)
         conv = conv_last(torch.cat([state["conv"].to(xs.dtype), xs], dim=1), self.conv1d)
-        u = self.hook_ssm_input(F.silu(self.hook_conv(conv)))
+        u = self.hook_ssm_input(self.activate(conv))
         delta, B, C = self._dt_B_C(u)
         A = -torch.exp(self.A_log.float())
         d = delta[:, 0]
