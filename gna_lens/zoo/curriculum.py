@@ -138,9 +138,7 @@ class World:
         out = []
         for d in range(draws):
             for f in facts:
-                pool = [a for a in self.relations[f.relation][1] if a != f.attribute]
-                options = [f.attribute, *rng.sample(pool, 3)]
-                rng.shuffle(options)
+                options = self.options(f, rng)
                 out.append(
                     MCRecord(
                         question=f.question,
@@ -151,6 +149,13 @@ class World:
                     )
                 )
         return out
+
+    def options(self, fact: Fact, rng: random.Random) -> list[str]:
+        """The true attribute of ``fact`` and three distractors of its relation, shuffled."""
+        pool = [a for a in self.relations[fact.relation][1] if a != fact.attribute]
+        options = [fact.attribute, *rng.sample(pool, 3)]
+        rng.shuffle(options)
+        return options
 
     def select(self, which: str) -> list[Fact]:
         """The facts of a split: ``"all"``, ``"letter-train"`` or ``"held-out"``."""
@@ -319,9 +324,7 @@ def _fact_document(world: World, rng: random.Random, n_questions: int) -> list[s
             text, _ = format_question(f.question, [])
             parts += [sep + text, " " + f.attribute]
             continue
-        pool = [a for a in world.relations[f.relation][1] if a != f.attribute]
-        options = [f.attribute, *rng.sample(pool, 3)]
-        rng.shuffle(options)
+        options = world.options(f, rng)
         text, _ = format_question(f.question, options)
         answer = " " + ("ABCD"[options.index(f.attribute)] if kind == "letter" else f.attribute)
         parts += [sep + text, answer]

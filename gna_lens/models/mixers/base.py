@@ -225,15 +225,61 @@ class SSMMixer(nn.Module):
         heads: Tensor | None = None,
         rows: Tensor | None = None,
     ) -> Float[Tensor, "batch selected_head query_row pos"]:
-        """The implicit attention of ``heads`` at query positions ``rows`` (``None``: all)."""
-        raise NotImplementedError
+        """The implicit attention of ``heads`` at query positions ``rows`` (``None``: all), in
+        fp32 or wider: Mamba-2's ``M_h[i, j] = (C_i · B_j) exp(A_h Σ_{k=j+1..i} dt_k) dt_j``,
+        Mamba-1's ``α_e[i, j] = C_i · (exp(A_e Σ_{k=j+1..i} Δ_k) Δ_j B_j)`` (channels ``e``).
+
+        Args:
+            dt: ``dt`` after softplus and clamping (``hook_ssm_dt``).
+            A: ``-exp(A_log)``.
+            B: ``hook_ssm_B``.
+            C: ``hook_ssm_C``.
+            heads: Head (Mamba-1: channel) indices, sorted, or ``None``.
+            rows: Query positions (sorted, non-negative), or ``None``.
+
+        Returns:
+            ``[batch, len(heads), len(rows), key_pos]``.
+
+        Examples:
+            >>> import torch
+            >>> from gna_lens.testing import tiny_hooked_ssm
+            >>> names = [f"blocks.0.mixer.hook_{n}" for n in ("ssm_dt", "ssm_B", "ssm_C", "pattern")]
+            >>> model = tiny_hooked_ssm("mamba2")
+            >>> mixer = model.blocks[0].mixer
+            >>> _, cache = model.run_with_cache("a b c", names_filter=names)
+            >>> dt, B, C, pattern = (cache[n] for n in names)
+            >>> mine = mixer.materialize(dt, -torch.exp(mixer.A_log.float()), B, C)
+            >>> torch.allclose(mine, pattern, atol=1e-6)
+            True
+            >>> model = tiny_hooked_ssm("mamba1")
+            >>> mixer = model.blocks[0].mixer
+            >>> _, cache = model.run_with_cache("a b c", names_filter=names)
+            >>> dt, B, C, pattern = (cache[n] for n in names)
+            >>> A = -torch.exp(mixer.A_log.float())
+            >>> rows = torch.tensor([2])
+            >>> mine = mixer.materialize(dt, A, B, C, heads=torch.tensor([5]), rows=rows)
+            >>> tuple(mine.shape), torch.allclose(mine, pattern[:, 5:6, 2:3], atol=1e-6)
+            ((1, 1, 1, 4), True)
+        """
+        job, dt_sel, A_sel = self._pattern_job(dt, A, B, C, heads, rows)
+        return kernels.build_pattern(job, dt_sel, A_sel, B, C)
 
     def prefix_state(self, acts: Mapping[str, Tensor], length: int) -> StepState:
-        """What the token after the first ``length`` positions needs from them."""
+        """What the token after the first ``length`` positions needs from them.
+
+        Args:
+            acts: The full prompt's activations of :attr:`prefix_hooks` (``[G, L, ...]``,
+                keyed by the hook's name in the mixer, e.g. ``"hook_ssm_dt"``).
+            length: The prefix length ``P`` (usually ``L - 1``).
+        """
         raise NotImplementedError
 
     def step(self, state: StepState, h: Float[Tensor, "batch 1 d_model"]) -> Tensor:
-        """The mixer's output ``[batch, 1, d_model]`` for one token after the prefix."""
+        """The mixer's output ``[batch, 1, d_model]`` for one token after the prefix.
+
+        Fires the same hook points as ``forward`` with ``pos = 1`` (not ``hook_pattern`` or
+        ``hook_ssm_state``: a hook on those raises).
+        """
         raise NotImplementedError
 
     def activate(self, conv: Tensor) -> Tensor:

@@ -146,12 +146,7 @@ def ssd_chunked(
     autocast = torch.is_autocast_enabled(device.type)
     cd = torch.get_autocast_dtype(device.type) if autocast else wide  # the T x T products
     T = max(1, min(chunk_size, length))
-    pad = (-length) % T
-    if pad:
-        x = F.pad(x, (0, 0, 0, 0, 0, pad))
-        dt = F.pad(dt, (0, 0, 0, pad))
-        B = F.pad(B, (0, 0, 0, 0, 0, pad))
-        C = F.pad(C, (0, 0, 0, 0, 0, pad))
+    x, dt, B, C = ops.pad_positions(T, x, dt, B, C)
     n = x.shape[1] // T
     with torch.autocast(device.type, enabled=False):
         a = (dt.to(wide) * A.to(wide)).view(batch, n, T, heads).permute(0, 3, 1, 2)  # [b,h,c,T]
@@ -640,11 +635,8 @@ class HybridMixer(AttentionHeads, SSMMixer):
     def step(
         self, state: StepState, h: Float[Tensor, "batch 1 d_model"], rope: Rope = None
     ) -> Tensor:
-        """One token after the prefix (``rope``: its position's rotation): ``[batch, 1, d_model]``.
-
-        Fires the same hook points as :meth:`forward` with ``pos = 1`` (not ``hook_pattern`` or
-        ``hook_ssm_state``: a hook on those raises).
-        """
+        """One token after the prefix (``rope``: its position's rotation; see
+        :meth:`SSMMixer.step`)."""
         self._refuse_step_patterns()
         y_attn = y_ssm = x = None
         if self.attn_heads:

@@ -131,46 +131,6 @@ class Mamba1Mixer(SSMMixer):
         self.last_path["scan"] = "materialized" if y is None else f"materialized+{path}"
         return self._pattern_output(u, delta, A, B, C, y, heads, rows, head_dim=-1)
 
-    def materialize(
-        self,
-        dt: Float[Tensor, "batch pos d_inner"],
-        A: Float[Tensor, "d_inner d_state"],
-        B: Float[Tensor, "batch pos d_state"],
-        C: Float[Tensor, "batch pos d_state"],
-        heads: Tensor | None = None,
-        rows: Tensor | None = None,
-    ) -> Float[Tensor, "batch selected_head query_row pos"]:
-        """The implicit attention ``α_e[i, j] = C_i · (exp(A_e Σ_{k=j+1..i} Δ_k) Δ_j B_j)`` of
-        channels ``heads`` at query positions ``rows`` (``None``: all), in fp32 or wider.
-
-        Args:
-            dt: ``Δ`` after softplus (``hook_ssm_dt``).
-            A: ``-exp(A_log)``.
-            B: ``hook_ssm_B``.
-            C: ``hook_ssm_C``.
-            heads: Channel indices (sorted), or ``None``.
-            rows: Query positions (sorted, non-negative), or ``None``.
-
-        Returns:
-            ``[batch, len(heads), len(rows), key_pos]``.
-
-        Examples:
-            >>> import torch
-            >>> from gna_lens.testing import tiny_hooked_ssm
-            >>> model = tiny_hooked_ssm("mamba1")
-            >>> mixer = model.blocks[0].mixer
-            >>> names = [f"blocks.0.mixer.hook_{n}" for n in ("ssm_dt", "ssm_B", "ssm_C", "pattern")]
-            >>> _, cache = model.run_with_cache("a b c", names_filter=names)
-            >>> dt, B, C, pattern = (cache[n] for n in names)
-            >>> A = -torch.exp(mixer.A_log.float())
-            >>> rows = torch.tensor([2])
-            >>> mine = mixer.materialize(dt, A, B, C, heads=torch.tensor([5]), rows=rows)
-            >>> tuple(mine.shape), torch.allclose(mine, pattern[:, 5:6, 2:3], atol=1e-6)
-            ((1, 1, 1, 4), True)
-        """
-        job, d_sel, A_sel = self._pattern_job(dt, A, B, C, heads, rows)
-        return kernels.build_pattern(job, d_sel, A_sel, B, C)
-
     def _pattern_job(
         self,
         dt: Tensor,
@@ -210,12 +170,8 @@ class Mamba1Mixer(SSMMixer):
     def prefix_state(self, acts: Mapping[str, Tensor], length: int) -> StepState:
         """The recurrent state after position ``length - 1`` (rebuilt exactly from the cached
         ``hook_ssm_input``, ``hook_ssm_dt`` and ``hook_ssm_B``, with reverse cumulative sums as the
-        scan's own kernel) and the last ``d_conv - 1`` convolution inputs.
-
-        Args:
-            acts: The full prompt's activations of :attr:`prefix_hooks` (``[G, L, ...]``,
-                keyed by the hook's name in the mixer, e.g. ``"hook_ssm_dt"``).
-            length: The prefix length ``P`` (usually ``L - 1``).
+        scan's own kernel) and the last ``d_conv - 1`` convolution inputs (see
+        :meth:`SSMMixer.prefix_state`).
 
         Returns:
             ``{"conv": [G, d_conv - 1, d_inner], "state": [G, d_inner, d_state]}``.
@@ -238,11 +194,7 @@ class Mamba1Mixer(SSMMixer):
         return {"conv": conv_tail(conv_in, P, cfg.d_conv - 1), "state": state}
 
     def step(self, state: StepState, h: Float[Tensor, "batch 1 d_model"]) -> Tensor:
-        """One token after the prefix: the mixer's output ``[batch, 1, d_model]``.
-
-        Fires the same hook points as :meth:`forward` with ``pos = 1`` (not ``hook_pattern`` or
-        ``hook_ssm_state``: a hook on those raises).
-        """
+        """One token after the prefix (see :meth:`SSMMixer.step`)."""
         self._refuse_step_patterns()
         xs, z = self.hook_in_proj(self.in_proj(h)).chunk(2, dim=-1)
         conv = conv_last(torch.cat([state["conv"].to(xs.dtype), xs], dim=1), self.conv1d)

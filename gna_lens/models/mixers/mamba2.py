@@ -276,44 +276,6 @@ class Mamba2Mixer(SSMMixer):
             return y
         return None
 
-    def materialize(
-        self,
-        dt: Float[Tensor, "batch pos head_index"],
-        A: Float[Tensor, " head_index"],
-        B: Float[Tensor, "batch pos n_groups d_state"],
-        C: Float[Tensor, "batch pos n_groups d_state"],
-        heads: Tensor | None = None,
-        rows: Tensor | None = None,
-    ) -> Float[Tensor, "batch selected_head query_row pos"]:
-        """The implicit attention ``M_h[i, j] = (C_i · B_j) exp(A_h Σ_{k=j+1..i} dt_k) dt_j`` of
-        ``heads`` at query positions ``rows`` (``None``: all), in fp32 or wider.
-
-        Args:
-            dt: ``dt`` after softplus and clamping (``hook_ssm_dt``).
-            A: ``-exp(A_log)``.
-            B: ``hook_ssm_B``.
-            C: ``hook_ssm_C``.
-            heads: Head indices (sorted), or ``None``.
-            rows: Query positions (sorted, non-negative), or ``None``.
-
-        Returns:
-            ``[batch, len(heads), len(rows), key_pos]``.
-
-        Examples:
-            >>> import torch
-            >>> from gna_lens.testing import tiny_hooked_ssm
-            >>> model = tiny_hooked_ssm("mamba2")
-            >>> mixer = model.blocks[0].mixer
-            >>> names = [f"blocks.0.mixer.hook_{n}" for n in ("ssm_dt", "ssm_B", "ssm_C", "pattern")]
-            >>> _, cache = model.run_with_cache("a b c", names_filter=names)
-            >>> dt, B, C, pattern = (cache[n] for n in names)
-            >>> mine = mixer.materialize(dt, -torch.exp(mixer.A_log.float()), B, C)
-            >>> torch.allclose(mine, pattern, atol=1e-6)
-            True
-        """
-        job, dt_sel, A_sel = self._pattern_job(dt, A, B, C, heads, rows)
-        return kernels.build_pattern(job, dt_sel, A_sel, B, C)
-
     def _pattern_job(
         self,
         dt: Tensor,
@@ -357,12 +319,7 @@ class Mamba2Mixer(SSMMixer):
     def prefix_state(self, acts: Mapping[str, Tensor], length: int) -> StepState:
         """The recurrent state after position ``length - 1`` (rebuilt exactly from the cached
         ``hook_ssm_input``, ``hook_ssm_dt`` and ``hook_ssm_B``) and the last ``d_conv - 1``
-        convolution inputs.
-
-        Args:
-            acts: The full prompt's activations of :attr:`prefix_hooks` (``[G, L, ...]``,
-                keyed by the hook's name in the mixer, e.g. ``"hook_ssm_dt"``).
-            length: The prefix length ``P`` (usually ``L - 1``).
+        convolution inputs (see :meth:`SSMMixer.prefix_state`).
 
         Returns:
             ``{"conv": [G, d_conv - 1, conv_dim], "state": [G, n_heads, d_head, d_state]}``.
@@ -388,10 +345,7 @@ class Mamba2Mixer(SSMMixer):
         return {"conv": conv_tail(conv_in, P, cfg.d_conv - 1), "state": state}
 
     def step(self, state: StepState, h: Float[Tensor, "batch 1 d_model"]) -> Tensor:
-        """One token after the prefix: the mixer's output ``[batch, 1, d_model]``.
-
-        Fires the same hook points as :meth:`forward` with ``pos = 1`` (not ``hook_pattern`` or
-        ``hook_ssm_state``: a hook on those raises).
+        """One token after the prefix (see :meth:`SSMMixer.step`).
 
         Examples:
             The step from the state of the first 5 positions gives the forward's 6th output:

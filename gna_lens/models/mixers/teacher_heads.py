@@ -268,9 +268,8 @@ class TeacherHeadsMixer(AttentionHeads, Mamba2Mixer):
     def step(  # type: ignore[override]
         self, state: StepState, h: Float[Tensor, "batch 1 d_model"], rope: Rope = None
     ) -> Tensor:
-        """One token after the prefix (``rope``: its position's rotation): ``[batch, 1,
-        d_model]``. Fires the same hook points as :meth:`forward` with ``pos = 1`` (not
-        ``hook_pattern`` or ``hook_ssm_state``: a hook on those raises)."""
+        """One token after the prefix (``rope``: its position's rotation; see
+        :meth:`SSMMixer.step`)."""
         self._refuse_step_patterns()
         z, x, y = self._step_scan(state, h)
         q, k, v = self._qkv(h, rope)
