@@ -138,7 +138,9 @@ class World:
         out = []
         for d in range(draws):
             for f in facts:
-                options = self.options(f, rng)
+                pool = [a for a in self.relations[f.relation][1] if a != f.attribute]
+                options = [f.attribute, *rng.sample(pool, 3)]
+                rng.shuffle(options)
                 out.append(
                     MCRecord(
                         question=f.question,
@@ -149,13 +151,6 @@ class World:
                     )
                 )
         return out
-
-    def options(self, fact: Fact, rng: random.Random) -> list[str]:
-        """The true attribute of ``fact`` and three distractors of its relation, shuffled."""
-        pool = [a for a in self.relations[fact.relation][1] if a != fact.attribute]
-        options = [fact.attribute, *rng.sample(pool, 3)]
-        rng.shuffle(options)
-        return options
 
     def select(self, which: str) -> list[Fact]:
         """The facts of a split: ``"all"``, ``"letter-train"`` or ``"held-out"``."""
@@ -324,7 +319,9 @@ def _fact_document(world: World, rng: random.Random, n_questions: int) -> list[s
             text, _ = format_question(f.question, [])
             parts += [sep + text, " " + f.attribute]
             continue
-        options = world.options(f, rng)
+        pool = [a for a in world.relations[f.relation][1] if a != f.attribute]
+        options = [f.attribute, *rng.sample(pool, 3)]
+        rng.shuffle(options)
         text, _ = format_question(f.question, options)
         answer = " " + ("ABCD"[options.index(f.attribute)] if kind == "letter" else f.attribute)
         parts += [sep + text, answer]
