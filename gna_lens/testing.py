@@ -38,17 +38,9 @@ __all__ = [
 
 #: Architectures the factories can build.
 ARCHITECTURES = (
-    "mamba1",
-    "falcon_mamba",
-    "mamba2",
-    "bamba",
-    "nemotron_h",
-    "granitemoehybrid",
-    "falcon_h1",
-    "jamba",
-    "zamba2",
-    "llama",
-)
+    "mamba1", "falcon_mamba", "mamba2", "bamba", "nemotron_h", "granitemoehybrid", "falcon_h1",
+    "jamba", "zamba2", "llama",
+)  # fmt: skip
 
 _CORPUS = [
     "Memorize the following dictionary:\napple:12\nriver:47\nstone:3\n",
@@ -391,19 +383,9 @@ def tiny_hooked_ssm(arch: str = "mamba2", seed: int = 0, **overrides: Any) -> An
 
 #: Keys (line starts) and values (after a space) of :func:`toy_gna_model`'s vocabulary.
 TOY_WORDS = (
-    "apple",
-    "river",
-    "stone",
-    "cloud",
-    "tiger",
-    "lemon",
-    "house",
-    "chair",
-    "bread",
-    "plant",
-    "horse",
-    "glass",
-)
+    "apple", "river", "stone", "cloud", "tiger", "lemon", "house", "chair", "bread", "plant",
+    "horse", "glass",
+)  # fmt: skip
 
 #: The toy model's known Gather head and Aggregate head.
 TOY_GATHER_HEAD = (0, 0)

@@ -1,6 +1,7 @@
 """One residual block of a HookedSSM, assembled from the family's mixers (see
 :mod:`gna_lens.models.families`): its full forward and its single-token step."""
 
+from collections.abc import Callable
 from typing import cast
 
 from torch import Tensor, nn
@@ -75,25 +76,30 @@ class SSMBlock(nn.Module):
     ) -> Tensor:
         """The block on ``resid`` ``[batch, pos, d_model]`` (``embed``: the token embeddings, for
         blocks that read them, :attr:`reads_embed`)."""
+        return self._run(
+            resid,
+            lambda x: self.attn(x, mask, rope),
+            lambda x: self.mixer(x, mask, rope) if self.mixer.uses_rope else self.mixer(x, mask),
+        )
+
+    def _run(
+        self, resid: Tensor, attend: Callable[[Tensor], Tensor], mix: Callable[[Tensor], Tensor]
+    ) -> Tensor:
+        """The block on ``resid`` with ``attend`` / ``mix`` the attention's / mixer's output of
+        their normed input (the full forward's or the single-token step's)."""
         resid = self.hook_resid_pre(resid)
         if self.has_mixer:
             normed = self.ln1(resid.to(self.ln1.weight.dtype))
             if self.cfg.residual_in_fp32:
                 resid = resid.float()
             if self.is_attention:
-                resid = resid + self.hook_attn_out(self.scaled(self.attn(normed, mask, rope)))
-            elif self.has_parallel_attn:
-                ssm = self.hook_mixer_out(self.scaled(self.mixer(normed, mask), "ssm"))
-                attn_in = self.attn_input(normed)
-                attn = self.hook_attn_out(self.scaled(self.attn(attn_in, mask, rope), "attention"))
-                resid = resid + (ssm + attn)
+                resid = resid + self.hook_attn_out(self.scaled(attend(normed)))
+            elif self.has_parallel_attn:  # Falcon-H1: mixer and attention on the same input
+                ssm = self.hook_mixer_out(self.scaled(mix(normed), "ssm"))
+                attn = attend(self.attn_input(normed))
+                resid = resid + (ssm + self.hook_attn_out(self.scaled(attn, "attention")))
             else:
-                out = (
-                    self.mixer(normed, mask, rope)
-                    if self.mixer.uses_rope
-                    else self.mixer(normed, mask)
-                )
-                resid = resid + self.hook_mixer_out(self.scaled(out))
+                resid = resid + self.hook_mixer_out(self.scaled(mix(normed)))
         return self.mlp_part(resid)
 
     def attn_input(self, normed: Tensor) -> Tensor:
@@ -163,26 +169,12 @@ class SSMBlock(nn.Module):
     ) -> Tensor:
         """:meth:`forward` for one token after the prefix whose ``state`` it is
         (``resid`` ``[batch, 1, d_model]``; ``rope`` of that token's position)."""
-        resid = self.hook_resid_pre(resid)
-        if not self.has_mixer:
-            pass
-        elif self.is_attention:
-            normed = self.ln1(resid.to(self.ln1.weight.dtype))
-            out = self.attn.step(state, normed, rope)
-            resid = resid + self.hook_attn_out(self.scaled(out))
-        else:
-            normed = self.ln1(resid.to(self.ln1.weight.dtype))
-            if self.cfg.residual_in_fp32:
-                resid = resid.float()
-            if self.has_parallel_attn:  # Falcon-H1: mixer and attention on the same input
-                ssm = self.hook_mixer_out(self.scaled(self.mixer.step(state, normed), "ssm"))
-                out = self.attn.step(state, self.attn_input(normed), rope)
-                attn = self.hook_attn_out(self.scaled(out, "attention"))
-                resid = resid + (ssm + attn)
-            else:
-                if self.mixer.uses_rope:
-                    out = self.mixer.step(state, normed, rope)  # type: ignore[call-arg]
-                else:
-                    out = self.mixer.step(state, normed)
-                resid = resid + self.hook_mixer_out(self.scaled(out))
-        return self.mlp_part(resid)
+        return self._run(
+            resid,
+            lambda x: self.attn.step(state, x, rope),
+            lambda x: (
+                self.mixer.step(state, x, rope)  # type: ignore[call-arg]
+                if self.mixer.uses_rope
+                else self.mixer.step(state, x)
+            ),
+        )

@@ -21,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 from urllib.parse import urlparse
 
 from gna_lens.errors import ConfigError
@@ -381,11 +381,6 @@ def gguf_quantization(path: str | Path) -> str:
     Returns:
         The type's name, or ``""`` when the header cannot be read.
     """
-    gguf: Any
-    try:
-        import gguf  # transformers needs it to read GGUF files at all
-    except ImportError:  # pragma: no cover - gguf is installed wherever GGUF files load
-        gguf = None
     counts: dict[int, int] = {}
     try:
         with Path(path).open("rb") as f:
@@ -397,13 +392,8 @@ def gguf_quantization(path: str | Path) -> str:
                 key = f.read(_read(f, "<Q")).decode("utf-8", "replace")
                 value = _skip_value(f, _read(f, "<I"))
                 if key == "general.file_type" and isinstance(value, int):
-                    if gguf is None:
-                        return f"file_type {value}"
-                    try:
-                        name = gguf.LlamaFileType(value).name
-                    except ValueError:
-                        return f"file_type {value}"
-                    return cast("str", name.removeprefix("MOSTLY_").removeprefix("ALL_"))
+                    name = _gguf_name("LlamaFileType", value, f"file_type {value}")
+                    return name.removeprefix("MOSTLY_").removeprefix("ALL_")
             for _ in range(n_tensors):
                 f.seek(_read(f, "<Q"), os.SEEK_CUR)
                 n_dims = _read(f, "<I")
@@ -417,9 +407,16 @@ def gguf_quantization(path: str | Path) -> str:
     if not counts:
         return ""
     top = max(counts, key=lambda t: counts[t])
-    if gguf is None:
-        return f"type {top}"
+    return _gguf_name("GGMLQuantizationType", top, f"type {top}")
+
+
+def _gguf_name(enum: str, value: int, unknown: str) -> str:
+    """The name of ``value`` in the ``gguf`` package's enum ``enum``, else ``unknown``."""
     try:
-        return str(gguf.GGMLQuantizationType(top).name)
+        import gguf  # transformers needs it to read GGUF files at all
+    except ImportError:  # pragma: no cover - gguf is installed wherever GGUF files load
+        return unknown
+    try:
+        return str(getattr(gguf, enum)(value).name)
     except ValueError:
-        return f"type {top}"
+        return unknown

@@ -29,22 +29,9 @@ from gna_lens.errors import ConfigError, HookError, InterventionError
 from gna_lens.models import ops
 from gna_lens.models.block import SSMBlock
 from gna_lens.models.config import SSMConfig
-
-# Importable from here as before the mixers and families had their own modules.
 from gna_lens.models.families import FAMILIES, checkpoint_family, family_of
-from gna_lens.models.families import SUPPORTED_MODEL_TYPES as SUPPORTED_MODEL_TYPES
 from gna_lens.models.families import convert_hf_state_dict as _convert_hf_state_dict
-from gna_lens.models.mixers import Attention as Attention
-from gna_lens.models.mixers import GatedMLP as GatedMLP
-from gna_lens.models.mixers import GraniteMLP as GraniteMLP
-from gna_lens.models.mixers import Mamba1Mixer as Mamba1Mixer
-from gna_lens.models.mixers import Mamba2Mixer as Mamba2Mixer
-from gna_lens.models.mixers import NemotronMoE as NemotronMoE
-from gna_lens.models.mixers import PlainMLP as PlainMLP
-from gna_lens.models.mixers import RMSNorm as RMSNorm
-from gna_lens.models.mixers.base import PatternSelection as PatternSelection
-from gna_lens.models.mixers.base import SSMMixer, StepState
-from gna_lens.models.mixers.base import checked_pattern as _checked_pattern  # noqa: F401
+from gna_lens.models.mixers.base import RMSNorm, SSMMixer, StepState
 
 __all__ = ["HookedSSM", "SSMPrefix"]
 
@@ -209,7 +196,7 @@ class HookedSSM(HookedRootModule):
 
         Args:
             hf_model: A model of a supported family (``MambaForCausalLM``, ...,
-                ``JambaForCausalLM``; see :data:`SUPPORTED_MODEL_TYPES`).
+                ``JambaForCausalLM``; see :data:`~gna_lens.models.SUPPORTED_MODEL_TYPES`).
             tokenizer: Its tokenizer (optional; needed for string inputs).
             dtype: Target dtype (default: the HF model's).
             device: Target device (default: the HF model's).

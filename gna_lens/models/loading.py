@@ -12,6 +12,7 @@ import torch
 from gna_lens.device import resolve_device, resolve_dtype
 from gna_lens.errors import ConfigError
 from gna_lens.models.families import SUPPORTED_MODEL_TYPES, checkpoint_family
+from gna_lens.models.families.base import folder_tokenizer
 from gna_lens.models.hooked_ssm import HookedSSM
 from gna_lens.models.provenance import (
     Provenance,
@@ -291,15 +292,20 @@ def _load_own_format(
     """Read a checkpoint of a family with a ``load`` (its folder, or its hub snapshot)."""
     family = checkpoint_family(folder)
     assert family is not None and family.load is not None
-    if kwargs:
-        raise ConfigError(
-            f"load_model({name!r}): option(s) {sorted(kwargs)} do not apply to a "
-            f"{family.model_type} checkpoint (gna_lens reads it, not transformers); accepted: "
-            "dtype, device, progress, tokenizer, revision."
-        )
+    what = f"{family.model_type} checkpoint (gna_lens reads it, not transformers)"
+    _refuse_options(name, kwargs, what)
     del revision
     extra = {"name": name} if family.checkpoint_format == "cartesia" else {}
     return family.load(folder, dtype=dtype, device=device, tokenizer=tokenizer, **extra)
+
+
+def _refuse_options(name: str, kwargs: dict[str, Any], what: str) -> None:
+    """Refuse loader options (``kwargs``): only a checkpoint that transformers loads takes them."""
+    if kwargs:
+        raise ConfigError(
+            f"load_model({name!r}): option(s) {sorted(kwargs)} do not apply to a {what}; "
+            "accepted: dtype, device, progress, tokenizer, revision."
+        )
 
 
 # ----------------------------------------------------------------------------- mamba_ssm
@@ -333,12 +339,8 @@ def _load_mamba_ssm(
     """Convert a mamba_ssm checkpoint in memory; the HookedSSM and the stored dtype(s)."""
     from gna_lens.models import convert_mamba_ssm as cms
 
-    if kwargs:
-        raise ConfigError(
-            f"load_model({name!r}): option(s) {sorted(kwargs)} do not apply to a mamba_ssm "
-            "checkpoint (it is converted by gna_lens, not loaded by transformers); accepted: "
-            "dtype, device, progress, tokenizer, revision."
-        )
+    what = "mamba_ssm checkpoint (it is converted by gna_lens, not loaded by transformers)"
+    _refuse_options(name, kwargs, what)
     hf_config = cms.hf_config_from_mamba_ssm(cms.read_config(folder), where=name)
     state, _ = cms.read_mamba_ssm_weights(folder, where=name)
     stored = "+".join(sorted({str(t.dtype).removeprefix("torch.") for t in state.values()}))
@@ -359,17 +361,13 @@ def _mamba_ssm_tokenizer(folder: Path) -> Any:
     from gna_lens.models import convert_mamba_ssm as cms
     from gna_lens.models.gguf import hub_reachable
 
-    if any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-        try:
-            return AutoTokenizer.from_pretrained(str(folder))
-        except (OSError, ValueError):
-            pass
-    if hub_reachable():
-        try:
-            return AutoTokenizer.from_pretrained(cms.TOKENIZER)
-        except (OSError, ValueError):
-            return None
-    return None
+    own = folder_tokenizer(folder)
+    if own is not None or not hub_reachable():
+        return own
+    try:
+        return AutoTokenizer.from_pretrained(cms.TOKENIZER)
+    except (OSError, ValueError):
+        return None
 
 
 # ----------------------------------------------------------------------------- provenance

@@ -31,6 +31,7 @@ __all__ = [
     "mamba2_pattern",
     "mamba2_recurrent",
     "mamba2_ssd",
+    "pad_positions",
     "rms_norm",
     "rope_inv_freq",
     "segsum_rows",
@@ -90,6 +91,13 @@ def causal_conv1d(
     """
     k = weight.shape[-1]
     return F.conv1d(F.pad(x, (k - 1, 0)), weight, bias, groups=x.shape[1])
+
+
+def pad_positions(chunk: int, *tensors: Tensor) -> list[Tensor]:
+    """Each ``[batch, pos, ...]`` tensor zero-padded after its last position to a multiple of
+    ``chunk`` positions."""
+    pad = (-tensors[0].shape[1]) % chunk
+    return [F.pad(t, (0, 0) * (t.ndim - 2) + (0, pad)) if pad else t for t in tensors]
 
 
 def _rows_tensor(rows: Tensor | None, length: int, device: torch.device) -> Tensor:
@@ -417,12 +425,7 @@ def mamba2_ssd(
     chunk_size = max(1, min(chunk_size, length))
     groups = B.shape[2]
     hpg = heads // groups
-    pad = (-length) % chunk_size
-    if pad:
-        x = F.pad(x, (0, 0, 0, 0, 0, pad))
-        dt = F.pad(dt, (0, 0, 0, pad))
-        B = F.pad(B, (0, 0, 0, 0, 0, pad))
-        C = F.pad(C, (0, 0, 0, 0, 0, pad))
+    x, dt, B, C = pad_positions(chunk_size, x, dt, B, C)
     n_chunks = x.shape[1] // chunk_size
     T = chunk_size
     xdt = (x * dt[..., None]).view(batch, n_chunks, T, groups, hpg, d_head)

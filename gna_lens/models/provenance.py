@@ -144,8 +144,6 @@ class Provenance:
             what = f"mamba_ssm checkpoint {_SOURCES.get(self.source, self.source)}"
         elif self.format == "cartesia":
             what = f"Cartesia Llamba checkpoint {_SOURCES.get(self.source, self.source)}"
-            if self.source == "hub":
-                what = "Cartesia Llamba checkpoint from the hub"
         else:
             what = _SOURCES.get(self.source, self.source)
             if self.source == "hub":

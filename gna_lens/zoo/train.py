@@ -15,6 +15,8 @@ Examples:
 """
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import math
 import platform
@@ -22,7 +24,6 @@ import random
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +58,7 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Recipe:
     """How one zoo model is built and trained.
 
@@ -516,12 +517,10 @@ def train_model(
     Returns:
         Training facts for the card: steps, time, final loss, parameters, ...
     """
-    from dataclasses import replace
-
     from tqdm import tqdm
 
     if steps is not None:
-        recipe = replace(recipe, steps=steps)
+        recipe = dataclasses.replace(recipe, steps=steps)
     world = world or load_world()
     tokenizer = build_tokenizer(world)
     random.seed(recipe.seed)
@@ -554,14 +553,9 @@ def train_model(
     t0 = time.perf_counter()
     losses: list[float] = []
     bar = tqdm(range(recipe.steps), desc=recipe.name, disable=not progress, mininterval=10)
-    fast_scan = _FastMamba1Scan() if model.config.model_type in ("mamba", "falcon_mamba") else None
-    if fast_scan is not None:
-        fast_scan.__enter__()
-    try:
+    mamba1 = model.config.model_type in ("mamba", "falcon_mamba")
+    with _FastMamba1Scan() if mamba1 else contextlib.nullcontext():
         _loop(model, aux, opt, data, recipe, bar, losses, quick, eval_every, t0)
-    finally:
-        if fast_scan is not None:
-            fast_scan.__exit__(None, None, None)
     bar.close()
     seconds = time.perf_counter() - t0
     model.eval()
@@ -569,20 +563,12 @@ def train_model(
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    facts = dataclasses.asdict(recipe)
+    for key in ("name", "config_class", "config", "description"):
+        del facts[key]
     return {
-        "steps": recipe.steps,
-        "batch_size": recipe.batch_size,
-        "lr": recipe.lr,
-        "warmup": recipe.warmup,
-        "seed": recipe.seed,
+        **facts,  # the recipe's training fields, in their order
         "aux_prev_tokens": list(recipe.aux_prev_tokens),
-        "aux_layer": recipe.aux_layer,
-        "aux_weight": recipe.aux_weight,
-        "kv_fraction": recipe.kv_fraction,
-        "mamba2_init": recipe.mamba2_init,
-        "zero_init_residual": recipe.zero_init_residual,
-        "embedding_std": recipe.embedding_std,
-        "fan_in_init": recipe.fan_in_init,
         "train_seconds": round(seconds, 1),
         "final_loss": round(sum(losses[-100:]) / max(1, len(losses[-100:])), 4),
         "n_params": n_params,
@@ -709,21 +695,15 @@ def _write_card(path: str | Path, name: str, train_facts: dict[str, Any], accura
         else "a TransformerBridge"
     )
     readme = _README.format(
+        **train_facts,  # n_params, steps, batch_size, lr, seed, threads, final_loss
         name=name,
         description=card["description"],
         loader=loader,
         architecture=card["architecture"],
         model_type=card["model_type"],
-        n_params=train_facts["n_params"],
-        steps=train_facts["steps"],
-        batch_size=train_facts["batch_size"],
-        lr=train_facts["lr"],
-        seed=train_facts["seed"],
         minutes=train_facts["train_seconds"] / 60,
         kv_pct=100 * train_facts.get("kv_fraction", 0.5),
         init=_init_note(train_facts),
-        threads=train_facts["threads"],
-        final_loss=train_facts["final_loss"],
         vocab=len(AutoTokenizer.from_pretrained(path)),
         kv_n=KV_EVAL_SAMPLES,
         seed_eval=EVAL_SEED,

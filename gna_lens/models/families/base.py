@@ -10,7 +10,7 @@ from torch import nn
 from gna_lens.models.config import SSMConfig
 from gna_lens.models.mixers.base import SSMMixer
 
-__all__ = ["Family", "Renames", "time_step_limit"]
+__all__ = ["Family", "Renames", "folder_tokenizer", "time_step_limit"]
 
 #: ``(regex, replacement)`` pairs renaming Hugging Face weight names to HookedSSM's; the first
 #: pattern that matches a name renames it.
@@ -73,6 +73,18 @@ class Family:
     recognizes: Callable[[Any], bool] | None = None
     checkpoint_format: str = "gna_lens"
     weights_files: tuple[str, ...] = ("model.safetensors",)
+
+
+def folder_tokenizer(path: Path) -> Any:
+    """The tokenizer saved in the folder ``path``; ``None`` when it has none or it cannot be read."""
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError):
+        return None
 
 
 def time_step_limit(value: Any) -> tuple[float, float]:

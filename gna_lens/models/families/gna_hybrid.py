@@ -29,7 +29,7 @@ from gna_lens.device import to_host
 from gna_lens.errors import ConfigError
 from gna_lens.models import ops
 from gna_lens.models.config import SSMConfig
-from gna_lens.models.families.base import Family, Renames
+from gna_lens.models.families.base import Family, Renames, folder_tokenizer
 from gna_lens.models.mixers.hybrid import HEAD_LAYOUTS, HybridConfig, HybridMixer
 
 __all__ = ["FAMILY", "MODEL_TYPE", "TEACHER_MODEL_TYPES", "load", "save", "student_config"]
@@ -276,16 +276,18 @@ def read_config(path: Path) -> SimpleNamespace:
     return SimpleNamespace(**data)
 
 
-def checkpoint_weights(path: Path, kind: str) -> Path:
-    """The weights file of a gna_lens checkpoint in ``path`` (``kind`` names it in the error).
+def checkpoint_state(path: Path, kind: str) -> dict[str, torch.Tensor]:
+    """The weights of a gna_lens checkpoint in ``path`` (``kind`` names it in the error).
 
     Raises:
         ConfigError: If the folder has no weights file.
     """
+    from safetensors.torch import load_file
+
     weights = path / WEIGHTS
     if not weights.is_file():
         raise ConfigError(f"{path}: a gna_lens {kind} checkpoint without {WEIGHTS}.")
-    return weights
+    return load_file(str(weights))
 
 
 def read_checkpoint(
@@ -304,7 +306,7 @@ def read_checkpoint(
     from gna_lens.models.hooked_ssm import HookedSSM
 
     if tokenizer is None:
-        tokenizer = _tokenizer(path)
+        tokenizer = folder_tokenizer(path)
     cfg.dtype = dtype
     cfg.device = str(device)
     model = HookedSSM(cfg, tokenizer)
@@ -326,26 +328,12 @@ def load(
     Raises:
         ConfigError: If the folder has no weights file, or the config is malformed.
     """
-    from safetensors.torch import load_file
-
     from gna_lens.models.families import config_from_hf, convert_hf_state_dict
 
     path = Path(path)
     cfg = config_from_hf(read_config(path))
-    weights = checkpoint_weights(path, "hybrid")
-    state = convert_hf_state_dict(cfg, load_file(str(weights)))
+    state = convert_hf_state_dict(cfg, checkpoint_state(path, "hybrid"))
     return read_checkpoint(path, cfg, state, dtype=dtype, device=device, tokenizer=tokenizer)
-
-
-def _tokenizer(path: Path) -> Any:
-    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-        return None
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(path))
-    except (OSError, ValueError):
-        return None
 
 
 FAMILY = Family(

@@ -27,7 +27,8 @@ import torch
 
 from gna_lens.errors import ConfigError
 from gna_lens.models.config import SSMConfig
-from gna_lens.models.families.base import Family, Renames
+from gna_lens.models.families import gna_hybrid
+from gna_lens.models.families.base import Family
 from gna_lens.models.mixers.mamba2 import Mamba2Mixer
 from gna_lens.models.mixers.swapped import SwappedMamba2Mixer, swapped_heads_of
 
@@ -44,11 +45,6 @@ def config_fields(config: Any) -> dict[str, Any]:
         "a gna_lens_swapped config is read by gna_lens.load_model / HookedSSM.from_pretrained "
         "(they rebuild the model from the stored ssm_config), not by config_from_hf."
     )
-
-
-def weight_renames(cfg: SSMConfig) -> Renames:
-    """The weights are stored under HookedSSM's own names."""
-    return [(r"^(embed|blocks|ln_final|unembed)\.", r"\1.")]
 
 
 def install(model: Any, heads: dict[int, list[int]]) -> None:
@@ -101,8 +97,6 @@ def _config_from(data: dict[str, Any]) -> SSMConfig:
 
 def save(model: Any, path: Path) -> None:
     """Write ``model`` (a HookedSSM with swapped heads) to the folder ``path``."""
-    from gna_lens.models.families.gna_hybrid import write_checkpoint
-
     dtype = next(iter(model.parameters())).dtype
     data = {
         "model_type": MODEL_TYPE,
@@ -112,7 +106,7 @@ def save(model: Any, path: Path) -> None:
         "swap": dict(getattr(model, "gna_swap", None) or {}),
         "dtype": str(dtype).removeprefix("torch."),
     }
-    write_checkpoint(model, path, MODEL_TYPE, data, indent=1)
+    gna_hybrid.write_checkpoint(model, path, MODEL_TYPE, data, indent=1)
 
 
 def load(
@@ -127,13 +121,9 @@ def load(
     Raises:
         ConfigError: If the folder has no weights file, or the config is malformed.
     """
-    from safetensors.torch import load_file
-
-    from gna_lens.models.families.gna_hybrid import checkpoint_weights, read_checkpoint
-
     path = Path(path)
     data = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    weights = checkpoint_weights(path, "swapped")
+    state = gna_hybrid.checkpoint_state(path, "swapped")
     try:
         cfg = _config_from(data["ssm_config"])
         heads: dict[int, list[int]] = {}
@@ -144,10 +134,9 @@ def load(
             f"{path}/config.json: a malformed gna_lens_swapped config ({err.__class__.__name__}: "
             f"{err}); expected ssm_config and swapped_heads as HookedSSM.save_pretrained writes."
         ) from err
-    state = load_file(str(weights))
     if cfg.tie_word_embeddings and "unembed.weight" not in state:
         state["unembed.weight"] = state["embed.weight"]
-    model = read_checkpoint(
+    model = gna_hybrid.read_checkpoint(
         path, cfg, state, dtype=dtype, device=device, tokenizer=tokenizer,
         prepare=lambda m: install(m, heads),
     )  # fmt: skip
@@ -160,7 +149,7 @@ FAMILY = Family(
     architecture="gna_swapped",
     hf_class=HF_CLASS,
     config_fields=config_fields,
-    weight_renames=weight_renames,
+    weight_renames=gna_hybrid.weight_renames,
     ssm_mixer=SwappedMamba2Mixer,
     save=save,
     load=load,

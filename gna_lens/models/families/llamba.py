@@ -34,7 +34,7 @@ import torch
 from gna_lens.device import to_host
 from gna_lens.errors import ConfigError
 from gna_lens.models.config import UNBOUNDED_CTX, SSMConfig
-from gna_lens.models.families.base import Family, Renames
+from gna_lens.models.families.base import Family, Renames, folder_tokenizer
 from gna_lens.models.mixers.discrete_mamba2 import CONV_ACTIVATIONS, DiscreteMamba2Mixer
 
 __all__ = [
@@ -344,11 +344,9 @@ def _tokenizer(path: Path, config: Any, name: str) -> tuple[Any, str]:
 
     from gna_lens.models.gguf import hub_reachable
 
-    if any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-        try:
-            return AutoTokenizer.from_pretrained(str(path)), ""
-        except (OSError, ValueError):
-            pass
+    own = folder_tokenizer(path)
+    if own is not None:
+        return own, ""
     hub = tokenizer_name(name, config)
     try:
         return AutoTokenizer.from_pretrained(hub, local_files_only=not hub_reachable()), hub

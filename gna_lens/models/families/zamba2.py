@@ -312,15 +312,9 @@ class Zamba2HybridBlock(SSMBlock):
 
 #: The submodules whose own parameters the invocations of one shared block share.
 SHARED_MODULES = (
-    "ln_attn",
-    "attn.q_proj",
-    "attn.k_proj",
-    "attn.v_proj",
-    "attn.o_proj",
-    "ln2",
-    "mlp.gate_up_proj",
-    "mlp.down_proj",
-)
+    "ln_attn", "attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "ln2",
+    "mlp.gate_up_proj", "mlp.down_proj",
+)  # fmt: skip
 
 
 def build_blocks(cfg: SSMConfig) -> list[nn.Module]:

@@ -21,7 +21,7 @@ from transformer_lens.hook_points import HookPoint
 from gna_lens.models.config import SSMConfig
 from gna_lens.models.mixers.base import StepState, checked_pattern, has_hooks
 
-__all__ = ["Attention", "AttentionHeads", "causal_attention", "rotate"]
+__all__ = ["Attention", "AttentionHeads", "allowed_keys", "causal_attention", "rotate"]
 
 #: RoPE's ``(cos, sin)`` ``[pos, rotary_dim]``, or ``None`` (no rotation, as in Nemotron-H).
 Rope = tuple[Tensor, Tensor] | None
@@ -43,6 +43,12 @@ def rotate(x: Tensor, rope: Rope, rotary_dim: int) -> Tensor:
     return torch.cat([x_rot * c + _rotate_half(x_rot) * s, x_pass], dim=-1)
 
 
+def allowed_keys(length: int, mask: Tensor | None, device: torch.device) -> Tensor:
+    """The keys each query may read, ``[1 | batch, 1, query, key]``: causal, without padding."""
+    allowed = torch.ones(length, length, dtype=torch.bool, device=device).tril()[None, None]
+    return allowed if mask is None else allowed & mask.bool()[:, None, None, :]
+
+
 def causal_attention(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float
 ) -> Float[Tensor, "batch pos head d_head"]:
@@ -55,9 +61,7 @@ def causal_attention(
     if mask is None:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
     else:
-        L = q.shape[1]
-        allowed = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()[None, None]
-        allowed = allowed & mask.bool()[:, None, None, :]
+        allowed = allowed_keys(q.shape[1], mask, q.device)
         bias = torch.zeros(allowed.shape, dtype=dtype, device=q.device)
         bias = bias.masked_fill(~allowed, torch.finfo(dtype).min)
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias, scale=scale)
@@ -170,16 +174,12 @@ class Attention(nn.Module):
         return cast("Tensor", self.o_proj(z.reshape(b, L, H * d)))
 
     def forward(self, h: Tensor, mask: Tensor | None, rope: Rope) -> Tensor:
-        L = h.shape[1]
         q, k, v = self._qkv(h, rope)
         if mask is None and not (has_hooks(self.hook_attn_scores) or has_hooks(self.hook_pattern)):
             self.last_path = {"attention": "torch.sdpa"}
             return self._fused(q, k, v)
         self.last_path = {"attention": "materialized"}
-        allowed = torch.ones(L, L, dtype=torch.bool, device=h.device).tril()[None, None]
-        if mask is not None:
-            allowed = allowed & mask.bool()[:, None, None, :]
-        return self._attend(q, k, v, allowed)
+        return self._attend(q, k, v, allowed_keys(h.shape[1], mask, h.device))
 
     def _fused(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """Causal attention without the pattern tensor (nothing reads it): ``hook_z`` and

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 
 from gna_lens.errors import InterventionError, PatternEditError
-from gna_lens.models import ops
+from gna_lens.models import kernels, ops
 from gna_lens.models.config import SSMConfig
 
 __all__ = ["PatternSelection", "RMSNorm", "SSMMixer"]
@@ -58,6 +58,16 @@ def has_hooks(hook: HookPoint) -> bool:
     return bool(hook.fwd_hooks or hook.bwd_hooks)
 
 
+def reads(hook: HookPoint) -> bool:
+    """Whether anything (TransformerLens or a plain torch forward hook) hooks ``hook``."""
+    return has_hooks(hook) or bool(hook._forward_hooks) or bool(hook._forward_pre_hooks)
+
+
+def masked(x: Tensor, mask: Tensor | None) -> Tensor:
+    """``x`` ``[batch, pos, ...]`` with the padded positions (``mask == 0``) zeroed."""
+    return x if mask is None else x * mask[..., None].to(x.dtype)
+
+
 def checked_pattern(edited: Any, original: Tensor, name: str | None) -> Tensor:
     """Refuse a pattern edit that cannot take effect exactly."""
     if not isinstance(edited, Tensor) or edited.shape != original.shape:
@@ -68,6 +78,18 @@ def checked_pattern(edited: Any, original: Tensor, name: str | None) -> Tensor:
             "given). Edit the tensor in place or return a tensor of the same shape."
         )
     return edited.to(original.dtype)
+
+
+def pattern_through_hook(hook: HookPoint, pattern: Tensor) -> tuple[Tensor, bool]:
+    """Pass ``pattern`` through ``hook`` (checked); also say whether the hook may have edited it.
+
+    Edited: the hook returned another tensor (also the case when a backward hook wraps the
+    output) or changed this one in place. A caching hook edits nothing.
+    """
+    version = pattern._version  # type: ignore[attr-defined]
+    out = hook(pattern)
+    edited = out is not pattern or pattern._version != version  # type: ignore[attr-defined]
+    return checked_pattern(out, pattern, hook.name), edited
 
 
 def state_through_hook(hook: HookPoint, states: Tensor) -> tuple[Tensor, bool]:
@@ -144,6 +166,10 @@ class SSMMixer(nn.Module):
             ``HookedSSM.pattern_selection``.
         pattern_rows: Query positions ``hook_pattern`` holds (``None``: all).
         last_pattern_index: Head and query-position indices of the last materialized pattern.
+        last_path: The path of the last forward pass, ``{"conv": ..., "scan": ...}`` (see
+            :func:`gna_lens.models.kernels.kernel_paths`).
+        pattern_budget_bytes: Working memory of the pattern's construction beside the pattern
+            (``None``: :func:`gna_lens.models.kernels.pattern_budget`).
     """
 
     channel_heads: ClassVar[bool] = False
@@ -163,6 +189,8 @@ class SSMMixer(nn.Module):
     A_log: nn.Parameter
     D: nn.Parameter
     out_proj: nn.Linear
+    conv1d: nn.Conv1d
+    hook_conv: HookPoint
     hook_pattern: HookPoint
     hook_ssm_state: HookPoint
 
@@ -173,6 +201,8 @@ class SSMMixer(nn.Module):
         self.pattern_rows: list[int] | None = None
         #: Head and query-position indices of the last materialized pattern (``None`` = all).
         self.last_pattern_index: PatternSelection = (None, None)
+        self.last_path: dict[str, str] = {}
+        self.pattern_budget_bytes: int | None = None
 
     @classmethod
     def for_layer(cls, cfg: SSMConfig, layer: int) -> "SSMMixer":
@@ -195,16 +225,106 @@ class SSMMixer(nn.Module):
         heads: Tensor | None = None,
         rows: Tensor | None = None,
     ) -> Float[Tensor, "batch selected_head query_row pos"]:
-        """The implicit attention of ``heads`` at query positions ``rows`` (``None``: all)."""
-        raise NotImplementedError
+        """The implicit attention of ``heads`` at query positions ``rows`` (``None``: all), in
+        fp32 or wider: Mamba-2's ``M_h[i, j] = (C_i · B_j) exp(A_h Σ_{k=j+1..i} dt_k) dt_j``,
+        Mamba-1's ``α_e[i, j] = C_i · (exp(A_e Σ_{k=j+1..i} Δ_k) Δ_j B_j)`` (channels ``e``).
+
+        Args:
+            dt: ``dt`` after softplus and clamping (``hook_ssm_dt``).
+            A: ``-exp(A_log)``.
+            B: ``hook_ssm_B``.
+            C: ``hook_ssm_C``.
+            heads: Head (Mamba-1: channel) indices, sorted, or ``None``.
+            rows: Query positions (sorted, non-negative), or ``None``.
+
+        Returns:
+            ``[batch, len(heads), len(rows), key_pos]``.
+
+        Examples:
+            >>> import torch
+            >>> from gna_lens.testing import tiny_hooked_ssm
+            >>> names = [f"blocks.0.mixer.hook_{n}" for n in ("ssm_dt", "ssm_B", "ssm_C", "pattern")]
+            >>> model = tiny_hooked_ssm("mamba2")
+            >>> mixer = model.blocks[0].mixer
+            >>> _, cache = model.run_with_cache("a b c", names_filter=names)
+            >>> dt, B, C, pattern = (cache[n] for n in names)
+            >>> mine = mixer.materialize(dt, -torch.exp(mixer.A_log.float()), B, C)
+            >>> torch.allclose(mine, pattern, atol=1e-6)
+            True
+            >>> model = tiny_hooked_ssm("mamba1")
+            >>> mixer = model.blocks[0].mixer
+            >>> _, cache = model.run_with_cache("a b c", names_filter=names)
+            >>> dt, B, C, pattern = (cache[n] for n in names)
+            >>> A = -torch.exp(mixer.A_log.float())
+            >>> rows = torch.tensor([2])
+            >>> mine = mixer.materialize(dt, A, B, C, heads=torch.tensor([5]), rows=rows)
+            >>> tuple(mine.shape), torch.allclose(mine, pattern[:, 5:6, 2:3], atol=1e-6)
+            ((1, 1, 1, 4), True)
+        """
+        job, dt_sel, A_sel = self._pattern_job(dt, A, B, C, heads, rows)
+        return kernels.build_pattern(job, dt_sel, A_sel, B, C)
 
     def prefix_state(self, acts: Mapping[str, Tensor], length: int) -> StepState:
-        """What the token after the first ``length`` positions needs from them."""
+        """What the token after the first ``length`` positions needs from them.
+
+        Args:
+            acts: The full prompt's activations of :attr:`prefix_hooks` (``[G, L, ...]``,
+                keyed by the hook's name in the mixer, e.g. ``"hook_ssm_dt"``).
+            length: The prefix length ``P`` (usually ``L - 1``).
+        """
         raise NotImplementedError
 
     def step(self, state: StepState, h: Float[Tensor, "batch 1 d_model"]) -> Tensor:
-        """The mixer's output ``[batch, 1, d_model]`` for one token after the prefix."""
+        """The mixer's output ``[batch, 1, d_model]`` for one token after the prefix.
+
+        Fires the same hook points as ``forward`` with ``pos = 1`` (not ``hook_pattern`` or
+        ``hook_ssm_state``: a hook on those raises).
+        """
         raise NotImplementedError
+
+    def activate(self, conv: Tensor) -> Tensor:
+        """The convolution output through ``hook_conv`` and the activation (SiLU)."""
+        return F.silu(self.hook_conv(conv))
+
+    def _conv_silu(self, xs: Tensor) -> Tensor:
+        """:meth:`activate` of the causal convolution of ``xs`` ``[batch, pos, channel]``; a SiLU
+        is fused into the convolution (kernel or not) while nothing hooks ``hook_conv``."""
+        fused = self.cfg.conv_activation == "silu" and not reads(self.hook_conv)
+        conv, path = kernels.causal_conv1d(
+            xs.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, silu=fused
+        )
+        self.last_path = {"conv": path}
+        conv = conv.transpose(1, 2)
+        return conv if fused else self.activate(conv)
+
+    def _pattern_job(
+        self, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, heads: Tensor | None, rows: Tensor | None
+    ) -> tuple[kernels.PatternJob, Tensor, Tensor]:
+        """The budgeted construction of the pattern of ``heads`` at ``rows``, and the selected
+        ``dt`` and ``A`` it reads."""
+        raise NotImplementedError
+
+    def _pattern_output(
+        self,
+        x: Tensor,
+        dt: Tensor,
+        A: Tensor,
+        B: Tensor,
+        C: Tensor,
+        y: Tensor | None,
+        heads: Tensor | None,
+        rows: Tensor | None,
+        head_dim: int,
+    ) -> Tensor:
+        """``y`` with the heads and rows of ``hook_pattern`` read off the (possibly edited)
+        pattern: ``pattern @ x`` (``head_dim``: ``x``'s head axis)."""
+        self._check_dtype(x.dtype)
+        job, dt_sel, A_sel = self._pattern_job(dt, A, B, C, heads, rows)
+        pattern = kernels.build_pattern(job, dt_sel, A_sel, B, C).to(x.dtype)
+        pattern, edited = pattern_through_hook(self.hook_pattern, pattern)
+        x_sel = x if heads is None else x.index_select(head_dim, heads)
+        y_sel = kernels.apply_pattern(job, pattern, x_sel, dt_sel, A_sel, B, C, edited)
+        return scatter_rows_heads(y, y_sel, heads, rows, head_dim=head_dim)
 
     def _selection(self, length: int, device: torch.device) -> PatternSelection:
         heads = None if self.pattern_heads is None else self.pattern_heads.to(device)

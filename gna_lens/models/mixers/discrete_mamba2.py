@@ -31,7 +31,6 @@ import torch
 from torch import Tensor, nn
 
 from gna_lens.errors import ConfigError
-from gna_lens.models import kernels
 from gna_lens.models.config import SSMConfig
 from gna_lens.models.mixers.base import SSMMixer
 from gna_lens.models.mixers.mamba2 import Mamba2Mixer
@@ -98,8 +97,6 @@ class DiscreteMamba2Mixer(Mamba2Mixer):
         self.register_buffer("A_log", torch.zeros(H), persistent=False)
         self.register_buffer("head_group", torch.arange(H) // (H // G), persistent=False)
         self._add_hook_points()
-        self.last_path: dict[str, str] = {}
-        self.pattern_budget_bytes: int | None = None
 
     def split_projection(self, proj: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``(z, xBC, a)`` of ``in_proj``'s output, stored as ``[xBC | z | a]``."""
@@ -123,17 +120,6 @@ class DiscreteMamba2Mixer(Mamba2Mixer):
     def gate_norm(self, y: Tensor, z: Tensor) -> Tensor:
         """``y * SiLU(gate)`` (no norm)."""
         return y * torch.nn.functional.silu(z)
-
-    def _conv_silu(self, xBC: Tensor) -> Tensor:
-        """The activated causal convolution of ``xBC`` (SiLU fused when nothing hooks
-        ``hook_conv``)."""
-        if self.cfg.conv_activation == "silu":
-            return super()._conv_silu(xBC)
-        conv, path = kernels.causal_conv1d(
-            xBC.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, silu=False
-        )
-        self.last_path = {"conv": path}
-        return self.activate(conv.transpose(1, 2))
 
     def step_size(self, dt_raw: Tensor) -> Tensor:
         """``dt = softplus(a)`` (no bias, no limits)."""

@@ -54,12 +54,13 @@ from gna_lens.device import HOST
 from gna_lens.errors import ConfigError
 from gna_lens.models import ops
 from gna_lens.models.config import SSMConfig
-from gna_lens.models.mixers.attention import AttentionHeads, Rope
+from gna_lens.models.mixers.attention import AttentionHeads, Rope, allowed_keys
 from gna_lens.models.mixers.base import (
     SSMMixer,
     StepState,
     checked_pattern,
     has_hooks,
+    masked,
     reverse_segsum,
     scatter_rows_heads,
     state_through_hook,
@@ -145,12 +146,7 @@ def ssd_chunked(
     autocast = torch.is_autocast_enabled(device.type)
     cd = torch.get_autocast_dtype(device.type) if autocast else wide  # the T x T products
     T = max(1, min(chunk_size, length))
-    pad = (-length) % T
-    if pad:
-        x = F.pad(x, (0, 0, 0, 0, 0, pad))
-        dt = F.pad(dt, (0, 0, 0, pad))
-        B = F.pad(B, (0, 0, 0, 0, 0, pad))
-        C = F.pad(C, (0, 0, 0, 0, 0, pad))
+    x, dt, B, C = ops.pad_positions(T, x, dt, B, C)
     n = x.shape[1] // T
     with torch.autocast(device.type, enabled=False):
         a = (dt.to(wide) * A.to(wide)).view(batch, n, T, heads).permute(0, 3, 1, 2)  # [b,h,c,T]
@@ -469,8 +465,7 @@ class HybridMixer(AttentionHeads, SSMMixer):
         self, h: Float[Tensor, "batch pos d_model"], mask: Tensor | None, rope: Rope = None
     ) -> Float[Tensor, "batch pos d_model"]:
         L = h.shape[1]
-        if mask is not None:
-            h = h * mask[..., None].to(h.dtype)
+        h = masked(h, mask)
         materialize = has_hooks(self.hook_pattern)
         if not materialize:
             return self._forward_fast(h, mask, rope)
@@ -482,10 +477,7 @@ class HybridMixer(AttentionHeads, SSMMixer):
         y_attn = y_ssm = None
         if self.attn_heads:
             q, k, v = self._qkv(h, rope)
-            allowed = torch.ones(L, L, dtype=torch.bool, device=h.device).tril()[None, None]
-            if mask is not None:
-                allowed = allowed & mask.bool()[:, None, None, :]
-            P_attn = self._attend(q, k, allowed)
+            P_attn = self._attend(q, k, allowed_keys(L, mask, h.device))
             v = self._per_head(v)
             if need_fast:
                 y_attn = torch.einsum("bhqk,bkhd->bqhd", P_attn, v)
@@ -524,10 +516,7 @@ class HybridMixer(AttentionHeads, SSMMixer):
         if self.attn_heads:
             q, k, v = self._qkv(h, rope)
             if has_hooks(self.hook_attn_scores):
-                allowed = torch.ones(L, L, dtype=torch.bool, device=h.device).tril()[None, None]
-                if mask is not None:
-                    allowed = allowed & mask.bool()[:, None, None, :]
-                P = self._attend(q, k, allowed)
+                P = self._attend(q, k, allowed_keys(L, mask, h.device))
                 y_attn = torch.einsum("bhqk,bkhd->bqhd", P, self._per_head(v))
             else:
                 y_attn = self._fused_attention(q, k, v, mask)
@@ -646,11 +635,8 @@ class HybridMixer(AttentionHeads, SSMMixer):
     def step(
         self, state: StepState, h: Float[Tensor, "batch 1 d_model"], rope: Rope = None
     ) -> Tensor:
-        """One token after the prefix (``rope``: its position's rotation): ``[batch, 1, d_model]``.
-
-        Fires the same hook points as :meth:`forward` with ``pos = 1`` (not ``hook_pattern`` or
-        ``hook_ssm_state``: a hook on those raises).
-        """
+        """One token after the prefix (``rope``: its position's rotation; see
+        :meth:`SSMMixer.step`)."""
         self._refuse_step_patterns()
         y_attn = y_ssm = x = None
         if self.attn_heads:

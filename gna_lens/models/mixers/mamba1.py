@@ -22,11 +22,10 @@ from gna_lens.models.mixers.base import (
     conv_last,
     conv_tail,
     has_hooks,
+    masked,
     reverse_segsum,
-    scatter_rows_heads,
     state_through_hook,
 )
-from gna_lens.models.mixers.mamba2 import pattern_through_hook, reads
 
 __all__ = ["Mamba1Mixer"]
 
@@ -45,12 +44,6 @@ class Mamba1Mixer(SSMMixer):
 
     "Heads" are channels: ``hook_pattern`` is ``[batch, d_inner, query_pos, key_pos]`` and
     ``hook_z`` is ``[batch, pos, d_inner, 1]``.
-
-    Attributes:
-        last_path: The path of the last forward pass, ``{"conv": ..., "scan": ...}`` (see
-            :func:`gna_lens.models.kernels.kernel_paths`).
-        pattern_budget_bytes: Working memory of the pattern's construction beside the pattern
-            (``None``: :func:`gna_lens.models.kernels.pattern_budget`).
     """
 
     channel_heads: ClassVar[bool] = True
@@ -82,8 +75,6 @@ class Mamba1Mixer(SSMMixer):
         self.hook_ssm_out = HookPoint()  # [batch, pos, d_inner], y + D u
         self.hook_gate = HookPoint()  # [batch, pos, d_inner], z before SiLU
         self.hook_z = HookPoint()  # [batch, pos, head_index, d_head=1]
-        self.last_path: dict[str, str] = {}
-        self.pattern_budget_bytes: int | None = None
 
     # ------------------------------------------------------------------ shared by both paths
     def norm_dt_B_C(self, dt_low: Tensor, B: Tensor, C: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -111,18 +102,9 @@ class Mamba1Mixer(SSMMixer):
     def forward(
         self, h: Float[Tensor, "batch pos d_model"], mask: Tensor | None
     ) -> Float[Tensor, "batch pos d_model"]:
-        if mask is not None:
-            h = h * mask[..., None].to(h.dtype)
+        h = masked(h, mask)
         xs, z = self.hook_in_proj(self.in_proj(h)).chunk(2, dim=-1)
-        fused = not reads(self.hook_conv)  # SiLU inside the convolution while unhooked
-        conv, path = kernels.causal_conv1d(
-            xs.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, silu=fused
-        )
-        self.last_path = {"conv": path}
-        u = conv.transpose(1, 2) if fused else F.silu(self.hook_conv(conv.transpose(1, 2)))
-        if mask is not None:
-            u = u * mask[..., None].to(u.dtype)
-        u = self.hook_ssm_input(u)
+        u = self.hook_ssm_input(masked(self._conv_silu(xs), mask))
         delta, B, C = self._dt_B_C(u)
         A = -torch.exp(self.A_log.float())
         y = self._scan(u, delta, A, B, C)
@@ -147,53 +129,7 @@ class Mamba1Mixer(SSMMixer):
             self.last_path["scan"] = path
             return y
         self.last_path["scan"] = "materialized" if y is None else f"materialized+{path}"
-        self._check_dtype(u.dtype)
-        job, d_sel, A_sel = self._pattern_job(delta, A, B, C, heads, rows)
-        pattern = kernels.build_pattern(job, d_sel, A_sel, B, C).to(u.dtype)
-        pattern, edited = pattern_through_hook(self.hook_pattern, pattern)
-        u_sel = u if heads is None else u.index_select(-1, heads)
-        y_sel = kernels.apply_pattern(job, pattern, u_sel, d_sel, A_sel, B, C, edited)  # [b, R, e]
-        return scatter_rows_heads(y, y_sel, heads, rows, head_dim=-1)
-
-    def materialize(
-        self,
-        dt: Float[Tensor, "batch pos d_inner"],
-        A: Float[Tensor, "d_inner d_state"],
-        B: Float[Tensor, "batch pos d_state"],
-        C: Float[Tensor, "batch pos d_state"],
-        heads: Tensor | None = None,
-        rows: Tensor | None = None,
-    ) -> Float[Tensor, "batch selected_head query_row pos"]:
-        """The implicit attention ``α_e[i, j] = C_i · (exp(A_e Σ_{k=j+1..i} Δ_k) Δ_j B_j)`` of
-        channels ``heads`` at query positions ``rows`` (``None``: all), in fp32 or wider.
-
-        Args:
-            dt: ``Δ`` after softplus (``hook_ssm_dt``).
-            A: ``-exp(A_log)``.
-            B: ``hook_ssm_B``.
-            C: ``hook_ssm_C``.
-            heads: Channel indices (sorted), or ``None``.
-            rows: Query positions (sorted, non-negative), or ``None``.
-
-        Returns:
-            ``[batch, len(heads), len(rows), key_pos]``.
-
-        Examples:
-            >>> import torch
-            >>> from gna_lens.testing import tiny_hooked_ssm
-            >>> model = tiny_hooked_ssm("mamba1")
-            >>> mixer = model.blocks[0].mixer
-            >>> names = [f"blocks.0.mixer.hook_{n}" for n in ("ssm_dt", "ssm_B", "ssm_C", "pattern")]
-            >>> _, cache = model.run_with_cache("a b c", names_filter=names)
-            >>> dt, B, C, pattern = (cache[n] for n in names)
-            >>> A = -torch.exp(mixer.A_log.float())
-            >>> rows = torch.tensor([2])
-            >>> mine = mixer.materialize(dt, A, B, C, heads=torch.tensor([5]), rows=rows)
-            >>> tuple(mine.shape), torch.allclose(mine, pattern[:, 5:6, 2:3], atol=1e-6)
-            ((1, 1, 1, 4), True)
-        """
-        job, d_sel, A_sel = self._pattern_job(dt, A, B, C, heads, rows)
-        return kernels.build_pattern(job, d_sel, A_sel, B, C)
+        return self._pattern_output(u, delta, A, B, C, y, heads, rows, head_dim=-1)
 
     def _pattern_job(
         self,
@@ -234,12 +170,8 @@ class Mamba1Mixer(SSMMixer):
     def prefix_state(self, acts: Mapping[str, Tensor], length: int) -> StepState:
         """The recurrent state after position ``length - 1`` (rebuilt exactly from the cached
         ``hook_ssm_input``, ``hook_ssm_dt`` and ``hook_ssm_B``, with reverse cumulative sums as the
-        scan's own kernel) and the last ``d_conv - 1`` convolution inputs.
-
-        Args:
-            acts: The full prompt's activations of :attr:`prefix_hooks` (``[G, L, ...]``,
-                keyed by the hook's name in the mixer, e.g. ``"hook_ssm_dt"``).
-            length: The prefix length ``P`` (usually ``L - 1``).
+        scan's own kernel) and the last ``d_conv - 1`` convolution inputs (see
+        :meth:`SSMMixer.prefix_state`).
 
         Returns:
             ``{"conv": [G, d_conv - 1, d_inner], "state": [G, d_inner, d_state]}``.
@@ -262,15 +194,11 @@ class Mamba1Mixer(SSMMixer):
         return {"conv": conv_tail(conv_in, P, cfg.d_conv - 1), "state": state}
 
     def step(self, state: StepState, h: Float[Tensor, "batch 1 d_model"]) -> Tensor:
-        """One token after the prefix: the mixer's output ``[batch, 1, d_model]``.
-
-        Fires the same hook points as :meth:`forward` with ``pos = 1`` (not ``hook_pattern`` or
-        ``hook_ssm_state``: a hook on those raises).
-        """
+        """One token after the prefix (see :meth:`SSMMixer.step`)."""
         self._refuse_step_patterns()
         xs, z = self.hook_in_proj(self.in_proj(h)).chunk(2, dim=-1)
         conv = conv_last(torch.cat([state["conv"].to(xs.dtype), xs], dim=1), self.conv1d)
-        u = self.hook_ssm_input(F.silu(self.hook_conv(conv)))
+        u = self.hook_ssm_input(self.activate(conv))
         delta, B, C = self._dt_B_C(u)
         A = -torch.exp(self.A_log.float())
         d = delta[:, 0]

@@ -20,33 +20,15 @@ from gna_lens.models.mixers.base import (
     RMSNorm,
     SSMMixer,
     StepState,
-    checked_pattern,
     conv_last,
     conv_tail,
     has_hooks,
+    masked,
     reverse_segsum,
-    scatter_rows_heads,
     state_through_hook,
 )
 
 __all__ = ["Mamba2Mixer"]
-
-
-def reads(hook: HookPoint) -> bool:
-    """Whether anything (TransformerLens or a plain torch forward hook) hooks ``hook``."""
-    return has_hooks(hook) or bool(hook._forward_hooks) or bool(hook._forward_pre_hooks)
-
-
-def pattern_through_hook(hook: HookPoint, pattern: Tensor) -> tuple[Tensor, bool]:
-    """Pass ``pattern`` through ``hook`` (checked); also say whether the hook may have edited it.
-
-    Edited: the hook returned another tensor (also the case when a backward hook wraps the
-    output) or changed this one in place. A caching hook edits nothing.
-    """
-    version = pattern._version  # type: ignore[attr-defined]
-    out = hook(pattern)
-    edited = out is not pattern or pattern._version != version  # type: ignore[attr-defined]
-    return checked_pattern(out, pattern, hook.name), edited
 
 
 def _mamba2_pattern_part(
@@ -93,12 +75,6 @@ class Mamba2Mixer(SSMMixer):
 
     ``hook_pattern`` is ``[batch, head_index, query_pos, key_pos]`` in the form
     ``M = (C_i · B_j) exp(A Σ_{k=j+1..i} dt_k) dt_j`` (``y = M @ x + D x``).
-
-    Attributes:
-        last_path: The path of the last forward pass, ``{"conv": ..., "scan": ...}`` (see
-            :func:`gna_lens.models.kernels.kernel_paths`).
-        pattern_budget_bytes: Working memory of the pattern's construction beside the pattern
-            (``None``: :func:`gna_lens.models.kernels.pattern_budget`).
     """
 
     #: Whether the pattern carries the key position's step ``dt_j`` (Mamba-2:
@@ -139,8 +115,6 @@ class Mamba2Mixer(SSMMixer):
         self.out_proj = nn.Linear(E, cfg.d_model, bias=out_bias)
         self.register_buffer("head_group", torch.arange(H) // (H // G), persistent=False)
         self._add_hook_points()
-        self.last_path: dict[str, str] = {}
-        self.pattern_budget_bytes: int | None = None
 
     # ------------------------------------------------------------------ shared by both paths
     def _add_hook_points(self) -> None:
@@ -195,10 +169,6 @@ class Mamba2Mixer(SSMMixer):
         ``x`` (a variant divides by ``dt``)."""
         del dt
         return x
-
-    def activate(self, conv: Tensor) -> Tensor:
-        """The convolution output through ``hook_conv`` and the activation (SiLU)."""
-        return F.silu(self.hook_conv(conv))
 
     def gate_norm(self, y: Tensor, z: Tensor) -> Tensor:
         """The gated output norm of ``y`` ``[..., E]`` (see ``SSMConfig.mamba_norm``)."""
@@ -256,25 +226,12 @@ class Mamba2Mixer(SSMMixer):
     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
         """``z, x, B, C, dt, A`` of a whole sequence (in_proj, causal convolution, SiLU; padded
         positions zeroed before and after the convolution)."""
-        if mask is not None:
-            h = h * mask[..., None].to(h.dtype)
+        h = masked(h, mask)
         z, xBC, dt_raw = self.split_projection(self.project(h))
         xBC = self._conv_silu(xBC)
-        if mask is not None:
-            xBC = xBC * mask[..., None].to(xBC.dtype)
+        xBC = masked(xBC, mask)
         x, B, C, dt = self._ssm_inputs(xBC, dt_raw)
         return z, x, B, C, dt, -torch.exp(self.A_log.float())
-
-    def _conv_silu(self, xBC: Tensor) -> Tensor:
-        """``SiLU(hook_conv(conv1d(xBC)))`` of ``[batch, pos, conv_dim]``; the SiLU is fused into
-        the convolution (kernel or not) while nothing hooks ``hook_conv``."""
-        fused = not reads(self.hook_conv)
-        conv, path = kernels.causal_conv1d(
-            xBC.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, silu=fused
-        )
-        self.last_path = {"conv": path}
-        conv = conv.transpose(1, 2)
-        return conv if fused else self.activate(conv)
 
     def _scan(self, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor) -> Tensor:
         materialize = has_hooks(self.hook_pattern)
@@ -283,14 +240,9 @@ class Mamba2Mixer(SSMMixer):
         if not materialize:
             assert y is not None
             return y
-        self._check_dtype(x.dtype)
-        job, dt_sel, A_sel = self._pattern_job(dt, A, B, C, heads, rows)
-        pattern = kernels.build_pattern(job, dt_sel, A_sel, B, C).to(x.dtype)
-        pattern, edited = pattern_through_hook(self.hook_pattern, pattern)
-        x_sel = x if heads is None else x.index_select(2, heads)
-        y_sel = kernels.apply_pattern(job, pattern, x_sel, dt_sel, A_sel, B, C, edited)
+        out = self._pattern_output(x, dt, A, B, C, y, heads, rows, head_dim=2)
         self._record_scan("materialized" if y is None else f"materialized+{self._scan_path}")
-        return scatter_rows_heads(y, y_sel, heads, rows, head_dim=2)
+        return out
 
     def _record_scan(self, path: str) -> None:
         self._scan_path = path
@@ -323,44 +275,6 @@ class Mamba2Mixer(SSMMixer):
             self._record_scan(path)
             return y
         return None
-
-    def materialize(
-        self,
-        dt: Float[Tensor, "batch pos head_index"],
-        A: Float[Tensor, " head_index"],
-        B: Float[Tensor, "batch pos n_groups d_state"],
-        C: Float[Tensor, "batch pos n_groups d_state"],
-        heads: Tensor | None = None,
-        rows: Tensor | None = None,
-    ) -> Float[Tensor, "batch selected_head query_row pos"]:
-        """The implicit attention ``M_h[i, j] = (C_i · B_j) exp(A_h Σ_{k=j+1..i} dt_k) dt_j`` of
-        ``heads`` at query positions ``rows`` (``None``: all), in fp32 or wider.
-
-        Args:
-            dt: ``dt`` after softplus and clamping (``hook_ssm_dt``).
-            A: ``-exp(A_log)``.
-            B: ``hook_ssm_B``.
-            C: ``hook_ssm_C``.
-            heads: Head indices (sorted), or ``None``.
-            rows: Query positions (sorted, non-negative), or ``None``.
-
-        Returns:
-            ``[batch, len(heads), len(rows), key_pos]``.
-
-        Examples:
-            >>> import torch
-            >>> from gna_lens.testing import tiny_hooked_ssm
-            >>> model = tiny_hooked_ssm("mamba2")
-            >>> mixer = model.blocks[0].mixer
-            >>> names = [f"blocks.0.mixer.hook_{n}" for n in ("ssm_dt", "ssm_B", "ssm_C", "pattern")]
-            >>> _, cache = model.run_with_cache("a b c", names_filter=names)
-            >>> dt, B, C, pattern = (cache[n] for n in names)
-            >>> mine = mixer.materialize(dt, -torch.exp(mixer.A_log.float()), B, C)
-            >>> torch.allclose(mine, pattern, atol=1e-6)
-            True
-        """
-        job, dt_sel, A_sel = self._pattern_job(dt, A, B, C, heads, rows)
-        return kernels.build_pattern(job, dt_sel, A_sel, B, C)
 
     def _pattern_job(
         self,
@@ -405,12 +319,7 @@ class Mamba2Mixer(SSMMixer):
     def prefix_state(self, acts: Mapping[str, Tensor], length: int) -> StepState:
         """The recurrent state after position ``length - 1`` (rebuilt exactly from the cached
         ``hook_ssm_input``, ``hook_ssm_dt`` and ``hook_ssm_B``) and the last ``d_conv - 1``
-        convolution inputs.
-
-        Args:
-            acts: The full prompt's activations of :attr:`prefix_hooks` (``[G, L, ...]``,
-                keyed by the hook's name in the mixer, e.g. ``"hook_ssm_dt"``).
-            length: The prefix length ``P`` (usually ``L - 1``).
+        convolution inputs (see :meth:`SSMMixer.prefix_state`).
 
         Returns:
             ``{"conv": [G, d_conv - 1, conv_dim], "state": [G, n_heads, d_head, d_state]}``.
@@ -436,10 +345,7 @@ class Mamba2Mixer(SSMMixer):
         return {"conv": conv_tail(conv_in, P, cfg.d_conv - 1), "state": state}
 
     def step(self, state: StepState, h: Float[Tensor, "batch 1 d_model"]) -> Tensor:
-        """One token after the prefix: the mixer's output ``[batch, 1, d_model]``.
-
-        Fires the same hook points as :meth:`forward` with ``pos = 1`` (not ``hook_pattern`` or
-        ``hook_ssm_state``: a hook on those raises).
+        """One token after the prefix (see :meth:`SSMMixer.step`).
 
         Examples:
             The step from the state of the first 5 positions gives the forward's 6th output:

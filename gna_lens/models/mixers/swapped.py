@@ -38,12 +38,14 @@ from gna_lens.device import HOST
 from gna_lens.errors import ConfigError
 from gna_lens.models import ops
 from gna_lens.models.config import SSMConfig
+from gna_lens.models.mixers.attention import allowed_keys
 from gna_lens.models.mixers.base import (
     StepState,
     checked_pattern,
     conv_last,
     conv_tail,
     has_hooks,
+    masked,
     scatter_rows_heads,
 )
 from gna_lens.models.mixers.mamba2 import Mamba2Mixer
@@ -223,8 +225,7 @@ class SwappedMamba2Mixer(Mamba2Mixer):
         pre = self.hook_attn_in(self.attn_proj(h))
         conv = ops.causal_conv1d(pre.transpose(1, 2), self.attn_conv.weight, self.attn_conv.bias)
         qkv = F.silu(conv.transpose(1, 2))
-        if mask is not None:
-            qkv = qkv * mask[..., None].to(qkv.dtype)
+        qkv = masked(qkv, mask)
         return self._split(qkv)
 
     def _attend(self, q: Tensor, k: Tensor, allowed: Tensor | None) -> Tensor:
@@ -250,14 +251,9 @@ class SwappedMamba2Mixer(Mamba2Mixer):
         self, h: Float[Tensor, "batch pos d_model"], mask: Tensor | None
     ) -> Float[Tensor, "batch pos d_model"]:
         z, x, B, C, dt, A = self._sequence_inputs(h, mask)
-        if mask is not None:
-            h = h * mask[..., None].to(h.dtype)
+        h = masked(h, mask)
         q, k, v = self._attn_qkv(h, mask)
-        L = h.shape[1]
-        allowed = torch.ones(L, L, dtype=torch.bool, device=h.device).tril()[None, None]
-        if mask is not None:
-            allowed = allowed & mask.bool()[:, None, None, :]
-        P_attn = self._attend(q, k, allowed)  # [b, attn_head, L, L], fp32
+        P_attn = self._attend(q, k, allowed_keys(h.shape[1], mask, h.device))  # [b, a, L, L] fp32
         y = self._scan_all(x, dt, A, B, C, P_attn, v)
         return self._output(y, x, z, h.dtype)
 

@@ -39,10 +39,11 @@ from torch import Tensor, nn
 
 from gna_lens.errors import ConfigError
 from gna_lens.models import kernels
-from gna_lens.models.mixers.attention import AttentionHeads, Rope
+from gna_lens.models.mixers.attention import AttentionHeads, Rope, allowed_keys
 from gna_lens.models.mixers.base import (
     StepState,
     has_hooks,
+    masked,
     scatter_rows_heads,
 )
 from gna_lens.models.mixers.mamba2 import Mamba2Mixer
@@ -214,18 +215,13 @@ class TeacherHeadsMixer(AttentionHeads, Mamba2Mixer):
         self, h: Float[Tensor, "batch pos d_model"], mask: Tensor | None, rope: Rope = None
     ) -> Float[Tensor, "batch pos d_model"]:
         z, x, B, C, dt, A = self._sequence_inputs(h, mask)
-        if mask is not None:
-            h = h * mask[..., None].to(h.dtype)
+        h = masked(h, mask)
         q, k, v = self._qkv(h, rope)
-        L = h.shape[1]
         materialize = has_hooks(self.hook_pattern)
         if not materialize and not has_hooks(self.hook_attn_scores):
             y_attn = self._fused_attention(q, k, v, mask)
             return self._heads_output(self._scan(x, dt, A, B, C), x, z, y_attn, h.dtype)
-        allowed = torch.ones(L, L, dtype=torch.bool, device=h.device).tril()[None, None]
-        if mask is not None:
-            allowed = allowed & mask.bool()[:, None, None, :]
-        P_attn = self._attend(q, k, allowed)
+        P_attn = self._attend(q, k, allowed_keys(h.shape[1], mask, h.device))
         v_heads = self._per_head(v)
         if not materialize:
             y_attn = torch.einsum("bhqk,bkhd->bqhd", P_attn, v_heads)
@@ -272,9 +268,8 @@ class TeacherHeadsMixer(AttentionHeads, Mamba2Mixer):
     def step(  # type: ignore[override]
         self, state: StepState, h: Float[Tensor, "batch 1 d_model"], rope: Rope = None
     ) -> Tensor:
-        """One token after the prefix (``rope``: its position's rotation): ``[batch, 1,
-        d_model]``. Fires the same hook points as :meth:`forward` with ``pos = 1`` (not
-        ``hook_pattern`` or ``hook_ssm_state``: a hook on those raises)."""
+        """One token after the prefix (``rope``: its position's rotation; see
+        :meth:`SSMMixer.step`)."""
         self._refuse_step_patterns()
         z, x, y = self._step_scan(state, h)
         q, k, v = self._qkv(h, rope)
