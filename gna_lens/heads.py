@@ -717,7 +717,7 @@ class Subject:
         (True, 3, 'cpu', True)
     """
 
-    model: Any
+    model: HookedModel
     view: HeadView
     policy: DevicePolicy
     is_ssm: bool

@@ -20,6 +20,8 @@ import torch
 from gna_lens.device import DevicePolicy
 from gna_lens.errors import GnaLensError, InterventionError
 from gna_lens.heads import (
+    HookedModel,
+    ModelLike,
     Subject,
     head_view,
     policy_of,
@@ -81,7 +83,7 @@ DEFAULT_PREFILTER = 32
 
 
 def resolve_sweep_dtype(
-    model: Any, sweep_dtype: Any, task: Task | None = None
+    model: ModelLike, sweep_dtype: Any, task: Task | None = None
 ) -> tuple[Any, dict[str, Any]]:
     """The sweep dtype to run (``"auto"`` resolved) and what to record about the choice.
 
@@ -109,9 +111,8 @@ def resolve_sweep_dtype(
     if sweep_dtype != "auto":
         return sweep_dtype, {}
     subject = Subject.of(model)
-    model = subject.model
     n = subject.view.n_heads_total
-    param = next(iter(model.parameters()), None)
+    param = next(iter(subject.model.parameters()), None)
     if param is None:
         return None, {"sweep_dtype_choice": "auto: the model's own dtype (no parameters)"}
     large = n > EXACT_ALL_MAX
@@ -142,7 +143,7 @@ def resolve_sweep_dtype(
     return choice.autocast, record
 
 
-def _probe_forward(model: Any, task: Task, rows: int = 16) -> tuple[Any, str]:
+def _probe_forward(model: ModelLike, task: Task, rows: int = 16) -> tuple[Any, str]:
     """The work ``sweep_dtype="auto"`` times: a forward pass like the sweep's own (the last
     position's logits only) on ``rows`` selection prompts of the task's most common length (its
     prompts repeated where it has fewer). Matrix shapes decide which precision is faster (on one
@@ -167,7 +168,7 @@ def _probe_forward(model: Any, task: Task, rows: int = 16) -> tuple[Any, str]:
     return run, f"forward of {len(batch)} x {length} selection tokens, last-position logits"
 
 
-def check_bfloat16(model: Any, task: Task, n: int = 8) -> tuple[bool, str]:
+def check_bfloat16(model: ModelLike, task: Task, n: int = 8) -> tuple[bool, str]:
     """Whether bfloat16 autocast keeps ``model``'s clean logit differences on the first ``n``
     prompts of ``task``: the mean absolute change must stay within 0.1 x the mean absolute
     float32 value + 0.02 logits. Returns ``(ok, the numbers in words)``.
@@ -193,7 +194,7 @@ def check_bfloat16(model: Any, task: Task, n: int = 8) -> tuple[bool, str]:
 
 
 @contextlib.contextmanager
-def sweep_precision(model: Any, dtype: str | None) -> Iterator[str]:
+def sweep_precision(model: ModelLike, dtype: str | None) -> Iterator[str]:
     """Autocast for the ablation sweeps: ``None``/``"float32"`` (none) or ``"bfloat16"``."""
     if dtype in (None, "float32", torch.float32):
         yield "float32"
@@ -260,7 +261,7 @@ def _resolve_strategy(strategy: Any, prefilter: Any, top_layers: Any, view: Any)
 
 
 def choose_strategy(
-    model: Any,
+    model: ModelLike,
     task: Task,
     strategy: str = "auto",
     *,
@@ -326,7 +327,7 @@ def _estimate_applies(policy: DevicePolicy) -> bool:
     return policy.is_cuda
 
 
-def time_per_row(model: Any, task: Task, rows: int = 16) -> tuple[float, str]:
+def time_per_row(model: ModelLike, task: Task, rows: int = 16) -> tuple[float, str]:
     """Seconds per prompt of a sweep-like forward (:func:`_probe_forward` of ``rows`` prompts):
     the median of 3 timed runs after a warm-up; and what was timed, in words."""
     run, what = _probe_forward(model, task, rows)
@@ -342,7 +343,7 @@ def time_per_row(model: Any, task: Task, rows: int = 16) -> tuple[float, str]:
     return sorted(times)[1] / rows, what
 
 
-def _exact_seconds(model: Any, task: Task, view: Any) -> tuple[float, str]:
+def _exact_seconds(model: ModelLike, task: Task, view: Any) -> tuple[float, str]:
     """Estimated seconds of the task's and the control's exact sweeps over every head."""
     per_row, what = time_per_row(model, task)
     depth = sum((view.n_layers - layer) / view.n_layers for layer, _ in view.heads()) / max(
@@ -355,7 +356,7 @@ def _exact_seconds(model: Any, task: Task, view: Any) -> tuple[float, str]:
     )
 
 
-def auto_head_groups(model: Any) -> int | None:
+def auto_head_groups(model: HookedModel) -> int | None:
     """The block size ``head_groups="auto"`` gives ``model``, or ``None`` (heads as they are).
 
     A :class:`~gna_lens.models.HookedSSM` with Mamba-1 layers (Mamba-1, FalconMamba, Jamba)
@@ -381,12 +382,12 @@ def auto_head_groups(model: Any) -> int | None:
 
 
 @contextlib.contextmanager
-def applied_head_groups(model: Any, head_groups: Any) -> Iterator[dict[str, Any]]:
+def applied_head_groups(model: HookedModel, head_groups: Any) -> Iterator[dict[str, Any]]:
     """Inside the block, ``model``'s heads are grouped as ``head_groups`` says; yields what to
     record in a report's ``method`` (``{}`` when nothing changed).
 
     Args:
-        model: Any model :func:`~gna_lens.head_view` takes.
+        model: ModelLike model :func:`~gna_lens.head_view` takes.
         head_groups: ``"auto"`` (:func:`auto_head_groups`), ``None`` / ``"none"`` (single
             channels on a Mamba-1 model, even where ``set_head_groups`` grouped them; nothing on
             other models), or a spec of :meth:`~gna_lens.models.HookedSSM.set_head_groups` (an

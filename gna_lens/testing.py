@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from gna_lens.device import HOST
+from gna_lens.heads import HookedModel
 
 __all__ = [
     "ARCHITECTURES",
@@ -403,7 +404,7 @@ def toy_gna_template() -> Any:
     )
 
 
-def toy_gna_task(model: Any, n_pairs: int = 4, n_samples: int = 16, seed: int = 0) -> Any:
+def toy_gna_task(model: HookedModel, n_pairs: int = 4, n_samples: int = 16, seed: int = 0) -> Any:
     """A KV-retrieval task over :data:`TOY_WORDS` that :func:`toy_gna_model` solves."""
     from gna_lens.tasks import kv_retrieval
 
@@ -419,7 +420,7 @@ def toy_gna_task(model: Any, n_pairs: int = 4, n_samples: int = 16, seed: int = 
     )
 
 
-def toy_control(model: Any, n_sequences: int = 8, seq_len: int = 16, seed: int = 0) -> Any:
+def toy_control(model: HookedModel, n_sequences: int = 8, seq_len: int = 16, seed: int = 0) -> Any:
     """A control text for :func:`toy_gna_model`: chains of key words in a fixed cyclic order.
 
     Each window follows :data:`TOY_WORDS` cyclically from a seeded start (``apple river stone

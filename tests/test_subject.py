@@ -106,3 +106,24 @@ def test_report_examples_show_the_tokens_not_their_ids():
     report = score_heads(model, task, control=toy_control(model), progress=False)
     want = [model.tokenizer.decode([i]) for i in task[0].input_ids]
     assert report.examples["tokens"] == want and not want[0].isdigit()
+
+
+def test_context_managers_take_a_subject_too():
+    """``ablate_layers`` entered the Subject's hooks (it has none) before the types said so."""
+    from gna_lens.interventions import ablate_heads, ablate_layers
+
+    model = helper_model("bamba")
+    subject = Subject.of(model)
+    tokens = torch.tensor([[5, 6, 7, 8]], device=subject.device)
+    task = helper_task(n_samples=4)
+    with torch.no_grad():
+        with ablate_layers(model, [1], target="mixer"):
+            want = model(tokens)
+        with ablate_layers(subject, [1], target="mixer"):
+            got = model(tokens)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        with ablate_heads(model, [(0, 0)], mode="mean", reference=task):
+            want = model(tokens)
+        with ablate_heads(subject, [(0, 0)], mode="mean", reference=task):
+            got = model(tokens)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

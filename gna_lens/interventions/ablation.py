@@ -21,6 +21,7 @@ from gna_lens.errors import InterventionError
 from gna_lens.heads import (
     Head,
     HeadView,
+    HookedModel,
     ModelLike,
     Subject,
     model_of,
@@ -144,7 +145,7 @@ class _InputRows:
     which positions hold BOS (mean ablation leaves them unedited) and which rows are the same
     prompt as their reference row (resample ablation would change nothing there)."""
 
-    def __init__(self, model: Any, source: Source, positions: Any, device: Any):
+    def __init__(self, model: HookedModel, source: Source, positions: Any, device: Any):
         self.source = source
         self.embed: Tensor | None = None
         self.has_hook = EMBED_HOOK in getattr(model, "hook_dict", {})
@@ -221,7 +222,7 @@ class _InputRows:
             )
 
 
-def _embedding_of(model: Any, token: int, device: Any) -> Tensor | None:
+def _embedding_of(model: HookedModel, token: int, device: Any) -> Tensor | None:
     """``hook_embed``'s output for one token (one forward pass of one token)."""
     out: dict[str, Tensor] = {}
 
@@ -596,7 +597,7 @@ def _run_sweep(
 
 # ----------------------------------------------------------------------------- plans
 def _plan_ablation(
-    model: Any,
+    model: ModelLike,
     task: Task,
     metric: Any,
     cells: list[tuple[Head, ...]],
@@ -832,7 +833,7 @@ def control_sweep(
 
 
 def _plan_control(
-    model: Any,
+    model: ModelLike,
     control: TextControl,
     cells: list[tuple[Head, ...]],
     mode: str,

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from gna_lens.device import host_full, to_host
 from gna_lens.errors import InterventionError
-from gna_lens.heads import ModelLike, Subject, normalize_head_sets, require_editable
+from gna_lens.heads import HookedModel, ModelLike, Subject, normalize_head_sets, require_editable
 from gna_lens.interventions.ablation import (
     SweepResult,
     ablation_info,
@@ -204,7 +204,9 @@ def _gradient_path(subject: Subject) -> str:
     return describe() if callable(describe) else "the model's own forward"
 
 
-def _collect(model: Any, names: list[str], layers: list[int], tokens: Tensor) -> dict[str, Tensor]:
+def _collect(
+    model: HookedModel, names: list[str], layers: list[int], tokens: Tensor
+) -> dict[str, Tensor]:
     """The clean run's ``hook_z`` of ``names`` (in ``layers``), keyed by name."""
     out: dict[str, Tensor] = {}
 

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from gna_lens.device import HOST
 from gna_lens.errors import InterventionError
-from gna_lens.heads import HeadView
+from gna_lens.heads import HeadView, HookedModel
 from gna_lens.tasks import Task, TextControl
 
 __all__ = [
@@ -124,7 +124,7 @@ def parse_bytes(budget: Any) -> int:
     )
 
 
-def row_bytes(model: Any, view: HeadView, length: int, logits_positions: int) -> int:
+def row_bytes(model: HookedModel, view: HeadView, length: int, logits_positions: int) -> int:
     """A rough upper bound on the transient memory of one row of a no-grad forward pass."""
     cfg = model.cfg
     d = int(cfg.d_model)
@@ -143,7 +143,7 @@ def row_bytes(model: Any, view: HeadView, length: int, logits_positions: int) ->
 
 
 def plan_rows(
-    model: Any,
+    model: HookedModel,
     view: HeadView,
     length: int,
     budget: int,

@@ -39,7 +39,7 @@ from torch import Tensor
 
 from gna_lens.device import HOST, host_full, to_host
 from gna_lens.errors import InterventionError
-from gna_lens.heads import Head, HeadView, LayerHeads, head_output_weights
+from gna_lens.heads import Head, HeadView, LayerHeads, ModelLike, head_output_weights
 from gna_lens.interventions.batching import Group, plan_rows
 from gna_lens.interventions.edits import col_where, edit_packed, packed_edit_hooks, part_selection
 from gna_lens.interventions.metrics import Metric
@@ -181,7 +181,7 @@ def expand_hooks(
     return hooks
 
 
-def _output_weights(model: Any, lh: LayerHeads) -> list[Tensor] | None:
+def _output_weights(model: ModelLike, lh: LayerHeads) -> list[Tensor] | None:
     """``W_O`` of each part of a layer (:func:`~gna_lens.heads.head_output_weights`), or
     ``None`` when a part has no ``out_hook`` or no exposed ``W_O``. ``model``: the runner's
     :class:`~gna_lens.heads.Subject` (its view is not built again), or a model."""
@@ -739,7 +739,7 @@ class CellSweep:
 PLANNERS: dict[str, Callable[..., CellSweep]] = {}
 
 
-def plan_job(model: Any, job: SweepJob) -> CellSweep:
+def plan_job(model: ModelLike, job: SweepJob) -> CellSweep:
     """Plan ``job`` on ``model`` (a worker's copy): the same plan the caller made. The
     planners register on import of :mod:`gna_lens.interventions` (the worker imports it)."""
     planner = PLANNERS.get(job.kind)
@@ -751,7 +751,7 @@ def plan_job(model: Any, job: SweepJob) -> CellSweep:
 
 
 def execute(
-    model: Any, sweep: CellSweep, job: SweepJob, executor: Any, bar: Any
+    model: ModelLike, sweep: CellSweep, job: SweepJob, executor: Any, bar: Any
 ) -> tuple[Tensor, Tensor, dict[str, Any]]:
     """Run a planned sweep here, or through ``executor`` (its workers plan it again)."""
     if executor is None:

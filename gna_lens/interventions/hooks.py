@@ -8,6 +8,7 @@ from typing import Any
 from torch import Tensor
 
 from gna_lens.errors import HookError
+from gna_lens.heads import HookedModel
 
 __all__ = ["EMBED_HOOK", "bind", "count_hooks", "hooked"]
 
@@ -27,7 +28,9 @@ def bind(fn: Callable[..., Any], **kw: Any) -> Callable[..., Any]:
 
 
 @contextmanager
-def hooked(model: Any, fwd_hooks: Sequence[tuple[Any, Callable[..., Any]]]) -> Iterator[Any]:
+def hooked(
+    model: HookedModel, fwd_hooks: Sequence[tuple[Any, Callable[..., Any]]]
+) -> Iterator[Any]:
     """``model.hooks(fwd_hooks)`` that also fails loudly if a hook survived the context.
 
     An exception raised inside the block propagates unchanged (a leak found then is added to it
@@ -51,7 +54,7 @@ def hooked(model: Any, fwd_hooks: Sequence[tuple[Any, Callable[..., Any]]]) -> I
         )
 
 
-def count_hooks(model: Any) -> int:
+def count_hooks(model: HookedModel) -> int:
     """Total forward and backward hooks on the model's hook points."""
     total = 0
     seen: set[int] = set()

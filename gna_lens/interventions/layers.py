@@ -59,6 +59,7 @@ from gna_lens.device import HOST, DevicePolicy
 from gna_lens.errors import InterventionError, PatternEditError
 from gna_lens.heads import (
     HeadView,
+    HookedModel,
     LayerHeads,
     ModelLike,
     Subject,
@@ -154,7 +155,7 @@ class LayerInfo:
     verified: bool
 
 
-def layer_infos(model: Any) -> tuple[LayerInfo, ...]:
+def layer_infos(model: ModelLike) -> tuple[LayerInfo, ...]:
     """The per-layer hooks of a TransformerBridge, a HookedSSM or a TransformerLens-style model.
 
     Raises:
@@ -173,7 +174,7 @@ class _LayerSubject:
     infos: tuple[LayerInfo, ...]
 
 
-def _layer_subject(model: Any) -> _LayerSubject:
+def _layer_subject(model: "ModelLike | _LayerSubject") -> _LayerSubject:
     """The layer subject of a model, a :class:`~gna_lens.heads.Subject` or a layer subject."""
     if isinstance(model, _LayerSubject):
         return model
@@ -190,7 +191,7 @@ def _layer_subject(model: Any) -> _LayerSubject:
     return _LayerSubject(subject, infos)
 
 
-def _layer_infos(model: Any, heads: HeadView | None, ssm: bool) -> tuple[LayerInfo, ...]:
+def _layer_infos(model: ModelLike, heads: HeadView | None, ssm: bool) -> tuple[LayerInfo, ...]:
     _, hook_dict, n_layers = hook_points(model, "layer interventions")
     out = []
     for layer in range(n_layers):
@@ -236,7 +237,7 @@ _VERDICTS: "weakref.WeakKeyDictionary[Any, dict[str, str | None]]" = weakref.Wea
 
 
 def _require_editable(
-    model: Any, infos: Sequence[LayerInfo], layers: Sequence[int], target: str
+    model: ModelLike, infos: Sequence[LayerInfo], layers: Sequence[int], target: str
 ) -> None:
     """Make sure the edits of ``target`` at ``layers`` change the output, or refuse."""
     for layer in sorted(set(layers)):
@@ -614,7 +615,7 @@ def ablate_layers(
         model, layers, target=target, mode=mode, positions=positions, reference=reference,
         include_bos=include_bos,
     )  # fmt: skip
-    with hooked(model, hooks):
+    with hooked(model_of(model), hooks):
         yield model
 
 
@@ -717,7 +718,7 @@ def _cell_label(cell: Cell) -> str:
 
 
 # ----------------------------------------------------------------------------- sweeps
-def _runner_view(model: Any, view: HeadView | None, infos: Sequence[LayerInfo]) -> HeadView:
+def _runner_view(model: HookedModel, view: HeadView | None, infos: Sequence[LayerInfo]) -> HeadView:
     """A head view whose every layer names its ``hook_resid_pre`` (what the runner needs)."""
     layers = []
     for info in infos:
@@ -763,7 +764,7 @@ _ABLATION = {
 
 
 def _sweep_cells(
-    model: Any,
+    model: "ModelLike | _LayerSubject",
     task: Task,
     metric: Any,
     cells: list[Cell],
@@ -877,7 +878,7 @@ def _sweep_cells(
 
 
 def _plan_layers(
-    model: Any,
+    model: "ModelLike | _LayerSubject",
     on: Task | TextControl,
     metric: Any,
     cells: list[Cell],

@@ -381,7 +381,7 @@ def _zero_rows_hook(layer: int, heads: dict[int, Tensor], empty: dict[int, Tenso
     return hook
 
 
-def _selection(model: Any, view: HeadView, masks: Mapping[Head, Tensor]) -> Any:
+def _selection(model: ModelLike, view: HeadView, masks: Mapping[Head, Tensor]) -> Any:
     """(heads per mixer layer, query rows any mask changes) for ``pattern_selection``."""
     heads: dict[int, list[int]] = {}
     rows: set[int] = set()

@@ -248,7 +248,13 @@ def patch_heads(
 
 
 def _paired(
-    model: Any, clean: Task, corrupted: Task, metric: Any, positions: Any, max_rows: int, who: str
+    model: ModelLike,
+    clean: Task,
+    corrupted: Task,
+    metric: Any,
+    positions: Any,
+    max_rows: int,
+    who: str,
 ) -> tuple[Subject, Metric, Any, list[Group], list[int]]:
     """What both patchings check first: the subject, the metric, the positions, the prompt
     groups of equal length (clean and corrupted paired) and the prompt lengths.

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from gna_lens.device import HOST
 from gna_lens.errors import InterventionError
-from gna_lens.heads import LayerHeads
+from gna_lens.heads import HookedModel, LayerHeads, ModelLike, model_of
 from gna_lens.interventions.batching import Group, length_groups, row_groups
 from gna_lens.interventions.hooks import EMBED_HOOK, bind, hooked
 from gna_lens.tasks import Task
@@ -168,7 +168,7 @@ class Source:
 
 
 def collect_z(
-    model: Any,
+    model: HookedModel,
     parts: Sequence[LayerHeads],
     groups: Sequence[Group],
     last_only: bool,
@@ -210,7 +210,7 @@ def collect_z(
     return {name: [t for t in rows if t is not None] for name, rows in store.items()}
 
 
-def bos_token_id(model: Any, *sources: Any) -> int | None:
+def bos_token_id(model: ModelLike, *sources: Any) -> int | None:
     """The BOS id of the first tokenizer found on ``sources`` (tasks) or ``model``."""
     for obj in (*sources, model):
         tok = getattr(obj, "tokenizer", None)
@@ -332,7 +332,7 @@ def mean_positions(
 
 
 def build_source(
-    model: Any,
+    model: ModelLike,
     mode: Any,
     reference: Any,
     parts: Sequence[LayerHeads],
@@ -377,7 +377,7 @@ def build_source(
     embeds: list[Tensor | None] = [None] * n
     with torch.no_grad():
         per_row = collect_z(
-            model, parts, groups, last_only=last, n_rows=n,
+            model_of(model), parts, groups, last_only=last, n_rows=n,
             embeds=embeds if mode == "resample" else None,
         )  # fmt: skip
     if mode == "resample":

@@ -9,7 +9,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from jaxtyping import Float
@@ -655,7 +655,9 @@ def _sweep_stage(run: _Run, strategy: str, strategy_why: str) -> None:
                 positions=run.positions, reference=run.reference, progress=run.progress,
                 executor=run.executor,
             )  # fmt: skip
-        forward_paths = path_summary(subject.model)  # the sweep's last forward: kernels or not
+        forward_paths = path_summary(
+            cast(torch.nn.Module, subject.model)
+        )  # the sweep's last forward: kernels or not
         ctrl = None
         if run.control is not None:
             with run.timed("control_sweep"):

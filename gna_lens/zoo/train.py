@@ -31,6 +31,7 @@ import torch
 
 from gna_lens.device import HOST, DevicePolicy
 from gna_lens.errors import ConfigError
+from gna_lens.heads import HookedModel
 from gna_lens.zoo.curriculum import (
     EVAL_SEED,
     EVAL_TASKS,
@@ -255,7 +256,7 @@ class _FastMamba1Scan:
         self._module.mamba_selective_scan = self._orig
 
 
-def tie_space_variants(model: Any, tokenizer: Any) -> int:
+def tie_space_variants(model: HookedModel, tokenizer: Any) -> int:
     """Initialize each ``" word"`` token's embedding to that of ``"word"``; returns how many.
 
     The paper's template shows a value as ``"50"`` in the dictionary but scores it as ``" 50"``;
@@ -309,7 +310,7 @@ def build_model(recipe: Recipe, tokenizer: Any) -> Any:
     return model
 
 
-def fan_in_init(model: Any) -> int:
+def fan_in_init(model: HookedModel) -> int:
     """Re-draw every linear layer with torch's default init; returns how many.
 
     ``nn.Linear.reset_parameters``: weights Kaiming-uniform with bound ``1 / sqrt(fan_in)``
@@ -338,7 +339,7 @@ def fan_in_init(model: Any) -> int:
     return n
 
 
-def zero_residual_outputs(model: Any) -> int:
+def zero_residual_outputs(model: HookedModel) -> int:
     """Zero every attention output projection and MLP down projection; returns how many.
 
     Matches parameters named ``*.o_proj.weight`` (attention) and ``*.down_proj.weight`` (gated
@@ -365,7 +366,7 @@ def zero_residual_outputs(model: Any) -> int:
 
 
 def init_like_mamba2(
-    model: Any, std: float = 0.1, dt_min: float = 1e-3, dt_max: float = 0.1
+    model: HookedModel, std: float = 0.1, dt_min: float = 1e-3, dt_max: float = 0.1
 ) -> int:
     """Initialize every Mamba-2 mixer of a hybrid the way ``transformers`` initializes Mamba-2.
 
@@ -417,7 +418,7 @@ def _lr_at(step: int, recipe: Recipe) -> float:
     return recipe.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
 
 
-def _quick_eval(model: Any, tasks: dict[str, Any], n: int = 60) -> dict[str, float]:
+def _quick_eval(model: HookedModel, tasks: dict[str, Any], n: int = 60) -> dict[str, float]:
     from gna_lens.tasks import evaluate
 
     model.eval()
@@ -430,7 +431,7 @@ def _quick_eval(model: Any, tasks: dict[str, Any], n: int = 60) -> dict[str, flo
 
 
 def _aux_loss(
-    model: Any,
+    model: HookedModel,
     probes: dict[int, Any],
     hidden: Any,
     ids: torch.Tensor,
@@ -451,7 +452,7 @@ def _aux_loss(
 
 
 def _loop(
-    model: Any,
+    model: HookedModel,
     aux: dict[int, Any],
     opt: Any,
     data: Any,
