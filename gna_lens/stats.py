@@ -10,8 +10,8 @@ Every accuracy, effect and before/after number in a report carries one of these:
   its 95% at the small ``n`` a plain percentile bootstrap under-covers: about 90% at 8 units).
   Paired designs (the same prompts before and after an ablation) pass the per-unit
   *differences*, so the interval is the paired one.
-- :func:`draws_interval`: the mean over random draws (random-head baselines) with a percentile
-  bootstrap interval over the draws.
+- :func:`mean_interval` (also named :func:`draws_interval`): one mean with its bootstrap
+  interval, over units (paired differences) or random draws (random-head baselines).
 
 All resampling is seeded: the same inputs give the same interval.
 """
@@ -33,6 +33,7 @@ __all__ = [
     "bootstrap_interval",
     "draws_interval",
     "expanded_levels",
+    "mean_interval",
     "paired_permutation_test",
     "percentile_interval",
     "spearman",
@@ -299,30 +300,24 @@ def _one_bootstrap(x: Tensor, n_boot: int, seed: int) -> Estimate:
     )
 
 
-def draws_interval(values: Tensor | Any, *, n_boot: int = N_BOOTSTRAP, seed: int = 0) -> Estimate:
-    """Mean over random draws with a 95% bootstrap interval of that mean.
+def mean_interval(values: Tensor | Any, *, n_boot: int = N_BOOTSTRAP, seed: int = 0) -> Estimate:
+    """The mean of per-unit values (flattened) with its 95% expanded-percentile bootstrap
+    interval: :func:`bootstrap_interval` of one row, typed as one :class:`Estimate`.
 
-    Args:
-        values: ``[draws]`` one number per random draw (e.g. accuracy after removing a random
-            head set).
-        n_boot: Resamples.
-        seed: Seed of the resampling.
+    Paired designs pass the per-unit differences. Over random draws (one number per draw) it is
+    the interval of the draws' mean; :func:`two_level_interval` covers draws and prompts.
 
-    Returns:
-        An :class:`Estimate` over the draws.
-
-    Note:
-        The levels are the expanded percentile's (:func:`expanded_levels`); a plain percentile
-        bootstrap over few draws is narrower than 95% (84.5% at 5 normal draws, 90% at 10).
-        Random-head baselines use :func:`two_level_interval` over draws and prompts instead.
+    Examples:
+        >>> import torch
+        >>> mean_interval(torch.tensor([1.0, 2.0, 3.0, 4.0])).value
+        2.5
     """
-    out = bootstrap_interval(
-        torch.as_tensor(values, dtype=torch.float64, device=HOST).reshape(-1),
-        n_boot=n_boot,
-        seed=seed,
-    )
-    assert isinstance(out, Estimate)
-    return out
+    x = torch.as_tensor(values, dtype=torch.float64, device=HOST).reshape(-1)
+    return _one_bootstrap(x, n_boot, seed)
+
+
+#: The older name of :func:`mean_interval` (over random draws).
+draws_interval = mean_interval
 
 
 def two_level_interval(

@@ -99,9 +99,9 @@ _FILES = {"markdown": "md", "csv": "csv", "json": "json"}
 
 
 def to_json(value: Any) -> Any:
-    """``value`` as JSON-ready data: estimates and records as dicts, tuples as lists, dict keys
-    as strings, NaN and infinities as ``None``."""
-    if isinstance(value, Estimate | Record):
+    """``value`` as JSON-ready data: anything with ``to_dict()`` (estimates, records) as its dict,
+    tuples as lists, dict keys as strings, NaN and infinities as ``None``."""
+    if hasattr(value, "to_dict"):
         return value.to_dict()
     if isinstance(value, float):
         return value if math.isfinite(value) else None

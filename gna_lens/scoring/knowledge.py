@@ -26,7 +26,7 @@ from gna_lens.render.markdown import heads_label
 from gna_lens.scoring.patterns import Head
 from gna_lens.stats import (
     Interval,
-    bootstrap_interval,
+    mean_interval,
     paired_permutation_test,
     two_level_interval,
     wilson_interval,
@@ -487,7 +487,7 @@ def retrieval_vs_knowledge(
                 chance=float(task.chance),
                 before=wilson_interval(float(base.sum()), n),
                 after=wilson_interval(float(after.sum()), n),
-                change=_paired(after - base),
+                change=mean_interval(after - base),
                 random_after=two_level_interval(rand, seed=seed) if sets else None,
                 random_change=(
                     two_level_interval(rand - base.double()[None], seed=seed) if sets else None
@@ -511,7 +511,7 @@ def retrieval_vs_knowledge(
             n=int(res.values.shape[1]),
             before=res.baseline_mean,
             after=float(res.values[0].float().mean()),
-            change=_paired(diffs[0]),
+            change=mean_interval(diffs[0]),
             random_change=two_level_interval(diffs[1:], seed=seed) if sets else None,
             vs_random=two_level_interval(diffs[:1] - diffs[1:], seed=seed) if sets else None,
             unit="nats/token" if isinstance(control, TextControl) else "nats/answer",
@@ -540,9 +540,3 @@ def retrieval_vs_knowledge(
             "random sets (paired by prompt), sign-flip permutation p-value over prompts",
         },
     )
-
-
-def _paired(diff: Tensor) -> Interval:
-    iv = bootstrap_interval(diff.double())
-    assert isinstance(iv, Interval)
-    return iv

@@ -41,7 +41,7 @@ from gna_lens.scoring.report import (
     UnmeasuredHeads,
     specificity,
 )
-from gna_lens.stats import Interval, bootstrap_interval
+from gna_lens.stats import Interval, mean_interval
 from gna_lens.sweep_policy import (
     DEFAULT_PREFILTER,
     EXACT_BUDGET_S,
@@ -189,7 +189,7 @@ def _joint_walk(
                 head = candidates[pos]
                 pos += 1
                 accepted.append(head)
-                effects.append(_paired_interval(control_samples[index[head]]))
+                effects.append(mean_interval(control_samples[index[head]]))
                 bar.update(1)
                 continue
             batch = candidates[pos : pos + width]
@@ -206,7 +206,7 @@ def _joint_walk(
             for j, c in enumerate(batch):
                 if means[j] <= bound:
                     accepted.append(c)
-                    effects.append(_paired_interval(diffs[j]))
+                    effects.append(mean_interval(diffs[j]))
                     pos += j + 1
                     bar.update(1)
                     break
@@ -237,13 +237,6 @@ def _joint_walk(
         f"{len(rejected)} turned down" + ("; every candidate tried" if exhausted else "")
     )
     return joint, line
-
-
-def _paired_interval(diffs: Tensor) -> Interval:
-    """The mean of per-sample effects with its 95% paired bootstrap interval."""
-    iv = bootstrap_interval(diffs.double())
-    assert isinstance(iv, Interval)
-    return iv
 
 
 def _executor_line(*sweeps: SweepResult | None) -> str:
