@@ -10,7 +10,8 @@ import logging
 import re
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from itertools import groupby
 from typing import Any
 
 import torch
@@ -178,17 +179,9 @@ class Intervention:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serializable fields."""
-        return {
-            "heads": [list(h) for h in self.heads],
-            "mode": self.mode,
-            "positions": self.positions,
-            "include_bos": self.include_bos,
-            "mask": self.mask,
-            "mask_heads": [list(h) for h in self.mask_heads],
-            "mask_mode": self.mask_mode,
-            "segments": self.segments,
-            "description": self.describe(),
-        }
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out |= {n: [list(h) for h in out[n]] for n in ("heads", "mask_heads")}
+        return out | {"description": self.describe()}
 
 
 def _dtype(value: Any) -> torch.dtype:
@@ -240,28 +233,13 @@ def _checkpoint_adds_bos(tokenizer: Any) -> bool | None:
 
 def _segment_chars(context: str, how: str) -> list[tuple[int, int]]:
     """Character ranges (each line with its ``\\n``) of the last run of segment lines."""
-    kinds = ["options", "kv"] if how == "auto" else [how]
-    lines: list[tuple[int, int, str]] = []
-    pos = 0
-    for line in context.split("\n"):
-        lines.append((pos, pos + len(line), line))
-        pos += len(line) + 1
-    for kind in kinds:
-        pattern = _SEGMENTS[kind]
-        run: list[tuple[int, int]] = []
-        best: list[tuple[int, int]] = []
+    lines = [(m.start(), m.end(), m.group()) for m in re.finditer(r"^.*$", context, re.M)]
+    for kind in ["options", "kv"] if how == "auto" else [how]:
         # The last line is the query (it has no "\n"): it is never a segment.
-        for start, end, line in lines[:-1]:
-            if pattern.match(line):
-                run.append((start, end + 1))
-            else:
-                if len(run) >= 2:
-                    best = run
-                run = []
-        if len(run) >= 2:
-            best = run
-        if best:
-            return best
+        matched = groupby(lines[:-1], key=lambda x: bool(_SEGMENTS[kind].match(x[2])))
+        runs = [run for run in (list(g) for match, g in matched if match) if len(run) >= 2]
+        if runs:
+            return [(start, end + 1) for start, end, _ in runs[-1]]
     return []
 
 
@@ -657,9 +635,9 @@ class GnaLM(TemplateLM):
                 "have no prompt structure to build a G&A mask from. Fix: remove=... ablation, "
                 "or no mask."
             )
-        windows: list[tuple[int, tuple[None, list[int], list[int]]]] = []
+        windows: list[tuple[None, list[int], list[int]]] = []
         counts = []
-        for i, (string,) in enumerate(req.args for req in requests):
+        for (string,) in (req.args for req in requests):
             rolling = [
                 lm_utils.make_disjoint_window(w)
                 for w in lm_utils.get_rolling_token_windows(
@@ -669,15 +647,13 @@ class GnaLM(TemplateLM):
                     context_len=1,
                 )
             ]
-            windows.extend((i, (None, *w)) for w in rolling)
+            windows.extend((None, *w) for w in rolling)
             counts.append(len(rolling))
-        out: list[float] = []
         results: list[tuple[float, bool]] = []
         for start in range(0, len(windows), self.batch_size):
-            batch = [w for _, w in windows[start : start + self.batch_size]]
-            results.extend(
-                self._loglikelihood_tokens(batch, disable_tqdm=True, override_bs=len(batch))
-            )
+            batch = windows[start : start + self.batch_size]
+            results += self._loglikelihood_tokens(batch, disable_tqdm=True, override_bs=len(batch))
+        out: list[float] = []
         pos = 0
         for req, n in zip(requests, counts, strict=True):
             total = sum(r[0] for r in results[pos : pos + n])

@@ -26,7 +26,7 @@ import torch
 
 from gna_lens.device import HOST
 from gna_lens.errors import ConfigError, GnaLensError
-from gna_lens.heads import Head, HeadList, HookedModel, ModelLike, head_view
+from gna_lens.heads import Head, HeadList, HookedModel, head_view
 from gna_lens.lm_eval._model import GnaLM, _device, _dtype, format_heads, parse_heads
 from gna_lens.lm_eval.tasks import LOCAL_TASKS, is_local, write_tasks
 from gna_lens.render.markdown import benchmark_markdown
@@ -238,14 +238,6 @@ class BenchmarkTable(Table):
         return benchmark_svg(self, width, height)
 
 
-# ----------------------------------------------------------------------------- random rows
-def _random_heads(model: ModelLike, top: Sequence[Head], n_draws: int, seed: int) -> RandomHeadSets:
-    """``n_draws`` distinct random head sets, each with as many heads per layer as ``top`` and
-    none of them in it (:func:`~gna_lens.scoring.matched_random_sets`, the baseline of
-    ``retrieval_vs_knowledge``)."""
-    return matched_random_sets(head_view(model), list(top), n_draws, seed)
-
-
 # ----------------------------------------------------------------------------- ranking
 def load_ranking(path: str | Path) -> tuple[Sequence[Head], str]:
     """The retrieval-specific head ranking of a ``gna-lens scan`` report (``report.json``).
@@ -339,7 +331,6 @@ def _compute_ranking(
     """Rank heads on KV-retrieval selection prompts, as ``gna-lens scan`` does; with
     ``metric="accuracy"`` every head is ablated alone (no attribution prefilter, no coarse
     stage): the paper's protocol."""
-    from gna_lens.heads import head_view
     from gna_lens.scan import EXACT_ALL_MAX, build_tasks, default_exact
     from gna_lens.scoring import JOINT_K, resolve_control, score_heads
 
@@ -361,24 +352,19 @@ def _compute_ranking(
     )
 
 
-def _ranking_metric_description(metric: str) -> str:
-    return {
-        "logit_diff": "logit_diff (each head's ablation effect on the answer's logit minus the "
-        "best other choice's, on KV-retrieval prompts)",
-        "accuracy": "accuracy (the paper's protocol: every head ablated alone, ranked by the "
-        "drop in KV-retrieval accuracy)",
-    }[metric]
+#: What each of :data:`RANKING_METRICS` measures, for ``method`` and ``table.md``.
+_RANKING_TEXT = {
+    "logit_diff": "logit_diff (each head's ablation effect on the answer's logit minus the "
+    "best other choice's, on KV-retrieval prompts)",
+    "accuracy": "accuracy (the paper's protocol: every head ablated alone, ranked by the "
+    "drop in KV-retrieval accuracy)",
+}
 
 
 # ----------------------------------------------------------------------------- lm-eval rows
 def _leaves(name: str, group_subtasks: dict[str, list[str]]) -> list[str]:
     subs = group_subtasks.get(name) or []
-    if not subs:
-        return [name]
-    out: list[str] = []
-    for s in subs:
-        out += _leaves(s, group_subtasks)
-    return out
+    return [leaf for s in subs for leaf in _leaves(s, group_subtasks)] if subs else [name]
 
 
 def _pick_metric(result: dict[str, Any], metric: str | None, task: str) -> str:
@@ -551,9 +537,7 @@ def evaluate_table(
         "ranking_source": source,
         # Only for a ranking computed here; a given one's metric is in its source.
         "ranking_metric": None if ranking is not None else r_metric,
-        "ranking_metric_description": None
-        if ranking is not None
-        else _ranking_metric_description(r_metric),
+        "ranking_metric_description": None if ranking is not None else _RANKING_TEXT[r_metric],
         "ranking": format_heads(heads),
         "head_groups": {layer: [list(c) for c in sets] for layer, sets in groups},
         "weights": prov.describe(),
@@ -712,62 +696,56 @@ def _run_rows(
     from lm_eval.tasks import TaskManager
 
     log = logging.getLogger("lm_eval")
-    level = log.level
-    if not progress:
-        log.setLevel(logging.WARNING)
     times: dict[str, float] = {}
     outputs: list[Any] = []
     drawn = None
-    tmp = None
-    # A ranking of channel groups removes the same groups: the model's heads become them here.
-    grouping = (
-        model.head_groups({layer: [list(c) for c in sets] for layer, sets in groups})
-        if groups
-        else contextlib.nullcontext()
-    )
-    try:
-        local = [t for t in tasks if is_local(t)]
+    with contextlib.ExitStack() as stack:
+        stack.callback(log.setLevel, log.level)
+        if not progress:
+            log.setLevel(logging.WARNING)
         if task_dir is None:
-            if out is not None:
-                task_dir = Path(out) / "tasks"
-            else:
-                tmp = tempfile.TemporaryDirectory()
-                task_dir = tmp.name
+            task_dir = (
+                Path(out) / "tasks"
+                if out is not None
+                else stack.enter_context(tempfile.TemporaryDirectory())
+            )
+        local = [t for t in tasks if is_local(t)]
         written = write_tasks(task_dir, model.tokenizer, local, limit=limit, seed=seed)
         # lm-eval's index of its ~thousand built-in tasks takes ~10 s: only when needed.
         found = {p.stem for p in Path(task_dir).glob("*.yaml")}
         tm = TaskManager(
             include_path=str(task_dir), include_defaults=any(t not in found for t in tasks)
         )
-        with grouping:
-            if random_draws:
-                drawn = _random_heads(model, list(heads[:rk]), random_draws, seed)
-                rows += [
-                    (f"random-{rk} #{i}", rk, "random", i, tuple(s))
-                    for i, s in enumerate(drawn.sets, 1)
-                ]
-            for label, k, kind, _, removed in rows:
-                t = time.perf_counter()
-                what = f"the top {k}" if kind == "top" else f"{k} random ({label})"
-                stage(f"lm-eval with {what} heads removed ({format_heads(removed) or 'none'})")
-                lm = GnaLM(
-                    model=model, remove=list(removed), mode=mode, positions=positions,
-                    batch_size=batch_size,
-                )  # fmt: skip
-                result = lm_eval.simple_evaluate(
-                    model=lm, tasks=list(tasks), task_manager=tm, limit=limit,
-                    num_fewshot=num_fewshot, log_samples=True, bootstrap_iters=1000,
-                    random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-                    fewshot_random_seed=seed,
-                )  # fmt: skip
-                if result is None:  # pragma: no cover - only on non-zero ranks
-                    raise GnaLensError("lm_eval.simple_evaluate returned nothing.")
-                outputs.append(result)
-                times[f"k={k}" if kind == "top" else label] = time.perf_counter() - t
-    finally:
-        log.setLevel(level)
-        if tmp is not None:
-            tmp.cleanup()
+        # A ranking of channel groups removes the same groups: the model's heads become them.
+        if groups:
+            spec = {layer: [list(c) for c in sets] for layer, sets in groups}
+            stack.enter_context(model.head_groups(spec))
+        if random_draws:
+            # As many heads per layer as the top rk, none of them (the baseline of
+            # retrieval_vs_knowledge).
+            drawn = matched_random_sets(head_view(model), list(heads[:rk]), random_draws, seed)
+            rows += [
+                (f"random-{rk} #{i}", rk, "random", i, tuple(s))
+                for i, s in enumerate(drawn.sets, 1)
+            ]
+        for label, k, kind, _, removed in rows:
+            t = time.perf_counter()
+            what = f"the top {k}" if kind == "top" else f"{k} random ({label})"
+            stage(f"lm-eval with {what} heads removed ({format_heads(removed) or 'none'})")
+            lm = GnaLM(
+                model=model, remove=list(removed), mode=mode, positions=positions,
+                batch_size=batch_size,
+            )  # fmt: skip
+            result = lm_eval.simple_evaluate(
+                model=lm, tasks=list(tasks), task_manager=tm, limit=limit,
+                num_fewshot=num_fewshot, log_samples=True, bootstrap_iters=1000,
+                random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+                fewshot_random_seed=seed,
+            )  # fmt: skip
+            if result is None:  # pragma: no cover - only on non-zero ranks
+                raise GnaLensError("lm_eval.simple_evaluate returned nothing.")
+            outputs.append(result)
+            times[f"k={k}" if kind == "top" else label] = time.perf_counter() - t
     return outputs, written, drawn, times
 
 
