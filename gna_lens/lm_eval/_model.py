@@ -466,6 +466,7 @@ class GnaLM(TemplateLM):
             self._reference_tokens = control.tokens.to(self._device)
         return self._reference_tokens
 
+    @torch.no_grad()
     def _ablation_hooks(self, positions: Any) -> list[Any]:
         from gna_lens.interventions import head_ablation_hooks
 
@@ -490,16 +491,14 @@ class GnaLM(TemplateLM):
             if iv.heads:
                 if iv.positions == "all":
                     if self._static_hooks is None:
-                        with torch.no_grad():
-                            self._static_hooks = self._ablation_hooks(None)
+                        self._static_hooks = self._ablation_hooks(None)
                     hooks = self._static_hooks
                 else:
                     last = torch.tensor(
                         [r.last_context + o for r, o in zip(rows, offsets, strict=True)],
                         device=self._device,
                     )
-                    with torch.no_grad():
-                        hooks = self._ablation_hooks(last)
+                    hooks = self._ablation_hooks(last)
                 stack.enter_context(hooked(self._model, hooks))
             if iv.mask:
                 from gna_lens.interventions import mask_patterns
@@ -575,16 +574,13 @@ class GnaLM(TemplateLM):
         override_bs: int | None = None,
     ) -> list[tuple[float, bool]]:
         res: list[tuple[float, bool]] = []
-
-        def _collate(req: Any) -> tuple[int, tuple[int, ...]]:
-            toks = req[1] + req[2]
-            return -len(toks), tuple(toks)
-
-        def _lookup_one_token_cont(req: Any) -> Any:
-            return req[-2] + req[-1][:-1]
-
+        # As the hf backend: longest first; requests that differ only in their continuation's
+        # last token share one forward pass.
         re_ord = Collator(
-            requests, sort_fn=_collate, group_by="contexts", group_fn=_lookup_one_token_cont
+            requests,
+            sort_fn=lambda req: (-len(req[1] + req[2]), tuple(req[1] + req[2])),
+            group_by="contexts",
+            group_fn=lambda req: req[-2] + req[-1][:-1],
         )
         chunks = re_ord.get_batched(n=override_bs or self.batch_size, batch_fn=None)
         pbar = tqdm(total=len(requests), disable=disable_tqdm, desc="gna_lens loglikelihood")
@@ -666,13 +662,9 @@ class GnaLM(TemplateLM):
     def generate_until(self, requests: Any, disable_tqdm: bool = False) -> list[str]:
         """Greedy generation until a stop sequence, EOS or ``max_gen_toks``, batched."""
         res: list[str] = []
-
-        def _collate(req: tuple[str, dict[str, Any]]) -> tuple[int, str]:
-            return -len(self.tok_encode(req[0])), req[0]
-
         re_ords = Collator(
             [r.args for r in requests],
-            sort_fn=_collate,
+            sort_fn=lambda req: (-len(self.tok_encode(req[0])), req[0]),
             group_by="gen_kwargs",
             group_fn=lambda x: x[1],
         )

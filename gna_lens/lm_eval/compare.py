@@ -172,9 +172,7 @@ def compare_models(
             "['meta-llama/Llama-3.2-3B', 'cartesia-ai/Llamba-3B']). For one model use "
             "evaluate_table."
         )
-    if rankings is None:
-        rankings = [None] * len(models)
-    rankings = list(rankings)
+    rankings = [None] * len(models) if rankings is None else list(rankings)
     if len(rankings) != len(models):
         raise ConfigError(
             f"compare_models: {len(rankings)} rankings for {len(models)} models; expected one "

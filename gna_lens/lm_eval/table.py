@@ -324,34 +324,6 @@ def load_ranking(path: str | Path) -> tuple[Sequence[Head], str]:
     return HeadList(heads, spec), f"gna-lens scan report {file} ({model}, {task}; {how}{unit})"
 
 
-def _compute_ranking(
-    model: HookedModel, k: int, *, mode: str, positions: Any, n_samples: int, seed: int,
-    sweep_dtype: str | None, progress: bool, metric: str = "logit_diff",
-) -> tuple[Sequence[Head], str]:  # fmt: skip
-    """Rank heads on KV-retrieval selection prompts, as ``gna-lens scan`` does; with
-    ``metric="accuracy"`` every head is ablated alone (no attribution prefilter, no coarse
-    stage): the paper's protocol."""
-    from gna_lens.scan import EXACT_ALL_MAX, build_tasks, default_exact
-    from gna_lens.scoring import JOINT_K, resolve_control, score_heads
-
-    sets = build_tasks(model.tokenizer, "kv", n_samples=n_samples, seed=seed, n_eval=1)
-    control = resolve_control("prose", model.tokenizer, positions=positions, split="select")
-    n_heads = head_view(model).n_heads_total
-    exact = metric == "accuracy" or n_heads <= EXACT_ALL_MAX
-    report = score_heads(
-        model, sets.selection, control=control, metric=metric, mode=mode, positions=positions,
-        prefilter=None if exact else min(default_exact(k), n_heads),
-        strategy="exact" if metric == "accuracy" else "auto",
-        sweep_dtype=sweep_dtype, progress=progress, joint_k=max(JOINT_K, k),
-    )  # fmt: skip
-    heads = report.top(k)  # a HeadList: keeps the channel groups the report was scored under
-    return heads, (
-        f"computed on the fly: score_heads on {len(sets.selection)} KV-retrieval prompts "
-        f"(question template, seed {seed}), {mode} ablation, prose control, metric {metric}; "
-        f"{report.criterion}"
-    )
-
-
 #: What each of :data:`RANKING_METRICS` measures, for ``method`` and ``table.md``.
 _RANKING_TEXT = {
     "logit_diff": "logit_diff (each head's ablation effect on the answer's logit minus the "
@@ -639,13 +611,31 @@ def _table_ranking(
     """The ranked heads (computed here, read from a report, or given), where they came from,
     and their channel groups; the first ``k_max`` of them."""  # fmt: skip
     heads: Sequence[Head]
-    if ranking is None:
+    if ranking is None:  # as `gna-lens scan` ranks them
+        from gna_lens.scan import EXACT_ALL_MAX, build_tasks, default_exact
+        from gna_lens.scoring import JOINT_K, resolve_control, score_heads
+
         stage(f"ranking heads on {ranking_samples} KV-retrieval prompts (score_heads, {metric})")
-        heads, source = _compute_ranking(
-            model, k_max, mode=mode, positions=None if positions == "all" else "last",
-            n_samples=ranking_samples, seed=seed, sweep_dtype=sweep_dtype, progress=progress,
-            metric=metric,
+        where = None if positions == "all" else "last"
+        sets = build_tasks(model.tokenizer, "kv", n_samples=ranking_samples, seed=seed, n_eval=1)
+        control = resolve_control("prose", model.tokenizer, positions=where, split="select")
+        n_heads = head_view(model).n_heads_total
+        # metric="accuracy" ablates every head alone (no attribution prefilter, no coarse
+        # stage): the paper's protocol.
+        exact = metric == "accuracy" or n_heads <= EXACT_ALL_MAX
+        report = score_heads(
+            model, sets.selection, control=control, metric=metric, mode=mode, positions=where,
+            prefilter=None if exact else min(default_exact(k_max), n_heads),
+            strategy="exact" if metric == "accuracy" else "auto",
+            sweep_dtype=sweep_dtype, progress=progress, joint_k=max(JOINT_K, k_max),
         )  # fmt: skip
+        # A HeadList: keeps the channel groups the report was scored under.
+        heads = report.top(k_max)
+        source = (
+            f"computed on the fly: score_heads on {len(sets.selection)} KV-retrieval prompts "
+            f"(question template, seed {seed}), {mode} ablation, prose control, metric {metric}; "
+            f"{report.criterion}"
+        )
     elif isinstance(ranking, str | Path):
         heads, source = load_ranking(ranking)
     else:

@@ -13,7 +13,7 @@ its ``\\n``), the query is the prompt's last token and the answer segment is the
 import functools
 import random
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from typing import Any, Literal
 
@@ -535,13 +535,11 @@ def requery(task: Task, seed: int = 0) -> Task:
                 add_special_tokens=task.info.get("add_special_tokens", True),
             )
         )
-    return Task(
+    return replace(
+        task,
         samples=tuple(samples),
         name=f"{task.name} requeried(seed={seed})",
-        scoring=task.scoring,
-        pad_token_id=task.pad_token_id,
         info=task.info | {"requery_seed": seed},
-        tokenizer=task.tokenizer,
     )
 
 
