@@ -267,15 +267,11 @@ class GnaLM(TemplateLM):
         pretrained: What :func:`gna_lens.load_model` loads: a hub name, a local folder, a
             ``.gguf`` file, ``"smollm2-135m"`` or a zoo name. Or pass ``model``.
         model: An already loaded TransformerBridge or HookedSSM (with ``tokenizer``).
-        remove: Heads to ablate: ``"L16H0;L17H2"`` or ``[(16, 0), (17, 2)]``.
-        mode: ``"zero"`` or ``"mean"`` ablation.
-        positions: ``"all"`` or ``"last"`` (see :class:`Intervention`).
-        include_bos: Mean ablation: average over and edit the BOS position too.
-        mask: ``"gather"``, ``"aggregate"`` or their ``"_complement"``: a G&A pattern mask on
-            ``mask_heads``, built per request from the segments of its context.
-        mask_heads: Heads whose patterns are masked.
-        mask_mode: ``"post"`` or ``"pre"`` softmax.
-        segments: ``"auto"``, ``"options"``, ``"kv"`` or ``"lines"`` (see :class:`Intervention`).
+        remove: Heads to ablate: ``"L16H0;L17H2"`` or ``[(16, 0), (17, 2)]``
+            (:attr:`Intervention.heads`).
+        mode, positions, include_bos, mask, mask_heads, mask_mode, segments: The
+            :class:`Intervention`'s fields (``mask_heads`` read as ``remove``); the mask is built
+            per request from the segments of its context.
         batch_size: Rows per forward pass (``"auto"`` means 8).
         dtype: Weights dtype when loading (``float32``, ``bfloat16``, ...).
         device: Device when loading (``cpu``, ``cuda``; as lm-eval's ``hf`` backend, a CUDA

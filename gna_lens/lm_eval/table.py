@@ -1,14 +1,5 @@
-"""The paper's benchmark table: lm-eval once per number of top G&A heads removed.
-
-:func:`evaluate_table` ranks heads (a ``gna-lens scan`` report, a list, or
-:func:`~gna_lens.score_heads` on KV-retrieval prompts), then for each ``k`` of ``remove_top``
-runs lm-eval's ``simple_evaluate`` on the same model with the top ``k`` heads ablated, and
-returns a :class:`BenchmarkTable`: per task and row the metric with a 95% interval from the
-per-item results (Wilson for 0/1 metrics, else a bootstrap), and its change from the row without
-ablation, absolute (paired bootstrap over the same items) and relative. With ``random_draws``
-it adds rows that remove as many random heads (layer-matched, outside the ranking's top ``k``),
-and their mean over the draws.
-"""
+"""The paper's benchmark table: lm-eval once per number of top G&A heads removed
+(:func:`evaluate_table`, whose result is a :class:`BenchmarkTable`)."""
 
 import contextlib
 import importlib.metadata
@@ -280,24 +271,15 @@ def load_ranking(path: str | Path) -> tuple[Sequence[Head], str]:
     rows = data["heads"]
     max_control = float(data.get("max_control", math.inf))
 
-    def num(v: Any) -> float:
-        return math.nan if v is None else float(v)
+    def num(r: dict[str, Any], name: str) -> float:
+        return math.nan if r.get(name) is None else float(r[name])
 
-    eligible = [
-        r
-        for r in rows
-        if not math.isnan(num(r.get("ablation_effect")))
-        and not math.isnan(num(r.get("control_effect")))
-        and num(r["control_effect"]) <= max_control
-    ]
+    scored = [r for r in rows if not math.isnan(num(r, "ablation_effect"))]
+    eligible = [r for r in scored if num(r, "control_effect") <= max_control]  # NaN never is
+    ranked = sorted(eligible or scored, key=lambda r: num(r, "ablation_effect"))  # stable, as top()
     if eligible:
-        ranked = sorted(eligible, key=lambda r: num(r["ablation_effect"]))  # stable, as top()
         how = f"retrieval-specific ({data.get('criterion', '')})"
     else:
-        ranked = sorted(
-            (r for r in rows if not math.isnan(num(r.get("ablation_effect")))),
-            key=lambda r: num(r["ablation_effect"]),
-        )
         how = "raw ablation effect (the report has no control effects)"
     heads = tuple((int(r["layer"]), int(r["head"])) for r in ranked)
     joint = data.get("joint_set") or {}
@@ -444,15 +426,12 @@ def evaluate_table(
             sweep per head) and ranked by the drop in accuracy (use more ``ranking_samples``:
             accuracy moves in steps of ``1 / ranking_samples``). Recorded in ``method`` and
             ``table.md``. Only with ``ranking=None``.
-        sweep_dtype: ``None`` (float32), ``"bfloat16"`` autocast for the ranking sweeps, or
-            ``"auto"`` (bfloat16 only where measured faster and accurate enough; see
-            :func:`~gna_lens.sweep_policy.resolve_sweep_dtype`).
+        sweep_dtype: The ranking sweeps' autocast: ``None`` (float32), ``"bfloat16"`` or
+            ``"auto"`` (:func:`~gna_lens.sweep_policy.resolve_sweep_dtype`).
         random_draws: Extra rows ``random-K #1`` ... ``#N``, each removing ``random_k`` random
-            heads outside the ranking's top ``random_k``, with as many heads per layer as that
-            top set (:func:`~gna_lens.scoring.matched_random_sets`: distinct sets, drawn by
-            ``random.Random(seed)`` in order, so draw ``i`` is reproducible; where the layers
-            give too few distinct sets, sets of as many attention / SSM heads from any layer,
-            and ``method["random"]`` says so), then a ``random-K mean`` row: the mean over the
+            heads matched to the ranking's top ``random_k``, none of them
+            (:func:`~gna_lens.scoring.matched_random_sets`, seeded by ``seed``; how they were
+            drawn is in ``method["random"]``), then a ``random-K mean`` row: the mean over the
             draws with 95% intervals over the draws and the items.
         random_k: Heads removed per random draw; one of ``remove_top`` (default: its largest),
             so that each random row has its top-``k`` row to compare with.

@@ -267,10 +267,9 @@ def evaluate(
     device = _device(net)
     rows = _rows(task, use_single)
     _check_lengths(task, rows, model_context_length(net))
-    n = len(task)
     scores: list[list[float]] = [[0.0] * len(s.choices) for s in task]
-    exact_margin = [float("inf")] * n
-    exact_pred = [-1] * n
+    # Per sample: the answer's score minus the best other one's, and the prediction.
+    margins, preds = [float("inf")] * len(task), [-1] * len(task)
     max_id = max(max(ids) for s in task for ids in (s.input_ids, *s.choice_ids))
     _check_vocab(task, max_id, _model_vocab(net))
     with tqdm(
@@ -289,10 +288,10 @@ def evaluate(
                 step = logits[b, first : first + max(len(ids) for _, ids in scored)].float()
                 if exact:
                     ((_, ids),) = scored
-                    exact_margin[i] = min(
+                    margins[i] = min(
                         float(step[t, k]) - _best_other(step[t], k) for t, k in enumerate(ids)
                     )
-                    exact_pred[i] = int(step[0].argmax())
+                    preds[i] = int(step[0].argmax())
                     continue
                 logp = torch.log_softmax(step, dim=-1)
                 for c, ids in scored:
@@ -301,30 +300,21 @@ def evaluate(
                     scores[i][c] = total / _normalizer(task, i, c)
             bar.update(len(chunk))
 
-    answers = torch.tensor([s.answer_index for s in task], dtype=torch.long, device=HOST)
-    if exact:
-        diffs = torch.tensor(exact_margin, dtype=torch.float32, device=HOST)
-        correct = diffs > 0
-        preds = torch.tensor(exact_pred, dtype=torch.long, device=HOST)
-        choice_scores: tuple[tuple[float, ...], ...] = ()
-    else:
-        preds_l, diffs_l = [], []
+    if not exact:
         for i, sc in enumerate(scores):
             t = torch.tensor(sc, dtype=torch.float64, device=HOST)
             k = task[i].answer_index
-            preds_l.append(int(t.argmax()))
-            diffs_l.append(float(t[k]) - _best_other(t, k))
-        preds = torch.tensor(preds_l, dtype=torch.long, device=HOST)
-        diffs = torch.tensor(diffs_l, dtype=torch.float32, device=HOST)
-        correct = preds == answers
-        choice_scores = tuple(tuple(sc) for sc in scores)
+            preds[i], margins[i] = int(t.argmax()), float(t[k]) - _best_other(t, k)
+    answers = torch.tensor([s.answer_index for s in task], dtype=torch.long, device=HOST)
+    predictions = torch.tensor(preds, dtype=torch.long, device=HOST)
+    diffs = torch.tensor(margins, dtype=torch.float32, device=HOST)
     return EvalResult(
         task=task.name,
         scoring=task.scoring,
-        correct=correct,
+        correct=diffs > 0 if exact else predictions == answers,
         logit_diffs=diffs,
-        predictions=preds,
-        choice_scores=choice_scores,
+        predictions=predictions,
+        choice_scores=() if exact else tuple(tuple(sc) for sc in scores),
         answer_indices=answers,
         chance=task.chance,
         info={

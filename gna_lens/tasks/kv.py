@@ -30,12 +30,11 @@ from gna_lens.tasks.core import (
 __all__ = ["KV_TEMPLATES", "KVTemplate", "copying_oracle", "kv_retrieval", "load_words"]
 
 _MAX_TRIES = 200
+#: An example of each field that needs placeholders, for error messages (the paper's).
 _EXAMPLES = {
-    "header": "Memorize the following dictionary:\n",
     "line": "{key}:{value}\n",
     "query": "The value of the key '{key}' is",
     "answer": " {value}",
-    "separator": "",
 }
 
 
