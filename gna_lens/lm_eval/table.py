@@ -322,22 +322,18 @@ def _leaves(name: str, group_subtasks: dict[str, list[str]]) -> list[str]:
 
 
 def _pick_metric(result: dict[str, Any], metric: str | None, task: str) -> str:
-    keys = [k for k in result if "," in k and "_stderr" not in k]
+    keys = [k for k in result if "," in k and "_stderr" not in k]  # "acc,none": metric,filter
     if metric is not None:
-        want = metric if "," in metric else None
-        for k in keys:
-            if k == want or (want is None and k.split(",")[0] == metric):
-                return k
-        raise ConfigError(
-            f"--metric {metric!r}: task {task!r} reports {sorted(keys)}; expected one of them."
-        )
-    for m in _METRIC_ORDER:
-        for k in keys:
-            if k.split(",")[0] == m:
-                return k
-    if not keys:
+        found = [k for k in keys if metric in (k, k.split(",")[0])]
+        if not found:
+            raise ConfigError(
+                f"--metric {metric!r}: task {task!r} reports {sorted(keys)}; expected one of them."
+            )
+        return found[0]
+    ordered = [k for m in _METRIC_ORDER for k in keys if k.split(",")[0] == m] + keys
+    if not ordered:
         raise ConfigError(f"task {task!r}: lm-eval reported no metric ({sorted(result)}).")
-    return keys[0]
+    return ordered[0]
 
 
 def _items(out: dict[str, Any], task: str, key: str) -> tuple[list[tuple[str, int]], list[float]]:

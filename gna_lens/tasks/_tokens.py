@@ -165,9 +165,7 @@ def encode(
         # token must be the last text token, where the next-token prediction is read.
         while n > 1 and sp_i[n - 1] and off_i[n - 1][0] == off_i[n - 1][1]:
             n -= 1
-        if n < len(ids_i):
-            ids_i, off_i, sp_i = ids_i[:n], off_i[:n], sp_i[:n]
-        encodings.append(Encoding(text=text, ids=ids_i, offsets=off_i, special=sp_i))
+        encodings.append(Encoding(text=text, ids=ids_i[:n], offsets=off_i[:n], special=sp_i[:n]))
     return encodings
 
 
