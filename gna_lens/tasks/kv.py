@@ -228,8 +228,7 @@ def _resolve_template(template: str | KVTemplate | Mapping[str, str]) -> KVTempl
             ) from exc
     raise TaskError(
         f"template={template!r} (a {type(template).__name__}); expected one of "
-        f"{sorted(KV_TEMPLATES)}, a "
-        "KVTemplate or a dict of its fields."
+        f"{sorted(KV_TEMPLATES)}, a KVTemplate or a dict of its fields."
     )
 
 
@@ -241,16 +240,14 @@ def _clean_words(words: Iterable[str] | None) -> list[str]:
             f"words={words[:40]!r}... is a single string; expected a list of words (e.g. "
             "words=text.split())."
         )
-    out: list[str] = []
-    seen = set()
+    out: dict[str, None] = {}  # in order, first occurrences
     for w in words:
         if not isinstance(w, str):
             raise TaskError(f"words contains {w!r} ({type(w).__name__}); expected strings.")
         w = w.strip()
-        if w and "\n" not in w and w not in seen:
-            seen.add(w)
-            out.append(w)
-    return out
+        if w and "\n" not in w:
+            out[w] = None
+    return list(out)
 
 
 def kv_retrieval(
