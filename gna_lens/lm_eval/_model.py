@@ -10,7 +10,8 @@ import logging
 import re
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from itertools import groupby
 from typing import Any
 
 import torch
@@ -178,17 +179,9 @@ class Intervention:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serializable fields."""
-        return {
-            "heads": [list(h) for h in self.heads],
-            "mode": self.mode,
-            "positions": self.positions,
-            "include_bos": self.include_bos,
-            "mask": self.mask,
-            "mask_heads": [list(h) for h in self.mask_heads],
-            "mask_mode": self.mask_mode,
-            "segments": self.segments,
-            "description": self.describe(),
-        }
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out |= {n: [list(h) for h in out[n]] for n in ("heads", "mask_heads")}
+        return out | {"description": self.describe()}
 
 
 def _dtype(value: Any) -> torch.dtype:
@@ -240,28 +233,13 @@ def _checkpoint_adds_bos(tokenizer: Any) -> bool | None:
 
 def _segment_chars(context: str, how: str) -> list[tuple[int, int]]:
     """Character ranges (each line with its ``\\n``) of the last run of segment lines."""
-    kinds = ["options", "kv"] if how == "auto" else [how]
-    lines: list[tuple[int, int, str]] = []
-    pos = 0
-    for line in context.split("\n"):
-        lines.append((pos, pos + len(line), line))
-        pos += len(line) + 1
-    for kind in kinds:
-        pattern = _SEGMENTS[kind]
-        run: list[tuple[int, int]] = []
-        best: list[tuple[int, int]] = []
+    lines = [(m.start(), m.end(), m.group()) for m in re.finditer(r"^.*$", context, re.M)]
+    for kind in ["options", "kv"] if how == "auto" else [how]:
         # The last line is the query (it has no "\n"): it is never a segment.
-        for start, end, line in lines[:-1]:
-            if pattern.match(line):
-                run.append((start, end + 1))
-            else:
-                if len(run) >= 2:
-                    best = run
-                run = []
-        if len(run) >= 2:
-            best = run
-        if best:
-            return best
+        matched = groupby(lines[:-1], key=lambda x: bool(_SEGMENTS[kind].match(x[2])))
+        runs = [run for run in (list(g) for match, g in matched if match) if len(run) >= 2]
+        if runs:
+            return [(start, end + 1) for start, end, _ in runs[-1]]
     return []
 
 
@@ -289,15 +267,11 @@ class GnaLM(TemplateLM):
         pretrained: What :func:`gna_lens.load_model` loads: a hub name, a local folder, a
             ``.gguf`` file, ``"smollm2-135m"`` or a zoo name. Or pass ``model``.
         model: An already loaded TransformerBridge or HookedSSM (with ``tokenizer``).
-        remove: Heads to ablate: ``"L16H0;L17H2"`` or ``[(16, 0), (17, 2)]``.
-        mode: ``"zero"`` or ``"mean"`` ablation.
-        positions: ``"all"`` or ``"last"`` (see :class:`Intervention`).
-        include_bos: Mean ablation: average over and edit the BOS position too.
-        mask: ``"gather"``, ``"aggregate"`` or their ``"_complement"``: a G&A pattern mask on
-            ``mask_heads``, built per request from the segments of its context.
-        mask_heads: Heads whose patterns are masked.
-        mask_mode: ``"post"`` or ``"pre"`` softmax.
-        segments: ``"auto"``, ``"options"``, ``"kv"`` or ``"lines"`` (see :class:`Intervention`).
+        remove: Heads to ablate: ``"L16H0;L17H2"`` or ``[(16, 0), (17, 2)]``
+            (:attr:`Intervention.heads`).
+        mode, positions, include_bos, mask, mask_heads, mask_mode, segments: The
+            :class:`Intervention`'s fields (``mask_heads`` read as ``remove``); the mask is built
+            per request from the segments of its context.
         batch_size: Rows per forward pass (``"auto"`` means 8).
         dtype: Weights dtype when loading (``float32``, ``bfloat16``, ...).
         device: Device when loading (``cpu``, ``cuda``; as lm-eval's ``hf`` backend, a CUDA
@@ -488,6 +462,7 @@ class GnaLM(TemplateLM):
             self._reference_tokens = control.tokens.to(self._device)
         return self._reference_tokens
 
+    @torch.no_grad()
     def _ablation_hooks(self, positions: Any) -> list[Any]:
         from gna_lens.interventions import head_ablation_hooks
 
@@ -512,16 +487,14 @@ class GnaLM(TemplateLM):
             if iv.heads:
                 if iv.positions == "all":
                     if self._static_hooks is None:
-                        with torch.no_grad():
-                            self._static_hooks = self._ablation_hooks(None)
+                        self._static_hooks = self._ablation_hooks(None)
                     hooks = self._static_hooks
                 else:
                     last = torch.tensor(
                         [r.last_context + o for r, o in zip(rows, offsets, strict=True)],
                         device=self._device,
                     )
-                    with torch.no_grad():
-                        hooks = self._ablation_hooks(last)
+                    hooks = self._ablation_hooks(last)
                 stack.enter_context(hooked(self._model, hooks))
             if iv.mask:
                 from gna_lens.interventions import mask_patterns
@@ -597,16 +570,13 @@ class GnaLM(TemplateLM):
         override_bs: int | None = None,
     ) -> list[tuple[float, bool]]:
         res: list[tuple[float, bool]] = []
-
-        def _collate(req: Any) -> tuple[int, tuple[int, ...]]:
-            toks = req[1] + req[2]
-            return -len(toks), tuple(toks)
-
-        def _lookup_one_token_cont(req: Any) -> Any:
-            return req[-2] + req[-1][:-1]
-
+        # As the hf backend: longest first; requests that differ only in their continuation's
+        # last token share one forward pass.
         re_ord = Collator(
-            requests, sort_fn=_collate, group_by="contexts", group_fn=_lookup_one_token_cont
+            requests,
+            sort_fn=lambda req: (-len(req[1] + req[2]), tuple(req[1] + req[2])),
+            group_by="contexts",
+            group_fn=lambda req: req[-2] + req[-1][:-1],
         )
         chunks = re_ord.get_batched(n=override_bs or self.batch_size, batch_fn=None)
         pbar = tqdm(total=len(requests), disable=disable_tqdm, desc="gna_lens loglikelihood")
@@ -657,9 +627,9 @@ class GnaLM(TemplateLM):
                 "have no prompt structure to build a G&A mask from. Fix: remove=... ablation, "
                 "or no mask."
             )
-        windows: list[tuple[int, tuple[None, list[int], list[int]]]] = []
+        windows: list[tuple[None, list[int], list[int]]] = []
         counts = []
-        for i, (string,) in enumerate(req.args for req in requests):
+        for (string,) in (req.args for req in requests):
             rolling = [
                 lm_utils.make_disjoint_window(w)
                 for w in lm_utils.get_rolling_token_windows(
@@ -669,15 +639,13 @@ class GnaLM(TemplateLM):
                     context_len=1,
                 )
             ]
-            windows.extend((i, (None, *w)) for w in rolling)
+            windows.extend((None, *w) for w in rolling)
             counts.append(len(rolling))
-        out: list[float] = []
         results: list[tuple[float, bool]] = []
         for start in range(0, len(windows), self.batch_size):
-            batch = [w for _, w in windows[start : start + self.batch_size]]
-            results.extend(
-                self._loglikelihood_tokens(batch, disable_tqdm=True, override_bs=len(batch))
-            )
+            batch = windows[start : start + self.batch_size]
+            results += self._loglikelihood_tokens(batch, disable_tqdm=True, override_bs=len(batch))
+        out: list[float] = []
         pos = 0
         for req, n in zip(requests, counts, strict=True):
             total = sum(r[0] for r in results[pos : pos + n])
@@ -690,13 +658,9 @@ class GnaLM(TemplateLM):
     def generate_until(self, requests: Any, disable_tqdm: bool = False) -> list[str]:
         """Greedy generation until a stop sequence, EOS or ``max_gen_toks``, batched."""
         res: list[str] = []
-
-        def _collate(req: tuple[str, dict[str, Any]]) -> tuple[int, str]:
-            return -len(self.tok_encode(req[0])), req[0]
-
         re_ords = Collator(
             [r.args for r in requests],
-            sort_fn=_collate,
+            sort_fn=lambda req: (-len(self.tok_encode(req[0])), req[0]),
             group_by="gen_kwargs",
             group_fn=lambda x: x[1],
         )

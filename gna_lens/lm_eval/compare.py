@@ -1,11 +1,7 @@
-"""The paper's comparison of architectures: the same benchmark table for several models (a
-Transformer and the SSM distilled from it: Llama-3.2-3B and Llamba-3B), and what each keeps per
-sequence while generating.
-
-:func:`compare_models` runs :func:`~gna_lens.lm_eval.evaluate_table` on each model in turn
-(each ranks its own heads, unless rankings are given), loading one model at a time, and
-measures :func:`~gna_lens.models.state.state_bytes` of each: the recurrent states an SSM keeps
-(fixed) against the KV cache a Transformer grows with the sequence.
+"""The paper's comparison of architectures (:func:`compare_models`): the same benchmark table
+for several models (Llama-3.2-3B and the SSM distilled from it, Llamba-3B), and what each keeps
+per sequence while generating: the recurrent states an SSM keeps (fixed) against the KV cache a
+Transformer grows with the sequence (:func:`~gna_lens.models.state.state_bytes`).
 """
 
 import gc
@@ -172,9 +168,7 @@ def compare_models(
             "['meta-llama/Llama-3.2-3B', 'cartesia-ai/Llamba-3B']). For one model use "
             "evaluate_table."
         )
-    if rankings is None:
-        rankings = [None] * len(models)
-    rankings = list(rankings)
+    rankings = [None] * len(models) if rankings is None else list(rankings)
     if len(rankings) != len(models):
         raise ConfigError(
             f"compare_models: {len(rankings)} rankings for {len(models)} models; expected one "

@@ -1,14 +1,5 @@
-"""The paper's benchmark table: lm-eval once per number of top G&A heads removed.
-
-:func:`evaluate_table` ranks heads (a ``gna-lens scan`` report, a list, or
-:func:`~gna_lens.score_heads` on KV-retrieval prompts), then for each ``k`` of ``remove_top``
-runs lm-eval's ``simple_evaluate`` on the same model with the top ``k`` heads ablated, and
-returns a :class:`BenchmarkTable`: per task and row the metric with a 95% interval from the
-per-item results (Wilson for 0/1 metrics, else a bootstrap), and its change from the row without
-ablation, absolute (paired bootstrap over the same items) and relative. With ``random_draws``
-it adds rows that remove as many random heads (layer-matched, outside the ranking's top ``k``),
-and their mean over the draws.
-"""
+"""The paper's benchmark table: lm-eval once per number of top G&A heads removed
+(:func:`evaluate_table`, whose result is a :class:`BenchmarkTable`)."""
 
 import contextlib
 import importlib.metadata
@@ -26,7 +17,7 @@ import torch
 
 from gna_lens.device import HOST
 from gna_lens.errors import ConfigError, GnaLensError
-from gna_lens.heads import Head, HeadList, HookedModel, ModelLike, head_view
+from gna_lens.heads import Head, HeadList, HookedModel, head_view
 from gna_lens.lm_eval._model import GnaLM, _device, _dtype, format_heads, parse_heads
 from gna_lens.lm_eval.tasks import LOCAL_TASKS, is_local, write_tasks
 from gna_lens.render.markdown import benchmark_markdown
@@ -238,14 +229,6 @@ class BenchmarkTable(Table):
         return benchmark_svg(self, width, height)
 
 
-# ----------------------------------------------------------------------------- random rows
-def _random_heads(model: ModelLike, top: Sequence[Head], n_draws: int, seed: int) -> RandomHeadSets:
-    """``n_draws`` distinct random head sets, each with as many heads per layer as ``top`` and
-    none of them in it (:func:`~gna_lens.scoring.matched_random_sets`, the baseline of
-    ``retrieval_vs_knowledge``)."""
-    return matched_random_sets(head_view(model), list(top), n_draws, seed)
-
-
 # ----------------------------------------------------------------------------- ranking
 def load_ranking(path: str | Path) -> tuple[Sequence[Head], str]:
     """The retrieval-specific head ranking of a ``gna-lens scan`` report (``report.json``).
@@ -288,24 +271,15 @@ def load_ranking(path: str | Path) -> tuple[Sequence[Head], str]:
     rows = data["heads"]
     max_control = float(data.get("max_control", math.inf))
 
-    def num(v: Any) -> float:
-        return math.nan if v is None else float(v)
+    def num(r: dict[str, Any], name: str) -> float:
+        return math.nan if r.get(name) is None else float(r[name])
 
-    eligible = [
-        r
-        for r in rows
-        if not math.isnan(num(r.get("ablation_effect")))
-        and not math.isnan(num(r.get("control_effect")))
-        and num(r["control_effect"]) <= max_control
-    ]
+    scored = [r for r in rows if not math.isnan(num(r, "ablation_effect"))]
+    eligible = [r for r in scored if num(r, "control_effect") <= max_control]  # NaN never is
+    ranked = sorted(eligible or scored, key=lambda r: num(r, "ablation_effect"))  # stable, as top()
     if eligible:
-        ranked = sorted(eligible, key=lambda r: num(r["ablation_effect"]))  # stable, as top()
         how = f"retrieval-specific ({data.get('criterion', '')})"
     else:
-        ranked = sorted(
-            (r for r in rows if not math.isnan(num(r.get("ablation_effect")))),
-            key=lambda r: num(r["ablation_effect"]),
-        )
         how = "raw ablation effect (the report has no control effects)"
     heads = tuple((int(r["layer"]), int(r["head"])) for r in ranked)
     joint = data.get("joint_set") or {}
@@ -332,72 +306,34 @@ def load_ranking(path: str | Path) -> tuple[Sequence[Head], str]:
     return HeadList(heads, spec), f"gna-lens scan report {file} ({model}, {task}; {how}{unit})"
 
 
-def _compute_ranking(
-    model: HookedModel, k: int, *, mode: str, positions: Any, n_samples: int, seed: int,
-    sweep_dtype: str | None, progress: bool, metric: str = "logit_diff",
-) -> tuple[Sequence[Head], str]:  # fmt: skip
-    """Rank heads on KV-retrieval selection prompts, as ``gna-lens scan`` does; with
-    ``metric="accuracy"`` every head is ablated alone (no attribution prefilter, no coarse
-    stage): the paper's protocol."""
-    from gna_lens.heads import head_view
-    from gna_lens.scan import EXACT_ALL_MAX, build_tasks, default_exact
-    from gna_lens.scoring import JOINT_K, resolve_control, score_heads
-
-    sets = build_tasks(model.tokenizer, "kv", n_samples=n_samples, seed=seed, n_eval=1)
-    control = resolve_control("prose", model.tokenizer, positions=positions, split="select")
-    n_heads = head_view(model).n_heads_total
-    exact = metric == "accuracy" or n_heads <= EXACT_ALL_MAX
-    report = score_heads(
-        model, sets.selection, control=control, metric=metric, mode=mode, positions=positions,
-        prefilter=None if exact else min(default_exact(k), n_heads),
-        strategy="exact" if metric == "accuracy" else "auto",
-        sweep_dtype=sweep_dtype, progress=progress, joint_k=max(JOINT_K, k),
-    )  # fmt: skip
-    heads = report.top(k)  # a HeadList: keeps the channel groups the report was scored under
-    return heads, (
-        f"computed on the fly: score_heads on {len(sets.selection)} KV-retrieval prompts "
-        f"(question template, seed {seed}), {mode} ablation, prose control, metric {metric}; "
-        f"{report.criterion}"
-    )
-
-
-def _ranking_metric_description(metric: str) -> str:
-    return {
-        "logit_diff": "logit_diff (each head's ablation effect on the answer's logit minus the "
-        "best other choice's, on KV-retrieval prompts)",
-        "accuracy": "accuracy (the paper's protocol: every head ablated alone, ranked by the "
-        "drop in KV-retrieval accuracy)",
-    }[metric]
+#: What each of :data:`RANKING_METRICS` measures, for ``method`` and ``table.md``.
+_RANKING_TEXT = {
+    "logit_diff": "logit_diff (each head's ablation effect on the answer's logit minus the "
+    "best other choice's, on KV-retrieval prompts)",
+    "accuracy": "accuracy (the paper's protocol: every head ablated alone, ranked by the "
+    "drop in KV-retrieval accuracy)",
+}
 
 
 # ----------------------------------------------------------------------------- lm-eval rows
 def _leaves(name: str, group_subtasks: dict[str, list[str]]) -> list[str]:
     subs = group_subtasks.get(name) or []
-    if not subs:
-        return [name]
-    out: list[str] = []
-    for s in subs:
-        out += _leaves(s, group_subtasks)
-    return out
+    return [leaf for s in subs for leaf in _leaves(s, group_subtasks)] if subs else [name]
 
 
 def _pick_metric(result: dict[str, Any], metric: str | None, task: str) -> str:
-    keys = [k for k in result if "," in k and "_stderr" not in k]
+    keys = [k for k in result if "," in k and "_stderr" not in k]  # "acc,none": metric,filter
     if metric is not None:
-        want = metric if "," in metric else None
-        for k in keys:
-            if k == want or (want is None and k.split(",")[0] == metric):
-                return k
-        raise ConfigError(
-            f"--metric {metric!r}: task {task!r} reports {sorted(keys)}; expected one of them."
-        )
-    for m in _METRIC_ORDER:
-        for k in keys:
-            if k.split(",")[0] == m:
-                return k
-    if not keys:
+        found = [k for k in keys if metric in (k, k.split(",")[0])]
+        if not found:
+            raise ConfigError(
+                f"--metric {metric!r}: task {task!r} reports {sorted(keys)}; expected one of them."
+            )
+        return found[0]
+    ordered = [k for m in _METRIC_ORDER for k in keys if k.split(",")[0] == m] + keys
+    if not ordered:
         raise ConfigError(f"task {task!r}: lm-eval reported no metric ({sorted(result)}).")
-    return keys[0]
+    return ordered[0]
 
 
 def _items(out: dict[str, Any], task: str, key: str) -> tuple[list[tuple[str, int]], list[float]]:
@@ -486,15 +422,12 @@ def evaluate_table(
             sweep per head) and ranked by the drop in accuracy (use more ``ranking_samples``:
             accuracy moves in steps of ``1 / ranking_samples``). Recorded in ``method`` and
             ``table.md``. Only with ``ranking=None``.
-        sweep_dtype: ``None`` (float32), ``"bfloat16"`` autocast for the ranking sweeps, or
-            ``"auto"`` (bfloat16 only where measured faster and accurate enough; see
-            :func:`~gna_lens.sweep_policy.resolve_sweep_dtype`).
+        sweep_dtype: The ranking sweeps' autocast: ``None`` (float32), ``"bfloat16"`` or
+            ``"auto"`` (:func:`~gna_lens.sweep_policy.resolve_sweep_dtype`).
         random_draws: Extra rows ``random-K #1`` ... ``#N``, each removing ``random_k`` random
-            heads outside the ranking's top ``random_k``, with as many heads per layer as that
-            top set (:func:`~gna_lens.scoring.matched_random_sets`: distinct sets, drawn by
-            ``random.Random(seed)`` in order, so draw ``i`` is reproducible; where the layers
-            give too few distinct sets, sets of as many attention / SSM heads from any layer,
-            and ``method["random"]`` says so), then a ``random-K mean`` row: the mean over the
+            heads matched to the ranking's top ``random_k``, none of them
+            (:func:`~gna_lens.scoring.matched_random_sets`, seeded by ``seed``; how they were
+            drawn is in ``method["random"]``), then a ``random-K mean`` row: the mean over the
             draws with 95% intervals over the draws and the items.
         random_k: Heads removed per random draw; one of ``remove_top`` (default: its largest),
             so that each random row has its top-``k`` row to compare with.
@@ -551,9 +484,7 @@ def evaluate_table(
         "ranking_source": source,
         # Only for a ranking computed here; a given one's metric is in its source.
         "ranking_metric": None if ranking is not None else r_metric,
-        "ranking_metric_description": None
-        if ranking is not None
-        else _ranking_metric_description(r_metric),
+        "ranking_metric_description": None if ranking is not None else _RANKING_TEXT[r_metric],
         "ranking": format_heads(heads),
         "head_groups": {layer: [list(c) for c in sets] for layer, sets in groups},
         "weights": prov.describe(),
@@ -655,13 +586,31 @@ def _table_ranking(
     """The ranked heads (computed here, read from a report, or given), where they came from,
     and their channel groups; the first ``k_max`` of them."""  # fmt: skip
     heads: Sequence[Head]
-    if ranking is None:
+    if ranking is None:  # as `gna-lens scan` ranks them
+        from gna_lens.scan import EXACT_ALL_MAX, build_tasks, default_exact
+        from gna_lens.scoring import JOINT_K, resolve_control, score_heads
+
         stage(f"ranking heads on {ranking_samples} KV-retrieval prompts (score_heads, {metric})")
-        heads, source = _compute_ranking(
-            model, k_max, mode=mode, positions=None if positions == "all" else "last",
-            n_samples=ranking_samples, seed=seed, sweep_dtype=sweep_dtype, progress=progress,
-            metric=metric,
+        where = None if positions == "all" else "last"
+        sets = build_tasks(model.tokenizer, "kv", n_samples=ranking_samples, seed=seed, n_eval=1)
+        control = resolve_control("prose", model.tokenizer, positions=where, split="select")
+        n_heads = head_view(model).n_heads_total
+        # metric="accuracy" ablates every head alone (no attribution prefilter, no coarse
+        # stage): the paper's protocol.
+        exact = metric == "accuracy" or n_heads <= EXACT_ALL_MAX
+        report = score_heads(
+            model, sets.selection, control=control, metric=metric, mode=mode, positions=where,
+            prefilter=None if exact else min(default_exact(k_max), n_heads),
+            strategy="exact" if metric == "accuracy" else "auto",
+            sweep_dtype=sweep_dtype, progress=progress, joint_k=max(JOINT_K, k_max),
         )  # fmt: skip
+        # A HeadList: keeps the channel groups the report was scored under.
+        heads = report.top(k_max)
+        source = (
+            f"computed on the fly: score_heads on {len(sets.selection)} KV-retrieval prompts "
+            f"(question template, seed {seed}), {mode} ablation, prose control, metric {metric}; "
+            f"{report.criterion}"
+        )
     elif isinstance(ranking, str | Path):
         heads, source = load_ranking(ranking)
     else:
@@ -712,62 +661,56 @@ def _run_rows(
     from lm_eval.tasks import TaskManager
 
     log = logging.getLogger("lm_eval")
-    level = log.level
-    if not progress:
-        log.setLevel(logging.WARNING)
     times: dict[str, float] = {}
     outputs: list[Any] = []
     drawn = None
-    tmp = None
-    # A ranking of channel groups removes the same groups: the model's heads become them here.
-    grouping = (
-        model.head_groups({layer: [list(c) for c in sets] for layer, sets in groups})
-        if groups
-        else contextlib.nullcontext()
-    )
-    try:
-        local = [t for t in tasks if is_local(t)]
+    with contextlib.ExitStack() as stack:
+        stack.callback(log.setLevel, log.level)
+        if not progress:
+            log.setLevel(logging.WARNING)
         if task_dir is None:
-            if out is not None:
-                task_dir = Path(out) / "tasks"
-            else:
-                tmp = tempfile.TemporaryDirectory()
-                task_dir = tmp.name
+            task_dir = (
+                Path(out) / "tasks"
+                if out is not None
+                else stack.enter_context(tempfile.TemporaryDirectory())
+            )
+        local = [t for t in tasks if is_local(t)]
         written = write_tasks(task_dir, model.tokenizer, local, limit=limit, seed=seed)
         # lm-eval's index of its ~thousand built-in tasks takes ~10 s: only when needed.
         found = {p.stem for p in Path(task_dir).glob("*.yaml")}
         tm = TaskManager(
             include_path=str(task_dir), include_defaults=any(t not in found for t in tasks)
         )
-        with grouping:
-            if random_draws:
-                drawn = _random_heads(model, list(heads[:rk]), random_draws, seed)
-                rows += [
-                    (f"random-{rk} #{i}", rk, "random", i, tuple(s))
-                    for i, s in enumerate(drawn.sets, 1)
-                ]
-            for label, k, kind, _, removed in rows:
-                t = time.perf_counter()
-                what = f"the top {k}" if kind == "top" else f"{k} random ({label})"
-                stage(f"lm-eval with {what} heads removed ({format_heads(removed) or 'none'})")
-                lm = GnaLM(
-                    model=model, remove=list(removed), mode=mode, positions=positions,
-                    batch_size=batch_size,
-                )  # fmt: skip
-                result = lm_eval.simple_evaluate(
-                    model=lm, tasks=list(tasks), task_manager=tm, limit=limit,
-                    num_fewshot=num_fewshot, log_samples=True, bootstrap_iters=1000,
-                    random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-                    fewshot_random_seed=seed,
-                )  # fmt: skip
-                if result is None:  # pragma: no cover - only on non-zero ranks
-                    raise GnaLensError("lm_eval.simple_evaluate returned nothing.")
-                outputs.append(result)
-                times[f"k={k}" if kind == "top" else label] = time.perf_counter() - t
-    finally:
-        log.setLevel(level)
-        if tmp is not None:
-            tmp.cleanup()
+        # A ranking of channel groups removes the same groups: the model's heads become them.
+        if groups:
+            spec = {layer: [list(c) for c in sets] for layer, sets in groups}
+            stack.enter_context(model.head_groups(spec))
+        if random_draws:
+            # As many heads per layer as the top rk, none of them (the baseline of
+            # retrieval_vs_knowledge).
+            drawn = matched_random_sets(head_view(model), list(heads[:rk]), random_draws, seed)
+            rows += [
+                (f"random-{rk} #{i}", rk, "random", i, tuple(s))
+                for i, s in enumerate(drawn.sets, 1)
+            ]
+        for label, k, kind, _, removed in rows:
+            t = time.perf_counter()
+            what = f"the top {k}" if kind == "top" else f"{k} random ({label})"
+            stage(f"lm-eval with {what} heads removed ({format_heads(removed) or 'none'})")
+            lm = GnaLM(
+                model=model, remove=list(removed), mode=mode, positions=positions,
+                batch_size=batch_size,
+            )  # fmt: skip
+            result = lm_eval.simple_evaluate(
+                model=lm, tasks=list(tasks), task_manager=tm, limit=limit,
+                num_fewshot=num_fewshot, log_samples=True, bootstrap_iters=1000,
+                random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+                fewshot_random_seed=seed,
+            )  # fmt: skip
+            if result is None:  # pragma: no cover - only on non-zero ranks
+                raise GnaLensError("lm_eval.simple_evaluate returned nothing.")
+            outputs.append(result)
+            times[f"k={k}" if kind == "top" else label] = time.perf_counter() - t
     return outputs, written, drawn, times
 
 

@@ -19,6 +19,7 @@ task and passes through unchanged (it needs a hub).
 import json
 import random
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -80,10 +81,7 @@ def _kv(tokenizer: Any, template: str, n: int, seed: int) -> Task:
     selection = {s.prompt for s in make(values, KV_SELECTION_SEED, max(64, n))}
     kept = tuple(s for s in task if s.prompt not in selection)
     info = task.info | {"values": values, "dropped_as_selection_prompts": len(task) - len(kept)}
-    return Task(
-        samples=kept, name=task.name, scoring=task.scoring, pad_token_id=task.pad_token_id,
-        info=info, tokenizer=task.tokenizer,
-    )  # fmt: skip
+    return replace(task, samples=kept, info=info)
 
 
 def build_local_task(

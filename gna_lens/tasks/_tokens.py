@@ -165,9 +165,7 @@ def encode(
         # token must be the last text token, where the next-token prediction is read.
         while n > 1 and sp_i[n - 1] and off_i[n - 1][0] == off_i[n - 1][1]:
             n -= 1
-        if n < len(ids_i):
-            ids_i, off_i, sp_i = ids_i[:n], off_i[:n], sp_i[:n]
-        encodings.append(Encoding(text=text, ids=ids_i, offsets=off_i, special=sp_i))
+        encodings.append(Encoding(text=text, ids=ids_i[:n], offsets=off_i[:n], special=sp_i[:n]))
     return encodings
 
 
@@ -241,31 +239,22 @@ def continuations(
     reproduce the prompt's last tokens exactly (tokenization is local there), the choices are
     appended to that tail only. Elsewhere the whole ``prompt + choice`` is encoded.
     """
-    cuts = [_tail_cut(p) for p in prompts]
-    tails = [p.text[c[1] :] if c else "" for p, c in zip(prompts, cuts, strict=True)]
-    idx = [i for i, c in enumerate(cuts) if c]
-    tail_encs = dict(
-        zip(idx, encode(tokenizer, [tails[i] for i in idx], add_special_tokens=False), strict=True)
-    )
+    cuts = {i: c for i, c in enumerate(map(_tail_cut, prompts)) if c}
+    tails = [prompts[i].text[char:] for i, (_, char) in cuts.items()]
     local: list[Encoding | None] = [None] * len(prompts)
-    for i, te in tail_encs.items():
-        j = cuts[i][0]  # type: ignore[index]
+    tail_encs = encode(tokenizer, tails, add_special_tokens=False)
+    for (i, (j, _)), te in zip(cuts.items(), tail_encs, strict=True):
         if te.ids == prompts[i].ids[j:]:
             local[i] = te
-    texts: list[str] = []
-    flags: list[bool] = []  # whether the text is a (tail + choice) encoded without specials
-    for i, p in enumerate(prompts):
-        base = local[i].text if local[i] is not None else p.text  # type: ignore[union-attr]
-        for ch in choices[i]:
-            texts.append(base + ch)
-            flags.append(local[i] is not None)
-    tail_texts = [t for t, f in zip(texts, flags, strict=True) if f]
-    full_texts = [t for t, f in zip(texts, flags, strict=True) if not f]
+    rows = list(zip(prompts, local, choices, strict=True))
+    # Choices after a reproduced tail are encoded with it, without specials; others after the
+    # whole prompt.
+    tail_texts = [lp.text + ch for _, lp, cs in rows if lp is not None for ch in cs]
+    full_texts = [p.text + ch for p, lp, cs in rows if lp is None for ch in cs]
     tail_out = iter(encode(tokenizer, tail_texts, add_special_tokens=False))
     full_out = iter(encode(tokenizer, full_texts, add_special_tokens=add_special_tokens))
     out: list[list[list[int] | None]] = []
-    for i, p in enumerate(prompts):
-        ref = local[i] if local[i] is not None else p
-        src = tail_out if local[i] is not None else full_out
-        out.append([next(src).continuation(ref) for _ in choices[i]])  # type: ignore[arg-type]
+    for p, lp, cs in rows:
+        ref, src = (p, full_out) if lp is None else (lp, tail_out)
+        out.append([next(src).continuation(ref) for _ in cs])
     return out

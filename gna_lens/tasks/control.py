@@ -98,10 +98,8 @@ def _texts(texts: Any) -> tuple[list[str], str]:
         return [load_prose()], PROSE_SOURCE
     if isinstance(texts, str):
         return [texts], "a text passed by the user"
-    try:
-        from datasets import Dataset
-    except ImportError:  # pragma: no cover - datasets is a dependency
-        Dataset = ()  # type: ignore[assignment,misc]
+    from datasets import Dataset
+
     if isinstance(texts, Dataset):
         columns = [c for c, f in texts.features.items() if getattr(f, "dtype", None) == "string"]
         column = "text" if "text" in columns else (columns[0] if len(columns) == 1 else None)
@@ -279,13 +277,12 @@ def resolve_control(
         control = "prose"
     n = 64 if positions == "last" or split == "eval" else 8
     length = 64 if positions == "last" else 48
-    if isinstance(control, str) and control == "prose":
-        if tokenizer is None:
-            raise GnaLensError(
-                "control='prose' needs the model's tokenizer (model.tokenizer is None). Fix: "
-                "attach one, or pass control=gna_lens.tasks.text_control(tokenizer) or a Task."
-            )
-        return text_control(tokenizer, n_sequences=n, seq_len=length, split=split)  # type: ignore[arg-type]
+    prose = isinstance(control, str) and control == "prose"
+    if prose and tokenizer is None:
+        raise GnaLensError(
+            "control='prose' needs the model's tokenizer (model.tokenizer is None). Fix: "
+            "attach one, or pass control=gna_lens.tasks.text_control(tokenizer) or a Task."
+        )
     is_texts = isinstance(control, str) or (
         isinstance(control, list | tuple) and all(isinstance(t, str) for t in control)
     )
@@ -294,4 +291,5 @@ def resolve_control(
             f"control={type(control).__name__}; expected 'prose', None, a TextControl, a Task, "
             "texts (str or list of str) or a datasets.Dataset with a 'text' column."
         )
-    return text_control(tokenizer, control, n_sequences=n, seq_len=length, split=split)  # type: ignore[arg-type]
+    texts = None if prose else control
+    return text_control(tokenizer, texts, n_sequences=n, seq_len=length, split=split)  # type: ignore[arg-type]

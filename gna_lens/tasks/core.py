@@ -1,7 +1,7 @@
 """Samples, tasks and padded batches: prompts whose structure is known token by token."""
 
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, overload
 
 import torch
@@ -17,6 +17,11 @@ __all__ = ["Batch", "Sample", "Task", "build_sample", "build_samples"]
 Scoring = Literal["choices", "exact"]
 _CHUNK = 128
 PaddingSide = Literal["left", "right"]
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with every tuple and list made a list, recursively."""
+    return [_plain(v) for v in value] if isinstance(value, list | tuple) else value
 
 
 @dataclass(frozen=True)
@@ -82,19 +87,8 @@ class Sample:
 
     def to_dict(self) -> dict[str, Any]:
         """A plain-``dict`` row (the one :meth:`Task.to_dataset` writes)."""
-        row: dict[str, Any] = {
-            "prompt": self.prompt,
-            "input_ids": list(self.input_ids),
-            "segments": [list(s) for s in self.segments],
-            "segment_chars": [list(s) for s in self.segment_chars],
-            "summary_positions": list(self.summary_positions),
-            "query_position": self.query_position,
-            "answer_segment": self.answer_segment,
-            "choices": list(self.choices),
-            "choice_ids": [list(c) for c in self.choice_ids],
-            "answer_index": self.answer_index,
-            "answer_ids": list(self.answer_ids),
-        }
+        row = {f.name: _plain(getattr(self, f.name)) for f in fields(self) if f.name != "info"}
+        row["answer_ids"] = list(self.answer_ids)
         for k, v in self.info.items():
             row[k if k not in row else f"info_{k}"] = v
         return row
@@ -161,42 +155,6 @@ def pad_sequences(
         torch.tensor(ids, dtype=torch.long, device=device),
         torch.tensor(mask, dtype=torch.long, device=device),
         offsets,
-    )
-
-
-def _make_batch(
-    samples: Sequence[Sample],
-    indices: Sequence[int],
-    *,
-    padding_side: PaddingSide = "right",
-    pad_token_id: int = 0,
-) -> Batch:
-    """Pad samples into a :class:`Batch`, shifting their spans by the left-pad offset."""
-    ids, mask, offsets = pad_sequences(
-        [s.input_ids for s in samples], padding_side=padding_side, pad_token_id=pad_token_id
-    )
-    return Batch(
-        input_ids=ids,
-        attention_mask=mask,
-        samples=tuple(samples),
-        indices=tuple(indices),
-        offsets=tuple(offsets),
-        segments=tuple(
-            tuple((a + o, b + o) for a, b in s.segments)
-            for s, o in zip(samples, offsets, strict=True)
-        ),
-        summary_positions=tuple(
-            tuple(p + o for p in s.summary_positions) for s, o in zip(samples, offsets, strict=True)
-        ),
-        query_positions=torch.tensor(
-            [s.query_position + o for s, o in zip(samples, offsets, strict=True)],
-            dtype=torch.long,
-            device=HOST,
-        ),
-        answer_segments=torch.tensor(
-            [s.answer_segment for s in samples], dtype=torch.long, device=HOST
-        ),
-        padding_side=padding_side,
     )
 
 
@@ -300,11 +258,27 @@ class Task(Sequence[Sample]):
         pad = self.pad_token_id if pad_token_id is None else int(pad_token_id)
         for start in range(0, len(self.samples), batch_size):
             chunk = self.samples[start : start + batch_size]
-            yield _make_batch(
-                chunk,
-                range(start, start + len(chunk)),
+            ids, mask, offsets = pad_sequences(
+                [s.input_ids for s in chunk], padding_side=padding_side, pad_token_id=pad
+            )
+            moved = list(zip(chunk, offsets, strict=True))
+            yield Batch(
+                input_ids=ids,
+                attention_mask=mask,
+                samples=chunk,
+                indices=tuple(range(start, start + len(chunk))),
+                offsets=tuple(offsets),
+                segments=tuple(tuple((a + o, b + o) for a, b in s.segments) for s, o in moved),
+                summary_positions=tuple(
+                    tuple(p + o for p in s.summary_positions) for s, o in moved
+                ),
+                query_positions=torch.tensor(
+                    [s.query_position + o for s, o in moved], dtype=torch.long, device=HOST
+                ),
+                answer_segments=torch.tensor(
+                    [s.answer_segment for s in chunk], dtype=torch.long, device=HOST
+                ),
                 padding_side=padding_side,
-                pad_token_id=pad,
             )
 
 

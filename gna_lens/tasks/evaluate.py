@@ -15,6 +15,9 @@ from gna_lens.tasks.core import PaddingSide, Task, pad_sequences
 
 __all__ = ["EvalResult", "evaluate"]
 
+#: A forward-pass row: (sample index, token ids, the (choice index, continuation ids) it scores).
+_Row = tuple[int, list[int], list[tuple[int, list[int]]]]
+
 
 @dataclass(frozen=True)
 class EvalResult:
@@ -122,8 +125,8 @@ def _model_vocab(model: Callable[..., Any]) -> int | None:
     return None
 
 
-def _check_vocab(task: Task, max_id: int, vocab: int) -> None:
-    if max_id >= vocab:
+def _check_vocab(task: Task, max_id: int, vocab: int | None) -> None:
+    if vocab is not None and max_id >= vocab:
         raise TaskError(
             f"task {task.name!r} uses token id {max_id} but the model has d_vocab={vocab}; "
             "expected the task to be built with the model's own tokenizer (model.tokenizer)."
@@ -141,15 +144,11 @@ def model_context_length(model: Callable[..., Any]) -> int | None:
     return None
 
 
-def _check_lengths(
-    task: Task, rows: Sequence[Sequence[int]], owner: Sequence[int], limit: int | None
-) -> None:
-    if limit is None:
-        return
-    for row, i in zip(rows, owner, strict=True):
-        if len(row) > limit:
+def _check_lengths(task: Task, rows: Sequence[_Row], limit: int | None) -> None:
+    for i, ids, _ in rows:
+        if limit is not None and len(ids) > limit:
             raise TaskError(
-                f"sample {i} needs {len(row)} tokens (prompt {task[i].n_tokens} + continuation) "
+                f"sample {i} needs {len(ids)} tokens (prompt {task[i].n_tokens} + continuation) "
                 f"but the model's context is {limit} tokens; expected at most {limit}. Fix: build "
                 f"the task with fewer pairs / shots (task {task.name!r}), or use a model with a "
                 "longer context."
@@ -171,6 +170,22 @@ def _best_other(x: Tensor, k: int) -> float:
     other = x.clone()
     other[k] = float("-inf")
     return float(other.max())
+
+
+def _rows(task: Task, single: bool) -> list[_Row]:
+    """One row per forward pass: the bare prompt scoring every choice's (one) token at once, or
+    ``prompt + continuation`` for each scored continuation (the answer alone for ``"exact"``)."""
+    rows: list[_Row] = []
+    for i, s in enumerate(task):
+        if task.scoring == "exact":
+            scored = [(s.answer_index, s.answer_ids)]
+        else:
+            scored = list(enumerate(s.choice_ids))
+        if single:
+            rows.append((i, list(s.input_ids), scored))
+        else:
+            rows += [(i, list(s.input_ids) + ids, [(c, ids)]) for c, ids in scored]
+    return rows
 
 
 @torch.no_grad()
@@ -240,9 +255,8 @@ def evaluate(
             "with at least one prompt (n_samples >= 1)."
         )
     pad = task.pad_token_id if pad_token_id is None else int(pad_token_id)
-    single = all(s.single_token_choices for s in task)
-    if task.scoring == "exact":
-        single = all(len(s.answer_ids) == 1 for s in task)
+    exact = task.scoring == "exact"
+    single = all(len(s.answer_ids) == 1 if exact else s.single_token_choices for s in task)
     if method == "single_pass" and not single:
         raise TaskError(
             f"method='single_pass' but task {task.name!r} has multi-token choices; expected "
@@ -251,100 +265,56 @@ def evaluate(
     use_single = single and method != "per_choice"
     net = model_of(model)
     device = _device(net)
-    limit = model_context_length(net)
-    n = len(task)
-
-    # Rows: (sample index, choice index or -1 for the bare prompt, token ids, n prompt tokens).
-    rows: list[tuple[int, int, list[int], int]] = []
-    for i, s in enumerate(task):
-        if use_single:
-            rows.append((i, -1, list(s.input_ids), s.n_tokens))
-        elif task.scoring == "exact":
-            rows.append((i, s.answer_index, list(s.input_ids) + s.answer_ids, s.n_tokens))
-        else:
-            for c, ids in enumerate(s.choice_ids):
-                rows.append((i, c, list(s.input_ids) + ids, s.n_tokens))
-    _check_lengths(task, [r[2] for r in rows], [r[0] for r in rows], limit)
-
+    rows = _rows(task, use_single)
+    _check_lengths(task, rows, model_context_length(net))
     scores: list[list[float]] = [[0.0] * len(s.choices) for s in task]
-    exact_margin = [float("inf")] * n
-    exact_pred = [-1] * n
-    max_id = max((max(r[2]) for r in rows), default=0)
-    max_id = max([max_id] + [max(c) for s in task for c in s.choice_ids])
-
-    vocab = _model_vocab(net)
-    if vocab is not None:
-        _check_vocab(task, max_id, vocab)
-    bar = tqdm(total=len(rows), desc=f"evaluate {task.name}", disable=not progress, leave=False)
-    try:
+    # Per sample: the answer's score minus the best other one's, and the prediction.
+    margins, preds = [float("inf")] * len(task), [-1] * len(task)
+    max_id = max(max(ids) for s in task for ids in (s.input_ids, *s.choice_ids))
+    _check_vocab(task, max_id, _model_vocab(net))
+    with tqdm(
+        total=len(rows), desc=f"evaluate {task.name}", disable=not progress, leave=False
+    ) as bar:
         for start in range(0, len(rows), batch_size):
             chunk = rows[start : start + batch_size]
             batch_ids, mask, offsets = pad_sequences(
-                [r[2] for r in chunk], padding_side=padding_side, pad_token_id=pad, device=device
+                [r[1] for r in chunk], padding_side=padding_side, pad_token_id=pad, device=device
             )
             logits = checked_logits(net, batch_ids, mask)
             _check_vocab(task, max_id, logits.shape[-1])
-            for b, (i, c, row, n_prompt) in enumerate(chunk):
-                s = task[i]
-                off = offsets[b]
-                if use_single:
-                    last = logits[b, off + n_prompt - 1].float()
-                    if task.scoring == "exact":
-                        target = s.answer_ids[0]
-                        exact_pred[i] = int(last.argmax())
-                        exact_margin[i] = float(last[target]) - _best_other(last, target)
-                    else:
-                        logp = torch.log_softmax(last, dim=-1)
-                        scores[i] = [float(logp[ids_[0]]) for ids_ in s.choice_ids]
+            for b, (i, _, scored) in enumerate(chunk):
+                # The positions predicting the continuation: from the prompt's last token on.
+                first = offsets[b] + task[i].n_tokens - 1
+                step = logits[b, first : first + max(len(ids) for _, ids in scored)].float()
+                if exact:
+                    ((_, ids),) = scored
+                    margins[i] = min(
+                        float(step[t, k]) - _best_other(step[t], k) for t, k in enumerate(ids)
+                    )
+                    preds[i] = int(step[0].argmax())
                     continue
-                cont = row[n_prompt:]
-                pos = torch.arange(off + n_prompt - 1, off + len(row) - 1, device=logits.device)
-                step = logits[b, pos].float()
-                tgt = torch.tensor(cont, device=logits.device)
-                if task.scoring == "exact":
-                    margins = [
-                        float(step[t, tgt[t]]) - _best_other(step[t], int(tgt[t]))
-                        for t in range(len(cont))
-                    ]
-                    exact_margin[i] = min(margins)
-                    exact_pred[i] = int(step[0].argmax())
-                else:
-                    logp = torch.log_softmax(step, dim=-1)
-                    total = float(logp.gather(-1, tgt[:, None]).sum())
+                logp = torch.log_softmax(step, dim=-1)
+                for c, ids in scored:
+                    tgt = torch.tensor(ids, device=logp.device)
+                    total = float(logp[: len(ids)].gather(-1, tgt[:, None]).sum())
                     scores[i][c] = total / _normalizer(task, i, c)
             bar.update(len(chunk))
-    finally:
-        bar.close()
 
-    answers = torch.tensor([s.answer_index for s in task], dtype=torch.long, device=HOST)
-    if task.scoring == "exact":
-        diffs = torch.tensor(exact_margin, dtype=torch.float32, device=HOST)
-        correct = diffs > 0
-        preds = torch.tensor(exact_pred, dtype=torch.long, device=HOST)
-        choice_scores: tuple[tuple[float, ...], ...] = ()
-    else:
-        if use_single and task.length_normalize not in (False,):
-            scores = [
-                [v / _normalizer(task, i, c) for c, v in enumerate(sc)]
-                for i, sc in enumerate(scores)
-            ]
-        preds_l, diffs_l = [], []
+    if not exact:
         for i, sc in enumerate(scores):
             t = torch.tensor(sc, dtype=torch.float64, device=HOST)
             k = task[i].answer_index
-            preds_l.append(int(t.argmax()))
-            diffs_l.append(float(t[k]) - _best_other(t, k))
-        preds = torch.tensor(preds_l, dtype=torch.long, device=HOST)
-        diffs = torch.tensor(diffs_l, dtype=torch.float32, device=HOST)
-        correct = preds == answers
-        choice_scores = tuple(tuple(sc) for sc in scores)
+            preds[i], margins[i] = int(t.argmax()), float(t[k]) - _best_other(t, k)
+    answers = torch.tensor([s.answer_index for s in task], dtype=torch.long, device=HOST)
+    predictions = torch.tensor(preds, dtype=torch.long, device=HOST)
+    diffs = torch.tensor(margins, dtype=torch.float32, device=HOST)
     return EvalResult(
         task=task.name,
         scoring=task.scoring,
-        correct=correct,
+        correct=diffs > 0 if exact else predictions == answers,
         logit_diffs=diffs,
-        predictions=preds,
-        choice_scores=choice_scores,
+        predictions=predictions,
+        choice_scores=() if exact else tuple(tuple(sc) for sc in scores),
         answer_indices=answers,
         chance=task.chance,
         info={

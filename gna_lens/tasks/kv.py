@@ -13,7 +13,7 @@ its ``\\n``), the query is the prompt's last token and the answer segment is the
 import functools
 import random
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from typing import Any, Literal
 
@@ -30,12 +30,11 @@ from gna_lens.tasks.core import (
 __all__ = ["KV_TEMPLATES", "KVTemplate", "copying_oracle", "kv_retrieval", "load_words"]
 
 _MAX_TRIES = 200
+#: An example of each field that needs placeholders, for error messages (the paper's).
 _EXAMPLES = {
-    "header": "Memorize the following dictionary:\n",
     "line": "{key}:{value}\n",
     "query": "The value of the key '{key}' is",
     "answer": " {value}",
-    "separator": "",
 }
 
 
@@ -159,21 +158,18 @@ KV_TEMPLATES: dict[str, KVTemplate] = {
         header="Memorize the following dictionary:\n",
         line="{key}:{value}\n",
         query="The value of the key '{key}' is",
-        answer=" {value}",
         name="paper",
     ),
     "question": KVTemplate(
         header="Below is a list of key-value pairs.\n",
         line="{key}: {value}\n",
         query="What is the value for key {key}?\n{key}:",
-        answer=" {value}",
         name="question",
     ),
     "facts": KVTemplate(
         header="Below is a list of facts.\n",
         line="The {key} is {value}.\n",
         query="What is the {key}? It is",
-        answer=" {value}",
         name="facts",
     ),
 }
@@ -232,8 +228,7 @@ def _resolve_template(template: str | KVTemplate | Mapping[str, str]) -> KVTempl
             ) from exc
     raise TaskError(
         f"template={template!r} (a {type(template).__name__}); expected one of "
-        f"{sorted(KV_TEMPLATES)}, a "
-        "KVTemplate or a dict of its fields."
+        f"{sorted(KV_TEMPLATES)}, a KVTemplate or a dict of its fields."
     )
 
 
@@ -245,21 +240,14 @@ def _clean_words(words: Iterable[str] | None) -> list[str]:
             f"words={words[:40]!r}... is a single string; expected a list of words (e.g. "
             "words=text.split())."
         )
-    out: list[str] = []
-    seen = set()
+    out: dict[str, None] = {}  # in order, first occurrences
     for w in words:
         if not isinstance(w, str):
             raise TaskError(f"words contains {w!r} ({type(w).__name__}); expected strings.")
         w = w.strip()
-        if w and "\n" not in w and w not in seen:
-            seen.add(w)
-            out.append(w)
-    return out
-
-
-def _tokens_of(enc: Encoding, tokenizer: Any, start: int, end: int) -> list[str]:
-    a, b = enc.tokens_over(start, end)
-    return list(tokenizer.convert_ids_to_tokens(enc.ids[a:b]))
+        if w and "\n" not in w:
+            out[w] = None
+    return list(out)
 
 
 def kv_retrieval(
@@ -331,22 +319,19 @@ def kv_retrieval(
         ('\\n', True)
     """
     if values == "auto":
-        kw = dict(words=words, scoring=scoring, add_special_tokens=add_special_tokens)
+        build = functools.partial(
+            kv_retrieval, tokenizer, n_pairs, n_samples, seed, template, words=words,
+            scoring=scoring, add_special_tokens=add_special_tokens, max_length=max_length,
+        )  # fmt: skip
         try:
-            task = kv_retrieval(
-                tokenizer, n_pairs, n_samples, seed, template, "numbers", **kw,  # type: ignore[arg-type]
-                max_length=max_length,
-            )  # fmt: skip
+            task = build(values="numbers")
             task.info["values_choice"] = "auto: numbers 0-99, single tokens for this tokenizer"
             return task
         except TaskError as err:
             if "values='numbers'" not in str(err):
                 raise
             why = str(err).split(";")[0]
-        task = kv_retrieval(
-            tokenizer, n_pairs, n_samples, seed, template, "words", **kw,  # type: ignore[arg-type]
-            max_length=max_length,
-        )  # fmt: skip
+        task = build(values="words")
         task.info["values_choice"] = f"auto: words, since numbers do not fit ({why})"
         return task
     tpl = _resolve_template(template)
@@ -375,15 +360,13 @@ def kv_retrieval(
     key_encs = enc([p[0] for p in key_probes])
     unk = getattr(tokenizer, "unk_token_id", None)
 
-    def known(e: Encoding, span: tuple[int, int]) -> bool:
-        """Whether no token over ``span`` is <unk> (one token too, but shared by every word)."""
+    def one_token(e: Encoding, span: tuple[int, int]) -> bool:
+        """Whether ``span`` is one token and not <unk> (one token too, but shared by any word)."""
         first, last = e.tokens_over(*span)
-        return unk is None or unk not in e.ids[first:last]
+        return last - first == 1 and (unk is None or e.ids[first] != unk)
 
     key_pool = [
-        w
-        for w, p, e in zip(word_list, key_probes, key_encs, strict=True)
-        if e.n_tokens_over(*p[2][0]) == 1 and known(e, p[2][0])
+        w for w, p, e in zip(word_list, key_probes, key_encs, strict=True) if one_token(e, p[2][0])
     ]
     need_keys = n_pairs if values == "numbers" else 2 * n_pairs
     if len(key_pool) < need_keys:
@@ -404,15 +387,11 @@ def kv_retrieval(
     bad: list[str] = []
     for v, p, e, a in zip(candidates, v_probes, v_encs, a_encs, strict=True):
         cont = a.continuation(e)
-        if (
-            e.n_tokens_over(*p[3][0]) == 1
-            and cont is not None
-            and len(cont) == 1
-            and known(e, p[3][0])
-        ):
+        if one_token(e, p[3][0]) and cont is not None and len(cont) == 1:
             value_pool.append(v)
         elif len(bad) < 3:
-            line_toks = _tokens_of(e, tokenizer, *p[3][0])
+            first, last = e.tokens_over(*p[3][0])
+            line_toks = tokenizer.convert_ids_to_tokens(e.ids[first:last])
             answer_toks = (
                 tokenizer.convert_ids_to_tokens(cont)
                 if cont
@@ -437,11 +416,9 @@ def kv_retrieval(
     for i in range(n_samples):
         for _ in range(_MAX_TRIES):
             keys = rng.sample(key_pool, n_pairs)
-            if values == "numbers":
-                vals = rng.sample(value_pool, n_pairs)
-            else:
-                ks = set(keys)
-                vals = rng.sample([v for v in value_pool if v not in ks], n_pairs)
+            # Word values are never also a key of the same prompt.
+            pool = value_pool if values == "numbers" else [v for v in value_pool if v not in keys]
+            vals = rng.sample(pool, n_pairs)
             q = rng.randrange(n_pairs)
             prompt, lines, kchars, vchars = tpl.render_prompt(
                 list(zip(keys, vals, strict=True)), keys[q]
@@ -554,13 +531,11 @@ def requery(task: Task, seed: int = 0) -> Task:
                 add_special_tokens=task.info.get("add_special_tokens", True),
             )
         )
-    return Task(
+    return replace(
+        task,
         samples=tuple(samples),
         name=f"{task.name} requeried(seed={seed})",
-        scoring=task.scoring,
-        pad_token_id=task.pad_token_id,
         info=task.info | {"requery_seed": seed},
-        tokenizer=task.tokenizer,
     )
 
 

@@ -27,6 +27,8 @@ from gna_lens.tasks.records import LETTERS, MCRecord, coerce_records
 
 __all__ = ["format_question", "multiple_choice"]
 
+_MMLU_HEADER = "The following are multiple choice questions (with answers) about {}.\n\n"
+
 
 def format_question(question: str, options: Iterable[str]) -> tuple[str, list[tuple[int, int]]]:
     """The question block (question, lettered option lines, ``Answer:``) and its option lines.
@@ -183,15 +185,10 @@ def multiple_choice(
                 text, _ = format_question(d.question, d.options)
                 demos_text += text + _continuation(format, d.options, d.answer) + "\n\n"
                 demo_ids.append(d.id if d.id is not None else f"record {kept[j][0]}")
-        if header is None:
-            head = (
-                "The following are multiple choice questions (with answers) about "
-                f"{r.subject.replace('_', ' ')}.\n\n"
-                if r.subject
-                else ""
-            )
-        else:
-            head = header
+        head = header
+        if head is None:
+            about = (r.subject or "").replace("_", " ")
+            head = _MMLU_HEADER.format(about) if about else ""
         block, lines = format_question(r.question, r.options)
         start = len(head) + len(demos_text)
         specs.append(

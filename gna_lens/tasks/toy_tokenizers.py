@@ -47,6 +47,24 @@ def wrap_fast(tok: Any, bos: bool) -> Any:
     )
 
 
+def _train_bpe(
+    tok: Any, texts: Iterable[str], vocab_size: int, bos: bool, alphabet: Any = None
+) -> Any:
+    """Train the BPE ``tok`` on ``texts`` (initial alphabet: ``alphabet``, else the texts'
+    characters and the digits) and wrap it with :func:`wrap_fast`."""
+    from tokenizers import trainers
+
+    texts = list(texts)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=_SPECIALS,
+        initial_alphabet=alphabet or sorted(set("".join(texts)) | set("0123456789")),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    return wrap_fast(tok, bos)
+
+
 def word_tokenizer(texts: Iterable[str], *, bos: bool = False) -> Any:
     """A word-level tokenizer whose vocabulary is every word (with its leading space) in ``texts``.
 
@@ -85,20 +103,13 @@ def byte_level_bpe_tokenizer(
         >>> tok.decode(tok("the mat\\n")["input_ids"])
         'the mat\\n'
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=True)
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=_SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(list(texts), trainer)
-    return wrap_fast(tok, bos)
+    return _train_bpe(tok, texts, vocab_size, bos, pre_tokenizers.ByteLevel.alphabet())
 
 
 def newline_merging_bpe_tokenizer(
@@ -115,21 +126,12 @@ def newline_merging_bpe_tokenizer(
         >>> tok.convert_ids_to_tokens(tok("dog:50\\ncat:51\\n")["input_ids"])
         ['dog', ':50\\n', 'cat', ':51\\n']
     """
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    texts = list(texts)
-    alphabet = sorted(set("".join(texts)) | set("0123456789"))
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(" ?[A-Za-z]+"), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=_SPECIALS,
-        initial_alphabet=alphabet,
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer)
-    return wrap_fast(tok, bos)
+    return _train_bpe(tok, texts, vocab_size, bos)
 
 
 def metaspace_bpe_tokenizer(
@@ -142,18 +144,9 @@ def metaspace_bpe_tokenizer(
         >>> tok.convert_ids_to_tokens(tok("the cat")["input_ids"])
         ['▁the', '▁cat']
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    texts = list(texts)
-    alphabet = sorted(set("".join(texts)) | set("0123456789"))
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
     tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=_SPECIALS,
-        initial_alphabet=alphabet,
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer)
-    return wrap_fast(tok, bos)
+    return _train_bpe(tok, texts, vocab_size, bos)
