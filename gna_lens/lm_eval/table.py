@@ -25,7 +25,7 @@ from gna_lens.render.plotly import benchmark_figure
 from gna_lens.render.svg import benchmark_svg
 from gna_lens.runtime import output_folder
 from gna_lens.scoring import RandomHeadSets, matched_random_sets
-from gna_lens.stats import Interval, bootstrap_interval, two_level_interval, wilson_interval
+from gna_lens.stats import Interval, mean_interval, two_level_interval, wilson_interval
 from gna_lens.table import Record, Table
 
 __all__ = [
@@ -352,9 +352,7 @@ def _items(out: dict[str, Any], task: str, key: str) -> tuple[list[tuple[str, in
 def _value_interval(values: list[float]) -> Interval:
     if values and all(v in (0.0, 1.0) for v in values):
         return wilson_interval(sum(values), len(values))
-    out = bootstrap_interval(torch.tensor(values, dtype=torch.float64, device=HOST))
-    assert isinstance(out, Interval)
-    return out
+    return mean_interval(values)
 
 
 def _versions() -> str:
@@ -752,8 +750,7 @@ def _table_cells(
                 diff = torch.tensor(values, dtype=torch.float64, device=HOST) - torch.tensor(
                     b_values, dtype=torch.float64, device=HOST
                 )
-                iv = bootstrap_interval(diff, seed=seed)
-                assert isinstance(iv, Interval)
+                iv = mean_interval(diff, seed=seed)
                 change = iv
                 b_mean = sum(b_values) / len(b_values)
                 relative = change.value / b_mean if b_mean else math.nan
