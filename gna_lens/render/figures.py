@@ -97,12 +97,8 @@ def _check_series(series: Sequence[Mapping[str, Any]], where: str) -> None:
 def _panel(x0: float, y0: float, p: Mapping[str, Any], size: tuple[int, int]) -> list[str]:
     """One panel's elements (``p``: :func:`line_chart`'s arguments), its plot box starting at
     ``(x0 + LEFT, y0 + TOP)``."""
-    series, chance, y_range, x_ticks = (
-        p["series"],
-        p.get("chance"),
-        p.get("y_range"),
-        p.get("x_ticks"),
-    )
+    series, chance, x_ticks = p["series"], p.get("chance"), p.get("x_ticks")
+    y_range: tuple[float, float] | None = p.get("y_range")
     bands, x_log2, percent = p.get("bands", True), p.get("x_log2", False), p.get("percent", False)
     refs = list(p.get("references", ()))
     if chance is not None:

@@ -556,9 +556,8 @@ def _error_bars(mid: Any, low: Any, high: Any, scale: float = 1.0, **extra: Any)
 
 def _iv_bars(ivs: list[Any], **extra: Any) -> dict[str, Any]:
     """:func:`_error_bars` of intervals (``value``, ``low``, ``high``), in percent."""
-    return _error_bars(
-        *([getattr(iv, k) for iv in ivs] for k in ("value", "low", "high")), 100.0, **extra
-    )
+    values, lows, highs = ([getattr(iv, k) for iv in ivs] for k in ("value", "low", "high"))
+    return _error_bars(values, lows, highs, 100.0, **extra)
 
 
 def benchmark_figure(table: Any) -> Any:
