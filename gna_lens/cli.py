@@ -77,7 +77,6 @@ def _scan_tasks(model: Any, args: argparse.Namespace, is_zoo: bool) -> Any:
 
 
 def _scan(args: argparse.Namespace) -> int:
-    from gna_lens.errors import GnaLensError
     from gna_lens.scan import describe_timings, estimate_scan, load_scan_model, scan
 
     name = args.model or DEFAULT_SCAN_MODEL
@@ -117,67 +116,53 @@ def _scan(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    if not _prepare_out(args.out, "scan"):
-        return 2
-    threads, why = choose_threads(args.threads)  # --threads: checked >= 1 by argparse
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    executor = None
-    if args.workers is not None or args.ray_address is not None:
-        from gna_lens.distributed import RayExecutor
 
-        # Each worker loads the model by the name it was loaded with here (its provenance).
-        executor = RayExecutor(
-            workers=args.workers, address=args.ray_address, threads_per_worker=args.threads
-        )
-    try:
-        t0 = time.perf_counter()
-        if progress:
-            print(f"gna-lens scan: loading {name} ({why})", file=sys.stderr, flush=True)
-        model = load_scan_model(name, device=args.device, dtype=args.dtype)
-        load_s = time.perf_counter() - t0
-        common = dict(
-            top=args.top,
-            exact=args.exact,
-            strategy=args.strategy,
-            top_layers=args.top_layers,
-            head_groups=args.head_groups,
-            seed=args.seed,
-            positions="last" if args.positions == "last" else None,
-            control=control,
-            random_draws=args.random_draws,
-            tasks=_scan_tasks(model, args, is_zoo),
-        )
-        if args.dry_run:
-            est = estimate_scan(model, args.task, **common)  # type: ignore[arg-type]
-            print(f"Dry run of gna-lens scan {name} (nothing measured, nothing written):")
-            print(f"Loading: {load_s:.1f} s")
-            print("\n".join(est.format_lines()))
-            return 0
-        result = scan(
-            model,
-            args.task,
-            n_samples=args.n_samples,
-            n_eval=args.n_eval,
-            out=args.out,
-            metric=args.metric,
-            mode=args.mode,
-            max_control=args.max_control,
-            sweep_dtype=None if args.sweep_dtype == "float32" else args.sweep_dtype,
-            **common,  # type: ignore[arg-type]
-            command=command,
-            name=name,
-            progress=progress,
-            executor=executor,
-            force=args.force,
-        )
-    except (GnaLensError, OSError) as err:
-        print(f"gna-lens scan: error: {err}", file=sys.stderr)
+    def work(why: str) -> tuple[Any, float, Any]:
+        """``(model, loading seconds, ScanResult or None: --dry-run)``."""
+        executor = None
+        if args.workers is not None or args.ray_address is not None:
+            from gna_lens.distributed import RayExecutor
+
+            # Each worker loads the model by the name it was loaded with here (its provenance).
+            executor = RayExecutor(
+                workers=args.workers, address=args.ray_address, threads_per_worker=args.threads
+            )
+        try:
+            t0 = time.perf_counter()
+            if progress:
+                print(f"gna-lens scan: loading {name} ({why})", file=sys.stderr, flush=True)
+            model = load_scan_model(name, device=args.device, dtype=args.dtype)
+            load_s = time.perf_counter() - t0
+            common = dict(
+                top=args.top, exact=args.exact, strategy=args.strategy,
+                top_layers=args.top_layers, head_groups=args.head_groups, seed=args.seed,
+                positions="last" if args.positions == "last" else None, control=control,
+                random_draws=args.random_draws, tasks=_scan_tasks(model, args, is_zoo),
+            )  # fmt: skip
+            if args.dry_run:
+                est = estimate_scan(model, args.task, **common)  # type: ignore[arg-type]
+                print(f"Dry run of gna-lens scan {name} (nothing measured, nothing written):")
+                print(f"Loading: {load_s:.1f} s")
+                print("\n".join(est.format_lines()))
+                return model, load_s, None
+            return model, load_s, scan(
+                model, args.task, n_samples=args.n_samples, n_eval=args.n_eval, out=args.out,
+                metric=args.metric, mode=args.mode, max_control=args.max_control,
+                sweep_dtype=None if args.sweep_dtype == "float32" else args.sweep_dtype,
+                **common,  # type: ignore[arg-type]
+                command=command, name=name, progress=progress, executor=executor,
+                force=args.force,
+            )  # fmt: skip
+        finally:
+            if executor is not None:
+                executor.close()
+
+    done = _run("scan", args, work)
+    if done is None:
         return 2
-    finally:
-        torch.set_num_threads(before)
-        if executor is not None:
-            executor.close()
+    model, load_s, result = done
+    if result is None:
+        return 0
     if args.json:
         print(result.json_path.read_text() if result.json_path else result.report.to_json())
         return 0
@@ -298,8 +283,6 @@ def _evaluate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    from gna_lens.errors import GnaLensError
-
     models = list(args.model) or ["smollm2-135m"]
     rankings = list(args.ranking or [])
     parsed = {}
@@ -323,11 +306,6 @@ def _evaluate(args: argparse.Namespace) -> int:
         )
         return 2
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    if not _prepare_out(args.out, "evaluate"):
-        return 2
-    threads, why = choose_threads(args.threads)  # --threads: checked >= 1 by argparse
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
     progress = not args.quiet
     common = dict(
         mode=args.mode,
@@ -347,23 +325,20 @@ def _evaluate(args: argparse.Namespace) -> int:
         device=args.device,
         progress=progress,
     )
-    try:
+
+    def work(why: str) -> Any:
         if progress:
             print(f"gna-lens evaluate: {', '.join(models)} ({why})", file=sys.stderr, flush=True)
         if len(models) == 1:
-            table = evaluate_table(
-                models[0], tasks, ks, rankings[0] if rankings else None, **common
-            )
-        else:
-            comparison = compare_models(
-                models, tasks, ks, rankings or None, state_lengths=lengths,
-                state_dtype=args.state_dtype, **common,
-            )  # fmt: skip
-    except (GnaLensError, OSError) as err:
-        print(f"gna-lens evaluate: error: {err}", file=sys.stderr)
+            return evaluate_table(models[0], tasks, ks, rankings[0] if rankings else None, **common)
+        return compare_models(
+            models, tasks, ks, rankings or None, state_lengths=lengths,
+            state_dtype=args.state_dtype, **common,
+        )  # fmt: skip
+
+    table = comparison = _run("evaluate", args, work)
+    if table is None:
         return 2
-    finally:
-        torch.set_num_threads(before)
     if progress and len(models) == 1:
         print(f"Weights: {table.method.get('weights', 'not recorded')}")
         print(table.to_markdown())
@@ -424,16 +399,12 @@ def _hybrid(args: argparse.Namespace) -> int:
     except GnaLensError as err:
         print(f"gna-lens hybrid: error: {err}", file=sys.stderr)
         return 2
-    if not _prepare_out(args.out, "hybrid"):
-        return 2
-    threads, why = choose_threads(args.threads)  # --threads: checked >= 1 by argparse
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
     progress = not args.quiet
-    try:
+
+    def work(why: str) -> Any:
         if progress:
             print(f"gna-lens hybrid: {args.teacher} ({why})", file=sys.stderr, flush=True)
-        table = run_experiment(
+        return run_experiment(
             args.teacher,
             keep,
             budget=budget,
@@ -464,11 +435,10 @@ def _hybrid(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             progress=progress,
         )
-    except (GnaLensError, OSError) as err:
-        print(f"gna-lens hybrid: error: {err}", file=sys.stderr)
+
+    table = _run("hybrid", args, work)
+    if table is None:
         return 2
-    finally:
-        torch.set_num_threads(before)
     if args.json:
         import json
 
@@ -579,17 +549,24 @@ def _task_arg(text: str) -> str:
     )
 
 
-def _prepare_out(folder: str, command: str) -> bool:
-    """Check ``folder`` (the run's output) before any work, so a run is never lost at its end."""
-    from gna_lens.errors import ConfigError
+def _run(command: str, args: argparse.Namespace, work: Callable[[str], Any]) -> Any:
+    """``work(why)`` with the torch threads of ``--threads`` (``why``: how they were chosen;
+    restored after), once ``--out`` is checked (so a run is never lost at its end); ``None``
+    where either fails, the error printed as the command's."""
+    from gna_lens.errors import GnaLensError
     from gna_lens.runtime import output_folder
 
+    before = torch.get_num_threads()
     try:
-        output_folder(folder, "--out")
-    except ConfigError as err:
+        output_folder(args.out, "--out")
+        threads, why = choose_threads(args.threads)  # --threads: checked >= 1 by argparse
+        torch.set_num_threads(threads)
+        return work(why)
+    except (GnaLensError, OSError) as err:
         print(f"gna-lens {command}: error: {err}", file=sys.stderr)
-        return False
-    return True
+        return None
+    finally:
+        torch.set_num_threads(before)
 
 
 def _train_zoo(args: argparse.Namespace) -> int:

@@ -380,19 +380,24 @@ class RayExecutor:
             ConfigError: As the first sweep would (no Ray, too few resources, no provenance).
             WorkerError: If a worker cannot be placed or cannot load the model.
         """
-        source, kwargs, label = self._source(model)
-        ray = self._ray()
-        self._ensure_pool(ray, model, source, kwargs, label)
-        run = _Run(self, ray, None, [], [], [], -1, None)
-        ok = False
-        try:
+        with self._pool(model) as ray:
+            run = _Run(self, ray, None, [], [], [], -1, None)
             while not all(s.ready for s in self._slots):
                 run.wait_once()
-            ok = True
-        finally:
-            if not ok:
-                self._kill_pool()
         return self
+
+    @contextlib.contextmanager
+    def _pool(self, model: Any) -> Iterator[Any]:
+        """Ray, with the workers for ``model`` started (or kept); on an error, a worker beyond
+        repair or Ctrl-C in the block, every worker is stopped."""
+        source, kwargs, label = self._source(model)  # refuse before starting anything
+        ray = self._ray()
+        self._ensure_pool(ray, model, source, kwargs, label)
+        try:
+            yield ray
+        except BaseException:
+            self._kill_pool()
+            raise
 
     # ------------------------------------------------------------------ a sweep
     def run_sweep(
@@ -414,29 +419,15 @@ class RayExecutor:
             WorkerError: When workers failed more than ``max_restarts`` times, could not load
                 the model, or raised an unexpected error.
         """
-        source, kwargs, label = self._source(model)  # refuse before starting anything
-        ray = self._ray()
-        self._ensure_pool(ray, model, source, kwargs, label)
-        sweep_id = next(self._sweep_ids)
-        batches = sweep.batches()
-        units = plan_units(
-            sweep.start_layers(),
-            [len(b) for b in batches],
-            sweep.batch_bytes(),
-            sweep.plan.budget,
-            len(self._slots) * self.units_per_worker,
-            pack=sweep.plan.pack,
-            per_layer=sweep.positions != "last",
-        )
-        run = _Run(self, ray, sweep, batches, units, [ray.put(job)], sweep_id, bar)
-        ok = False
-        try:
-            out = run.loop()
-            ok = True
-            return out
-        finally:
-            if not ok:  # an error, a worker beyond repair, or Ctrl-C: stop every worker
-                self._kill_pool()
+        with self._pool(model) as ray:
+            sweep_id = next(self._sweep_ids)
+            batches = sweep.batches()
+            units = plan_units(
+                sweep.start_layers(), [len(b) for b in batches], sweep.batch_bytes(),
+                sweep.plan.budget, len(self._slots) * self.units_per_worker,
+                pack=sweep.plan.pack, per_layer=sweep.positions != "last",
+            )  # fmt: skip
+            return _Run(self, ray, sweep, batches, units, [ray.put(job)], sweep_id, bar).loop()
 
     def _unit_done(self, slot: _Slot, unit: _Unit) -> None:
         """Called after each finished unit (a hook for tests)."""

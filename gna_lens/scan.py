@@ -20,6 +20,7 @@ A scan selects heads on one prompt set and measures them on another:
 
 import contextlib
 import dataclasses
+import functools
 import html
 import importlib.metadata
 import json
@@ -201,28 +202,20 @@ def build_tasks(
         probe = kv_retrieval(tokenizer, n_samples=n_samples, seed=seed, **kw)  # type: ignore[arg-type]
         held = {f"kv-{n_pairs}": kv_retrieval(tokenizer, n_samples=n_eval, seed=seed + 1, **kw)}  # type: ignore[arg-type]
         notes = {"template": f"{template}, {probe.info['values']} values"}
+        other = functools.partial(kv_retrieval, tokenizer, n_pairs=n_pairs, n_samples=n_eval)
         if template != "paper":
             try:
-                paper = kv_retrieval(
-                    tokenizer, n_pairs=n_pairs, n_samples=n_eval, seed=seed + 2, template="paper",
-                    values="numbers",
-                )  # fmt: skip
+                paper = other(seed=seed + 2, template="paper", values="numbers")
                 notes["paper_template"] = "number values 0-99, as in the paper"
             except TaskError as err:  # e.g. a tokenizer that splits numbers into digits
-                paper = kv_retrieval(
-                    tokenizer, n_pairs=n_pairs, n_samples=n_eval, seed=seed + 2, template="paper",
-                    values="words",
-                )  # fmt: skip
+                paper = other(seed=seed + 2, template="paper", values="words")
                 notes["paper_template"] = (
                     f"word values: number values cannot be scored in one token ({str(err)[:160]}...)"
                 )
             held[f"kv-{n_pairs}-paper"] = paper
         if template != "facts":
             try:  # the induction-proof template: copying the line after the key cannot answer it
-                held[f"kv-{n_pairs}-facts"] = kv_retrieval(
-                    tokenizer, n_pairs=n_pairs, n_samples=n_eval, seed=seed + 3, template="facts",
-                    values="words",
-                )  # fmt: skip
+                held[f"kv-{n_pairs}-facts"] = other(seed=seed + 3, template="facts", values="words")
                 notes["facts_template"] = (
                     "induction-proof (The k is v. ... What is the k? It is): the question template "
                     "can be answered by copying what followed the key, this one cannot; a drop here "

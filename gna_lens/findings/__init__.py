@@ -110,12 +110,12 @@ def run_all(
         },
         "7": lambda: second_probe(question_top=_top_labels(results, 8), progress=progress),
         "8": lambda: templates_table(
-            tops={"question": _top_labels(results, 8), "facts": _facts_top(results, 8)},
+            tops={"question": _top_labels(results, 8), "facts": _top_labels(results, 8, "7")},
             progress=progress,
         ),
         "9": lambda: smollm2_layers(
-            heads=_facts_top(results, 4),
-            exclude=_top_labels(results, None) + _facts_top(results, None),
+            heads=_top_labels(results, 4, "7"),
+            exclude=_top_labels(results, None) + _top_labels(results, None, "7"),
             template="facts",
             progress=progress,
         ),
@@ -166,21 +166,16 @@ EXTERNAL = {
 }
 
 
-def _top_labels(results: dict[str, Any], k: int | None) -> list[str]:
-    """Finding 1's top heads as labels (the first ``k``; ``None``: all of them)."""
-    heads = [h["head"] for h in results.get("1", {}).get("top_heads", [])]
+def _top_labels(results: dict[str, Any], k: int | None, finding: str = "1") -> list[str]:
+    """Finding 1's (or 7's: the facts template's) top heads as labels (the first ``k``;
+    ``None``: all of them)."""
+    heads = [h["head"] for h in results.get(finding, {}).get("top_heads", [])]
     return heads if k is None else heads[:k]
 
 
 def _joint_order(results: dict[str, Any]) -> list[str]:
     """Finding 1's joint walk, every head it accepted, as labels (best first)."""
     return [f"L{a}H{b}" for a, b in results.get("1", {}).get("joint", {}).get("heads", [])]
-
-
-def _facts_top(results: dict[str, Any], k: int | None) -> list[str]:
-    """Finding 7's (the induction-proof facts template's) top heads as labels."""
-    heads = [h["head"] for h in results.get("7", {}).get("top_heads", [])]
-    return heads if k is None else heads[:k]
 
 
 def _write_figures(results: dict[str, Any], assets: Path) -> list[Path]:
@@ -328,37 +323,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     if args.render:
-        stored = json.loads(Path(args.render).read_text(encoding="utf-8"))
+        results = json.loads(Path(args.render).read_text(encoding="utf-8"))
         # The cited external tables (hybrid experiments) are read again: they are not rerun
         # here, and one may have been added since the measurements were taken.
-        stored["external"] = _read_external()
-        page = render_markdown(stored, stored.get("command", "make findings"))
-        Path(args.out).write_text(page, encoding="utf-8")
-        _write_figures(stored, Path(args.out).parent / "assets")
-        if args.zoo_page:
-            Path(args.zoo_page).write_text(zoo_markdown(), encoding="utf-8")
-        print(f"wrote {args.out} from {args.render}", file=sys.stderr)
-        return 0
-    threads, why = choose_threads(args.threads)
-    torch.set_num_threads(threads)
-    print(f"findings: {why}; {cpu_description()}", file=sys.stderr)
-    dtype = None if args.sweep_dtype in (None, "float32") else args.sweep_dtype
-    checkpoint = None
-    if args.resume:
-        json_path = Path(args.json) if args.json else Path(args.out).with_suffix(".json")
-        checkpoint = json_path.with_name(json_path.name + ".partial")
-    results = run_all(
-        progress=not args.no_progress, only=args.only, sweep_dtype=dtype, checkpoint=checkpoint
-    )
-    command = "python -m gna_lens.findings " + " ".join(argv if argv is not None else sys.argv[1:])
-    results["command"] = command.strip()
-    if args.json:  # before the page: a rendering error must not lose the measurements
-        Path(args.json).write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
-    page = render_markdown(results, command.strip())
+        results["external"] = _read_external()
+        command = results.get("command", "make findings")
+    else:
+        threads, why = choose_threads(args.threads)
+        torch.set_num_threads(threads)
+        print(f"findings: {why}; {cpu_description()}", file=sys.stderr)
+        dtype = None if args.sweep_dtype in (None, "float32") else args.sweep_dtype
+        checkpoint = None
+        if args.resume:
+            json_path = Path(args.json) if args.json else Path(args.out).with_suffix(".json")
+            checkpoint = json_path.with_name(json_path.name + ".partial")
+        results = run_all(
+            progress=not args.no_progress, only=args.only, sweep_dtype=dtype, checkpoint=checkpoint
+        )
+        argv_text = " ".join(argv if argv is not None else sys.argv[1:])
+        command = results["command"] = f"python -m gna_lens.findings {argv_text}".strip()
+        if args.json:  # before the page: a rendering error must not lose the measurements
+            Path(args.json).write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+    page = render_markdown(results, command)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(page, encoding="utf-8")
     _write_figures(results, Path(args.out).parent / "assets")
     if args.zoo_page:
         Path(args.zoo_page).write_text(zoo_markdown(), encoding="utf-8")
-    print(f"wrote {args.out}", file=sys.stderr)
+    print(f"wrote {args.out}" + (f" from {args.render}" if args.render else ""), file=sys.stderr)
     return 0

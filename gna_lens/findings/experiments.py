@@ -53,10 +53,6 @@ ZOO_MAX_EXACT = 64
 CARD_TASKS = ("kv-2", "kv-4", "kv-8", "kv-16", "cloze", "letter", "letter-unseen")
 
 
-def _label(h: Head) -> str:
-    return head_label(h)
-
-
 def _heads(heads: Sequence[Any]) -> list[Head]:
     """``[(16, 0), ...]`` from tuples or labels like ``"L16H0"``."""
     out = []
@@ -83,7 +79,7 @@ def _head_rows(report: GnaReport, heads: Sequence[Head]) -> list[dict[str, Any]]
     rows = []
     for h in heads:
         row = df.loc[h]
-        rec: dict[str, Any] = {"head": _label(h)}
+        rec: dict[str, Any] = {"head": head_label(h)}
         for c in cols:
             v = row[c]
             rec[c] = v if isinstance(v, str) else (None if math.isnan(float(v)) else float(v))
@@ -96,7 +92,7 @@ def _excluded(report: GnaReport, k: int) -> list[dict[str, Any]]:
 
 
 def _table(table: KnowledgeTable) -> dict[str, Any]:
-    return table.to_dict() | {"heads_label": [_label(h) for h in table.heads]}
+    return table.to_dict() | {"heads_label": [head_label(h) for h in table.heads]}
 
 
 def _method(report: GnaReport) -> dict[str, Any]:
@@ -340,14 +336,14 @@ def metric_agreement(
         joint = report.top(k)
         cut = float(acc[order_acc[k - 1]]) if len(order_acc) >= k else math.nan
         overlap[str(k)] = {
-            "logit_diff_top": [_label(heads[i]) for i in order_ld[:k]],
-            "accuracy_top": [_label(heads[i]) for i in order_acc[:k]],
+            "logit_diff_top": [head_label(heads[i]) for i in order_ld[:k]],
+            "accuracy_top": [head_label(heads[i]) for i in order_acc[:k]],
             "shared": len(a & c),
-            "joint_top": [_label(h) for h in joint],
+            "joint_top": [head_label(h) for h in joint],
             "shared_with_joint": len(set(joint) & c),
             "tied_at_cut": sum(1 for i in eligible if float(acc[i]) == cut),
             "logit_diff_top_at_baseline_accuracy": [
-                _label(heads[i]) for i in order_ld[:k] if float(acc[i]) == 0.0
+                head_label(heads[i]) for i in order_ld[:k] if float(acc[i]) == 0.0
             ],
         }
     return {
@@ -357,7 +353,7 @@ def metric_agreement(
         "baseline_accuracy": float(sweeps["accuracy"].baseline.double().mean()),
         "spearman": spear,
         "overlap": overlap,
-        "accuracy_effects": {_label(h): float(acc[i]) for i, h in enumerate(heads)},
+        "accuracy_effects": {head_label(h): float(acc[i]) for i, h in enumerate(heads)},
         "method": "zero ablation of each head alone at every position (as the report), both "
         "metrics on the same prompts; accuracy over the choices; orders among heads whose "
         f"control effect is <= {report.max_control:g}",
@@ -398,7 +394,7 @@ def second_probe(
     )
     ranked = report.top(k)
     induction = prefix_matching_scores(model)
-    mine = [_label(h) for h in ranked]
+    mine = [head_label(h) for h in ranked]
 
     def scored(labels: Sequence[str]) -> list[dict[str, Any]]:
         out = []
@@ -419,7 +415,7 @@ def second_probe(
         "induction_top": scored(mine),
         "question_induction": scored(question_top),
         "induction_baseline": float(induction.baseline),
-        "strongest_induction": [_label(h) for h in induction.top(5)],
+        "strongest_induction": [head_label(h) for h in induction.top(5)],
         "method": _method(report),
     }
 
@@ -553,13 +549,6 @@ def k_curve(
 
 
 # ----------------------------------------------------------------------------- zoo
-def _zoo(name: str) -> tuple[Any, dict[str, Task]]:
-    from gna_lens import zoo
-
-    model = zoo.load(name)
-    return model, zoo.tasks(name)
-
-
 def _probe_name(model: Any, tasks: Mapping[str, Task], n_rank: int) -> str:
     """The retrieval task (``"kv-8"`` or ``"letter"``) the model does best above chance, judged
     on the selection prompts (the first ``n_rank`` of each split)."""
@@ -578,7 +567,7 @@ def rank_zoo_model(
     ``n_rank`` prompts of the probe split (control: the cloze split's selection half)."""
     from gna_lens import zoo
 
-    model, tasks = _zoo(name)
+    model, tasks = zoo.load(name), zoo.tasks(name)
     probe = probe or _probe_name(model, tasks, n_rank)
     n = head_view(model).n_heads_total
     # Mamba-1 heads are single channels here (head_groups=None): the unit the zoo findings have
@@ -591,6 +580,17 @@ def rank_zoo_model(
     )  # fmt: skip
     report.method["head_unit"] = head_unit(model)
     return model, tasks, probe, report
+
+
+def _zoo_report(
+    name: str, reports: dict[str, Any] | None, probe: str | None = None, **kw: Any
+) -> tuple[Any, dict[str, Task], str, GnaReport]:
+    """The ranking ``reports`` holds for ``name`` (made on ``probe``, where given), else
+    :func:`rank_zoo_model` ``(name, probe, **kw)``."""
+    cached = (reports or {}).get(name)
+    if cached is not None and probe in (None, cached[2]):
+        return cached  # type: ignore[no-any-return]
+    return rank_zoo_model(name, probe, **kw)
 
 
 def head_unit(model: Any) -> str:
@@ -702,13 +702,9 @@ def pattern_masks(
     """
     out = []
     for name, task_name in cases:
-        cached = (reports or {}).get(name)
-        if cached is not None and cached[2] == task_name:
-            model, tasks, _, report = cached
-        else:
-            model, tasks, _, report = rank_zoo_model(
-                name, task_name, n_rank=n_rank, progress=progress
-            )
+        model, tasks, _, report = _zoo_report(
+            name, reports, task_name, n_rank=n_rank, progress=progress
+        )
         gathers, aggregates = pair_candidates(report, n_candidates)
         held = _held_out(tasks, task_name, n_rank)[task_name][:n_eval]
         res = mask_experiment(model, held, gathers, aggregates)
@@ -733,11 +729,7 @@ def sharpness_and_capacity(
     sharp = []
     capacity = []
     for name in names:
-        cached = (reports or {}).get(name)
-        if cached is not None and cached[2] == "kv-8":
-            model, tasks, _, report = cached
-        else:
-            model, tasks, _, report = rank_zoo_model(name, "kv-8", n_rank=n_rank, progress=progress)
+        model, tasks, _, report = _zoo_report(name, reports, "kv-8", n_rank=n_rank, progress=progress)
         heads = report.top(top)
         rows = _head_rows(report, heads)
         vals = torch.tensor([r["sharpness"] for r in rows], dtype=torch.float64, device=HOST)
@@ -771,11 +763,7 @@ def hybrid_roles(
 ) -> dict[str, Any]:
     """Finding 5: which kind of head aggregates in the hybrid, and what denying those heads their
     aggregate patterns costs on held-out KV retrieval, letter-MC and cloze."""
-    cached = (reports or {}).get(name)
-    if cached is not None:
-        model, tasks, probe, report = cached
-    else:
-        model, tasks, probe, report = rank_zoo_model(name, n_rank=n_rank, progress=progress)
+    model, tasks, probe, report = _zoo_report(name, reports, n_rank=n_rank, progress=progress)
     _, aggregates = pair_candidates(report, top)
     subject = Subject.of(model)
     model, view = subject.model, subject.view
@@ -795,7 +783,7 @@ def hybrid_roles(
     roles = report.roles
     labelled = {
         kind: sorted(
-            _label(h)
+            head_label(h)
             for h, r, k in zip(report.heads, roles, report.kinds, strict=True)
             if "aggregate" in r and k == kind
         )

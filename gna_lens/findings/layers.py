@@ -52,10 +52,6 @@ MISSING = ("raise", "skip")
 _ARMS = ("before", "after", "change", "random_after", "random_change", "vs_random", "p_value")
 
 
-def _label(h: Head) -> str:
-    return head_label(h)
-
-
 def _short_name(prov: Any) -> str:
     """The model's name without a folder (``"zoo-llama"``, ``"smollm2-135m"``)."""
     return Path(str(prov.name)).name or str(prov.name)
@@ -87,61 +83,37 @@ def default_pruning_steps(n_layers: int) -> list[int]:
     return sorted({1, n_layers, *range(stride, n_layers + 1, stride)})
 
 
-def _check_steps(steps: Any, n: int) -> list[int]:
-    if steps is None:
-        return default_pruning_steps(n)
-    if _is_int(steps):
-        if not 1 <= steps <= n:
+def _check_layers(value: Any, n: int, name: str) -> list[int]:
+    """``steps`` (counts of layers removed, 1..n) or ``individual`` (layers, 0..n-1), sorted."""
+    counts = name == "steps"
+    lo, hi = (1, n) if counts else (0, n - 1)
+    what = "counts of layers to remove" if counts else "layer indices"
+    if value is None:
+        return default_pruning_steps(n) if counts else list(range(n))
+    if _is_int(value):
+        if not 1 <= value <= n:
             raise InterventionError(
-                f"steps={steps!r}; an int is the stride of the gradual pruning, expected 1..{n} "
-                f"(this model has {n} layers). Fix: e.g. steps=2 (remove 2, 4, ... layers) or a "
-                "list of counts like [1, 2, 4]."
+                f"{name}={value!r}; an int is a stride, expected 1..{n} (this model has {n} "
+                f"layers). Fix: e.g. {name}=2, or a list of {what}."
             )
-        return sorted({*range(steps, n + 1, steps), n})
+        return sorted({*range(value, n + 1, value), n} if counts else {*range(0, n, value), hi})
     try:
-        items = list(steps)
+        items = list(value)
     except TypeError:
         raise InterventionError(
-            f"steps={steps!r}; expected None (the default list), a stride (int) or a list of "
-            f"layer counts in 1..{n}."
+            f"{name}={value!r}; expected None (the default), a stride (int) or a list of {what} "
+            f"in {lo}..{hi}" + ("." if counts else ", or () to skip.")
         ) from None
-    if not items:
+    if counts and not items:
         raise InterventionError(
-            f"steps={steps!r} is empty; expected layer counts in 1..{n}, e.g. [1, 2, 4]. The "
+            f"steps={value!r} is empty; expected layer counts in 1..{n}, e.g. [1, 2, 4]. The "
             "point with no layer removed is always included."
         )
     for k in items:
-        if not _is_int(k) or not 1 <= k <= n:
+        if not _is_int(k) or not lo <= k <= hi:
             raise InterventionError(
-                f"steps contains {k!r}; expected counts of layers to remove, ints in 1..{n} "
-                f"(this model has {n} layers; 0, nothing removed, is always included)."
-            )
-    return sorted(set(items))
-
-
-def _check_individual(individual: Any, n: int) -> list[int]:
-    if individual is None:
-        return list(range(n))
-    if _is_int(individual):
-        if not 1 <= individual <= n:
-            raise InterventionError(
-                f"individual={individual!r}; an int is a stride over the layers, expected 1..{n} "
-                f"(this model has {n} layers). Fix: e.g. individual=2 (layers 0, 2, ...), a "
-                "list of layers, or () to skip individual removal."
-            )
-        return sorted({*range(0, n, individual), n - 1})
-    try:
-        items = list(individual)
-    except TypeError:
-        raise InterventionError(
-            f"individual={individual!r}; expected None (every layer), a stride (int), a list of "
-            f"layer indices in 0..{n - 1}, or () to skip."
-        ) from None
-    for layer in items:
-        if not _is_int(layer) or not 0 <= layer < n:
-            raise InterventionError(
-                f"individual contains {layer!r}; expected layer indices, ints in 0..{n - 1} "
-                f"(this model has {n} layers)."
+                f"{name} contains {k!r}; expected {what}, ints in {lo}..{hi} (this model has {n} "
+                "layers)."
             )
     return sorted(set(items))
 
@@ -230,8 +202,8 @@ def layer_pruning(
             "(e.g. kv_retrieval(tokenizer, n_samples=60))."
         )
     n = len(layer_infos(model))
-    counts = _check_steps(steps, n)
-    singles = _check_individual(individual, n)
+    counts = _check_layers(steps, n, "steps")
+    singles = _check_layers(individual, n, "individual")
 
     def removed_by(k: int) -> tuple[int, ...]:
         return tuple(range(n - k, n)) if order == "from_end" else tuple(range(k))
@@ -545,13 +517,13 @@ def dictionary_size_curves(
         "model": prov.describe(),
         "model_name": _short_name(prov),
         "provenance": prov.to_dict(),
-        "heads": [_label(h) for h in table.heads],
+        "heads": [head_label(h) for h in table.heads],
         "head_kinds": [view.kind_of(h) for h in table.heads],
         "sizes": list(built),
         "requested_sizes": sorted(size_list),
         "missing": skipped,
         "points": points,
-        "random_sets": [[_label(h) for h in s] for s in table.random_sets],
+        "random_sets": [[head_label(h) for h in s] for s in table.random_sets],
         "random_matching": table.method.get("random_sets", "none"),
         "control": table.control.to_dict() if table.control is not None else None,
         "method": {
@@ -625,7 +597,7 @@ def smollm2_layers(
     return {
         "model": smollm2_label(model),
         "template": template,
-        "heads": [_label(h) for h in chosen],
+        "heads": [head_label(h) for h in chosen],
         "pruning": pruning,
         "dictionary": dictionary,
     }
@@ -656,17 +628,14 @@ def zoo_layers(
         One dict per model: ``{"model", "probe", "heads", "pruning", "dictionary"}``.
     """
     from gna_lens import zoo
-    from gna_lens.findings.experiments import rank_zoo_model
+    from gna_lens.findings.experiments import _zoo_report
 
     out = []
     for name in names:
-        cached = (reports or {}).get(name)
-        if cached is not None:
-            model, tasks, probe, report = cached
-        else:
-            model, tasks, probe, report = rank_zoo_model(name, n_rank=n_rank, progress=progress)
-            if reports is not None:
-                reports[name] = (model, tasks, probe, report)
+        ranked = _zoo_report(name, reports, n_rank=n_rank, progress=progress)
+        if reports is not None:
+            reports.setdefault(name, ranked)
+        model, tasks, probe, report = ranked
         heads = report.top(top)
         held = tasks[probe][n_rank : n_rank + n_eval]
         pruning = layer_pruning(model, held, zoo.control(name, "eval"), progress=progress)
@@ -680,7 +649,7 @@ def zoo_layers(
             {
                 "model": name,
                 "probe": probe,
-                "heads": [_label(h) for h in heads],
+                "heads": [head_label(h) for h in heads],
                 "pruning": pruning,
                 "dictionary": dictionary,
             }

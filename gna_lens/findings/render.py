@@ -28,20 +28,17 @@ from gna_lens.render.markdown import md_table as _md_table
 __all__ = ["render_markdown"]
 
 
+#: The columns of finding 3's table (pattern masks).
+MASK_COLUMNS = ("model", "task", "n", "gather heads", "aggregate heads", "no mask", "kept",
+                "denied", "chance")  # fmt: skip
+#: The columns of a table of heads (:func:`_heads_table`).
+HEADS_COLUMNS = ("head", "kind", "role", "ablation effect [95%]", "control effect", "specificity",
+                 "gather", "aggregate (null)", "correct share (chance)", "sharpness")  # fmt: skip
+
+
 def _heads_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     return _md_table(
-        [
-            "head",
-            "kind",
-            "role",
-            "ablation effect [95%]",
-            "control effect",
-            "specificity",
-            "gather",
-            "aggregate (null)",
-            "correct share (chance)",
-            "sharpness",
-        ],
+        HEADS_COLUMNS,
         (
             [
                 r["head"],
@@ -200,21 +197,10 @@ def _removal_table(tables: Sequence[Mapping[str, Any]], task: str) -> list[str]:
         for t in tables
         if t.get("method")
     ]
+    head = ["k", "heads", "before", "after", "change", "k random heads: after",
+            "set vs random (paired, p)", "control change (nats/token)", "random: control change"]  # fmt: skip
     return [
-        *_md_table(
-            [
-                "k",
-                "heads",
-                "before",
-                "after",
-                "change",
-                "k random heads: after",
-                "set vs random (paired, p)",
-                "control change (nats/token)",
-                "random: control change",
-            ],
-            rows,
-        ),
+        *_md_table(head, rows),
         "",
         "Random sets per k (intervals of the random columns over draws and prompts; *set vs "
         "random*: per prompt, the set's change minus the random sets' mean change, paired "
@@ -320,17 +306,7 @@ def render_markdown(results: Mapping[str, Any], command: str) -> str:
             "(sample-specific masks, post-softmax); *denied*: the complement masks.",
             "",
             *_md_table(
-                [
-                    "model",
-                    "task",
-                    "n",
-                    "gather heads",
-                    "aggregate heads",
-                    "no mask",
-                    "kept",
-                    "denied",
-                    "chance",
-                ],
+                MASK_COLUMNS,
                 (
                     [
                         x["model"],
@@ -671,22 +647,11 @@ def _agreement_lines(a: Mapping[str, Any] | None) -> list[str]:
                 " ".join(o["logit_diff_top_at_baseline_accuracy"]) or "none",
             ]
         )
-    return [
-        *lines,
-        *_md_table(
-            [
-                "k",
-                "logit-difference top k",
-                "accuracy top k",
-                "shared",
-                "published joint top k shared with the accuracy top k",
-                "heads tied at the accuracy cut",
-                "logit-difference top heads that leave accuracy unchanged",
-            ],
-            rows,
-        ),
-        "",
-    ]
+    head = ["k", "logit-difference top k", "accuracy top k", "shared",
+            "published joint top k shared with the accuracy top k",
+            "heads tied at the accuracy cut",
+            "logit-difference top heads that leave accuracy unchanged"]  # fmt: skip
+    return [*lines, *_md_table(head, rows), ""]
 
 
 def _zoo_section(results: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -892,21 +857,15 @@ def _dictionary_markdown(result: Mapping[str, Any], figure: str | None = None) -
     """
     k = len(result["heads"])
     heads = " ".join(result["heads"])
+    cols = ["pairs", "chance", "nothing removed", f"{heads} removed", f"{k} random heads removed",
+            "vs random", "p"]  # fmt: skip
     lines = [
         f"KV accuracy against dictionary size on {result.get('model_name', result['model'])}, "
         f"removing {heads} ({result['method']['tasks']}; random sets: "
         f"{result['random_matching']}).",
         "",
         *_md_table(
-            [
-                "pairs",
-                "chance",
-                "nothing removed",
-                f"{heads} removed",
-                f"{k} random heads removed",
-                "vs random",
-                "p",
-            ],
+            cols,
             (
                 [
                     p["n_pairs"],

@@ -37,8 +37,6 @@ FLAT_NATS = 0.1
 #: The equivalence margin of a knowledge task: an accuracy change whose whole interval lies
 #: within +-5 points counts as flat.
 FLAT_POINTS = 0.05
-#: The family-wise error rate of every corrected family.
-ALPHA = 0.05
 INCONCLUSIVE = "inconclusive"
 
 #: The rule table printed on the findings page: ``(verdict or test, rule)``.
@@ -114,15 +112,10 @@ def within_margin(iv: Mapping[str, Any], margin: float, *, two_sided: bool = Tru
     low, high = iv.get("low"), iv.get("high")
     if low is None or high is None or math.isnan(low) or math.isnan(high):
         return INCONCLUSIVE
-    if two_sided:
-        if -margin <= low and high <= margin:
-            return "within"
-        if low > margin or high < -margin:
-            return "outside"
-        return INCONCLUSIVE
-    if high <= margin:
+    floor = -margin if two_sided else -math.inf
+    if floor <= low and high <= margin:
         return "within"
-    if low > margin:
+    if low > margin or high < floor:
         return "outside"
     return INCONCLUSIVE
 

@@ -39,6 +39,7 @@ from gna_lens.render.markdown import format_nats as _nats
 from gna_lens.render.markdown import format_number as _num
 from gna_lens.render.markdown import format_percent as _pct
 from gna_lens.render.markdown import format_points as _pts
+from gna_lens.render.markdown import format_share as _share
 
 __all__ = ["seed_claims", "set_level_comparisons", "status_rows"]
 
@@ -50,6 +51,18 @@ REPRODUCED, PARTLY, NOT, UNTESTABLE, NO_RESULT, NOT_ATTEMPTED = (
     "no result",
     "not attempted",
 )
+
+
+#: The claim of the retrieval rows (SmolLM2's top k, each template's top k).
+FEW_HEADS = "Removing a few heads drops in-context retrieval to chance; as many random heads do not"
+
+
+def _status(
+    claim: str, model: str, numbers: str, verdict: tuple[str, str], **extra: str
+) -> dict[str, str]:
+    """A status row: ``claim, model, numbers, status, why`` (and ``extra``, e.g. ``label``)."""
+    return {"claim": claim, "model": model, "numbers": numbers, "status": verdict[0],
+            "why": verdict[1], **extra}  # fmt: skip
 
 
 def _row(table: Mapping[str, Any], task: str) -> Mapping[str, Any]:
@@ -123,27 +136,18 @@ def status_rows(results: Mapping[str, Any]) -> list[dict[str, str]]:
     if "1" in results:
         r = results["1"]
         for rem in [x for x in r["removal"] if x["k"] in (4, 8)] or r["removal"][-1:]:
-            row = rem["rows"][0]
-            status, why = _retrieval_status(row)
-            rand = row.get("random_change")
-            out.append(
-                {
-                    "claim": "Removing a few heads drops in-context retrieval to chance; as many "
-                    "random heads do not",
-                    "model": r["model"],
-                    "numbers": f"KV top {rem['k']}: {_pct(row['before'])} -> {_pct(row['after'])} "
-                    f"(chance {100 * row['chance']:.1f}%); {rem['k']} random heads: "
-                    f"{_pts(rand)}{_p_text(row)}",
-                    "status": status,
-                    "why": why,
-                    "label": f"SmolLM2 top {rem['k']}",
-                }
+            row, k = rem["rows"][0], rem["k"]
+            numbers = (
+                f"KV top {k}: {_pct(row['before'])} -> {_pct(row['after'])} (chance "
+                f"{_share(row['chance'])}); {k} random heads: {_pts(row.get('random_change'))}"
+                f"{_p_text(row)}"
             )
-            ctrl = rem.get("control")
-            if ctrl:
+            verdict = _retrieval_status(row)
+            out.append(_status(FEW_HEADS, r["model"], numbers, verdict, label=f"SmolLM2 top {k}"))
+            if rem.get("control"):
                 out.append(
-                    _set_control_status(r["model"], rem["k"], ctrl)
-                    | {"label": f"SmolLM2 top {rem['k']} (prose)"}
+                    _set_control_status(r["model"], k, rem["control"])
+                    | {"label": f"SmolLM2 top {k} (prose)"}
                 )
         for task, claim in (
             ("mmlu-cloze", "Knowledge (cloze MMLU) stays flat"),
@@ -154,17 +158,12 @@ def status_rows(results: Mapping[str, Any]) -> list[dict[str, str]]:
             if not rows:
                 continue
             x = rows[0]
-            status, why = _flat_status(x) if task == "mmlu-cloze" else _retrieval_status(x)
-            out.append(
-                {
-                    "claim": claim,
-                    "model": r["model"],
-                    "numbers": f"{_pct(x['before'])} -> {_pct(x['after'])} (chance "
-                    f"{100 * x['chance']:.1f}%, n={x['n']})",
-                    "status": status,
-                    "why": why,
-                }
+            numbers = (
+                f"{_pct(x['before'])} -> {_pct(x['after'])} (chance {_share(x['chance'])}, "
+                f"n={x['n']})"
             )
+            verdict = _flat_status(x) if task == "mmlu-cloze" else _retrieval_status(x)
+            out.append(_status(claim, r["model"], numbers, verdict))
     for r in results.get("2", []):
         rem = next((x for x in r["rows"] if x["k"] == 4), r["rows"][-1])
         row = _row(rem, r["probe"])
@@ -173,17 +172,12 @@ def status_rows(results: Mapping[str, Any]) -> list[dict[str, str]]:
         c_status, _ = _flat_status(cloze)
         if status == REPRODUCED and c_status != REPRODUCED:
             status, why = PARTLY, why + f"; but cloze is not shown flat ({c_status})"
-        out.append(
-            {
-                "claim": "Retrieval falls, knowledge (cloze) stays",
-                "model": r["model"] + _unit_note(r),
-                "numbers": f"{r['probe']} top {rem['k']}: {_pct(row['before'])} -> "
-                f"{_pct(row['after'])}, random {_pts(row.get('random_change'))}; cloze "
-                f"{_pts(cloze['change'])}",
-                "status": status,
-                "why": why,
-            }
+        numbers = (
+            f"{r['probe']} top {rem['k']}: {_pct(row['before'])} -> {_pct(row['after'])}, random "
+            f"{_pts(row.get('random_change'))}; cloze {_pts(cloze['change'])}"
         )
+        claim = "Retrieval falls, knowledge (cloze) stays"
+        out.append(_status(claim, r["model"] + _unit_note(r), numbers, (status, why)))
     role_sources = (
         [(results["1"]["model"], results["1"].get("top_heads"))] if "1" in results else []
     )
@@ -259,28 +253,26 @@ def _templates_status(r: Mapping[str, Any]) -> list[dict[str, str]]:
     for cell in r["cells"]:
         t, k = cell["selected_on"], cell["k"]
         row = _row(cell, f"kv-{t}")
-        status, why = _retrieval_status(row)
-        out.append(
-            {
-                "claim": "Removing a few heads drops in-context retrieval to chance; as many "
-                "random heads do not",
-                "model": f"{r['model'].split(' (')[0]}, {t} template"
-                + (" (copying cannot answer it)" if t == "facts" else " (copying answers it)"),
-                "numbers": f"{t} top {k} on held-out {t} prompts: {_pct(row['before'])} -> "
-                f"{_pct(row['after'])} (chance {100 * row['chance']:.1f}%); {k} random heads: "
-                f"{_pts(row.get('random_change'))}{_p_text(row)}",
-                "status": status,
-                "why": why,
-                "label": f"SmolLM2 {t} top {k}",
-            }
+        model = f"{r['model'].split(' (')[0]}, {t} template"
+        numbers = (
+            f"{t} top {k} on held-out {t} prompts: {_pct(row['before'])} -> {_pct(row['after'])} "
+            f"(chance {_share(row['chance'])}); {k} random heads: "
+            f"{_pts(row.get('random_change'))}{_p_text(row)}"
         )
+        out.append(
+            _status(FEW_HEADS, model + _copying(t), numbers, _retrieval_status(row),
+                    label=f"SmolLM2 {t} top {k}")
+        )  # fmt: skip
         if cell.get("control"):
             out.append(
-                _set_control_status(r["model"].split(" (")[0] + f", {t} template", k,
-                                    cell["control"])
+                _set_control_status(model, k, cell["control"])
                 | {"label": f"SmolLM2 {t} top {k} (prose)"}
-            )  # fmt: skip
+            )
     return out
+
+
+def _copying(template: str) -> str:
+    return " (copying cannot answer it)" if template == "facts" else " (copying answers it)"
 
 
 def _halves_text(x: Mapping[str, Any]) -> str:
@@ -307,9 +299,8 @@ def _kcurve_status(r: Mapping[str, Any]) -> list[dict[str, str]]:
         cell = next((c for c in r["cells"] if c["k"] == h), None)
         row = _row(cell, task) if cell else None
         template = task.removeprefix("kv-")
-        model = f"SmolLM2-135M, the question ranking on the {template} template" + (
-            " (copying cannot answer it)" if template == "facts" else " (copying answers it)"
-        )
+        model = f"SmolLM2-135M, the question ranking on the {template} template"
+        model += _copying(template)
         numbers = _halves_text(x) + (
             f"; top {h} vs random {_pts(row.get('vs_random'))}" if row else ""
         )
@@ -330,8 +321,7 @@ def _kcurve_status(r: Mapping[str, Any]) -> list[dict[str, str]]:
         else:
             status = INCONCLUSIVE
             why = f"the next {h} heads' added drop is not shown smaller (interval includes 0)"
-        out.append({"claim": claim, "model": model, "numbers": numbers, "status": status,
-                    "why": why, "label": f"SmolLM2 {template}"})  # fmt: skip
+        out.append(_status(claim, model, numbers, (status, why), label=f"SmolLM2 {template}"))
     if r.get("masks_facts"):
         out.append(_mask_status(r["masks_facts"] | {"model": "SmolLM2-135M, facts template",
                                                     "task": "kv-facts"}))  # fmt: skip
@@ -342,20 +332,18 @@ def _mask_status(r: Mapping[str, Any]) -> dict[str, str]:
     base, kept, denied = r["baseline"], r["kept"], r["denied"]
     numbers = (
         f"{r['task']}: no mask {_pct(base)}, kept {_pct(kept)}, denied {_pct(denied)} "
-        f"(chance {100 * r['chance']:.1f}%)"
+        f"(chance {_share(r['chance'])})"
     )
-    claim = "Keeping only the G&A patterns keeps retrieval; denying them breaks it"
+    row = {"claim": "Keeping only the G&A patterns keeps retrieval; denying them breaks it",
+           "model": r["model"], "numbers": numbers}  # fmt: skip
     if not base["low"] > r["chance"]:
-        return {"claim": claim, "model": r["model"], "numbers": numbers, "status": UNTESTABLE,
-                "why": "the model is at chance on this task"}  # fmt: skip
+        return row | {"status": UNTESTABLE, "why": "the model is at chance on this task"}
     if "gather_heads" in r and not r["gather_heads"] and not r.get("aggregate_heads"):
-        return {"claim": claim, "model": r["model"], "numbers": numbers, "status": NO_RESULT,
-                "why": "no candidate pair to mask: no gather candidate sits in a layer below an "
-                "aggregate candidate (pair_candidates)"}  # fmt: skip
+        return row | {"status": NO_RESULT, "why": "no candidate pair to mask: no gather candidate "
+                      "sits in a layer below an aggregate candidate (pair_candidates)"}  # fmt: skip
     if base["value"] == kept["value"] == denied["value"]:
-        return {"claim": claim, "model": r["model"], "numbers": numbers, "status": NO_RESULT,
-                "why": "kept, denied and no mask give the same accuracy: the masks changed no "
-                "answer, so the experiment cannot tell"}  # fmt: skip
+        return row | {"status": NO_RESULT, "why": "kept, denied and no mask give the same "
+                      "accuracy: the masks changed no answer, so the experiment cannot tell"}  # fmt: skip
     keeps = kept["value"] >= base["value"] - FLAT_POINTS * 2 and kept["high"] >= base["low"]
     breaks = denied["high"] < base["low"]
     if keeps and breaks:
@@ -370,7 +358,7 @@ def _mask_status(r: Mapping[str, Any]) -> dict[str, str]:
         )
     else:
         status, why = NOT, "neither holds"
-    return {"claim": claim, "model": r["model"], "numbers": numbers, "status": status, "why": why}
+    return row | {"status": status, "why": why}
 
 
 def _sharpness_status(r: Mapping[str, Any]) -> list[dict[str, str]]:
@@ -386,21 +374,17 @@ def _sharpness_status(r: Mapping[str, Any]) -> list[dict[str, str]]:
     )
     claim = "SSM G&A heads are less sharp, and SSM retrieval falls faster with dictionary size"
     if transformer not in cap or not does[transformer]:
-        return [
-            {
-                "claim": claim,
-                "model": "zoo",
-                "numbers": numbers,
-                "status": UNTESTABLE,
-                "why": "the zoo Transformer does not do KV retrieval, so there is no Transformer "
-                "baseline to compare the SSMs' sharpness or capacity with",
-            }
-        ]
-    t = sharp[transformer]["mean_sharpness"]
-    less = [m for m in ssms if does[m] and sharp[m]["mean_sharpness"]["high"] < t["low"]]
-    status = REPRODUCED if less and len(less) == sum(does[m] for m in ssms) else NOT
-    return [{"claim": claim, "model": "zoo", "numbers": numbers, "status": status,
-             "why": "sharpness intervals of the SSMs' top heads vs the Transformer's"}]  # fmt: skip
+        why = (
+            "the zoo Transformer does not do KV retrieval, so there is no Transformer baseline to "
+            "compare the SSMs' sharpness or capacity with"
+        )
+        verdict = UNTESTABLE, why
+    else:
+        t = sharp[transformer]["mean_sharpness"]
+        less = [m for m in ssms if does[m] and sharp[m]["mean_sharpness"]["high"] < t["low"]]
+        status = REPRODUCED if less and len(less) == sum(does[m] for m in ssms) else NOT
+        verdict = status, "sharpness intervals of the SSMs' top heads vs the Transformer's"
+    return [_status(claim, "zoo", numbers, verdict)]
 
 
 def _hybrid_status(r: Mapping[str, Any]) -> dict[str, str]:
@@ -554,7 +538,7 @@ def _probe_status(r: Mapping[str, Any]) -> dict[str, str]:
     k = len(r["question_top"]) or len(r["top_heads"])
     base = {"claim": "Induction cannot answer the probe, and it finds the same heads",
             "model": r["model"],
-            "numbers": f"{r['template']}: {_pct(acc)} (chance {100 * r['chance']:.1f}%); top "
+            "numbers": f"{r['template']}: {_pct(acc)} (chance {_share(r['chance'])}); top "
             f"{len(r['top_heads'])} shares {len(r['overlap'])} of the question template's "
             f"top {k}"}  # fmt: skip
     if not acc["low"] > r["chance"]:
@@ -601,14 +585,12 @@ def _set_control_status(model: str, k: int, ctrl: Mapping[str, Any]) -> dict[str
             "" if vs else "; no paired comparison with random sets was stored"
         )
     vs_text = f"; minus random, paired by window {_nats(vs)}" if vs else ""
-    return {
-        "claim": "...while text that needs no retrieval stays flat (the set removed together)",
-        "model": model,
-        "numbers": f"top {k}: prose loss {_nats(ctrl['change'])} nats/token (n={ctrl.get('n', '?')} "
-        f"windows); random {_nats(ctrl.get('random_change'))}{vs_text}",
-        "status": status,
-        "why": why,
-    }
+    numbers = (
+        f"top {k}: prose loss {_nats(ctrl['change'])} nats/token (n={ctrl.get('n', '?')} "
+        f"windows); random {_nats(ctrl.get('random_change'))}{vs_text}"
+    )
+    claim = "...while text that needs no retrieval stays flat (the set removed together)"
+    return _status(claim, model, numbers, (status, why))
 
 
 def _summary(rows: Sequence[Mapping[str, str]]) -> tuple[str, str]:

@@ -94,25 +94,13 @@ def _check_series(series: Sequence[Mapping[str, Any]], where: str) -> None:
                 )
 
 
-def _panel(
-    x0: float,
-    y0: float,
-    series: Sequence[Mapping[str, Any]],
-    *,
-    title: str,
-    x_label: str,
-    y_label: str,
-    y_range: tuple[float, float] | None,
-    bands: bool,
-    chance: float | Sequence[float] | None,
-    references: Sequence[Mapping[str, Any]],
-    x_ticks: Sequence[float] | None,
-    x_log2: bool,
-    percent: bool,
-    size: tuple[int, int],
-) -> list[str]:
-    """One panel's elements, its plot box starting at ``(x0 + LEFT, y0 + TOP)``."""
-    refs = list(references)
+def _panel(x0: float, y0: float, p: Mapping[str, Any], size: tuple[int, int]) -> list[str]:
+    """One panel's elements (``p``: :func:`line_chart`'s arguments), its plot box starting at
+    ``(x0 + LEFT, y0 + TOP)``."""
+    series, chance, x_ticks = p["series"], p.get("chance"), p.get("x_ticks")
+    y_range: tuple[float, float] | None = p.get("y_range")
+    bands, x_log2, percent = p.get("bands", True), p.get("x_log2", False), p.get("percent", False)
+    refs = list(p.get("references", ()))
     if chance is not None:
         if isinstance(chance, int | float):
             xs_all = [_num(x) for s in series for x in s["x"]]
@@ -157,7 +145,7 @@ def _panel(
 
     out = [
         f'<text x="{_fmt(bx + w / 2)}" y="{_fmt(y0 + 16)}" text-anchor="middle" '
-        f'font-size="12">{escape(title)}</text>',
+        f'font-size="12">{escape(str(p.get("title", "")))}</text>',
         f'<rect x="{_fmt(bx)}" y="{_fmt(by)}" width="{_fmt(w)}" height="{_fmt(h)}" '
         'fill="none" stroke="#888"/>',
     ]
@@ -181,9 +169,9 @@ def _panel(
         )
     out.append(
         f'<text x="{_fmt(bx + w / 2)}" y="{_fmt(by + h + 32)}" text-anchor="middle">'
-        f"{escape(x_label)}</text>"
+        f"{escape(str(p.get('x_label', '')))}</text>"
         f'<text transform="translate({_fmt(x0 + 14)},{_fmt(by + h / 2)}) rotate(-90)" '
-        f'text-anchor="middle">{escape(y_label)}</text>'
+        f'text-anchor="middle">{escape(str(p.get("y_label", "")))}</text>'
     )
     for ref in refs:
         pts = [
@@ -351,23 +339,7 @@ def chart_grid(
         out.append(f'<text x="10" y="{18 + 17 * i}" font-size="13">{escape(line)}</text>')
     for k, p in enumerate(panels):
         r, c = divmod(k, cols)
-        kw = {key: v for key, v in p.items() if key != "series"}
-        out += _panel(
-            5 + c * pw,
-            head + r * ph,
-            p["series"],
-            title=str(kw.get("title", "")),
-            x_label=str(kw.get("x_label", "")),
-            y_label=str(kw.get("y_label", "")),
-            y_range=kw.get("y_range"),
-            bands=bool(kw.get("bands", True)),
-            chance=kw.get("chance"),
-            references=kw.get("references", ()),
-            x_ticks=kw.get("x_ticks"),
-            x_log2=bool(kw.get("x_log2", False)),
-            percent=bool(kw.get("percent", False)),
-            size=(pw, ph),
-        )
+        out += _panel(5 + c * pw, head + r * ph, p, (pw, ph))
     out += legend
     for i, line in enumerate(note_lines):
         y = ly + n_rows * LEGEND_H + 2 + 15 * i
@@ -448,6 +420,16 @@ def _iv(points: Sequence[Mapping[str, Any]], key: str) -> tuple[list[Any], list[
     return vals, lows, highs
 
 
+def _check_result(result: Any, caller: str, maker: str, need: Sequence[str]) -> None:
+    """Refuse a ``result`` that lacks the keys ``maker`` (a findings experiment) writes."""
+    if not isinstance(result, Mapping) or any(k not in result for k in need):
+        have = sorted(result) if isinstance(result, Mapping) else type(result).__name__
+        raise ConfigError(
+            f"{caller} got a result with keys {have}; expected {maker}'s dict (keys "
+            f"{list(need)}). Fix: pass gna_lens.findings.layers.{maker}(...)."
+        )
+
+
 def _model_name(result: Mapping[str, Any]) -> str:
     """The model's short name, else its description."""
     return str(result.get("model_name") or result.get("model", ""))
@@ -510,13 +492,8 @@ def pruning_figure(result: Mapping[str, Any], title: str | None = None) -> str:
         >>> pruning_figure(res).count('class="series"')  # 2 panels x (gradual, individual)
         4
     """
-    need = ("gradual", "individual", "n_layers", "chance", "baseline", "order")
-    if not isinstance(result, Mapping) or any(k not in result for k in need):
-        have = sorted(result) if isinstance(result, Mapping) else type(result).__name__
-        raise ConfigError(
-            f"pruning_figure got a result with keys {have}; expected layer_pruning's dict "
-            f"(keys {list(need)}). Fix: pass gna_lens.findings.layers.layer_pruning(...)."
-        )
+    _check_result(result, "pruning_figure", "layer_pruning",
+                  ("gradual", "individual", "n_layers", "chance", "baseline", "order"))  # fmt: skip
     n = int(result["n_layers"])
     from_end = result["order"] == "from_end"
     grad = list(result["gradual"])
@@ -588,14 +565,7 @@ def dictionary_figure(result: Mapping[str, Any], title: str | None = None) -> st
         >>> dictionary_figure(res).count('class="series"')
         3
     """
-    need = ("points", "heads")
-    if not isinstance(result, Mapping) or any(k not in result for k in need):
-        have = sorted(result) if isinstance(result, Mapping) else type(result).__name__
-        raise ConfigError(
-            f"dictionary_figure got a result with keys {have}; expected "
-            f"dictionary_size_curves' dict (keys {list(need)}). Fix: pass "
-            "gna_lens.findings.layers.dictionary_size_curves(...)."
-        )
+    _check_result(result, "dictionary_figure", "dictionary_size_curves", ("points", "heads"))
     pts = list(result["points"])
     xs = [p["n_pairs"] for p in pts]
     k = len(result["heads"])

@@ -519,7 +519,7 @@ def cell_result_figure(result: Any, title: str | None = None) -> Any:
             y=df["effect"],
             mode="markers+lines",
             name=f"{result.metric} effect",
-            error_y=_error_bars(df, "effect", "effect_low", "effect_high"),
+            error_y=_error_bars(df["effect"], df["effect_low"], df["effect_high"]),
         )
     )
     if result.has_control:
@@ -530,7 +530,7 @@ def cell_result_figure(result: Any, title: str | None = None) -> Any:
                 mode="markers+lines",
                 name="control loss change",
                 yaxis="y2",
-                error_y=_error_bars(df, "control_effect", "control_low", "control_high"),
+                error_y=_error_bars(df["control_effect"], df["control_low"], df["control_high"]),
             )
         )
     fig.update_layout(
@@ -543,13 +543,21 @@ def cell_result_figure(result: Any, title: str | None = None) -> Any:
     return fig
 
 
-def _error_bars(df: Any, mid: str, low: str, high: str) -> dict[str, Any]:
+def _error_bars(mid: Any, low: Any, high: Any, scale: float = 1.0, **extra: Any) -> dict[str, Any]:
+    """Plotly's asymmetric ``error_y`` from the values and their interval ends (times ``scale``)."""
     return dict(
         type="data",
         symmetric=False,
-        array=(df[high] - df[mid]).tolist(),
-        arrayminus=(df[mid] - df[low]).tolist(),
+        array=[scale * (h - m) for m, h in zip(mid, high, strict=True)],
+        arrayminus=[scale * (m - lo) for m, lo in zip(mid, low, strict=True)],
+        **extra,
     )
+
+
+def _iv_bars(ivs: list[Any], **extra: Any) -> dict[str, Any]:
+    """:func:`_error_bars` of intervals (``value``, ``low``, ``high``), in percent."""
+    values, lows, highs = ([getattr(iv, k) for iv in ivs] for k in ("value", "low", "high"))
+    return _error_bars(values, lows, highs, 100.0, **extra)
 
 
 def benchmark_figure(table: Any) -> Any:
@@ -575,12 +583,7 @@ def benchmark_figure(table: Any) -> Any:
             go.Scatter(
                 x=list(table.remove_top),
                 y=[100 * c.value.value for c in cs],
-                error_y={
-                    "type": "data",
-                    "symmetric": False,
-                    "array": [100 * (c.value.high - c.value.value) for c in cs],
-                    "arrayminus": [100 * (c.value.value - c.value.low) for c in cs],
-                },
+                error_y=_iv_bars([c.value for c in cs]),
                 mode="lines+markers",
                 name=t,
             )
@@ -594,13 +597,7 @@ def benchmark_figure(table: Any) -> Any:
                 go.Scatter(
                     x=[c.k for c in cs],
                     y=[100 * c.value.value for c in cs],
-                    error_y={
-                        "type": "data",
-                        "symmetric": False,
-                        "array": [100 * (c.value.high - c.value.value) for c in cs],
-                        "arrayminus": [100 * (c.value.value - c.value.low) for c in cs],
-                        "visible": kind == "random_mean",
-                    },
+                    error_y=_iv_bars([c.value for c in cs], visible=kind == "random_mean"),
                     text=[f"{c.label}: {heads_label(c.heads, ';')}" for c in cs],
                     mode="markers",
                     marker={"symbol": symbol, "size": 9},
@@ -639,12 +636,7 @@ def hybrid_figure(table: Any) -> Any:
                 go.Scatter(
                     x=[r.k for r in rows],
                     y=[100 * r.kv[t].value for r in rows],
-                    error_y={
-                        "type": "data",
-                        "symmetric": False,
-                        "array": [100 * (r.kv[t].high - r.kv[t].value) for r in rows],
-                        "arrayminus": [100 * (r.kv[t].value - r.kv[t].low) for r in rows],
-                    },
+                    error_y=_iv_bars([r.kv[t] for r in rows]),
                     mode="markers+lines",
                     name=f"{kind}-k",
                     marker_color=colors[kind],

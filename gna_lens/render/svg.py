@@ -111,7 +111,7 @@ def benchmark_svg(table: Any, width: int = 560, height: int = 320) -> str:
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
         f'font-family="sans-serif" font-size="11">',
         f'<rect width="{width}" height="{height}" fill="white"/>',
-        f'<text x="{left}" y="16" font-size="12">{_esc(table.model)}: top-k heads removed '
+        f'<text x="{left}" y="16" font-size="12">{html.escape(table.model)}: top-k heads removed '
         "(95% intervals; dashed: chance)</text>",
     ]
     for v in (0, 0.25, 0.5, 0.75, 1.0):
@@ -148,7 +148,7 @@ def benchmark_svg(table: Any, width: int = 560, height: int = 320) -> str:
         ly = top + 14 + 18 * i
         out.append(
             f'<rect x="{left + w + 12}" y="{ly - 8}" width="10" height="10" fill="{col}"/>'
-            f'<text x="{left + w + 26}" y="{ly + 1}">{_esc(t)}</text>'
+            f'<text x="{left + w + 26}" y="{ly + 1}">{html.escape(t)}</text>'
         )
     if any(c.kind != "top" for c in table.cells):
         out += _random_marks(
@@ -174,7 +174,7 @@ def _random_marks(
         col = colors[i % len(colors)]
         for c in table.random_cells(t):
             cx = x(c.k) + (6 if c.kind == "random" else 12)
-            tip = f"<title>{_esc(c.label)} {_esc(t)}: {c.value.format(percent=True)}</title>"
+            tip = f"<title>{html.escape(c.label)} {html.escape(t)}: {c.value.format(percent=True)}</title>"
             if not math.isnan(c.value.low) and c.kind == "random_mean":
                 out.append(
                     f'<line x1="{cx:.1f}" x2="{cx:.1f}" y1="{y(c.value.low):.1f}" '
@@ -203,10 +203,6 @@ def _random_marks(
         f'<text x="{lx + 26}" y="{ly + 19}">random-{k} mean</text>'
     )
     return out
-
-
-def _esc(text: str) -> str:
-    return html.escape(text)
 
 
 def hybrid_curve_rows(table: Any, kind: str) -> list[Any]:
@@ -270,18 +266,13 @@ def hybrid_svg(table: Any, panel: int = 240, height: int = 300) -> str:
         for k in ks:
             out.append(f'<text x="{x(k):.1f}" y="{top + h + 14}" text-anchor="middle">{k}</text>')
         teacher = next((r for r in table.rows if r.kind == "teacher"), None)
-        if teacher is not None and t in teacher.kv:
-            v = teacher.kv[t].value
-            out.append(
-                f'<line x1="{x0}" x2="{x0 + panel}" y1="{y(v):.1f}" y2="{y(v):.1f}" '
-                'stroke="gray" stroke-dasharray="6 3"/>'
-            )
-        c = table.chance.get(t)
-        if c is not None:
-            out.append(
-                f'<line x1="{x0}" x2="{x0 + panel}" y1="{y(c):.1f}" y2="{y(c):.1f}" '
-                'stroke="black" stroke-dasharray="2 3"/>'
-            )
+        taught = teacher.kv[t].value if teacher is not None and t in teacher.kv else None
+        for line, col, dash in ((taught, "gray", "6 3"), (table.chance.get(t), "black", "2 3")):
+            if line is not None:
+                out.append(
+                    f'<line x1="{x0}" x2="{x0 + panel}" y1="{y(line):.1f}" y2="{y(line):.1f}" '
+                    f'stroke="{col}" stroke-dasharray="{dash}"/>'
+                )
         for kind, col, dx in (("top", "#1f77b4", -3), ("random", "#d62728", 3)):
             rows = [r for r in hybrid_curve_rows(table, kind) if t in r.kv]
             pts = " ".join(f"{x(r.k) + dx:.1f},{y(r.kv[t].value):.1f}" for r in rows)
