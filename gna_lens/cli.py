@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from gna_lens.device import DevicePolicy
+from gna_lens.heads import HookedModel
 from gna_lens.runtime import choose_threads
 from gna_lens.testing import ARCHITECTURES
 
@@ -59,7 +60,7 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _scan_tasks(model: Any, args: argparse.Namespace, is_zoo: bool) -> Any:
+def _scan_tasks(model: HookedModel, args: argparse.Namespace, is_zoo: bool) -> Any:
     """The scan's prompts: a zoo model's own splits and cloze control
     (``gna_lens.zoo.scan_tasks``), else :func:`gna_lens.scan.build_tasks` with the task flags."""
     if is_zoo:

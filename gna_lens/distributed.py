@@ -53,6 +53,7 @@ from torch import Tensor
 
 from gna_lens.device import HOST, host_full
 from gna_lens.errors import ConfigError, GnaLensError, WorkerError
+from gna_lens.heads import HookedModel
 from gna_lens.render.markdown import heads_label
 from gna_lens.runtime import autocast
 
@@ -266,7 +267,7 @@ class RayExecutor:
         return ray
 
     # ------------------------------------------------------------------ the model in a worker
-    def _source(self, model: Any) -> tuple[Any, dict[str, Any], str]:
+    def _source(self, model: HookedModel) -> tuple[Any, dict[str, Any], str]:
         """(what a worker loads, load_model's keyword arguments, a description)."""
         groups = getattr(model, "head_group_spec", None)
         if groups:
@@ -331,7 +332,9 @@ class RayExecutor:
             )
         return {"workers": workers, "threads_per_worker": threads, "gpus_per_worker": gpw}
 
-    def _ensure_pool(self, ray: Any, model: Any, source: Any, kwargs: Any, label: str) -> None:
+    def _ensure_pool(
+        self, ray: Any, model: HookedModel, source: Any, kwargs: Any, label: str
+    ) -> None:
         fingerprint = self._fingerprint_of(model)
         key = (source if isinstance(source, str) else id(source), repr(kwargs), fingerprint)
         if self._slots and self._pool_key == key:
@@ -353,7 +356,7 @@ class RayExecutor:
         self._slots = [self._new_slot(i) for i in range(spec["workers"])]
         self._pool_key = key
 
-    def _fingerprint_of(self, model: Any) -> tuple[int, float, float]:
+    def _fingerprint_of(self, model: HookedModel) -> tuple[int, float, float]:
         """The weights' fingerprint, recomputed only when a parameter was replaced or edited in
         place since the last sweep (its storage or torch's version counter changed): summing
         every parameter of a large model takes a while, and it is serial time of every sweep."""
@@ -369,7 +372,7 @@ class RayExecutor:
         actor = self._remote.remote(*self._worker_args)
         return _Slot(index, actor, placed_ref=actor.placed.remote(), ready_ref=actor.load.remote())
 
-    def start(self, model: Any) -> "RayExecutor":
+    def start(self, model: HookedModel) -> "RayExecutor":
         """Start the workers for ``model`` and wait until each has loaded it (optional: the
         first sweep starts them otherwise, and begins as soon as one is ready).
 
@@ -387,7 +390,7 @@ class RayExecutor:
         return self
 
     @contextlib.contextmanager
-    def _pool(self, model: Any) -> Iterator[Any]:
+    def _pool(self, model: HookedModel) -> Iterator[Any]:
         """Ray, with the workers for ``model`` started (or kept); on an error, a worker beyond
         repair or Ctrl-C in the block, every worker is stopped."""
         source, kwargs, label = self._source(model)  # refuse before starting anything
@@ -401,7 +404,7 @@ class RayExecutor:
 
     # ------------------------------------------------------------------ a sweep
     def run_sweep(
-        self, model: Any, job: Any, sweep: Any, *, bar: Any = None
+        self, model: HookedModel, job: Any, sweep: Any, *, bar: Any = None
     ) -> tuple[Tensor, Tensor, dict[str, Any]]:
         """Run a planned sweep on the workers (called by the sweeps; see the module docs).
 
@@ -672,7 +675,7 @@ class _SweepWorker:
         self.args = (source, kwargs, fingerprint, label)
         self.error: str | None = None
         self.session: tuple[int, Any, Any] | None = None
-        self.model: Any = None
+        self.model: HookedModel | None = None
         self.load_seconds = 0.0
         torch.set_num_threads(int(threads))
 
@@ -730,6 +733,7 @@ class _SweepWorker:
             import ray
 
             self.session = None  # drop the last sweep's clean runs first
+            assert self.model is not None  # a failed load raised its WorkerError above
             job = ray.get(job_box[0])
             with _context(job, self.device):
                 self.session = (sweep_id, job, plan_job(self.model, job))
@@ -849,7 +853,7 @@ def _merge_infos(infos: list[dict[str, Any]]) -> dict[str, Any]:
     return out | {"paths": paths, "fallbacks": fallbacks}
 
 
-def _param_dtype(model: Any) -> torch.dtype:
+def _param_dtype(model: HookedModel) -> torch.dtype:
     try:
         return cast("torch.dtype", next(iter(model.parameters())).dtype)
     except (StopIteration, AttributeError, TypeError):
@@ -866,7 +870,7 @@ def _absolute(path: str) -> str:
     return str(p.resolve()) if p.exists() else path
 
 
-def _fingerprint(model: Any) -> tuple[int, float, float]:
+def _fingerprint(model: HookedModel) -> tuple[int, float, float]:
     """(parameter count, sum, sum of absolute values) over every parameter, in float64."""
     n, total, absolute = 0, 0.0, 0.0
     with torch.no_grad():
@@ -877,7 +881,7 @@ def _fingerprint(model: Any) -> tuple[int, float, float]:
     return n, total, absolute
 
 
-def _param_state(model: Any) -> tuple[tuple[Any, ...], ...] | None:
+def _param_state(model: HookedModel) -> tuple[tuple[Any, ...], ...] | None:
     """Per parameter: its storage, version counter (bumped by every in-place edit), shape and
     dtype: what tells that the weights may have changed without reading them. ``None`` when
     that cannot be told (inference-mode tensors keep no version counter)."""

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from gna_lens.errors import ConfigError, GnaLensError, GnaLensWarning, TaskError
-from gna_lens.heads import Subject
+from gna_lens.heads import HookedModel, Subject
 from gna_lens.models.provenance import provenance_of
 from gna_lens.runtime import output_folder
 from gna_lens.scoring import (
@@ -397,7 +397,7 @@ def _stage(progress: bool, text: str) -> None:
 
 
 def scan(
-    model: Any,
+    model: HookedModel,
     task: str = "kv",
     *,
     n_samples: int = 24,
@@ -740,7 +740,7 @@ class ScanEstimate:
 
 
 def estimate_scan(
-    model: Any,
+    model: HookedModel,
     task: str = "kv",
     *,
     n_samples: int = 24,
@@ -847,7 +847,7 @@ def describe_timings(timings: dict[str, float], heads: dict[str, float]) -> str:
 
 
 def _prompts(
-    model: Any, task: str, tasks: ScanTasks | None, n_samples: int, seed: int, n_eval: int,
+    model: HookedModel, task: str, tasks: ScanTasks | None, n_samples: int, seed: int, n_eval: int,
     control: Any, positions: Any,
 ) -> tuple[ScanTasks, Any, Any]:  # fmt: skip
     """A scan's prompt sets (``tasks``, else :func:`build_tasks`) and its two controls (the sets'
@@ -891,7 +891,7 @@ def _pick_strategy(
     return chosen, why, prefilter
 
 
-def _check_baseline(model: Any, probe: Task, name: str | None, *, force: bool) -> str:
+def _check_baseline(model: HookedModel, probe: Task, name: str | None, *, force: bool) -> str:
     """The model's accuracy on the selection prompts against chance, before any sweep; stops a
     scan of a model that does not do the task unless ``force``."""
     result = evaluate(model, probe, progress=False)

@@ -10,13 +10,14 @@ page and decides each claim's status from these numbers alone.
 import math
 import random
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from gna_lens.device import HOST, to_host
 from gna_lens.errors import TaskError
-from gna_lens.heads import Head, Subject, describe_head_groups, head_view
+from gna_lens.heads import Head, HookedModel, Subject, describe_head_groups, head_view
 from gna_lens.models.provenance import provenance_of
 from gna_lens.render.markdown import head_label
 from gna_lens.scoring import (
@@ -27,7 +28,7 @@ from gna_lens.scoring import (
     retrieval_vs_knowledge,
     score_heads,
 )
-from gna_lens.stats import bootstrap_interval, wilson_interval
+from gna_lens.stats import mean_interval, percentile_interval, wilson_interval
 from gna_lens.tasks import Task, evaluate, kv_retrieval, text_control
 
 __all__ = [
@@ -103,7 +104,7 @@ def _method(report: GnaReport) -> dict[str, Any]:
     }
 
 
-def smollm2_label(model: Any) -> str:
+def smollm2_label(model: HookedModel) -> str:
     """SmolLM2's name and which of its weights ``model`` holds, from its provenance.
 
     ``load_model("smollm2-135m")`` gives the packaged GGUF copy, a hub name the hub's weights;
@@ -123,7 +124,7 @@ def smollm2_label(model: Any) -> str:
 
 # ----------------------------------------------------------------------------- 1. SmolLM2
 def smollm2_heads(
-    model: Any = None,
+    model: HookedModel | None = None,
     *,
     n_rank: int = 24,
     n_eval: int = 60,
@@ -224,7 +225,7 @@ def smollm2_heads(
 
 
 def _smollm2_selection(
-    model: Any,
+    model: HookedModel,
     *,
     n_rank: int = 24,
     n_pairs: int = 6,
@@ -245,7 +246,11 @@ def _smollm2_selection(
 
 
 def selection_extras(
-    report: GnaReport, model: Any = None, control: Any = None, *, joint_boot: int = 50
+    report: GnaReport,
+    model: HookedModel | None = None,
+    control: Any = None,
+    *,
+    joint_boot: int = 50,
 ) -> dict[str, Any]:
     """How stable the selection is: the greedy joint set (``"joint"``: each accepted head with
     the joint control effect of the set so far, the heads turned down), the top 10's rank
@@ -268,7 +273,7 @@ def selection_extras(
 
 
 def metric_agreement(
-    model: Any,
+    model: HookedModel,
     task: Task,
     report: GnaReport,
     *,
@@ -315,13 +320,9 @@ def metric_agreement(
             spearman(effects["logit_diff"][:, idx].mean(-1), effects["accuracy"][:, idx].mean(-1))
         )
     b = torch.tensor([x for x in boots if not math.isnan(x)], dtype=torch.float64, device=HOST)
-    spear = {
-        "value": rho,
-        "low": float(torch.quantile(b, 0.025)) if len(b) else None,
-        "high": float(torch.quantile(b, 0.975)) if len(b) else None,
-        "n": n,
-        "method": "bootstrap over prompts",
-    }
+    spear = replace(
+        percentile_interval(rho, b), n=n, method="percentile bootstrap over prompts"
+    ).to_dict()
     ctrl = dict(zip(report.heads, report.scores["control_effect"].tolist(), strict=True))
     eligible = [i for i, h in enumerate(heads) if ctrl[h] <= report.max_control]
     ld = effects["logit_diff"].mean(-1)
@@ -361,7 +362,7 @@ def metric_agreement(
 
 
 def second_probe(
-    model: Any = None,
+    model: HookedModel | None = None,
     question_top: Sequence[str] = (),
     *,
     n_rank: int = 24,
@@ -421,7 +422,7 @@ def second_probe(
 
 
 def templates_table(
-    model: Any = None,
+    model: HookedModel | None = None,
     tops: Mapping[str, Sequence[str]] | None = None,
     *,
     ks: Sequence[int] = (4, 8),
@@ -486,7 +487,7 @@ def _both_templates(tok: Any, *, n_pairs: int, n_eval: int, seed: int) -> dict[s
 
 
 def k_curve(
-    model: Any = None,
+    model: HookedModel | None = None,
     order: Sequence[str] = (),
     *,
     ks: Sequence[int] = (1, 2, 4, 8, 12, 16),
@@ -536,9 +537,9 @@ def k_curve(
         second = correct[h] - correct[2 * h]
         halves[name] = {
             "h": h,
-            "first": bootstrap_interval(first).to_dict(),  # type: ignore[union-attr]
-            "second": bootstrap_interval(second).to_dict(),  # type: ignore[union-attr]
-            "first_minus_second": bootstrap_interval(first - second).to_dict(),  # type: ignore[union-attr]
+            "first": mean_interval(first).to_dict(),
+            "second": mean_interval(second).to_dict(),
+            "first_minus_second": mean_interval(first - second).to_dict(),
         }
     out = table | {"order": list(order), "halves": halves}
     if masks and masks.get("gather_heads") and masks.get("aggregate_heads"):
@@ -549,7 +550,7 @@ def k_curve(
 
 
 # ----------------------------------------------------------------------------- zoo
-def _probe_name(model: Any, tasks: Mapping[str, Task], n_rank: int) -> str:
+def _probe_name(model: HookedModel, tasks: Mapping[str, Task], n_rank: int) -> str:
     """The retrieval task (``"kv-8"`` or ``"letter"``) the model does best above chance, judged
     on the selection prompts (the first ``n_rank`` of each split)."""
     margin = {}
@@ -593,7 +594,7 @@ def _zoo_report(
     return rank_zoo_model(name, probe, **kw)
 
 
-def head_unit(model: Any) -> str:
+def head_unit(model: HookedModel) -> str:
     """What one ``(layer, head)`` of ``model`` is, in words, for the findings page.
 
     Examples:
@@ -729,7 +730,9 @@ def sharpness_and_capacity(
     sharp = []
     capacity = []
     for name in names:
-        model, tasks, _, report = _zoo_report(name, reports, "kv-8", n_rank=n_rank, progress=progress)
+        model, tasks, _, report = _zoo_report(
+            name, reports, "kv-8", n_rank=n_rank, progress=progress
+        )
         heads = report.top(top)
         rows = _head_rows(report, heads)
         vals = torch.tensor([r["sharpness"] for r in rows], dtype=torch.float64, device=HOST)
@@ -738,9 +741,7 @@ def sharpness_and_capacity(
                 "model": name,
                 "provenance": provenance_of(model).to_dict(),
                 "heads": rows,
-                "mean_sharpness": (
-                    bootstrap_interval(vals).to_dict() if len(vals) else None  # type: ignore[union-attr]
-                ),
+                "mean_sharpness": (mean_interval(vals).to_dict() if len(vals) else None),
             }
         )
         row: dict[str, Any] = {"model": name}

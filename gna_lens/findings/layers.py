@@ -26,7 +26,7 @@ from typing import Any
 
 from gna_lens.errors import InterventionError, TaskError
 from gna_lens.findings.experiments import ZOO_ALL, _heads
-from gna_lens.heads import Head, Subject
+from gna_lens.heads import Head, HookedModel, Subject
 from gna_lens.models.provenance import provenance_of
 from gna_lens.render.markdown import head_label
 from gna_lens.stats import Interval
@@ -124,7 +124,7 @@ def _at_chance(iv: Interval, chance: float) -> bool:
 
 
 def layer_pruning(
-    model: Any,
+    model: HookedModel,
     task: Task,
     control: Any,
     *,
@@ -344,7 +344,7 @@ def zoo_kv_tasks(name: str, *, probe: str | None = "kv-8", n_rank: int = 60) -> 
 def _task_for(
     n: int,
     tasks: Any,
-    model: Any,
+    model: HookedModel,
     n_samples: int,
     seed: int,
     template: Any,
@@ -383,7 +383,7 @@ def _task_for(
 
 
 def dictionary_size_curves(
-    model: Any,
+    model: HookedModel,
     heads: Sequence[Head],
     *,
     sizes: Sequence[int] = (2, 4, 8, 16, 32),
@@ -540,7 +540,7 @@ def dictionary_size_curves(
 
 # ----------------------------------------------------------------------------- findings runs
 def smollm2_layers(
-    model: Any = None,
+    model: HookedModel | None = None,
     heads: Sequence[Any] = (),
     *,
     n_eval: int = 60,
