@@ -472,9 +472,8 @@ def train_model(
     tie_space_variants(model, tokenizer)
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
-    decay, no_decay = [], []
-    for n, p in model.named_parameters():
-        (decay if p.ndim >= 2 and "embed" not in n else no_decay).append(p)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
     width = model.config.hidden_size
     policy = DevicePolicy.of(model)
     device = policy.device
