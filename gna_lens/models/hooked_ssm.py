@@ -877,10 +877,7 @@ class HookedSSM(HookedRootModule):
                 "or None."
             )
         is_text = not isinstance(input, Tensor)
-        if is_text:
-            tokens, mask = self._tokens_and_mask(input, padding_side="left")
-        else:
-            tokens, mask = self._tokens_and_mask(input)
+        tokens, mask = self._tokens_and_mask(input, padding_side="left")  # ignored for ids
         device = self.embed.weight.device
         mask = torch.ones_like(tokens) if mask is None else mask.to(device)
         eos = getattr(self.tokenizer, "eos_token_id", None) if stop_at_eos else None
