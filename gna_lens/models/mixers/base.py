@@ -1,21 +1,5 @@
-"""What every mixer shares: the SSM mixer interface, pattern selection, and small helpers.
-
-An SSM mixer (:class:`SSMMixer`) has three ways to compute its output, all on the same weights
-and hook points:
-
-- ``forward(h, mask)``: the whole sequence, on a fast scan unless ``hook_pattern`` (or
-  ``hook_ssm_state``) is hooked; then the layer builds its implicit attention with
-  :meth:`SSMMixer.materialize`, passes it through ``hook_pattern`` and computes
-  ``y = pattern @ x + D x`` from the returned matrix, so an edit changes the output;
-- ``materialize(dt, A, B, C, heads, rows)``: the implicit attention of the chosen heads and
-  query rows (``None``: all), from the inputs ``hook_ssm_dt`` / ``hook_ssm_B`` / ``hook_ssm_C``
-  hold;
-- ``prefix_state(acts, length)`` and ``step(state, h)``: the incremental path of the sweeps that
-  edit only the last position. ``prefix_state`` rebuilds, from the full prompt's cached
-  activations (the hooks named in ``prefix_hooks``), what the last token needs from the first
-  ``length`` positions; ``step`` computes that token alone, firing the mixer's own hook points
-  with ``pos = 1``.
-"""
+"""What every mixer shares: the SSM mixer interface (:class:`SSMMixer`), pattern selection, and
+small helpers."""
 
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
@@ -163,7 +147,13 @@ def ssd_state(x: Tensor, dt: Tensor, A: Tensor, B: Tensor) -> Tensor:
 
 
 class SSMMixer(nn.Module):
-    """The interface of an SSM mixer, and its pattern selection (see the module docstring).
+    """The interface of an SSM mixer, and its pattern selection.
+
+    ``forward(h, mask)`` runs a fast scan unless ``hook_pattern`` (or ``hook_ssm_state``) is
+    hooked; then the layer builds its implicit attention (:meth:`materialize`), passes it through
+    ``hook_pattern`` and computes ``y = pattern @ x + D x`` from the returned matrix, so an edit
+    changes the output. :meth:`prefix_state` and :meth:`step` are the incremental path of the
+    sweeps that edit only the last position.
 
     Subclasses define the weights, the hook points ``hook_in_proj``, ``hook_conv``,
     ``hook_ssm_input``, ``hook_ssm_dt``, ``hook_ssm_B``, ``hook_ssm_C``, ``hook_ssm_state``,
