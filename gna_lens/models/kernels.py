@@ -158,10 +158,14 @@ def _kernel(name: str) -> Callable[..., Any] | None:
     return _loaded[name]
 
 
+def _kernel_device_ok(*tensors: Tensor) -> bool:
+    """Whether every tensor is on a CUDA device (the kernels' only device)."""
+    return all(t.is_cuda for t in tensors)
+
+
 def _usable(name: str, *tensors: Tensor) -> Callable[..., Any] | None:
-    """The kernel ``name`` if enabled, on CUDA tensors (its only device), and installed; else
-    ``None``."""
-    if not _enabled or not all(t.is_cuda for t in tensors):
+    """The kernel ``name`` if enabled, on CUDA tensors, and installed; else ``None``."""
+    if not _enabled or not _kernel_device_ok(*tensors):
         return None
     return _kernel(name)
 
