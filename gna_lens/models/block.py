@@ -78,15 +78,21 @@ class SSMBlock(nn.Module):
         blocks that read them, :attr:`reads_embed`)."""
         return self._run(
             resid,
+            embed,
             lambda x: self.attn(x, mask, rope),
             lambda x: self.mixer(x, mask, rope) if self.mixer.uses_rope else self.mixer(x, mask),
         )
 
     def _run(
-        self, resid: Tensor, attend: Callable[[Tensor], Tensor], mix: Callable[[Tensor], Tensor]
+        self,
+        resid: Tensor,
+        embed: Tensor | None,
+        attend: Callable[[Tensor], Tensor],
+        mix: Callable[[Tensor], Tensor],
     ) -> Tensor:
         """The block on ``resid`` with ``attend`` / ``mix`` the attention's / mixer's output of
         their normed input (the full forward's or the single-token step's)."""
+        del embed  # read by a block whose reads_embed is set
         resid = self.hook_resid_pre(resid)
         if self.has_mixer:
             normed = self.ln1(resid.to(self.ln1.weight.dtype))
@@ -136,12 +142,10 @@ class SSMBlock(nn.Module):
         """The hook points (model-level names) whose full-prompt activations
         :meth:`prefix_state` reads."""
         names: list[str] = []
-        if not self.has_mixer:
-            return names
         pre = f"blocks.{self.layer}."
-        if self.is_attention or self.has_parallel_attn:
+        if "attn" in self.head_parts:
             names += [pre + "attn." + n for n in Attention.prefix_hooks]
-        if not self.is_attention:
+        if "mixer" in self.head_parts:
             names += [pre + "mixer." + n for n in self.mixer.prefix_hooks]
         return names
 
@@ -150,16 +154,14 @@ class SSMBlock(nn.Module):
         prompt's activations ``acts`` (keyed by :meth:`prefix_hooks`' names)."""
         pre = f"blocks.{self.layer}."
         state: StepState = {}
-        if not self.has_mixer:
-            return state
-        if not self.is_attention:
+        if "mixer" in self.head_parts:
             fired = {
                 n: acts[pre + "mixer." + n]
                 for n in self.mixer.prefix_hooks
                 if pre + "mixer." + n in acts
             }
             state |= self.mixer.prefix_state(fired, length)
-        if self.is_attention or self.has_parallel_attn:
+        if "attn" in self.head_parts:
             names = Attention.prefix_hooks
             state |= self.attn.prefix_state({n: acts[pre + "attn." + n] for n in names}, length)
         return state
@@ -171,6 +173,7 @@ class SSMBlock(nn.Module):
         (``resid`` ``[batch, 1, d_model]``; ``rope`` of that token's position)."""
         return self._run(
             resid,
+            embed,
             lambda x: self.attn.step(state, x, rope),
             lambda x: (
                 self.mixer.step(state, x, rope)  # type: ignore[call-arg]

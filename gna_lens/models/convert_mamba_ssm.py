@@ -186,28 +186,27 @@ def hf_config_from_mamba_ssm(data: Mapping[str, Any], *, where: str = "?") -> An
         eos_token_id=0,
         architectures=["Mamba2ForCausalLM" if layer == "Mamba2" else "MambaForCausalLM"],
     )
+    if layer not in ("Mamba1", "Mamba2"):
+        raise _fail(where, f"ssm_cfg.layer={layer!r}", "is not 'Mamba1' or 'Mamba2'")
+    _unknown(ssm, _MAMBA1_KEYS if layer == "Mamba1" else _MAMBA2_KEYS, "ssm_cfg.", where)
+    common |= dict(
+        expand=_int(ssm, "expand", where, 2),
+        conv_kernel=_int(ssm, "d_conv", where, 4),
+        use_conv_bias=_bool(ssm, "conv_bias", where, True),
+        use_bias=_bool(ssm, "bias", where, False),
+    )
     if layer == "Mamba1":
-        _unknown(ssm, _MAMBA1_KEYS, "ssm_cfg.", where)
-        expand = _int(ssm, "expand", where, 2)
         dt_rank = ssm.get("dt_rank", "auto")
         if dt_rank != "auto":
             dt_rank = _int(ssm, "dt_rank", where)
         return MambaConfig(
             **common,
             state_size=_int(ssm, "d_state", where, 16),
-            conv_kernel=_int(ssm, "d_conv", where, 4),
-            expand=expand,
             time_step_rank=math.ceil(d_model / 16) if dt_rank == "auto" else dt_rank,
-            use_conv_bias=_bool(ssm, "conv_bias", where, True),
-            use_bias=_bool(ssm, "bias", where, False),
         )
-    if layer != "Mamba2":
-        raise _fail(where, f"ssm_cfg.layer={layer!r}", "is not 'Mamba1' or 'Mamba2'")
-    _unknown(ssm, _MAMBA2_KEYS, "ssm_cfg.", where)
-    expand = _int(ssm, "expand", where, 2)
     headdim = _int(ssm, "headdim", where, 64)
     ngroups = _int(ssm, "ngroups", where, 1)
-    d_inner = expand * d_model
+    d_inner = common["expand"] * d_model
     if ssm.get("d_ssm") not in (None, d_inner):
         raise _fail(
             where,
@@ -239,14 +238,10 @@ def hf_config_from_mamba_ssm(data: Mapping[str, Any], *, where: str = "?") -> An
         **common,
         num_heads=n_heads,
         head_dim=headdim,
-        expand=expand,
         n_groups=ngroups,
         state_size=_int(ssm, "d_state", where, 128),
-        conv_kernel=_int(ssm, "d_conv", where, 4),
         chunk_size=_int(ssm, "chunk_size", where, 256),
         time_step_limit=(lo, hi),
-        use_conv_bias=_bool(ssm, "conv_bias", where, True),
-        use_bias=_bool(ssm, "bias", where, False),
     )
 
 
@@ -373,9 +368,6 @@ def hf_model_from_mamba_ssm(
     left = [n for n, p in model.named_parameters() if p.is_meta]
     if left:
         raise ConfigError(f"load_model({where!r}): parameters not filled: {left[:8]}.")
-    for buf in model.buffers():
-        if buf.is_meta:  # pragma: no cover - Mamba classes have no persistent buffers
-            raise ConfigError(f"load_model({where!r}): a buffer was not filled.")
     return model.eval()
 
 

@@ -140,11 +140,8 @@ class HookedSSM(HookedRootModule):
     hook_rot_q, hook_rot_k, hook_attn_scores, hook_pattern, hook_z}``; hybrids also
     ``blocks.{l}.hook_resid_mid``, ``blocks.{l}.hook_mlp_out`` and ``blocks.{l}.mlp.hook_*``.
 
-    Execution paths: a fast scan (chunked SSD for Mamba-2, a chunked parallel scan for Mamba-1)
-    runs unless ``hook_pattern`` (or ``hook_ssm_state``) of a layer is hooked; then that layer
-    materializes its implicit attention, passes it through the hook and computes the output
-    from the returned matrix, so an edit changes the output. :meth:`pattern_selection`
-    restricts materialization to some heads and query positions.
+    Execution paths: see the module docstring; :meth:`pattern_selection` restricts
+    materialization to some heads and query positions.
 
     Mamba-1 heads are single channels (``d_inner`` per layer) unless :meth:`set_head_groups` /
     :meth:`head_groups` make groups of channels the heads of every function that takes heads.
@@ -877,10 +874,7 @@ class HookedSSM(HookedRootModule):
                 "or None."
             )
         is_text = not isinstance(input, Tensor)
-        if is_text:
-            tokens, mask = self._tokens_and_mask(input, padding_side="left")
-        else:
-            tokens, mask = self._tokens_and_mask(input)
+        tokens, mask = self._tokens_and_mask(input, padding_side="left")  # ignored for ids
         device = self.embed.weight.device
         mask = torch.ones_like(tokens) if mask is None else mask.to(device)
         eos = getattr(self.tokenizer, "eos_token_id", None) if stop_at_eos else None

@@ -27,12 +27,9 @@ The kernels compute in float32 internally but are not bit-identical to the refer
 SSD kernel multiplies float32 matrices in TF32 on Ampere and newer GPUs (about 1e-3 relative), so
 run parity checks with ``use_kernels(False)`` on one side.
 
-**Budgeted materialization.** :func:`build_pattern` builds a ``[batch, head, query, key]``
-pattern in chunks of heads (and of query rows when one head alone exceeds the budget) so that the
-working memory beside the pattern itself stays under a budget (:func:`pattern_budget`, default
-:data:`DEFAULT_PATTERN_BUDGET`). With gradients, neither the pattern's construction nor (when the
-hook did not edit it) the pattern is kept for the backward pass: both are recomputed chunk by
-chunk there, under the same budget (:func:`apply_pattern`).
+**Budgeted materialization.** :func:`build_pattern` and :func:`apply_pattern` build a pattern in
+chunks whose working memory stays under :func:`pattern_budget`, and rebuild it in the backward
+pass instead of keeping it.
 
 Examples:
     >>> from gna_lens.models import kernels
@@ -46,6 +43,7 @@ Examples:
     False
 """
 
+import functools
 import importlib
 import os
 from collections.abc import Callable, Iterator
@@ -291,10 +289,7 @@ def causal_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None, silu: bool) ->
 
 
 def _common_dtype(*tensors: Tensor) -> torch.dtype:
-    dtype = tensors[0].dtype
-    for t in tensors[1:]:
-        dtype = torch.promote_types(dtype, t.dtype)
-    return dtype
+    return functools.reduce(torch.promote_types, [t.dtype for t in tensors])
 
 
 def mamba2_scan(

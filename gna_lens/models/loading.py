@@ -98,18 +98,19 @@ def load_model(
     device = str(resolve_device(device))
     dtype = resolve_dtype(dtype) or torch.float32
     model: Any
+    quiet = contextlib.nullcontext if progress else _no_progress_bars
     name, packaged = _resolve_with_note(given)
     found = find_mamba_ssm(name, kwargs.get("revision"))
     if found is not None:
         folder, revision = found
-        with contextlib.nullcontext() if progress else _no_progress_bars():
+        with quiet():
             model, stored = _load_mamba_ssm(name, folder, dtype=dtype, device=device, **kwargs)
         prov = _provenance(given, name, packaged, model, mamba_ssm=(folder, revision, stored))
         return attach(model, prov)
     own = _find_own_format(name, kwargs.get("revision"))
     if own is not None:  # gna_lens's own formats, Cartesia's Llamba: AutoConfig does not know them
         folder, commit = own
-        with contextlib.nullcontext() if progress else _no_progress_bars():
+        with quiet():
             model = _load_own_format(name, folder, dtype=dtype, device=device, **kwargs)
         return attach(model, _provenance(given, name, packaged, model, own=(folder, commit)))
     try:
@@ -120,7 +121,7 @@ def load_model(
             "Pass a local checkpoint directory containing config.json (transformers' or "
             "mamba_ssm's format), or a hub name where a hub is reachable."
         ) from err
-    with contextlib.nullcontext() if progress else _no_progress_bars():
+    with quiet():
         if config.model_type in SUPPORTED_MODEL_TYPES:
             model = HookedSSM.from_pretrained(name, dtype=dtype, device=device, **kwargs)
         else:

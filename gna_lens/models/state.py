@@ -126,29 +126,22 @@ def state_bytes(
                 kv += len(mixer.kv_heads)
                 kv_width += 2 * len(mixer.kv_heads) * cfg.d_head
                 recurrent += len(mixer.ssm_heads) * cfg.d_head * cfg.d_state
-            elif isinstance(mixer, SwappedMamba2Mixer):  # swap_heads: before Mamba2Mixer
-                n_attn = len(mixer.attn_heads)
+            elif isinstance(mixer, Mamba2Mixer):  # with the heads of swap_(teacher_)heads
+                n_attn = len(getattr(mixer, "attn_heads", ()))
                 attn += n_attn
                 ssm += cfg.n_heads - n_attn
-                kv += n_attn
-                kv_width += n_attn * (cfg.d_state + cfg.d_head)  # k [d_state] and v [d_head]
-                recurrent += (cfg.n_heads - n_attn) * cfg.d_head * cfg.d_state
-                recurrent += (cfg.d_conv - 1) * (mixer.conv_dim + n_attn * mixer.width)
-            elif isinstance(mixer, TeacherHeadsMixer):  # swap_teacher_heads: before Mamba2Mixer
-                n_attn = len(mixer.attn_heads)
-                attn += n_attn
-                ssm += cfg.n_heads - n_attn
-                kv += len(mixer.kv_heads)
-                kv_width += 2 * len(mixer.kv_heads) * cfg.d_head
-                # Without an output norm (Llamba) a swapped head's SSM state is never read; with
+                # Without an output norm (Llamba) a teacher head's SSM state is never read; with
                 # Mamba-2's gated group norm it still is (its y enters its group's norm).
-                kept = cfg.n_heads - n_attn if cfg.mamba_norm == "none" else cfg.n_heads
-                recurrent += kept * cfg.d_head * cfg.d_state
-                recurrent += (cfg.d_conv - 1) * mixer.conv_dim
-            elif isinstance(mixer, Mamba2Mixer):
-                ssm += cfg.n_heads
-                recurrent += cfg.n_heads * cfg.d_head * cfg.d_state
-                recurrent += (cfg.d_conv - 1) * mixer.conv_dim
+                swapped = isinstance(mixer, SwappedMamba2Mixer)
+                kept = cfg.n_heads - n_attn if swapped or cfg.mamba_norm == "none" else cfg.n_heads
+                recurrent += kept * cfg.d_head * cfg.d_state + (cfg.d_conv - 1) * mixer.conv_dim
+                if isinstance(mixer, SwappedMamba2Mixer):  # keys [d_state], values [d_head]
+                    kv += n_attn
+                    kv_width += n_attn * (cfg.d_state + cfg.d_head)
+                    recurrent += (cfg.d_conv - 1) * n_attn * mixer.width
+                elif isinstance(mixer, TeacherHeadsMixer):
+                    kv += len(mixer.kv_heads)
+                    kv_width += 2 * len(mixer.kv_heads) * cfg.d_head
             elif isinstance(mixer, Mamba1Mixer):
                 ssm += cfg.d_inner
                 recurrent += cfg.d_inner * cfg.d_state + (cfg.d_conv - 1) * cfg.d_inner

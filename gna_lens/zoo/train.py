@@ -26,6 +26,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -243,19 +244,6 @@ def _selective_scan(
     return (y, h) if return_last_state else y
 
 
-class _FastMamba1Scan:
-    """Context manager: HF Mamba-1 uses :func:`_selective_scan` (training only)."""
-
-    def __enter__(self) -> None:
-        import transformers.models.mamba.modeling_mamba as mm
-
-        self._module, self._orig = mm, mm.mamba_selective_scan
-        mm.mamba_selective_scan = _selective_scan
-
-    def __exit__(self, *exc: object) -> None:
-        self._module.mamba_selective_scan = self._orig
-
-
 def tie_space_variants(model: HookedModel, tokenizer: Any) -> int:
     """Initialize each ``" word"`` token's embedding to that of ``"word"``; returns how many.
 
@@ -451,51 +439,6 @@ def _aux_loss(
     return total / len(probes)
 
 
-def _loop(
-    model: HookedModel,
-    aux: dict[int, Any],
-    opt: Any,
-    data: Any,
-    recipe: Recipe,
-    bar: Any,
-    losses: list[float],
-    quick: dict[str, Any],
-    eval_every: int,
-    t0: float,
-) -> None:
-    ema: float | None = None
-    policy = DevicePolicy.of(model)
-    for step in bar:
-        for g in opt.param_groups:
-            g["lr"] = _lr_at(step, recipe)
-        ids, mask, labels = (policy.put(t) for t in next(data))
-        out = model(input_ids=ids, attention_mask=mask, output_hidden_states=bool(aux))
-        logits = out.logits
-        lm_loss = torch.nn.functional.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1)
-        )
-        loss = lm_loss
-        if aux:
-            loss = loss + recipe.aux_weight * _aux_loss(
-                model, aux, out.hidden_states, ids, mask, recipe.aux_layer
-            )
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        value = float(lm_loss.detach())
-        losses.append(value)
-        ema = value if ema is None else 0.98 * ema + 0.02 * value
-        bar.set_postfix(loss=f"{ema:.3f}", refresh=False)
-        if eval_every and ((step + 1) % eval_every == 0 or step + 1 == recipe.steps):
-            acc = _quick_eval(model, quick)
-            print(
-                f"{recipe.name} step {step + 1}: loss {ema:.3f}, held-out {acc}, "
-                f"{time.perf_counter() - t0:.0f}s",
-                flush=True,
-            )
-
-
 def train_model(
     recipe: Recipe,
     out_dir: str | Path,
@@ -532,7 +475,8 @@ def train_model(
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
     width = model.config.hidden_size
-    device = DevicePolicy.of(model).device
+    policy = DevicePolicy.of(model)
+    device = policy.device
     aux: dict[int, Any] = {
         k: torch.nn.Linear(width, width, bias=False, device=device) for k in recipe.aux_prev_tokens
     }
@@ -553,10 +497,43 @@ def train_model(
     print(f"{recipe.name}: {n_params:,} parameters, {recipe.steps} steps", flush=True)
     t0 = time.perf_counter()
     losses: list[float] = []
+    ema: float | None = None
     bar = tqdm(range(recipe.steps), desc=recipe.name, disable=not progress, mininterval=10)
-    mamba1 = model.config.model_type in ("mamba", "falcon_mamba")
-    with _FastMamba1Scan() if mamba1 else contextlib.nullcontext():
-        _loop(model, aux, opt, data, recipe, bar, losses, quick, eval_every, t0)
+    fast_scan: Any = contextlib.nullcontext()
+    if model.config.model_type in ("mamba", "falcon_mamba"):  # HF Mamba-1: _selective_scan
+        import transformers.models.mamba.modeling_mamba as mm
+
+        fast_scan = mock.patch.object(mm, "mamba_selective_scan", _selective_scan)
+    with fast_scan:
+        for step in bar:
+            for g in opt.param_groups:
+                g["lr"] = _lr_at(step, recipe)
+            ids, mask, labels = (policy.put(t) for t in next(data))
+            out = model(input_ids=ids, attention_mask=mask, output_hidden_states=bool(aux))
+            logits = out.logits
+            lm_loss = torch.nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1)
+            )
+            loss = lm_loss
+            if aux:
+                loss = loss + recipe.aux_weight * _aux_loss(
+                    model, aux, out.hidden_states, ids, mask, recipe.aux_layer
+                )
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            value = float(lm_loss.detach())
+            losses.append(value)
+            ema = value if ema is None else 0.98 * ema + 0.02 * value
+            bar.set_postfix(loss=f"{ema:.3f}", refresh=False)
+            if eval_every and ((step + 1) % eval_every == 0 or step + 1 == recipe.steps):
+                acc = _quick_eval(model, quick)
+                print(
+                    f"{recipe.name} step {step + 1}: loss {ema:.3f}, held-out {acc}, "
+                    f"{time.perf_counter() - t0:.0f}s",
+                    flush=True,
+                )
     bar.close()
     seconds = time.perf_counter() - t0
     model.eval()
@@ -652,15 +629,17 @@ trained in letter format.
 """
 
 
+#: The card's words for a recipe's non-default initializations.
+_INIT_NOTES = {
+    "mamba2_init": "Mamba-2 init of the SSM mixers",
+    "fan_in_init": "linear layers with torch's default (fan-in) init",
+    "zero_init_residual": "attention and MLP output projections initialized at zero",
+}
+
+
 def _init_note(train_facts: dict[str, Any]) -> str:
     """The card's words for a recipe's non-default initializations (empty when none)."""
-    notes = []
-    if train_facts.get("mamba2_init"):
-        notes.append("Mamba-2 init of the SSM mixers")
-    if train_facts.get("fan_in_init"):
-        notes.append("linear layers with torch's default (fan-in) init")
-    if train_facts.get("zero_init_residual"):
-        notes.append("attention and MLP output projections initialized at zero")
+    notes = [note for key, note in _INIT_NOTES.items() if train_facts.get(key)]
     if train_facts.get("embedding_std") is not None:
         notes.append(f"embeddings N(0, {train_facts['embedding_std']})")
     return "".join("; " + n for n in notes)

@@ -7,7 +7,7 @@ from typing import Any
 
 from gna_lens.errors import ConfigError
 from gna_lens.models.config import UNBOUNDED_CTX, SSMConfig
-from gna_lens.models.families.base import Family, Renames, time_step_limit
+from gna_lens.models.families.base import Family, Renames, attention_fields, time_step_limit
 from gna_lens.models.mixers.mamba2 import Mamba2Mixer
 
 
@@ -22,10 +22,7 @@ def hybrid_fields(hf_config: Any, d_inner: int | None = None) -> dict[str, Any]:
             f"HookedSSM implements default RoPE for Bamba attention layers; this config has "
             f"rope_type={rope_type!r}."
         )
-    attn_d_head = int(
-        getattr(hf_config, "head_dim", None)
-        or hf_config.hidden_size // hf_config.num_attention_heads
-    )
+    attention = attention_fields(hf_config)
     partial = float(rope.get("partial_rotary_factor", 1.0))
     if d_inner is None:
         d_inner = int(hf_config.mamba_expand * hf_config.hidden_size)
@@ -48,13 +45,10 @@ def hybrid_fields(hf_config: Any, d_inner: int | None = None) -> dict[str, Any]:
         conv_bias=bool(hf_config.mamba_conv_bias),
         proj_bias=bool(hf_config.mamba_proj_bias),
         residual_in_fp32=False,
-        n_attn_heads=int(hf_config.num_attention_heads),
-        n_attn_kv_heads=int(hf_config.num_key_value_heads),
-        n_key_value_heads=int(hf_config.num_key_value_heads),
-        attn_d_head=attn_d_head,
+        **attention,
         attn_bias=bool(hf_config.attention_bias),
         rope_theta=float(rope.get("rope_theta", 10000.0)),
-        rotary_dim=int(attn_d_head * partial),
+        rotary_dim=int(attention["attn_d_head"] * partial),
         d_mlp=int(hf_config.intermediate_size),
         mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
         gated_mlp=True,

@@ -10,7 +10,7 @@ from torch import nn
 from gna_lens.models.config import SSMConfig
 from gna_lens.models.mixers.base import SSMMixer
 
-__all__ = ["Family", "Renames", "folder_tokenizer", "time_step_limit"]
+__all__ = ["Family", "Renames", "attention_fields", "folder_tokenizer", "time_step_limit"]
 
 #: ``(regex, replacement)`` pairs renaming Hugging Face weight names to HookedSSM's; the first
 #: pattern that matches a name renames it.
@@ -93,3 +93,11 @@ def time_step_limit(value: Any) -> tuple[float, float]:
         return (0.0, float("inf"))
     lo, hi = value
     return (float(lo), float(hi))
+
+
+def attention_fields(config: Any) -> dict[str, Any]:
+    """The attention layers' SSMConfig fields of a Hugging Face hybrid config: heads, KV heads
+    and ``attn_d_head`` (``head_dim``, else ``hidden_size // num_attention_heads``)."""
+    H, KV = int(config.num_attention_heads), int(config.num_key_value_heads)
+    d = int(getattr(config, "head_dim", None) or config.hidden_size // H)
+    return dict(n_attn_heads=H, n_attn_kv_heads=KV, n_key_value_heads=KV, attn_d_head=d)

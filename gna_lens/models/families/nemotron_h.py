@@ -5,7 +5,7 @@ from typing import Any
 
 from gna_lens.errors import ConfigError
 from gna_lens.models.config import UNBOUNDED_CTX, SSMConfig
-from gna_lens.models.families.base import Family, Renames
+from gna_lens.models.families.base import Family, Renames, attention_fields
 from gna_lens.models.mixers.mamba2 import Mamba2Mixer
 
 #: Nemotron-H block types (``layers_block_type``) -> HookedSSM layer kind.
@@ -35,10 +35,7 @@ def config_fields(hf_config: Any) -> dict[str, Any]:
     if act not in ("relu2", "silu"):
         raise ConfigError(f"Nemotron-H mlp_hidden_act={act!r}; HookedSSM knows relu2, silu.")
     n_heads, d_head = int(hf_config.mamba_num_heads), int(hf_config.mamba_head_dim)
-    attn_d_head = int(
-        getattr(hf_config, "head_dim", None)
-        or hf_config.hidden_size // hf_config.num_attention_heads
-    )
+    attention = attention_fields(hf_config)
     mlp_types = {"mlp": "plain", "moe": "moe"}
     n_experts = int(getattr(hf_config, "n_routed_experts", 0) or 0)
     return dict(
@@ -60,10 +57,7 @@ def config_fields(hf_config: Any) -> dict[str, Any]:
         conv_bias=bool(hf_config.use_conv_bias),
         proj_bias=bool(hf_config.use_bias),
         residual_in_fp32=False,
-        n_attn_heads=int(hf_config.num_attention_heads),
-        n_attn_kv_heads=int(hf_config.num_key_value_heads),
-        n_key_value_heads=int(hf_config.num_key_value_heads),
-        attn_d_head=attn_d_head,
+        **attention,
         attn_bias=bool(getattr(hf_config, "attention_bias", False)),
         d_mlp=int(hf_config.intermediate_size),
         mlp_bias=bool(hf_config.mlp_bias),

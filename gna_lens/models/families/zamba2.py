@@ -42,8 +42,8 @@ from gna_lens.models import ops
 from gna_lens.models.block import SSMBlock
 from gna_lens.models.config import UNBOUNDED_CTX, SSMConfig
 from gna_lens.models.families.base import Family, Renames
-from gna_lens.models.mixers.attention import Attention, Rope
-from gna_lens.models.mixers.base import RMSNorm, StepState
+from gna_lens.models.mixers.attention import Attention
+from gna_lens.models.mixers.base import RMSNorm
 from gna_lens.models.mixers.mamba2 import Mamba2Mixer
 
 #: Zamba2 block types (``layers_block_type``, legacy names included) -> HookedSSM layer kind.
@@ -279,34 +279,17 @@ class Zamba2HybridBlock(SSMBlock):
         out = self.hook_mlp_out(self.mlp(self.ln2(attn.to(dtype))))
         return cast("Tensor", self.hook_shared_out(self.shared_proj(out)))
 
-    def forward(
-        self, resid: Tensor, mask: Tensor | None, rope: Rope, embed: Tensor | None = None
+    def _run(
+        self,
+        resid: Tensor,
+        embed: Tensor | None,
+        attend: Callable[[Tensor], Tensor],
+        mix: Callable[[Tensor], Tensor],
     ) -> Tensor:
         resid = self.hook_resid_pre(resid)
-        shared = self.shared_out(resid, embed, lambda x: self.attn(x, mask, rope))
+        shared = self.shared_out(resid, embed, attend)
         normed = self.ln1((resid + shared).to(self.ln1.weight.dtype))
-        out = self.hook_mixer_out(self.mixer(normed, mask))
-        return cast("Tensor", self.hook_resid_post(resid + out))
-
-    def prefix_hooks(self) -> list[str]:
-        pre = f"blocks.{self.layer}."
-        return [pre + "attn." + n for n in Attention.prefix_hooks] + [
-            pre + "mixer." + n for n in self.mixer.prefix_hooks
-        ]
-
-    def prefix_state(self, acts: dict[str, Tensor], length: int) -> StepState:
-        pre = f"blocks.{self.layer}."
-        attn = {n: acts[pre + "attn." + n] for n in Attention.prefix_hooks}
-        mixer = {n: acts[pre + "mixer." + n] for n in self.mixer.prefix_hooks}
-        return self.attn.prefix_state(attn, length) | self.mixer.prefix_state(mixer, length)
-
-    def step(
-        self, resid: Tensor, state: StepState, rope: Rope, embed: Tensor | None = None
-    ) -> Tensor:
-        resid = self.hook_resid_pre(resid)
-        shared = self.shared_out(resid, embed, lambda x: self.attn.step(state, x, rope))
-        normed = self.ln1((resid + shared).to(self.ln1.weight.dtype))
-        out = self.hook_mixer_out(self.mixer.step(state, normed))
+        out = self.hook_mixer_out(mix(normed))
         return cast("Tensor", self.hook_resid_post(resid + out))
 
 

@@ -74,8 +74,9 @@ class AttentionHeads:
     KV heads, the explicit softmax (``hook_attn_scores``) and the fused path.
 
     The mixer provides ``cfg``, ``attn_heads`` (sorted), ``kv_heads`` (sorted), the buffer
-    ``attn_kv`` (each attention head's index in ``kv_heads``), ``scale`` and
-    ``hook_attn_scores``.
+    ``attn_kv`` (each attention head's index in ``kv_heads``), ``scale``, the projections
+    ``q_proj`` (a ``d_head`` row block per attention head), ``k_proj`` and ``v_proj`` (per KV
+    head), and calls :meth:`_add_attention_hooks`.
     """
 
     cfg: SSMConfig
@@ -83,7 +84,9 @@ class AttentionHeads:
     kv_heads: list[int]
     attn_kv: Tensor
     scale: float
-    hook_attn_scores: HookPoint
+    q_proj: nn.Linear
+    k_proj: nn.Linear
+    v_proj: nn.Linear
 
     def _add_attention_hooks(self) -> None:
         """The attention heads' hook points (shapes in the comments)."""
@@ -96,6 +99,15 @@ class AttentionHeads:
 
     def _rope(self, x: Tensor, rope: Rope) -> Tensor:
         return rotate(x, rope, self.cfg.rotary_dim)
+
+    def _qkv(self, h: Tensor, rope: Rope) -> tuple[Tensor, Tensor, Tensor]:
+        """The attention heads' rotated queries, rotated keys and values (KV heads)."""
+        b, L, _ = h.shape
+        d, n, kv = self.cfg.d_head, len(self.attn_heads), len(self.kv_heads)
+        q = self.hook_q(self.q_proj(h).view(b, L, n, d))
+        k = self.hook_k(self.k_proj(h).view(b, L, kv, d))
+        v = self.hook_v(self.v_proj(h).view(b, L, kv, d))
+        return self.hook_rot_q(self._rope(q, rope)), self.hook_rot_k(self._rope(k, rope)), v
 
     def _per_head(self, t: Tensor) -> Tensor:
         """KV heads -> one entry per attention head (axis 2)."""

@@ -1,23 +1,7 @@
-"""What every mixer shares: the SSM mixer interface, pattern selection, and small helpers.
+"""What every mixer shares: the SSM mixer interface (:class:`SSMMixer`), pattern selection, and
+small helpers."""
 
-An SSM mixer (:class:`SSMMixer`) has three ways to compute its output, all on the same weights
-and hook points:
-
-- ``forward(h, mask)``: the whole sequence, on a fast scan unless ``hook_pattern`` (or
-  ``hook_ssm_state``) is hooked; then the layer builds its implicit attention with
-  :meth:`SSMMixer.materialize`, passes it through ``hook_pattern`` and computes
-  ``y = pattern @ x + D x`` from the returned matrix, so an edit changes the output;
-- ``materialize(dt, A, B, C, heads, rows)``: the implicit attention of the chosen heads and
-  query rows (``None``: all), from the inputs ``hook_ssm_dt`` / ``hook_ssm_B`` / ``hook_ssm_C``
-  hold;
-- ``prefix_state(acts, length)`` and ``step(state, h)``: the incremental path of the sweeps that
-  edit only the last position. ``prefix_state`` rebuilds, from the full prompt's cached
-  activations (the hooks named in ``prefix_hooks``), what the last token needs from the first
-  ``length`` positions; ``step`` computes that token alone, firing the mixer's own hook points
-  with ``pos = 1``.
-"""
-
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -139,14 +123,37 @@ def conv_last(window: Tensor, conv1d: nn.Conv1d) -> Tensor:
     return out[..., -1:].transpose(1, 2)  # [R, 1, C]
 
 
-def reverse_segsum(a: Tensor) -> Tensor:
-    """``S[:, j] = sum_{k=j+1..n-1} a[:, k]`` along dim 1 (reverse cumsum, no subtraction)."""
-    rev = a.flip(1).cumsum(1).flip(1)
-    return torch.cat([rev[:, 1:], torch.zeros_like(rev[:, :1])], dim=1)
+def prefix_inputs(acts: Mapping[str, Tensor], length: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The first ``length`` positions of the cached ``hook_ssm_input``, ``hook_ssm_dt`` and
+    ``hook_ssm_B``, in float32 (what an SSM's recurrent state is rebuilt from)."""
+    return tuple(  # type: ignore[return-value]
+        acts[f"hook_ssm_{n}"][:, :length].float() for n in ("input", "dt", "B")
+    )
+
+
+def ssd_state(x: Tensor, dt: Tensor, A: Tensor, B: Tensor) -> Tensor:
+    """The Mamba-2 recurrent state ``[G, head, d_head, d_state]`` after the positions of ``x``
+    ``[G, P, head, d_head]`` (``B`` ``[G, P, group, d_state]``, the heads of a group adjacent):
+    ``Σ_j exp(A Σ_{k>j} dt_k) dt_j x_j B_jᵀ``, exactly, without a scan."""
+    G, P, H, d = x.shape
+    groups = B.shape[2]
+    w = torch.exp(ops.reverse_segsum(dt * A, dim=1)) * dt  # [G, P, H]
+    return torch.einsum(
+        "bjgm,bjgmp,bjgn->bgmpn",
+        w.view(G, P, groups, H // groups),
+        x.view(G, P, groups, H // groups, d),
+        B,
+    ).reshape(G, H, d, B.shape[3])
 
 
 class SSMMixer(nn.Module):
-    """The interface of an SSM mixer, and its pattern selection (see the module docstring).
+    """The interface of an SSM mixer, and its pattern selection.
+
+    ``forward(h, mask)`` runs a fast scan unless ``hook_pattern`` (or ``hook_ssm_state``) is
+    hooked; then the layer builds its implicit attention (:meth:`materialize`), passes it through
+    ``hook_pattern`` and computes ``y = pattern @ x + D x`` from the returned matrix, so an edit
+    changes the output. :meth:`prefix_state` and :meth:`step` are the incremental path of the
+    sweeps that edit only the last position.
 
     Subclasses define the weights, the hook points ``hook_in_proj``, ``hook_conv``,
     ``hook_ssm_input``, ``hook_ssm_dt``, ``hook_ssm_B``, ``hook_ssm_C``, ``hook_ssm_state``,
@@ -212,9 +219,12 @@ class SSMMixer(nn.Module):
 
     @property
     def head_kinds(self) -> tuple[str, ...] | None:
-        """Per head, ``"attention"`` or ``"ssm"`` for a mixer whose heads are of both kinds;
-        ``None`` when every head is an SSM head."""
-        return None
+        """Per head, ``"attention"`` or ``"ssm"`` for a mixer with attention heads
+        (``attn_heads``); ``None`` when every head is an SSM head."""
+        attn = getattr(self, "attn_heads", None)
+        if attn is None:
+            return None
+        return tuple("attention" if h in attn else "ssm" for h in range(self.cfg.n_heads))
 
     def materialize(
         self,
@@ -302,6 +312,30 @@ class SSMMixer(nn.Module):
     ) -> tuple[kernels.PatternJob, Tensor, Tensor]:
         """The budgeted construction of the pattern of ``heads`` at ``rows``, and the selected
         ``dt`` and ``A`` it reads."""
+        dt_sel = dt if heads is None else dt.index_select(2, heads)
+        A_sel = A if heads is None else A.index_select(0, heads)
+        batch, length, n_heads = dt_sel.shape
+        size = max(torch.promote_types(dt.dtype, A.dtype).itemsize, 4)
+        build, cost = self._pattern_builder(heads, A, B, batch * size, length)
+        job = kernels.PatternJob(
+            build=build,
+            shape=(batch, n_heads, length if rows is None else rows.shape[0], length),
+            rows=rows,
+            cost=cost,
+            budget=self.pattern_budget_bytes or kernels.current_pattern_budget(),
+            equation=self.pattern_equation,
+            itemsize=size,
+        )
+        return job, dt_sel, A_sel
+
+    #: ``y = einsum(pattern_equation, pattern, x)`` on the materialized path.
+    pattern_equation: ClassVar[str]
+
+    def _pattern_builder(
+        self, heads: Tensor | None, A: Tensor, B: Tensor, unit: int, length: int
+    ) -> tuple[kernels.PatternBuilder, Callable[[int, int], int]]:
+        """The :class:`~gna_lens.models.kernels.PatternJob`'s ``build`` and ``cost`` for the
+        selected ``heads`` (``unit``: bytes of one number times the batch)."""
         raise NotImplementedError
 
     def _pattern_output(

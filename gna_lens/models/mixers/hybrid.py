@@ -61,8 +61,9 @@ from gna_lens.models.mixers.base import (
     checked_pattern,
     has_hooks,
     masked,
-    reverse_segsum,
+    prefix_inputs,
     scatter_rows_heads,
+    ssd_state,
     state_through_hook,
 )
 
@@ -286,9 +287,6 @@ class HybridMixer(AttentionHeads, SSMMixer):
         self._buffer("ssm_index", self.ssm_heads)
         self._buffer("attn_kv", [self.kv_heads.index(h // per_kv) for h in self.attn_heads])
         self._buffer("ssm_group", group_of)
-        # teacher head -> its place in cat([attention heads, SSM heads]) (the fast path's z)
-        order = self.attn_heads + self.ssm_heads
-        self._buffer("head_order", [order.index(h) for h in range(H)])
         self._add_attention_hooks()
         self.hook_ssm_input = HookPoint()  # [batch, pos, ssm_head, d_head]
         self.hook_ssm_dt = HookPoint()  # [batch, pos, ssm_head]
@@ -314,12 +312,6 @@ class HybridMixer(AttentionHeads, SSMMixer):
                 f"{cfg.n_layers} layers; got {type(cfg).__name__} with attention_heads={heads!r}."
             )
         return cls(cfg, heads[layer])
-
-    @property
-    def head_kinds(self) -> tuple[str, ...]:
-        """Per teacher head, ``"attention"`` or ``"ssm"``."""
-        kept = set(self.attn_heads)
-        return tuple("attention" if h in kept else "ssm" for h in range(self.cfg.n_heads))
 
     # ------------------------------------------------------------------ initialization
     def init_from_attention(
@@ -404,15 +396,6 @@ class HybridMixer(AttentionHeads, SSMMixer):
             self.D.fill_(1.0)
 
     # ------------------------------------------------------------------ shared by both paths
-    def _qkv(self, h: Tensor, rope: Rope) -> tuple[Tensor, Tensor, Tensor]:
-        """The attention heads' rotated queries, rotated keys and values (KV heads)."""
-        b, L, _ = h.shape
-        d = self.cfg.d_head
-        q = self.hook_q(self.q_proj(h).view(b, L, len(self.attn_heads), d))
-        k = self.hook_k(self.k_proj(h).view(b, L, len(self.kv_heads), d))
-        v = self.hook_v(self.v_proj(h).view(b, L, len(self.kv_heads), d))
-        return self.hook_rot_q(self._rope(q, rope)), self.hook_rot_k(self._rope(k, rope)), v
-
     def _ssm_inputs(self, h: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """``hook_ssm_input``, ``hook_ssm_B``, ``hook_ssm_C``, ``hook_ssm_dt`` (padding: ``x`` and
         ``B`` zero, so a padded position writes nothing)."""
@@ -486,16 +469,10 @@ class HybridMixer(AttentionHeads, SSMMixer):
             A = -torch.exp(self.A_log.float())
             Bh, Ch = self._heads_of(B), self._heads_of(C)
             # the scans run in fp32 or wider (a bf16 / fp16 student: cast back after)
-            wide = torch.promote_types(x.dtype, torch.float32)
-            xw, dtw, Bw, Cw = (t.to(wide) for t in (x, dt, Bh, Ch))
             if has_hooks(self.hook_ssm_state):
-                states = ops.mamba2_recurrent(xw, dtw, A, Bw, Cw)
-                states, edited = state_through_hook(self.hook_ssm_state, states)
-                if edited:
-                    self._refuse_state_edit()
-                y_ssm = torch.einsum("blhpn,blhn->blhp", states, Cw).to(x.dtype)
+                y_ssm = self._through_states(x, dt, A, Bh, Ch, refuse_edit=True).to(x.dtype)
             elif need_fast:
-                y_ssm = ops.mamba2_ssd(xw, dtw, A, Bw, Cw, self.cfg.chunk_size).to(x.dtype)
+                y_ssm = ops.mamba2_ssd(x, dt, A, Bh, Ch, self.cfg.chunk_size)
         y = self._combine(y_attn, y_ssm, h) if need_fast else None
         self._check_dtype(h.dtype)
         pattern = self._pattern(P_attn, dt, A, B, C, heads, rows).to(h.dtype)
@@ -525,24 +502,25 @@ class HybridMixer(AttentionHeads, SSMMixer):
             A = -torch.exp(self.A_log.float())
             Bh, Ch = self._heads_of(B), self._heads_of(C)
             if has_hooks(self.hook_ssm_state):
-                wide = torch.promote_types(x.dtype, torch.float32)
-                xw, dtw, Bw, Cw = (t.to(wide) for t in (x, dt, Bh, Ch))
-                states = ops.mamba2_recurrent(xw, dtw, A, Bw, Cw)
-                states, _ = state_through_hook(self.hook_ssm_state, states)
-                y = torch.einsum("blhpn,blhn->blhp", states, Cw)
+                y = self._through_states(x, dt, A, Bh, Ch, refuse_edit=False)
             else:
                 y = ssd_chunked(x, dt, A, Bh, Ch, min(TRAIN_CHUNK, self.cfg.chunk_size))
             y_ssm = self.hook_ssm_out(y.to(x.dtype) + x * self.D[:, None])
-        if y_attn is None:
-            assert y_ssm is not None
-            z = y_ssm
-        elif y_ssm is None:
-            z = y_attn
-        else:
-            both = torch.cat([y_attn, y_ssm.to(y_attn.dtype)], dim=2)
-            z = both.index_select(2, self.head_order)  # type: ignore[arg-type]
-        z = self.hook_z(z)
+        z = self.hook_z(self._combine(y_attn, y_ssm, h))
         return cast("Tensor", self.out_proj(z.reshape(b, L, -1).to(h.dtype)))
+
+    def _through_states(
+        self, x: Tensor, dt: Tensor, A: Tensor, Bh: Tensor, Ch: Tensor, refuse_edit: bool
+    ) -> Tensor:
+        """The SSM heads' ``y`` (fp32 or wider) read off every state, through ``hook_ssm_state``
+        (``refuse_edit``: an edit raises, as the materialized pattern would drop it)."""
+        wide = torch.promote_types(x.dtype, torch.float32)
+        xw, dtw, Bw, Cw = (t.to(wide) for t in (x, dt, Bh, Ch))
+        states = ops.mamba2_recurrent(xw, dtw, A, Bw, Cw)
+        states, edited = state_through_hook(self.hook_ssm_state, states)
+        if edited and refuse_edit:
+            self._refuse_state_edit()
+        return torch.einsum("blhpn,blhn->blhp", states, Cw)
 
     def _pattern(
         self,
@@ -624,12 +602,8 @@ class HybridMixer(AttentionHeads, SSMMixer):
         if self.attn_heads:
             out["k"], out["v"] = acts["hook_rot_k"][:, :P], acts["hook_v"][:, :P]
         if self.ssm_heads:
-            x = acts["hook_ssm_input"][:, :P].float()
-            dt = acts["hook_ssm_dt"][:, :P].float()
-            Bh = self._heads_of(acts["hook_ssm_B"][:, :P].float())
-            A = -torch.exp(self.A_log.float())
-            w = torch.exp(reverse_segsum(dt * A)) * dt  # [G, P, H]
-            out["state"] = torch.einsum("bjh,bjhp,bjhn->bhpn", w, x, Bh)
+            x, dt, B = prefix_inputs(acts, P)
+            out["state"] = ssd_state(x, dt, -torch.exp(self.A_log.float()), self._heads_of(B))
         return out
 
     def step(

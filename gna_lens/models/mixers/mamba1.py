@@ -5,7 +5,7 @@ channel is a "head" (``hook_pattern`` is ``[batch, d_inner, query_pos, key_pos]`
 ``[batch, pos, d_inner, 1]``). ``HookedSSM.set_head_groups`` can make groups of channels the heads.
 """
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import ClassVar, cast
 
 import torch
@@ -23,7 +23,7 @@ from gna_lens.models.mixers.base import (
     conv_tail,
     has_hooks,
     masked,
-    reverse_segsum,
+    prefix_inputs,
     state_through_hook,
 )
 
@@ -131,40 +131,19 @@ class Mamba1Mixer(SSMMixer):
         self.last_path["scan"] = "materialized" if y is None else f"materialized+{path}"
         return self._pattern_output(u, delta, A, B, C, y, heads, rows, head_dim=-1)
 
-    def _pattern_job(
-        self,
-        dt: Tensor,
-        A: Tensor,
-        B: Tensor,
-        C: Tensor,
-        heads: Tensor | None,
-        rows: Tensor | None,
-    ) -> tuple[kernels.PatternJob, Tensor, Tensor]:
-        """The budgeted construction of the pattern of channels ``heads`` at ``rows``, and the
-        selected ``Δ`` and ``A`` it reads."""
-        d_sel = dt if heads is None else dt.index_select(-1, heads)
-        A_sel = A if heads is None else A.index_select(0, heads)
-        batch, length, n_channels = d_sel.shape
+    pattern_equation: ClassVar[str] = "berj,bje->bre"
+
+    def _pattern_builder(
+        self, heads: Tensor | None, A: Tensor, B: Tensor, unit: int, length: int
+    ) -> tuple[kernels.PatternBuilder, Callable[[int, int], int]]:
         n_state = A.shape[-1]
-        n_rows = length if rows is None else rows.shape[0]
-        size = max(torch.promote_types(dt.dtype, A.dtype).itemsize, 4)
 
         def cost(e: int, r: int) -> int:
             # per key block (ops.mamba1_pattern): the rows' C·exp terms and the block's
             # products, the direct sums of the rows inside the block
-            return size * batch * e * (r * (n_state + 16) + 4 * 16 * 16 + 16 * n_state)
+            return unit * e * (r * (n_state + 16) + 4 * 16 * 16 + 16 * n_state)
 
-        budget = self.pattern_budget_bytes or kernels.current_pattern_budget()
-        job = kernels.PatternJob(
-            build=_mamba1_pattern_part,
-            shape=(batch, n_channels, n_rows, length),
-            rows=rows,
-            cost=cost,
-            budget=budget,
-            equation="berj,bje->bre",
-            itemsize=size,
-        )
-        return job, d_sel, A_sel
+        return _mamba1_pattern_part, cost
 
     # ------------------------------------------------------------------ incremental
     def prefix_state(self, acts: Mapping[str, Tensor], length: int) -> StepState:
@@ -178,13 +157,11 @@ class Mamba1Mixer(SSMMixer):
         """
         cfg = self.cfg
         P = length
-        x = acts["hook_ssm_input"][:, :P].float()
-        dt = acts["hook_ssm_dt"][:, :P].float()
-        B = acts["hook_ssm_B"][:, :P].float()
+        x, dt, B = prefix_inputs(acts, P)
         A = -torch.exp(self.A_log.float())
         E = cfg.d_inner
         conv_in = acts["hook_in_proj"][..., :E]
-        seg = reverse_segsum(dt)  # [G, P, E]
+        seg = ops.reverse_segsum(dt, dim=1)  # [G, P, E]
         state = x.new_zeros(x.shape[0], E, cfg.d_state)
         for j0 in range(0, P, 128):
             j1 = min(j0 + 128, P)

@@ -5,7 +5,7 @@ families' variations (Falcon-H1's multipliers, the output norm's kind) are field
 :class:`~gna_lens.models.SSMConfig`.
 """
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import ClassVar, cast
 
 import torch
@@ -24,7 +24,8 @@ from gna_lens.models.mixers.base import (
     conv_tail,
     has_hooks,
     masked,
-    reverse_segsum,
+    prefix_inputs,
+    ssd_state,
     state_through_hook,
 )
 
@@ -203,14 +204,26 @@ class Mamba2Mixer(SSMMixer):
         lo, hi = self.cfg.time_step_limit
         return F.softplus(dt_raw + self.dt_bias).clamp(min=lo, max=hi)
 
-    def _output(self, y: Tensor, x: Tensor, z: Tensor, dtype: torch.dtype) -> Tensor:
-        """``D`` skip, gated norm, ``hook_z`` and ``out_proj`` of the scan output ``y``."""
+    def skip(self) -> Tensor:
+        """The ``D`` skip of each head (a variant zeroes it on heads that have none)."""
+        return self.D
+
+    def _output(
+        self, y: Tensor, x: Tensor, z: Tensor, dtype: torch.dtype, attn: Tensor | None = None
+    ) -> Tensor:
+        """``D`` skip, gated norm, ``hook_z`` and ``out_proj`` of the scan output ``y``; with
+        ``attn``, the attention heads' output (heads ``attn_index``) replaces their gated
+        output in ``hook_z``."""
         cfg = self.cfg
         b, L = y.shape[:2]
         E, H, P = cfg.d_inner, cfg.n_heads, cfg.d_head
-        y = self.hook_ssm_out(y + x * self.D[:, None])
+        y = self.hook_ssm_out(y + x * self.skip()[:, None])
         normed = self.gate_norm(y.reshape(b, L, E), self.hook_gate(self.gate_input(z)))
-        head_in = self.hook_z(normed.view(b, L, H, P))
+        per_head = normed.view(b, L, H, P)
+        if attn is not None:
+            index: Tensor = self.attn_index  # type: ignore[assignment]
+            per_head = per_head.index_copy(2, index, attn.to(normed.dtype))
+        head_in = self.hook_z(per_head)
         return cast("Tensor", self.out_proj(head_in.reshape(b, L, E).to(dtype)))
 
     # ------------------------------------------------------------------ forward
@@ -276,44 +289,25 @@ class Mamba2Mixer(SSMMixer):
             return y
         return None
 
-    def _pattern_job(
-        self,
-        dt: Tensor,
-        A: Tensor,
-        B: Tensor,
-        C: Tensor,
-        heads: Tensor | None,
-        rows: Tensor | None,
-    ) -> tuple[kernels.PatternJob, Tensor, Tensor]:
-        """The budgeted construction of the pattern of ``heads`` at ``rows``, and the selected
-        ``dt`` and ``A`` it reads."""
-        head_group: Tensor = self.head_group  # type: ignore[assignment]
-        dt_sel, A_sel, hg = dt, A, head_group
-        if heads is not None:
-            dt_sel, A_sel = dt.index_select(2, heads), A.index_select(0, heads)
-            hg = head_group.index_select(0, heads)
-        batch, length, n_heads = dt_sel.shape
+    pattern_equation: ClassVar[str] = "bhrj,bjhp->brhp"
+
+    def _pattern_builder(
+        self, heads: Tensor | None, A: Tensor, B: Tensor, unit: int, length: int
+    ) -> tuple[kernels.PatternBuilder, Callable[[int, int], int]]:
+        hg: Tensor = self.head_group  # type: ignore[assignment]
+        hg = hg if heads is None else hg.index_select(0, heads)
         n_groups = B.shape[2]
-        n_rows = length if rows is None else rows.shape[0]
-        size = max(torch.promote_types(dt.dtype, A.dtype).itemsize, 4)
 
         def cost(h: int, r: int) -> int:
             # C·B of the chunk's groups, one key block's decays (ops.decay_matrix)
-            return size * batch * r * (min(h, n_groups) * length + h * min(length, 64))
+            return unit * r * (min(h, n_groups) * length + h * min(length, 64))
 
-        budget = self.pattern_budget_bytes or kernels.current_pattern_budget()
-        job = kernels.PatternJob(
-            build=lambda dt_, A_, B_, C_, h_, r_: _mamba2_pattern_part(
-                hg, dt_, A_, B_, C_, h_, r_, scale_keys=self.pattern_scales_keys
-            ),
-            shape=(batch, n_heads, n_rows, length),
-            rows=rows,
-            cost=cost,
-            budget=budget,
-            equation="bhrj,bjhp->brhp",
-            itemsize=size,
-        )
-        return job, dt_sel, A_sel
+        def build(
+            dt: Tensor, A: Tensor, B: Tensor, C: Tensor, h: Tensor | None, r: Tensor | None
+        ) -> Tensor:
+            return _mamba2_pattern_part(hg, dt, A, B, C, h, r, self.pattern_scales_keys)
+
+        return build, cost
 
     # ------------------------------------------------------------------ incremental
     def prefix_state(self, acts: Mapping[str, Tensor], length: int) -> StepState:
@@ -325,24 +319,10 @@ class Mamba2Mixer(SSMMixer):
             ``{"conv": [G, d_conv - 1, conv_dim], "state": [G, n_heads, d_head, d_state]}``.
         """
         cfg = self.cfg
-        P = length
-        x = acts["hook_ssm_input"][:, :P].float()
-        dt = acts["hook_ssm_dt"][:, :P].float()
-        B = acts["hook_ssm_B"][:, :P].float()
-        A = -torch.exp(self.A_log.float())
-        G = x.shape[0]
-        H, Gr = cfg.n_heads, cfg.n_groups
+        x, dt, B = prefix_inputs(acts, length)
+        state = ssd_state(self.scan_values(x, dt), dt, -torch.exp(self.A_log.float()), B)
         conv_in = acts["hook_in_proj"][..., self.conv_offset : self.conv_offset + self.conv_dim]
-        x = self.scan_values(x, dt)
-        hpg = H // Gr
-        w = torch.exp(reverse_segsum(dt * A)) * dt  # [G, P, H]
-        state = torch.einsum(
-            "bjgm,bjgmp,bjgn->bgmpn",
-            w.view(G, P, Gr, hpg),
-            x.view(G, P, Gr, hpg, cfg.d_head),
-            B,
-        ).reshape(G, H, cfg.d_head, cfg.d_state)
-        return {"conv": conv_tail(conv_in, P, cfg.d_conv - 1), "state": state}
+        return {"conv": conv_tail(conv_in, length, cfg.d_conv - 1), "state": state}
 
     def step(self, state: StepState, h: Float[Tensor, "batch 1 d_model"]) -> Tensor:
         """One token after the prefix (see :meth:`SSMMixer.step`).

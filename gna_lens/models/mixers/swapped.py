@@ -26,7 +26,7 @@ the SSM heads' ``M`` and the swapped heads' softmax pattern; an edit changes the
 """
 
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar, cast
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -207,12 +207,6 @@ class SwappedMamba2Mixer(Mamba2Mixer):
                 if self.attn_conv.bias is not None and src is not None:
                     self.attn_conv.bias[dst] = src[conv]
 
-    @property
-    def head_kinds(self) -> tuple[str, ...]:
-        """Per head, ``"attention"`` (swapped) or ``"ssm"``."""
-        swapped = set(self.attn_heads)
-        return tuple("attention" if h in swapped else "ssm" for h in range(self.cfg.n_heads))
-
     # ------------------------------------------------------------------ attention heads
     def _split(self, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         b, L, _ = qkv.shape
@@ -235,16 +229,10 @@ class SwappedMamba2Mixer(Mamba2Mixer):
         scores = self.hook_attn_scores(scores)
         return torch.softmax(scores.float(), dim=-1)
 
-    def _output(self, y: Tensor, x: Tensor, z: Tensor, dtype: torch.dtype) -> Tensor:
-        """Mamba-2's output with the ``D`` skip on the SSM heads only."""
-        cfg = self.cfg
-        b, L = y.shape[:2]
+    def skip(self) -> Tensor:
+        """The ``D`` skip, on the SSM heads only."""
         keep: Tensor = self.ssm_keep  # type: ignore[assignment]
-        D = (self.D * keep.to(self.D.dtype))[:, None]
-        y = self.hook_ssm_out(y + x * D)
-        normed = self.gate_norm(y.reshape(b, L, cfg.d_inner), self.hook_gate(z))
-        head_in = self.hook_z(normed.view(b, L, cfg.n_heads, cfg.d_head))
-        return cast("Tensor", self.out_proj(head_in.reshape(b, L, cfg.d_inner).to(dtype)))
+        return self.D * keep.to(self.D.dtype)
 
     # ------------------------------------------------------------------ forward
     def forward(

@@ -178,38 +178,6 @@ class TeacherHeadsMixer(AttentionHeads, Mamba2Mixer):
             self.register_buffer(name, index, persistent=False)
         self._add_attention_hooks()
 
-    @property
-    def head_kinds(self) -> tuple[str, ...]:
-        """Per head, ``"attention"`` (the teacher's) or ``"ssm"``."""
-        swapped = set(self.attn_heads)
-        return tuple("attention" if h in swapped else "ssm" for h in range(self.cfg.n_heads))
-
-    # ------------------------------------------------------------------ attention heads
-    def _qkv(self, h: Tensor, rope: Rope) -> tuple[Tensor, Tensor, Tensor]:
-        """Rotated queries ``[b, L, attn_head, d]``, rotated keys and values (KV heads)."""
-        b, L, _ = h.shape
-        d, n, kv = self.cfg.d_head, len(self.attn_heads), len(self.kv_heads)
-        q = self.hook_q(self.q_proj(h).view(b, L, n, d))
-        k = self.hook_k(self.k_proj(h).view(b, L, kv, d))
-        v = self.hook_v(self.v_proj(h).view(b, L, kv, d))
-        return self.hook_rot_q(self._rope(q, rope)), self.hook_rot_k(self._rope(k, rope)), v
-
-    def _heads_output(
-        self, y: Tensor, x: Tensor, z: Tensor, y_attn: Tensor, dtype: torch.dtype
-    ) -> Tensor:
-        """The student's ``D`` skip and gated norm of every head's SSM output ``y``, the swapped
-        heads' slices of ``hook_z`` replaced by their attention output ``y_attn``, and
-        ``out_proj`` (whose swapped heads' columns are the teacher's ``o_proj``'s)."""
-        cfg = self.cfg
-        b, L = y.shape[:2]
-        E, H, P = cfg.d_inner, cfg.n_heads, cfg.d_head
-        y = self.hook_ssm_out(y + x * self.D[:, None])
-        normed = self.gate_norm(y.reshape(b, L, E), self.hook_gate(self.gate_input(z)))
-        index: Tensor = self.attn_index  # type: ignore[assignment]
-        per_head = normed.view(b, L, H, P).index_copy(2, index, y_attn.to(normed.dtype))
-        head_in = self.hook_z(per_head)
-        return cast("Tensor", self.out_proj(head_in.reshape(b, L, E).to(dtype)))
-
     # ------------------------------------------------------------------ forward
     def forward(
         self, h: Float[Tensor, "batch pos d_model"], mask: Tensor | None, rope: Rope = None
@@ -220,14 +188,14 @@ class TeacherHeadsMixer(AttentionHeads, Mamba2Mixer):
         materialize = has_hooks(self.hook_pattern)
         if not materialize and not has_hooks(self.hook_attn_scores):
             y_attn = self._fused_attention(q, k, v, mask)
-            return self._heads_output(self._scan(x, dt, A, B, C), x, z, y_attn, h.dtype)
+            return self._output(self._scan(x, dt, A, B, C), x, z, h.dtype, y_attn)
         P_attn = self._attend(q, k, allowed_keys(h.shape[1], mask, h.device))
         v_heads = self._per_head(v)
         if not materialize:
             y_attn = torch.einsum("bhqk,bkhd->bqhd", P_attn, v_heads)
-            return self._heads_output(self._scan(x, dt, A, B, C), x, z, y_attn, h.dtype)
+            return self._output(self._scan(x, dt, A, B, C), x, z, h.dtype, y_attn)
         y, y_attn = self._scan_materialized(x, dt, A, B, C, P_attn, v_heads)
-        return self._heads_output(y, x, z, y_attn, h.dtype)
+        return self._output(y, x, z, h.dtype, y_attn)
 
     def _scan_materialized(
         self, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, P_attn: Tensor, v: Tensor
@@ -276,7 +244,7 @@ class TeacherHeadsMixer(AttentionHeads, Mamba2Mixer):
         k = torch.cat([state["attn_k"].to(k.dtype), k], dim=1)
         v = torch.cat([state["attn_v"].to(v.dtype), v], dim=1)
         y_attn = torch.einsum("bhqk,bkhd->bqhd", self._attend(q, k, None), self._per_head(v))
-        return self._heads_output(y, x, z, y_attn, h.dtype)
+        return self._output(y, x, z, h.dtype, y_attn)
 
     def extra_repr(self) -> str:
         return f"teacher_heads={self.attn_heads}"
