@@ -1,7 +1,7 @@
 """Building a student from its teacher (:func:`build_hybrid`) and the state it keeps per token
 (:func:`state_bytes`); re-exported by :mod:`gna_lens.hybrid`."""
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +15,6 @@ from gna_lens.models.hooked_ssm import HookedSSM
 from gna_lens.models.mixers.hybrid import HEAD_LAYOUTS, HybridMixer
 
 Head = tuple[int, int]
-
-#: Sequence lengths :func:`state_bytes` reports by default.
 
 
 def build_hybrid(
@@ -105,10 +103,8 @@ def build_hybrid(
     model.load_state_dict(_student_state(model, weights, n_layers), strict=False)
     generator = torch.Generator().manual_seed(seed)
     for layer, block in enumerate(model.blocks):
-        prefix = f"model.layers.{layer}.self_attn."
-        attn = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
         mixer: HybridMixer = block.mixer  # type: ignore[assignment]
-        mixer.init_from_attention(attn, generator)
+        mixer.init_from_attention(layer_weights(weights, layer, "self_attn."), generator)
     return model.to(device=cfg.device, dtype=cfg.dtype).eval()
 
 
@@ -116,44 +112,51 @@ def _teacher_model(teacher: Any) -> tuple[Any, Any, dict[str, Any]]:
     """(the Hugging Face model, its tokenizer, what to record of it) of a build_hybrid teacher."""
     from gna_lens.models.provenance import provenance_of
 
-    info: dict[str, Any] = {}
+    hf, name = hf_model(teacher, "build_hybrid")
     if isinstance(teacher, str | Path):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         from gna_lens.models.loading import resolve_name
 
-        name = resolve_name(str(teacher))
         try:
-            hf = AutoModelForCausalLM.from_pretrained(name)
-        except (OSError, ValueError) as err:
-            raise ConfigError(
-                f"build_hybrid(teacher={str(teacher)!r}): could not load it as a Hugging Face "
-                f"causal LM ({err.__class__.__name__}: {err}). Pass a checkpoint folder, a hub "
-                "name where a hub is reachable, a TransformerBridge or a LlamaForCausalLM."
-            ) from err
-        try:
-            tok = AutoTokenizer.from_pretrained(name)
+            tok = AutoTokenizer.from_pretrained(resolve_name(str(teacher)))
         except (OSError, ValueError):
             tok = None
-        info["name"] = str(teacher)
     else:
-        hf = getattr(teacher, "original_model", None) or teacher
-        if not hasattr(hf, "config") or not hasattr(hf, "state_dict"):
-            raise ConfigError(
-                f"build_hybrid got a teacher of type {type(teacher).__name__}; expected a "
-                "TransformerBridge, a Hugging Face LlamaForCausalLM, or a folder / hub name."
-            )
         tok = getattr(teacher, "tokenizer", None)
-        cfg = getattr(teacher, "cfg", None)
-        info["name"] = str(
-            getattr(cfg, "model_name", "") or getattr(hf.config, "_name_or_path", "") or ""
-        )
-    info["class"] = type(hf).__name__
+    info: dict[str, Any] = {"name": name, "class": type(hf).__name__}
     info["model_type"] = str(getattr(hf.config, "model_type", ""))
     prov = provenance_of(teacher)
     if prov.known:
         info["provenance"] = prov.describe()
     return hf, tok, info
+
+
+def hf_model(teacher: Any, call: str) -> tuple[Any, str]:
+    """The Hugging Face model of a teacher (a folder or hub name loaded; a bridge's
+    ``original_model``) and its name; ``call`` names the function in errors."""
+    accepts = (
+        "a checkpoint folder of a Llama-style model (or a hub name where a hub is reachable), a "
+        "LlamaForCausalLM or a TransformerBridge over one"
+    )
+    if isinstance(teacher, str | Path):
+        from transformers import AutoModelForCausalLM
+
+        from gna_lens.models.loading import resolve_name
+
+        try:
+            hf = AutoModelForCausalLM.from_pretrained(resolve_name(str(teacher)))
+        except (OSError, ValueError) as err:
+            raise ConfigError(
+                f"{call}(teacher={str(teacher)!r}): could not load it as a Hugging Face causal LM "
+                f"({err.__class__.__name__}: {err}). Pass {accepts}."
+            ) from err
+        return hf, str(teacher)
+    hf = getattr(teacher, "original_model", None) or teacher
+    if not hasattr(hf, "config") or not hasattr(hf, "state_dict"):
+        raise ConfigError(f"{call}(teacher={type(teacher).__name__}); expected {accepts}.")
+    cfg = getattr(teacher, "cfg", None)
+    return hf, str(getattr(cfg, "model_name", "") or getattr(hf.config, "_name_or_path", "") or "")
 
 
 def _check_keep(keep: Any, n_layers: int, n_heads: int) -> list[Head]:
@@ -178,6 +181,12 @@ def _hf_weights(hf: Any) -> dict[str, Tensor]:
             key.replace("._original_component", "").replace("_original_component.", ""), value
         )
     return out
+
+
+def layer_weights(weights: Mapping[str, Tensor], layer: int, prefix: str) -> dict[str, Tensor]:
+    """The weights of ``model.layers.{layer}.{prefix}`` with that prefix taken off."""
+    start = f"model.layers.{layer}.{prefix}"
+    return {k[len(start) :]: v for k, v in weights.items() if k.startswith(start)}
 
 
 def _student_state(model: HookedSSM, w: dict[str, Tensor], n_layers: int) -> dict[str, Tensor]:

@@ -100,6 +100,11 @@ def distill_kv_seed(seed: int, block: int) -> int:
     return DISTILL_SEEDS.start + 1000 * seed + block
 
 
+def describe_data(data: Any) -> str:
+    """What distillation data is, in one line (its ``describe()``, else its type's name)."""
+    return str(data.describe()) if hasattr(data, "describe") else type(data).__name__
+
+
 def mmlu_split(records: Sequence[Any]) -> tuple[list[Any], list[Any]]:
     """``(distillation records, held-out records)`` of MMLU (see :data:`MMLU_EVAL_EVERY`)."""
     held = [r for i, r in enumerate(records) if i % MMLU_EVAL_EVERY == 0]

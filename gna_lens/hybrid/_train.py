@@ -32,7 +32,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -47,9 +47,11 @@ __all__ = [
     "DIVERGENCE_FLOOR",
     "DIVERGENCE_WINDOW",
     "LOG_EVERY",
+    "Loop",
     "Stage",
     "TrainState",
     "batches",
+    "loss_stage",
     "run_stages",
 ]
 
@@ -92,6 +94,73 @@ class Stage:
     budget: Budget
     lr: float
     trained: str
+
+
+@dataclass(frozen=True)
+class Loop:
+    """How :func:`run_stages` batches the texts, warms up, keeps checkpoints and watches for
+    divergence (the arguments of :func:`~gna_lens.hybrid.distill` of the same names), checked;
+    ``where`` names the caller in errors.
+
+    Raises:
+        ConfigError: For sizes that are not positive ints or a ``divergence_factor`` that is
+            not a number above 1.
+    """
+
+    where: str
+    batch_size: int
+    max_length: int
+    warmup: int
+    checkpoint_dir: str | Path | None
+    resume: bool
+    progress: bool
+    max_steps: int | None
+    checkpoint_every: int
+    divergence_factor: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "max_length", "checkpoint_every", "max_steps"):
+            value = getattr(self, name)
+            if (name != "max_steps" or value is not None) and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
+                raise ConfigError(f"{self.where}({name}={value!r}); expected a positive int.")
+        factor = self.divergence_factor
+        if factor is not None and not (
+            isinstance(factor, int | float)
+            and not isinstance(factor, bool)
+            and math.isfinite(factor)
+            and factor > 1
+        ):
+            raise ConfigError(
+                f"{self.where}(divergence_factor={factor!r}); expected a number above 1 (the "
+                "rise over a stage's starting loss that stops it, e.g. 10.0) or None (no check)."
+            )
+
+
+def loss_stage(
+    name: str,
+    params: list[tuple[str, nn.Parameter]],
+    loss: Callable[[Tensor, Tensor], Tensor],
+    budget: Budget,
+    lr: float,
+    trained: str,
+    grad_clip: float,
+) -> Stage:
+    """A stage whose step backpropagates ``loss(ids, mask)`` and clips the gradient of
+    ``params`` to norm ``grad_clip``, and whose probe is the same loss without gradients."""
+
+    def step(ids: Tensor, mask: Tensor) -> StepLosses:
+        value = loss(ids, mask)
+        value.backward()
+        torch.nn.utils.clip_grad_norm_([p for _, p in params], grad_clip)
+        return [(None, value.detach())]  # read back at the next logging point
+
+    def probe(ids: Tensor, mask: Tensor) -> float:
+        with torch.no_grad():
+            return float(loss(ids, mask))
+
+    return Stage(name, params, step, probe, budget, lr, trained)
 
 
 @dataclass
@@ -206,15 +275,7 @@ def _save(
         "fingerprint": fingerprint,
         "weights": wfile,
         "optimizer": ofile if opt is not None else None,
-        "stage": state.stage,
-        "step": state.step,
-        "tokens": state.tokens,
-        "seconds": state.seconds,
-        "texts": state.texts,
-        "records": state.records,
-        "probe": state.probe,
-        "totals": state.totals,
-        "complete": state.complete,
+        **asdict(state),
     }
     text = json.dumps(data, indent=1) + "\n"
 
@@ -257,18 +318,7 @@ def _load(
     opt_state = None
     if data.get("optimizer"):
         opt_state = torch.load(str(folder / data["optimizer"]), weights_only=False)
-    state = TrainState(
-        stage=int(data["stage"]),
-        step=int(data["step"]),
-        tokens=int(data["tokens"]),
-        seconds=float(data["seconds"]),
-        texts=int(data["texts"]),
-        records=list(data["records"]),
-        probe=dict(data["probe"]),
-        totals=dict(data.get("totals") or {}),
-        complete=bool(data["complete"]),
-    )
-    return state, opt_state
+    return TrainState(**{f.name: data.get(f.name) for f in fields(TrainState)}), opt_state
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -355,29 +405,22 @@ def run_stages(
     stages: list[Stage],
     data: Iterable[Any],
     tokenizer: Any,
+    loop: Loop,
     *,
-    batch_size: int,
-    max_length: int,
-    warmup: int,
-    checkpoint_dir: str | Path | None,
-    resume: bool,
-    progress: bool,
-    max_steps: int | None,
-    checkpoint_every: int,
     fingerprint: dict[str, Any],
     device: Any,
-    divergence_factor: float | None = None,
-    where: str = "distill",
 ) -> RunOutcome:
     """Run ``stages`` in order on the text stream ``data`` (see the module docstring).
 
     Raises:
-        DistillationDiverged: With ``divergence_factor`` set, for a stage whose loss rises
-            above ``divergence_factor`` times its start or is not finite (``where`` names the
-            caller in the message).
+        DistillationDiverged: With ``loop.divergence_factor`` set, for a stage whose loss rises
+            above ``divergence_factor`` times its start or is not finite (``loop.where`` names
+            the caller in the message).
     """
     from tqdm.auto import tqdm
 
+    batch_size, max_length, checkpoint_dir = loop.batch_size, loop.max_length, loop.checkpoint_dir
+    max_steps, checkpoint_every = loop.max_steps, loop.checkpoint_every
     folder = Path(checkpoint_dir) if checkpoint_dir is not None else None
     union = list(dict.fromkeys(n for s in stages for n, _ in s.params))
     # The probe batch is the stream's first batch (measured before and after each stage, and
@@ -401,7 +444,7 @@ def run_stages(
     state = TrainState()
     opt_state: dict[str, Any] | None = None
     resumed_at = None
-    if folder is not None and resume:
+    if folder is not None and loop.resume:
         loaded = _load(folder, model, fingerprint)
         if loaded is not None:
             state, opt_state = loaded
@@ -439,7 +482,7 @@ def run_stages(
             probe = state.probe.setdefault(stage.name, {})
             if stage.probe is not None and "before" not in probe:
                 probe["before"] = stage.probe(*probe_batch)
-            watch = _Watch(stage, divergence_factor, probe.get("before"), where)
+            watch = _Watch(stage, loop.divergence_factor, probe.get("before"), loop.where)
             b = stage.budget
             total = b.tokens if b.tokens is not None else b.seconds
             bar = tqdm(
@@ -447,7 +490,7 @@ def run_stages(
                 initial=state.tokens if b.tokens is not None else int(state.seconds),
                 desc=f"{stage.name} ({stage.trained})"[:60],
                 unit="tok" if b.tokens is not None else "s",
-                disable=not progress,
+                disable=not loop.progress,
                 mininterval=2,
             )
 
@@ -466,7 +509,7 @@ def run_stages(
                         )
                     ids, mask, read, n_tok = got
                     fraction = b.fraction(state.tokens, state.seconds)
-                    lr = _lr(stage, state.step, fraction, warmup)
+                    lr = _lr(stage, state.step, fraction, loop.warmup)
                     for g in opt.param_groups:
                         g["lr"] = lr
                     losses = stage.step(ids, mask)
