@@ -9,12 +9,10 @@ import torch
 from torch import Tensor
 
 from gna_lens.errors import ConfigError
-from gna_lens.hybrid._pairs import head_pairs
+from gna_lens.hybrid._pairs import Head, head_pairs
 from gna_lens.models.families import config_from_hf, gna_hybrid
 from gna_lens.models.hooked_ssm import HookedSSM
 from gna_lens.models.mixers.hybrid import HEAD_LAYOUTS, HybridMixer
-
-Head = tuple[int, int]
 
 
 def build_hybrid(
@@ -159,6 +157,27 @@ def hf_model(teacher: Any, call: str) -> tuple[Any, str]:
     return hf, str(getattr(cfg, "model_name", "") or getattr(hf.config, "_name_or_path", "") or "")
 
 
+def check_twin(twin: HookedSSM, call: str) -> None:
+    """Refuse a HookedSSM teacher that is not a teacher twin (a hybrid student of
+    :func:`build_hybrid` keeping every head as attention)."""
+    cfg: Any = twin.cfg
+    heads = getattr(cfg, "attention_heads", None)
+    if cfg.architecture != "gna_hybrid" or heads is None:
+        raise ConfigError(
+            f"{call}(teacher=HookedSSM of {cfg.architecture!r}): a HookedSSM teacher must be "
+            "a teacher twin (gna_lens.hybrid.build_hybrid(teacher, every head)). Fix: pass the "
+            "Llama-style Transformer itself (a LlamaForCausalLM, a TransformerBridge over one, or "
+            "its folder)."
+        )
+    ssm = {layer: cfg.n_heads - len(h) for layer, h in enumerate(heads) if len(h) != cfg.n_heads}
+    if ssm:
+        raise ConfigError(
+            f"{call}(teacher=HookedSSM): this hybrid student has SSM heads ({ssm} per "
+            "layer), so it is not a teacher twin (every head kept as attention). Fix: pass the "
+            "Transformer teacher itself, or build_hybrid(teacher, every head)."
+        )
+
+
 def _check_keep(keep: Any, n_layers: int, n_heads: int) -> list[Head]:
     """Validate ``keep``: ``(layer, head)`` pairs of the teacher."""
     where = f"the teacher has {n_layers} layers (0..{n_layers - 1}) of {n_heads} heads (0..{n_heads - 1})"
@@ -204,13 +223,9 @@ def _student_state(model: HookedSSM, w: dict[str, Tensor], n_layers: int) -> dic
         for proj in ("gate_proj", "up_proj", "down_proj"):
             for p in ("weight", "bias") if model.cfg.mlp_bias else ("weight",):
                 state[f"{dst}mlp.{proj}.{p}"] = w[f"{src}mlp.{proj}.{p}"]
-    missing = sorted(set(model.state_dict()) - set(state) - _mixer_keys(model))
+    # the mixers are built from the teacher's attention; a tied unembedding is the embedding
+    mixers = {k for k in model.state_dict() if ".mixer." in k} | {"unembed.weight"}
+    missing = sorted(set(model.state_dict()) - set(state) - mixers)
     if missing:
         raise ConfigError(f"build_hybrid: no teacher weights for {missing[:5]} ...")
     return {k: v.detach().to(model.embed.weight.dtype) for k, v in state.items()}
-
-
-def _mixer_keys(model: HookedSSM) -> set[str]:
-    return {k for k in model.state_dict() if ".mixer." in k} | (
-        {"unembed.weight"} if model.cfg.tie_word_embeddings else set()
-    )

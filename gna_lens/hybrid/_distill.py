@@ -26,18 +26,13 @@ the same kind.
 one chunked SSD scan in the compute dtype with float32 states for the SSM heads); stage 2's
 KL is computed over the vocabulary in blocks of tokens, its gradient written directly
 (:func:`kl_per_token`: no float32 copies of the ``[tokens, vocabulary]`` logits kept for the
-backward pass); a step's losses stay on the device and are read back every few steps
-(:mod:`gna_lens.hybrid._train`), so no step waits for the device.
-
-**Safety.** A stage whose loss rises above ``divergence_factor`` (default 10) times its loss
-on the probe batch before it, or stops being finite, raises
-:class:`~gna_lens.errors.DistillationDiverged` with the stage, the step and both losses.
+backward pass); the loop of :mod:`gna_lens.hybrid._train` never waits for the device.
 """
 
 import contextlib
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -128,18 +123,8 @@ class DistillResult:
 
     def to_dict(self) -> dict[str, Any]:
         """Everything but the per-step records, JSON-ready."""
-        return {
-            "stages": list(self.stages),
-            "budget": self.budget.to_dict(),
-            "seed": self.seed,
-            "probe": self.probe,
-            "totals": self.totals,
-            "trained": self.trained,
-            "n_trained": self.n_trained,
-            "complete": self.complete,
-            "resumed_at": self.resumed_at,
-            "method": self.method,
-        }
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "records"}
+        return out | {"stages": list(self.stages), "budget": self.budget.to_dict()}
 
 
 def _result(
@@ -154,8 +139,8 @@ def _result(
     """The :class:`DistillResult` of a :func:`~gna_lens.hybrid._train.run_stages` run."""  # fmt: skip
     state = outcome.state
     return DistillResult(
-        stages, budget, seed, tuple(state.records or ()), dict(state.probe or {}),
-        dict(state.totals or {}), trained, n_trained, state.complete, outcome.resumed_at, method,
+        stages, budget, seed, tuple(state.records), dict(state.probe), dict(state.totals),
+        trained, n_trained, state.complete, outcome.resumed_at, method,
     )  # fmt: skip
 
 
@@ -168,37 +153,19 @@ def teacher_twin(teacher: Any, like: HookedSSM | None = None) -> HookedSSM:
             built (returned as is).
         like: A student whose dtype and device the twin takes.
     """
-    from gna_lens.hybrid._build import build_hybrid
+    from gna_lens.hybrid._build import build_hybrid, check_twin, hf_model
 
     if isinstance(teacher, HookedSSM):
-        cfg = teacher.cfg
-        heads = getattr(cfg, "attention_heads", None)
-        if cfg.architecture != "gna_hybrid" or heads is None:
-            raise ConfigError(
-                f"distill(teacher=HookedSSM of {cfg.architecture}): a teacher is a Llama-style "
-                "Transformer (a TransformerBridge, a LlamaForCausalLM, its folder) or its twin "
-                "build_hybrid(teacher, every head); got another HookedSSM."
-            )
-        if any(len(h) != cfg.n_heads for h in heads):
-            raise ConfigError(
-                "distill(teacher=...): this HookedSSM is a student with SSM heads, not a teacher "
-                "twin (every head kept as attention). Pass the Transformer teacher itself."
-            )
+        check_twin(teacher, "distill")
         return teacher
     dtype = device = None
     if like is not None:
         first = next(iter(like.parameters()))
         dtype, device = first.dtype, first.device
-    fields = _teacher_shape(teacher)
-    every = [(layer, h) for layer in range(fields[0]) for h in range(fields[1])]
+    config = hf_model(teacher, "distill")[0].config
+    heads = range(int(config.num_attention_heads))
+    every = [(layer, h) for layer in range(int(config.num_hidden_layers)) for h in heads]
     return build_hybrid(teacher, every, dtype=dtype, device=device)
-
-
-def _teacher_shape(teacher: Any) -> tuple[int, int]:
-    from gna_lens.hybrid._build import hf_model
-
-    hf, _ = hf_model(teacher, "distill")
-    return int(hf.config.num_hidden_layers), int(hf.config.num_attention_heads)
 
 
 def _check_pair(student: Any, twin: HookedSSM) -> None:
@@ -426,58 +393,6 @@ def _autocast_dtype(value: Any) -> torch.dtype | None:
     )
 
 
-def _choose_autocast(
-    student: HookedSSM,
-    twin: HookedSSM,
-    *,
-    batch_size: int,
-    max_length: int,
-    temperature: float = 1.0,
-    seed: int = 0,
-) -> PrecisionChoice:
-    """``distill(autocast="auto")``: time one stage-2 training step (the teacher's forward, the
-    student's forward, the KL loss and its backward) on a ``batch_size x max_length`` batch of
-    random tokens, in float32 and under bfloat16 autocast on the student's device
-    (:func:`gna_lens.runtime.choose_precision`), and take bfloat16 only where it is measured
-    faster and the KL loss on that batch moves by at most 2% (+ 0.01 nats) under it.
-
-    The probe leaves no trace: gradients are cleared, the random tokens come from a generator of
-    their own, and the weights are not stepped.
-    """
-    device = next(iter(student.parameters())).device
-    gen = torch.Generator().manual_seed(seed)
-    vocab = int(student.cfg.d_vocab)
-    ids = torch.randint(vocab, (batch_size, max_length), generator=gen, device=HOST).to(device)
-    mask = torch.ones(batch_size, max_length, dtype=torch.bool, device=device)
-
-    def step() -> None:
-        with torch.no_grad():
-            t_logits = twin(ids)
-        _kl(student(ids), t_logits, mask, temperature).backward()
-
-    def loss(bf16: bool) -> float:
-        with torch.no_grad(), runtime.autocast(device, "bfloat16" if bf16 else None):
-            return float(_kl(student(ids), twin(ids), mask, temperature))
-
-    def check() -> tuple[bool, str]:
-        ref, low = loss(False), loss(True)
-        ok = abs(low - ref) <= 0.02 * abs(ref) + 0.01
-        return ok, (
-            f"stage-2 KL on the probe batch {low:.4f} under bfloat16 vs {ref:.4f} in float32 "
-            "(allowed 2% + 0.01)"
-        )
-
-    try:
-        return choose_precision(
-            "auto", run=step, device=device,
-            what=f"one training step on {batch_size} x {max_length} tokens",
-            weights_dtype=next(iter(student.parameters())).dtype, check=check,
-            where="distill(autocast)",
-        )  # fmt: skip
-    finally:
-        student.zero_grad(set_to_none=True)
-
-
 @dataclass(frozen=True)
 class _Plan:
     """A checked :func:`distill` call: the pair, the whole budget and how each step runs."""
@@ -501,6 +416,45 @@ class _Plan:
         if len(self.stages) == 1:
             return self.budget
         return self.budget.share(self.stage1_share if stage == 1 else 1 - self.stage1_share)
+
+
+def _choose_autocast(plan: _Plan, batch_size: int, max_length: int, seed: int) -> PrecisionChoice:
+    """``distill(autocast="auto")``: time one stage-2 training step (the teacher's forward, the
+    student's forward, the KL loss and its backward) on a ``batch_size x max_length`` batch of
+    random tokens, in float32 and under bfloat16 autocast on the student's device
+    (:func:`gna_lens.runtime.choose_precision`), and take bfloat16 only where it is measured
+    faster and the KL loss on that batch moves by at most 2% (+ 0.01 nats) under it.
+
+    The probe leaves no trace: gradients are cleared, the random tokens come from a generator of
+    their own, and the weights are not stepped.
+    """
+    student, device, loss = plan.student, plan.device, _stage2_loss(plan)  # plan.amp is None
+    gen = torch.Generator().manual_seed(seed)
+    vocab = int(student.cfg.d_vocab)
+    ids = torch.randint(vocab, (batch_size, max_length), generator=gen, device=HOST).to(device)
+    mask = torch.ones(batch_size, max_length, dtype=torch.bool, device=device)
+
+    def loss_in(bf16: bool) -> float:
+        with torch.no_grad(), runtime.autocast(device, "bfloat16" if bf16 else None):
+            return float(loss(ids, mask))
+
+    def check() -> tuple[bool, str]:
+        ref, low = loss_in(False), loss_in(True)
+        ok = abs(low - ref) <= 0.02 * abs(ref) + 0.01
+        return ok, (
+            f"stage-2 KL on the probe batch {low:.4f} under bfloat16 vs {ref:.4f} in float32 "
+            "(allowed 2% + 0.01)"
+        )
+
+    try:
+        return choose_precision(
+            "auto", run=lambda: loss(ids, mask).backward(), device=device,
+            what=f"one training step on {batch_size} x {max_length} tokens",
+            weights_dtype=next(iter(student.parameters())).dtype, check=check,
+            where="distill(autocast)",
+        )  # fmt: skip
+    finally:
+        student.zero_grad(set_to_none=True)
 
 
 def _stage1(plan: _Plan) -> Stage:
@@ -540,9 +494,8 @@ def _stage1(plan: _Plan) -> Stage:
     return Stage("stage1", params, step, probe, plan.budget_of(1), plan.lrs[0], word)
 
 
-def _stage2(plan: _Plan, train: Any) -> Stage:
-    """Stage 2: the student's next-token distributions trained toward the teacher's."""
-    params, word = _stage2_params(plan.student, train)
+def _stage2_loss(plan: _Plan) -> Callable[[Tensor, Tensor], Tensor]:
+    """Stage 2's loss: ``KL(teacher || student)`` of the next-token distributions."""
 
     def loss(ids: Tensor, mask: Tensor) -> Tensor:
         with torch.no_grad(), plan.ctx():
@@ -551,8 +504,14 @@ def _stage2(plan: _Plan, train: Any) -> Stage:
             s_logits = plan.student(ids)
         return _kl(s_logits, t_logits, mask, plan.temperature)
 
+    return loss
+
+
+def _stage2(plan: _Plan, train: Any) -> Stage:
+    """Stage 2: the student's next-token distributions trained toward the teacher's."""
+    params, word = _stage2_params(plan.student, train)
     budget, lr = plan.budget_of(2), plan.lrs[1]
-    return loss_stage("stage2", params, loss, budget, lr, word, plan.grad_clip)
+    return loss_stage("stage2", params, _stage2_loss(plan), budget, lr, word, plan.grad_clip)
 
 
 def _plan(
@@ -582,19 +541,15 @@ def _plan(
         raise ConfigError(f"distill(temperature={temperature!r}); expected > 0.")
     if student.tokenizer is None:
         raise ConfigError("distill: the student has no tokenizer (student.tokenizer is None).")
+    device = next(iter(student.parameters())).device
+    plan = _Plan(
+        student, twin, picked, total, stage1_share, lrs, temperature, grad_clip, None, device
+    )
     precision = None
     if autocast == "auto":
-        precision = _choose_autocast(
-            student, twin, batch_size=loop.batch_size, max_length=loop.max_length,
-            temperature=temperature, seed=seed,
-        )  # fmt: skip
+        precision = _choose_autocast(plan, loop.batch_size, loop.max_length, seed)
         autocast = precision.autocast
-    device = next(iter(student.parameters())).device
-    amp = _autocast_dtype(autocast)
-    plan = _Plan(
-        student, twin, picked, total, stage1_share, lrs, temperature, grad_clip, amp, device
-    )
-    return plan, precision
+    return replace(plan, amp=_autocast_dtype(autocast)), precision
 
 
 # ----------------------------------------------------------------------------- distill

@@ -12,8 +12,8 @@ import torch
 from torch import Tensor, nn
 
 from gna_lens.errors import ConfigError
-from gna_lens.hybrid._build import _hf_weights, hf_model, layer_weights
-from gna_lens.hybrid._pairs import check_listed, head_pairs
+from gna_lens.hybrid._build import _hf_weights, check_twin, hf_model, layer_weights
+from gna_lens.hybrid._pairs import Head, check_listed, head_pairs
 from gna_lens.models.block import SSMBlock
 from gna_lens.models.config import SSMConfig
 from gna_lens.models.families import family_of, gna_hybrid
@@ -89,22 +89,8 @@ _TWIN_NAMES = (
 
 def _twin_teacher(twin: HookedSSM, call: str = "swap_layers") -> _Teacher:
     """A teacher given as its twin: a hybrid student keeping every head as attention."""
+    check_twin(twin, call)
     cfg: Any = twin.cfg
-    heads = getattr(cfg, "attention_heads", None)
-    if cfg.architecture != "gna_hybrid" or heads is None:
-        raise ConfigError(
-            f"{call}(teacher=HookedSSM of {cfg.architecture!r}): a HookedSSM teacher must be "
-            "a teacher twin (gna_lens.hybrid.build_hybrid(teacher, every head)). Fix: pass the "
-            "Llama-style Transformer itself (a LlamaForCausalLM, a TransformerBridge over one, or "
-            "its folder)."
-        )
-    ssm = {layer: cfg.n_heads - len(h) for layer, h in enumerate(heads) if len(h) != cfg.n_heads}
-    if ssm:
-        raise ConfigError(
-            f"{call}(teacher=HookedSSM): this hybrid student has SSM heads ({ssm} per "
-            "layer), so it is not a teacher twin (every head kept as attention). Fix: pass the "
-            "Transformer teacher itself, or build_hybrid(teacher, every head)."
-        )
     config = gna_hybrid._config_dict(cfg, next(iter(twin.parameters())).dtype)
     config["model_type"] = "llama"
     fields = gna_hybrid.teacher_fields(SimpleNamespace(**config), call)
@@ -222,6 +208,10 @@ def _check_hybrid(cfg: SSMConfig, teacher: _Teacher, part: str, call: str) -> No
         )
 
 
+#: A block's norms and MLP, and the teacher's names of them.
+_BLOCK_PARTS = (("ln1", "input_layernorm."), ("ln2", "post_attention_layernorm."), ("mlp", "mlp."))
+
+
 def _hybrid_swap(model: HookedSSM, teacher: _Teacher, layers: list[int], part: str) -> None:
     """A hybrid student's layers become the teacher twin's: a :class:`HybridMixer` keeping
     every head as attention (``part="block"``: and the teacher's norms and MLP)."""
@@ -235,10 +225,8 @@ def _hybrid_swap(model: HookedSSM, teacher: _Teacher, layers: list[int], part: s
         mixer.init_from_attention(teacher.layer(layer, "self_attn."))
         block.mixer = mixer
         cfg.attention_heads[layer] = list(range(H))
-        if part == "block":
-            block.ln1.load_state_dict(teacher.layer(layer, "input_layernorm."))
-            block.ln2.load_state_dict(teacher.layer(layer, "post_attention_layernorm."))
-            block.mlp.load_state_dict(teacher.layer(layer, "mlp."))
+        for name, prefix in _BLOCK_PARTS if part == "block" else ():
+            getattr(block, name).load_state_dict(teacher.layer(layer, prefix))
 
 
 def _attention_fields(model: HookedSSM, teacher: _Teacher, call: str = "swap_layers") -> None:
@@ -294,10 +282,9 @@ def _new_block(model: HookedSSM, teacher: _Teacher, layer: int, part: str, old: 
     mlp_cfg.d_mlp, mlp_cfg.mlp_bias = int(f["intermediate_size"]), bool(f["mlp_bias"])
     mlp_cfg.mlp_multipliers = (1.0, 1.0)
     with torch.device("meta"):
-        ln1, ln2, mlp = RMSNorm(cfg.d_model, eps), RMSNorm(cfg.d_model, eps), GatedMLP(mlp_cfg)
-    block.ln1 = _loaded(ln1, teacher.layer(layer, "input_layernorm."), device, dtype)
-    block.ln2 = _loaded(ln2, teacher.layer(layer, "post_attention_layernorm."), device, dtype)
-    block.mlp = _loaded(mlp, teacher.layer(layer, "mlp."), device, dtype)
+        parts = RMSNorm(cfg.d_model, eps), RMSNorm(cfg.d_model, eps), GatedMLP(mlp_cfg)
+    for (name, prefix), module in zip(_BLOCK_PARTS, parts, strict=True):
+        setattr(block, name, _loaded(module, teacher.layer(layer, prefix), device, dtype))
     return block
 
 
@@ -458,9 +445,6 @@ def swap_layers(
 
 
 # ----------------------------------------------------------------------------- head swaps
-Head = tuple[int, int]
-
-
 def _check_heads(student: HookedSSM, heads: Any) -> dict[int, list[int]]:
     """``heads``: distinct ``(layer, head)`` pairs naming SSM heads of the student; per layer,
     its heads (sorted)."""

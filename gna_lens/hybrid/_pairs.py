@@ -6,6 +6,9 @@ from typing import Any
 
 from gna_lens.errors import ConfigError
 
+#: A head, ``(layer, head)``.
+Head = tuple[int, int]
+
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)

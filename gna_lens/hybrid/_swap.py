@@ -14,15 +14,13 @@ from gna_lens.hybrid._budget import parse_budget
 from gna_lens.hybrid._data import describe_data
 from gna_lens.hybrid._distill import _mixer, _result
 from gna_lens.hybrid._layer_swap import _copy
-from gna_lens.hybrid._pairs import head_pairs
+from gna_lens.hybrid._pairs import Head, head_pairs
 from gna_lens.hybrid._train import Loop, loss_stage, run_stages
 from gna_lens.models.hooked_ssm import HookedSSM
 from gna_lens.models.mixers.swapped import SwappedMamba2Mixer
 from gna_lens.render.markdown import heads_label
 
 __all__ = ["swap_heads"]
-
-Head = tuple[int, int]
 
 
 def _check_heads(model: HookedSSM, heads: Any) -> dict[int, list[int]]:

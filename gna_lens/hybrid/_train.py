@@ -32,7 +32,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -98,14 +98,8 @@ class Stage:
 
 @dataclass(frozen=True)
 class Loop:
-    """How :func:`run_stages` batches the texts, warms up, keeps checkpoints and watches for
-    divergence (the arguments of :func:`~gna_lens.hybrid.distill` of the same names), checked;
-    ``where`` names the caller in errors.
-
-    Raises:
-        ConfigError: For sizes that are not positive ints or a ``divergence_factor`` that is
-            not a number above 1.
-    """
+    """The loop settings of :func:`run_stages` (:func:`~gna_lens.hybrid.distill`'s arguments of
+    the same names), checked; ``where`` names the caller in errors."""
 
     where: str
     batch_size: int
@@ -126,11 +120,10 @@ class Loop:
             ):
                 raise ConfigError(f"{self.where}({name}={value!r}); expected a positive int.")
         factor = self.divergence_factor
-        if factor is not None and not (
-            isinstance(factor, int | float)
-            and not isinstance(factor, bool)
-            and math.isfinite(factor)
-            and factor > 1
+        if factor is not None and (
+            isinstance(factor, bool)
+            or not isinstance(factor, int | float)
+            or not 1 < factor < math.inf
         ):
             raise ConfigError(
                 f"{self.where}(divergence_factor={factor!r}); expected a number above 1 (the "
@@ -172,15 +165,11 @@ class TrainState:
     tokens: int = 0  # tokens read in this stage
     seconds: float = 0.0  # seconds spent in this stage
     texts: int = 0  # texts read in the whole run
-    records: list[dict[str, Any]] | None = None
-    probe: dict[str, dict[str, float]] | None = None
-    totals: dict[str, dict[str, float]] | None = None  # per stage: tokens, seconds, steps
+    records: list[dict[str, Any]] = field(default_factory=list)
+    probe: dict[str, dict[str, float]] = field(default_factory=dict)
+    # per stage: tokens, seconds, steps
+    totals: dict[str, dict[str, float]] = field(default_factory=dict)
     complete: bool = False
-
-    def __post_init__(self) -> None:
-        self.records = self.records or []
-        self.probe = self.probe or {}
-        self.totals = self.totals or {}
 
 
 def batches(
@@ -318,7 +307,8 @@ def _load(
     opt_state = None
     if data.get("optimizer"):
         opt_state = torch.load(str(folder / data["optimizer"]), weights_only=False)
-    return TrainState(**{f.name: data.get(f.name) for f in fields(TrainState)}), opt_state
+    saved = {f.name: data[f.name] for f in fields(TrainState) if data.get(f.name) is not None}
+    return TrainState(**saved), opt_state
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -419,10 +409,13 @@ def run_stages(
     """
     from tqdm.auto import tqdm
 
-    batch_size, max_length, checkpoint_dir = loop.batch_size, loop.max_length, loop.checkpoint_dir
-    max_steps, checkpoint_every = loop.max_steps, loop.checkpoint_every
-    folder = Path(checkpoint_dir) if checkpoint_dir is not None else None
+    folder = Path(loop.checkpoint_dir) if loop.checkpoint_dir is not None else None
     union = list(dict.fromkeys(n for s in stages for n, _ in s.params))
+
+    def save(opt: torch.optim.Optimizer | None) -> None:
+        if folder is not None:
+            _save(folder, model, union, opt, state, fingerprint)
+
     # The probe batch is the stream's first batch (measured before and after each stage, and
     # trained on like the others); the texts it took are put back in front of the stream.
     source = iter(data)
@@ -433,10 +426,10 @@ def run_stages(
             taken.append(text)
             yield text
 
-    first = next(batches(reading(), tokenizer, batch_size, max_length, device), None)
+    first = next(batches(reading(), tokenizer, loop.batch_size, loop.max_length, device), None)
     if first is None:
         raise ConfigError(
-            f"the training data gave no batch of {batch_size} texts of two tokens or more "
+            f"the training data gave no batch of {loop.batch_size} texts of two tokens or more "
             f"(read {len(taken)} texts)."
         )
     probe_batch: Batch = (first[0], first[1])
@@ -458,7 +451,7 @@ def run_stages(
                 f"the training data has fewer texts than the checkpoint had read ({state.texts}); "
                 "resume with the same data."
             )
-    feed = batches(stream, tokenizer, batch_size, max_length, device)
+    feed = batches(stream, tokenizer, loop.batch_size, loop.max_length, device)
     all_params = dict(model.named_parameters())
     flags = {n: p.requires_grad for n, p in all_params.items()}
     steps_this_call = 0
@@ -468,7 +461,6 @@ def run_stages(
     try:
         while state.stage < len(stages):
             stage = stages[state.stage]
-            assert state.probe is not None and state.records is not None
             records = state.records
             trainable = {n for n, _ in stage.params}
             for n, p in all_params.items():
@@ -497,7 +489,7 @@ def run_stages(
             t0 = time.perf_counter() - state.seconds
             try:
                 while not b.spent(state.tokens, state.seconds):
-                    if max_steps is not None and steps_this_call >= max_steps:
+                    if loop.max_steps is not None and steps_this_call >= loop.max_steps:
                         stopped = True
                         break
                     got = next(feed, None)
@@ -537,23 +529,21 @@ def run_stages(
                     else:
                         bar.n = int(min(state.seconds, total or 0))
                         bar.refresh()
-                    if folder is not None and state.step % checkpoint_every == 0:
+                    if folder is not None and state.step % loop.checkpoint_every == 0:
                         _flush(pending, records, watch, bar)
-                        _save(folder, model, union, opt, state, fingerprint)
+                        save(opt)
                     elif state.step % LOG_EVERY == 0:
                         _flush(pending, records, watch, bar)
                 _flush(pending, records, watch, bar)
             finally:
                 bar.close()
             if stopped:
-                if folder is not None:
-                    _save(folder, model, union, opt, state, fingerprint)
+                save(opt)
                 break
             state.seconds = time.perf_counter() - t0  # after the read-back: the device's time
             if stage.probe is not None:
                 probe["after"] = stage.probe(*probe_batch)
                 watch.see(state.step, probe["after"], f"on the probe batch after {stage.name}")
-            assert state.totals is not None
             state.totals[stage.name] = {
                 "tokens": state.tokens,
                 "seconds": round(state.seconds, 3),
@@ -563,8 +553,7 @@ def run_stages(
             state.step, state.tokens, state.seconds = 0, 0, 0.0
             if state.stage == len(stages):
                 state.complete = True
-            if folder is not None:
-                _save(folder, model, union, None, state, fingerprint)
+            save(None)
     finally:
         for n, p in all_params.items():
             p.requires_grad_(flags[n])
