@@ -436,6 +436,22 @@ def _state(model: Any, lengths: Sequence[int]) -> dict[int, dict[str, float]]:
     }
 
 
+def _measure(model: Any, evals: _Evals, lengths: Sequence[int], batch_size: int) -> dict[str, Any]:
+    """The measured fields of ``model``'s :class:`HybridRow` (``kv``, ``prose``, ``knowledge``,
+    ``state``, ``kv_correct``)."""
+    model.eval()
+    got = {name: _accuracy(model, task, batch_size) for name, task in evals.kv.items()}
+    return {
+        "kv": {k: v[0] for k, v in got.items()},
+        "prose": None if evals.prose is None else _prose_loss(model, evals.prose, batch_size),
+        "knowledge": None
+        if evals.knowledge is None
+        else _accuracy(model, evals.knowledge, batch_size)[0],
+        "state": _state(model, lengths),
+        "kv_correct": {k: v[1] for k, v in got.items()},
+    }
+
+
 # ----------------------------------------------------------------------------- set-up
 def _digest(settings: dict[str, Any]) -> str:
     """A short name for a student's settings: runs under other settings (another budget, other
@@ -838,20 +854,7 @@ class _Run:
         return saved if _same_key(saved.get(key), settings) else None
 
     def measure(self, model: Any) -> dict[str, Any]:
-        """The measured fields of ``model``'s :class:`HybridRow` (``kv``, ``prose``,
-        ``knowledge``, ``state``, ``kv_correct``)."""
-        model.eval()
-        evals, batch_size = self.evals, self.eval_batch_size
-        got = {name: _accuracy(model, task, batch_size) for name, task in evals.kv.items()}
-        return {
-            "kv": {k: v[0] for k, v in got.items()},
-            "prose": None if evals.prose is None else _prose_loss(model, evals.prose, batch_size),
-            "knowledge": None
-            if evals.knowledge is None
-            else _accuracy(model, evals.knowledge, batch_size)[0],
-            "state": _state(model, self.lengths),
-            "kv_correct": {k: v[1] for k, v in got.items()},
-        }
+        return _measure(model, self.evals, self.lengths, self.eval_batch_size)
 
 
 def _write_json(file: Path, data: Any) -> None:

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from gna_lens.errors import ConfigError
 from gna_lens.hybrid._build import _hf_weights, check_twin, hf_model, layer_weights
-from gna_lens.hybrid._pairs import Head, check_listed, head_pairs
+from gna_lens.hybrid._pairs import Head, by_layer, check_listed, head_pairs
 from gna_lens.models.block import SSMBlock
 from gna_lens.models.config import SSMConfig
 from gna_lens.models.families import family_of, gna_hybrid
@@ -475,10 +475,7 @@ def _check_heads(student: HookedSSM, heads: Any) -> dict[int, list[int]]:
             f"swap_teacher_heads(heads=...): {attention} are attention heads already (head_view "
             "kind 'attention'); list only SSM heads."
         )
-    out: dict[int, list[int]] = {}
-    for layer, h in items:
-        out.setdefault(layer, []).append(h)
-    return {layer: sorted(hs) for layer, hs in sorted(out.items())}
+    return by_layer(items)
 
 
 def _check_mixers_for_heads(model: HookedSSM, per_layer: dict[int, list[int]]) -> None:

@@ -41,6 +41,14 @@ def head_pairs(value: Any, call: str, where: str) -> list[tuple[int, int]]:
     return out
 
 
+def by_layer(items: list[Head]) -> dict[int, list[int]]:
+    """Per layer (in order), its heads of ``items`` (sorted, each once)."""
+    return {
+        layer: sorted({h for i, h in items if i == layer})
+        for layer in sorted({i for i, _ in items})
+    }
+
+
 def check_listed(
     items: list[Any], call: str, what: str, where: str, ok: Callable[..., bool]
 ) -> None:

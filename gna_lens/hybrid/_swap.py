@@ -14,7 +14,7 @@ from gna_lens.hybrid._budget import parse_budget
 from gna_lens.hybrid._data import describe_data
 from gna_lens.hybrid._distill import _mixer, _result
 from gna_lens.hybrid._layer_swap import _copy
-from gna_lens.hybrid._pairs import Head, head_pairs
+from gna_lens.hybrid._pairs import Head, by_layer, head_pairs
 from gna_lens.hybrid._train import Loop, loss_stage, run_stages
 from gna_lens.models.hooked_ssm import HookedSSM
 from gna_lens.models.mixers.swapped import SwappedMamba2Mixer
@@ -33,7 +33,6 @@ def _check_heads(model: HookedSSM, heads: Any) -> dict[int, list[int]]:
     items = head_pairs(heads, "swap_heads(heads", where)
     if not items:
         raise ConfigError(f"swap_heads(heads=[]): no head to swap ({where}).")
-    out: dict[int, list[int]] = {}
     for layer, head in items:
         if layer not in ssm_layers or not 0 <= head < cfg.n_heads:
             raise ConfigError(
@@ -45,10 +44,7 @@ def _check_heads(model: HookedSSM, heads: Any) -> dict[int, list[int]]:
                 f"swap_heads: layer {layer} already has swapped heads {mixer.attn_heads}; swap all "
                 "the heads of a layer in one call, on the model before any swap."
             )
-        out.setdefault(layer, [])
-        if head not in out[layer]:
-            out[layer].append(head)
-    return {layer: sorted(hs) for layer, hs in sorted(out.items())}
+    return by_layer(items)
 
 
 def swap_heads(

@@ -236,7 +236,7 @@ def _data_fingerprint(texts: Iterable[Any], n: int = 4) -> str:
 
 
 # ----------------------------------------------------------------------------- checkpoints
-def _atomic_write(path: Path, write: Callable[[str], None]) -> None:
+def _atomic_write(path: Path, write: Callable[[str], object]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     write(str(tmp))
     os.replace(tmp, path)
@@ -267,16 +267,9 @@ def _save(
         **asdict(state),
     }
     text = json.dumps(data, indent=1) + "\n"
-
-    def write_progress(p: str) -> None:
-        Path(p).write_text(text, encoding="utf-8")
-
-    _atomic_write(folder / PROGRESS, write_progress)
-    for old in folder.glob("weights-*.safetensors"):
-        if old.name != wfile:
-            old.unlink()
-    for old in folder.glob("optimizer-*.pt"):
-        if old.name != data["optimizer"]:
+    _atomic_write(folder / PROGRESS, lambda p: Path(p).write_text(text, encoding="utf-8"))
+    for old in [*folder.glob("weights-*.safetensors"), *folder.glob("optimizer-*.pt")]:
+        if old.name not in (wfile, data["optimizer"]):
             old.unlink()
 
 
@@ -434,14 +427,11 @@ def run_stages(
         )
     probe_batch: Batch = (first[0], first[1])
     fingerprint = fingerprint | {"data": _data_fingerprint(taken)}
-    state = TrainState()
-    opt_state: dict[str, Any] | None = None
+    loaded = _load(folder, model, fingerprint) if folder is not None and loop.resume else None
+    state, opt_state = loaded or (TrainState(), None)
     resumed_at = None
-    if folder is not None and loop.resume:
-        loaded = _load(folder, model, fingerprint)
-        if loaded is not None:
-            state, opt_state = loaded
-            resumed_at = {"stage": state.stage, "step": state.step, "texts": state.texts}
+    if loaded is not None:
+        resumed_at = {"stage": state.stage, "step": state.step, "texts": state.texts}
     if state.complete:
         return RunOutcome(state, resumed_at, False)
     stream = itertools.chain(taken, source)
