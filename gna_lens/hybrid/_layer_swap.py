@@ -40,14 +40,6 @@ class _Teacher:
     weights: Mapping[str, Tensor]
 
     @property
-    def n_layers(self) -> int:
-        return int(self.fields["num_hidden_layers"])
-
-    @property
-    def d_model(self) -> int:
-        return int(self.fields["hidden_size"])
-
-    @property
     def heads(self) -> tuple[int, int, int]:
         """(query heads, KV heads, head width)."""
         f = self.fields
@@ -139,9 +131,10 @@ def _check_student(student: Any, call: str) -> None:
 def _check_pair(student: HookedSSM, teacher: _Teacher, call: str = "swap_layers") -> None:
     """The student's layers line up with the teacher's."""
     cfg = student.cfg
+    shape = int(teacher.fields["num_hidden_layers"]), int(teacher.fields["hidden_size"])
     mine = f"n_layers={cfg.n_layers}, d_model={cfg.d_model}"
-    theirs = f"num_hidden_layers={teacher.n_layers}, hidden_size={teacher.d_model}"
-    if (cfg.n_layers, cfg.d_model) != (teacher.n_layers, teacher.d_model):
+    theirs = f"num_hidden_layers={shape[0]}, hidden_size={shape[1]}"
+    if (cfg.n_layers, cfg.d_model) != shape:
         raise ConfigError(
             f"{call}: the student ({cfg.architecture}, {mine}) and the teacher "
             f"({teacher.name}, {theirs}) do not align; a layer swap needs the same number of "
