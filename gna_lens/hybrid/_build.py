@@ -1,7 +1,7 @@
 """Building a student from its teacher (:func:`build_hybrid`) and the state it keeps per token
 (:func:`state_bytes`); re-exported by :mod:`gna_lens.hybrid`."""
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -9,14 +9,10 @@ import torch
 from torch import Tensor
 
 from gna_lens.errors import ConfigError
-from gna_lens.hybrid._pairs import head_pairs
+from gna_lens.hybrid._pairs import Head, head_pairs
 from gna_lens.models.families import config_from_hf, gna_hybrid
 from gna_lens.models.hooked_ssm import HookedSSM
 from gna_lens.models.mixers.hybrid import HEAD_LAYOUTS, HybridMixer
-
-Head = tuple[int, int]
-
-#: Sequence lengths :func:`state_bytes` reports by default.
 
 
 def build_hybrid(
@@ -105,10 +101,8 @@ def build_hybrid(
     model.load_state_dict(_student_state(model, weights, n_layers), strict=False)
     generator = torch.Generator().manual_seed(seed)
     for layer, block in enumerate(model.blocks):
-        prefix = f"model.layers.{layer}.self_attn."
-        attn = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
         mixer: HybridMixer = block.mixer  # type: ignore[assignment]
-        mixer.init_from_attention(attn, generator)
+        mixer.init_from_attention(layer_weights(weights, layer, "self_attn."), generator)
     return model.to(device=cfg.device, dtype=cfg.dtype).eval()
 
 
@@ -116,44 +110,72 @@ def _teacher_model(teacher: Any) -> tuple[Any, Any, dict[str, Any]]:
     """(the Hugging Face model, its tokenizer, what to record of it) of a build_hybrid teacher."""
     from gna_lens.models.provenance import provenance_of
 
-    info: dict[str, Any] = {}
+    hf, name = hf_model(teacher, "build_hybrid")
     if isinstance(teacher, str | Path):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         from gna_lens.models.loading import resolve_name
 
-        name = resolve_name(str(teacher))
         try:
-            hf = AutoModelForCausalLM.from_pretrained(name)
-        except (OSError, ValueError) as err:
-            raise ConfigError(
-                f"build_hybrid(teacher={str(teacher)!r}): could not load it as a Hugging Face "
-                f"causal LM ({err.__class__.__name__}: {err}). Pass a checkpoint folder, a hub "
-                "name where a hub is reachable, a TransformerBridge or a LlamaForCausalLM."
-            ) from err
-        try:
-            tok = AutoTokenizer.from_pretrained(name)
+            tok = AutoTokenizer.from_pretrained(resolve_name(str(teacher)))
         except (OSError, ValueError):
             tok = None
-        info["name"] = str(teacher)
     else:
-        hf = getattr(teacher, "original_model", None) or teacher
-        if not hasattr(hf, "config") or not hasattr(hf, "state_dict"):
-            raise ConfigError(
-                f"build_hybrid got a teacher of type {type(teacher).__name__}; expected a "
-                "TransformerBridge, a Hugging Face LlamaForCausalLM, or a folder / hub name."
-            )
         tok = getattr(teacher, "tokenizer", None)
-        cfg = getattr(teacher, "cfg", None)
-        info["name"] = str(
-            getattr(cfg, "model_name", "") or getattr(hf.config, "_name_or_path", "") or ""
-        )
-    info["class"] = type(hf).__name__
+    info: dict[str, Any] = {"name": name, "class": type(hf).__name__}
     info["model_type"] = str(getattr(hf.config, "model_type", ""))
     prov = provenance_of(teacher)
     if prov.known:
         info["provenance"] = prov.describe()
     return hf, tok, info
+
+
+def hf_model(teacher: Any, call: str) -> tuple[Any, str]:
+    """The Hugging Face model of a teacher (a folder or hub name loaded; a bridge's
+    ``original_model``) and its name; ``call`` names the function in errors."""
+    accepts = (
+        "a checkpoint folder of a Llama-style model (or a hub name where a hub is reachable), a "
+        "LlamaForCausalLM or a TransformerBridge over one"
+    )
+    if isinstance(teacher, str | Path):
+        from transformers import AutoModelForCausalLM
+
+        from gna_lens.models.loading import resolve_name
+
+        try:
+            hf = AutoModelForCausalLM.from_pretrained(resolve_name(str(teacher)))
+        except (OSError, ValueError) as err:
+            raise ConfigError(
+                f"{call}(teacher={str(teacher)!r}): could not load it as a Hugging Face causal LM "
+                f"({err.__class__.__name__}: {err}). Pass {accepts}."
+            ) from err
+        return hf, str(teacher)
+    hf = getattr(teacher, "original_model", None) or teacher
+    if not hasattr(hf, "config") or not hasattr(hf, "state_dict"):
+        raise ConfigError(f"{call}(teacher={type(teacher).__name__}); expected {accepts}.")
+    cfg = getattr(teacher, "cfg", None)
+    return hf, str(getattr(cfg, "model_name", "") or getattr(hf.config, "_name_or_path", "") or "")
+
+
+def check_twin(twin: HookedSSM, call: str) -> None:
+    """Refuse a HookedSSM teacher that is not a teacher twin (a hybrid student of
+    :func:`build_hybrid` keeping every head as attention)."""
+    cfg: Any = twin.cfg
+    heads = getattr(cfg, "attention_heads", None)
+    if cfg.architecture != "gna_hybrid" or heads is None:
+        raise ConfigError(
+            f"{call}(teacher=HookedSSM of {cfg.architecture!r}): a HookedSSM teacher must be "
+            "a teacher twin (gna_lens.hybrid.build_hybrid(teacher, every head)). Fix: pass the "
+            "Llama-style Transformer itself (a LlamaForCausalLM, a TransformerBridge over one, or "
+            "its folder)."
+        )
+    ssm = {layer: cfg.n_heads - len(h) for layer, h in enumerate(heads) if len(h) != cfg.n_heads}
+    if ssm:
+        raise ConfigError(
+            f"{call}(teacher=HookedSSM): this hybrid student has SSM heads ({ssm} per "
+            "layer), so it is not a teacher twin (every head kept as attention). Fix: pass the "
+            "Transformer teacher itself, or build_hybrid(teacher, every head)."
+        )
 
 
 def _check_keep(keep: Any, n_layers: int, n_heads: int) -> list[Head]:
@@ -180,6 +202,12 @@ def _hf_weights(hf: Any) -> dict[str, Tensor]:
     return out
 
 
+def layer_weights(weights: Mapping[str, Tensor], layer: int, prefix: str) -> dict[str, Tensor]:
+    """The weights of ``model.layers.{layer}.{prefix}`` with that prefix taken off."""
+    start = f"model.layers.{layer}.{prefix}"
+    return {k[len(start) :]: v for k, v in weights.items() if k.startswith(start)}
+
+
 def _student_state(model: HookedSSM, w: dict[str, Tensor], n_layers: int) -> dict[str, Tensor]:
     """Embeddings, norms and MLPs of the teacher under the student's names."""
     state = {
@@ -195,13 +223,9 @@ def _student_state(model: HookedSSM, w: dict[str, Tensor], n_layers: int) -> dic
         for proj in ("gate_proj", "up_proj", "down_proj"):
             for p in ("weight", "bias") if model.cfg.mlp_bias else ("weight",):
                 state[f"{dst}mlp.{proj}.{p}"] = w[f"{src}mlp.{proj}.{p}"]
-    missing = sorted(set(model.state_dict()) - set(state) - _mixer_keys(model))
+    # the mixers are built from the teacher's attention; a tied unembedding is the embedding
+    mixers = {k for k in model.state_dict() if ".mixer." in k} | {"unembed.weight"}
+    missing = sorted(set(model.state_dict()) - set(state) - mixers)
     if missing:
         raise ConfigError(f"build_hybrid: no teacher weights for {missing[:5]} ...")
     return {k: v.detach().to(model.embed.weight.dtype) for k, v in state.items()}
-
-
-def _mixer_keys(model: HookedSSM) -> set[str]:
-    return {k for k in model.state_dict() if ".mixer." in k} | (
-        {"unembed.weight"} if model.cfg.tie_word_embeddings else set()
-    )

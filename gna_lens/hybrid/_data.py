@@ -24,6 +24,7 @@ at all) and :func:`distill_data` makes one; :func:`data_composition` measures wh
 texts and of the tokens each source has in the stream distillation actually reads.
 """
 
+import itertools
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -98,6 +99,11 @@ def distill_kv_seed(seed: int, block: int) -> int:
             f"the KV prompts' seeds stay in {DISTILL_SEEDS} (disjoint from every evaluation set)."
         )
     return DISTILL_SEEDS.start + 1000 * seed + block
+
+
+def describe_data(data: Any) -> str:
+    """What distillation data is, in one line (its ``describe()``, else its type's name)."""
+    return str(data.describe()) if hasattr(data, "describe") else type(data).__name__
 
 
 def mmlu_split(records: Sequence[Any]) -> tuple[list[Any], list[Any]]:
@@ -325,14 +331,10 @@ def default_distill_data(
                     template=name[3:], pairs=(lo, hi), queries=kv_queries, words=kv_words,
                     blocks=blocks,
                 )  # fmt: skip
-                sample = [
-                    t
-                    for _, t in zip(range(8), kv_texts(tokenizer, seed=seed, **args), strict=False)
-                ]  # type: ignore[arg-type]
+                texts = list(itertools.islice(kv_texts(tokenizer, seed=seed, **args), 8))
                 # the largest dictionaries too: a tokenizer with too few single-token keys
                 # for them would otherwise fail in the middle of a distillation
                 next(kv_texts(tokenizer, seed=seed, **(args | {"pairs": (hi, hi)})))
-                texts = sample
                 kv[name] = args
                 info[name] = (
                     f"KV retrieval, {name[3:]} template, {lo}-{hi} pairs, {kv_queries} queries per "

@@ -26,20 +26,15 @@ the same kind.
 one chunked SSD scan in the compute dtype with float32 states for the SSM heads); stage 2's
 KL is computed over the vocabulary in blocks of tokens, its gradient written directly
 (:func:`kl_per_token`: no float32 copies of the ``[tokens, vocabulary]`` logits kept for the
-backward pass); a step's losses stay on the device and are read back every few steps
-(:mod:`gna_lens.hybrid._train`), so no step waits for the device.
-
-**Safety.** A stage whose loss rises above ``divergence_factor`` (default 10) times its loss
-on the probe batch before it, or stops being finite, raises
-:class:`~gna_lens.errors.DistillationDiverged` with the stage, the step and both losses.
+backward pass); the loop of :mod:`gna_lens.hybrid._train` never waits for the device.
 """
 
 import contextlib
 import math
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -49,7 +44,8 @@ from gna_lens import runtime
 from gna_lens.device import HOST, to_host
 from gna_lens.errors import ConfigError
 from gna_lens.hybrid._budget import Budget, parse_budget
-from gna_lens.hybrid._train import Stage, StepLosses, run_stages
+from gna_lens.hybrid._data import describe_data
+from gna_lens.hybrid._train import Loop, RunOutcome, Stage, StepLosses, loss_stage, run_stages
 from gna_lens.models.hooked_ssm import HookedSSM
 from gna_lens.models.mixers.hybrid import HybridMixer
 from gna_lens.render.plotly import distill_figure
@@ -127,18 +123,25 @@ class DistillResult:
 
     def to_dict(self) -> dict[str, Any]:
         """Everything but the per-step records, JSON-ready."""
-        return {
-            "stages": list(self.stages),
-            "budget": self.budget.to_dict(),
-            "seed": self.seed,
-            "probe": self.probe,
-            "totals": self.totals,
-            "trained": self.trained,
-            "n_trained": self.n_trained,
-            "complete": self.complete,
-            "resumed_at": self.resumed_at,
-            "method": self.method,
-        }
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "records"}
+        return out | {"stages": list(self.stages), "budget": self.budget.to_dict()}
+
+
+def _result(
+    outcome: RunOutcome,
+    stages: tuple[int, ...],
+    budget: Budget,
+    seed: int,
+    trained: dict[str, str],
+    n_trained: dict[str, int],
+    method: dict[str, Any],
+) -> DistillResult:
+    """The :class:`DistillResult` of a :func:`~gna_lens.hybrid._train.run_stages` run."""  # fmt: skip
+    state = outcome.state
+    return DistillResult(
+        stages, budget, seed, tuple(state.records), dict(state.probe), dict(state.totals),
+        trained, n_trained, state.complete, outcome.resumed_at, method,
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- the teacher
@@ -150,37 +153,19 @@ def teacher_twin(teacher: Any, like: HookedSSM | None = None) -> HookedSSM:
             built (returned as is).
         like: A student whose dtype and device the twin takes.
     """
-    from gna_lens.hybrid._build import build_hybrid
+    from gna_lens.hybrid._build import build_hybrid, check_twin, hf_model
 
     if isinstance(teacher, HookedSSM):
-        cfg = teacher.cfg
-        heads = getattr(cfg, "attention_heads", None)
-        if cfg.architecture != "gna_hybrid" or heads is None:
-            raise ConfigError(
-                f"distill(teacher=HookedSSM of {cfg.architecture}): a teacher is a Llama-style "
-                "Transformer (a TransformerBridge, a LlamaForCausalLM, its folder) or its twin "
-                "build_hybrid(teacher, every head); got another HookedSSM."
-            )
-        if any(len(h) != cfg.n_heads for h in heads):
-            raise ConfigError(
-                "distill(teacher=...): this HookedSSM is a student with SSM heads, not a teacher "
-                "twin (every head kept as attention). Pass the Transformer teacher itself."
-            )
+        check_twin(teacher, "distill")
         return teacher
     dtype = device = None
     if like is not None:
         first = next(iter(like.parameters()))
         dtype, device = first.dtype, first.device
-    fields = _teacher_shape(teacher)
-    every = [(layer, h) for layer in range(fields[0]) for h in range(fields[1])]
+    config = hf_model(teacher, "distill")[0].config
+    heads = range(int(config.num_attention_heads))
+    every = [(layer, h) for layer in range(int(config.num_hidden_layers)) for h in heads]
     return build_hybrid(teacher, every, dtype=dtype, device=device)
-
-
-def _teacher_shape(teacher: Any) -> tuple[int, int]:
-    from gna_lens.hybrid._build import _teacher_model
-
-    hf, _, _ = _teacher_model(teacher)
-    return int(hf.config.num_hidden_layers), int(hf.config.num_attention_heads)
 
 
 def _check_pair(student: Any, twin: HookedSSM) -> None:
@@ -408,15 +393,32 @@ def _autocast_dtype(value: Any) -> torch.dtype | None:
     )
 
 
-def _choose_autocast(
-    student: HookedSSM,
-    twin: HookedSSM,
-    *,
-    batch_size: int,
-    max_length: int,
-    temperature: float = 1.0,
-    seed: int = 0,
-) -> PrecisionChoice:
+@dataclass(frozen=True)
+class _Plan:
+    """A checked :func:`distill` call: the pair, the whole budget and how each step runs."""
+
+    student: HookedSSM
+    twin: HookedSSM
+    stages: tuple[int, ...]
+    budget: Budget
+    stage1_share: float
+    lrs: tuple[float, float]
+    temperature: float
+    grad_clip: float
+    amp: torch.dtype | None
+    device: torch.device
+
+    def ctx(self) -> Any:
+        return runtime.autocast(self.device, self.amp)
+
+    def budget_of(self, stage: int) -> Budget:
+        """Stage ``stage``'s share of the budget (all of it when it runs alone)."""
+        if len(self.stages) == 1:
+            return self.budget
+        return self.budget.share(self.stage1_share if stage == 1 else 1 - self.stage1_share)
+
+
+def _choose_autocast(plan: _Plan, batch_size: int, max_length: int, seed: int) -> PrecisionChoice:
     """``distill(autocast="auto")``: time one stage-2 training step (the teacher's forward, the
     student's forward, the KL loss and its backward) on a ``batch_size x max_length`` batch of
     random tokens, in float32 and under bfloat16 autocast on the student's device
@@ -426,23 +428,18 @@ def _choose_autocast(
     The probe leaves no trace: gradients are cleared, the random tokens come from a generator of
     their own, and the weights are not stepped.
     """
-    device = next(iter(student.parameters())).device
+    student, device, loss = plan.student, plan.device, _stage2_loss(plan)  # plan.amp is None
     gen = torch.Generator().manual_seed(seed)
     vocab = int(student.cfg.d_vocab)
     ids = torch.randint(vocab, (batch_size, max_length), generator=gen, device=HOST).to(device)
     mask = torch.ones(batch_size, max_length, dtype=torch.bool, device=device)
 
-    def step() -> None:
-        with torch.no_grad():
-            t_logits = twin(ids)
-        _kl(student(ids), t_logits, mask, temperature).backward()
-
-    def loss(bf16: bool) -> float:
+    def loss_in(bf16: bool) -> float:
         with torch.no_grad(), runtime.autocast(device, "bfloat16" if bf16 else None):
-            return float(_kl(student(ids), twin(ids), mask, temperature))
+            return float(loss(ids, mask))
 
     def check() -> tuple[bool, str]:
-        ref, low = loss(False), loss(True)
+        ref, low = loss_in(False), loss_in(True)
         ok = abs(low - ref) <= 0.02 * abs(ref) + 0.01
         return ok, (
             f"stage-2 KL on the probe batch {low:.4f} under bfloat16 vs {ref:.4f} in float32 "
@@ -451,7 +448,7 @@ def _choose_autocast(
 
     try:
         return choose_precision(
-            "auto", run=step, device=device,
+            "auto", run=lambda: loss(ids, mask).backward(), device=device,
             what=f"one training step on {batch_size} x {max_length} tokens",
             weights_dtype=next(iter(student.parameters())).dtype, check=check,
             where="distill(autocast)",
@@ -460,10 +457,99 @@ def _choose_autocast(
         student.zero_grad(set_to_none=True)
 
 
-def _positive_int(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"distill({name}={value!r}); expected a positive int.")
-    return value
+def _stage1(plan: _Plan) -> Stage:
+    """Stage 1: each layer's SSM heads trained alone toward the teacher's attention output."""
+    student, twin, layers = plan.student, plan.twin, _ssm_layers(plan.student)
+    if not layers:
+        raise ConfigError(
+            "distill(stages=(1, ...)): the student has no SSM heads (every head was kept), "
+            "so there is nothing to align; use stages=(2,) with train='mixers' or 'all'."
+        )
+    per_layer = {layer: _layer_params(student, layer) for layer in layers}
+
+    def layer_loss(ids: Tensor, mask: Tensor) -> Iterator[tuple[int, Tensor]]:
+        with plan.ctx():
+            inputs, targets = _capture(twin, ids, layers)
+        for layer in layers:  # each alone: one layer's activations alive at a time
+            h, rope = inputs[layer]
+            with plan.ctx():
+                y = _mixer(student, layer)(h, None, rope)
+            yield layer, _nmse(y, targets[layer], mask)
+
+    def step(ids: Tensor, mask: Tensor) -> StepLosses:
+        out: StepLosses = []
+        for layer, loss in layer_loss(ids, mask):
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_([p for _, p in per_layer[layer]], plan.grad_clip)
+            out.append((layer, loss.detach()))  # read back at the next logging point
+        return out
+
+    def probe(ids: Tensor, mask: Tensor) -> float:
+        with torch.no_grad():
+            losses = to_host(torch.stack([loss for _, loss in layer_loss(ids, mask)])).tolist()
+        return float(sum(losses) / len(losses))  # one synchronization
+
+    params = [np for layer in layers for np in per_layer[layer]]
+    word = f"SSM heads of layers {layers[0]}-{layers[-1]}, each alone"
+    return Stage("stage1", params, step, probe, plan.budget_of(1), plan.lrs[0], word)
+
+
+def _stage2_loss(plan: _Plan) -> Callable[[Tensor, Tensor], Tensor]:
+    """Stage 2's loss: ``KL(teacher || student)`` of the next-token distributions."""
+
+    def loss(ids: Tensor, mask: Tensor) -> Tensor:
+        with torch.no_grad(), plan.ctx():
+            t_logits = plan.twin(ids)
+        with plan.ctx():
+            s_logits = plan.student(ids)
+        return _kl(s_logits, t_logits, mask, plan.temperature)
+
+    return loss
+
+
+def _stage2(plan: _Plan, train: Any) -> Stage:
+    """Stage 2: the student's next-token distributions trained toward the teacher's."""
+    params, word = _stage2_params(plan.student, train)
+    budget, lr = plan.budget_of(2), plan.lrs[1]
+    return loss_stage("stage2", params, _stage2_loss(plan), budget, lr, word, plan.grad_clip)
+
+
+def _plan(
+    student: HookedSSM,
+    teacher: Any,
+    stages: Any,
+    budget: Any,
+    stage1_share: float,
+    lr: Any,
+    temperature: float,
+    grad_clip: float,
+    autocast: Any,
+    loop: Loop,
+    seed: int,
+) -> tuple[_Plan, PrecisionChoice | None]:
+    """The checked arguments of :func:`distill` (``autocast="auto"`` measured: the choice)."""  # fmt: skip
+    twin = teacher_twin(teacher, student)
+    _check_pair(student, twin)
+    picked = tuple(sorted(set(stages))) if isinstance(stages, Iterable) else ()
+    if not picked or any(s not in (1, 2) for s in picked):
+        raise ConfigError(f"distill(stages={stages!r}); expected (1, 2), (1,) or (2,).")
+    total = parse_budget(budget)
+    if not 0 < stage1_share < 1:
+        raise ConfigError(f"distill(stage1_share={stage1_share!r}); expected a share in (0, 1).")
+    lrs = _lrs(lr)
+    if not temperature > 0:
+        raise ConfigError(f"distill(temperature={temperature!r}); expected > 0.")
+    if student.tokenizer is None:
+        raise ConfigError("distill: the student has no tokenizer (student.tokenizer is None).")
+    device = next(iter(student.parameters())).device
+    plan = _Plan(
+        student, twin, picked, total, stage1_share, lrs, temperature, grad_clip, None, device
+    )
+    precision = None
+    if autocast == "auto":
+        precision = _choose_autocast(plan, loop.batch_size, loop.max_length, seed)
+        autocast = precision.autocast
+    return replace(plan, amp=_autocast_dtype(autocast)), precision
 
 
 # ----------------------------------------------------------------------------- distill
@@ -572,136 +658,40 @@ def distill(
         >>> after < before, sorted(result.totals)
         (True, ['stage1', 'stage2'])
     """
-    twin = teacher_twin(teacher, student)
-    _check_pair(student, twin)
-    picked_stages = tuple(sorted(set(stages))) if isinstance(stages, Iterable) else ()
-    if not picked_stages or any(s not in (1, 2) for s in picked_stages):
-        raise ConfigError(f"distill(stages={stages!r}); expected (1, 2), (1,) or (2,).")
-    total = parse_budget(budget)
-    if not 0 < stage1_share < 1:
-        raise ConfigError(f"distill(stage1_share={stage1_share!r}); expected a share in (0, 1).")
-    lr1, lr2 = _lrs(lr)
-    batch_size = _positive_int(batch_size, "batch_size")
-    max_length = _positive_int(max_length, "max_length")
-    checkpoint_every = _positive_int(checkpoint_every, "checkpoint_every")
-    if max_steps is not None:
-        _positive_int(max_steps, "max_steps")
-    if not temperature > 0:
-        raise ConfigError(f"distill(temperature={temperature!r}); expected > 0.")
-    if divergence_factor is not None and not (
-        isinstance(divergence_factor, int | float)
-        and not isinstance(divergence_factor, bool)
-        and math.isfinite(divergence_factor)
-        and divergence_factor > 1
-    ):
-        raise ConfigError(
-            f"distill(divergence_factor={divergence_factor!r}); expected a number above 1 (the "
-            "rise over a stage's starting loss that stops it, e.g. 10.0) or None (no check)."
-        )
+    loop = Loop(
+        "distill", batch_size, max_length, warmup, checkpoint_dir, resume, progress, max_steps,
+        checkpoint_every, divergence_factor,
+    )  # fmt: skip
+    plan, precision = _plan(
+        student, teacher, stages, budget, stage1_share, lr, temperature, grad_clip, autocast,
+        loop, seed,
+    )  # fmt: skip
     tokenizer = student.tokenizer
-    if tokenizer is None:
-        raise ConfigError("distill: the student has no tokenizer (student.tokenizer is None).")
-    precision = None
-    if autocast == "auto":
-        precision = _choose_autocast(
-            student, twin, batch_size=batch_size, max_length=max_length,
-            temperature=temperature, seed=seed,
-        )  # fmt: skip
-        autocast = precision.autocast
-    amp = _autocast_dtype(autocast)
     if data is None:
         from gna_lens.hybrid._data import default_distill_data
 
         data = default_distill_data(tokenizer, seed)
-    data_text = data.describe() if hasattr(data, "describe") else type(data).__name__
     torch.manual_seed(seed)
-    device = next(iter(student.parameters())).device
-
-    def ctx() -> Any:
-        return runtime.autocast(device, amp)  # the argument `autocast` shadows the name
-
-    layers = _ssm_layers(student)
-    run: list[Stage] = []
-    n_trained: dict[str, int] = {}
-    trained: dict[str, str] = {}
-    if 1 in picked_stages:
-        if not layers:
-            raise ConfigError(
-                "distill(stages=(1, ...)): the student has no SSM heads (every head was kept), "
-                "so there is nothing to align; use stages=(2,) with train='mixers' or 'all'."
-            )
-        per_layer = {layer: _layer_params(student, layer) for layer in layers}
-        params1 = [np for layer in layers for np in per_layer[layer]]
-        word = f"SSM heads of layers {layers[0]}-{layers[-1]}, each alone"
-
-        def step1(ids: Tensor, mask: Tensor) -> StepLosses:
-            with ctx():
-                inputs, targets = _capture(twin, ids, layers)
-            out: StepLosses = []
-            for layer in layers:  # each alone: one layer's activations alive at a time
-                h, rope = inputs[layer]
-                with ctx():
-                    y = _mixer(student, layer)(h, None, rope)
-                loss = _nmse(y, targets[layer], mask)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_([p for _, p in per_layer[layer]], grad_clip)
-                out.append((layer, loss.detach()))  # read back at the next logging point
-            return out
-
-        def probe1(ids: Tensor, mask: Tensor) -> float:
-            with ctx():
-                inputs, targets = _capture(twin, ids, layers)
-            with torch.no_grad(), ctx():
-                per_layer_loss = torch.stack(
-                    [
-                        _nmse(
-                            _mixer(student, i)(inputs[i][0], None, inputs[i][1]), targets[i], mask
-                        )
-                        for i in layers
-                    ]
-                )
-            losses = to_host(per_layer_loss).tolist()  # one synchronization
-            return cast("float", sum(losses) / len(losses))
-
-        b1 = total.share(stage1_share) if 2 in picked_stages else total
-        run.append(Stage("stage1", params1, step1, probe1, b1, lr1, word))
-        n_trained["stage1"] = sum(p.numel() for _, p in params1)
-        trained["stage1"] = word + " (" + ", ".join(SSM_PARAMS) + ")"
-    if 2 in picked_stages:
-        params2, word2 = _stage2_params(student, train)
-
-        def step2(ids: Tensor, mask: Tensor) -> StepLosses:
-            with torch.no_grad(), ctx():
-                t_logits = twin(ids)
-            with ctx():
-                s_logits = student(ids)
-            loss = _kl(s_logits, t_logits, mask, temperature)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_([p for _, p in params2], grad_clip)
-            return [(None, loss.detach())]  # read back at the next logging point
-
-        def probe2(ids: Tensor, mask: Tensor) -> float:
-            with torch.no_grad(), ctx():
-                return float(_kl(student(ids), twin(ids), mask, temperature))
-
-        b2 = total.share(1 - stage1_share) if 1 in picked_stages else total
-        run.append(Stage("stage2", params2, step2, probe2, b2, lr2, word2))
-        n_trained["stage2"] = sum(p.numel() for _, p in params2)
-        trained["stage2"] = word2
+    run = [_stage1(plan)] if 1 in plan.stages else []
+    run += [_stage2(plan, train)] if 2 in plan.stages else []
+    n_trained = {s.name: sum(p.numel() for _, p in s.params) for s in run}
+    trained = {s.name: s.trained for s in run}
+    if "stage1" in trained:
+        trained["stage1"] += " (" + ", ".join(SSM_PARAMS) + ")"
     cfg = student.cfg
     settings = {
-        "stages": list(picked_stages),
-        "budget": total.to_dict(),
+        "stages": list(plan.stages),
+        "budget": plan.budget.to_dict(),
         "seed": seed,
         "stage1_share": stage1_share,
         "train": train if isinstance(train, str) else trained.get("stage2", ""),
-        "lr": [lr1, lr2],
+        "lr": list(plan.lrs),
         "batch_size": batch_size,
         "max_length": max_length,
         "warmup": warmup,
         "temperature": temperature,
         "grad_clip": grad_clip,
-        "autocast": None if amp is None else str(amp).removeprefix("torch."),
+        "autocast": None if plan.amp is None else str(plan.amp).removeprefix("torch."),
         "student": {
             "attention_heads": [list(h) for h in getattr(cfg, "attention_heads", [])],
             "d_state": cfg.d_state,
@@ -712,28 +702,12 @@ def distill(
     student.eval()
     try:
         outcome = run_stages(
-            student,
-            run,
-            data,
-            tokenizer,
-            batch_size=batch_size,
-            max_length=max_length,
-            warmup=warmup,
-            checkpoint_dir=checkpoint_dir,
-            resume=resume,
-            progress=progress,
-            max_steps=max_steps,
-            checkpoint_every=checkpoint_every,
-            fingerprint=settings,
-            device=device,
-            divergence_factor=divergence_factor,
-            where="distill",
+            student, run, data, tokenizer, loop, fingerprint=settings, device=plan.device
         )
     finally:
         student.train(was_training)
-    state = outcome.state
     method = settings | {
-        "data": data_text,
+        "data": describe_data(data),
         "data_info": dict(getattr(data, "info", {}) or {}),
         "teacher": dict(getattr(cfg, "teacher", {}) or {}),
         "optimizer": "AdamW (betas 0.9, 0.98, no weight decay), linear warm-up then cosine to "
@@ -742,22 +716,10 @@ def distill(
         "attention output, on the teacher's input",
         "stage2_loss": f"KL(teacher || student) per token at temperature {temperature}",
         "torch_threads": torch.get_num_threads(),
-        "device": str(device),
+        "device": str(plan.device),
         "divergence_factor": divergence_factor,
     }
     if precision is not None:
         method["autocast_choice"] = precision.reason
         method["autocast_probe"] = None if precision.probe is None else precision.probe.to_dict()
-    return DistillResult(
-        stages=picked_stages,
-        budget=total,
-        seed=seed,
-        records=tuple(state.records or ()),
-        probe=dict(state.probe or {}),
-        totals=dict(state.totals or {}),
-        trained=trained,
-        n_trained=n_trained,
-        complete=state.complete,
-        resumed_at=outcome.resumed_at,
-        method=method,
-    )
+    return _result(outcome, plan.stages, plan.budget, seed, trained, n_trained, method)

@@ -22,11 +22,12 @@ import math
 import os
 import platform
 import random
+import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -34,6 +35,7 @@ from gna_lens.device import HOST, DevicePolicy, resolve_device, resolve_dtype
 from gna_lens.errors import ConfigError, GnaLensError, TaskError
 from gna_lens.hybrid._budget import parse_budget
 from gna_lens.hybrid._data import EVAL_KV_SEED, SELECTION_SEED
+from gna_lens.hybrid._pairs import Head
 from gna_lens.render.markdown import heads_text, hybrid_markdown
 from gna_lens.render.plotly import hybrid_figure
 from gna_lens.render.svg import hybrid_svg
@@ -42,8 +44,6 @@ from gna_lens.stats import Interval, bootstrap_interval, wilson_interval
 from gna_lens.table import Record, Table
 
 __all__ = ["HybridRow", "HybridTable", "run_experiment"]
-
-Head = tuple[int, int]
 
 
 def _mean(values: Iterable[float]) -> float:
@@ -325,7 +325,7 @@ def _prose_loss(model: Any, control: Any, batch_size: int) -> Interval:
     ids_all = control.tokens
     with torch.no_grad():
         for i in range(0, len(ids_all), batch_size):
-            ids = ids_all[i : i + batch_size].to(_device(model))
+            ids = ids_all[i : i + batch_size].to(next(iter(model.parameters())).device)
             logits = model(ids)
             if not isinstance(logits, torch.Tensor):
                 logits = logits.logits
@@ -335,10 +335,6 @@ def _prose_loss(model: Any, control: Any, batch_size: int) -> Interval:
     out = bootstrap_interval(torch.tensor(losses, device=HOST))
     assert isinstance(out, Interval)
     return out
-
-
-def _device(model: Any) -> torch.device:
-    return cast("torch.device", next(iter(model.parameters())).device)
 
 
 def _accuracy(model: Any, task: Any, batch_size: int) -> tuple[Interval, tuple[int, ...]]:
@@ -364,27 +360,20 @@ def _state(model: Any, lengths: Sequence[int]) -> dict[int, dict[str, float]]:
     }
 
 
-@dataclass
-class _Measured:
-    kv: dict[str, Interval]
-    prose: Interval | None
-    knowledge: Interval | None
-    state: dict[int, dict[str, float]]
-    kv_correct: dict[str, tuple[int, ...]]
-
-
-def _measure(model: Any, evals: _Evals, lengths: Sequence[int], batch_size: int) -> _Measured:
+def _measure(model: Any, evals: _Evals, lengths: Sequence[int], batch_size: int) -> dict[str, Any]:
+    """The measured fields of ``model``'s :class:`HybridRow` (``kv``, ``prose``, ``knowledge``,
+    ``state``, ``kv_correct``)."""
     model.eval()
     got = {name: _accuracy(model, task, batch_size) for name, task in evals.kv.items()}
-    prose = _prose_loss(model, evals.prose, batch_size) if evals.prose is not None else None
-    know = _accuracy(model, evals.knowledge, batch_size)[0] if evals.knowledge is not None else None
-    return _Measured(
-        kv={k: v[0] for k, v in got.items()},
-        prose=prose,
-        knowledge=know,
-        state=_state(model, lengths),
-        kv_correct={k: v[1] for k, v in got.items()},
-    )
+    return {
+        "kv": {k: v[0] for k, v in got.items()},
+        "prose": None if evals.prose is None else _prose_loss(model, evals.prose, batch_size),
+        "knowledge": None
+        if evals.knowledge is None
+        else _accuracy(model, evals.knowledge, batch_size)[0],
+        "state": _state(model, lengths),
+        "kv_correct": {k: v[1] for k, v in got.items()},
+    }
 
 
 # ----------------------------------------------------------------------------- set-up
@@ -395,12 +384,6 @@ def _digest(settings: dict[str, Any]) -> str:
 
     text = json.dumps(settings, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:10]
-
-
-def _is_zoo(model: Any) -> bool:
-    from gna_lens.models.provenance import provenance_of
-
-    return provenance_of(model).source == "zoo"
 
 
 def _disjoint(held: Any, selection: Any) -> Any:
@@ -454,18 +437,8 @@ def _tasks(
             f"prompts), {n_eval} prompts each"
         )
         method["knowledge"] = "zoo cloze, eval half (prompts 150-299), accuracy over 4 options"
-        return (
-            selection,
-            ctrl,
-            _Evals(
-                kv,
-                None,
-                knowledge,
-                "zoo cloze",
-                {"prose": "the zoo tokenizer reads prose as <unk>"},
-            ),
-            method,
-        )
+        notes = {"prose": "the zoo tokenizer reads prose as <unk>"}
+        return selection, ctrl, _Evals(kv, None, knowledge, "zoo cloze", notes), method
     rank_kw: dict[str, Any] = dict(n_pairs=rank_pairs, template="question", values="words")
     selection = kv_retrieval(tok, n_samples=n_rank, seed=SELECTION_SEED, **rank_kw)
     ctrl = control
@@ -742,24 +715,6 @@ def _same_key(saved: Any, current: dict[str, Any]) -> bool:
     }
 
 
-def _write_row(row_file: Path, fingerprint: dict[str, Any], row: HybridRow) -> None:
-    """Write a finished row; a row of other settings already there (e.g. a random student of
-    an earlier version's uniform draw) is moved to ``rows/superseded/``, not overwritten."""
-    row_file.parent.mkdir(parents=True, exist_ok=True)
-    if row_file.is_file():
-        try:
-            old = json.loads(row_file.read_text(encoding="utf-8"))
-        except ValueError:
-            old = None
-        if isinstance(old, dict) and not _same_key(old.get("fingerprint"), fingerprint):
-            keep = row_file.parent / "superseded"
-            keep.mkdir(exist_ok=True)
-            row_file.replace(keep / f"{row_file.stem}.{_digest(old.get('fingerprint') or {})}.json")
-    row_file.write_text(
-        json.dumps({"fingerprint": fingerprint, "row": row.to_dict()}, indent=1), encoding="utf-8"
-    )
-
-
 def _controls(rows: Sequence[HybridRow], matching: dict[int, Any]) -> tuple[bool, str]:
     """Whether the table's top-k vs random-k comparison is controlled: two or more training
     seeds of the default data, a no-kv arm, three or more random students per (k, seed,
@@ -785,6 +740,65 @@ def _controls(rows: Sequence[HybridRow], matching: dict[int, Any]) -> tuple[bool
         f"{'yes' if ok else 'no'}"
     )
     return ok, text
+
+
+@dataclass
+class _Run:
+    """A :func:`run_experiment` call: its folder (rows and the ranking read back from it, in
+    :meth:`read_back` only), how rows are measured, the plan (training seeds, data choices and
+    streams, ``only=``), the settings, and the seconds per stage."""
+
+    folder: Path | None
+    resume: bool
+    progress: bool
+    lengths: Sequence[int]
+    eval_batch_size: int
+    seed_list: list[int]
+    choices: list[str]
+    selectors: list[_Selector] | None
+    evals: Any = None
+    settings: dict[str, Any] = field(default_factory=dict)
+    datas: dict[tuple[str, int], Any] = field(default_factory=dict)  # per (choice, seed)
+    composition: dict[str, dict[int, Any]] = field(default_factory=dict)  # per choice, seed
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def say(self, text: str) -> None:
+        if self.progress:
+            print(f"gna-lens hybrid: {text}", file=sys.stderr, flush=True)
+
+    def path(self, *parts: str) -> Path | None:
+        return None if self.folder is None else self.folder.joinpath(*parts)
+
+    def read_back(self, file: Path | None, key: str, settings: dict[str, Any]) -> Any:
+        """What ``file`` holds, when resuming and its ``key`` entry is ``settings``
+        (:func:`_same_key`); else ``None``."""
+        if file is None or not self.resume or not file.is_file():
+            return None
+        saved = json.loads(file.read_text(encoding="utf-8"))
+        return saved if _same_key(saved.get(key), settings) else None
+
+    def measure(self, model: Any) -> dict[str, Any]:
+        return _measure(model, self.evals, self.lengths, self.eval_batch_size)
+
+
+def _write_json(file: Path, data: Any) -> None:
+    file.parent.mkdir(parents=True, exist_ok=True)
+    file.write_text(json.dumps(data, indent=1), encoding="utf-8")
+
+
+def _write_row(row_file: Path, fingerprint: dict[str, Any], row: HybridRow) -> None:
+    """Write a finished row; a row of other settings already there (e.g. a random student of
+    an earlier version's uniform draw) is moved to ``rows/superseded/``, not overwritten."""
+    if row_file.is_file():
+        try:
+            old = json.loads(row_file.read_text(encoding="utf-8"))
+        except ValueError:
+            old = None
+        if isinstance(old, dict) and not _same_key(old.get("fingerprint"), fingerprint):
+            keep = row_file.parent / "superseded"
+            keep.mkdir(exist_ok=True)
+            row_file.replace(keep / f"{row_file.stem}.{_digest(old.get('fingerprint') or {})}.json")
+    _write_json(row_file, {"fingerprint": fingerprint, "row": row.to_dict()})
 
 
 # ----------------------------------------------------------------------------- run
@@ -926,40 +940,15 @@ def run_experiment(
             choice or one the tokenizer leaves no source of, bad ``seeds``, or an ``only``
             entry that selects no row of the plan.
     """
-    import sys
-
-    from gna_lens.hybrid._build import build_hybrid
-    from gna_lens.hybrid._distill import distill, teacher_twin
-
     t_start = time.perf_counter()
-    seconds: dict[str, float] = {}
     total = parse_budget(budget)
     seed_list, choices, selectors = _check_experiment_args(
         head_layout, kv_template, random_draws, data, distill_data, seed, seeds, only
     )
     output_folder(out, "run_experiment(out=...)")  # checked before the teacher loads
-
-    def say(text: str) -> None:
-        if progress:
-            print(f"gna-lens hybrid: {text}", file=sys.stderr, flush=True)
-
-    name = (
-        str(teacher)
-        if isinstance(teacher, str | Path)
-        else str(getattr(getattr(teacher, "cfg", None), "model_name", "") or type(teacher).__name__)
-    )
-    if isinstance(teacher, str | Path):
-        from gna_lens.scan import load_scan_model
-
-        say(f"loading {teacher}")
-        teacher = load_scan_model(
-            str(teacher), device=HOST if device is None else device, dtype=resolve_dtype(dtype)
-        )
-    else:
-        if device is not None:
-            teacher = teacher.to(resolve_device(device))
-        if resolve_dtype(dtype) is not None:
-            teacher = teacher.to(resolve_dtype(dtype))
+    folder = Path(out) if out is not None else None
+    run = _Run(folder, resume, progress, lengths, eval_batch_size, seed_list, choices, selectors)
+    name, teacher = _load_teacher(run, teacher, device, dtype)
     from gna_lens.hybrid._build import _teacher_model
     from gna_lens.models.families import gna_hybrid
     from gna_lens.models.provenance import provenance_of
@@ -967,55 +956,23 @@ def run_experiment(
     hf, tok, _ = _teacher_model(teacher)
     fields = gna_hybrid.teacher_fields(hf.config, "run_experiment")
     n_layers, n_heads = int(fields["num_hidden_layers"]), int(fields["num_attention_heads"])
-    every = [(a, b) for a in range(n_layers) for b in range(n_heads)]
-    ks = _keep_list(keep, len(every))
+    ks = _keep_list(keep, n_layers * n_heads)
     if tok is None:
         raise ConfigError(f"run_experiment: the teacher {name!r} has no tokenizer.")
     if selectors is not None:  # before ranking: a typo would otherwise run nothing
-        labels = [
-            label
-            for k in ks
-            for label in (
-                ["k=0"]
-                if k == 0
-                else [f"top-{k}"]
-                + [f"random-{k}" + (f" #{d + 1}" if d else "") for d in range(random_draws)]
-            )
-        ]
-        _check_only(only, selectors, labels, choices, seed_list)
-    zoo = _is_zoo(teacher)
-    folder = Path(out) if out is not None else None
+        names = [arm for k in ks for arm in _arm_names(k, random_draws)]
+        _check_only(only, selectors, names, choices, seed_list)
     t0 = time.perf_counter()
-    selection, ctrl, evals, task_method = _tasks(
-        tok, zoo, kv_pairs=kv_pairs, kv_template=kv_template, n_rank=n_rank,
+    selection, ctrl, run.evals, task_method = _tasks(
+        tok, provenance_of(teacher).source == "zoo", kv_pairs=kv_pairs, kv_template=kv_template, n_rank=n_rank,
         rank_pairs=rank_pairs, n_eval=n_eval, control=control, prose_windows=prose_windows,
         prose_len=prose_len, n_knowledge=n_knowledge, seed=seed,
     )  # fmt: skip
-    from gna_lens.hybrid._data import DistillData, data_composition
-    from gna_lens.hybrid._data import distill_data as make_data
-
-    # one data stream per (choice, training seed), made when a student needs it, and its
-    # composition measured now (each seed reads its own stream), so that a choice this
-    # tokenizer cannot make fails before anything runs
-    datas: dict[tuple[str, int], Any] = {}
-
-    def data_for(choice: str, s: int) -> Any:
-        if (choice, s) not in datas:
-            datas[(choice, s)] = data if data is not None else make_data(tok, choice, s)
-        return datas[(choice, s)]
-
-    composition: dict[str, dict[int, Any]] = {}
-    for choice in choices:
-        for s in seed_list:
-            stream = data_for(choice, s)
-            if isinstance(stream, DistillData):
-                comp = data_composition(stream, tok, max_length=max_length, tokens=total.tokens)
-                composition.setdefault(choice, {})[s] = comp
-                say(f"distillation data {choice}: {comp.describe()}")
-    seconds["tasks"] = time.perf_counter() - t0
+    _data_streams(run, tok, data, max_length, total)
+    run.seconds["tasks"] = time.perf_counter() - t0
     prov = provenance_of(teacher)
-    say(f"teacher weights: {prov.describe() if prov.known else name}")
-    settings = {
+    run.say(f"teacher weights: {prov.describe() if prov.known else name}")
+    settings = run.settings = {
         "teacher": prov.describe() if prov.known else name,
         "budget": total.describe(),
         "stages": list(stages),
@@ -1038,206 +995,99 @@ def run_experiment(
     }
     # The ranking depends on these only: a rerun with another budget or student reuses it.
     rank_keys = ("teacher", "seed", "n_rank", "rank_pairs", "control", "max_control", "sweep_dtype")
-    rank_settings = {key: settings[key] for key in rank_keys}
-    rank_file = folder / "ranking.json" if folder is not None else None
-    ranking, rank_info = _ranking_stage(
-        rank_file if resume else None, rank_file, rank_settings, max(ks), say,
+    ranking, rank_info = _ranking(
+        run, {key: settings[key] for key in rank_keys}, max(ks),
         lambda: _rank(teacher, selection, ctrl, max(ks), max_control, progress, sweep_dtype),
-        f"ranking the teacher's {len(every)} heads on {len(selection)} selection prompts",
+        f"ranking the teacher's {n_layers * n_heads} heads on {len(selection)} selection prompts",
     )  # fmt: skip
-    seconds["ranking"] = float(rank_info.get("seconds", 0.0))
     arms, matching = _arms(teacher, ks, ranking, seed_list, random_draws, seed)
-    plan = [(choice, s, arm) for choice in choices for s in seed_list for arm in arms[s]]
-    rows: list[HybridRow] = []
     # The teacher's row depends on the evaluation settings only (read back under other budgets).
     teacher_key = {
         key: settings[key] for key in ("teacher", "seed", "n_eval", "kv_pairs", "control")
     } | {
         "kv_template": str(kv_template),
-        "kv_tasks": list(evals.kv),
+        "kv_tasks": list(run.evals.kv),
         "n_knowledge": n_knowledge,
         "prose_windows": prose_windows,
         "prose_len": prose_len,
         "lengths": list(lengths),
     }
-    teacher_file = folder / "rows" / "teacher.json" if folder is not None else None
-    rows.append(
-        _teacher_row(
-            teacher_file, resume, teacher_key, say,
-            lambda: _measure(teacher, evals, lengths, eval_batch_size), len(every),
-        )
+    rows = [_teacher_row(run, teacher, teacher_key, n_layers * n_heads)]
+    distill_kw = dict(
+        stages=stages, budget=total, stage1_share=stage1_share, resume=resume, progress=progress,
+        train=train, lr=lr, batch_size=batch_size, max_length=max_length, autocast=autocast,
     )  # fmt: skip
-    seconds["teacher"] = rows[0].seconds
-    twin = teacher_twin(teacher)
-    pending: list[str] = []
-    unmeasured: dict[str, list[str]] = {}
-    for choice, train_seed, (arm, kind, k, heads) in plan:
-        label = (
-            arm
-            + (f" seed={train_seed}" if train_seed != seed else "")
-            + (f" data={choice}" if choice != "default" else "")
-        )
-        # the files and fingerprints of the default settings are those of earlier versions
-        slug = arm.replace(" #", "-").replace("=", "")
-        slug += (f"-seed{train_seed}" if train_seed != seed else "") + (
-            f"-{choice}" if choice != "default" else ""
-        )
-        row_file = folder / "rows" / f"{slug}.json" if folder is not None else None
-        fingerprint = settings | {"heads": [list(h) for h in heads]}
-        if train_seed != seed:
-            fingerprint["train_seed"] = train_seed
-        if choice != "default":
-            fingerprint["distill_data"] = choice
-        selected = selectors is None or _selected(selectors, arm, train_seed, choice)
-        if row_file is not None and resume and row_file.is_file():
-            saved = json.loads(row_file.read_text(encoding="utf-8"))
-            if _same_key(saved.get("fingerprint"), fingerprint):
-                back = HybridRow.from_dict(saved["row"])
-                missing = [t for t in evals.kv if t not in back.kv]
-                # a row measured before a task was added: kept as it is (its cells for the
-                # task empty) unless this run is asked to train it again
-                if not missing or not selected:
-                    rows.append(replace(back, name=label, seed=train_seed, data=choice, arm=arm))
-                    seconds[label] = rows[-1].seconds
-                    if missing:
-                        unmeasured[label] = missing
-                    say(f"{label}: read back from {row_file}" + (
-                        f" (not measured on {', '.join(missing)})" if missing else ""))  # fmt: skip
-                    continue
-                say(f"{label}: trained again: its row lacks {', '.join(missing)}")
-        if not selected:
-            pending.append(label)
-            say(f"{label}: not selected by only=; left for another run")
-            continue
-        say(f"{label}: keeping {heads_text(heads)}; distilling ({total.describe()})")
-        t0 = time.perf_counter()
-        student = build_hybrid(
-            teacher, heads, d_state=d_state, head_layout=head_layout, seed=train_seed
-        )
-        res = distill(
-            student, twin, data_for(choice, train_seed), stages=stages, budget=total,
-            seed=train_seed, stage1_share=stage1_share,
-            checkpoint_dir=folder / "checkpoints" / f"{slug}-{_digest(fingerprint)}"
-            if folder is not None
-            else None,
-            resume=resume, progress=progress, train=train, lr=lr, batch_size=batch_size,
-            max_length=max_length, autocast=autocast,
-        )  # fmt: skip
-        got = _measure(student, evals, lengths, eval_batch_size)
-        kv, prose = got.kv, got.prose
-        summary = {"totals": res.totals, "probe": res.probe, "n_trained": res.n_trained}
-        row = HybridRow(
-            label, kind, k, tuple(heads), kv, prose, got.knowledge, got.state, summary,
-            time.perf_counter() - t0, got.kv_correct, train_seed, choice, arm,
-        )  # fmt: skip
-        rows.append(row)
-        seconds[label] = row.seconds
-        say(
-            f"{label}: "
-            + ", ".join(f"{t} {iv.format(percent=True)}" for t, iv in kv.items())
-            + (f", prose {prose.format()}" if prose else "")
-            + f" ({row.seconds / 60:.1f} min)"
-        )
-        if folder is not None:
-            assert row_file is not None
-            _write_row(row_file, fingerprint, row)
-            if save_students:
-                student.save_pretrained(folder / "students" / slug)
-        del student
-    seconds["total"] = time.perf_counter() - t_start
-    chance = {
-        t: float(sum(1 / len(s.choices) for s in task) / max(1, len(task)))
-        for t, task in evals.kv.items()
-    }
-    if evals.knowledge is not None and evals.knowledge_name:
-        chance[evals.knowledge_name] = float(
-            sum(1 / len(s.choices) for s in evals.knowledge) / max(1, len(evals.knowledge))
-        )
-    import transformers
-
-    from gna_lens import __version__
-
-    data_text = {}
-    for choice in choices:
-        d0 = datas[(choice, seed_list[0])]
-        info = getattr(d0, "info", {}) or {}
-        data_text[choice] = (d0.describe() if hasattr(d0, "describe") else type(d0).__name__) + (
-            "; seed ranges: " + json.dumps(info.get("seed_ranges"))
-            if info.get("seed_ranges")
-            else ""
-        )
-        if len(seed_list) > 1 and isinstance(d0, DistillData):
-            data_text[choice] += f" (data seeds {seed_list})"
-    controlled, controls = _controls(rows, matching)
-    first_param = next(iter(hf.parameters()))
-    method = {
-        "teacher": str(settings["teacher"]).rstrip(".")
-        + f"; {n_layers} layers x {n_heads} heads ({fields['num_key_value_heads']} KV heads)",
-        "ranking": f"score_heads, {rank_info.get('criterion', '')}; top 10: {rank_info.get('top', '')}"
-        + (f"; {rank_info['filled']}" if "filled" in rank_info else ""),
-        **task_method,
-        "distillation": (
-            f"stages {list(stages)}; budget {total.describe()} per student (stage 1 gets "
-            f"{100 * stage1_share:.0f}%); "
-            f"stage 2 trains {train}; lr {settings['lr']}; batch {batch_size} texts of at most "
-            f"{max_length} tokens; AdamW, warm-up then cosine; autocast {autocast or 'none'}; "
-            f"ranking sweeps {sweep_dtype or 'float32'}"
-        ),
-        "budget": total.describe(),
-        "data": data_text["default"]
-        if choices == ["default"]
-        else "; ".join(f"{c}: {t}" for c, t in data_text.items()),
-        "distill_data": list(choices),
-        "data_composition": {c: by[seed_list[0]].shares for c, by in composition.items()},
-        "data_composition_by_seed": {
-            c: {str(sd): v.shares for sd, v in by.items()} for c, by in composition.items()
-        },
-        "data_composition_text": {
-            (c if len(seed_list) == 1 else f"{c}, training seed {sd}"): v.describe()
-            for c, by in composition.items()
-            for sd, v in by.items()
-        },
-        "stages": list(stages),
-        "student": f"d_state {d_state}, head layout {head_layout!r}, SSM heads initialized from the teacher's q/k/v (build_hybrid seed = the training seed)",
-        "random_heads": f"{random_draws} draw(s) per k and training seed, layer-matched to the "
-        f"top-k set (matched_random_sets, seed 1000 * {seed} + k, {random_draws} x "
-        f"{len(seed_list)} distinct sets drawn in one sequence, training seed i taking the i-th "
-        f"block of {random_draws}), never a head of the ranking's top {max(ks)}"
-        + "".join(f"; k={k}: {v.describe()}" for k, v in matching.items()),
-        "random_matching": {str(k): v.describe() for k, v in matching.items()},
-        "seeds": f"selection {SELECTION_SEED}; held-out KV {EVAL_KV_SEED} + n; training seeds "
-        f"{seed_list} (each: distillation data seed, KV seeds 1,000,000 + 1000 * seed + block; "
-        f"SSM initialization; data order); random heads and knowledge sample seed {seed}",
-        "training_seeds": list(seed_list),
-        "controlled": controlled,
-        "controls": controls,
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, "
-        f"{torch.get_num_threads()} torch thread(s), device {first_param.device}",
-        "versions": f"gna_lens {__version__}, torch {torch.__version__}, transformers {transformers.__version__}",
-        "state_dtype": str(first_param.dtype).removeprefix("torch."),
-        "device": DevicePolicy.of(hf).describe(),
-        "notes": evals.notes,
-        "settings": settings,
-    }
+    plan = [(choice, s, arm) for choice in choices for s in seed_list for arm in arms[s]]
+    build_kw = {"d_state": d_state, "head_layout": head_layout}
+    students, pending, unmeasured = _student_rows(
+        run, teacher, plan, build_kw, distill_kw, save_students
+    )
+    rows += students
+    run.seconds["total"] = time.perf_counter() - t_start
+    precision = f"autocast {autocast or 'none'}; ranking sweeps {sweep_dtype or 'float32'}"
+    method = _method(
+        run, hf, fields, rank_info, task_method, ks, random_draws, matching, rows, precision
+    )
     if selectors is not None:
         method["only"] = _only_entries(only)
     if pending:
         method["pending"] = pending
     if unmeasured:
         method["unmeasured"] = unmeasured
+    chance = {t: _chance(task) for t, task in run.evals.kv.items()}
+    if run.evals.knowledge is not None and run.evals.knowledge_name:
+        chance[run.evals.knowledge_name] = _chance(run.evals.knowledge)
     table = HybridTable(
         teacher=name,
         rows=tuple(rows),
         ranking=tuple(ranking),
-        kv_tasks=tuple(evals.kv),
+        kv_tasks=tuple(run.evals.kv),
         chance=chance,
-        knowledge_task=evals.knowledge_name,
+        knowledge_task=run.evals.knowledge_name,
         method=method,
-        seconds={k: round(v, 1) for k, v in seconds.items()},
+        seconds={k: round(v, 1) for k, v in run.seconds.items()},
     )
-    if folder is not None:
-        table.write(folder)
+    if run.folder is not None:
+        table.write(run.folder)
     return table
+
+
+def _chance(task: Any) -> float:
+    """The accuracy of guessing on ``task``."""
+    return float(sum(1 / len(s.choices) for s in task) / max(1, len(task)))
+
+
+def _load_teacher(run: _Run, teacher: Any, device: Any, dtype: Any) -> tuple[str, Any]:
+    """The teacher's name, and the teacher (loaded by name, or moved to ``device`` and
+    ``dtype``)."""
+    if not isinstance(teacher, str | Path):
+        name = getattr(getattr(teacher, "cfg", None), "model_name", "") or type(teacher).__name__
+        if device is not None:
+            teacher = teacher.to(resolve_device(device))
+        if resolve_dtype(dtype) is not None:
+            teacher = teacher.to(resolve_dtype(dtype))
+        return str(name), teacher
+    from gna_lens.scan import load_scan_model
+
+    run.say(f"loading {teacher}")
+    where = HOST if device is None else device
+    return str(teacher), load_scan_model(str(teacher), device=where, dtype=resolve_dtype(dtype))
+
+
+def _data_streams(run: _Run, tok: Any, data: Any, max_length: int, total: Any) -> None:
+    """One data stream per (choice, training seed), and the composition of each default one,
+    measured now (each seed reads its own stream), so that a choice this tokenizer cannot make
+    fails before anything runs."""
+    from gna_lens.hybrid._data import DistillData, data_composition, distill_data
+
+    for choice in run.choices:
+        for s in run.seed_list:
+            stream = data if data is not None else distill_data(tok, choice, s)
+            run.datas[(choice, s)] = stream
+            if isinstance(stream, DistillData):
+                comp = data_composition(stream, tok, max_length=max_length, tokens=total.tokens)
+                run.composition.setdefault(choice, {})[s] = comp
+                run.say(f"distillation data {choice}: {comp.describe()}")
 
 
 def _check_experiment_args(
@@ -1280,33 +1130,36 @@ def _check_experiment_args(
     return seed_list, choices, _parse_only(only, choices, seed_list)
 
 
-def _ranking_stage(
-    read: Path | None,
-    write: Path | None,
+def _ranking(
+    run: _Run,
     settings: dict[str, Any],
     k_max: int,
-    say: Callable[[str], None],
     rank: Callable[[], tuple[list[Head], dict[str, Any]]],
     what: str,
 ) -> tuple[list[Head], dict[str, Any]]:
-    """The teacher's ranking: read back from ``read`` when it was made under the same settings
-    and is long enough, else ranked now (``rank()``) and written to ``write``."""
-    if read is not None and read.is_file():
-        saved = json.loads(read.read_text(encoding="utf-8"))
-        if _same_key(saved.get("settings"), settings) and len(saved["ranking"]) >= k_max:
-            say("ranking read back from " + str(read))
-            return [(int(a), int(b)) for a, b in saved["ranking"]], saved["info"]
-    say(what)
-    t0 = time.perf_counter()
-    ranking, info = rank()
-    info["seconds"] = round(time.perf_counter() - t0, 1)
-    if write is not None:
-        write.parent.mkdir(parents=True, exist_ok=True)
-        write.write_text(
-            json.dumps({"settings": settings, "ranking": ranking, "info": info}, indent=1),
-            encoding="utf-8",
-        )
+    """The teacher's ranking: read back when made under the same settings and long enough, else
+    ranked now (``rank()``) and written to ``ranking.json``."""
+    file = run.path("ranking.json")
+    saved = run.read_back(file, "settings", settings)
+    if saved is not None and len(saved["ranking"]) >= k_max:
+        run.say("ranking read back from " + str(file))
+        ranking, info = [(int(a), int(b)) for a, b in saved["ranking"]], saved["info"]
+    else:
+        run.say(what)
+        t0 = time.perf_counter()
+        ranking, info = rank()
+        info["seconds"] = round(time.perf_counter() - t0, 1)
+        if file is not None:
+            _write_json(file, {"settings": settings, "ranking": ranking, "info": info})
+    run.seconds["ranking"] = float(info.get("seconds", 0.0))
     return ranking, info
+
+
+def _arm_names(k: int, random_draws: int) -> list[str]:
+    """The arms keeping ``k`` heads: ``["k=0"]``, or ``["top-k", "random-k", "random-k #2", ...]``."""
+    if k == 0:
+        return ["k=0"]
+    return [f"top-{k}"] + [f"random-{k}" + (f" #{d + 1}" if d else "") for d in range(random_draws)]
 
 
 def _arms(
@@ -1317,64 +1170,211 @@ def _arms(
     random_draws: int,
     seed: int,
 ) -> tuple[dict[int, list[tuple[str, str, int, list[Head]]]], dict[int, Any]]:
-    """Per training seed: k = 0, then per k the top-k set and that seed's own random draws; and
-    the random draws per k."""  # fmt: skip
+    """Per training seed, ``(name, kind, k, heads)`` of each arm: per k, k = 0 or the top-k set
+    and that seed's own random draws; and the random draws per k."""
+    from gna_lens.heads import head_view
+    from gna_lens.scoring import matched_random_sets
+
     arms: dict[int, list[tuple[str, str, int, list[Head]]]] = {s: [] for s in seed_list}
     matching: dict[int, Any] = {}
     for k in ks:
-        if k == 0:
-            for s in seed_list:
-                arms[s].append(("k=0", "none", 0, []))
-            continue
-        top = sorted(ranking[:k])
-        for s in seed_list:
-            arms[s].append((f"top-{k}", "top", k, top))
-        if random_draws:
-            from gna_lens.heads import head_view
-            from gna_lens.scoring import matched_random_sets
-
+        names, top = _arm_names(k, random_draws), sorted(ranking[:k])
+        if k and random_draws:
             # as many heads per layer as the top-k set, none of the ranking's top max(keep);
             # distinct sets, random_draws per training seed (the first seed's are the draws a
             # one-seed run makes: the sets are drawn in one sequence)
-            drawn = matched_random_sets(
+            matching[k] = matched_random_sets(
                 head_view(teacher), top, random_draws * len(seed_list), seed=1000 * seed + k,
                 exclude=ranking[: max(ks)],
             )  # fmt: skip
-            matching[k] = drawn
-            for i, s in enumerate(seed_list):
-                mine = drawn.sets[i * random_draws : (i + 1) * random_draws]
-                for d, chosen in enumerate(mine):
-                    arms[s].append(
-                        (f"random-{k}" + (f" #{d + 1}" if d else ""), "random", k, list(chosen))
-                    )
+        for i, s in enumerate(seed_list):
+            arms[s].append((names[0], "top", k, top) if k else ("k=0", "none", 0, []))
+            if k in matching:
+                mine = matching[k].sets[i * random_draws : (i + 1) * random_draws]
+                arms[s] += [
+                    (name, "random", k, list(chosen))
+                    for name, chosen in zip(names[1:], mine, strict=False)
+                ]
     return arms, matching
 
 
-def _teacher_row(
-    file: Path | None,
-    resume: bool,
-    key: dict[str, Any],
-    say: Callable[[str], None],
-    measure: Callable[[], Any],
-    n_heads: int,
-) -> HybridRow:
-    """The teacher's row: read back from ``file`` when measured under the same evaluation
-    settings, else measured now and written there."""
-    if file is not None and resume and file.is_file():
-        saved = json.loads(file.read_text(encoding="utf-8"))
-        if _same_key(saved.get("fingerprint"), key):
-            say(f"teacher: read back from {file}")
-            return HybridRow.from_dict(saved["row"])
-    say("measuring the teacher")
-    t0 = time.perf_counter()
-    got = measure()
-    row = HybridRow(
-        "teacher", "teacher", n_heads, (), got.kv, got.prose, got.knowledge, got.state,
-        {}, time.perf_counter() - t0, got.kv_correct,
-    )  # fmt: skip
-    if file is not None:
-        file.parent.mkdir(parents=True, exist_ok=True)
-        file.write_text(
-            json.dumps({"fingerprint": key, "row": row.to_dict()}, indent=1), encoding="utf-8"
-        )
+def _teacher_row(run: _Run, teacher: Any, key: dict[str, Any], n_heads: int) -> HybridRow:
+    """The teacher's row: read back when measured under the same evaluation settings, else
+    measured now and written to ``rows/teacher.json``."""
+    file = run.path("rows", "teacher.json")
+    saved = run.read_back(file, "fingerprint", key)
+    if saved is not None:
+        run.say(f"teacher: read back from {file}")
+        row = HybridRow.from_dict(saved["row"])
+    else:
+        run.say("measuring the teacher")
+        t0 = time.perf_counter()
+        got = run.measure(teacher)
+        row = HybridRow("teacher", "teacher", n_heads, (), **got, seconds=time.perf_counter() - t0)
+        if file is not None:
+            _write_json(file, {"fingerprint": key, "row": row.to_dict()})
+    run.seconds["teacher"] = row.seconds
     return row
+
+
+def _student_rows(
+    run: _Run,
+    teacher: Any,
+    plan: list[tuple[str, int, tuple[str, str, int, list[Head]]]],
+    build_kw: dict[str, Any],
+    distill_kw: dict[str, Any],
+    save_students: bool,
+) -> tuple[list[HybridRow], list[str], dict[str, list[str]]]:
+    """Each planned student's row, read back or distilled and measured now (only those
+    ``run.selectors`` select); the rows left for another run; the tasks rows read back lack."""
+    settings = run.settings
+    from gna_lens.hybrid._build import build_hybrid
+    from gna_lens.hybrid._distill import distill, teacher_twin
+
+    twin = teacher_twin(teacher)
+    rows: list[HybridRow] = []
+    pending: list[str] = []
+    unmeasured: dict[str, list[str]] = {}
+    for choice, train_seed, (arm, kind, k, heads) in plan:
+        suffix = (f" seed={train_seed}" if train_seed != settings["seed"] else "") + (
+            f" data={choice}" if choice != "default" else ""
+        )
+        label = arm + suffix
+        # the files and fingerprints of the default settings are those of earlier versions
+        slug = arm.replace(" #", "-").replace("=", "")
+        slug += suffix.replace(" seed=", "-seed").replace(" data=", "-")
+        fingerprint = settings | {"heads": [list(h) for h in heads]}
+        if train_seed != settings["seed"]:
+            fingerprint["train_seed"] = train_seed
+        if choice != "default":
+            fingerprint["distill_data"] = choice
+        selected = run.selectors is None or _selected(run.selectors, arm, train_seed, choice)
+        row_file = run.path("rows", f"{slug}.json")
+        saved = run.read_back(row_file, "fingerprint", fingerprint)
+        if saved is not None:
+            back = HybridRow.from_dict(saved["row"])
+            missing = [t for t in run.evals.kv if t not in back.kv]
+            # a row measured before a task was added: kept as it is (its cells for the
+            # task empty) unless this run is asked to train it again
+            if not missing or not selected:
+                rows.append(replace(back, name=label, seed=train_seed, data=choice, arm=arm))
+                run.seconds[label] = rows[-1].seconds
+                if missing:
+                    unmeasured[label] = missing
+                run.say(f"{label}: read back from {row_file}" + (
+                    f" (not measured on {', '.join(missing)})" if missing else ""))  # fmt: skip
+                continue
+            run.say(f"{label}: trained again: its row lacks {', '.join(missing)}")
+        if not selected:
+            pending.append(label)
+            run.say(f"{label}: not selected by only=; left for another run")
+            continue
+        run.say(f"{label}: keeping {heads_text(heads)}; distilling ({settings['budget']})")
+        t0 = time.perf_counter()
+        student = build_hybrid(teacher, heads, seed=train_seed, **build_kw)
+        res = distill(
+            student, twin, run.datas[(choice, train_seed)], seed=train_seed,
+            checkpoint_dir=run.path("checkpoints", f"{slug}-{_digest(fingerprint)}"),
+            **distill_kw,
+        )  # fmt: skip
+        got = run.measure(student)
+        summary = {"totals": res.totals, "probe": res.probe, "n_trained": res.n_trained}
+        row = HybridRow(
+            label, kind, k, tuple(heads), **got, distill=summary,
+            seconds=time.perf_counter() - t0, seed=train_seed, data=choice, arm=arm,
+        )  # fmt: skip
+        rows.append(row)
+        run.seconds[label] = row.seconds
+        run.say(
+            f"{label}: "
+            + ", ".join(f"{t} {iv.format(percent=True)}" for t, iv in row.kv.items())
+            + (f", prose {row.prose.format()}" if row.prose else "")
+            + f" ({row.seconds / 60:.1f} min)"
+        )
+        if run.folder is not None:
+            _write_row(run.folder / "rows" / f"{slug}.json", fingerprint, row)
+            if save_students:
+                student.save_pretrained(run.folder / "students" / slug)
+        del student
+    return rows, pending, unmeasured
+
+
+def _method(
+    run: _Run,
+    hf: Any,
+    fields: dict[str, Any],
+    rank_info: dict[str, Any],
+    task_method: dict[str, Any],
+    ks: list[int],
+    random_draws: int,
+    matching: dict[int, Any],
+    rows: list[HybridRow],
+    precision: str,
+) -> dict[str, Any]:
+    """The table's ``method``: how everything was made, in words, and the settings."""
+    import transformers
+
+    from gna_lens import __version__
+    from gna_lens.hybrid._data import DistillData, describe_data
+
+    s, choices, seed_list, composition = run.settings, run.choices, run.seed_list, run.composition
+    data_text = {}
+    for choice in choices:
+        d0 = run.datas[(choice, seed_list[0])]
+        ranges = (getattr(d0, "info", {}) or {}).get("seed_ranges")
+        data_text[choice] = describe_data(d0) + (
+            "; seed ranges: " + json.dumps(ranges) if ranges else ""
+        )
+        if len(seed_list) > 1 and isinstance(d0, DistillData):
+            data_text[choice] += f" (data seeds {seed_list})"
+    controlled, controls = _controls(rows, matching)
+    first_param = next(iter(hf.parameters()))
+    heads = f"{fields['num_hidden_layers']} layers x {fields['num_attention_heads']} heads"
+    return {
+        "teacher": str(s["teacher"]).rstrip(".")
+        + f"; {heads} ({fields['num_key_value_heads']} KV heads)",
+        "ranking": f"score_heads, {rank_info.get('criterion', '')}; top 10: {rank_info.get('top', '')}"
+        + (f"; {rank_info['filled']}" if "filled" in rank_info else ""),
+        **task_method,
+        "distillation": (
+            f"stages {s['stages']}; budget {s['budget']} per student (stage 1 gets "
+            f"{100 * s['stage1_share']:.0f}%); "
+            f"stage 2 trains {s['train']}; lr {s['lr']}; batch {s['batch_size']} texts of at "
+            f"most {s['max_length']} tokens; AdamW, warm-up then cosine; {precision}"
+        ),
+        "budget": s["budget"],
+        "data": data_text["default"]
+        if choices == ["default"]
+        else "; ".join(f"{c}: {t}" for c, t in data_text.items()),
+        "distill_data": list(choices),
+        "data_composition": {c: by[seed_list[0]].shares for c, by in composition.items()},
+        "data_composition_by_seed": {
+            c: {str(sd): v.shares for sd, v in by.items()} for c, by in composition.items()
+        },
+        "data_composition_text": {
+            (c if len(seed_list) == 1 else f"{c}, training seed {sd}"): v.describe()
+            for c, by in composition.items()
+            for sd, v in by.items()
+        },
+        "stages": s["stages"],
+        "student": f"d_state {s['d_state']}, head layout {s['head_layout']!r}, SSM heads initialized from the teacher's q/k/v (build_hybrid seed = the training seed)",
+        "random_heads": f"{random_draws} draw(s) per k and training seed, layer-matched to the "
+        f"top-k set (matched_random_sets, seed 1000 * {s['seed']} + k, {random_draws} x "
+        f"{len(seed_list)} distinct sets drawn in one sequence, training seed i taking the i-th "
+        f"block of {random_draws}), never a head of the ranking's top {max(ks)}"
+        + "".join(f"; k={k}: {v.describe()}" for k, v in matching.items()),
+        "random_matching": {str(k): v.describe() for k, v in matching.items()},
+        "seeds": f"selection {SELECTION_SEED}; held-out KV {EVAL_KV_SEED} + n; training seeds "
+        f"{seed_list} (each: distillation data seed, KV seeds 1,000,000 + 1000 * seed + block; "
+        f"SSM initialization; data order); random heads and knowledge sample seed {s['seed']}",
+        "training_seeds": list(seed_list),
+        "controlled": controlled,
+        "controls": controls,
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, "
+        f"{torch.get_num_threads()} torch thread(s), device {first_param.device}",
+        "versions": f"gna_lens {__version__}, torch {torch.__version__}, transformers {transformers.__version__}",
+        "state_dtype": str(first_param.dtype).removeprefix("torch."),
+        "device": DevicePolicy.of(hf).describe(),
+        "notes": run.evals.notes,
+        "settings": s,
+    }

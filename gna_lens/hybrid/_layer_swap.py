@@ -5,7 +5,6 @@ import copy
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -13,7 +12,8 @@ import torch
 from torch import Tensor, nn
 
 from gna_lens.errors import ConfigError
-from gna_lens.hybrid._pairs import head_pairs
+from gna_lens.hybrid._build import _hf_weights, check_twin, hf_model, layer_weights
+from gna_lens.hybrid._pairs import Head, by_layer, check_listed, head_pairs
 from gna_lens.models.block import SSMBlock
 from gna_lens.models.config import SSMConfig
 from gna_lens.models.families import family_of, gna_hybrid
@@ -40,14 +40,6 @@ class _Teacher:
     weights: Mapping[str, Tensor]
 
     @property
-    def n_layers(self) -> int:
-        return int(self.fields["num_hidden_layers"])
-
-    @property
-    def d_model(self) -> int:
-        return int(self.fields["hidden_size"])
-
-    @property
     def heads(self) -> tuple[int, int, int]:
         """(query heads, KV heads, head width)."""
         f = self.fields
@@ -63,8 +55,7 @@ class _Teacher:
 
     def layer(self, layer: int, prefix: str) -> dict[str, Tensor]:
         """The weights of ``model.layers.{layer}.{prefix}`` with that prefix taken off."""
-        start = f"model.layers.{layer}.{prefix}"
-        return {k[len(start) :]: v for k, v in self.weights.items() if k.startswith(start)}
+        return layer_weights(self.weights, layer, prefix)
 
 
 # ----------------------------------------------------------------------------- the teacher
@@ -73,33 +64,7 @@ def _read_teacher(teacher: Any, call: str = "swap_layers") -> _Teacher:
     function to name in errors)."""
     if isinstance(teacher, HookedSSM):
         return _twin_teacher(teacher, call)
-    if isinstance(teacher, str | Path):
-        from transformers import AutoModelForCausalLM
-
-        from gna_lens.models.loading import resolve_name
-
-        try:
-            hf = AutoModelForCausalLM.from_pretrained(resolve_name(str(teacher)))
-        except (OSError, ValueError) as err:
-            raise ConfigError(
-                f"{call}(teacher={str(teacher)!r}): could not load it as a Hugging Face "
-                f"causal LM ({err.__class__.__name__}: {err}). Pass a checkpoint folder of a "
-                "Llama-style model, a LlamaForCausalLM, a TransformerBridge over one, or its "
-                "teacher twin (a HookedSSM)."
-            ) from err
-        name = str(teacher)
-    else:
-        hf = getattr(teacher, "original_model", None) or teacher
-        if not hasattr(hf, "config") or not hasattr(hf, "state_dict"):
-            raise ConfigError(
-                f"{call}(teacher={type(teacher).__name__}); expected a Hugging Face "
-                "LlamaForCausalLM, a TransformerBridge over one, its checkpoint folder, or its "
-                "teacher twin (a HookedSSM of gna_lens.hybrid.build_hybrid keeping every head)."
-            )
-        cfg = getattr(teacher, "cfg", None)
-        name = str(getattr(cfg, "model_name", "") or getattr(hf.config, "_name_or_path", "") or "")
-    from gna_lens.hybrid._build import _hf_weights
-
+    hf, name = hf_model(teacher, call)
     fields = gna_hybrid.teacher_fields(hf.config, call)
     return _Teacher(name or type(hf).__name__, fields, _hf_weights(hf))
 
@@ -116,22 +81,8 @@ _TWIN_NAMES = (
 
 def _twin_teacher(twin: HookedSSM, call: str = "swap_layers") -> _Teacher:
     """A teacher given as its twin: a hybrid student keeping every head as attention."""
+    check_twin(twin, call)
     cfg: Any = twin.cfg
-    heads = getattr(cfg, "attention_heads", None)
-    if cfg.architecture != "gna_hybrid" or heads is None:
-        raise ConfigError(
-            f"{call}(teacher=HookedSSM of {cfg.architecture!r}): a HookedSSM teacher must be "
-            "a teacher twin (gna_lens.hybrid.build_hybrid(teacher, every head)). Fix: pass the "
-            "Llama-style Transformer itself (a LlamaForCausalLM, a TransformerBridge over one, or "
-            "its folder)."
-        )
-    ssm = {layer: cfg.n_heads - len(h) for layer, h in enumerate(heads) if len(h) != cfg.n_heads}
-    if ssm:
-        raise ConfigError(
-            f"{call}(teacher=HookedSSM): this hybrid student has SSM heads ({ssm} per "
-            "layer), so it is not a teacher twin (every head kept as attention). Fix: pass the "
-            "Transformer teacher itself, or build_hybrid(teacher, every head)."
-        )
     config = gna_hybrid._config_dict(cfg, next(iter(twin.parameters())).dtype)
     config["model_type"] = "llama"
     fields = gna_hybrid.teacher_fields(SimpleNamespace(**config), call)
@@ -163,26 +114,27 @@ def _check_layers(layers: Any, n_layers: int) -> list[int]:
                 f"swap_layers(layers={layers!r}) contains {item!r} "
                 f"({type(item).__name__}); expected int layer indices ({where})."
             )
-    if not items:
-        raise ConfigError(f"swap_layers(layers={layers!r}): no layer to swap ({where}).")
-    bad = [i for i in items if not 0 <= i < n_layers]
-    if bad:
-        raise ConfigError(f"swap_layers(layers={layers!r}): {bad} out of range: {where}.")
-    twice = sorted({i for i in items if items.count(i) > 1})
-    if twice:
-        raise ConfigError(
-            f"swap_layers(layers={layers!r}) names layer(s) {twice} more than once; list each "
-            "layer once."
-        )
+    check_listed(
+        items, f"swap_layers(layers={layers!r}", "layer", where, lambda i: 0 <= i < n_layers
+    )
     return sorted(items)
+
+
+def _check_student(student: Any, call: str) -> None:
+    if not isinstance(student, HookedSSM):
+        raise ConfigError(
+            f"{call}(student={type(student).__name__}); expected a HookedSSM (a hybrid student "
+            "of build_hybrid, or a model loaded with gna_lens.load_model)."
+        )
 
 
 def _check_pair(student: HookedSSM, teacher: _Teacher, call: str = "swap_layers") -> None:
     """The student's layers line up with the teacher's."""
     cfg = student.cfg
+    shape = int(teacher.fields["num_hidden_layers"]), int(teacher.fields["hidden_size"])
     mine = f"n_layers={cfg.n_layers}, d_model={cfg.d_model}"
-    theirs = f"num_hidden_layers={teacher.n_layers}, hidden_size={teacher.d_model}"
-    if (cfg.n_layers, cfg.d_model) != (teacher.n_layers, teacher.d_model):
+    theirs = f"num_hidden_layers={shape[0]}, hidden_size={shape[1]}"
+    if (cfg.n_layers, cfg.d_model) != shape:
         raise ConfigError(
             f"{call}: the student ({cfg.architecture}, {mine}) and the teacher "
             f"({teacher.name}, {theirs}) do not align; a layer swap needs the same number of "
@@ -249,6 +201,10 @@ def _check_hybrid(cfg: SSMConfig, teacher: _Teacher, part: str, call: str) -> No
         )
 
 
+#: A block's norms and MLP, and the teacher's names of them.
+_BLOCK_PARTS = (("ln1", "input_layernorm."), ("ln2", "post_attention_layernorm."), ("mlp", "mlp."))
+
+
 def _hybrid_swap(model: HookedSSM, teacher: _Teacher, layers: list[int], part: str) -> None:
     """A hybrid student's layers become the teacher twin's: a :class:`HybridMixer` keeping
     every head as attention (``part="block"``: and the teacher's norms and MLP)."""
@@ -262,10 +218,8 @@ def _hybrid_swap(model: HookedSSM, teacher: _Teacher, layers: list[int], part: s
         mixer.init_from_attention(teacher.layer(layer, "self_attn."))
         block.mixer = mixer
         cfg.attention_heads[layer] = list(range(H))
-        if part == "block":
-            block.ln1.load_state_dict(teacher.layer(layer, "input_layernorm."))
-            block.ln2.load_state_dict(teacher.layer(layer, "post_attention_layernorm."))
-            block.mlp.load_state_dict(teacher.layer(layer, "mlp."))
+        for name, prefix in _BLOCK_PARTS if part == "block" else ():
+            getattr(block, name).load_state_dict(teacher.layer(layer, prefix))
 
 
 def _attention_fields(model: HookedSSM, teacher: _Teacher, call: str = "swap_layers") -> None:
@@ -321,10 +275,9 @@ def _new_block(model: HookedSSM, teacher: _Teacher, layer: int, part: str, old: 
     mlp_cfg.d_mlp, mlp_cfg.mlp_bias = int(f["intermediate_size"]), bool(f["mlp_bias"])
     mlp_cfg.mlp_multipliers = (1.0, 1.0)
     with torch.device("meta"):
-        ln1, ln2, mlp = RMSNorm(cfg.d_model, eps), RMSNorm(cfg.d_model, eps), GatedMLP(mlp_cfg)
-    block.ln1 = _loaded(ln1, teacher.layer(layer, "input_layernorm."), device, dtype)
-    block.ln2 = _loaded(ln2, teacher.layer(layer, "post_attention_layernorm."), device, dtype)
-    block.mlp = _loaded(mlp, teacher.layer(layer, "mlp."), device, dtype)
+        parts = RMSNorm(cfg.d_model, eps), RMSNorm(cfg.d_model, eps), GatedMLP(mlp_cfg)
+    for (name, prefix), module in zip(_BLOCK_PARTS, parts, strict=True):
+        setattr(block, name, _loaded(module, teacher.layer(layer, prefix), device, dtype))
     return block
 
 
@@ -360,6 +313,21 @@ def _copy(student: HookedSSM) -> HookedSSM:
         student.tokenizer = tokenizer
     model.tokenizer = tokenizer
     return model
+
+
+def _stamped(student: HookedSSM, model: HookedSSM, kind: str, record: dict[str, Any]) -> HookedSSM:
+    """``model`` with its hook points registered and ``model.gna_{kind}`` = ``record`` (with the
+    student's own record as ``"before"``; a hybrid student also keeps it in ``cfg.teacher``,
+    saved with it), in eval mode."""
+    model.setup()  # register the new modules' hook points
+    before = getattr(student, f"gna_{kind}", None)
+    if before:
+        record["before"] = before
+    setattr(model, f"gna_{kind}", record)
+    cfg: Any = model.cfg
+    if cfg.architecture == "gna_hybrid":
+        cfg.teacher = {**cfg.teacher, kind: record}
+    return model.eval()
 
 
 def _plain_swap(model: HookedSSM, teacher: _Teacher, layers: list[int], part: str) -> None:
@@ -449,11 +417,7 @@ def swap_layers(
         ...     bool(torch.allclose(everything(ids), teacher(ids).logits, atol=1e-4))
         True
     """
-    if not isinstance(student, HookedSSM):
-        raise ConfigError(
-            f"swap_layers(student={type(student).__name__}); expected a HookedSSM (a hybrid "
-            "student of build_hybrid, or a model loaded with gna_lens.load_model)."
-        )
+    _check_student(student, "swap_layers")
     if part not in PARTS:
         raise ConfigError(
             f"swap_layers(part={part!r}); expected 'mixer' (the teacher's attention, the "
@@ -469,21 +433,11 @@ def swap_layers(
             _hybrid_swap(model, source, chosen, part)
         else:
             _plain_swap(model, source, chosen, part)
-    model.setup()  # register the new modules' hook points
-    record: dict[str, Any] = {"layers": chosen, "part": part, "teacher": source.name}
-    before = getattr(student, "gna_layer_swap", None)
-    if before:
-        record["before"] = before
-    model.gna_layer_swap = record  # type: ignore[assignment]
-    if model.cfg.architecture == "gna_hybrid":  # saved with the student (config.json)
-        model.cfg.teacher = {**model.cfg.teacher, "layer_swap": record}  # type: ignore[attr-defined]
-    return model.eval()
+    record = {"layers": chosen, "part": part, "teacher": source.name}
+    return _stamped(student, model, "layer_swap", record)
 
 
 # ----------------------------------------------------------------------------- head swaps
-Head = tuple[int, int]
-
-
 def _check_heads(student: HookedSSM, heads: Any) -> dict[int, list[int]]:
     """``heads``: distinct ``(layer, head)`` pairs naming SSM heads of the student; per layer,
     its heads (sorted)."""
@@ -491,16 +445,10 @@ def _check_heads(student: HookedSSM, heads: Any) -> dict[int, list[int]]:
     n, H = cfg.n_layers, cfg.n_heads
     where = f"the student has {n} layers of {H} heads: layers 0..{n - 1}, heads 0..{H - 1}"
     items = head_pairs(heads, "swap_teacher_heads(heads", where)
-    if not items:
-        raise ConfigError(f"swap_teacher_heads(heads={heads!r}): no head to swap ({where}).")
-    bad = [(layer, h) for layer, h in items if not (0 <= layer < n and 0 <= h < H)]
-    if bad:
-        raise ConfigError(f"swap_teacher_heads(heads=...): {bad} out of range: {where}.")
-    twice = sorted({p for p in items if items.count(p) > 1})
-    if twice:
-        raise ConfigError(
-            f"swap_teacher_heads(heads=...) names {twice} more than once; list each head once."
-        )
+    check_listed(
+        items, f"swap_teacher_heads(heads={heads!r}", "head", where,
+        lambda p: 0 <= p[0] < n and 0 <= p[1] < H,
+    )  # fmt: skip
     not_mixer = sorted({layer for layer, _ in items if not student.blocks[layer].has_mixer})
     not_mixer += sorted({layer for layer, _ in items if student.blocks[layer].is_attention})
     if not_mixer:
@@ -520,10 +468,7 @@ def _check_heads(student: HookedSSM, heads: Any) -> dict[int, list[int]]:
             f"swap_teacher_heads(heads=...): {attention} are attention heads already (head_view "
             "kind 'attention'); list only SSM heads."
         )
-    out: dict[int, list[int]] = {}
-    for layer, h in items:
-        out.setdefault(layer, []).append(h)
-    return {layer: sorted(hs) for layer, hs in sorted(out.items())}
+    return by_layer(items)
 
 
 def _check_mixers_for_heads(model: HookedSSM, per_layer: dict[int, list[int]]) -> None:
@@ -717,11 +662,7 @@ def swap_teacher_heads(student: HookedSSM, teacher: Any, heads: Iterable[Head]) 
     from gna_lens.models.mixers.teacher_heads import TeacherHeadsMixer
 
     call = "swap_teacher_heads"
-    if not isinstance(student, HookedSSM):
-        raise ConfigError(
-            f"swap_teacher_heads(student={type(student).__name__}); expected a HookedSSM (a "
-            "hybrid student of build_hybrid, or a model loaded with gna_lens.load_model)."
-        )
+    _check_student(student, call)
     per_layer = _check_heads(student, heads)
     source = _read_teacher(teacher, call)
     _check_pair(student, source, call)
@@ -746,13 +687,5 @@ def swap_teacher_heads(student: HookedSSM, teacher: Any, heads: Iterable[Head]) 
                 weights = source.layer(layer, "self_attn.")
                 block.mixer = TeacherHeadsMixer.from_mixer(block.mixer, new, weights)
             _ensure_rope(model)
-    model.setup()  # register the new modules' hook points
     pairs = [[layer, h] for layer, hs in per_layer.items() for h in hs]
-    record: dict[str, Any] = {"heads": pairs, "teacher": source.name}
-    before = getattr(student, "gna_head_swap", None)
-    if before:
-        record["before"] = before
-    model.gna_head_swap = record  # type: ignore[assignment]
-    if hybrid:  # saved with the student (config.json)
-        cfg.teacher = {**cfg.teacher, "head_swap": record}
-    return model.eval()
+    return _stamped(student, model, "head_swap", {"heads": pairs, "teacher": source.name})

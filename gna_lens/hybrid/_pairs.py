@@ -1,10 +1,13 @@
 """Validation of ``(layer, head)`` lists shared by :func:`~gna_lens.hybrid.build_hybrid` and
 :func:`~gna_lens.hybrid.swap_heads`."""
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from gna_lens.errors import ConfigError
+
+#: A head, ``(layer, head)``.
+Head = tuple[int, int]
 
 
 def _is_int(x: Any) -> bool:
@@ -36,3 +39,32 @@ def head_pairs(value: Any, call: str, where: str) -> list[tuple[int, int]]:
             )
         out.append((int(item[0]), int(item[1])))
     return out
+
+
+def by_layer(items: list[Head]) -> dict[int, list[int]]:
+    """Per layer (in order), its heads of ``items`` (sorted, each once)."""
+    return {
+        layer: sorted({h for i, h in items if i == layer})
+        for layer in sorted({i for i, _ in items})
+    }
+
+
+def check_listed(
+    items: list[Any], call: str, what: str, where: str, ok: Callable[..., bool]
+) -> None:
+    """Refuse an empty ``items``, items out of range (``ok`` false) and items listed twice.
+
+    Args:
+        items: The items, e.g. layer indices.
+        call: How to name the argument as passed, e.g. ``"swap_layers(layers=[0, 0]"``.
+        what: One item in words (``"layer"``).
+        where: Which items exist, in words.
+    """
+    if not items:
+        raise ConfigError(f"{call}): no {what} to swap ({where}).")
+    bad = [i for i in items if not ok(i)]
+    if bad:
+        raise ConfigError(f"{call}): {bad} out of range: {where}.")
+    twice = sorted({i for i in items if items.count(i) > 1})
+    if twice:
+        raise ConfigError(f"{call}) names {twice} more than once; list each {what} once.")

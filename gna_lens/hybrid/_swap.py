@@ -1,7 +1,6 @@
 """Swap SSM heads of a pretrained Mamba-2 (or Mamba-2 hybrid) for attention heads, and train only
 the new parameters: :func:`swap_heads`."""
 
-import copy
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -12,21 +11,16 @@ from torch import Tensor
 
 from gna_lens.errors import ConfigError
 from gna_lens.hybrid._budget import parse_budget
-from gna_lens.hybrid._distill import DistillResult, _positive_int
-from gna_lens.hybrid._pairs import head_pairs
-from gna_lens.hybrid._train import Stage, StepLosses, run_stages
+from gna_lens.hybrid._data import describe_data
+from gna_lens.hybrid._distill import _mixer, _result
+from gna_lens.hybrid._layer_swap import _copy
+from gna_lens.hybrid._pairs import Head, by_layer, head_pairs
+from gna_lens.hybrid._train import Loop, loss_stage, run_stages
 from gna_lens.models.hooked_ssm import HookedSSM
 from gna_lens.models.mixers.swapped import SwappedMamba2Mixer
 from gna_lens.render.markdown import heads_label
 
 __all__ = ["swap_heads"]
-
-Head = tuple[int, int]
-
-
-def _mixer(model: HookedSSM, layer: int) -> Any:
-    block: Any = model.blocks[layer]
-    return block.mixer
 
 
 def _check_heads(model: HookedSSM, heads: Any) -> dict[int, list[int]]:
@@ -39,7 +33,6 @@ def _check_heads(model: HookedSSM, heads: Any) -> dict[int, list[int]]:
     items = head_pairs(heads, "swap_heads(heads", where)
     if not items:
         raise ConfigError(f"swap_heads(heads=[]): no head to swap ({where}).")
-    out: dict[int, list[int]] = {}
     for layer, head in items:
         if layer not in ssm_layers or not 0 <= head < cfg.n_heads:
             raise ConfigError(
@@ -51,10 +44,7 @@ def _check_heads(model: HookedSSM, heads: Any) -> dict[int, list[int]]:
                 f"swap_heads: layer {layer} already has swapped heads {mixer.attn_heads}; swap all "
                 "the heads of a layer in one call, on the model before any swap."
             )
-        out.setdefault(layer, [])
-        if head not in out[layer]:
-            out[layer].append(head)
-    return {layer: sorted(hs) for layer, hs in sorted(out.items())}
+    return by_layer(items)
 
 
 def swap_heads(
@@ -133,19 +123,16 @@ def swap_heads(
         )
     per_layer = _check_heads(model, heads)
     total = parse_budget(budget)
-    batch_size = _positive_int(batch_size, "batch_size")
-    max_length = _positive_int(max_length, "max_length")
+    loop = Loop(
+        "swap_heads", batch_size, max_length, warmup, checkpoint_dir, resume, progress, max_steps,
+        checkpoint_every,
+    )  # fmt: skip
     tokenizer = model.tokenizer
     if tokenizer is None:
         raise ConfigError("swap_heads: the model has no tokenizer (model.tokenizer is None).")
     from gna_lens.models.families.gna_swapped import install
 
-    try:  # the copy shares the tokenizer (deep-copying a tokenizer is slow and pointless)
-        model.tokenizer = None
-        new = copy.deepcopy(model)
-    finally:
-        model.tokenizer = tokenizer
-    new.tokenizer = tokenizer
+    new = _copy(model)
     install(new, per_layer)
     new.eval()
     params = [
@@ -158,9 +145,6 @@ def swap_heads(
         from gna_lens.hybrid._data import default_distill_data
 
         train_data = default_distill_data(tokenizer, seed)
-    data_text = (
-        train_data.describe() if hasattr(train_data, "describe") else type(train_data).__name__
-    )
     swapped = [(layer, h) for layer, hs in per_layer.items() for h in hs]
     word = "new attention heads " + heads_label(swapped, ", ")
 
@@ -168,16 +152,6 @@ def swap_heads(
         logits = new(ids)[:, :-1].float()
         target = ids[:, 1:].masked_fill(~mask[:, 1:], -100)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
-
-    def step(ids: Tensor, mask: Tensor) -> StepLosses:
-        loss = lm_loss(ids, mask)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for _, p in params], grad_clip)
-        return [(None, loss.detach())]  # read back at the next logging point
-
-    def probe(ids: Tensor, mask: Tensor) -> float:
-        with torch.no_grad():
-            return float(lm_loss(ids, mask))
 
     torch.manual_seed(seed)
     settings = {
@@ -190,24 +164,11 @@ def swap_heads(
         "warmup": warmup,
         "grad_clip": grad_clip,
     }
+    stage = loss_stage("swap", params, lm_loss, total, lr, word, grad_clip)
     device = next(iter(new.parameters())).device
     outcome = run_stages(
-        new,
-        [Stage("swap", params, step, probe, total, lr, word)],
-        train_data,
-        tokenizer,
-        batch_size=batch_size,
-        max_length=_positive_int(max_length, "max_length"),
-        warmup=warmup,
-        checkpoint_dir=checkpoint_dir,
-        resume=resume,
-        progress=progress,
-        max_steps=max_steps,
-        checkpoint_every=_positive_int(checkpoint_every, "checkpoint_every"),
-        fingerprint=settings,
-        device=device,
+        new, [stage], train_data, tokenizer, loop, fingerprint=settings, device=device
     )
-    state = outcome.state
     from gna_lens.models.provenance import provenance_of
 
     prov = provenance_of(model)
@@ -217,7 +178,7 @@ def swap_heads(
         "provenance": prov.describe() if prov.known else "",
     }
     method = settings | {
-        "data": data_text,
+        "data": describe_data(train_data),
         "loss": "next-token cross-entropy on every token of the texts",
         "optimizer": "AdamW (betas 0.9, 0.98, no weight decay), linear warm-up then cosine to "
         "lr / 10 over the budget",
@@ -226,19 +187,8 @@ def swap_heads(
         "source": source,
         "torch_threads": torch.get_num_threads(),
     }
-    result = DistillResult(
-        stages=(),
-        budget=total,
-        seed=seed,
-        records=tuple(state.records or ()),
-        probe=dict(state.probe or {}),
-        totals=dict(state.totals or {}),
-        trained={"swap": word},
-        n_trained={"swap": sum(p.numel() for _, p in params)},
-        complete=state.complete,
-        resumed_at=outcome.resumed_at,
-        method=method,
-    )
+    n_trained = {"swap": sum(p.numel() for _, p in params)}
+    result = _result(outcome, (), total, seed, {"swap": word}, n_trained, method)
     new.gna_swap = method | {  # type: ignore[assignment]
         "probe": result.probe,
         "totals": result.totals,

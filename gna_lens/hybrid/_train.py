@@ -32,7 +32,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -47,9 +47,11 @@ __all__ = [
     "DIVERGENCE_FLOOR",
     "DIVERGENCE_WINDOW",
     "LOG_EVERY",
+    "Loop",
     "Stage",
     "TrainState",
     "batches",
+    "loss_stage",
     "run_stages",
 ]
 
@@ -94,6 +96,66 @@ class Stage:
     trained: str
 
 
+@dataclass(frozen=True)
+class Loop:
+    """The loop settings of :func:`run_stages` (:func:`~gna_lens.hybrid.distill`'s arguments of
+    the same names), checked; ``where`` names the caller in errors."""
+
+    where: str
+    batch_size: int
+    max_length: int
+    warmup: int
+    checkpoint_dir: str | Path | None
+    resume: bool
+    progress: bool
+    max_steps: int | None
+    checkpoint_every: int
+    divergence_factor: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "max_length", "checkpoint_every", "max_steps"):
+            value = getattr(self, name)
+            if (name != "max_steps" or value is not None) and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
+                raise ConfigError(f"{self.where}({name}={value!r}); expected a positive int.")
+        factor = self.divergence_factor
+        if factor is not None and (
+            isinstance(factor, bool)
+            or not isinstance(factor, int | float)
+            or not 1 < factor < math.inf
+        ):
+            raise ConfigError(
+                f"{self.where}(divergence_factor={factor!r}); expected a number above 1 (the "
+                "rise over a stage's starting loss that stops it, e.g. 10.0) or None (no check)."
+            )
+
+
+def loss_stage(
+    name: str,
+    params: list[tuple[str, nn.Parameter]],
+    loss: Callable[[Tensor, Tensor], Tensor],
+    budget: Budget,
+    lr: float,
+    trained: str,
+    grad_clip: float,
+) -> Stage:
+    """A stage whose step backpropagates ``loss(ids, mask)`` and clips the gradient of
+    ``params`` to norm ``grad_clip``, and whose probe is the same loss without gradients."""
+
+    def step(ids: Tensor, mask: Tensor) -> StepLosses:
+        value = loss(ids, mask)
+        value.backward()
+        torch.nn.utils.clip_grad_norm_([p for _, p in params], grad_clip)
+        return [(None, value.detach())]  # read back at the next logging point
+
+    def probe(ids: Tensor, mask: Tensor) -> float:
+        with torch.no_grad():
+            return float(loss(ids, mask))
+
+    return Stage(name, params, step, probe, budget, lr, trained)
+
+
 @dataclass
 class TrainState:
     """Where a run stands (what ``progress.json`` holds)."""
@@ -103,15 +165,11 @@ class TrainState:
     tokens: int = 0  # tokens read in this stage
     seconds: float = 0.0  # seconds spent in this stage
     texts: int = 0  # texts read in the whole run
-    records: list[dict[str, Any]] | None = None
-    probe: dict[str, dict[str, float]] | None = None
-    totals: dict[str, dict[str, float]] | None = None  # per stage: tokens, seconds, steps
+    records: list[dict[str, Any]] = field(default_factory=list)
+    probe: dict[str, dict[str, float]] = field(default_factory=dict)
+    # per stage: tokens, seconds, steps
+    totals: dict[str, dict[str, float]] = field(default_factory=dict)
     complete: bool = False
-
-    def __post_init__(self) -> None:
-        self.records = self.records or []
-        self.probe = self.probe or {}
-        self.totals = self.totals or {}
 
 
 def batches(
@@ -178,7 +236,7 @@ def _data_fingerprint(texts: Iterable[Any], n: int = 4) -> str:
 
 
 # ----------------------------------------------------------------------------- checkpoints
-def _atomic_write(path: Path, write: Callable[[str], None]) -> None:
+def _atomic_write(path: Path, write: Callable[[str], object]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     write(str(tmp))
     os.replace(tmp, path)
@@ -206,27 +264,12 @@ def _save(
         "fingerprint": fingerprint,
         "weights": wfile,
         "optimizer": ofile if opt is not None else None,
-        "stage": state.stage,
-        "step": state.step,
-        "tokens": state.tokens,
-        "seconds": state.seconds,
-        "texts": state.texts,
-        "records": state.records,
-        "probe": state.probe,
-        "totals": state.totals,
-        "complete": state.complete,
+        **asdict(state),
     }
     text = json.dumps(data, indent=1) + "\n"
-
-    def write_progress(p: str) -> None:
-        Path(p).write_text(text, encoding="utf-8")
-
-    _atomic_write(folder / PROGRESS, write_progress)
-    for old in folder.glob("weights-*.safetensors"):
-        if old.name != wfile:
-            old.unlink()
-    for old in folder.glob("optimizer-*.pt"):
-        if old.name != data["optimizer"]:
+    _atomic_write(folder / PROGRESS, lambda p: Path(p).write_text(text, encoding="utf-8"))
+    for old in [*folder.glob("weights-*.safetensors"), *folder.glob("optimizer-*.pt")]:
+        if old.name not in (wfile, data["optimizer"]):
             old.unlink()
 
 
@@ -257,18 +300,8 @@ def _load(
     opt_state = None
     if data.get("optimizer"):
         opt_state = torch.load(str(folder / data["optimizer"]), weights_only=False)
-    state = TrainState(
-        stage=int(data["stage"]),
-        step=int(data["step"]),
-        tokens=int(data["tokens"]),
-        seconds=float(data["seconds"]),
-        texts=int(data["texts"]),
-        records=list(data["records"]),
-        probe=dict(data["probe"]),
-        totals=dict(data.get("totals") or {}),
-        complete=bool(data["complete"]),
-    )
-    return state, opt_state
+    saved = {f.name: data[f.name] for f in fields(TrainState) if data.get(f.name) is not None}
+    return TrainState(**saved), opt_state
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -355,31 +388,27 @@ def run_stages(
     stages: list[Stage],
     data: Iterable[Any],
     tokenizer: Any,
+    loop: Loop,
     *,
-    batch_size: int,
-    max_length: int,
-    warmup: int,
-    checkpoint_dir: str | Path | None,
-    resume: bool,
-    progress: bool,
-    max_steps: int | None,
-    checkpoint_every: int,
     fingerprint: dict[str, Any],
     device: Any,
-    divergence_factor: float | None = None,
-    where: str = "distill",
 ) -> RunOutcome:
     """Run ``stages`` in order on the text stream ``data`` (see the module docstring).
 
     Raises:
-        DistillationDiverged: With ``divergence_factor`` set, for a stage whose loss rises
-            above ``divergence_factor`` times its start or is not finite (``where`` names the
-            caller in the message).
+        DistillationDiverged: With ``loop.divergence_factor`` set, for a stage whose loss rises
+            above ``divergence_factor`` times its start or is not finite (``loop.where`` names
+            the caller in the message).
     """
     from tqdm.auto import tqdm
 
-    folder = Path(checkpoint_dir) if checkpoint_dir is not None else None
+    folder = Path(loop.checkpoint_dir) if loop.checkpoint_dir is not None else None
     union = list(dict.fromkeys(n for s in stages for n, _ in s.params))
+
+    def save(opt: torch.optim.Optimizer | None) -> None:
+        if folder is not None:
+            _save(folder, model, union, opt, state, fingerprint)
+
     # The probe batch is the stream's first batch (measured before and after each stage, and
     # trained on like the others); the texts it took are put back in front of the stream.
     source = iter(data)
@@ -390,22 +419,19 @@ def run_stages(
             taken.append(text)
             yield text
 
-    first = next(batches(reading(), tokenizer, batch_size, max_length, device), None)
+    first = next(batches(reading(), tokenizer, loop.batch_size, loop.max_length, device), None)
     if first is None:
         raise ConfigError(
-            f"the training data gave no batch of {batch_size} texts of two tokens or more "
+            f"the training data gave no batch of {loop.batch_size} texts of two tokens or more "
             f"(read {len(taken)} texts)."
         )
     probe_batch: Batch = (first[0], first[1])
     fingerprint = fingerprint | {"data": _data_fingerprint(taken)}
-    state = TrainState()
-    opt_state: dict[str, Any] | None = None
+    loaded = _load(folder, model, fingerprint) if folder is not None and loop.resume else None
+    state, opt_state = loaded or (TrainState(), None)
     resumed_at = None
-    if folder is not None and resume:
-        loaded = _load(folder, model, fingerprint)
-        if loaded is not None:
-            state, opt_state = loaded
-            resumed_at = {"stage": state.stage, "step": state.step, "texts": state.texts}
+    if loaded is not None:
+        resumed_at = {"stage": state.stage, "step": state.step, "texts": state.texts}
     if state.complete:
         return RunOutcome(state, resumed_at, False)
     stream = itertools.chain(taken, source)
@@ -415,7 +441,7 @@ def run_stages(
                 f"the training data has fewer texts than the checkpoint had read ({state.texts}); "
                 "resume with the same data."
             )
-    feed = batches(stream, tokenizer, batch_size, max_length, device)
+    feed = batches(stream, tokenizer, loop.batch_size, loop.max_length, device)
     all_params = dict(model.named_parameters())
     flags = {n: p.requires_grad for n, p in all_params.items()}
     steps_this_call = 0
@@ -425,7 +451,6 @@ def run_stages(
     try:
         while state.stage < len(stages):
             stage = stages[state.stage]
-            assert state.probe is not None and state.records is not None
             records = state.records
             trainable = {n for n, _ in stage.params}
             for n, p in all_params.items():
@@ -439,7 +464,7 @@ def run_stages(
             probe = state.probe.setdefault(stage.name, {})
             if stage.probe is not None and "before" not in probe:
                 probe["before"] = stage.probe(*probe_batch)
-            watch = _Watch(stage, divergence_factor, probe.get("before"), where)
+            watch = _Watch(stage, loop.divergence_factor, probe.get("before"), loop.where)
             b = stage.budget
             total = b.tokens if b.tokens is not None else b.seconds
             bar = tqdm(
@@ -447,14 +472,14 @@ def run_stages(
                 initial=state.tokens if b.tokens is not None else int(state.seconds),
                 desc=f"{stage.name} ({stage.trained})"[:60],
                 unit="tok" if b.tokens is not None else "s",
-                disable=not progress,
+                disable=not loop.progress,
                 mininterval=2,
             )
 
             t0 = time.perf_counter() - state.seconds
             try:
                 while not b.spent(state.tokens, state.seconds):
-                    if max_steps is not None and steps_this_call >= max_steps:
+                    if loop.max_steps is not None and steps_this_call >= loop.max_steps:
                         stopped = True
                         break
                     got = next(feed, None)
@@ -466,7 +491,7 @@ def run_stages(
                         )
                     ids, mask, read, n_tok = got
                     fraction = b.fraction(state.tokens, state.seconds)
-                    lr = _lr(stage, state.step, fraction, warmup)
+                    lr = _lr(stage, state.step, fraction, loop.warmup)
                     for g in opt.param_groups:
                         g["lr"] = lr
                     losses = stage.step(ids, mask)
@@ -494,23 +519,21 @@ def run_stages(
                     else:
                         bar.n = int(min(state.seconds, total or 0))
                         bar.refresh()
-                    if folder is not None and state.step % checkpoint_every == 0:
+                    if folder is not None and state.step % loop.checkpoint_every == 0:
                         _flush(pending, records, watch, bar)
-                        _save(folder, model, union, opt, state, fingerprint)
+                        save(opt)
                     elif state.step % LOG_EVERY == 0:
                         _flush(pending, records, watch, bar)
                 _flush(pending, records, watch, bar)
             finally:
                 bar.close()
             if stopped:
-                if folder is not None:
-                    _save(folder, model, union, opt, state, fingerprint)
+                save(opt)
                 break
             state.seconds = time.perf_counter() - t0  # after the read-back: the device's time
             if stage.probe is not None:
                 probe["after"] = stage.probe(*probe_batch)
                 watch.see(state.step, probe["after"], f"on the probe batch after {stage.name}")
-            assert state.totals is not None
             state.totals[stage.name] = {
                 "tokens": state.tokens,
                 "seconds": round(state.seconds, 3),
@@ -520,8 +543,7 @@ def run_stages(
             state.step, state.tokens, state.seconds = 0, 0, 0.0
             if state.stage == len(stages):
                 state.complete = True
-            if folder is not None:
-                _save(folder, model, union, None, state, fingerprint)
+            save(None)
     finally:
         for n, p in all_params.items():
             p.requires_grad_(flags[n])
