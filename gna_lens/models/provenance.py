@@ -15,7 +15,7 @@ import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from gna_lens.models.gguf import file_sha256, gguf_quantization
 
@@ -200,7 +200,10 @@ class Provenance:
         return out
 
 
-def attach(model: Any, provenance: Provenance) -> Any:
+_M = TypeVar("_M")
+
+
+def attach(model: _M, provenance: Provenance) -> _M:
     """Set ``model.gna_provenance`` and return ``model``."""
     object.__setattr__(model, ATTRIBUTE, provenance)
     return model
@@ -210,7 +213,7 @@ def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.") if dtype is not None else ""
 
 
-def _model_dtype(model: Any) -> str:
+def _model_dtype(model: object) -> str:
     params = getattr(model, "parameters", None)
     if callable(params):
         try:
@@ -221,7 +224,7 @@ def _model_dtype(model: Any) -> str:
     return ""
 
 
-def provenance_of(model: Any) -> Provenance:
+def provenance_of(model: object) -> Provenance:
     """The :class:`Provenance` of ``model``, with ``dtype`` as the parameters are now.
 
     A model that :func:`gna_lens.load_model` did not load (built from a config, converted by
@@ -258,7 +261,7 @@ def provenance_of(model: Any) -> Provenance:
     return Provenance(name=name or type(model).__name__, source=UNKNOWN, dtype=now)
 
 
-def provenance_method(model: Any) -> dict[str, Any]:
+def provenance_method(model: object) -> dict[str, Any]:
     """The entries results add to their ``method`` dict: ``weights`` (one line, for tables and
     HTML) and ``provenance`` (every field, for JSON).
 

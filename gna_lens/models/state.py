@@ -85,7 +85,7 @@ class StateBytes:
 
 
 def state_bytes(
-    model: Any,
+    model: torch.nn.Module,
     lengths: Sequence[int] = DEFAULT_LENGTHS,
     *,
     dtype: torch.dtype | None = None,

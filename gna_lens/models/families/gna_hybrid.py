@@ -21,7 +21,7 @@ gna_lens's own format, a folder with
 import json
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -31,6 +31,9 @@ from gna_lens.models import ops
 from gna_lens.models.config import SSMConfig
 from gna_lens.models.families.base import Family, Renames, folder_tokenizer
 from gna_lens.models.mixers.hybrid import HEAD_LAYOUTS, HybridConfig, HybridMixer
+
+if TYPE_CHECKING:
+    from gna_lens.models.hooked_ssm import HookedSSM
 
 __all__ = ["FAMILY", "MODEL_TYPE", "TEACHER_MODEL_TYPES", "load", "save", "student_config"]
 
@@ -246,14 +249,15 @@ def _config_dict(cfg: HybridConfig, dtype: torch.dtype) -> dict[str, Any]:
     return out
 
 
-def save(model: Any, path: Path) -> None:
+def save(model: "HookedSSM", path: Path) -> None:
     """Write ``model`` (a hybrid student) to the folder ``path`` (see the module docstring)."""
     dtype = next(iter(model.parameters())).dtype
-    write_checkpoint(model, path, MODEL_TYPE, _config_dict(model.cfg, dtype), indent=2)
+    cfg = cast(HybridConfig, model.cfg)  # a hybrid student's config
+    write_checkpoint(model, path, MODEL_TYPE, _config_dict(cfg, dtype), indent=2)
 
 
 def write_checkpoint(
-    model: Any, path: Path, model_type: str, config: dict[str, Any], indent: int
+    model: "HookedSSM", path: Path, model_type: str, config: dict[str, Any], indent: int
 ) -> None:
     """gna_lens's own checkpoint of a HookedSSM in ``path``: ``model.safetensors`` (HookedSSM's
     parameter names, the tied unembedding left out), ``config.json`` and the tokenizer."""

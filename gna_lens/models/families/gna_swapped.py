@@ -21,7 +21,7 @@ import dataclasses
 import importlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,6 +31,9 @@ from gna_lens.models.families import gna_hybrid
 from gna_lens.models.families.base import Family
 from gna_lens.models.mixers.mamba2 import Mamba2Mixer
 from gna_lens.models.mixers.swapped import SwappedMamba2Mixer, swapped_heads_of
+
+if TYPE_CHECKING:
+    from gna_lens.models.hooked_ssm import HookedSSM
 
 __all__ = ["FAMILY", "MODEL_TYPE", "install", "load", "save"]
 
@@ -47,7 +50,7 @@ def config_fields(config: Any) -> dict[str, Any]:
     )
 
 
-def install(model: Any, heads: dict[int, list[int]]) -> None:
+def install(model: "HookedSSM", heads: dict[int, list[int]]) -> None:
     """Replace the mixers of ``heads``' layers (``{layer: [head, ...]}``) by
     :class:`SwappedMamba2Mixer` copies of them (new parameters from the heads' own rows).
 
@@ -95,7 +98,7 @@ def _config_from(data: dict[str, Any]) -> SSMConfig:
     return cfg
 
 
-def save(model: Any, path: Path) -> None:
+def save(model: "HookedSSM", path: Path) -> None:
     """Write ``model`` (a HookedSSM with swapped heads) to the folder ``path``."""
     dtype = next(iter(model.parameters())).dtype
     data = {

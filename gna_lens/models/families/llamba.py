@@ -27,7 +27,7 @@ import json
 import re
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -36,6 +36,9 @@ from gna_lens.errors import ConfigError
 from gna_lens.models.config import UNBOUNDED_CTX, SSMConfig
 from gna_lens.models.families.base import Family, Renames, folder_tokenizer
 from gna_lens.models.mixers.discrete_mamba2 import CONV_ACTIVATIONS, DiscreteMamba2Mixer
+
+if TYPE_CHECKING:
+    from gna_lens.models.hooked_ssm import HookedSSM
 
 __all__ = [
     "FAMILY",
@@ -261,7 +264,7 @@ def _cartesia_name(key: str) -> str:
     raise ConfigError(f"{key!r} has no name in Cartesia's Llamba layout.")
 
 
-def cartesia_state_dict(model: Any) -> dict[str, torch.Tensor]:
+def cartesia_state_dict(model: "HookedSSM") -> dict[str, torch.Tensor]:
     """``model``'s weights under Cartesia's names (on the host; the tied LM head left out)."""
     return {
         _cartesia_name(key): to_host(value).contiguous()
@@ -270,7 +273,7 @@ def cartesia_state_dict(model: Any) -> dict[str, torch.Tensor]:
     }
 
 
-def save(model: Any, path: Path) -> None:
+def save(model: "HookedSSM", path: Path) -> None:
     """Write a Llamba ``model`` to the folder ``path`` in Cartesia's layout (``config.json``,
     ``model.safetensors``; the tokenizer's files beside them when it has any)."""
     from safetensors.torch import save_file

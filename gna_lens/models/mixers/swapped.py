@@ -26,7 +26,7 @@ the SSM heads' ``M`` and the swapped heads' softmax pattern; an edit changes the
 """
 
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +49,9 @@ from gna_lens.models.mixers.base import (
     scatter_rows_heads,
 )
 from gna_lens.models.mixers.mamba2 import Mamba2Mixer
+
+if TYPE_CHECKING:
+    from gna_lens.models.hooked_ssm import HookedSSM
 
 __all__ = ["SwappedMamba2Mixer", "mixed_pattern_output", "splice_attention"]
 
@@ -293,7 +296,7 @@ class SwappedMamba2Mixer(Mamba2Mixer):
         return f"attention_heads={self.attn_heads}"
 
 
-def swapped_heads_of(model: Any) -> list[tuple[int, int]]:
+def swapped_heads_of(model: "HookedSSM") -> list[tuple[int, int]]:
     """``(layer, head)`` of every swapped head of ``model`` (a HookedSSM)."""
     out = []
     for layer, block in enumerate(getattr(model, "blocks", [])):
