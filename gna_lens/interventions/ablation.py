@@ -40,7 +40,7 @@ from gna_lens.interventions.engine import (
     CellSweep,
     SweepJob,
     SweepPlan,
-    execute,
+    run_sweeps,
 )
 from gna_lens.interventions.engine import plan_job as plan_job  # re-exported: older imports
 from gna_lens.interventions.hooks import EMBED_HOOK, hooked
@@ -533,51 +533,27 @@ def ablation_sweep(
         (['layer', 'head', 'kind', 'effect'], True)
     """
 
-    subject = Subject.of(model)
-    view = subject.view
-    cells = normalize_head_sets(view, heads)
     args: dict[str, Any] = dict(
-        task=task, metric=metric, cells=cells, mode=mode, positions=positions,
-        reference=reference, include_bos=include_bos, method=method, pack=pack,
-        max_rows=max_rows, memory_budget=memory_budget,
+        task=task, metric=metric, mode=mode, positions=positions, reference=reference,
+        include_bos=include_bos, method=method, pack=pack, max_rows=max_rows,
+        memory_budget=memory_budget,
     )  # fmt: skip
-    sweep, result = _run_sweep(
-        subject, "ablation", _plan_ablation, args, lambda _: len(task), executor, progress
-    )
+    sweep, result = _run_sweep(model, heads, "ablation", args, executor, progress)
     return dataclasses.replace(result, metric=sweep.metric.name, task=describe_task(task))
 
 
 def _run_sweep(
-    subject: Subject,
-    kind: str,
-    plan: Callable[..., Any],
-    args: dict[str, Any],
-    rows: Callable[[Any], int],
-    executor: Any,
-    progress: bool,
-) -> tuple[Any, SweepResult]:
-    """Plan a sweep (``plan(subject, **args)``), run it here or on ``executor`` with a progress
-    bar of ``rows(plan)`` rows per cell, and return the plan and its result (``metric`` and
-    ``task`` for the caller to fill in)."""
-    from tqdm.auto import tqdm
-
-    cells = args["cells"]
-    with torch.no_grad():
-        # With an executor the workers edit their own copies and check them (a probe forward
-        # per layer); checking this copy too would add that to the sweep's serial time.
-        sweep = plan(subject, **args, check_edits=executor is None)
-        bar = tqdm(
-            total=len(cells) * rows(sweep),
-            desc=f"{kind} sweep ({len(cells)} cells)",
-            disable=not progress,
-            leave=False,
-        )
-        try:
-            values, baseline, info = execute(
-                subject.model, sweep, SweepJob(kind, args), executor, bar
-            )
-        finally:
-            bar.close()
+    model: ModelLike, heads: Any, kind: str, args: dict[str, Any], executor: Any, progress: bool
+) -> tuple[CellSweep, SweepResult]:
+    """Plan and run a head sweep of ``kind`` (``"ablation"``, ``"control"``) on the head sets
+    ``heads``; returns the plan and its result (``metric`` and ``task`` for the caller to fill
+    in)."""
+    subject = Subject.of(model)
+    cells = normalize_head_sets(subject.view, heads)
+    args = args | {"cells": cells}
+    ((sweep, (values, baseline, info)),) = run_sweeps(
+        subject, [SweepJob(kind, args)], f"{kind} sweep", executor, progress
+    )
     method = args["method"]
     if method == "batched" and sweep.positions == "last" and not info["incremental_fallbacks"]:
         method = "incremental"
@@ -596,57 +572,67 @@ def _run_sweep(
 
 
 # ----------------------------------------------------------------------------- plans
-def _plan_ablation(
+def _plan_heads(
     model: ModelLike,
-    task: Task,
-    metric: Any,
     cells: list[tuple[Head, ...]],
     mode: str,
     positions: Any,
-    reference: Any,
     include_bos: bool,
     method: str,
-    pack: int | None,
     max_rows: int,
     memory_budget: int | str,
+    task: Task | None = None,
+    metric: Any = None,
+    reference: Any = None,
+    pack: int | None = None,
+    control: TextControl | None = None,
+    n_scored: int | None = None,
     check_edits: bool = True,
 ) -> CellSweep:
-    """Check the arguments of :func:`ablation_sweep` and plan it (the reference's forward
-    passes of mean and resample ablation run here). ``check_edits=False``: skip
-    :func:`~gna_lens.heads.require_editable` here, for a caller whose workers run the cells (each
-    worker plans with the check, on the copy it edits, and raises its error as one process would).
-    """
+    """Check the arguments of :func:`ablation_sweep` (``task``) or of :func:`control_sweep` on a
+    text control (``control``) and plan it (the reference's forward passes of mean and resample
+    ablation run here). ``check_edits=False``: skip :func:`~gna_lens.heads.require_editable`
+    here, for a caller whose workers run the cells (each worker plans with the check, on the copy
+    it edits, and raises its error as one process would)."""
     subject = Subject.of(model)
-    model, view = subject.model, subject.view
-    met = Metric(metric, task)
-    positions = sweep_positions(positions, method, "ablation_sweep")
-    if pack is not None and (not isinstance(pack, int) or pack < 1):
-        raise InterventionError(f"pack={pack!r}; expected a positive int or None (automatic).")
-    if not isinstance(max_rows, int) or max_rows < 1:
-        raise InterventionError(f"max_rows={max_rows!r}; expected a positive int.")
+    model, view, device = subject.model, subject.view, subject.device
+    who = "ablation_sweep" if control is None else "control_sweep"
+    met: Any = Metric(metric, task) if task is not None else None
+    positions = sweep_positions(positions, method, who)
+    if control is None:
+        assert task is not None
+        if pack is not None and (not isinstance(pack, int) or pack < 1):
+            raise InterventionError(f"pack={pack!r}; expected a positive int or None (automatic).")
+        if not isinstance(max_rows, int) or max_rows < 1:
+            raise InterventionError(f"max_rows={max_rows!r}; expected a positive int.")
+        runner, groups, extra = Runner(subject), length_groups(task, max_rows, device), {}
+        prompts, shift = [s.input_ids for s in task], 0
+    else:
+        runner, met, groups, inputs = _windows(subject, control, positions, n_scored, max_rows)
+        if mode == "resample" and inputs.shape[0] < 2:
+            raise InterventionError(
+                f"control_sweep(mode='resample') on {control.describe()}: one window cannot be "
+                "resampled from another; expected at least 2 windows."
+            )
+        reference = None if mode == "zero" else inputs.to(device)
+        prompts, shift, extra = inputs.tolist(), int(mode == "resample"), {"n_scored": runner.keep}
     plan = SweepPlan(parse_bytes(memory_budget), max_rows, pack)
-    layers = sorted({layer for c in cells for layer, _ in c})
     if check_edits:
-        require_editable(model, view, layers, "z")
-    device = subject.device
-    runner = Runner(subject)
+        require_editable(model, view, sorted({layer for c in cells for layer, _ in c}), "z")
     source = build_source(
         model, mode, reference, view.parts_of(h for c in cells for h in c), positions, device,
         include_bos=include_bos,
     )  # fmt: skip
-    prompts = [s.input_ids for s in task]
     edited = edit_positions(source, positions, prompts)
-    check_resample_pairs(
-        prompts, source, [i % max(source.n, 1) for i in range(len(task))], "ablation_sweep"
-    )
-    groups = length_groups(task, max_rows, device)
+    n = len(prompts)
+    check_resample_pairs(prompts, source, [(i + shift) % max(source.n, 1) for i in range(n)], who)
 
     def source_for(g: Group) -> tuple[Source, Tensor]:
-        return source, g.indices % max(source.n, 1)
+        return source, (g.indices + shift) % max(source.n, 1)
 
     return CellSweep(
-        runner, list(cells), groups, source_for, met, edited, plan, method, len(task),
-        extra=ablation_info(source, edited),
+        runner, list(cells), groups, source_for, met, edited, plan, method, n,
+        extra=extra | ablation_info(source, edited),
     )  # fmt: skip
 
 
@@ -819,66 +805,12 @@ def control_sweep(
             f"control is a {type(control).__name__}; expected a gna_lens.tasks.TextControl "
             "(gna_lens.tasks.text_control(tokenizer)) or a gna_lens.tasks.Task."
         )
-    subject = Subject.of(model)
-    view = subject.view
-    cells = normalize_head_sets(view, heads)
     args: dict[str, Any] = dict(
-        control=control, cells=cells, mode=mode, positions=positions, include_bos=include_bos,
-        method=method, n_scored=n_scored, max_rows=max_rows, memory_budget=memory_budget,
+        control=control, mode=mode, positions=positions, include_bos=include_bos, method=method,
+        n_scored=n_scored, max_rows=max_rows, memory_budget=memory_budget,
     )  # fmt: skip
-    _, result = _run_sweep(
-        subject, "control", _plan_control, args, lambda plan: plan.n_samples, executor, progress
-    )
+    _, result = _run_sweep(model, heads, "control", args, executor, progress)
     return dataclasses.replace(result, metric="nll", task=control.describe())
 
 
-def _plan_control(
-    model: ModelLike,
-    control: TextControl,
-    cells: list[tuple[Head, ...]],
-    mode: str,
-    positions: Any,
-    include_bos: bool,
-    method: str,
-    n_scored: int | None,
-    max_rows: int,
-    memory_budget: int | str,
-    check_edits: bool = True,
-) -> CellSweep:
-    """Check the arguments of :func:`control_sweep` on a text control and plan it
-    (``check_edits``: as in :func:`_plan_ablation`)."""
-    subject = Subject.of(model)
-    model, view = subject.model, subject.view
-    positions = sweep_positions(positions, method, "control_sweep")
-    device = subject.device
-    runner, metric, groups, inputs = _windows(subject, control, positions, n_scored, max_rows)
-    n = inputs.shape[0]
-    if mode == "resample" and n < 2:
-        raise InterventionError(
-            f"control_sweep(mode='resample') on {control.describe()}: one window cannot be "
-            "resampled from another; expected at least 2 windows."
-        )
-    layers = sorted({layer for c in cells for layer, _ in c})
-    if check_edits:
-        require_editable(model, view, layers, "z")
-    plan = SweepPlan(parse_bytes(memory_budget), max_rows, None)
-    source = build_source(
-        model, mode, None if mode == "zero" else inputs.to(device),
-        view.parts_of(h for c in cells for h in c), positions, device, include_bos=include_bos,
-    )  # fmt: skip
-    rows = inputs.tolist()
-    edited = edit_positions(source, positions, rows)
-    shift = 1 if mode == "resample" else 0
-    check_resample_pairs(rows, source, [(i + shift) % n for i in range(n)], "control_sweep")
-
-    def source_for(g: Group) -> tuple[Source, Tensor]:
-        return source, (g.indices + shift) % max(source.n, 1)
-
-    return CellSweep(
-        runner, list(cells), groups, source_for, metric, edited, plan, method, n,
-        extra={"n_scored": runner.keep} | ablation_info(source, edited),
-    )  # fmt: skip
-
-
-PLANNERS["ablation"] = _plan_ablation
-PLANNERS["control"] = _plan_control
+PLANNERS["ablation"] = PLANNERS["control"] = _plan_heads

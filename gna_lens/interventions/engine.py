@@ -43,7 +43,14 @@ from gna_lens.heads import Head, HeadView, LayerHeads, ModelLike, head_output_we
 from gna_lens.interventions.batching import Group, plan_rows
 from gna_lens.interventions.edits import col_where, edit_packed, packed_edit_hooks, part_selection
 from gna_lens.interventions.metrics import Metric
-from gna_lens.interventions.runner import Runner, _attempt, _close, autocast_dtype, shortcut_run
+from gna_lens.interventions.runner import (
+    PathLog,
+    Runner,
+    _attempt,
+    _close,
+    autocast_dtype,
+    shortcut_run,
+)
 from gna_lens.interventions.sources import Source, column_mask
 
 
@@ -764,3 +771,32 @@ def execute(
         )
     values, baseline, info = run(model, job, sweep, bar=bar)
     return values, baseline, info | sweep.extra
+
+
+def run_sweeps(
+    model: Any, jobs: Sequence[SweepJob], desc: str, executor: Any, progress: bool
+) -> list[tuple[CellSweep, tuple[Tensor, Tensor, dict[str, Any]]]]:
+    """Plan each job on ``model`` (:data:`PLANNERS`) and run it here or on ``executor``, under one
+    progress bar (cells x samples, ``desc``) and one path log; returns each plan with its values,
+    baseline and info. ``model``: what the planners take (a subject)."""
+    from tqdm.auto import tqdm
+
+    log = PathLog()  # one log for a task and its control (this process)
+    out = []
+    with torch.no_grad():
+        # With an executor the workers edit their own copies and check them (a probe forward
+        # per layer); checking this copy too would add that to the sweep's serial time.
+        sweeps = [PLANNERS[j.kind](model, **j.args, check_edits=executor is None) for j in jobs]
+        bar = tqdm(
+            total=sum(len(s.cells) * s.n_samples for s in sweeps),
+            desc=f"{desc} ({len(sweeps[0].cells)} cells)",
+            disable=not progress,
+            leave=False,
+        )
+        try:
+            for sweep, job in zip(sweeps, jobs, strict=True):
+                sweep.runner.log = log
+                out.append((sweep, execute(sweep.runner.model, sweep, job, executor, bar)))
+        finally:
+            bar.close()
+    return out

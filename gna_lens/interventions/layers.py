@@ -87,7 +87,7 @@ from gna_lens.interventions.engine import (
     HookCell,
     SweepJob,
     SweepPlan,
-    execute,
+    run_sweeps,
 )
 from gna_lens.interventions.hooks import bind, hooked
 from gna_lens.interventions.metrics import Metric
@@ -782,8 +782,6 @@ def _sweep_cells(
     protocol: str,
     executor: Any = None,
 ) -> LayerSweepResult:
-    from tqdm.auto import tqdm
-
     from gna_lens.tasks.control import resolve_control
 
     t0 = time.perf_counter()
@@ -807,33 +805,15 @@ def _sweep_cells(
     jobs = [SweepJob("layers", common | dict(on=task, metric=metric, reference=reference))]
     if resolved is not None:
         jobs.append(SweepJob("layers", common | dict(on=resolved, metric=None, reference=None)))
-    bar = tqdm(
-        total=len(cells) * (len(task) + (len(resolved) if resolved is not None else 0)),
-        desc=f"{protocol} ({len(cells)} cells)",
-        disable=not progress,
-        leave=False,
+    (task_sweep, (values, baseline, t_info)), *ctrl = run_sweeps(
+        ls, jobs, protocol, executor, progress
     )
-    runs, extras = [], []
-    log = PathLog()
-    try:
-        with torch.no_grad():
-            for job in jobs:
-                # With an executor the workers check the edits on their own copies.
-                sweep = _plan_layers(ls, **job.args, check_edits=executor is None)
-                sweep.runner.log = log  # one log for the task and the control (this process)
-                runs.append(execute(model, sweep, job, executor, bar))
-                extras.append(sweep.extra)
-    finally:
-        bar.close()
-    (values, baseline, info), *ctrl = runs
+    run_infos = [t_info] + [run[2] for _, run in ctrl]
     c_values = c_base = None
-    forwards = info["forwards"]
-    mean_info = dict(extras[0])  # what the mean was taken over (mean ablation; else {})
-    paths = PathLog.merged([info] + [c for _, _, c in ctrl])
+    mean_info = dict(task_sweep.extra)  # what the mean was taken over (mean ablation; else {})
     if ctrl:
-        c_values, c_base, c_info = ctrl[0]
-        forwards += c_info["forwards"]
-        mean_info |= {f"control_{k}": v for k, v in extras[1].items()}
+        c_sweep, (c_values, c_base, _) = ctrl[0]
+        mean_info |= {f"control_{k}": v for k, v in c_sweep.extra.items()}
     description, unit = describe_control(resolved)
     info = {
         "protocol": protocol,
@@ -855,14 +835,13 @@ def _sweep_cells(
         "accuracy values: Wilson",
         "path": "batched (each cell from its lowest layer's cached residual)"
         if method == "batched" else "loop (a full forward per cell)",
-        "forwards": forwards,
+        "forwards": sum(i["forwards"] for i in run_infos),
         "seconds": round(time.perf_counter() - t0, 3),
-    } | paths | mean_info  # fmt: skip
+    } | PathLog.merged(run_infos) | mean_info  # fmt: skip
     # The Ray executor's record of the task's run (executor) and the control's.
-    if "executor" in runs[0][2]:
-        info["executor"] = runs[0][2]["executor"]
-    if ctrl and "executor" in ctrl[0][2]:
-        info["control_executor"] = ctrl[0][2]["executor"]
+    for key, run_info in zip(("executor", "control_executor"), run_infos, strict=False):
+        if "executor" in run_info:
+            info[key] = run_info["executor"]
     return LayerSweepResult(
         cells=tuple(cells),
         kinds=tuple(_cell_kind(infos, c) for c in cells),
