@@ -20,7 +20,6 @@ from gna_lens.device import HOST, host_full, to_host
 from gna_lens.errors import InterventionError
 from gna_lens.heads import (
     Head,
-    HeadView,
     HookedModel,
     ModelLike,
     Subject,
@@ -292,20 +291,10 @@ def ablate_heads(
 ) -> Iterator[Any]:
     """Ablate heads inside a ``with`` block; the model is untouched afterwards.
 
-    Args:
-        model: A TransformerBridge or a HookedSSM.
-        heads: ``[(layer, head), ...]`` (attention heads, SSM heads, or both in a hybrid).
-        mode: ``"zero"``, ``"mean"`` or ``"resample"`` (see :func:`head_ablation_hooks`).
-        positions: ``None`` (all), ``"last"``, a list of positions, or a ``[batch]`` tensor.
-        reference: Task or token ids for ``"mean"`` / ``"resample"``.
-        include_bos: Mean ablation: average over and edit the BOS position too.
+    The arguments, and the errors, are those of :func:`head_ablation_hooks`.
 
     Yields:
         The model, with the ablation hooks attached.
-
-    Raises:
-        InterventionError: On unknown heads, modes, positions or references.
-        PatternEditError: If the model would ignore edits of ``hook_z``.
 
     Examples:
         >>> import torch
@@ -430,8 +419,9 @@ def head_columns(cell: Sequence[Head]) -> dict[str, Any]:
     }
 
 
-def cell_kind(view: HeadView, cell: Sequence[Head]) -> str:
-    kinds = {view.kind_of(h) for h in cell}
+def cell_kind(kind_of: Callable[[Any], str], cell: Sequence[Any]) -> str:
+    """The kind of a cell's members (``kind_of`` each), or ``"mixed"``."""
+    kinds = {kind_of(x) for x in cell}
     return kinds.pop() if len(kinds) == 1 else "mixed"
 
 
@@ -559,7 +549,7 @@ def _run_sweep(
         method = "incremental"
     return sweep, SweepResult(
         cells=tuple(cells),
-        kinds=tuple(cell_kind(subject.view, c) for c in cells),
+        kinds=tuple(cell_kind(subject.view.kind_of, c) for c in cells),
         values=values,
         baseline=baseline,
         metric="",
@@ -739,21 +729,13 @@ def control_sweep(
       model trained on letter- and cloze-format questions that both end ``Answer:``) does not
       count as a knowledge effect.
 
+    The other arguments are those of :func:`ablation_sweep` (``max_rows``: windows x
+    ablations; full-window logits are large).
+
     Args:
-        model: A TransformerBridge or a HookedSSM.
         control: The control.
-        heads: ``None`` (every head alone), ``[(layer, head), ...]`` or head sets.
-        mode: ``"zero"``, ``"mean"`` or ``"resample"``.
-        positions: ``None``, ``"last"`` or a list of positions.
-        include_bos: Mean ablation: average over and edit the BOS position too.
-        method: ``"batched"`` or ``"loop"`` (reference, see :func:`ablation_sweep`).
         n_scored: Tokens scored at the end of each window (default ``seq_len // 2``; 1 with
             ``positions="last"``).
-        max_rows: Rows (windows x ablations) per forward pass.
-        memory_budget: Bytes a forward pass may use (full-window logits are large).
-        progress: Show a progress bar.
-        executor: ``None`` (this process) or a :class:`gna_lens.distributed.RayExecutor` (see
-            :func:`ablation_sweep`).
 
     Returns:
         A :class:`SweepResult` with ``metric="nll"``: ``values`` are per-window (per-sample)

@@ -180,7 +180,7 @@ def attribute_heads(
     )
     return SweepResult(
         cells=tuple(cells),
-        kinds=tuple(cell_kind(view, c) for c in cells),
+        kinds=tuple(cell_kind(view.kind_of, c) for c in cells),
         values=values_out,
         baseline=baseline,
         metric=met.name,

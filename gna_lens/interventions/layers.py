@@ -27,22 +27,9 @@ enters the layer's Mamba-2 mixer (``hook_mixer_out``). ``target="mixer"`` replac
 each by zero or by its own mean; ``"attn"`` and ``"ssm"`` address one part (on a one-part layer,
 the one its mixer is: ``"mixer"`` there). On Zamba2, ``"mlp"`` is the shared block's MLP.
 
-``mode="zero"`` replaces it by zero, ``mode="mean"`` by its mean over a reference, taken over the
-positions that are ablated (the reference prompts' last tokens for ``positions="last"``, the listed
-positions, or every position), a leading BOS left out of the mean and unedited unless
-``include_bos=True``: the same rule as head ablation. Hooks exist only inside context managers;
-weights are never edited and no hook survives a call, even when the model or a metric raises.
-
-The paper's protocols (Bick et al. 2025, the talk's MMLU case study):
-
-- **individual removal** (:func:`layer_sweep`): remove one layer, measure, reinsert, for every
-  layer; ``removed=`` keeps some layers removed throughout (the paper first removes every layer
-  above L17 of Llama-3.1-8B, then removes each remaining layer individually);
-- **gradual pruning from the end** (:func:`prune_from_end`): remove the last layer, then the last
-  two, ... cumulatively, measuring after each step.
-
-Both measure the task and a control that needs no in-context retrieval (prose next-token loss, or
-a knowledge task's answer among its options), with paired 95% bootstrap intervals.
+``mode="zero"`` replaces it by zero, ``mode="mean"`` by its mean over a reference, as for heads
+(:func:`layer_ablation_hooks`). The paper's protocols (Bick et al. 2025) are :func:`layer_sweep`
+(individual removal) and :func:`prune_from_end` (gradual pruning from the end).
 """
 
 import time
@@ -73,6 +60,7 @@ from gna_lens.interventions.ablation import (
     _InputRows,
     _windows,
     ablation_info,
+    cell_kind,
     positions_label,
     sweep_positions,
 )
@@ -335,7 +323,18 @@ def _check_layers(infos: Sequence[LayerInfo], layers: Any, what: str = "layers")
     return sorted(set(items))
 
 
-def _check_target_mode(target: Any, mode: Any, include_bos: Any = False) -> None:
+def _check_args(
+    infos: Sequence[LayerInfo],
+    layers: Sequence[int],
+    target: Any,
+    mode: Any,
+    positions: Any,
+    method: Any,
+    reference: Any,
+    include_bos: Any,
+) -> Any:
+    """The checked ``positions`` of a layer intervention, after checking its other arguments
+    and that each of ``layers`` has what ``target`` names."""
     if not isinstance(include_bos, bool):
         raise InterventionError(f"include_bos={include_bos!r}; expected True or False.")
     if target not in LAYER_TARGETS:
@@ -349,6 +348,12 @@ def _check_target_mode(target: Any, mode: Any, include_bos: Any = False) -> None
             f"mode={mode!r}; expected one of {LAYER_MODES} for layer interventions ('zero' on "
             "target='block' removes the layer; 'mean' needs reference=)."
         )
+    positions = sweep_positions(positions, method, "layer interventions")
+    for layer in layers:
+        _target_hooks(infos[layer], target)
+    if mode == "zero" and reference is not None:
+        raise InterventionError("mode='zero' takes no reference; pass mode='mean' to use one.")
+    return positions
 
 
 # ----------------------------------------------------------------------------- hooks
@@ -553,12 +558,9 @@ def layer_ablation_hooks(
     checked = _check_layers(infos, layers)
     if not checked:
         raise InterventionError("layers=[] is empty; expected at least one layer index.")
-    _check_target_mode(target, mode, include_bos)
-    positions = sweep_positions(positions, "batched", "layer interventions")
-    for layer in checked:
-        _target_hooks(infos[layer], target)
-    if mode == "zero" and reference is not None:
-        raise InterventionError("mode='zero' takes no reference; pass mode='mean' to use one.")
+    positions = _check_args(
+        infos, checked, target, mode, positions, "batched", reference, include_bos
+    )
     _require_editable(model, infos, checked, target)
     if mode == "zero":
         return _hooks_for(infos, checked, target, None, positions)
@@ -580,23 +582,10 @@ def ablate_layers(
 ) -> Iterator[Any]:
     """Ablate whole layers inside a ``with`` block; the model is untouched afterwards.
 
-    Args:
-        model: A TransformerBridge or a HookedSSM.
-        layers: Layer indices.
-        target: ``"block"``, ``"mixer"``, ``"attn"``, ``"ssm"`` or ``"mlp"`` (see
-            :func:`layer_ablation_hooks`).
-        mode: ``"zero"`` or ``"mean"`` (over the ablated positions of ``reference``, BOS
-            excluded and unedited; see :func:`layer_ablation_hooks`).
-        positions: ``None`` (all), ``"last"`` or a list of positions.
-        reference: Task or token ids for ``"mean"``.
-        include_bos: Mean ablation: average over and edit the BOS position too.
+    The arguments, and the errors, are those of :func:`layer_ablation_hooks`.
 
     Yields:
         The model, with the hooks attached.
-
-    Raises:
-        InterventionError: On unknown layers, targets, modes or positions.
-        PatternEditError: If the model would ignore the edit.
 
     Examples:
         >>> import torch
@@ -627,16 +616,8 @@ def remove_layers(model: ModelLike, layers: Sequence[int]) -> Iterator[Any]:
     The same as ``ablate_layers(model, layers, target="block", mode="zero")``; the logits equal
     those of the Hugging Face model with those blocks deleted from its layer list.
 
-    Args:
-        model: A TransformerBridge or a HookedSSM.
-        layers: Layer indices.
-
     Yields:
-        The model, with the hooks attached.
-
-    Raises:
-        InterventionError: On unknown layers.
-        PatternEditError: If the model would ignore the edit.
+        The model, with the hooks attached (errors as :func:`layer_ablation_hooks`).
 
     Examples:
         >>> import torch
@@ -787,16 +768,11 @@ def _sweep_cells(
     t0 = time.perf_counter()
     ls = _layer_subject(model)
     model, infos = ls.subject.model, ls.infos
-    _check_target_mode(target, mode, include_bos)
-    positions = sweep_positions(positions, method, "layer interventions")
+    layers = sorted({layer for c in cells for layer in c})
+    positions = _check_args(infos, layers, target, mode, positions, method, reference, include_bos)
     if not isinstance(max_rows, int) or isinstance(max_rows, bool) or max_rows < 1:
         raise InterventionError(f"max_rows={max_rows!r}; expected a positive int.")
-    if mode == "zero" and reference is not None:
-        raise InterventionError("mode='zero' takes no reference; pass mode='mean' to use one.")
     met = Metric(metric, task)
-    layers = sorted({layer for c in cells for layer in c})
-    for layer in layers:
-        _target_hooks(infos[layer], target)
     resolved = resolve_control(control, getattr(model, "tokenizer", None), positions=positions)
     common = dict(
         cells=cells, target=target, mode=mode, positions=positions, include_bos=include_bos,
@@ -844,7 +820,7 @@ def _sweep_cells(
             info[key] = run_info["executor"]
     return LayerSweepResult(
         cells=tuple(cells),
-        kinds=tuple(_cell_kind(infos, c) for c in cells),
+        kinds=tuple(cell_kind(lambda layer: infos[layer].kind, c) for c in cells),
         values=values,
         baseline=baseline,
         metric=met.name,
@@ -929,11 +905,6 @@ def _plan_layers(
 PLANNERS["layers"] = _plan_layers
 
 
-def _cell_kind(infos: Sequence[LayerInfo], cell: Cell) -> str:
-    kinds = {infos[layer].kind for layer in cell}
-    return kinds.pop() if len(kinds) == 1 else "mixed"
-
-
 def _layer_cells(infos: Sequence[LayerInfo], layers: Any, removed: list[int]) -> list[Cell]:
     """``None`` -> every layer not removed, alone; ints -> each alone; lists -> sets."""
     if layers is None:
@@ -993,6 +964,12 @@ def layer_sweep(
     its layer only (the layers below are not repeated). The numbers equal a loop of full forward
     passes (``method="loop"``) up to float rounding.
 
+    ``target``, ``mode``, ``positions``, ``reference`` and ``include_bos`` are those of
+    :func:`layer_ablation_hooks` (a mean for the control is over its own windows;
+    ``method["mean_over"]`` says which); ``method``, ``max_rows`` (prompts, or control windows),
+    ``progress`` and ``executor`` those of :func:`~gna_lens.interventions.ablation.ablation_sweep`
+    (``method["executor"]`` records the workers).
+
     Args:
         model: A TransformerBridge or a HookedSSM (attention, SSM and hybrid layers alike).
         task: A :class:`~gna_lens.tasks.Task` (e.g. :func:`~gna_lens.tasks.kv_retrieval`).
@@ -1000,16 +977,6 @@ def layer_sweep(
             ``"choice_logprob"`` or ``fn(logits [rows, d_vocab], samples) -> [rows]``.
         layers: ``None`` (every layer not in ``removed``, alone), ``[l, ...]`` (each alone) or
             layer sets ``[[16, 17], ...]`` (each set ablated together).
-        target: ``"block"`` (default: with ``mode="zero"`` the layer is removed), ``"mixer"``
-            (both parts of a two-part layer), ``"attn"``, ``"ssm"`` or ``"mlp"`` (see
-            :func:`layer_ablation_hooks`).
-        mode: ``"zero"`` or ``"mean"``: the mean over ``reference`` (the control's own windows
-            for the control) at the ablated positions, BOS excluded and unedited unless
-            ``include_bos`` (see :func:`layer_ablation_hooks`; ``method["mean_over"]`` says
-            which).
-        positions: ``None`` (every position), ``"last"`` or a list of positions.
-        reference: Task or token ids for ``mode="mean"``.
-        include_bos: Mean ablation: average over and edit the BOS position too.
         removed: Layers removed in every run, the baseline included (the paper first removes
             every layer above L17 of Llama-3.1-8B, then sweeps the rest).
         control: What needs no in-context retrieval (:func:`~gna_lens.tasks.resolve_control`):
@@ -1017,13 +984,6 @@ def layer_sweep(
             ``"prose"`` (next-token loss on prose shipped with gna_lens), ``None``, a
             :class:`~gna_lens.tasks.TextControl`, a knowledge :class:`~gna_lens.tasks.Task`
             (answer NLL among its options), texts or a ``datasets.Dataset``.
-        method: ``"batched"`` or ``"loop"`` (the reference).
-        max_rows: Prompts (control windows) per forward pass.
-        progress: Show a progress bar.
-        executor: ``None`` (this process) or a :class:`gna_lens.distributed.RayExecutor`: the
-            layer cells (and prompt batches) of the task and of the control are sharded over
-            Ray workers as in :func:`~gna_lens.interventions.ablation.ablation_sweep`, with the
-            numbers of this process; ``method["executor"]`` records the workers.
 
     Returns:
         A :class:`LayerSweepResult`: ``ranking()``, ``to_dataframe()`` (effects with 95%
@@ -1076,22 +1036,10 @@ def prune_from_end(
     Where the task falls to chance while the control holds, the layers just removed carry what
     the task needs; the paper finds Llama-3.1-8B keeps MMLU until L17 is removed.
 
+    The other arguments are those of :func:`layer_sweep`.
+
     Args:
-        model: A TransformerBridge or a HookedSSM.
-        task: The task.
-        metric: As in :func:`layer_sweep`.
         n_steps: Pruning steps (default ``n_layers - 1``: every step that leaves a layer).
-        target: ``"block"`` (default), ``"mixer"``, ``"attn"``, ``"ssm"`` or ``"mlp"``.
-        mode: ``"zero"`` or ``"mean"`` (as in :func:`layer_sweep`).
-        positions: ``None``, ``"last"`` or a list of positions.
-        reference: Task or token ids for ``mode="mean"``.
-        include_bos: Mean ablation: average over and edit the BOS position too.
-        control: As in :func:`layer_sweep` (default ``"auto"``).
-        method: ``"batched"`` or ``"loop"``.
-        max_rows: Prompts per forward pass.
-        progress: Show a progress bar.
-        executor: ``None`` or a :class:`gna_lens.distributed.RayExecutor` (as in
-            :func:`layer_sweep`).
 
     Returns:
         A :class:`LayerSweepResult` whose cell ``k`` removes the last ``k + 1`` layers.

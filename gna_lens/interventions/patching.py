@@ -238,7 +238,7 @@ def patch_heads(
     rows = [
         head_columns(cell)
         | ({"pos": cell_cols[i][0]} if cell_cols is not None else {})
-        | {"kind": cell_kind(view, cell), "label": _label(cell)}
+        | {"kind": cell_kind(view.kind_of, cell), "label": _label(cell)}
         for i, cell in enumerate(cells)
     ]
     return _result(
@@ -320,17 +320,14 @@ def patch_residual(
 ) -> PatchResult:
     """Patch the residual stream entering each layer (``hook_resid_pre``) from clean to corrupted.
 
+    ``model``, ``clean``, ``corrupted``, ``metric``, ``max_rows`` and ``progress`` are those of
+    :func:`patch_heads`.
+
     Args:
-        model: A TransformerBridge or a HookedSSM.
-        clean: The clean task (its answers score the metric).
-        corrupted: The paired corrupted task (same token lengths).
-        metric: As for :func:`patch_heads`.
         layers: Layers to patch (default: all).
         positions: ``"each"`` (default: one patch per layer and position; prompts of equal
             length), ``None`` (all positions at once: restores the clean run exactly),
             ``"last"``, or a list of positions patched together.
-        max_rows: Rows per forward pass.
-        progress: Show a tqdm progress bar.
 
     Returns:
         A :class:`PatchResult` with ``layer`` and ``pos`` in ``index_df``.
