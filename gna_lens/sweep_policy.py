@@ -24,6 +24,7 @@ from gna_lens.heads import (
     ModelLike,
     Subject,
     head_view,
+    is_hooked_ssm,
     policy_of,
 )
 from gna_lens.runtime import choose_precision
@@ -371,8 +372,6 @@ def auto_head_groups(model: HookedModel) -> int | None:
         >>> auto_head_groups(tiny_hooked_ssm("mamba1")) is None  # 128 channels: exact as they are
         True
     """
-    from gna_lens.heads import is_hooked_ssm
-
     if not is_hooked_ssm(model) or not model.channel_heads:
         return None
     if model.head_group_spec or head_view(model).n_heads_total <= EXACT_ALL_MAX:
@@ -397,8 +396,6 @@ def applied_head_groups(model: HookedModel, head_groups: Any) -> Iterator[dict[s
         InterventionError: For another value, or a spec the model refuses (a Mamba-2 model, a
             size that does not divide ``d_inner``, ...).
     """
-    from gna_lens.heads import is_hooked_ssm
-
     if isinstance(head_groups, str) and head_groups not in ("auto", "none"):
         raise InterventionError(
             f"head_groups={head_groups!r}; expected 'auto' (contiguous blocks of "

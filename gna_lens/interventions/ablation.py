@@ -471,6 +471,10 @@ def ablation_sweep(
     ablation recomputes only the last token (KV cache / SSM states). The numbers equal those of
     a loop of single ablated forward passes (``method="loop"``) up to float rounding.
 
+    ``mode``, ``reference`` and ``include_bos`` are those of :func:`head_ablation_hooks`
+    (``info["mean_over"]`` says what a mean was taken over); in resample mode sample ``i`` of the
+    task takes reference sample ``i % len(reference)``, and a pair of identical prompts raises.
+
     Args:
         model: A TransformerBridge or a HookedSSM.
         task: A :class:`~gna_lens.tasks.Task` with single-token choices (or a callable metric).
@@ -479,15 +483,8 @@ def ablation_sweep(
             ``fn(logits [rows, d_vocab], samples) -> [rows]`` on the query-position logits.
         heads: ``None`` (every head alone), ``[(layer, head), ...]`` (each alone), or a list of
             head sets ``[[(l, h), (l2, h2)], ...]`` (each set ablated together).
-        mode: ``"zero"``, ``"mean"`` or ``"resample"`` (needs ``reference``). The mean is over
-            the ablated positions of the reference prompts, BOS excluded (see
-            :func:`head_ablation_hooks`; ``info["mean_over"]`` says which). Sample ``i`` of the
-            task takes reference sample ``i % len(reference)`` in resample mode; a pair of
-            identical prompts raises (it would ablate nothing).
         positions: ``None`` (all positions), ``"last"`` (the query position only), or a list of
             positions (negative from the end).
-        reference: Task (or token ids) for ``"mean"`` / ``"resample"``.
-        include_bos: Mean ablation: average over and edit the BOS position too.
         method: ``"batched"`` (default) or ``"loop"`` (one full ``run_with_hooks`` per head set
             and group of prompts: the reference the batched numbers are checked against).
         pack: Ablations per forward pass (default: as many as fit ``max_rows`` rows).

@@ -240,7 +240,6 @@ def run_cells(
     groups: Sequence[Group],
     source_for: Callable[[Group], tuple[Source, Tensor]] | None,
     metric: "MetricLike",
-    metric_rows: Callable[[Group], Tensor],
     positions: Any,
     plan: SweepPlan,
     method: str,
@@ -260,8 +259,7 @@ def run_cells(
         groups: Unpadded prompt groups (equal length within a group).
         source_for: The replacement for a group and each row's reference row (head sets;
             ``None`` for :class:`HookCell` sweeps, whose cells carry their own edit).
-        metric: The metric.
-        metric_rows: Sample indices the metric reads its answers from, per group.
+        metric: The metric (read with each group's sample indices).
         positions: ``None``, ``"last"`` or a list (for every cell).
         plan: Limits.
         method: ``"batched"`` or ``"loop"``.
@@ -305,7 +303,7 @@ def run_cells(
     for part in range(len(batches)) if parts is None else parts:
         g, cap = batches[part]
         tokens = baseline_tokens(g) if baseline_tokens is not None else g.tokens
-        idx = metric_rows(g)
+        idx = g.indices
         if hook:
             _hook_run(ctx, g, tokens, idx, start_layer, base_hooks, method, memo, part, cap)
             if not keep:
@@ -733,9 +731,9 @@ class CellSweep:
             for key in [k for k in self.memo if isinstance(k, tuple) and k[1] not in wanted]:
                 del self.memo[key]  # another block of prompts: drop what the last one kept
         values, baseline, info = run_cells(
-            self.runner, self.cells, self.groups, self.source_for, self.metric,
-            lambda g: g.indices, self.positions, self.plan, self.method, bar=bar, only=only,
-            parts=parts, memo=memo, base_hooks=self.base_hooks,
+            self.runner, self.cells, self.groups, self.source_for, self.metric, self.positions,
+            self.plan, self.method, bar=bar, only=only, parts=parts, memo=memo,
+            base_hooks=self.base_hooks,
         )  # fmt: skip
         return values, baseline, info | self.extra
 

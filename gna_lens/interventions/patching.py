@@ -299,8 +299,8 @@ def _run(
     bar = tqdm(total=len(cells) * n, desc=desc, disable=not progress, leave=False)
     try:
         return run_cells(
-            runner, cells, groups, source_for, met, lambda g: g.indices, positions, plan,
-            "batched", baseline_tokens=lambda g: tokens_of(corrupted, g.indices, device), bar=bar,
+            runner, cells, groups, source_for, met, positions, plan, "batched",
+            baseline_tokens=lambda g: tokens_of(corrupted, g.indices, device), bar=bar,
             cell_cols=cell_cols,
         )  # fmt: skip
     finally:
