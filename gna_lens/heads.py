@@ -72,13 +72,10 @@ Head = tuple[int, int]
 class LayerHeads:
     """The heads of one layer and the hook points that hold them.
 
-    A layer's heads live behind one set of hooks (one ``hook_pattern`` / ``hook_z``), or behind
-    several: a **multi-part** layer (Falcon-H1: the Mamba-2 mixer and the attention beside it;
-    Zamba2's hybrid layers: the shared block's attention, then the layer's Mamba-2 mixer). Each
-    part is a :class:`LayerHeads` of its own (:attr:`parts`), holding the layer's heads
-    ``offset .. offset + n_heads - 1`` behind its hooks, with part-local indices
-    ``0 .. n_heads - 1`` in its methods; the layer numbers its heads part after part, in the
-    order of :attr:`parts`. A single-part layer is its own only part (``offset == 0``).
+    A **multi-part** layer (Falcon-H1: the Mamba-2 mixer and the attention beside it; Zamba2's
+    hybrid layers: the shared block's attention, then the layer's Mamba-2 mixer) holds its heads
+    behind several sets of hooks: each part (:attr:`parts`) is a :class:`LayerHeads` holding the
+    layer's heads ``offset .. offset + n_heads - 1``, with part-local indices in its methods.
 
     Attributes:
         layer: Layer index.

@@ -88,15 +88,11 @@ def resolve_sweep_dtype(
 ) -> tuple[Any, dict[str, Any]]:
     """The sweep dtype to run (``"auto"`` resolved) and what to record about the choice.
 
-    ``"auto"`` (:func:`gna_lens.runtime.choose_precision`): the model's own arithmetic where
-    the model is small (at most :data:`EXACT_ALL_MAX` heads, as grouped now: its exact sweep is
-    affordable in float32) or its weights are not float32; else a forward pass like the
-    sweep's (:func:`_probe_forward`: 16 of ``task``'s prompts, last-position logits) is timed in
-    float32 and under bfloat16 autocast on the model's device, and
-    bfloat16 is taken only where it is measured faster (by
-    :data:`~gna_lens.runtime.MIN_SPEEDUP`) and passes :func:`check_bfloat16` on the same
-    prompts. The record (``sweep_dtype_choice``, ``sweep_dtype_probe``) says what was measured.
-    Other values are returned as given.
+    ``"auto"`` is :func:`gna_lens.runtime.choose_precision` on a forward pass like the sweep's
+    (16 of ``task``'s prompts, last-position logits) with :func:`check_bfloat16` as the check;
+    a model of at most :data:`EXACT_ALL_MAX` heads (as grouped now) keeps float32. The record
+    (``sweep_dtype_choice``, ``sweep_dtype_probe``) says what was measured. Other values are
+    returned as given.
 
     Args:
         model: The model.

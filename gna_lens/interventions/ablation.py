@@ -532,9 +532,7 @@ def ablation_sweep(
 def _run_sweep(
     model: ModelLike, heads: Any, kind: str, args: dict[str, Any], executor: Any, progress: bool
 ) -> tuple[CellSweep, SweepResult]:
-    """Plan and run a head sweep of ``kind`` (``"ablation"``, ``"control"``) on the head sets
-    ``heads``; returns the plan and its result (``metric`` and ``task`` for the caller to fill
-    in)."""
+    """Run a head sweep of ``kind``: its plan, and its result without ``metric`` and ``task``."""
     subject = Subject.of(model)
     cells = normalize_head_sets(subject.view, heads)
     args = args | {"cells": cells}
@@ -576,11 +574,8 @@ def _plan_heads(
     n_scored: int | None = None,
     check_edits: bool = True,
 ) -> CellSweep:
-    """Check the arguments of :func:`ablation_sweep` (``task``) or of :func:`control_sweep` on a
-    text control (``control``) and plan it (the reference's forward passes of mean and resample
-    ablation run here). ``check_edits=False``: skip :func:`~gna_lens.heads.require_editable`
-    here, for a caller whose workers run the cells (each worker plans with the check, on the copy
-    it edits, and raises its error as one process would)."""
+    """Check and plan :func:`ablation_sweep` (``task``) or :func:`control_sweep` on a text
+    control (``control``); ``check_edits=False``: the workers of an executor check their copies."""
     subject = Subject.of(model)
     model, view, device = subject.model, subject.view, subject.device
     who = "ablation_sweep" if control is None else "control_sweep"
@@ -625,12 +620,8 @@ def _plan_heads(
 
 # ----------------------------------------------------------------------------- control sweep
 class _NextTokenNLL:
-    """Per-row next-token negative log-likelihood (nats/token) of a :class:`TextControl`.
-
-    The input is each window minus its final token; the logits of its last ``k`` positions
-    (``[rows, d_vocab]`` for ``k == 1``, else ``[rows, k, d_vocab]``) predict the window's last
-    ``k`` tokens, and the metric is their mean NLL.
-    """
+    """Per-row mean NLL (nats/token) of a :class:`TextControl` window's last ``k`` tokens, from
+    the logits of the input's last ``k`` positions (``[rows, d_vocab]`` for ``k == 1``)."""
 
     name = "nll"
 
@@ -668,13 +659,8 @@ def sweep_positions(positions: Any, method: Any, who: str) -> Any:
 def _windows(
     subject: Subject, control: TextControl, positions: Any, n_scored: int | None, max_rows: int
 ) -> tuple[Runner, _NextTokenNLL, list[Group], Tensor]:
-    """A text control's runner, metric, groups and inputs: each window minus its final token is
-    an input, and the NLL of its last ``n_scored`` tokens (default half the window; 1 with
-    ``positions="last"``) is the metric.
-
-    Raises:
-        InterventionError: If that is not ``1 <= n_scored < seq_len``.
-    """
+    """A text control's runner, metric (:class:`_NextTokenNLL`), groups and inputs (each window
+    minus its final token); raises unless ``1 <= n_scored < seq_len``."""
     last = positions == "last"
     k = 1 if last else (n_scored or max(1, control.seq_len // 2))
     if not 1 <= k < control.seq_len or (last and k != 1):
@@ -709,22 +695,17 @@ def control_sweep(
     in-context retrieval:
 
     - a :class:`~gna_lens.tasks.TextControl` (prose windows): each window minus its final token
-      is the input; with ``positions=None`` or a list the heads are ablated at those positions and
-      the loss is the mean NLL of the window's last ``n_scored`` tokens (default: half the window,
-      so every scored token has at least as much context before it); with ``positions="last"``
-      the heads are ablated at the last input position only and the loss is the NLL of the
-      window's final token (the prose analogue of ablating at the query position). ``"mean"``
-      ablation replaces a head by its mean over the control's own windows, at the ablated
-      positions, BOS excluded (as :func:`head_ablation_hooks`); ``"resample"`` takes window
-      ``i``'s head output from window ``i + 1``.
+      is the input, and the loss is the mean NLL of the window's last ``n_scored`` tokens (default:
+      half the window, so every scored token has at least as much context before it); with
+      ``positions="last"``, the NLL of its final token (the prose analogue of the query).
+      ``"mean"`` ablation takes the mean over the control's own windows (as
+      :func:`head_ablation_hooks`); ``"resample"`` takes window ``i``'s head output from window
+      ``i + 1``.
     - a :class:`~gna_lens.tasks.Task` (e.g. cloze questions answered from the weights): the NLL
-      of each sample's answer among its choices at the query position (metric
-      ``"choice_logprob"``: single-token choices; ``"exact"`` tasks: over the vocabulary), under
-      the same ablation as :func:`ablation_sweep` with ``reference=control`` for mean, and
-      sample ``i`` resampled from sample ``i + 1`` (the control rotated by one) for resample.
-      Among the choices, so that an ablation that only moves mass between answer formats (a
-      model trained on letter- and cloze-format questions that both end ``Answer:``) does not
-      count as a knowledge effect.
+      of each sample's answer among its choices (metric ``"choice_logprob"``, so that moving mass
+      between answer formats is no knowledge effect), under the ablation of
+      :func:`ablation_sweep` with ``reference=control`` for mean, and sample ``i`` resampled from
+      sample ``i + 1`` for resample.
 
     The other arguments are those of :func:`ablation_sweep` (``max_rows``: windows x
     ablations; full-window logits are large).

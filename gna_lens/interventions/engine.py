@@ -44,6 +44,7 @@ from gna_lens.interventions.batching import Group, plan_rows
 from gna_lens.interventions.edits import col_where, edit_packed, packed_edit_hooks, part_selection
 from gna_lens.interventions.metrics import Metric
 from gna_lens.interventions.runner import (
+    Hooks,
     PathLog,
     Runner,
     _attempt,
@@ -189,9 +190,7 @@ def expand_hooks(
 
 
 def _output_weights(model: ModelLike, lh: LayerHeads) -> list[Tensor] | None:
-    """``W_O`` of each part of a layer (:func:`~gna_lens.heads.head_output_weights`), or
-    ``None`` when a part has no ``out_hook`` or no exposed ``W_O``. ``model``: the runner's
-    :class:`~gna_lens.heads.Subject` (its view is not built again), or a model."""
+    """``W_O`` of each part of a layer, or ``None`` where a part has no ``out_hook`` or ``W_O``."""
     if any(part.out_hook is None for part in lh.parts):
         return None
     many = lh.multipart
@@ -359,6 +358,21 @@ class _Ctx:
         if self.bar is not None:
             self.bar.update(v.numel())
 
+    def clean(
+        self, g: Group, tokens: Tensor, idx: Tensor, start: list[int], memo: dict, part: int,
+        base: Hooks = (),
+    ) -> dict[str, Tensor]:  # fmt: skip
+        """The clean run's ``hook_resid_pre`` at each start layer (kept in ``memo`` per prompt
+        batch); records the batch's baseline."""
+        if ("clean", part) not in memo:
+            names = [self.runner.view[layer].resid_pre_hook for layer in sorted(set(start))]
+            memo[("clean", part)] = self.runner.clean(tokens, names, base)
+            self.info["forwards"] += 1
+        cache: dict[str, Tensor]
+        logits, cache = memo[("clean", part)]
+        self.baseline[g.indices] = to_host(self.metric(logits, idx))
+        return cache
+
 
 def _loop(
     ctx: _Ctx,
@@ -411,13 +425,8 @@ def _hook_run(
     part: int,
     cap: int,
 ) -> None:
-    """:class:`HookCell` cells on one prompt batch (``cap``: rows per forward pass).
-
-    ``batched``: the clean run (with ``base_hooks``) keeps ``hook_resid_pre`` of each start
-    layer; each cell runs from there (residual cells of one layer, packed ``max_rows // rows``
-    cells at a time in cell order; hooked cells one at a time). ``loop``: a full forward pass
-    per hooked cell (residual cells have no full-forward form).
-    """
+    """:class:`HookCell` cells on one prompt batch: from the clean run's residual at each start
+    layer (residual cells of one layer packed), or a full forward per cell (``loop``)."""
     runner, view, G = ctx.runner, ctx.runner.view, len(g)
     base = list(base_hooks)
     cells: list[HookCell] = ctx.cells
@@ -432,12 +441,7 @@ def _hook_run(
             ctx.store([i], g.indices, ctx.metric(lg, idx)[None])
         return
     runner.log.used("cells", "from the start layer's cached residual")
-    if ("clean", part) not in memo:
-        names = [view[layer].resid_pre_hook for layer in sorted(set(start_layer))]
-        memo[("clean", part)] = runner.clean(tokens, names, base)
-        ctx.info["forwards"] += 1
-    logits, cache = memo[("clean", part)]
-    ctx.baseline[g.indices] = to_host(ctx.metric(logits, idx))
+    cache = ctx.clean(g, tokens, idx, start_layer, memo, part, base)
     K = max(1, ctx.tuners["packed"].fixed or (cap // G))
     for s0 in range(0, len(ctx.ids), K):
         chunk = ctx.ids[s0 : s0 + K]
@@ -475,13 +479,7 @@ def _layers(
 ) -> None:
     runner, view, G = ctx.runner, ctx.runner.view, len(g)
     model = runner.model
-    layers = sorted(set(start_layer))
-    if ("clean", part) not in memo:
-        names = [view[layer].resid_pre_hook for layer in layers]
-        memo[("clean", part)] = runner.clean(tokens, names)
-        ctx.info["forwards"] += 1
-    logits, cache = memo[("clean", part)]
-    ctx.baseline[g.indices] = to_host(ctx.metric(logits, idx))
+    cache = ctx.clean(g, tokens, idx, start_layer, memo, part)
     by_key: dict[tuple[int, Any], list[int]] = {}
     for i in ctx.ids:  # cells with different positions share a run
         by_key.setdefault((start_layer[i], None), []).append(i)

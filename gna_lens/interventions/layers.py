@@ -154,9 +154,7 @@ def layer_infos(model: ModelLike) -> tuple[LayerInfo, ...]:
 
 @dataclass(frozen=True)
 class _LayerSubject:
-    """What a layer intervention asks of a model, asked once: the model's
-    :class:`~gna_lens.heads.Subject` with a head view whose every layer names its
-    ``hook_resid_pre`` (models without addressable heads included), and each layer's hooks."""
+    """A model's subject (every layer in its head view, :func:`_runner_view`) and layer hooks."""
 
     subject: Subject
     infos: tuple[LayerInfo, ...]
@@ -251,11 +249,7 @@ def _require_editable(
 
 def _target_hooks(info: LayerInfo, target: str) -> tuple[str, ...]:
     """The hooks whose tensors ``target`` replaces at ``info``'s layer (``"block"``: the
-    ``hook_resid_post`` it restores; ``"mixer"``: every part's output).
-
-    Raises:
-        InterventionError: If the layer has nothing ``target`` names.
-    """
+    ``hook_resid_post`` it restores); raises if the layer has nothing ``target`` names."""
     if target == "block":
         return (info.resid_post_hook,)
     if target == "mlp":
@@ -367,11 +361,8 @@ def _layer_source(
     include_bos: bool = False,
     max_rows: int = 16,
 ) -> Source:
-    """The mean over ``reference`` of what ``target`` replaces (``source.mean[name]``:
-    ``[d_model]``, per replaced hook: ``hook_resid_post`` for a block), taken over the positions that are ablated, as for head ablation
-    (:func:`~gna_lens.interventions.sources.mean_positions`): the reference prompts' last tokens
-    for ``positions="last"``, the listed positions (counted from each prompt's own end), or every
-    position; a leading BOS is left out unless ``include_bos`` (a list naming it raises)."""
+    """The mean over ``reference`` of what ``target`` replaces (``source.mean[hook]``), over the
+    ablated positions as for heads (:func:`~gna_lens.interventions.sources.mean_positions`)."""
     if reference is None:
         raise InterventionError(
             "mode='mean' needs reference=: a gna_lens.tasks.Task or token ids [batch, pos] whose "
@@ -433,12 +424,7 @@ def _edit_hooks(
     inputs: _InputRows | None = None,
 ) -> list[tuple[str, HookFn]]:
     """The hooks replacing ``target`` of one layer by zero (``means=None``) or by each replaced
-    hook's mean (``means[name]``).
-
-    ``positions``: ``None``, ``"last"``, a list, or a :class:`SkipBos` (a sweep's known prompts
-    all start with BOS). ``inputs``: for mean ablation of unknown inputs without ``include_bos``,
-    finds the positions holding BOS (left unedited).
-    """
+    hook's mean at ``positions`` (maybe a ``SkipBos``), BOS positions found by ``inputs``."""
     skip = inputs is not None and inputs.skip_bos
 
     def edited(R: int, full: int, P: int, device: Any) -> Tensor | None:
@@ -847,13 +833,8 @@ def _plan_layers(
     max_rows: int,
     check_edits: bool = True,
 ) -> CellSweep:
-    """Plan the layer cells on the task (``metric`` given) or on a control (``metric=None``: a
-    text control's next-token loss, or a knowledge task's answer NLL among its options).
-
-    Each cell is a :class:`~gna_lens.interventions.engine.HookCell` starting at its lowest
-    layer; ``removed`` layers are removed in every run, the baseline's included. Mean ablation
-    of a control averages over the control's own windows (samples). ``check_edits=False``: as in
-    :func:`~gna_lens.interventions.ablation.ablation_sweep` (a sharded sweep's workers check)."""
+    """Plan the layer cells (``HookCell``) on the task, or on a control (``metric=None``), with
+    ``removed`` layers removed in every run; ``check_edits``: as in ``ablation._plan_heads``."""
     ls = _layer_subject(model)
     subject, infos = ls.subject, ls.infos
     model = subject.model
@@ -916,18 +897,18 @@ def _layer_cells(infos: Sequence[LayerInfo], layers: Any, removed: list[int]) ->
             raise InterventionError("layers=[] is empty; expected layer indices or layer sets.")
         cells = []
         for item in items:
-            if isinstance(item, int) and not isinstance(item, bool):
-                cells.append(tuple(_check_layers(infos, [item])))
-            elif isinstance(item, Sequence | set | frozenset) and not isinstance(item, str):
-                group = _check_layers(infos, item)
-                if not group:
-                    raise InterventionError("layers contains an empty layer set; drop it.")
-                cells.append(tuple(group))
-            else:
+            one = isinstance(item, int) and not isinstance(item, bool)
+            if not one and (
+                not isinstance(item, Sequence | set | frozenset) or isinstance(item, str)
+            ):
                 raise InterventionError(
                     f"layers contains {item!r}; expected layer indices or lists of them (sets "
                     "ablated together), e.g. [3, [4, 5]]."
                 )
+            group = _check_layers(infos, [item] if one else item)
+            if not group:
+                raise InterventionError("layers contains an empty layer set; drop it.")
+            cells.append(tuple(group))
     clash = sorted({layer for c in cells for layer in c} & set(removed))
     if clash:
         raise InterventionError(

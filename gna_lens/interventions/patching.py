@@ -256,12 +256,7 @@ def _paired(
     max_rows: int,
     who: str,
 ) -> tuple[Subject, Metric, Any, list[Group], list[int]]:
-    """What both patchings check first: the subject, the metric, the positions, the prompt
-    groups of equal length (clean and corrupted paired) and the prompt lengths.
-
-    Raises:
-        InterventionError: For unpaired tasks, or bad positions (``"each"``: of one length).
-    """
+    """The subject, metric, positions, paired prompt groups and prompt lengths, checked."""
     subject = Subject.of(model)
     met = Metric(metric, clean)
     positions = check_positions(positions, allow_each=True)

@@ -429,10 +429,7 @@ class Runner:
 
 
 def _attempt(fn: Callable[[], Tensor]) -> tuple[Tensor | None, str | None]:
-    """Run a shortcut: ``(result, None)``, or ``(None, reason)`` if it does not apply.
-
-    Only :class:`ShortcutNotApplicable` counts as "does not apply"; anything else propagates.
-    """
+    """``(fn(), None)``, or ``(None, reason)`` on :class:`ShortcutNotApplicable` (only)."""
     try:
         return fn(), None
     except ShortcutNotApplicable as err:
