@@ -274,9 +274,6 @@ class HeadList(list):  # type: ignore[type-arg]
         out = super().__getitem__(index)
         return HeadList(out, self.head_groups) if isinstance(index, slice) else out
 
-    def __repr__(self) -> str:
-        return super().__repr__()
-
 
 @dataclass(frozen=True)
 class HeadView:
@@ -683,11 +680,8 @@ class HookedModel(Protocol):
 class Subject:
     """The model under study with the answers to its architecture questions, asked once.
 
-    A public function takes a model, builds its ``Subject`` once (:meth:`of`) and hands that
-    down: every step below reads the head view, the device / precision policy and the model's
-    family from it instead of asking the model again. Public functions accept a ``Subject``
-    wherever they take a model (``Subject.of`` returns it unchanged), so one that calls another
-    passes what it built.
+    A public function builds it once (:meth:`of`) and hands it down; every public function that
+    takes a model accepts a ``Subject`` too (``Subject.of`` returns it unchanged).
 
     Attributes:
         model: The TransformerBridge or HookedSSM itself (what runs).

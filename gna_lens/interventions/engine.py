@@ -15,15 +15,9 @@ Three ways to run a cell, all returning the same numbers up to float rounding:
 - **incremental** (``positions="last"``): the prompt minus its last token runs once, each packed
   group of cells recomputes only the last token (:class:`~gna_lens.interventions.runner.Runner`).
 
-Cells that are not head sets are :class:`HookCell`: a layer (or a part of one) ablated through
-its own hooks, or the residual stream entering a layer replaced (residual patching). They run on
-the same scheduler (prompt batches, the clean run cached at each start layer, sharding through
-``only`` / ``parts``, the same values / baseline / info), from their start layer; residual
-cells of one layer are packed into the batch dimension, hooked cells run one per forward pass.
-
-How many cells go into one forward pass is measured, not guessed: :class:`PackTuner` doubles
-``K`` while the time per cell-layer drops by more than 10%, within ``max_rows`` and the memory
-budget (a larger batch is not always faster: Mamba-1's scan materializes
+Cells that are not head sets (layers, residual patches) are :class:`HookCell` and run on the same
+scheduler from their start layer. How many cells go into one forward pass is measured, not
+guessed (:class:`PackTuner`): a larger batch is not always faster (Mamba-1's scan materializes
 ``[chunk, batch, channels, state]``).
 """
 
@@ -104,7 +98,8 @@ class SweepPlan:
 
 
 class PackTuner:
-    """Cells per forward pass: fixed, or found by doubling while it pays off."""
+    """Cells per forward pass: fixed, or found by doubling while the time per cell-layer drops
+    by more than 10% (within ``max_rows`` and the memory budget)."""
 
     def __init__(self, fixed: int | None, start: int = 8):
         self.fixed = fixed

@@ -122,13 +122,9 @@ class LayerInfo:
             both kinds) or ``"block"`` (a layer without addressable heads).
         resid_pre_hook: ``[batch, pos, d_model]`` residual entering the block.
         resid_post_hook: ``[batch, pos, d_model]`` residual leaving it.
-        mixer_hooks: The token-mixing sublayer's outputs ``[batch, pos, d_model]``, one per part
-            in head order (:attr:`gna_lens.heads.LayerHeads.parts`): the attention's
-            ``hook_attn_out`` or the SSM mixer's ``hook_mixer_out``; both on a two-part layer
-            (Falcon-H1: mixer, attention; Zamba2 hybrid layers: attention, mixer); ``()``:
-            none.
-        mixer_kinds: Per entry of :attr:`mixer_hooks`, its heads' kind (``"attention"``,
-            ``"ssm"``, ``"mixed"`` for a hybrid student's mixer holding both; ``""`` unknown).
+        mixer_hooks: The token-mixing sublayer's outputs ``[batch, pos, d_model]``
+            (``hook_attn_out`` / ``hook_mixer_out``), one per part in head order; ``()``: none.
+        mixer_kinds: Per entry of :attr:`mixer_hooks`, its heads' kind (``""``: unknown).
         mlp_hook: The MLP's output before the residual add, or ``None``.
         verified: Edits are known to take effect (HookedSSM); else checked on first use.
     """
@@ -528,15 +524,12 @@ def layer_ablation_hooks(
             BOS raises).
 
     Returns:
-        A list of ``(hook name, hook function)`` pairs (two per removed block: one reads
-        ``hook_resid_pre``, the other returns it from ``hook_resid_post``; one per replaced
-        output otherwise, two for the mixer of a two-part layer; for mean ablation
-        without ``include_bos``, also a read-only hook on ``hook_embed`` that finds BOS).
+        A list of ``(hook name, hook function)`` pairs (a removed block's: one reads
+        ``hook_resid_pre``, the other returns it from ``hook_resid_post``).
 
     Raises:
-        InterventionError: On unknown layers, targets, modes or positions, or a target the layer
-            lacks; for mean ablation, a list of positions naming a BOS (in the reference here, in
-            the inputs at run time) unless ``include_bos``.
+        InterventionError: On unknown layers, targets, modes or positions, a target the layer
+            lacks, or (mean ablation) positions naming a BOS unless ``include_bos``.
         PatternEditError: If the model would ignore the edit.
     """
     ls = _layer_subject(model)

@@ -242,8 +242,9 @@ def patch_heads(
         for i, cell in enumerate(cells)
     ]
     return _result(
-        values, rows, [tuple(c) for c in cells], [r["kind"] for r in rows], met.name, baseline,
-        clean_base, "hook_z", clean, corrupted, positions, info,
+        rows, clean, corrupted, positions, cells=tuple(tuple(c) for c in cells),
+        kinds=tuple(r["kind"] for r in rows), values=values, baseline=baseline, metric=met.name,
+        clean_baseline=clean_base, activation="hook_z", info=info,
     )  # fmt: skip
 
 
@@ -380,8 +381,9 @@ def patch_residual(
         {"layer": layer} | ({"pos": pos[0]} if positions == "each" else {}) for layer, pos in cells
     ]
     return _result(
-        values, rows, [(layer,) for layer, _ in cells], ["resid"] * len(cells), met.name,
-        baseline, clean_base, "hook_resid_pre", clean, corrupted, positions, info,
+        rows, clean, corrupted, positions, cells=tuple((layer,) for layer, _ in cells),
+        kinds=("resid",) * len(cells), values=values, baseline=baseline, metric=met.name,
+        clean_baseline=clean_base, activation="hook_resid_pre", info=info,
     )  # fmt: skip
 
 
@@ -396,33 +398,12 @@ def _resid_cols(positions: Any, length: int) -> Any:
 
 
 def _result(
-    values: Any,
-    rows: list[dict[str, Any]],
-    cells: list[tuple[Any, ...]],
-    kinds: list[str],
-    metric: str,
-    baseline: Any,
-    clean_baseline: Any,
-    activation: str,
-    clean: Task,
-    corrupted: Task,
-    positions: Any,
-    info: dict[str, Any],
+    rows: list[dict[str, Any]], clean: Task, corrupted: Task, positions: Any, **fields: Any
 ) -> "PatchResult":
     """A :class:`PatchResult` with one flat row per patched cell."""
     import pandas as pd
 
     return PatchResult(
-        cells=tuple(cells),
-        kinds=tuple(kinds),
-        values=values,
-        baseline=baseline,
-        metric=metric,
-        task=describe_task(clean),
-        index_df=pd.DataFrame(rows),
-        clean_baseline=clean_baseline,
-        activation=activation,
-        corrupted_task=describe_task(corrupted),
-        positions=positions_label(positions),
-        info=info,
-    )
+        index_df=pd.DataFrame(rows), task=describe_task(clean),
+        corrupted_task=describe_task(corrupted), positions=positions_label(positions), **fields,
+    )  # fmt: skip
