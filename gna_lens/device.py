@@ -1,22 +1,12 @@
 """Where every tensor lives: the model's device and dtype decide, results come back to the host.
 
-One object, :class:`DevicePolicy`, answers the device questions of every step of a measurement;
-no module guesses on its own. It is built from the model once (:meth:`DevicePolicy.of`) and
-carried down:
-
-- **inputs** go to the model: :meth:`DevicePolicy.put` (token ids, masks, index tensors, patched
-  values), :meth:`DevicePolicy.tensor` / :meth:`DevicePolicy.arange` build new ones there;
-- **results** come back to the host (the CPU) as detached tensors: :func:`to_host`, and buffers
-  that collect them are made there with :func:`host_full`. Effects, intervals, tables and
-  everything a result dataclass holds live on the host, so a ranking made on a GPU can be saved,
-  compared and plotted without knowing where it ran;
-- **arithmetic**: :meth:`DevicePolicy.autocast` (the one mixed-precision context of
-  :mod:`gna_lens.runtime`) and :func:`exact_matmul` (TF32 off while a parity check compares two
-  paths).
-
-The rule is enforced by ``tests/test_device_guard.py``: no tensor factory in gna_lens without
-``device=`` (module parameters and buffers excepted: they move with their module), no
-``.cuda()``, and no ``.cpu()`` / ``.to("cpu")`` outside this module.
+One object, :class:`DevicePolicy`, built from the model once (:meth:`DevicePolicy.of`) and carried
+down, answers the device questions of every step: inputs go to the model's device
+(:meth:`DevicePolicy.put`), results come back to the host as detached tensors (:func:`to_host`,
+:func:`host_full`), so a ranking made on a GPU can be saved, compared and plotted anywhere.
+``tests/test_device_guard.py`` enforces it: no tensor factory in gna_lens without ``device=``
+(module parameters and buffers excepted), no ``.cuda()``, and no ``.cpu()`` / ``.to("cpu")``
+outside this module.
 
 Example:
     >>> import torch

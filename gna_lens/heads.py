@@ -22,28 +22,17 @@ attention heads and SSM heads in one ``blocks.{l}.mixer.hook_pattern`` / ``hook_
 :attr:`LayerHeads.kind` is ``"mixed"`` and :meth:`HeadView.kind_of` gives each head's own kind
 (``"attention"`` or ``"ssm"``), which is what every function that branches on kind reads.
 
-**Layers of several parts.** A layer whose heads live behind two sets of hooks (Falcon-H1: the
-Mamba-2 mixer's SSM heads, then the parallel attention's; a Zamba2 hybrid layer: the shared
-block's attention heads, which run first, then the layer's Mamba-2 heads) lists them all, part
-after part: :attr:`LayerHeads.parts` has one :class:`LayerHeads` per hook set, each knowing its
-``offset`` (the layer's index of its first head) and using its own head indices.
-:meth:`LayerHeads.split` / :meth:`HeadView.part_of` translate; every intervention edits each part
-through its own hooks. A model family declares its blocks' parts in ``SSMBlock.head_parts``.
+**Layers of several parts** (Falcon-H1, Zamba2's hybrid layers) list the heads of each set of
+hooks, part after part (:attr:`LayerHeads.parts`); every intervention edits each part through its
+own hooks. A model family declares its blocks' parts in ``SSMBlock.head_parts``.
 
 **Mamba-1 channel groups.** A Mamba-1 layer's heads are its channels unless the model groups them
-(:meth:`HookedSSM.set_head_groups <gna_lens.models.HookedSSM.set_head_groups>`: contiguous blocks,
-or explicit channel sets per layer). Then ``(layer, g)`` is group ``g``, and
-:attr:`LayerHeads.channels` lists each group's channels, i.e. the entries of the head axis of
-``hook_z`` / ``hook_pattern`` (which stay per channel) that the head covers. Every intervention
-goes through :meth:`LayerHeads.hook_mask`: ablating, patching or masking a group edits all its
-channels; a group's attribution is the sum of its channels'; its pattern is
-:func:`head_patterns`'s mean of the channels' row-normalized ``|α|``.
+(:meth:`HookedSSM.set_head_groups <gna_lens.models.HookedSSM.set_head_groups>`); then
+``(layer, g)`` is group ``g`` (:attr:`LayerHeads.channels`), and ablating, patching or masking it
+edits all its channels (:meth:`LayerHeads.hook_mask`); its pattern is :func:`head_patterns`'s.
 
-Whether an edit of ``hook_pattern`` / ``hook_attn_scores`` / ``hook_z`` really changes the output
-is known for a :class:`~gna_lens.models.HookedSSM` (it always does, in float32/float64). For a
-TransformerBridge it depends on the attention bridge: some delegate the whole attention to the
-Hugging Face module and only *report* the pattern afterwards, so edits are discarded.
-:func:`require_editable` checks it once per layer with a tiny forward pass and raises
+Some TransformerBridge attentions only *report* their pattern and discard edits of it:
+:func:`require_editable` checks each layer once and raises
 :class:`~gna_lens.errors.PatternEditError` instead of letting an edit be silently dropped.
 """
 
@@ -83,13 +72,10 @@ Head = tuple[int, int]
 class LayerHeads:
     """The heads of one layer and the hook points that hold them.
 
-    A layer's heads live behind one set of hooks (one ``hook_pattern`` / ``hook_z``), or behind
-    several: a **multi-part** layer (Falcon-H1: the Mamba-2 mixer and the attention beside it;
-    Zamba2's hybrid layers: the shared block's attention, then the layer's Mamba-2 mixer). Each
-    part is a :class:`LayerHeads` of its own (:attr:`parts`), holding the layer's heads
-    ``offset .. offset + n_heads - 1`` behind its hooks, with part-local indices
-    ``0 .. n_heads - 1`` in its methods; the layer numbers its heads part after part, in the
-    order of :attr:`parts`. A single-part layer is its own only part (``offset == 0``).
+    A **multi-part** layer (Falcon-H1: the Mamba-2 mixer and the attention beside it; Zamba2's
+    hybrid layers: the shared block's attention, then the layer's Mamba-2 mixer) holds its heads
+    behind several sets of hooks: each part (:attr:`parts`) is a :class:`LayerHeads` holding the
+    layer's heads ``offset .. offset + n_heads - 1``, with part-local indices in its methods.
 
     Attributes:
         layer: Layer index.
@@ -287,9 +273,6 @@ class HeadList(list):  # type: ignore[type-arg]
     def __getitem__(self, index: Any) -> Any:
         out = super().__getitem__(index)
         return HeadList(out, self.head_groups) if isinstance(index, slice) else out
-
-    def __repr__(self) -> str:
-        return super().__repr__()
 
 
 @dataclass(frozen=True)
@@ -697,11 +680,8 @@ class HookedModel(Protocol):
 class Subject:
     """The model under study with the answers to its architecture questions, asked once.
 
-    A public function takes a model, builds its ``Subject`` once (:meth:`of`) and hands that
-    down: every step below reads the head view, the device / precision policy and the model's
-    family from it instead of asking the model again. Public functions accept a ``Subject``
-    wherever they take a model (``Subject.of`` returns it unchanged), so one that calls another
-    passes what it built.
+    A public function builds it once (:meth:`of`) and hands it down; every public function that
+    takes a model accepts a ``Subject`` too (``Subject.of`` returns it unchanged).
 
     Attributes:
         model: The TransformerBridge or HookedSSM itself (what runs).

@@ -2,21 +2,11 @@
 and the precision of its sweeps and of distillation, chosen by measurement.
 
 This module sits below every other one (it imports nothing of gna_lens but its errors): the
-sweeps, the scan, distillation and the CLI ask it, and nothing else guesses.
-
-- :func:`cpu_description` names the CPU and the vector extensions that decide its speed (every
-  time gna_lens reports is printed next to it).
-- :func:`free_cores` / :func:`choose_threads`: how many cores are idle *now* (two samples of
-  ``/proc/stat`` a fraction of a second apart), not a load average that still counts a job that
-  finished a minute ago.
-- :func:`choose_precision`: ``"auto"`` times a short probe of float32 and of bfloat16 autocast on
-  the model, device and shape that will run, takes bfloat16 only where it is measured faster (by
-  :data:`MIN_SPEEDUP`) *and* passes the caller's accuracy check, and returns a
-  :class:`PrecisionChoice` that says what was measured. On a CPU without native bfloat16 (AVX2
-  only) a bfloat16 matmul is often ~10x slower than float32, so flags alone decide nothing.
-
-Tests (and anyone who wants to see both branches on one machine) replace the measurement with
-:func:`override_speed_probe`.
+sweeps, the scan, distillation and the CLI ask it, and nothing else guesses. :func:`free_cores`
+samples the idle cores *now*, not a load average; :func:`choose_precision` takes bfloat16 autocast
+only where it is measured faster (on a CPU without native bfloat16 a bfloat16 matmul is often
+~10x slower than float32, so flags alone decide nothing) and passes the caller's accuracy check.
+Tests replace the measurement with :func:`override_speed_probe`.
 """
 
 import contextlib

@@ -24,6 +24,7 @@ from gna_lens.heads import (
     ModelLike,
     Subject,
     head_view,
+    is_hooked_ssm,
     policy_of,
 )
 from gna_lens.runtime import choose_precision
@@ -87,15 +88,11 @@ def resolve_sweep_dtype(
 ) -> tuple[Any, dict[str, Any]]:
     """The sweep dtype to run (``"auto"`` resolved) and what to record about the choice.
 
-    ``"auto"`` (:func:`gna_lens.runtime.choose_precision`): the model's own arithmetic where
-    the model is small (at most :data:`EXACT_ALL_MAX` heads, as grouped now: its exact sweep is
-    affordable in float32) or its weights are not float32; else a forward pass like the
-    sweep's (:func:`_probe_forward`: 16 of ``task``'s prompts, last-position logits) is timed in
-    float32 and under bfloat16 autocast on the model's device, and
-    bfloat16 is taken only where it is measured faster (by
-    :data:`~gna_lens.runtime.MIN_SPEEDUP`) and passes :func:`check_bfloat16` on the same
-    prompts. The record (``sweep_dtype_choice``, ``sweep_dtype_probe``) says what was measured.
-    Other values are returned as given.
+    ``"auto"`` is :func:`gna_lens.runtime.choose_precision` on a forward pass like the sweep's
+    (16 of ``task``'s prompts, last-position logits) with :func:`check_bfloat16` as the check;
+    a model of at most :data:`EXACT_ALL_MAX` heads (as grouped now) keeps float32. The record
+    (``sweep_dtype_choice``, ``sweep_dtype_probe``) says what was measured. Other values are
+    returned as given.
 
     Args:
         model: The model.
@@ -371,8 +368,6 @@ def auto_head_groups(model: HookedModel) -> int | None:
         >>> auto_head_groups(tiny_hooked_ssm("mamba1")) is None  # 128 channels: exact as they are
         True
     """
-    from gna_lens.heads import is_hooked_ssm
-
     if not is_hooked_ssm(model) or not model.channel_heads:
         return None
     if model.head_group_spec or head_view(model).n_heads_total <= EXACT_ALL_MAX:
@@ -397,8 +392,6 @@ def applied_head_groups(model: HookedModel, head_groups: Any) -> Iterator[dict[s
         InterventionError: For another value, or a spec the model refuses (a Mamba-2 model, a
             size that does not divide ``d_inner``, ...).
     """
-    from gna_lens.heads import is_hooked_ssm
-
     if isinstance(head_groups, str) and head_groups not in ("auto", "none"):
         raise InterventionError(
             f"head_groups={head_groups!r}; expected 'auto' (contiguous blocks of "

@@ -5,27 +5,17 @@ Every function takes a TransformerLens ``TransformerBridge`` or a :class:`~gna_l
 (:func:`gna_lens.heads.head_view`). Hooks exist only inside context managers, weights are never
 edited, and no hook survives a call, even when the model or a metric raises.
 
-- :func:`ablate_heads` / :func:`head_ablation_hooks`: zero, mean or resample ablation, at all or
-  chosen positions.
-- :func:`ablation_sweep`: every head (or head set) ablated on a task, batched and incremental,
-  returning a :class:`SweepResult`; :func:`control_sweep`: the same ablations' effect on the
-  next-token loss of a control text (or a knowledge task).
-- :func:`gather_mask`, :func:`aggregate_mask`, :func:`stack_masks`, :func:`mask_patterns`:
-  sample-specific pattern masks on attention and SSM heads.
-- :func:`patch_heads`, :func:`patch_residual`: activation patching clean -> corrupted, returning a
-  :class:`PatchResult` (TransformerLens ``PatchingResult`` shape).
-- :func:`attribute_heads`: attribution patching, all heads in one backward pass.
-- :func:`remove_layers`, :func:`ablate_layers`, :func:`layer_ablation_hooks`: whole layers
-  removed (the block becomes the identity) or their mixer / MLP output zero- or mean-ablated;
-  :func:`layer_sweep` (each layer removed alone) and :func:`prune_from_end` (layers removed
-  cumulatively from the last), the paper's pruning protocols, returning a
-  :class:`LayerSweepResult` with the task and a control.
+- heads: :func:`ablate_heads` / :func:`head_ablation_hooks` (zero, mean or resample ablation),
+  :func:`ablation_sweep` and :func:`control_sweep` (every head or head set, on a task or a
+  control), :func:`mask_patterns` with :func:`gather_mask` / :func:`aggregate_mask`,
+  :func:`patch_heads` / :func:`patch_residual` (activation patching), :func:`attribute_heads`
+  (attribution patching);
+- layers: :func:`remove_layers`, :func:`ablate_layers` / :func:`layer_ablation_hooks`, and the
+  paper's pruning protocols :func:`layer_sweep` and :func:`prune_from_end`.
 
 Every sweep returns a :class:`CellResult` (``SweepResult``, ``LayerSweepResult`` and
-``PatchResult`` are its kinds): per-prompt values and baseline, effects with 95% intervals, a
-ranking, ``to_dataframe()`` with the same columns for every kind of cell, ``to_dict()`` /
-``CellResult.from_dict``, ``plot()``. Head sets, layers and residual patches all run on one
-engine, here or sharded over Ray (``executor=``).
+``PatchResult`` are its kinds); head sets, layers and residual patches all run on one engine,
+here or sharded over Ray (``executor=``).
 """
 
 from gna_lens.interventions.ablation import (

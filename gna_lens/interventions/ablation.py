@@ -20,7 +20,6 @@ from gna_lens.device import HOST, host_full, to_host
 from gna_lens.errors import InterventionError
 from gna_lens.heads import (
     Head,
-    HeadView,
     HookedModel,
     ModelLike,
     Subject,
@@ -40,7 +39,7 @@ from gna_lens.interventions.engine import (
     CellSweep,
     SweepJob,
     SweepPlan,
-    execute,
+    run_sweeps,
 )
 from gna_lens.interventions.engine import plan_job as plan_job  # re-exported: older imports
 from gna_lens.interventions.hooks import EMBED_HOOK, hooked
@@ -292,20 +291,10 @@ def ablate_heads(
 ) -> Iterator[Any]:
     """Ablate heads inside a ``with`` block; the model is untouched afterwards.
 
-    Args:
-        model: A TransformerBridge or a HookedSSM.
-        heads: ``[(layer, head), ...]`` (attention heads, SSM heads, or both in a hybrid).
-        mode: ``"zero"``, ``"mean"`` or ``"resample"`` (see :func:`head_ablation_hooks`).
-        positions: ``None`` (all), ``"last"``, a list of positions, or a ``[batch]`` tensor.
-        reference: Task or token ids for ``"mean"`` / ``"resample"``.
-        include_bos: Mean ablation: average over and edit the BOS position too.
+    The arguments, and the errors, are those of :func:`head_ablation_hooks`.
 
     Yields:
         The model, with the ablation hooks attached.
-
-    Raises:
-        InterventionError: On unknown heads, modes, positions or references.
-        PatternEditError: If the model would ignore edits of ``hook_z``.
 
     Examples:
         >>> import torch
@@ -430,8 +419,9 @@ def head_columns(cell: Sequence[Head]) -> dict[str, Any]:
     }
 
 
-def cell_kind(view: HeadView, cell: Sequence[Head]) -> str:
-    kinds = {view.kind_of(h) for h in cell}
+def cell_kind(kind_of: Callable[[Any], str], cell: Sequence[Any]) -> str:
+    """The kind of a cell's members (``kind_of`` each), or ``"mixed"``."""
+    kinds = {kind_of(x) for x in cell}
     return kinds.pop() if len(kinds) == 1 else "mixed"
 
 
@@ -481,6 +471,10 @@ def ablation_sweep(
     ablation recomputes only the last token (KV cache / SSM states). The numbers equal those of
     a loop of single ablated forward passes (``method="loop"``) up to float rounding.
 
+    ``mode``, ``reference`` and ``include_bos`` are those of :func:`head_ablation_hooks`
+    (``info["mean_over"]`` says what a mean was taken over); in resample mode sample ``i`` of the
+    task takes reference sample ``i % len(reference)``, and a pair of identical prompts raises.
+
     Args:
         model: A TransformerBridge or a HookedSSM.
         task: A :class:`~gna_lens.tasks.Task` with single-token choices (or a callable metric).
@@ -489,15 +483,8 @@ def ablation_sweep(
             ``fn(logits [rows, d_vocab], samples) -> [rows]`` on the query-position logits.
         heads: ``None`` (every head alone), ``[(layer, head), ...]`` (each alone), or a list of
             head sets ``[[(l, h), (l2, h2)], ...]`` (each set ablated together).
-        mode: ``"zero"``, ``"mean"`` or ``"resample"`` (needs ``reference``). The mean is over
-            the ablated positions of the reference prompts, BOS excluded (see
-            :func:`head_ablation_hooks`; ``info["mean_over"]`` says which). Sample ``i`` of the
-            task takes reference sample ``i % len(reference)`` in resample mode; a pair of
-            identical prompts raises (it would ablate nothing).
         positions: ``None`` (all positions), ``"last"`` (the query position only), or a list of
             positions (negative from the end).
-        reference: Task (or token ids) for ``"mean"`` / ``"resample"``.
-        include_bos: Mean ablation: average over and edit the BOS position too.
         method: ``"batched"`` (default) or ``"loop"`` (one full ``run_with_hooks`` per head set
             and group of prompts: the reference the batched numbers are checked against).
         pack: Ablations per forward pass (default: as many as fit ``max_rows`` rows).
@@ -533,57 +520,31 @@ def ablation_sweep(
         (['layer', 'head', 'kind', 'effect'], True)
     """
 
-    subject = Subject.of(model)
-    view = subject.view
-    cells = normalize_head_sets(view, heads)
     args: dict[str, Any] = dict(
-        task=task, metric=metric, cells=cells, mode=mode, positions=positions,
-        reference=reference, include_bos=include_bos, method=method, pack=pack,
-        max_rows=max_rows, memory_budget=memory_budget,
+        task=task, metric=metric, mode=mode, positions=positions, reference=reference,
+        include_bos=include_bos, method=method, pack=pack, max_rows=max_rows,
+        memory_budget=memory_budget,
     )  # fmt: skip
-    sweep, result = _run_sweep(
-        subject, "ablation", _plan_ablation, args, lambda _: len(task), executor, progress
-    )
+    sweep, result = _run_sweep(model, heads, "ablation", args, executor, progress)
     return dataclasses.replace(result, metric=sweep.metric.name, task=describe_task(task))
 
 
 def _run_sweep(
-    subject: Subject,
-    kind: str,
-    plan: Callable[..., Any],
-    args: dict[str, Any],
-    rows: Callable[[Any], int],
-    executor: Any,
-    progress: bool,
-) -> tuple[Any, SweepResult]:
-    """Plan a sweep (``plan(subject, **args)``), run it here or on ``executor`` with a progress
-    bar of ``rows(plan)`` rows per cell, and return the plan and its result (``metric`` and
-    ``task`` for the caller to fill in)."""
-    from tqdm.auto import tqdm
-
-    cells = args["cells"]
-    with torch.no_grad():
-        # With an executor the workers edit their own copies and check them (a probe forward
-        # per layer); checking this copy too would add that to the sweep's serial time.
-        sweep = plan(subject, **args, check_edits=executor is None)
-        bar = tqdm(
-            total=len(cells) * rows(sweep),
-            desc=f"{kind} sweep ({len(cells)} cells)",
-            disable=not progress,
-            leave=False,
-        )
-        try:
-            values, baseline, info = execute(
-                subject.model, sweep, SweepJob(kind, args), executor, bar
-            )
-        finally:
-            bar.close()
+    model: ModelLike, heads: Any, kind: str, args: dict[str, Any], executor: Any, progress: bool
+) -> tuple[CellSweep, SweepResult]:
+    """Run a head sweep of ``kind``: its plan, and its result without ``metric`` and ``task``."""
+    subject = Subject.of(model)
+    cells = normalize_head_sets(subject.view, heads)
+    args = args | {"cells": cells}
+    ((sweep, (values, baseline, info)),) = run_sweeps(
+        subject, [SweepJob(kind, args)], f"{kind} sweep", executor, progress
+    )
     method = args["method"]
     if method == "batched" and sweep.positions == "last" and not info["incremental_fallbacks"]:
         method = "incremental"
     return sweep, SweepResult(
         cells=tuple(cells),
-        kinds=tuple(cell_kind(subject.view, c) for c in cells),
+        kinds=tuple(cell_kind(subject.view.kind_of, c) for c in cells),
         values=values,
         baseline=baseline,
         metric="",
@@ -596,68 +557,71 @@ def _run_sweep(
 
 
 # ----------------------------------------------------------------------------- plans
-def _plan_ablation(
+def _plan_heads(
     model: ModelLike,
-    task: Task,
-    metric: Any,
     cells: list[tuple[Head, ...]],
     mode: str,
     positions: Any,
-    reference: Any,
     include_bos: bool,
     method: str,
-    pack: int | None,
     max_rows: int,
     memory_budget: int | str,
+    task: Task | None = None,
+    metric: Any = None,
+    reference: Any = None,
+    pack: int | None = None,
+    control: TextControl | None = None,
+    n_scored: int | None = None,
     check_edits: bool = True,
 ) -> CellSweep:
-    """Check the arguments of :func:`ablation_sweep` and plan it (the reference's forward
-    passes of mean and resample ablation run here). ``check_edits=False``: skip
-    :func:`~gna_lens.heads.require_editable` here, for a caller whose workers run the cells (each
-    worker plans with the check, on the copy it edits, and raises its error as one process would).
-    """
+    """Check and plan :func:`ablation_sweep` (``task``) or :func:`control_sweep` on a text
+    control (``control``); ``check_edits=False``: the workers of an executor check their copies."""
     subject = Subject.of(model)
-    model, view = subject.model, subject.view
-    met = Metric(metric, task)
-    positions = sweep_positions(positions, method, "ablation_sweep")
-    if pack is not None and (not isinstance(pack, int) or pack < 1):
-        raise InterventionError(f"pack={pack!r}; expected a positive int or None (automatic).")
-    if not isinstance(max_rows, int) or max_rows < 1:
-        raise InterventionError(f"max_rows={max_rows!r}; expected a positive int.")
+    model, view, device = subject.model, subject.view, subject.device
+    who = "ablation_sweep" if control is None else "control_sweep"
+    met: Any = Metric(metric, task) if task is not None else None
+    positions = sweep_positions(positions, method, who)
+    if control is None:
+        assert task is not None
+        if pack is not None and (not isinstance(pack, int) or pack < 1):
+            raise InterventionError(f"pack={pack!r}; expected a positive int or None (automatic).")
+        if not isinstance(max_rows, int) or max_rows < 1:
+            raise InterventionError(f"max_rows={max_rows!r}; expected a positive int.")
+        runner, groups, extra = Runner(subject), length_groups(task, max_rows, device), {}
+        prompts, shift = [s.input_ids for s in task], 0
+    else:
+        runner, met, groups, inputs = _windows(subject, control, positions, n_scored, max_rows)
+        if mode == "resample" and inputs.shape[0] < 2:
+            raise InterventionError(
+                f"control_sweep(mode='resample') on {control.describe()}: one window cannot be "
+                "resampled from another; expected at least 2 windows."
+            )
+        reference = None if mode == "zero" else inputs.to(device)
+        prompts, shift, extra = inputs.tolist(), int(mode == "resample"), {"n_scored": runner.keep}
     plan = SweepPlan(parse_bytes(memory_budget), max_rows, pack)
-    layers = sorted({layer for c in cells for layer, _ in c})
     if check_edits:
-        require_editable(model, view, layers, "z")
-    device = subject.device
-    runner = Runner(subject)
+        require_editable(model, view, sorted({layer for c in cells for layer, _ in c}), "z")
     source = build_source(
         model, mode, reference, view.parts_of(h for c in cells for h in c), positions, device,
         include_bos=include_bos,
     )  # fmt: skip
-    prompts = [s.input_ids for s in task]
     edited = edit_positions(source, positions, prompts)
-    check_resample_pairs(
-        prompts, source, [i % max(source.n, 1) for i in range(len(task))], "ablation_sweep"
-    )
-    groups = length_groups(task, max_rows, device)
+    n = len(prompts)
+    check_resample_pairs(prompts, source, [(i + shift) % max(source.n, 1) for i in range(n)], who)
 
     def source_for(g: Group) -> tuple[Source, Tensor]:
-        return source, g.indices % max(source.n, 1)
+        return source, (g.indices + shift) % max(source.n, 1)
 
     return CellSweep(
-        runner, list(cells), groups, source_for, met, edited, plan, method, len(task),
-        extra=ablation_info(source, edited),
+        runner, list(cells), groups, source_for, met, edited, plan, method, n,
+        extra=extra | ablation_info(source, edited),
     )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- control sweep
 class _NextTokenNLL:
-    """Per-row next-token negative log-likelihood (nats/token) of a :class:`TextControl`.
-
-    The input is each window minus its final token; the logits of its last ``k`` positions
-    (``[rows, d_vocab]`` for ``k == 1``, else ``[rows, k, d_vocab]``) predict the window's last
-    ``k`` tokens, and the metric is their mean NLL.
-    """
+    """Per-row mean NLL (nats/token) of a :class:`TextControl` window's last ``k`` tokens, from
+    the logits of the input's last ``k`` positions (``[rows, d_vocab]`` for ``k == 1``)."""
 
     name = "nll"
 
@@ -695,13 +659,8 @@ def sweep_positions(positions: Any, method: Any, who: str) -> Any:
 def _windows(
     subject: Subject, control: TextControl, positions: Any, n_scored: int | None, max_rows: int
 ) -> tuple[Runner, _NextTokenNLL, list[Group], Tensor]:
-    """A text control's runner, metric, groups and inputs: each window minus its final token is
-    an input, and the NLL of its last ``n_scored`` tokens (default half the window; 1 with
-    ``positions="last"``) is the metric.
-
-    Raises:
-        InterventionError: If that is not ``1 <= n_scored < seq_len``.
-    """
+    """A text control's runner, metric (:class:`_NextTokenNLL`), groups and inputs (each window
+    minus its final token); raises unless ``1 <= n_scored < seq_len``."""
     last = positions == "last"
     k = 1 if last else (n_scored or max(1, control.seq_len // 2))
     if not 1 <= k < control.seq_len or (last and k != 1):
@@ -736,38 +695,25 @@ def control_sweep(
     in-context retrieval:
 
     - a :class:`~gna_lens.tasks.TextControl` (prose windows): each window minus its final token
-      is the input; with ``positions=None`` or a list the heads are ablated at those positions and
-      the loss is the mean NLL of the window's last ``n_scored`` tokens (default: half the window,
-      so every scored token has at least as much context before it); with ``positions="last"``
-      the heads are ablated at the last input position only and the loss is the NLL of the
-      window's final token (the prose analogue of ablating at the query position). ``"mean"``
-      ablation replaces a head by its mean over the control's own windows, at the ablated
-      positions, BOS excluded (as :func:`head_ablation_hooks`); ``"resample"`` takes window
-      ``i``'s head output from window ``i + 1``.
+      is the input, and the loss is the mean NLL of the window's last ``n_scored`` tokens (default:
+      half the window, so every scored token has at least as much context before it); with
+      ``positions="last"``, the NLL of its final token (the prose analogue of the query).
+      ``"mean"`` ablation takes the mean over the control's own windows (as
+      :func:`head_ablation_hooks`); ``"resample"`` takes window ``i``'s head output from window
+      ``i + 1``.
     - a :class:`~gna_lens.tasks.Task` (e.g. cloze questions answered from the weights): the NLL
-      of each sample's answer among its choices at the query position (metric
-      ``"choice_logprob"``: single-token choices; ``"exact"`` tasks: over the vocabulary), under
-      the same ablation as :func:`ablation_sweep` with ``reference=control`` for mean, and
-      sample ``i`` resampled from sample ``i + 1`` (the control rotated by one) for resample.
-      Among the choices, so that an ablation that only moves mass between answer formats (a
-      model trained on letter- and cloze-format questions that both end ``Answer:``) does not
-      count as a knowledge effect.
+      of each sample's answer among its choices (metric ``"choice_logprob"``, so that moving mass
+      between answer formats is no knowledge effect), under the ablation of
+      :func:`ablation_sweep` with ``reference=control`` for mean, and sample ``i`` resampled from
+      sample ``i + 1`` for resample.
+
+    The other arguments are those of :func:`ablation_sweep` (``max_rows``: windows x
+    ablations; full-window logits are large).
 
     Args:
-        model: A TransformerBridge or a HookedSSM.
         control: The control.
-        heads: ``None`` (every head alone), ``[(layer, head), ...]`` or head sets.
-        mode: ``"zero"``, ``"mean"`` or ``"resample"``.
-        positions: ``None``, ``"last"`` or a list of positions.
-        include_bos: Mean ablation: average over and edit the BOS position too.
-        method: ``"batched"`` or ``"loop"`` (reference, see :func:`ablation_sweep`).
         n_scored: Tokens scored at the end of each window (default ``seq_len // 2``; 1 with
             ``positions="last"``).
-        max_rows: Rows (windows x ablations) per forward pass.
-        memory_budget: Bytes a forward pass may use (full-window logits are large).
-        progress: Show a progress bar.
-        executor: ``None`` (this process) or a :class:`gna_lens.distributed.RayExecutor` (see
-            :func:`ablation_sweep`).
 
     Returns:
         A :class:`SweepResult` with ``metric="nll"``: ``values`` are per-window (per-sample)
@@ -819,66 +765,12 @@ def control_sweep(
             f"control is a {type(control).__name__}; expected a gna_lens.tasks.TextControl "
             "(gna_lens.tasks.text_control(tokenizer)) or a gna_lens.tasks.Task."
         )
-    subject = Subject.of(model)
-    view = subject.view
-    cells = normalize_head_sets(view, heads)
     args: dict[str, Any] = dict(
-        control=control, cells=cells, mode=mode, positions=positions, include_bos=include_bos,
-        method=method, n_scored=n_scored, max_rows=max_rows, memory_budget=memory_budget,
+        control=control, mode=mode, positions=positions, include_bos=include_bos, method=method,
+        n_scored=n_scored, max_rows=max_rows, memory_budget=memory_budget,
     )  # fmt: skip
-    _, result = _run_sweep(
-        subject, "control", _plan_control, args, lambda plan: plan.n_samples, executor, progress
-    )
+    _, result = _run_sweep(model, heads, "control", args, executor, progress)
     return dataclasses.replace(result, metric="nll", task=control.describe())
 
 
-def _plan_control(
-    model: ModelLike,
-    control: TextControl,
-    cells: list[tuple[Head, ...]],
-    mode: str,
-    positions: Any,
-    include_bos: bool,
-    method: str,
-    n_scored: int | None,
-    max_rows: int,
-    memory_budget: int | str,
-    check_edits: bool = True,
-) -> CellSweep:
-    """Check the arguments of :func:`control_sweep` on a text control and plan it
-    (``check_edits``: as in :func:`_plan_ablation`)."""
-    subject = Subject.of(model)
-    model, view = subject.model, subject.view
-    positions = sweep_positions(positions, method, "control_sweep")
-    device = subject.device
-    runner, metric, groups, inputs = _windows(subject, control, positions, n_scored, max_rows)
-    n = inputs.shape[0]
-    if mode == "resample" and n < 2:
-        raise InterventionError(
-            f"control_sweep(mode='resample') on {control.describe()}: one window cannot be "
-            "resampled from another; expected at least 2 windows."
-        )
-    layers = sorted({layer for c in cells for layer, _ in c})
-    if check_edits:
-        require_editable(model, view, layers, "z")
-    plan = SweepPlan(parse_bytes(memory_budget), max_rows, None)
-    source = build_source(
-        model, mode, None if mode == "zero" else inputs.to(device),
-        view.parts_of(h for c in cells for h in c), positions, device, include_bos=include_bos,
-    )  # fmt: skip
-    rows = inputs.tolist()
-    edited = edit_positions(source, positions, rows)
-    shift = 1 if mode == "resample" else 0
-    check_resample_pairs(rows, source, [(i + shift) % n for i in range(n)], "control_sweep")
-
-    def source_for(g: Group) -> tuple[Source, Tensor]:
-        return source, (g.indices + shift) % max(source.n, 1)
-
-    return CellSweep(
-        runner, list(cells), groups, source_for, metric, edited, plan, method, n,
-        extra={"n_scored": runner.keep} | ablation_info(source, edited),
-    )  # fmt: skip
-
-
-PLANNERS["ablation"] = _plan_ablation
-PLANNERS["control"] = _plan_control
+PLANNERS["ablation"] = PLANNERS["control"] = _plan_heads

@@ -58,6 +58,9 @@ def attribute_heads(
 ) -> SweepResult:
     """Estimate every head's ablation (or patching) effect with one backward pass.
 
+    ``positions``, ``reference`` and ``include_bos`` are those of
+    :func:`~gna_lens.interventions.ablation.head_ablation_hooks` (``positions``: no tensors).
+
     Args:
         model: A TransformerBridge or a HookedSSM.
         task: The task (single-token choices for a named metric). With ``corrupted``, the clean
@@ -69,10 +72,6 @@ def attribute_heads(
         heads: ``None`` (every head), ``[(layer, head), ...]`` or head sets (estimates add up).
         mode: Ablation replacement, ``"zero"`` or ``"mean"`` (``reference`` needed). Resample
             ablation is estimated as patching with ``corrupted``.
-        positions: ``None`` (all positions), ``"last"`` or a list of positions.
-        reference: Task or token ids for ``mode="mean"`` (the mean is over the ablated positions,
-            BOS excluded: see :func:`~gna_lens.interventions.ablation.head_ablation_hooks`).
-        include_bos: Mean ablation: average over and edit the BOS position too.
         batch_size: Prompts per forward/backward pass.
 
     Returns:
@@ -180,7 +179,7 @@ def attribute_heads(
     )
     return SweepResult(
         cells=tuple(cells),
-        kinds=tuple(cell_kind(view, c) for c in cells),
+        kinds=tuple(cell_kind(view.kind_of, c) for c in cells),
         values=values_out,
         baseline=baseline,
         metric=met.name,

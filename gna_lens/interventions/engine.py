@@ -15,15 +15,9 @@ Three ways to run a cell, all returning the same numbers up to float rounding:
 - **incremental** (``positions="last"``): the prompt minus its last token runs once, each packed
   group of cells recomputes only the last token (:class:`~gna_lens.interventions.runner.Runner`).
 
-Cells that are not head sets are :class:`HookCell`: a layer (or a part of one) ablated through
-its own hooks, or the residual stream entering a layer replaced (residual patching). They run on
-the same scheduler (prompt batches, the clean run cached at each start layer, sharding through
-``only`` / ``parts``, the same values / baseline / info), from their start layer; residual
-cells of one layer are packed into the batch dimension, hooked cells run one per forward pass.
-
-How many cells go into one forward pass is measured, not guessed: :class:`PackTuner` doubles
-``K`` while the time per cell-layer drops by more than 10%, within ``max_rows`` and the memory
-budget (a larger batch is not always faster: Mamba-1's scan materializes
+Cells that are not head sets (layers, residual patches) are :class:`HookCell` and run on the same
+scheduler from their start layer. How many cells go into one forward pass is measured, not
+guessed (:class:`PackTuner`): a larger batch is not always faster (Mamba-1's scan materializes
 ``[chunk, batch, channels, state]``).
 """
 
@@ -43,7 +37,15 @@ from gna_lens.heads import Head, HeadView, LayerHeads, ModelLike, head_output_we
 from gna_lens.interventions.batching import Group, plan_rows
 from gna_lens.interventions.edits import col_where, edit_packed, packed_edit_hooks, part_selection
 from gna_lens.interventions.metrics import Metric
-from gna_lens.interventions.runner import Runner, _attempt, _close, autocast_dtype, shortcut_run
+from gna_lens.interventions.runner import (
+    Hooks,
+    PathLog,
+    Runner,
+    _attempt,
+    _close,
+    autocast_dtype,
+    shortcut_run,
+)
 from gna_lens.interventions.sources import Source, column_mask
 
 
@@ -96,7 +98,8 @@ class SweepPlan:
 
 
 class PackTuner:
-    """Cells per forward pass: fixed, or found by doubling while it pays off."""
+    """Cells per forward pass: fixed, or found by doubling while the time per cell-layer drops
+    by more than 10% (within ``max_rows`` and the memory budget)."""
 
     def __init__(self, fixed: int | None, start: int = 8):
         self.fixed = fixed
@@ -182,9 +185,7 @@ def expand_hooks(
 
 
 def _output_weights(model: ModelLike, lh: LayerHeads) -> list[Tensor] | None:
-    """``W_O`` of each part of a layer (:func:`~gna_lens.heads.head_output_weights`), or
-    ``None`` when a part has no ``out_hook`` or no exposed ``W_O``. ``model``: the runner's
-    :class:`~gna_lens.heads.Subject` (its view is not built again), or a model."""
+    """``W_O`` of each part of a layer, or ``None`` where a part has no ``out_hook`` or ``W_O``."""
     if any(part.out_hook is None for part in lh.parts):
         return None
     many = lh.multipart
@@ -233,7 +234,6 @@ def run_cells(
     groups: Sequence[Group],
     source_for: Callable[[Group], tuple[Source, Tensor]] | None,
     metric: "MetricLike",
-    metric_rows: Callable[[Group], Tensor],
     positions: Any,
     plan: SweepPlan,
     method: str,
@@ -253,8 +253,7 @@ def run_cells(
         groups: Unpadded prompt groups (equal length within a group).
         source_for: The replacement for a group and each row's reference row (head sets;
             ``None`` for :class:`HookCell` sweeps, whose cells carry their own edit).
-        metric: The metric.
-        metric_rows: Sample indices the metric reads its answers from, per group.
+        metric: The metric (read with each group's sample indices).
         positions: ``None``, ``"last"`` or a list (for every cell).
         plan: Limits.
         method: ``"batched"`` or ``"loop"``.
@@ -298,7 +297,7 @@ def run_cells(
     for part in range(len(batches)) if parts is None else parts:
         g, cap = batches[part]
         tokens = baseline_tokens(g) if baseline_tokens is not None else g.tokens
-        idx = metric_rows(g)
+        idx = g.indices
         if hook:
             _hook_run(ctx, g, tokens, idx, start_layer, base_hooks, method, memo, part, cap)
             if not keep:
@@ -354,6 +353,21 @@ class _Ctx:
         if self.bar is not None:
             self.bar.update(v.numel())
 
+    def clean(
+        self, g: Group, tokens: Tensor, idx: Tensor, start: list[int], memo: dict, part: int,
+        base: Hooks = (),
+    ) -> dict[str, Tensor]:  # fmt: skip
+        """The clean run's ``hook_resid_pre`` at each start layer (kept in ``memo`` per prompt
+        batch); records the batch's baseline."""
+        if ("clean", part) not in memo:
+            names = [self.runner.view[layer].resid_pre_hook for layer in sorted(set(start))]
+            memo[("clean", part)] = self.runner.clean(tokens, names, base)
+            self.info["forwards"] += 1
+        cache: dict[str, Tensor]
+        logits, cache = memo[("clean", part)]
+        self.baseline[g.indices] = to_host(self.metric(logits, idx))
+        return cache
+
 
 def _loop(
     ctx: _Ctx,
@@ -406,13 +420,8 @@ def _hook_run(
     part: int,
     cap: int,
 ) -> None:
-    """:class:`HookCell` cells on one prompt batch (``cap``: rows per forward pass).
-
-    ``batched``: the clean run (with ``base_hooks``) keeps ``hook_resid_pre`` of each start
-    layer; each cell runs from there (residual cells of one layer, packed ``max_rows // rows``
-    cells at a time in cell order; hooked cells one at a time). ``loop``: a full forward pass
-    per hooked cell (residual cells have no full-forward form).
-    """
+    """:class:`HookCell` cells on one prompt batch: from the clean run's residual at each start
+    layer (residual cells of one layer packed), or a full forward per cell (``loop``)."""
     runner, view, G = ctx.runner, ctx.runner.view, len(g)
     base = list(base_hooks)
     cells: list[HookCell] = ctx.cells
@@ -427,12 +436,7 @@ def _hook_run(
             ctx.store([i], g.indices, ctx.metric(lg, idx)[None])
         return
     runner.log.used("cells", "from the start layer's cached residual")
-    if ("clean", part) not in memo:
-        names = [view[layer].resid_pre_hook for layer in sorted(set(start_layer))]
-        memo[("clean", part)] = runner.clean(tokens, names, base)
-        ctx.info["forwards"] += 1
-    logits, cache = memo[("clean", part)]
-    ctx.baseline[g.indices] = to_host(ctx.metric(logits, idx))
+    cache = ctx.clean(g, tokens, idx, start_layer, memo, part, base)
     K = max(1, ctx.tuners["packed"].fixed or (cap // G))
     for s0 in range(0, len(ctx.ids), K):
         chunk = ctx.ids[s0 : s0 + K]
@@ -470,13 +474,7 @@ def _layers(
 ) -> None:
     runner, view, G = ctx.runner, ctx.runner.view, len(g)
     model = runner.model
-    layers = sorted(set(start_layer))
-    if ("clean", part) not in memo:
-        names = [view[layer].resid_pre_hook for layer in layers]
-        memo[("clean", part)] = runner.clean(tokens, names)
-        ctx.info["forwards"] += 1
-    logits, cache = memo[("clean", part)]
-    ctx.baseline[g.indices] = to_host(ctx.metric(logits, idx))
+    cache = ctx.clean(g, tokens, idx, start_layer, memo, part)
     by_key: dict[tuple[int, Any], list[int]] = {}
     for i in ctx.ids:  # cells with different positions share a run
         by_key.setdefault((start_layer[i], None), []).append(i)
@@ -726,9 +724,9 @@ class CellSweep:
             for key in [k for k in self.memo if isinstance(k, tuple) and k[1] not in wanted]:
                 del self.memo[key]  # another block of prompts: drop what the last one kept
         values, baseline, info = run_cells(
-            self.runner, self.cells, self.groups, self.source_for, self.metric,
-            lambda g: g.indices, self.positions, self.plan, self.method, bar=bar, only=only,
-            parts=parts, memo=memo, base_hooks=self.base_hooks,
+            self.runner, self.cells, self.groups, self.source_for, self.metric, self.positions,
+            self.plan, self.method, bar=bar, only=only, parts=parts, memo=memo,
+            base_hooks=self.base_hooks,
         )  # fmt: skip
         return values, baseline, info | self.extra
 
@@ -764,3 +762,32 @@ def execute(
         )
     values, baseline, info = run(model, job, sweep, bar=bar)
     return values, baseline, info | sweep.extra
+
+
+def run_sweeps(
+    model: Any, jobs: Sequence[SweepJob], desc: str, executor: Any, progress: bool
+) -> list[tuple[CellSweep, tuple[Tensor, Tensor, dict[str, Any]]]]:
+    """Plan each job on ``model`` (:data:`PLANNERS`) and run it here or on ``executor``, under one
+    progress bar (cells x samples, ``desc``) and one path log; returns each plan with its values,
+    baseline and info. ``model``: what the planners take (a subject)."""
+    from tqdm.auto import tqdm
+
+    log = PathLog()  # one log for a task and its control (this process)
+    out = []
+    with torch.no_grad():
+        # With an executor the workers edit their own copies and check them (a probe forward
+        # per layer); checking this copy too would add that to the sweep's serial time.
+        sweeps = [PLANNERS[j.kind](model, **j.args, check_edits=executor is None) for j in jobs]
+        bar = tqdm(
+            total=sum(len(s.cells) * s.n_samples for s in sweeps),
+            desc=f"{desc} ({len(sweeps[0].cells)} cells)",
+            disable=not progress,
+            leave=False,
+        )
+        try:
+            for sweep, job in zip(sweeps, jobs, strict=True):
+                sweep.runner.log = log
+                out.append((sweep, execute(sweep.runner.model, sweep, job, executor, bar)))
+        finally:
+            bar.close()
+    return out

@@ -27,22 +27,9 @@ enters the layer's Mamba-2 mixer (``hook_mixer_out``). ``target="mixer"`` replac
 each by zero or by its own mean; ``"attn"`` and ``"ssm"`` address one part (on a one-part layer,
 the one its mixer is: ``"mixer"`` there). On Zamba2, ``"mlp"`` is the shared block's MLP.
 
-``mode="zero"`` replaces it by zero, ``mode="mean"`` by its mean over a reference, taken over the
-positions that are ablated (the reference prompts' last tokens for ``positions="last"``, the listed
-positions, or every position), a leading BOS left out of the mean and unedited unless
-``include_bos=True``: the same rule as head ablation. Hooks exist only inside context managers;
-weights are never edited and no hook survives a call, even when the model or a metric raises.
-
-The paper's protocols (Bick et al. 2025, the talk's MMLU case study):
-
-- **individual removal** (:func:`layer_sweep`): remove one layer, measure, reinsert, for every
-  layer; ``removed=`` keeps some layers removed throughout (the paper first removes every layer
-  above L17 of Llama-3.1-8B, then removes each remaining layer individually);
-- **gradual pruning from the end** (:func:`prune_from_end`): remove the last layer, then the last
-  two, ... cumulatively, measuring after each step.
-
-Both measure the task and a control that needs no in-context retrieval (prose next-token loss, or
-a knowledge task's answer among its options), with paired 95% bootstrap intervals.
+``mode="zero"`` replaces it by zero, ``mode="mean"`` by its mean over a reference, as for heads
+(:func:`layer_ablation_hooks`). The paper's protocols (Bick et al. 2025) are :func:`layer_sweep`
+(individual removal) and :func:`prune_from_end` (gradual pruning from the end).
 """
 
 import time
@@ -73,6 +60,7 @@ from gna_lens.interventions.ablation import (
     _InputRows,
     _windows,
     ablation_info,
+    cell_kind,
     positions_label,
     sweep_positions,
 )
@@ -87,7 +75,7 @@ from gna_lens.interventions.engine import (
     HookCell,
     SweepJob,
     SweepPlan,
-    execute,
+    run_sweeps,
 )
 from gna_lens.interventions.hooks import bind, hooked
 from gna_lens.interventions.metrics import Metric
@@ -134,13 +122,9 @@ class LayerInfo:
             both kinds) or ``"block"`` (a layer without addressable heads).
         resid_pre_hook: ``[batch, pos, d_model]`` residual entering the block.
         resid_post_hook: ``[batch, pos, d_model]`` residual leaving it.
-        mixer_hooks: The token-mixing sublayer's outputs ``[batch, pos, d_model]``, one per part
-            in head order (:attr:`gna_lens.heads.LayerHeads.parts`): the attention's
-            ``hook_attn_out`` or the SSM mixer's ``hook_mixer_out``; both on a two-part layer
-            (Falcon-H1: mixer, attention; Zamba2 hybrid layers: attention, mixer); ``()``:
-            none.
-        mixer_kinds: Per entry of :attr:`mixer_hooks`, its heads' kind (``"attention"``,
-            ``"ssm"``, ``"mixed"`` for a hybrid student's mixer holding both; ``""`` unknown).
+        mixer_hooks: The token-mixing sublayer's outputs ``[batch, pos, d_model]``
+            (``hook_attn_out`` / ``hook_mixer_out``), one per part in head order; ``()``: none.
+        mixer_kinds: Per entry of :attr:`mixer_hooks`, its heads' kind (``""``: unknown).
         mlp_hook: The MLP's output before the residual add, or ``None``.
         verified: Edits are known to take effect (HookedSSM); else checked on first use.
     """
@@ -166,9 +150,7 @@ def layer_infos(model: ModelLike) -> tuple[LayerInfo, ...]:
 
 @dataclass(frozen=True)
 class _LayerSubject:
-    """What a layer intervention asks of a model, asked once: the model's
-    :class:`~gna_lens.heads.Subject` with a head view whose every layer names its
-    ``hook_resid_pre`` (models without addressable heads included), and each layer's hooks."""
+    """A model's subject (every layer in its head view, :func:`_runner_view`) and layer hooks."""
 
     subject: Subject
     infos: tuple[LayerInfo, ...]
@@ -263,11 +245,7 @@ def _require_editable(
 
 def _target_hooks(info: LayerInfo, target: str) -> tuple[str, ...]:
     """The hooks whose tensors ``target`` replaces at ``info``'s layer (``"block"``: the
-    ``hook_resid_post`` it restores; ``"mixer"``: every part's output).
-
-    Raises:
-        InterventionError: If the layer has nothing ``target`` names.
-    """
+    ``hook_resid_post`` it restores); raises if the layer has nothing ``target`` names."""
     if target == "block":
         return (info.resid_post_hook,)
     if target == "mlp":
@@ -335,7 +313,18 @@ def _check_layers(infos: Sequence[LayerInfo], layers: Any, what: str = "layers")
     return sorted(set(items))
 
 
-def _check_target_mode(target: Any, mode: Any, include_bos: Any = False) -> None:
+def _check_args(
+    infos: Sequence[LayerInfo],
+    layers: Sequence[int],
+    target: Any,
+    mode: Any,
+    positions: Any,
+    method: Any,
+    reference: Any,
+    include_bos: Any,
+) -> Any:
+    """The checked ``positions`` of a layer intervention, after checking its other arguments
+    and that each of ``layers`` has what ``target`` names."""
     if not isinstance(include_bos, bool):
         raise InterventionError(f"include_bos={include_bos!r}; expected True or False.")
     if target not in LAYER_TARGETS:
@@ -349,6 +338,12 @@ def _check_target_mode(target: Any, mode: Any, include_bos: Any = False) -> None
             f"mode={mode!r}; expected one of {LAYER_MODES} for layer interventions ('zero' on "
             "target='block' removes the layer; 'mean' needs reference=)."
         )
+    positions = sweep_positions(positions, method, "layer interventions")
+    for layer in layers:
+        _target_hooks(infos[layer], target)
+    if mode == "zero" and reference is not None:
+        raise InterventionError("mode='zero' takes no reference; pass mode='mean' to use one.")
+    return positions
 
 
 # ----------------------------------------------------------------------------- hooks
@@ -362,11 +357,8 @@ def _layer_source(
     include_bos: bool = False,
     max_rows: int = 16,
 ) -> Source:
-    """The mean over ``reference`` of what ``target`` replaces (``source.mean[name]``:
-    ``[d_model]``, per replaced hook: ``hook_resid_post`` for a block), taken over the positions that are ablated, as for head ablation
-    (:func:`~gna_lens.interventions.sources.mean_positions`): the reference prompts' last tokens
-    for ``positions="last"``, the listed positions (counted from each prompt's own end), or every
-    position; a leading BOS is left out unless ``include_bos`` (a list naming it raises)."""
+    """The mean over ``reference`` of what ``target`` replaces (``source.mean[hook]``), over the
+    ablated positions as for heads (:func:`~gna_lens.interventions.sources.mean_positions`)."""
     if reference is None:
         raise InterventionError(
             "mode='mean' needs reference=: a gna_lens.tasks.Task or token ids [batch, pos] whose "
@@ -428,12 +420,7 @@ def _edit_hooks(
     inputs: _InputRows | None = None,
 ) -> list[tuple[str, HookFn]]:
     """The hooks replacing ``target`` of one layer by zero (``means=None``) or by each replaced
-    hook's mean (``means[name]``).
-
-    ``positions``: ``None``, ``"last"``, a list, or a :class:`SkipBos` (a sweep's known prompts
-    all start with BOS). ``inputs``: for mean ablation of unknown inputs without ``include_bos``,
-    finds the positions holding BOS (left unedited).
-    """
+    hook's mean at ``positions`` (maybe a ``SkipBos``), BOS positions found by ``inputs``."""
     skip = inputs is not None and inputs.skip_bos
 
     def edited(R: int, full: int, P: int, device: Any) -> Tensor | None:
@@ -537,15 +524,12 @@ def layer_ablation_hooks(
             BOS raises).
 
     Returns:
-        A list of ``(hook name, hook function)`` pairs (two per removed block: one reads
-        ``hook_resid_pre``, the other returns it from ``hook_resid_post``; one per replaced
-        output otherwise, two for the mixer of a two-part layer; for mean ablation
-        without ``include_bos``, also a read-only hook on ``hook_embed`` that finds BOS).
+        A list of ``(hook name, hook function)`` pairs (a removed block's: one reads
+        ``hook_resid_pre``, the other returns it from ``hook_resid_post``).
 
     Raises:
-        InterventionError: On unknown layers, targets, modes or positions, or a target the layer
-            lacks; for mean ablation, a list of positions naming a BOS (in the reference here, in
-            the inputs at run time) unless ``include_bos``.
+        InterventionError: On unknown layers, targets, modes or positions, a target the layer
+            lacks, or (mean ablation) positions naming a BOS unless ``include_bos``.
         PatternEditError: If the model would ignore the edit.
     """
     ls = _layer_subject(model)
@@ -553,12 +537,9 @@ def layer_ablation_hooks(
     checked = _check_layers(infos, layers)
     if not checked:
         raise InterventionError("layers=[] is empty; expected at least one layer index.")
-    _check_target_mode(target, mode, include_bos)
-    positions = sweep_positions(positions, "batched", "layer interventions")
-    for layer in checked:
-        _target_hooks(infos[layer], target)
-    if mode == "zero" and reference is not None:
-        raise InterventionError("mode='zero' takes no reference; pass mode='mean' to use one.")
+    positions = _check_args(
+        infos, checked, target, mode, positions, "batched", reference, include_bos
+    )
     _require_editable(model, infos, checked, target)
     if mode == "zero":
         return _hooks_for(infos, checked, target, None, positions)
@@ -580,23 +561,10 @@ def ablate_layers(
 ) -> Iterator[Any]:
     """Ablate whole layers inside a ``with`` block; the model is untouched afterwards.
 
-    Args:
-        model: A TransformerBridge or a HookedSSM.
-        layers: Layer indices.
-        target: ``"block"``, ``"mixer"``, ``"attn"``, ``"ssm"`` or ``"mlp"`` (see
-            :func:`layer_ablation_hooks`).
-        mode: ``"zero"`` or ``"mean"`` (over the ablated positions of ``reference``, BOS
-            excluded and unedited; see :func:`layer_ablation_hooks`).
-        positions: ``None`` (all), ``"last"`` or a list of positions.
-        reference: Task or token ids for ``"mean"``.
-        include_bos: Mean ablation: average over and edit the BOS position too.
+    The arguments, and the errors, are those of :func:`layer_ablation_hooks`.
 
     Yields:
         The model, with the hooks attached.
-
-    Raises:
-        InterventionError: On unknown layers, targets, modes or positions.
-        PatternEditError: If the model would ignore the edit.
 
     Examples:
         >>> import torch
@@ -627,16 +595,8 @@ def remove_layers(model: ModelLike, layers: Sequence[int]) -> Iterator[Any]:
     The same as ``ablate_layers(model, layers, target="block", mode="zero")``; the logits equal
     those of the Hugging Face model with those blocks deleted from its layer list.
 
-    Args:
-        model: A TransformerBridge or a HookedSSM.
-        layers: Layer indices.
-
     Yields:
-        The model, with the hooks attached.
-
-    Raises:
-        InterventionError: On unknown layers.
-        PatternEditError: If the model would ignore the edit.
+        The model, with the hooks attached (errors as :func:`layer_ablation_hooks`).
 
     Examples:
         >>> import torch
@@ -782,23 +742,16 @@ def _sweep_cells(
     protocol: str,
     executor: Any = None,
 ) -> LayerSweepResult:
-    from tqdm.auto import tqdm
-
     from gna_lens.tasks.control import resolve_control
 
     t0 = time.perf_counter()
     ls = _layer_subject(model)
     model, infos = ls.subject.model, ls.infos
-    _check_target_mode(target, mode, include_bos)
-    positions = sweep_positions(positions, method, "layer interventions")
+    layers = sorted({layer for c in cells for layer in c})
+    positions = _check_args(infos, layers, target, mode, positions, method, reference, include_bos)
     if not isinstance(max_rows, int) or isinstance(max_rows, bool) or max_rows < 1:
         raise InterventionError(f"max_rows={max_rows!r}; expected a positive int.")
-    if mode == "zero" and reference is not None:
-        raise InterventionError("mode='zero' takes no reference; pass mode='mean' to use one.")
     met = Metric(metric, task)
-    layers = sorted({layer for c in cells for layer in c})
-    for layer in layers:
-        _target_hooks(infos[layer], target)
     resolved = resolve_control(control, getattr(model, "tokenizer", None), positions=positions)
     common = dict(
         cells=cells, target=target, mode=mode, positions=positions, include_bos=include_bos,
@@ -807,33 +760,15 @@ def _sweep_cells(
     jobs = [SweepJob("layers", common | dict(on=task, metric=metric, reference=reference))]
     if resolved is not None:
         jobs.append(SweepJob("layers", common | dict(on=resolved, metric=None, reference=None)))
-    bar = tqdm(
-        total=len(cells) * (len(task) + (len(resolved) if resolved is not None else 0)),
-        desc=f"{protocol} ({len(cells)} cells)",
-        disable=not progress,
-        leave=False,
+    (task_sweep, (values, baseline, t_info)), *ctrl = run_sweeps(
+        ls, jobs, protocol, executor, progress
     )
-    runs, extras = [], []
-    log = PathLog()
-    try:
-        with torch.no_grad():
-            for job in jobs:
-                # With an executor the workers check the edits on their own copies.
-                sweep = _plan_layers(ls, **job.args, check_edits=executor is None)
-                sweep.runner.log = log  # one log for the task and the control (this process)
-                runs.append(execute(model, sweep, job, executor, bar))
-                extras.append(sweep.extra)
-    finally:
-        bar.close()
-    (values, baseline, info), *ctrl = runs
+    run_infos = [t_info] + [run[2] for _, run in ctrl]
     c_values = c_base = None
-    forwards = info["forwards"]
-    mean_info = dict(extras[0])  # what the mean was taken over (mean ablation; else {})
-    paths = PathLog.merged([info] + [c for _, _, c in ctrl])
+    mean_info = dict(task_sweep.extra)  # what the mean was taken over (mean ablation; else {})
     if ctrl:
-        c_values, c_base, c_info = ctrl[0]
-        forwards += c_info["forwards"]
-        mean_info |= {f"control_{k}": v for k, v in extras[1].items()}
+        c_sweep, (c_values, c_base, _) = ctrl[0]
+        mean_info |= {f"control_{k}": v for k, v in c_sweep.extra.items()}
     description, unit = describe_control(resolved)
     info = {
         "protocol": protocol,
@@ -855,17 +790,16 @@ def _sweep_cells(
         "accuracy values: Wilson",
         "path": "batched (each cell from its lowest layer's cached residual)"
         if method == "batched" else "loop (a full forward per cell)",
-        "forwards": forwards,
+        "forwards": sum(i["forwards"] for i in run_infos),
         "seconds": round(time.perf_counter() - t0, 3),
-    } | paths | mean_info  # fmt: skip
+    } | PathLog.merged(run_infos) | mean_info  # fmt: skip
     # The Ray executor's record of the task's run (executor) and the control's.
-    if "executor" in runs[0][2]:
-        info["executor"] = runs[0][2]["executor"]
-    if ctrl and "executor" in ctrl[0][2]:
-        info["control_executor"] = ctrl[0][2]["executor"]
+    for key, run_info in zip(("executor", "control_executor"), run_infos, strict=False):
+        if "executor" in run_info:
+            info[key] = run_info["executor"]
     return LayerSweepResult(
         cells=tuple(cells),
-        kinds=tuple(_cell_kind(infos, c) for c in cells),
+        kinds=tuple(cell_kind(lambda layer: infos[layer].kind, c) for c in cells),
         values=values,
         baseline=baseline,
         metric=met.name,
@@ -892,13 +826,8 @@ def _plan_layers(
     max_rows: int,
     check_edits: bool = True,
 ) -> CellSweep:
-    """Plan the layer cells on the task (``metric`` given) or on a control (``metric=None``: a
-    text control's next-token loss, or a knowledge task's answer NLL among its options).
-
-    Each cell is a :class:`~gna_lens.interventions.engine.HookCell` starting at its lowest
-    layer; ``removed`` layers are removed in every run, the baseline's included. Mean ablation
-    of a control averages over the control's own windows (samples). ``check_edits=False``: as in
-    :func:`~gna_lens.interventions.ablation.ablation_sweep` (a sharded sweep's workers check)."""
+    """Plan the layer cells (``HookCell``) on the task, or on a control (``metric=None``), with
+    ``removed`` layers removed in every run; ``check_edits``: as in ``ablation._plan_heads``."""
     ls = _layer_subject(model)
     subject, infos = ls.subject, ls.infos
     model = subject.model
@@ -950,11 +879,6 @@ def _plan_layers(
 PLANNERS["layers"] = _plan_layers
 
 
-def _cell_kind(infos: Sequence[LayerInfo], cell: Cell) -> str:
-    kinds = {infos[layer].kind for layer in cell}
-    return kinds.pop() if len(kinds) == 1 else "mixed"
-
-
 def _layer_cells(infos: Sequence[LayerInfo], layers: Any, removed: list[int]) -> list[Cell]:
     """``None`` -> every layer not removed, alone; ints -> each alone; lists -> sets."""
     if layers is None:
@@ -966,18 +890,18 @@ def _layer_cells(infos: Sequence[LayerInfo], layers: Any, removed: list[int]) ->
             raise InterventionError("layers=[] is empty; expected layer indices or layer sets.")
         cells = []
         for item in items:
-            if isinstance(item, int) and not isinstance(item, bool):
-                cells.append(tuple(_check_layers(infos, [item])))
-            elif isinstance(item, Sequence | set | frozenset) and not isinstance(item, str):
-                group = _check_layers(infos, item)
-                if not group:
-                    raise InterventionError("layers contains an empty layer set; drop it.")
-                cells.append(tuple(group))
-            else:
+            one = isinstance(item, int) and not isinstance(item, bool)
+            if not one and (
+                not isinstance(item, Sequence | set | frozenset) or isinstance(item, str)
+            ):
                 raise InterventionError(
                     f"layers contains {item!r}; expected layer indices or lists of them (sets "
                     "ablated together), e.g. [3, [4, 5]]."
                 )
+            group = _check_layers(infos, [item] if one else item)
+            if not group:
+                raise InterventionError("layers contains an empty layer set; drop it.")
+            cells.append(tuple(group))
     clash = sorted({layer for c in cells for layer in c} & set(removed))
     if clash:
         raise InterventionError(
@@ -1014,6 +938,12 @@ def layer_sweep(
     its layer only (the layers below are not repeated). The numbers equal a loop of full forward
     passes (``method="loop"``) up to float rounding.
 
+    ``target``, ``mode``, ``positions``, ``reference`` and ``include_bos`` are those of
+    :func:`layer_ablation_hooks` (a mean for the control is over its own windows;
+    ``method["mean_over"]`` says which); ``method``, ``max_rows`` (prompts, or control windows),
+    ``progress`` and ``executor`` those of :func:`~gna_lens.interventions.ablation.ablation_sweep`
+    (``method["executor"]`` records the workers).
+
     Args:
         model: A TransformerBridge or a HookedSSM (attention, SSM and hybrid layers alike).
         task: A :class:`~gna_lens.tasks.Task` (e.g. :func:`~gna_lens.tasks.kv_retrieval`).
@@ -1021,16 +951,6 @@ def layer_sweep(
             ``"choice_logprob"`` or ``fn(logits [rows, d_vocab], samples) -> [rows]``.
         layers: ``None`` (every layer not in ``removed``, alone), ``[l, ...]`` (each alone) or
             layer sets ``[[16, 17], ...]`` (each set ablated together).
-        target: ``"block"`` (default: with ``mode="zero"`` the layer is removed), ``"mixer"``
-            (both parts of a two-part layer), ``"attn"``, ``"ssm"`` or ``"mlp"`` (see
-            :func:`layer_ablation_hooks`).
-        mode: ``"zero"`` or ``"mean"``: the mean over ``reference`` (the control's own windows
-            for the control) at the ablated positions, BOS excluded and unedited unless
-            ``include_bos`` (see :func:`layer_ablation_hooks`; ``method["mean_over"]`` says
-            which).
-        positions: ``None`` (every position), ``"last"`` or a list of positions.
-        reference: Task or token ids for ``mode="mean"``.
-        include_bos: Mean ablation: average over and edit the BOS position too.
         removed: Layers removed in every run, the baseline included (the paper first removes
             every layer above L17 of Llama-3.1-8B, then sweeps the rest).
         control: What needs no in-context retrieval (:func:`~gna_lens.tasks.resolve_control`):
@@ -1038,13 +958,6 @@ def layer_sweep(
             ``"prose"`` (next-token loss on prose shipped with gna_lens), ``None``, a
             :class:`~gna_lens.tasks.TextControl`, a knowledge :class:`~gna_lens.tasks.Task`
             (answer NLL among its options), texts or a ``datasets.Dataset``.
-        method: ``"batched"`` or ``"loop"`` (the reference).
-        max_rows: Prompts (control windows) per forward pass.
-        progress: Show a progress bar.
-        executor: ``None`` (this process) or a :class:`gna_lens.distributed.RayExecutor`: the
-            layer cells (and prompt batches) of the task and of the control are sharded over
-            Ray workers as in :func:`~gna_lens.interventions.ablation.ablation_sweep`, with the
-            numbers of this process; ``method["executor"]`` records the workers.
 
     Returns:
         A :class:`LayerSweepResult`: ``ranking()``, ``to_dataframe()`` (effects with 95%
@@ -1097,22 +1010,10 @@ def prune_from_end(
     Where the task falls to chance while the control holds, the layers just removed carry what
     the task needs; the paper finds Llama-3.1-8B keeps MMLU until L17 is removed.
 
+    The other arguments are those of :func:`layer_sweep`.
+
     Args:
-        model: A TransformerBridge or a HookedSSM.
-        task: The task.
-        metric: As in :func:`layer_sweep`.
         n_steps: Pruning steps (default ``n_layers - 1``: every step that leaves a layer).
-        target: ``"block"`` (default), ``"mixer"``, ``"attn"``, ``"ssm"`` or ``"mlp"``.
-        mode: ``"zero"`` or ``"mean"`` (as in :func:`layer_sweep`).
-        positions: ``None``, ``"last"`` or a list of positions.
-        reference: Task or token ids for ``mode="mean"``.
-        include_bos: Mean ablation: average over and edit the BOS position too.
-        control: As in :func:`layer_sweep` (default ``"auto"``).
-        method: ``"batched"`` or ``"loop"``.
-        max_rows: Prompts per forward pass.
-        progress: Show a progress bar.
-        executor: ``None`` or a :class:`gna_lens.distributed.RayExecutor` (as in
-            :func:`layer_sweep`).
 
     Returns:
         A :class:`LayerSweepResult` whose cell ``k`` removes the last ``k + 1`` layers.

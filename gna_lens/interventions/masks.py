@@ -5,29 +5,15 @@ A mask is a ``[query_pos, key_pos]`` tensor (or ``[batch, query_pos, key_pos]`` 
 batch) of *keep* weights: ``True`` / 1 keeps an entry of the pattern, ``False`` / 0 removes it.
 Rows a mask does not constrain are all ``True``.
 
-- :func:`gather_mask`: each summary token (the last token of a segment) attends only within its
-  own segment.
-- :func:`aggregate_mask`: the query (final) position attends only to the summary tokens.
-
-Built from a :class:`~gna_lens.tasks.Sample` they are ``[n_tokens, n_tokens]``; built from a
-:class:`~gna_lens.tasks.Batch` they are ``[batch, pos, pos]`` with every row's spans shifted by its
-padding, and padding rows / columns left at ``True``.
-
-:func:`mask_patterns` applies masks inside a ``with`` block:
-
-- ``mode="post"`` multiplies the pattern after the softmax (no renormalization);
-- ``mode="pre"`` sets removed scores to the dtype's minimum before the softmax of attention heads
-  (renormalized over the kept keys; a query row with no kept key gets an all-zero row). SSM heads
-  have no softmax: their implicit attention is unnormalized, so ``"pre"`` multiplies the
-  materialized matrix exactly as ``"post"`` does. In a layer of a hybrid student whose heads are of
-  both kinds (one ``hook_pattern`` holds them all, no scores hook covers every head), ``"pre"``
-  on an attention head keeps the entries a mask keeps and divides each row by its sum: the
-  softmax over the kept keys, the same numbers.
+:func:`mask_patterns` applies masks inside a ``with`` block. ``mode="pre"`` sets removed scores
+to the dtype's minimum before the softmax of attention heads (a query row with no kept key gets an
+all-zero row). SSM heads have no softmax: there ``"pre"`` multiplies the materialized matrix as
+``"post"`` does. In a layer of a hybrid student whose heads are of both kinds (no scores hook
+covers every head), ``"pre"`` on an attention head keeps the entries a mask keeps and divides each
+row by its sum: the softmax over the kept keys, the same numbers.
 
 SSM heads are edited through HookedSSM's materialized ``hook_pattern`` (only the masked heads and
-the query rows a mask changes are materialized, see ``HookedSSM.pattern_selection``); the model must
-run in float32 or float64. A TransformerBridge whose attention would discard pattern edits is
-refused (:class:`~gna_lens.errors.PatternEditError`).
+the query rows a mask changes, see ``HookedSSM.pattern_selection``), in float32 or float64.
 """
 
 from collections.abc import Callable, Iterator, Mapping, Sequence

@@ -238,12 +238,13 @@ def patch_heads(
     rows = [
         head_columns(cell)
         | ({"pos": cell_cols[i][0]} if cell_cols is not None else {})
-        | {"kind": cell_kind(view, cell), "label": _label(cell)}
+        | {"kind": cell_kind(view.kind_of, cell), "label": _label(cell)}
         for i, cell in enumerate(cells)
     ]
     return _result(
-        values, rows, [tuple(c) for c in cells], [r["kind"] for r in rows], met.name, baseline,
-        clean_base, "hook_z", clean, corrupted, positions, info,
+        rows, clean, corrupted, positions, cells=tuple(tuple(c) for c in cells),
+        kinds=tuple(r["kind"] for r in rows), values=values, baseline=baseline, metric=met.name,
+        clean_baseline=clean_base, activation="hook_z", info=info,
     )  # fmt: skip
 
 
@@ -256,12 +257,7 @@ def _paired(
     max_rows: int,
     who: str,
 ) -> tuple[Subject, Metric, Any, list[Group], list[int]]:
-    """What both patchings check first: the subject, the metric, the positions, the prompt
-    groups of equal length (clean and corrupted paired) and the prompt lengths.
-
-    Raises:
-        InterventionError: For unpaired tasks, or bad positions (``"each"``: of one length).
-    """
+    """The subject, metric, positions, paired prompt groups and prompt lengths, checked."""
     subject = Subject.of(model)
     met = Metric(metric, clean)
     positions = check_positions(positions, allow_each=True)
@@ -299,8 +295,8 @@ def _run(
     bar = tqdm(total=len(cells) * n, desc=desc, disable=not progress, leave=False)
     try:
         return run_cells(
-            runner, cells, groups, source_for, met, lambda g: g.indices, positions, plan,
-            "batched", baseline_tokens=lambda g: tokens_of(corrupted, g.indices, device), bar=bar,
+            runner, cells, groups, source_for, met, positions, plan, "batched",
+            baseline_tokens=lambda g: tokens_of(corrupted, g.indices, device), bar=bar,
             cell_cols=cell_cols,
         )  # fmt: skip
     finally:
@@ -320,17 +316,14 @@ def patch_residual(
 ) -> PatchResult:
     """Patch the residual stream entering each layer (``hook_resid_pre``) from clean to corrupted.
 
+    ``model``, ``clean``, ``corrupted``, ``metric``, ``max_rows`` and ``progress`` are those of
+    :func:`patch_heads`.
+
     Args:
-        model: A TransformerBridge or a HookedSSM.
-        clean: The clean task (its answers score the metric).
-        corrupted: The paired corrupted task (same token lengths).
-        metric: As for :func:`patch_heads`.
         layers: Layers to patch (default: all).
         positions: ``"each"`` (default: one patch per layer and position; prompts of equal
             length), ``None`` (all positions at once: restores the clean run exactly),
             ``"last"``, or a list of positions patched together.
-        max_rows: Rows per forward pass.
-        progress: Show a tqdm progress bar.
 
     Returns:
         A :class:`PatchResult` with ``layer`` and ``pos`` in ``index_df``.
@@ -388,8 +381,9 @@ def patch_residual(
         {"layer": layer} | ({"pos": pos[0]} if positions == "each" else {}) for layer, pos in cells
     ]
     return _result(
-        values, rows, [(layer,) for layer, _ in cells], ["resid"] * len(cells), met.name,
-        baseline, clean_base, "hook_resid_pre", clean, corrupted, positions, info,
+        rows, clean, corrupted, positions, cells=tuple((layer,) for layer, _ in cells),
+        kinds=("resid",) * len(cells), values=values, baseline=baseline, metric=met.name,
+        clean_baseline=clean_base, activation="hook_resid_pre", info=info,
     )  # fmt: skip
 
 
@@ -404,33 +398,12 @@ def _resid_cols(positions: Any, length: int) -> Any:
 
 
 def _result(
-    values: Any,
-    rows: list[dict[str, Any]],
-    cells: list[tuple[Any, ...]],
-    kinds: list[str],
-    metric: str,
-    baseline: Any,
-    clean_baseline: Any,
-    activation: str,
-    clean: Task,
-    corrupted: Task,
-    positions: Any,
-    info: dict[str, Any],
+    rows: list[dict[str, Any]], clean: Task, corrupted: Task, positions: Any, **fields: Any
 ) -> "PatchResult":
     """A :class:`PatchResult` with one flat row per patched cell."""
     import pandas as pd
 
     return PatchResult(
-        cells=tuple(cells),
-        kinds=tuple(kinds),
-        values=values,
-        baseline=baseline,
-        metric=metric,
-        task=describe_task(clean),
-        index_df=pd.DataFrame(rows),
-        clean_baseline=clean_baseline,
-        activation=activation,
-        corrupted_task=describe_task(corrupted),
-        positions=positions_label(positions),
-        info=info,
-    )
+        index_df=pd.DataFrame(rows), task=describe_task(clean),
+        corrupted_task=describe_task(corrupted), positions=positions_label(positions), **fields,
+    )  # fmt: skip

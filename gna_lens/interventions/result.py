@@ -2,21 +2,12 @@
 
 A sweep runs *cells* (a head, a head set, a layer, a set of layers, a patched activation) on the
 prompts of a task, and records the metric per cell and prompt next to the baseline without the
-intervention. :class:`CellResult` holds that and everything computed from it, the same way for
-head sweeps (:class:`~gna_lens.interventions.ablation.SweepResult`), layer sweeps
+intervention. :class:`CellResult` holds that and everything computed from it (effects with paired
+95% bootstrap intervals, a control's effects and selectivity, ranking, tables, JSON, plots), the
+same way for head sweeps (:class:`~gna_lens.interventions.ablation.SweepResult`), layer sweeps
 (:class:`~gna_lens.interventions.layers.LayerSweepResult`) and activation patching
-(:class:`~gna_lens.interventions.patching.PatchResult`), in this process or sharded over Ray:
-
-- ``effects`` (mean under the intervention minus mean baseline) with paired 95% bootstrap
-  intervals over prompts (``effect_intervals``), the values with theirs (Wilson for accuracy);
-- where a control was measured with the same cells, its effects and intervals, and a
-  selectivity (task lost beyond control lost);
-- ``ranking(k, by=...)``, ``to_dataframe()`` (one row per cell, the same numeric columns for
-  every kind of cell), ``to_dict()`` / :meth:`CellResult.from_dict` (JSON), ``plot()``;
-- ``info``: how the numbers were made (paths, fallbacks, forward passes, timings, executor).
-
-The subclasses add what only their cells have (a head grid, the fraction restored by a patch)
-and keep their historical attribute names; everything above is implemented here once.
+(:class:`~gna_lens.interventions.patching.PatchResult`); the subclasses add what only their cells
+have (a head grid, the fraction restored by a patch).
 """
 
 import math

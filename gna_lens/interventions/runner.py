@@ -20,12 +20,9 @@ Two kinds of reuse, for both model kinds (TransformerBridge, HookedSSM):
 Only the logits at the last position are computed where the model allows it (HookedSSM: final
 norm and unembedding on one position; bridge: ``logits_to_keep=1``).
 
-Fallbacks are narrow and never silent. A shortcut that does not apply to a model raises
-:class:`ShortcutNotApplicable` (a check that fails, or a torch ``RuntimeError`` from the model
-run under :func:`shortcut_run`, e.g. a shape the shortcut assumed); only that exception selects the
-plain path, and any other exception propagates. Every runner keeps a :class:`PathLog` of the paths
-it took and of each fallback with its reason; results carry it as ``info["paths"]`` and
-``info["fallbacks"]``.
+Fallbacks are narrow and never silent: only :class:`ShortcutNotApplicable` selects the plain
+path, and every runner keeps a :class:`PathLog` of the paths it took and of each fallback with its
+reason (``info["paths"]``, ``info["fallbacks"]``).
 """
 
 import copy
@@ -429,10 +426,7 @@ class Runner:
 
 
 def _attempt(fn: Callable[[], Tensor]) -> tuple[Tensor | None, str | None]:
-    """Run a shortcut: ``(result, None)``, or ``(None, reason)`` if it does not apply.
-
-    Only :class:`ShortcutNotApplicable` counts as "does not apply"; anything else propagates.
-    """
+    """``(fn(), None)``, or ``(None, reason)`` on :class:`ShortcutNotApplicable` (only)."""
     try:
         return fn(), None
     except ShortcutNotApplicable as err:
