@@ -472,7 +472,7 @@ def _is_pair(item: Any) -> bool:
     )
 
 
-def is_hooked_ssm(model: Any) -> bool:
+def is_hooked_ssm(model: object) -> bool:
     """Whether ``model`` is a :class:`~gna_lens.models.HookedSSM` (else a TransformerLens model)."""
     from gna_lens.models import HookedSSM
 
@@ -480,7 +480,11 @@ def is_hooked_ssm(model: Any) -> bool:
 
 
 def _hooked_ssm_part(
-    model: Any, layer: int, name: str, sets: tuple[tuple[int, ...], ...] | None, offset: int
+    model: "HookedModel",
+    layer: int,
+    name: str,
+    sets: tuple[tuple[int, ...], ...] | None,
+    offset: int,
 ) -> LayerHeads:
     """The heads of HookedSSM block ``layer`` behind the hooks of its submodule ``name``
     (``"attn"``: an attention; ``"mixer"``: an SSM mixer), the first being the layer's head
@@ -564,7 +568,7 @@ def _layer_of_parts(layer: int, parts: Sequence[LayerHeads]) -> LayerHeads | Non
     )
 
 
-def hook_points(model: Any, who: str) -> tuple[Any, dict[str, Any], int]:
+def hook_points(model: object, who: str) -> tuple[Any, dict[str, Any], int]:
     """A TransformerLens-style model's ``cfg``, ``hook_dict`` and ``cfg.n_layers``.
 
     Raises:
@@ -725,17 +729,17 @@ class Subject:
 ModelLike = HookedModel | Subject
 
 
-def model_of(model: Any) -> Any:
+def model_of(model: "ModelLike") -> HookedModel:
     """The model itself, from a model or a :class:`Subject`."""
     return model.model if isinstance(model, Subject) else model
 
 
-def policy_of(model: Any) -> DevicePolicy:
+def policy_of(model: "ModelLike") -> DevicePolicy:
     """The device / precision policy of a model or a :class:`Subject` (asked once there)."""
     return model.policy if isinstance(model, Subject) else DevicePolicy.of(model)
 
 
-def probe_tokens(model: Any) -> Tensor:
+def probe_tokens(model: HookedModel) -> Tensor:
     """Six fixed token ids ``[1, 6]`` on the model's device, for the probes that check an edit
     takes effect."""
     vocab = int(getattr(model.cfg, "d_vocab", 0) or 0) or 2
@@ -821,7 +825,7 @@ def edit_ignored(
     return None
 
 
-def cached_verdict(store: Any, model: Any, key: Any, probe: Any, *args: Any) -> str | None:
+def cached_verdict(store: Any, model: HookedModel, key: Any, probe: Any, *args: Any) -> str | None:
     """``probe(*args)``'s verdict on ``key`` (``None``: the edit takes effect), cached per model
     in ``store`` (a ``WeakKeyDictionary``); a model that cannot be weak-referenced is probed
     every time."""
@@ -834,7 +838,7 @@ def cached_verdict(store: Any, model: Any, key: Any, probe: Any, *args: Any) -> 
     return cast("str | None", verdicts[key])
 
 
-def _probe(model: Any, lh: LayerHeads, target: EditTarget) -> str | None:
+def _probe(model: HookedModel, lh: LayerHeads, target: EditTarget) -> str | None:
     """The reason an edit of ``target`` fails (:func:`edit_ignored`) in the first of the layer's
     parts that holds it (a multi-part layer's scores: its attention parts), or None."""
 
@@ -860,14 +864,16 @@ def _probe(model: Any, lh: LayerHeads, target: EditTarget) -> str | None:
     return None
 
 
-def _attn_module(model: Any, layer: int) -> Any:
+def _attn_module(model: HookedModel, layer: int) -> Any:
     try:
         return model.blocks[layer].attn
     except (AttributeError, IndexError, TypeError):
         return model
 
 
-def require_editable(model: Any, view: HeadView, layers: Iterable[int], target: EditTarget) -> None:
+def require_editable(
+    model: "ModelLike", view: HeadView, layers: Iterable[int], target: EditTarget
+) -> None:
     """Make sure edits of ``target`` at ``layers`` change the model's output, or refuse.
 
     HookedSSM layers always pass. Other models are checked once per (layer, target) with a
@@ -885,11 +891,12 @@ def require_editable(model: Any, view: HeadView, layers: Iterable[int], target: 
             show the edit takes effect (the output is not a tensor, changes shape or is not
             finite).
     """
+    net = model_of(model)
     for layer in sorted(set(layers)):
         lh = view[layer]
         if lh.verified:
             continue
-        reason = cached_verdict(_VERDICTS, model, (layer, target), _probe, model, lh, target)
+        reason = cached_verdict(_VERDICTS, net, (layer, target), _probe, net, lh, target)
         if reason is not None:
             what = {
                 "pattern": "post-softmax pattern edits (mask_patterns mode='post')",
@@ -938,7 +945,7 @@ def normalize_head_sets(view: HeadView, heads: Any, what: str = "heads") -> list
     return out
 
 
-def head_output_weights(model: Any, layer: int, part: int | None = None) -> Tensor | None:
+def head_output_weights(model: "ModelLike", layer: int, part: int | None = None) -> Tensor | None:
     """``W_O`` of ``layer``: ``[head_index, d_head, d_model]``, so that the layer's ``out_hook``
     is ``einsum(z, W_O) + bias``; ``None`` when the model does not expose it. Indexed like
     ``hook_z`` (per channel for Mamba-1, whether or not its channels are grouped).

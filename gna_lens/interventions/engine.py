@@ -765,7 +765,7 @@ def execute(
 
 
 def run_sweeps(
-    model: Any, jobs: Sequence[SweepJob], desc: str, executor: Any, progress: bool
+    model: object, jobs: Sequence[SweepJob], desc: str, executor: Any, progress: bool
 ) -> list[tuple[CellSweep, tuple[Tensor, Tensor, dict[str, Any]]]]:
     """Plan each job on ``model`` (:data:`PLANNERS`) and run it here or on ``executor``, under one
     progress bar (cells x samples, ``desc``) and one path log; returns each plan with its values,

@@ -230,7 +230,7 @@ def _require_editable(
         for name in _target_hooks(info, target):
             unchanged = f"would be silently ignored: zeroing {name} did not change the logits"
             reason = cached_verdict(
-                _VERDICTS, model, name, edit_ignored, model, name, torch.zeros_like, unchanged,
+                _VERDICTS, model_of(model), name, edit_ignored, model_of(model), name, torch.zeros_like, unchanged,
                 None, watch,
             )  # fmt: skip
             if reason is not None:

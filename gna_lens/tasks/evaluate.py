@@ -10,7 +10,7 @@ from torch import Tensor
 
 from gna_lens.device import HOST, DevicePolicy
 from gna_lens.errors import ConfigError, TaskError
-from gna_lens.heads import ModelLike, model_of
+from gna_lens.heads import ModelLike, Subject, model_of
 from gna_lens.tasks.core import PaddingSide, Task, pad_sequences
 
 __all__ = ["EvalResult", "evaluate"]
@@ -263,7 +263,7 @@ def evaluate(
             "single-token choices. Fix: method='auto' or 'per_choice'."
         )
     use_single = single and method != "per_choice"
-    net = model_of(model)
+    net = model_of(model) if isinstance(model, Subject) else model
     device = _device(net)
     rows = _rows(task, use_single)
     _check_lengths(task, rows, model_context_length(net))
