@@ -780,7 +780,7 @@ def uncomparable_outputs(base: Any, out: Any, call: str) -> str | None:
 
 
 def edit_ignored(
-    model: Any,
+    model: HookedModel,
     name: str,
     edit: Any,
     unchanged: str,
