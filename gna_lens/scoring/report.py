@@ -674,22 +674,21 @@ class GnaReport:
             if self.heads[i] in chosen:
                 continue
             r = turned_down.get(self.heads[i])
+            if r is None and c <= self.max_control:  # tied with the k-th head: not left out
+                continue
             if r is not None:
                 reason = (
                     f"joint control effect {r.joint_effect:+.3f} {self.control_unit} with the "
                     f"{r.after} joint-set head{'s' if r.after != 1 else ''} before it > "
                     f"max_control {self.max_control:g} (alone {c:+.3f})"
                 )
-                out.append(ExcludedHead(self.heads[i], e, c, reason, r.joint_effect))
-                continue
-            if c <= self.max_control:  # within the bound, tied with the k-th head: not left out
-                continue
-            reason = (
-                f"control effect {c:+.3f} {self.control_unit} > max_control {self.max_control:g}"
-                if not math.isnan(c)
-                else "control effect not measured"
-            )
-            out.append(ExcludedHead(self.heads[i], e, c, reason))
+            elif math.isnan(c):
+                reason = "control effect not measured"
+            else:
+                reason = f"control effect {c:+.3f} {self.control_unit} > max_control "
+                reason += f"{self.max_control:g}"
+            joint_effect = math.nan if r is None else r.joint_effect
+            out.append(ExcludedHead(self.heads[i], e, c, reason, joint_effect))
         return out
 
     def joint_table(self, heads: list[Head] | None = None) -> Any:
@@ -703,19 +702,14 @@ class GnaReport:
             See :meth:`top`.
         """
         joint = self._joint()
-        if heads is None:
-            heads = list(joint.heads) if joint is not None else []
+        effects = dict(zip(joint.heads, joint.effects, strict=True)) if joint is not None else {}
+        heads = list(effects) if heads is None else heads
         df = self.to_dataframe().set_index(["layer", "head"]).loc[list(heads)].reset_index()
-        cols: dict[str, list[float]] = {name: [] for name in _JOINT_COLUMNS}
-        position = {h: i for i, h in enumerate(joint.heads)} if joint is not None else {}
-        for h in heads:
-            i = position.get(tuple(h))  # type: ignore[arg-type]
-            iv = joint.effects[i] if joint is not None and i is not None else None
-            for name, attr in zip(_JOINT_COLUMNS, ("value", "low", "high"), strict=True):
-                cols[name].append(math.nan if iv is None else float(getattr(iv, attr)))
         at = list(df.columns).index("control_effect_high") + 1
-        for j, name in enumerate(_JOINT_COLUMNS):
-            df.insert(at + j, name, cols[name])
+        ivs = [effects.get(tuple(h)) for h in heads]  # type: ignore[arg-type]
+        for j, attr in enumerate(("value", "low", "high")):
+            column = [math.nan if iv is None else float(getattr(iv, attr)) for iv in ivs]
+            df.insert(at + j, _JOINT_COLUMNS[j], column)
         return df
 
     def heatmap(self, by: str = "ablation_effect") -> Float[Tensor, "layer head_index"]:
