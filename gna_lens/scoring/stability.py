@@ -205,48 +205,35 @@ def rank_stability(
             f"{n_total})."
         )
     measured = ~(effects.isnan().any(-1) | controls.isnan().any(-1))
-    a_zero, c_zero = effects.nan_to_num(0.0), controls.nan_to_num(0.0)
     point_effect = report.scores["ablation_effect"].double()
     point_ctrl = report.scores["control_effect"].double()
-    ok_point = ~point_effect.isnan() & ~point_ctrl.isnan()
     n_windows = controls.shape[1]
     boots = {}  # the same resamples for every bound
     for m in counts:
         gen = torch.Generator(device=HOST).manual_seed(seed)
-        a_boot = a_zero @ _counts(n_total, m, n_boot, gen).T / m  # [head, boot]
-        c_boot = c_zero @ _counts(n_windows, n_windows, n_boot, gen).T / n_windows
-        boots[m] = (a_boot, c_boot)
+        a_boot = effects.nan_to_num(0.0) @ _counts(n_total, m, n_boot, gen).T / m  # [head, boot]
+        c_boot = controls.nan_to_num(0.0) @ _counts(n_windows, n_windows, n_boot, gen).T
+        boots[m] = (a_boot, c_boot / n_windows)
+    steps = torch.arange(1, n_heads + 1, dtype=torch.float64, device=HOST)[:, None]
     rows: list[RankInterval] = []
     for bound in bounds:
+        ok = ~point_effect.isnan() & ~point_ctrl.isnan() & (point_ctrl <= bound)
+        key = point_effect.masked_fill(~ok, math.inf)
+        top = torch.argsort(key, stable=True)[: min(k, int(ok.sum()))].tolist()
         for m in counts:
             a_boot, c_boot = boots[m]
             eligible = measured[:, None] & (c_boot <= bound)
             order = torch.argsort(a_boot.masked_fill(~eligible, math.inf), dim=0, stable=True)
-            ranks = torch.empty_like(a_boot)
-            steps = torch.arange(1, n_heads + 1, dtype=a_boot.dtype, device=HOST)
-            ranks.scatter_(0, order, steps[:, None].expand(-1, n_boot).contiguous())
+            ranks = torch.empty_like(a_boot).scatter_(0, order, steps.expand(-1, n_boot))
             ranks = ranks.masked_fill(~eligible, math.inf)
-            ok = ok_point & (point_ctrl <= bound)
-            key = point_effect.masked_fill(~ok, math.inf)
-            top = torch.argsort(key, stable=True)[: min(k, int(ok.sum()))].tolist()
             for rank, i in enumerate(top, start=1):
-                r = ranks[i]
-                rows.append(
-                    RankInterval(
-                        bound=bound,
-                        n_prompts=m,
-                        rank=rank,
-                        head=report.heads[i],
-                        ablation_effect=float(point_effect[i]),
-                        control_effect=float(point_ctrl[i]),
-                        rank_low=(
-                            iv := percentile_interval(rank, r, lower="lower", upper="higher")
-                        ).low,
-                        rank_high=iv.high,
-                        p_top_k=float((r <= k).double().mean()),
-                        p_eligible=float(eligible[i].double().mean()),
-                    )
-                )
+                iv = percentile_interval(rank, ranks[i], lower="lower", upper="higher")
+                p_top_k = float((ranks[i] <= k).double().mean())
+                rows.append(RankInterval(
+                    bound, m, rank, report.heads[i], float(point_effect[i]),
+                    float(point_ctrl[i]), iv.low, iv.high, p_top_k,
+                    p_eligible=float(eligible[i].double().mean()),
+                ))  # fmt: skip
     method = (
         f"{n_boot} resamples: prompts drawn with replacement (n_prompts of {n_total}) and, "
         f"independently, the control's {n_windows} samples; each resample ranks heads by mean "
