@@ -465,13 +465,18 @@ def retrieval_vs_knowledge(
         paths.add(path)
         step_paths[name] = path_info["paths"]
         fallbacks += [f"{name}: {why}" for why in path_info["fallbacks"]]
-        n = len(task)
-        after = values[0]
-        rand = values[1:].double()  # [draws, prompts]
-        diff = pairs = None
+        n, after = len(task), values[0]
+        extra: dict[str, Any] = {}
         if sets:
-            pairs = after.double()[None] - rand  # [draws, prompts]: the set's change minus each
-            diff = pairs.mean(0)  # random set's, prompt by prompt
+            rand = values[1:].double()  # [draws, prompts]
+            pairs = after.double()[None] - rand  # the set's change minus each random set's
+            extra = dict(
+                random_after=two_level_interval(rand, seed=seed),
+                random_change=two_level_interval(rand - base.double()[None], seed=seed),
+                random_draws=tuple(rand.mean(-1).tolist()),
+                vs_random=two_level_interval(pairs, seed=seed),
+                p_value=paired_permutation_test(pairs.mean(0), seed=seed),  # prompt by prompt
+            )
         rows.append(
             TaskRow(
                 task=name,
@@ -481,13 +486,7 @@ def retrieval_vs_knowledge(
                 before=wilson_interval(float(base.sum()), n),
                 after=wilson_interval(float(after.sum()), n),
                 change=mean_interval(after - base),
-                random_after=two_level_interval(rand, seed=seed) if sets else None,
-                random_change=(
-                    two_level_interval(rand - base.double()[None], seed=seed) if sets else None
-                ),
-                random_draws=tuple(rand.mean(-1).tolist()) if sets else (),
-                vs_random=two_level_interval(pairs, seed=seed) if pairs is not None else None,
-                p_value=paired_permutation_test(diff, seed=seed) if diff is not None else None,
+                **extra,
             )
         )
     control_row = None

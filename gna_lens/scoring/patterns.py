@@ -45,7 +45,7 @@ matters is what ablation measures (:func:`~gna_lens.scoring.score_heads`).
 """
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -304,41 +304,34 @@ def _roles(per_sample: Tensor, chunk: int = 1024) -> tuple[str, ...]:
 
 
 @contextmanager
-def _capture_patterns(
-    model: HookedModel, view: HeadView, layers: Sequence[int]
-) -> Iterator[dict[int, Tensor]]:
-    """Hooks that store each single-part layer's pattern (keyed by layer: hook names can be
-    aliases); :func:`_capture_part_patterns` for layers of several parts."""
-    store: dict[int, Tensor] = {}
+def _capture(model: HookedModel, hooks: dict[Any, str]) -> Iterator[dict[Any, Tensor]]:
+    """Hooks that store the pattern of each hook name of ``hooks`` (``{key: name}``) by key."""
+    store: dict[Any, Tensor] = {}
 
-    def saver(layer: int) -> Callable[..., None]:
-        def save(pattern: Tensor, hook: Any) -> None:
-            store[layer] = pattern.detach()
-
-        return save
-
-    hooks = [(view[layer].hook("pattern"), saver(layer)) for layer in layers]
-    with model.hooks(fwd_hooks=hooks):
-        yield store
-
-
-@contextmanager
-def _capture_part_patterns(
-    model: HookedModel, view: HeadView, parts: Sequence[LayerHeads]
-) -> Iterator[dict[tuple[int, int], Tensor]]:
-    """Hooks that store the pattern of each of ``parts`` (parts of layers,
-    :attr:`~gna_lens.heads.LayerHeads.parts`), keyed by ``(layer, offset)``."""
-    store: dict[tuple[int, int], Tensor] = {}
-
-    def saver(key: tuple[int, int]) -> Callable[..., None]:
+    def saver(key: Any) -> Callable[..., None]:
         def save(pattern: Tensor, hook: Any) -> None:
             store[key] = pattern.detach()
 
         return save
 
-    hooks = [(p.pattern_hook, saver((p.layer, p.offset))) for p in parts]
-    with model.hooks(fwd_hooks=hooks):
+    with model.hooks(fwd_hooks=[(name, saver(key)) for key, name in hooks.items()]):
         yield store
+
+
+def _capture_patterns(
+    model: HookedModel, view: HeadView, layers: Sequence[int]
+) -> AbstractContextManager[dict[int, Tensor]]:
+    """Each single-part layer's pattern, keyed by layer (hook names can be aliases);
+    :func:`_capture_part_patterns` for layers of several parts."""
+    return _capture(model, {layer: view[layer].hook("pattern") for layer in layers})
+
+
+def _capture_part_patterns(
+    model: HookedModel, view: HeadView, parts: Sequence[LayerHeads]
+) -> AbstractContextManager[dict[tuple[int, int], Tensor]]:
+    """The pattern of each of ``parts`` (parts of layers,
+    :attr:`~gna_lens.heads.LayerHeads.parts`), keyed by ``(layer, offset)``."""
+    return _capture(model, {(p.layer, p.offset): p.pattern_hook for p in parts})
 
 
 def pattern_scores(
