@@ -267,28 +267,22 @@ def prefix_matching_scores(
         >>> round(scores.baseline, 4)  # a uniform causal row: ~ 1 / position
         0.0561
     """
-    if not isinstance(n_tokens, int) or isinstance(n_tokens, bool) or n_tokens < 2:
-        raise InterventionError(
-            f"prefix_matching_scores: n_tokens={n_tokens!r}; expected an int >= 2 (e.g. 50)."
-        )
-    if not isinstance(n_samples, int) or isinstance(n_samples, bool) or n_samples < 1:
-        raise InterventionError(
-            f"prefix_matching_scores: n_samples={n_samples!r}; expected a positive int."
-        )
+    for name, v, least, want in (("n_tokens", n_tokens, 2, "an int >= 2 (e.g. 50)"),
+                                 ("n_samples", n_samples, 1, "a positive int")):  # fmt: skip
+        if not isinstance(v, int) or isinstance(v, bool) or v < least:
+            raise InterventionError(f"prefix_matching_scores: {name}={v!r}; expected {want}.")
     subject = Subject.of(model)
     scan = _Parts(subject, heads)
     tokenizer = getattr(scan.net, "tokenizer", None)
     if prepend_bos is None:
         bos = _adds_bos(tokenizer)
-    elif prepend_bos:
-        bos = getattr(tokenizer, "bos_token_id", None)
-        if bos is None:
-            raise InterventionError(
-                "prefix_matching_scores: prepend_bos=True but the model's tokenizer has no "
-                "bos_token_id. Fix: prepend_bos=False (or None)."
-            )
     else:
-        bos = None
+        bos = getattr(tokenizer, "bos_token_id", None) if prepend_bos else None
+    if prepend_bos and bos is None:
+        raise InterventionError(
+            "prefix_matching_scores: prepend_bos=True but the model's tokenizer has no "
+            "bos_token_id. Fix: prepend_bos=False (or None)."
+        )
     pool = _token_pool(scan.net, tokenizer)
     if len(pool) < n_tokens:
         raise InterventionError(
