@@ -1,26 +1,16 @@
 """G&A scoring and discovery, identical for attention heads and SSM heads.
 
 - :func:`pattern_scores`: gather / aggregate / correct-share / sharpness scores from the heads'
-  patterns (attention, or a HookedSSM's materialized implicit attention), each with a null and
-  a role label only where the score beats it.
-- :func:`score_heads`: those scores plus exact ablation effects on the task and on a control
-  (every head up to :data:`EXACT_ALL_MAX` heads; above, coarse to fine: layers ranked by removal,
-  then the heads of the top layers; or pre-filtered by attribution), as a :class:`GnaReport`
-  whose default ranking is retrieval-specific, with ``to_dataframe``, ``top``, ``excluded``,
-  ``unmeasured`` (heads never ablated, and why), heatmaps, JSON and an offline HTML report; its
-  :class:`JointSet` is the greedy set of heads whose control effect *removed together* stays
-  within the bound (what ``top(k)`` returns).
-- :func:`joint_stability`: how often each head stays in the joint set over resampled selection
-  data.
-- :func:`rank_stability`: 95% bootstrap intervals of the top heads' ranks, per control bound and
-  prompt count.
-- :func:`find_gna_pairs`: Gather -> Aggregate pairs confirmed by ablation and pattern masks
-  (:func:`pair_candidates`, :func:`mask_experiment`).
-- :func:`prefix_matching_scores`: the prefix-matching (induction) score of every head on repeated
-  random tokens, against a uniform-head baseline: which heads could answer a retrieval prompt by
-  copying alone.
-- :func:`retrieval_vs_knowledge`: accuracy before / after removing heads, per task, with 95%
-  intervals, a control and a random-head baseline matched by layer.
+  patterns, each with a null and a role label only where the score beats it.
+- :func:`score_heads`: those scores plus exact ablation effects on the task and on a control, as
+  a :class:`GnaReport` whose default ranking is retrieval-specific (its :class:`JointSet`: heads
+  whose control effect *removed together* stays within the bound).
+- :func:`rank_stability` and :func:`joint_stability`: how stable that ranking and that set are
+  over resampled prompts and control windows.
+- :func:`find_gna_pairs`: Gather -> Aggregate pairs confirmed by ablation and pattern masks.
+- :func:`prefix_matching_scores`: induction scores, which heads could answer by copying alone.
+- :func:`retrieval_vs_knowledge`: accuracy before / after removing heads, per task, with a
+  control and a random-head baseline.
 """
 
 from gna_lens.scoring.induction import InductionScores, prefix_matching_scores

@@ -25,9 +25,9 @@ induction head 1; :attr:`InductionScores.previous_token` reports the share on ``
 same rows, which separates the two halves of the classic two-layer induction circuit.
 """
 
-from collections.abc import Callable, Sequence
-from contextlib import ExitStack
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -37,8 +37,8 @@ from tqdm.auto import tqdm
 
 from gna_lens.device import HOST, to_host
 from gna_lens.errors import InterventionError
-from gna_lens.heads import HeadList, HookedModel, LayerHeads, ModelLike, Subject
-from gna_lens.scoring.patterns import NORMALIZATION, _group_rows
+from gna_lens.heads import HeadList, HookedModel, ModelLike, Subject
+from gna_lens.scoring.patterns import NORMALIZATION, _group_rows, _normalize, _Parts
 
 __all__ = ["InductionScores", "prefix_matching_scores"]
 
@@ -199,18 +199,6 @@ def _row_scores(
     return induction, previous
 
 
-def _normalize(P: Tensor, rows: Sequence[int], sink: bool) -> Tensor:
-    """``|P|`` (``[head, row, key]``) over each row's causal keys, BOS dropped, summing to 1."""
-    n = P.shape[-1]
-    causal = (
-        torch.arange(n, device=P.device)[None, :] <= torch.tensor(rows, device=P.device)[:, None]
-    )
-    w = P.abs() * causal
-    if sink:
-        w[..., 0] = 0.0
-    return w / w.sum(-1, keepdim=True).clamp(min=1e-300)
-
-
 def uniform_baseline(n_tokens: int, bos: bool) -> float:
     """The prefix-matching score of a head whose rows are uniform over their causal keys.
 
@@ -279,135 +267,80 @@ def prefix_matching_scores(
         >>> round(scores.baseline, 4)  # a uniform causal row: ~ 1 / position
         0.0561
     """
-    if not isinstance(n_tokens, int) or isinstance(n_tokens, bool) or n_tokens < 2:
-        raise InterventionError(
-            f"prefix_matching_scores: n_tokens={n_tokens!r}; expected an int >= 2 (e.g. 50)."
-        )
-    if not isinstance(n_samples, int) or isinstance(n_samples, bool) or n_samples < 1:
-        raise InterventionError(
-            f"prefix_matching_scores: n_samples={n_samples!r}; expected a positive int."
-        )
+    for name, v, least, want in (("n_tokens", n_tokens, 2, "an int >= 2 (e.g. 50)"),
+                                 ("n_samples", n_samples, 1, "a positive int")):  # fmt: skip
+        if not isinstance(v, int) or isinstance(v, bool) or v < least:
+            raise InterventionError(f"prefix_matching_scores: {name}={v!r}; expected {want}.")
     subject = Subject.of(model)
-    net: Any = subject.model  # the model's own extras (SSM mixers, pattern selection)
-    view = subject.view
-    tokenizer = getattr(net, "tokenizer", None)
+    scan = _Parts(subject, heads)
+    tokenizer = getattr(scan.net, "tokenizer", None)
     if prepend_bos is None:
         bos = _adds_bos(tokenizer)
-    elif prepend_bos:
-        bos = getattr(tokenizer, "bos_token_id", None)
-        if bos is None:
-            raise InterventionError(
-                "prefix_matching_scores: prepend_bos=True but the model's tokenizer has no "
-                "bos_token_id. Fix: prepend_bos=False (or None)."
-            )
     else:
-        bos = None
-    pool = _token_pool(net, tokenizer)
+        bos = getattr(tokenizer, "bos_token_id", None) if prepend_bos else None
+    if prepend_bos and bos is None:
+        raise InterventionError(
+            "prefix_matching_scores: prepend_bos=True but the model's tokenizer has no "
+            "bos_token_id. Fix: prepend_bos=False (or None)."
+        )
+    pool = _token_pool(scan.net, tokenizer)
     if len(pool) < n_tokens:
         raise InterventionError(
             f"prefix_matching_scores: n_tokens={n_tokens} distinct tokens needed but the "
             f"vocabulary has {len(pool)} ordinary tokens. Fix: n_tokens <= {len(pool)}."
         )
-    wanted = view.check_heads(heads) if heads is not None else view.heads()
-    parts = {(p.layer, p.offset): p for p in view.parts_of(wanted)}
-    part_heads = {
-        key: sorted({h - key[1] for lay, h in wanted if lay == key[0] and p.local([h])})
-        for key, p in parts.items()
-    }
-    mixers = net.ssm_mixers() if hasattr(net, "pattern_selection") else {}
-    channels: dict[int, list[int]] = {}
-    for key, p in parts.items():
-        if p.ssm_mixer and key[0] in mixers:
-            chans = sorted({c for h in part_heads[key] for c in p.members(h)})
-            if len(chans) != p.n_channels:
-                channels[key[0]] = chans
     tokens = repeated_tokens(pool, n_tokens, n_samples, seed, bos)
     start = n_tokens + (0 if bos is None else 1)
     rows = list(range(start, start + n_tokens))
-    device = subject.device
-    out: dict[tuple[int, int], list[tuple[Tensor, Tensor]]] = {key: [] for key in parts}
+    out: dict[tuple[int, int], list[tuple[Tensor, Tensor]]] = {key: [] for key in scan.parts}
+    score = partial(_score, scan, rows=rows, n_tokens=n_tokens, sink=bos is not None, out=out)
     bar = tqdm(total=n_samples, desc="prefix matching", disable=not progress, leave=False)
     with torch.no_grad():
         for b0 in range(0, n_samples, batch_size):
-            ids = tokens[b0 : b0 + batch_size].to(device)
-            done: dict[tuple[int, int], int] = {}
-            hooks = [
-                (p.pattern_hook, _scorer(key, p, part_heads[key], mixers, rows, n_tokens, bos, done, out))
-                for key, p in parts.items()
-            ]  # fmt: skip
-            with ExitStack() as stack:
-                if mixers:
-                    stack.enter_context(
-                        net.pattern_selection(heads=channels or None, query_positions=rows)
-                    )
-                stack.enter_context(net.hooks(fwd_hooks=hooks))
-                net(ids, attention_mask=torch.ones_like(ids))
-            missing = [parts[key].pattern_hook for key in parts if done.get(key) != 1]
-            if missing:
-                raise InterventionError(
-                    f"prefix_matching_scores: the pattern hooks {missing} did not fire exactly "
-                    "once in a forward pass; their patterns cannot be scored."
-                )
+            ids = tokens[b0 : b0 + batch_size].to(subject.device)
+            scan.forward("prefix_matching_scores", ids, torch.ones_like(ids), rows, score)
             bar.update(len(ids))
     bar.close()
-    col = {key: {h: i for i, h in enumerate(part_heads[key])} for key in parts}
-    induction, previous = [], []
-    for lay, h in wanted:
-        p, local = view.part_of((lay, h))
-        key = (p.layer, p.offset)
-        i = col[key][local]
-        induction.append(torch.cat([s[0][:, i] for s in out[key]]))
-        previous.append(torch.cat([s[1][:, i] for s in out[key]]))
-    per_sample = torch.stack(induction, 1).float()
+    per_sample = scan.per_head({k: torch.cat([s[0] for s in v]) for k, v in out.items()}).float()
+    previous = scan.per_head({k: torch.cat([s[1] for s in v]) for k, v in out.items()}).float()
     return InductionScores(
-        heads=tuple(wanted),
-        kinds=tuple(view.kind_of(h) for h in wanted),
+        heads=tuple(scan.wanted),
+        kinds=tuple(scan.view.kind_of(h) for h in scan.wanted),
         prefix_matching=per_sample.mean(0),
-        previous_token=torch.stack(previous, 1).float().mean(0),
+        previous_token=previous.mean(0),
         per_sample=per_sample,
         baseline=uniform_baseline(n_tokens, bos is not None),
         n_tokens=n_tokens,
         n_samples=n_samples,
         seed=seed,
         bos=bos is not None,
-        head_groups=view.group_spec,
+        head_groups=scan.view.group_spec,
     )
 
 
-def _scorer(
+def _score(
+    scan: _Parts,
     key: tuple[int, int],
-    lh: LayerHeads,
-    heads: list[int],
-    mixers: dict[int, Any],
+    pattern: Tensor,
+    *,
     rows: list[int],
     n_tokens: int,
-    bos: int | None,
-    done: dict[tuple[int, int], int],
+    sink: bool,
     out: dict[tuple[int, int], list[tuple[Tensor, Tensor]]],
-) -> Callable[..., None]:
-    """A ``hook_pattern`` hook scoring the part ``key``'s heads on ``rows`` of every prompt."""
-
-    def score(pattern: Tensor, hook: Any) -> None:
-        done[key] = done.get(key, 0) + 1
-        mixer = mixers.get(lh.layer) if lh.ssm_mixer else None
-        head_idx, row_idx = mixer.last_pattern_index if mixer is not None else (None, None)
-        row_pos = list(range(pattern.shape[-2])) if row_idx is None else row_idx.tolist()
-        row_of = {p: r for r, p in enumerate(row_pos)}
-        chan_pos = list(range(pattern.shape[1])) if head_idx is None else head_idx.tolist()
-        chan_of = {c: i for i, c in enumerate(chan_pos)}
-        take = torch.tensor([row_of[r] for r in rows], device=pattern.device)
-        P = pattern.detach().index_select(2, take).double()  # [batch, chan, row, key]
-        ind, prev = [], []
-        for b in range(P.shape[0]):
-            if lh.channels is None:
-                sel = torch.tensor([chan_of[h] for h in heads], device=P.device)
-                w = _normalize(P[b].index_select(0, sel), rows, bos is not None)
-            else:
-                groups = [[chan_of[c] for c in lh.members(h)] for h in heads]
-                w = _group_rows(P[b], rows, groups, bos is not None)
-            i, p = _row_scores(w, rows, n_tokens)
-            ind.append(i)
-            prev.append(p)
-        out[key].append((to_host(torch.stack(ind)), to_host(torch.stack(prev))))
-
-    return score
+) -> None:
+    """Part ``key``'s heads scored on ``rows`` of every prompt (a ``hook_pattern`` hook's work)."""
+    lh, heads = scan.parts[key], scan.heads[key]
+    row_of, chan_of = scan.index(key, pattern)
+    take = torch.tensor([row_of[r] for r in rows], device=pattern.device)
+    P = pattern.index_select(2, take).double()  # [batch, chan, row, key]
+    ind, prev = [], []
+    for b in range(P.shape[0]):
+        if lh.channels is None:
+            sel = torch.tensor([chan_of[h] for h in heads], device=P.device)
+            w = _normalize(P[b].index_select(0, sel), rows, sink)
+        else:
+            w = _group_rows(P[b], rows, [[chan_of[c] for c in lh.members(h)] for h in heads], sink)
+        i, p = _row_scores(w, rows, n_tokens)
+        ind.append(i)
+        prev.append(p)
+    out[key].append((to_host(torch.stack(ind)), to_host(torch.stack(prev))))

@@ -7,7 +7,8 @@ records): :func:`gna_lens.scan.scan` does, and says how many prompts each side h
 
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -147,29 +148,21 @@ def matched_random_sets(
     taken = set(heads)
     banned = taken | set(exclude)
     free = [h for h in view.heads() if h not in banned]
-    by_layer: dict[Any, list[Head]] = {}
-    by_kind: dict[Any, list[Head]] = {}
-    for h in free:
-        by_layer.setdefault(h[0], []).append(h)
-        by_kind.setdefault(view.kind_of(h), []).append(h)
-    need_layer: dict[Any, int] = {}
-    need_kind: dict[Any, int] = {}
-    for head in taken:
-        need_layer[head[0]] = need_layer.get(head[0], 0) + 1
-        need_kind[view.kind_of(head)] = need_kind.get(view.kind_of(head), 0) + 1
-    for key in need_layer:
-        by_layer.setdefault(key, [])
-    for key in need_kind:
-        by_kind.setdefault(key, [])
-    pools, need, matching = by_layer, need_layer, "layer"
-    n_possible = _n_sets(pools, need)
+
+    def matched(key: Callable[[Head], Any]) -> tuple[dict[Any, list[Head]], Counter[Any], int]:
+        need = Counter(key(h) for h in taken)
+        pools = {k: [h for h in free if key(h) == k] for k in need}
+        return pools, need, _n_sets(pools, need)
+
+    pools, need, n_possible = matched(lambda h: h[0])
+    matching = "layer"
     if n_possible < min(n_draws, MIN_MATCHED_DRAWS):
-        pools, need, matching = by_kind, need_kind, "kind"
-        n_possible = _n_sets(pools, need)
+        pools, need, n_possible = matched(view.kind_of)
+        matching = "kind"
     if n_possible == 0 and n_draws:
         raise GnaLensError(
             f"matched_random_sets: removing {sorted(taken)} leaves too few heads to draw a set "
-            f"of as many attention / SSM heads ({dict(need_kind)}) with {len(banned) - len(taken)} "
+            f"of as many attention / SSM heads ({dict(need)}) with {len(banned) - len(taken)} "
             f"more excluded; the model has {view.n_heads_total} heads. Fix: remove or exclude "
             "fewer heads, or pass random_draws=0."
         )
@@ -472,13 +465,18 @@ def retrieval_vs_knowledge(
         paths.add(path)
         step_paths[name] = path_info["paths"]
         fallbacks += [f"{name}: {why}" for why in path_info["fallbacks"]]
-        n = len(task)
-        after = values[0]
-        rand = values[1:].double()  # [draws, prompts]
-        diff = pairs = None
+        n, after = len(task), values[0]
+        extra: dict[str, Any] = {}
         if sets:
-            pairs = after.double()[None] - rand  # [draws, prompts]: the set's change minus each
-            diff = pairs.mean(0)  # random set's, prompt by prompt
+            rand = values[1:].double()  # [draws, prompts]
+            pairs = after.double()[None] - rand  # the set's change minus each random set's
+            extra = dict(
+                random_after=two_level_interval(rand, seed=seed),
+                random_change=two_level_interval(rand - base.double()[None], seed=seed),
+                random_draws=tuple(rand.mean(-1).tolist()),
+                vs_random=two_level_interval(pairs, seed=seed),
+                p_value=paired_permutation_test(pairs.mean(0), seed=seed),  # prompt by prompt
+            )
         rows.append(
             TaskRow(
                 task=name,
@@ -488,13 +486,7 @@ def retrieval_vs_knowledge(
                 before=wilson_interval(float(base.sum()), n),
                 after=wilson_interval(float(after.sum()), n),
                 change=mean_interval(after - base),
-                random_after=two_level_interval(rand, seed=seed) if sets else None,
-                random_change=(
-                    two_level_interval(rand - base.double()[None], seed=seed) if sets else None
-                ),
-                random_draws=tuple(rand.mean(-1).tolist()) if sets else (),
-                vs_random=two_level_interval(pairs, seed=seed) if pairs is not None else None,
-                p_value=paired_permutation_test(diff, seed=seed) if diff is not None else None,
+                **extra,
             )
         )
     control_row = None

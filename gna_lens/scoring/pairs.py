@@ -133,9 +133,7 @@ def pair_candidates(
             "pair_candidates needs a report with ablation effects (score_heads(ablation=True))."
         )
     scale = abs(report.baseline) if not math.isnan(report.baseline) and report.baseline else 1.0
-    ok = effects.nan_to_num(nan=0.0) < -min_effect * scale
-    if min_effect == 0.0:
-        ok = effects.nan_to_num(nan=0.0) < 0
+    ok = effects.nan_to_num(nan=0.0) < -min_effect * scale  # min_effect 0: -0.0, i.e. < 0
     if report.has_control:
         ok &= report.scores["control_effect"].nan_to_num(nan=math.inf) <= report.max_control
     sc = report.scores

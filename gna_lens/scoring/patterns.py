@@ -45,8 +45,9 @@ matters is what ablation measures (:func:`~gna_lens.scoring.score_heads`).
 """
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -303,41 +304,34 @@ def _roles(per_sample: Tensor, chunk: int = 1024) -> tuple[str, ...]:
 
 
 @contextmanager
-def _capture_patterns(
-    model: HookedModel, view: HeadView, layers: Sequence[int]
-) -> Iterator[dict[int, Tensor]]:
-    """Hooks that store each single-part layer's pattern (keyed by layer: hook names can be
-    aliases); :func:`_capture_part_patterns` for layers of several parts."""
-    store: dict[int, Tensor] = {}
+def _capture(model: HookedModel, hooks: dict[Any, str]) -> Iterator[dict[Any, Tensor]]:
+    """Hooks that store the pattern of each hook name of ``hooks`` (``{key: name}``) by key."""
+    store: dict[Any, Tensor] = {}
 
-    def saver(layer: int) -> Callable[..., None]:
-        def save(pattern: Tensor, hook: Any) -> None:
-            store[layer] = pattern.detach()
-
-        return save
-
-    hooks = [(view[layer].hook("pattern"), saver(layer)) for layer in layers]
-    with model.hooks(fwd_hooks=hooks):
-        yield store
-
-
-@contextmanager
-def _capture_part_patterns(
-    model: HookedModel, view: HeadView, parts: Sequence[LayerHeads]
-) -> Iterator[dict[tuple[int, int], Tensor]]:
-    """Hooks that store the pattern of each of ``parts`` (parts of layers,
-    :attr:`~gna_lens.heads.LayerHeads.parts`), keyed by ``(layer, offset)``."""
-    store: dict[tuple[int, int], Tensor] = {}
-
-    def saver(key: tuple[int, int]) -> Callable[..., None]:
+    def saver(key: Any) -> Callable[..., None]:
         def save(pattern: Tensor, hook: Any) -> None:
             store[key] = pattern.detach()
 
         return save
 
-    hooks = [(p.pattern_hook, saver((p.layer, p.offset))) for p in parts]
-    with model.hooks(fwd_hooks=hooks):
+    with model.hooks(fwd_hooks=[(name, saver(key)) for key, name in hooks.items()]):
         yield store
+
+
+def _capture_patterns(
+    model: HookedModel, view: HeadView, layers: Sequence[int]
+) -> AbstractContextManager[dict[int, Tensor]]:
+    """Each single-part layer's pattern, keyed by layer (hook names can be aliases);
+    :func:`_capture_part_patterns` for layers of several parts."""
+    return _capture(model, {layer: view[layer].hook("pattern") for layer in layers})
+
+
+def _capture_part_patterns(
+    model: HookedModel, view: HeadView, parts: Sequence[LayerHeads]
+) -> AbstractContextManager[dict[tuple[int, int], Tensor]]:
+    """The pattern of each of ``parts`` (parts of layers,
+    :attr:`~gna_lens.heads.LayerHeads.parts`), keyed by ``(layer, offset)``."""
+    return _capture(model, {(p.layer, p.offset): p.pattern_hook for p in parts})
 
 
 def pattern_scores(
@@ -381,67 +375,30 @@ def pattern_scores(
         ('gather', 'aggregate', '')
     """
     subject = Subject.of(model)
-    model, view = subject.model, subject.view
-    net: Any = model  # the model's own extras (SSM mixers, pattern selection)
-    wanted = view.check_heads(heads) if heads is not None else view.heads()
-    # Scored per part of a layer (one hook_pattern each; Falcon-H1 and Zamba2 layers have two),
-    # keyed (layer, offset), with the part's own head indices.
-    parts = {(p.layer, p.offset): p for p in view.parts_of(wanted)}
-    part_heads = {
-        key: sorted({h - key[1] for lay, h in wanted if lay == key[0] and p.local([h])})
-        for key, p in parts.items()
-    }
-    per_part: dict[tuple[int, int], list[Tensor]] = {key: [] for key in parts}
-    device = subject.device
-    bos = getattr(task.tokenizer or getattr(model, "tokenizer", None), "bos_token_id", None)
-    mixers = net.ssm_mixers() if hasattr(net, "pattern_selection") else {}
-    # SSM mixers materialize only the channels of the wanted heads (None: all of them).
-    channels = {}
-    for key, p in parts.items():
-        if p.ssm_mixer and key[0] in mixers:
-            chans = sorted({c for h in part_heads[key] for c in p.members(h)})
-            channels[key[0]] = None if len(chans) == p.n_channels else chans
+    scan = _Parts(subject, heads)
+    bos = getattr(task.tokenizer or getattr(subject.model, "tokenizer", None), "bos_token_id", None)
+    per_part: dict[tuple[int, int], list[Tensor]] = {key: [] for key in scan.parts}
     n_done = 0
     batches = task.batches(batch_size, padding_side=padding_side)  # type: ignore[arg-type]
     bar = tqdm(total=len(task), desc="pattern scores", disable=not progress, leave=False)
     with torch.no_grad():
         for batch in batches:
-            ids = batch.input_ids.to(device)
-            mask = batch.attention_mask.to(device)
             rows = [scored_rows(sample) for sample in batch.samples]
             padded = sorted(
                 {off + r for off, rs in zip(batch.offsets, rows, strict=True) for r in rs}
             )
-            scorer = _Scorer(parts, part_heads, mixers, batch, rows, bos, per_part)
-            hooks = [(p.pattern_hook, scorer.hook(key)) for key, p in parts.items()]
-            with ExitStack() as stack:
-                if mixers:
-                    heads_sel = {k: v for k, v in channels.items() if v is not None}
-                    stack.enter_context(
-                        net.pattern_selection(heads=heads_sel or None, query_positions=padded)
-                    )
-                stack.enter_context(net.hooks(fwd_hooks=hooks))
-                net(ids, attention_mask=mask)
-            missing = [parts[key].pattern_hook for key in parts if scorer.done.get(key) != 1]
-            if missing:
-                raise InterventionError(
-                    f"pattern_scores: the pattern hooks {missing} did not fire exactly once in a "
-                    "forward pass; their patterns cannot be scored."
-                )
+            score = partial(_score_batch, scan, batch=batch, rows=rows, bos=bos, out=per_part)
+            ids, mask = batch.input_ids.to(subject.device), batch.attention_mask.to(subject.device)
+            scan.forward("pattern_scores", ids, mask, padded, score)
             n_done += len(batch)
             bar.update(len(batch))
     bar.close()
-    stacked = {key: torch.stack(rows) for key, rows in per_part.items()}  # [S, H_part, C]
-    col = {key: {h: i for i, h in enumerate(part_heads[key])} for key in parts}
-    where = [view.part_of(h) for h in wanted]
-    per_sample = torch.stack(
-        [stacked[(p.layer, p.offset)][:, col[(p.layer, p.offset)][h]] for p, h in where], 1
-    )
+    per_sample = scan.per_head({key: torch.stack(rows) for key, rows in per_part.items()})
     means = per_sample.mean(0).float()  # NaN nulls stay NaN
     cols = {name: means[:, i] for i, name in enumerate(SCORE_NAMES)}
     return PatternScores(
-        heads=tuple(wanted),
-        kinds=tuple(view.kind_of(h) for h in wanted),
+        heads=tuple(scan.wanted),
+        kinds=tuple(scan.view.kind_of(h) for h in scan.wanted),
         **cols,  # type: ignore[arg-type]
         roles=_roles(per_sample),
         per_sample=per_sample.float(),
@@ -450,69 +407,113 @@ def pattern_scores(
     )
 
 
-class _Scorer:
-    """Pattern hooks that score each layer as its pattern is computed, then let it go.
+class _Parts:
+    """The wanted heads by part of a layer (one ``hook_pattern`` each; Falcon-H1 and Zamba2
+    layers have two), keyed ``(layer, offset)``, with the part's own head indices.
 
-    One layer's pattern is alive at a time (the hook keeps only the per-sample scores), and of
-    an SSM layer only the rows the scores read (:func:`scored_rows`, through
-    ``HookedSSM.pattern_selection``) and the wanted heads' channels are materialized. Keyed by
-    part of a layer, ``(layer, offset)``.
+    :meth:`forward` scores each part inside its hook, so one layer's pattern is alive at a time,
+    and of an SSM layer only the given query rows and the wanted heads' channels are
+    materialized (``HookedSSM.pattern_selection``).
     """
 
-    def __init__(
-        self,
-        parts: dict[tuple[int, int], LayerHeads],
-        part_heads: dict[tuple[int, int], list[int]],
-        mixers: dict[int, Any],
-        batch: Any,
-        rows: list[list[int]],
-        bos: int | None,
-        out: dict[tuple[int, int], list[Tensor]],
-    ):
-        self.parts, self.part_heads, self.mixers = parts, part_heads, mixers
-        self.batch, self.rows, self.bos, self.out = batch, rows, bos, out
-        self.done: dict[tuple[int, int], int] = {}
+    def __init__(self, subject: Subject, heads: Sequence[Head] | None):
+        self.net: Any = subject.model  # the model's own extras (SSM mixers, pattern selection)
+        self.view = view = subject.view
+        self.wanted = wanted = view.check_heads(heads) if heads is not None else view.heads()
+        self.parts = {(p.layer, p.offset): p for p in view.parts_of(wanted)}
+        self.heads = {
+            key: sorted({h - key[1] for lay, h in wanted if lay == key[0] and p.local([h])})
+            for key, p in self.parts.items()
+        }
+        self.mixers = self.net.ssm_mixers() if hasattr(self.net, "pattern_selection") else {}
+        self.channels: dict[int, list[int]] = {}  # SSM layers: the wanted channels, if not all
+        for key, p in self.parts.items():
+            if p.ssm_mixer and key[0] in self.mixers:
+                chans = sorted({c for h in self.heads[key] for c in p.members(h)})
+                if len(chans) != p.n_channels:
+                    self.channels[key[0]] = chans
 
-    def hook(self, key: tuple[int, int]) -> Callable[..., None]:
-        def score(pattern: Tensor, hook: Any) -> None:
-            self.done[key] = self.done.get(key, 0) + 1
-            self.score(key, pattern.detach())
+    def forward(
+        self, name: str, ids: Tensor, mask: Tensor, rows: list[int], score: Callable[..., None]
+    ) -> None:
+        """One forward pass that calls ``score(key, pattern)`` once per part, materializing the
+        query positions ``rows`` of SSM patterns.
 
-        return score
+        Raises:
+            InterventionError: When a part's hook does not fire exactly once.
+        """
+        done: dict[tuple[int, int], int] = {}
 
-    def score(self, key: tuple[int, int], pattern: Tensor) -> None:
+        def hook(key: tuple[int, int]) -> Callable[..., None]:
+            def run(pattern: Tensor, hook: Any) -> None:
+                done[key] = done.get(key, 0) + 1
+                score(key, pattern.detach())
+
+            return run
+
+        with ExitStack() as stack:
+            if self.mixers:
+                stack.enter_context(
+                    self.net.pattern_selection(heads=self.channels or None, query_positions=rows)
+                )
+            hooks = [(p.pattern_hook, hook(key)) for key, p in self.parts.items()]
+            stack.enter_context(self.net.hooks(fwd_hooks=hooks))
+            self.net(ids, attention_mask=mask)
+        missing = [p.pattern_hook for key, p in self.parts.items() if done.get(key) != 1]
+        if missing:
+            raise InterventionError(
+                f"{name}: the pattern hooks {missing} did not fire exactly once in a forward "
+                "pass; their patterns cannot be scored."
+            )
+
+    def index(self, key: tuple[int, int], pattern: Tensor) -> tuple[dict[int, int], dict[int, int]]:
+        """``pattern``'s row per query position and index per channel (an SSM mixer
+        materializes a selection of both)."""
         lh = self.parts[key]
-        head_idx, row_idx = (None, None)
         mixer = self.mixers.get(lh.layer) if lh.ssm_mixer else None
-        if mixer is not None:
-            head_idx, row_idx = mixer.last_pattern_index
-        length = pattern.shape[-1]
-        row_pos = list(range(length)) if row_idx is None else row_idx.tolist()
-        row_of = {p: r for r, p in enumerate(row_pos)}
-        chan_pos = list(range(pattern.shape[1])) if head_idx is None else head_idx.tolist()
-        chan_of = {c: i for i, c in enumerate(chan_pos)}
-        heads = self.part_heads[key]
-        for b, (sample, off) in enumerate(zip(self.batch.samples, self.batch.offsets, strict=True)):
-            n, rs = sample.n_tokens, self.rows[b]
-            sink = self.bos is not None and sample.input_ids[0] == self.bos
-            take = torch.tensor([row_of[off + r] for r in rs], device=pattern.device)
-            P = pattern[b].index_select(1, take)[..., off : off + n].double()  # [chan, R, n]
-            if lh.channels is None:
-                sel = torch.tensor([chan_of[h] for h in heads], device=pattern.device)
-                P = P.index_select(0, sel)
-            else:
-                P = _group_rows(P, rs, [[chan_of[c] for c in lh.members(h)] for h in heads], sink)
-            self.out[key].append(to_host(_sample_scores(P, sample, sink, rs)))
+        head_idx, row_idx = mixer.last_pattern_index if mixer is not None else (None, None)
+        rows = range(pattern.shape[-2]) if row_idx is None else row_idx.tolist()
+        chans = range(pattern.shape[1]) if head_idx is None else head_idx.tolist()
+        return {p: r for r, p in enumerate(rows)}, {c: i for i, c in enumerate(chans)}
+
+    def per_head(self, per_part: dict[tuple[int, int], Tensor]) -> Tensor:
+        """``[sample, head, ...]`` in :attr:`wanted` order from ``[sample, part head, ...]``."""
+        col = {key: {h: i for i, h in enumerate(hs)} for key, hs in self.heads.items()}
+        where = [self.view.part_of(h) for h in self.wanted]
+        return torch.stack(
+            [per_part[(p.layer, p.offset)][:, col[(p.layer, p.offset)][h]] for p, h in where], 1
+        )
 
 
-def _group_rows(P: Tensor, positions: Sequence[int], groups: list[list[int]], sink: bool) -> Tensor:
-    """Mamba-1 channel groups: each group's rows as the mean of its channels' normalized rows.
+def _score_batch(
+    scan: _Parts,
+    key: tuple[int, int],
+    pattern: Tensor,
+    *,
+    batch: Any,
+    rows: list[list[int]],
+    bos: int | None,
+    out: dict[tuple[int, int], list[Tensor]],
+) -> None:
+    """The scores of part ``key``'s heads on each sample of ``batch`` (its ``rows``)."""
+    lh, heads = scan.parts[key], scan.heads[key]
+    row_of, chan_of = scan.index(key, pattern)
+    for b, (sample, off) in enumerate(zip(batch.samples, batch.offsets, strict=True)):
+        n, rs = sample.n_tokens, rows[b]
+        sink = bos is not None and sample.input_ids[0] == bos
+        take = torch.tensor([row_of[off + r] for r in rs], device=pattern.device)
+        P = pattern[b].index_select(1, take)[..., off : off + n].double()  # [chan, R, n]
+        if lh.channels is None:
+            sel = torch.tensor([chan_of[h] for h in heads], device=pattern.device)
+            P = P.index_select(0, sel)
+        else:
+            P = _group_rows(P, rs, [[chan_of[c] for c in lh.members(h)] for h in heads], sink)
+        out[key].append(to_host(_sample_scores(P, sample, sink, rs)))
 
-    Each channel's row ``|α_e[i, :]|`` over the causal keys (BOS dropped when ``sink``) is divided
-    by its sum, then averaged over the group's channels: the normalization of
-    :data:`NORMALIZATION` applied per channel first, so each channel counts equally (see
-    :func:`gna_lens.heads.head_patterns`).
-    """
+
+def _normalize(P: Tensor, positions: Sequence[int], sink: bool) -> Tensor:
+    """``|P|`` (``[head, row, key]``, row ``i`` at query position ``positions[i]``) over each
+    row's causal keys, BOS dropped when ``sink``, divided by its sum (:data:`NORMALIZATION`)."""
     n = P.shape[-1]
     causal = (
         torch.arange(n, device=P.device)[None, :]
@@ -521,5 +522,12 @@ def _group_rows(P: Tensor, positions: Sequence[int], groups: list[list[int]], si
     w = P.abs() * causal
     if sink:
         w[..., 0] = 0.0
-    w = w / w.sum(-1, keepdim=True).clamp(min=1e-300)
+    return w / w.sum(-1, keepdim=True).clamp(min=1e-300)
+
+
+def _group_rows(P: Tensor, positions: Sequence[int], groups: list[list[int]], sink: bool) -> Tensor:
+    """Mamba-1 channel groups: each group's rows as the mean of its channels' rows, each
+    normalized first (:func:`_normalize`), so each channel counts equally (see
+    :func:`gna_lens.heads.head_patterns`)."""
+    w = _normalize(P, positions, sink)
     return torch.stack([w[g].mean(0) for g in groups])

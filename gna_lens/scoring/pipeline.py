@@ -110,40 +110,20 @@ def _examples(model: ModelLike, task: Task, heads: list[Head]) -> dict[str, Any]
     return {"tokens": tokens, "patterns": patterns, "sample": 0}
 
 
-def _intervals(sweep: SweepResult) -> tuple[Tensor, Tensor]:
-    """Per-cell 95% bootstrap intervals (over samples) of the paired effect, as tensors."""
+def _per_head(
+    heads: list[Head], sweep: SweepResult
+) -> tuple[Tensor, Tensor, Tensor, Float[Tensor, "head sample"]]:
+    """Per head of ``heads`` (NaN for heads not in the sweep): the sweep's effect, its 95%
+    bootstrap interval over samples (low, high) and the per-sample effects ``[head, sample]``."""
     ivs = sweep.effect_intervals()
-    return (
-        torch.tensor([iv.low for iv in ivs], dtype=torch.float32, device=HOST),
-        torch.tensor([iv.high for iv in ivs], dtype=torch.float32, device=HOST),
-    )
-
-
-def _scatter(heads: list[Head], sweep: SweepResult, *cols: Tensor) -> list[Tensor]:
-    """Per-head tensors (NaN for heads not in the sweep) of the sweep's effects and ``cols``."""
+    cols = [sweep.effects.tolist(), [iv.low for iv in ivs], [iv.high for iv in ivs]]
+    table = torch.tensor(cols, dtype=torch.float32, device=HOST)
+    samples = to_host(sweep.values.float() - sweep.baseline.float()[None])
     by_cell = {c[0]: i for i, c in enumerate(sweep.cells)}
-    out = []
-    for col in (sweep.effects, *cols):
-        full = host_full(len(heads))
-        for i, h in enumerate(heads):
-            j = by_cell.get(h)
-            if j is not None:
-                full[i] = float(col[j])
-        out.append(full)
-    return out
-
-
-def _scatter_samples(heads: list[Head], sweep: SweepResult) -> Float[Tensor, "head sample"]:
-    """Per-head, per-sample effects ``[head, sample]`` (value minus baseline; NaN rows for
-    heads not in the sweep)."""
-    diffs = to_host(sweep.values.float() - sweep.baseline.float()[None])
-    by_cell = {c[0]: i for i, c in enumerate(sweep.cells)}
-    full = host_full((len(heads), int(sweep.values.shape[1])))
-    for i, h in enumerate(heads):
-        j = by_cell.get(h)
-        if j is not None:
-            full[i] = diffs[j]
-    return full
+    rows = [by_cell.get(h, len(sweep.cells)) for h in heads]  # one past the cells: a NaN row
+    table = torch.cat([table, host_full((3, 1))], 1)[:, rows]
+    samples = torch.cat([samples, host_full((1, samples.shape[1]))])[rows]
+    return table[0], table[1], table[2], samples
 
 
 def _joint_walk(
@@ -316,14 +296,10 @@ def score_heads(
 
     Heads are ablated alone on the task and on the control; effects carry 95% bootstrap
     intervals over the prompts (the control's windows). The default ranking
-    (:meth:`GnaReport.top`) is retrieval-specific: by retrieval effect among the heads whose
-    control effect stays at most ``max_control`` nats/token, and, since heads that each pass
-    alone can break the control together, a greedy joint set (:class:`JointSet`) of up to
-    ``joint_k`` of them whose control effect *removed together* stays at most ``max_control``:
-    walking the per-head order, each head joins only if the set with it, ablated together (same
-    mode and positions), stays within the bound (one control sweep per candidate, of
-    :data:`JOINT_BATCH` candidates after one is turned down). ``method["joint_control"]`` says
-    what was done.
+    (:meth:`GnaReport.top`) is retrieval-specific: the greedy joint set (:class:`JointSet`) of
+    up to ``joint_k`` heads whose control effect, alone and *removed together*, stays at most
+    ``max_control`` (one control sweep per candidate, of :data:`JOINT_BATCH` after one is
+    turned down; ``method["joint_control"]`` says what was done).
 
     Which heads are ablated (``strategy``): on models with at most :data:`EXACT_ALL_MAX` heads,
     every one (``"exact"``). On larger models, coarse to fine as the paper works
@@ -347,10 +323,9 @@ def score_heads(
         model: A TransformerBridge or a HookedSSM.
         task: A task with spans, e.g. :func:`gna_lens.tasks.kv_retrieval`.
         ablation: Measure each head's ablation effects (batched sweeps).
-        control: What needs no in-context retrieval (:func:`resolve_control`): ``"auto"``
-            (default: the zoo's cloze split on a zoo model, else ``"prose"``), ``"prose"``,
-            ``None``, a :class:`~gna_lens.tasks.TextControl`, a knowledge
-            :class:`~gna_lens.tasks.Task`, texts or a ``datasets.Dataset``.
+        control: What needs no in-context retrieval, in any form :func:`resolve_control` takes
+            (default ``"auto"``: the zoo's cloze split on a zoo model, else ``"prose"``; ``None``:
+            no control, and :meth:`GnaReport.top` needs ``by=``).
         metric: ``"logit_diff"``, ``"accuracy"``, ``"logprob"`` or ``"choice_logprob"``.
         mode: ``"zero"``, ``"mean"`` (the head's mean output over ``reference``, default the task
             itself) or ``"resample"`` (needs a ``reference`` task other than ``task``).
@@ -367,21 +342,17 @@ def score_heads(
         top_layers: Layers whose heads a coarse-to-fine scan ablates (default
             :func:`default_top_layers`: 4, fewer where their heads would exceed
             :data:`EXACT_ALL_MAX`).
-        head_groups: What a Mamba-1 head is, for this call only (:func:`applied_head_groups`):
-            ``"auto"`` (default: on a Mamba-1 / FalconMamba model with more than
-            :data:`EXACT_ALL_MAX` single-channel heads and no groups of its own, contiguous
-            blocks of :data:`DEFAULT_CHANNEL_GROUP` channels, e.g. 24 per layer of mamba-130m;
-            otherwise the model's heads as they are), ``None`` (single channels), or an int
-            block size / ``{layer: ...}`` of :meth:`~gna_lens.models.HookedSSM.set_head_groups`.
-            The report's ``(layer, head)`` then address groups (``method["head_groups"]`` says
-            which; ablate them inside ``with model.head_groups(size):``).
+        head_groups: What a Mamba-1 head is, for this call only (:func:`applied_head_groups`;
+            ``"auto"``: blocks of :data:`DEFAULT_CHANNEL_GROUP` channels on a Mamba-1 model
+            above :data:`EXACT_ALL_MAX` heads, e.g. 24 per layer of mamba-130m). The report's
+            ``(layer, head)`` then address groups (``method["head_groups"]`` says which; ablate
+            them inside ``with model.head_groups(size):``).
         sweep_dtype: ``None`` (the model's dtype), ``"bfloat16"`` (autocast of the ablation
-            sweeps only) or ``"auto"`` (on models above :data:`EXACT_ALL_MAX` heads, bfloat16
-            only where a probe on this model and device measures it faster and it passes
-            :func:`check_bfloat16`; see :func:`resolve_sweep_dtype`); recorded in ``method``
-            (``sweep_dtype_choice``, and ``sweep_dtype_probe`` with the timings). On SmolLM2-135M
-            bfloat16 was 1.64x faster on one CPU with AVX512-BF16, 1.78x slower on another,
-            and 10x slower with AVX2 kernels only (benchmarks/RESULTS.md): it is measured.
+            sweeps only) or ``"auto"`` (bfloat16 only where measured faster on this model and
+            device and passing :func:`check_bfloat16`: :func:`resolve_sweep_dtype`); recorded in
+            ``method``. On SmolLM2-135M bfloat16 was 1.64x faster on one CPU with AVX512-BF16,
+            1.78x slower on another, and 10x slower with AVX2 kernels only
+            (benchmarks/RESULTS.md).
         batch_size: Prompts per forward pass of the pattern scores.
         n_examples: Top heads whose patterns on the first sample are kept for display.
         progress: Show progress bars.
@@ -393,8 +364,7 @@ def score_heads(
             head exactly (:func:`choose_strategy`; default :data:`EXACT_BUDGET_S`).
         joint_k: Heads of the greedy joint set (default :data:`JOINT_K`; 0: none, and
             :meth:`GnaReport.top` bounds each head alone). ``top(k)`` needs ``k <= joint_k``
-            unless the walk ran out of candidates. Costs a control sweep of one head set per
-            candidate tried (of :data:`JOINT_BATCH` after one is turned down).
+            unless the walk ran out of candidates.
 
     Returns:
         A :class:`GnaReport`.
@@ -428,16 +398,51 @@ def score_heads(
             f"joint_k={JOINT_K} (default), the k you will ask top(k) for, or 0 for none."
         )
     with applied_head_groups(model_of(model), head_groups) as groups_choice:
+        _check_task(task)
         # A Subject built by the caller stays valid unless the grouping changed just now.
-        same = isinstance(model, Subject) and not groups_choice
-        return _score_heads(
-            model if same else model_of(model), task, ablation, control=control, metric=metric, mode=mode,
-            positions=positions, reference=reference, max_control=max_control,
-            prefilter=prefilter, strategy=strategy, top_layers=top_layers,
-            sweep_dtype=sweep_dtype, batch_size=batch_size, n_examples=n_examples,
-            progress=progress, groups_choice=groups_choice, executor=executor,
-            exact_budget_s=exact_budget_s, joint_k=joint_k,
+        subject = Subject.of(
+            model if isinstance(model, Subject) and not groups_choice else model_of(model)
+        )
+        positions = check_positions(positions)
+        strategy, strategy_why = choose_strategy(
+            subject, task, strategy, prefilter=prefilter, top_layers=top_layers,
+            exact_budget_s=exact_budget_s,
         )  # fmt: skip
+        dtype_choice: dict[str, Any] = {}
+        if ablation:  # pattern scores alone run no sweep
+            sweep_dtype, dtype_choice = resolve_sweep_dtype(subject, sweep_dtype, task)
+        reference = _reference(task, mode, reference)
+        run = _Run(
+            subject, task, metric, mode, positions, reference, sweep_dtype, progress, executor
+        )
+        _pattern_stage(run, batch_size)
+        if ablation:
+            run.control = resolve_control(
+                control, getattr(subject.model, "tokenizer", None), positions=positions
+            )
+            run.targets = run.heads
+            if strategy == "attribution":
+                _attribution_stage(
+                    run, DEFAULT_PREFILTER if prefilter is None else prefilter, batch_size
+                )
+            if strategy == "coarse_to_fine":
+                _layer_stage(
+                    run, default_top_layers(subject.view) if top_layers is None else top_layers
+                )
+            _sweep_stage(run, strategy, strategy_why)
+        description = _describe_control(run, max_control)
+        groups = describe_head_groups(subject.view)
+        if groups:
+            run.method["head_groups"] = groups
+        run.method.update(groups_choice)
+        run.method.update(dtype_choice)  # {} without ablation
+        report = _report(run, ablation, description, max_control)
+        if ablation and run.control is not None and report.has_control:
+            _joint_stage(run, report, joint_k)
+        if n_examples:
+            with run.timed("examples"):
+                _examples_stage(run, report, ablation, n_examples)
+        return report
 
 
 @dataclass
@@ -476,74 +481,6 @@ class _Run:
 
     def precision(self) -> Any:
         return sweep_precision(self.subject, self.sweep_dtype)
-
-
-def _score_heads(
-    model: ModelLike,
-    task: Task,
-    ablation: bool,
-    *,
-    control: Any,
-    metric: str,
-    mode: str,
-    positions: Any,
-    reference: Any,
-    max_control: float,
-    prefilter: int | None,
-    strategy: str,
-    top_layers: int | None,
-    sweep_dtype: str | None,
-    batch_size: int,
-    n_examples: int,
-    progress: bool,
-    groups_choice: dict[str, Any],
-    executor: Any = None,
-    exact_budget_s: float = EXACT_BUDGET_S,
-    joint_k: int = JOINT_K,
-) -> GnaReport:
-    """:func:`score_heads` with the head groups in place, as its stages (the model's view is
-    built here, once, and every stage is handed it)."""
-    _check_task(task)
-    subject = Subject.of(model)
-    positions = check_positions(positions)
-    strategy, strategy_why = choose_strategy(
-        subject, task, strategy, prefilter=prefilter, top_layers=top_layers,
-        exact_budget_s=exact_budget_s,
-    )  # fmt: skip
-    dtype_choice: dict[str, Any] = {}
-    if ablation:  # pattern scores alone run no sweep
-        sweep_dtype, dtype_choice = resolve_sweep_dtype(subject, sweep_dtype, task)
-    reference = _reference(task, mode, reference)
-    run = _Run(subject, task, metric, mode, positions, reference, sweep_dtype, progress, executor)
-    _pattern_stage(run, batch_size)
-    if ablation:
-        run.control = resolve_control(
-            control, getattr(subject.model, "tokenizer", None), positions=positions
-        )
-        run.targets = run.heads
-        if strategy == "attribution":
-            _attribution_stage(
-                run, DEFAULT_PREFILTER if prefilter is None else prefilter, batch_size
-            )
-        if strategy == "coarse_to_fine":
-            _layer_stage(
-                run, default_top_layers(subject.view) if top_layers is None else top_layers
-            )
-        _sweep_stage(run, strategy, strategy_why)
-    description = _describe_control(run, max_control)
-    groups = describe_head_groups(subject.view)
-    if groups:
-        run.method["head_groups"] = groups
-    run.method.update(groups_choice)
-    if ablation:
-        run.method.update(dtype_choice)
-    report = _report(run, ablation, description, max_control)
-    if ablation and run.control is not None and report.has_control:
-        _joint_stage(run, report, joint_k)
-    if n_examples:
-        with run.timed("examples"):
-            _examples_stage(run, report, ablation, n_examples)
-    return report
 
 
 def _check_task(task: Any) -> None:
@@ -658,9 +595,9 @@ def _sweep_stage(run: _Run, strategy: str, strategy_why: str) -> None:
                     subject, run.control, targets, mode=run.mode, positions=run.positions,
                     progress=run.progress, executor=run.executor,
                 )  # fmt: skip
-    effect, lo, hi = _scatter(heads, sweep, *_intervals(sweep))
+    effect, lo, hi, samples = _per_head(heads, sweep)
     run.table.update(ablation_effect=effect, ablation_effect_low=lo, ablation_effect_high=hi)
-    run.samples = {"ablation_effect": _scatter_samples(heads, sweep)}
+    run.samples = {"ablation_effect": samples}
     run.baseline = sweep.baseline_mean
     method = run.method
     method.update(
@@ -680,10 +617,9 @@ def _sweep_stage(run: _Run, strategy: str, strategy_why: str) -> None:
         method.update(mean_over=sweep.info["mean_over"], include_bos=sweep.info["include_bos"])
     method.setdefault("prefilter", "none")
     if ctrl is not None:
-        c_eff, c_lo, c_hi = _scatter(heads, ctrl, *_intervals(ctrl))
+        c_eff, c_lo, c_hi, run.samples["control_effect"] = _per_head(heads, ctrl)
         run.table.update(control_effect=c_eff, control_effect_low=c_lo, control_effect_high=c_hi)
         run.table["specificity"] = specificity(effect, run.baseline, c_eff)
-        run.samples["control_effect"] = _scatter_samples(heads, ctrl)
         run.control_baseline = ctrl.baseline_mean
         method.update(control_path=ctrl.method)
         method["paths"]["control"] = ctrl.info.get("paths", {})

@@ -46,7 +46,8 @@ from gna_lens.interventions.layers import LayerSweepResult
 from gna_lens.render.html import write_report_html
 from gna_lens.render.markdown import heads_label
 from gna_lens.scoring.patterns import NORMALIZATION, SCORE_NAMES, Head
-from gna_lens.stats import Estimate, Interval
+from gna_lens.stats import Interval
+from gna_lens.table import Record, from_json
 
 __all__ = [
     "COLUMNS",
@@ -128,10 +129,7 @@ class ExcludedHead:
 
     def to_dict(self) -> dict[str, Any]:
         """The head and its reason as a flat dict."""
-        return {
-            "head": f"L{self.head[0]}H{self.head[1]}",
-            "layer": self.head[0],
-            "head_index": self.head[1],
+        return _head_keys(self.head) | {
             "ablation_effect": self.ablation_effect,
             "control_effect": self.control_effect,
             "joint_control_effect": _clean(self.joint_control_effect),
@@ -162,6 +160,12 @@ class UnmeasuredHeads:
             "reason": self.reason,
         }
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "UnmeasuredHeads":
+        """The heads of :meth:`to_dict`."""
+        layer = int(data["layer"])
+        return cls(layer, tuple((layer, int(h)) for h in data["head_indices"]), str(data["reason"]))
+
     def describe(self) -> str:
         """``"L3 (24 heads): layer ranked 7 of 24 by ..."``."""
         n = len(self.heads)
@@ -169,7 +173,7 @@ class UnmeasuredHeads:
 
 
 @dataclass(frozen=True)
-class RejectedHead:
+class RejectedHead(Record):
     """A head the greedy joint set passed over: alone it stays within the bound, added to the
     heads accepted before it it does not.
 
@@ -186,17 +190,20 @@ class RejectedHead:
 
     def to_dict(self) -> dict[str, Any]:
         """``{"head": "L0H2", "layer", "head_index", "joint_effect", "after"}``."""
-        return {
-            "head": f"L{self.head[0]}H{self.head[1]}",
-            "layer": self.head[0],
-            "head_index": self.head[1],
+        return _head_keys(self.head) | {
             "joint_effect": _clean(self.joint_effect),
             "after": self.after,
         }
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "RejectedHead":
+        """The head of :meth:`to_dict`."""
+        head = (int(data["layer"]), int(data["head_index"]))
+        return cls(head, from_json(float, data["joint_effect"]), int(data["after"]))
+
 
 @dataclass(frozen=True)
-class JointSet:
+class JointSet(Record):
     """A set of heads whose control effect *together* stays within the bound, built greedily.
 
     :func:`score_heads` walks the per-head retrieval-specific order (``top(k, joint=False)``);
@@ -219,7 +226,7 @@ class JointSet:
         n_candidates: Heads the walk could try (those passing the bound alone).
 
     Examples:
-        >>> from gna_lens.stats import Estimate, Interval
+        >>> from gna_lens.stats import Interval
         >>> joint = JointSet(
         ...     heads=((0, 0), (1, 0)),
         ...     effects=(Interval(0.01, 0.0, 0.02, 8, "bootstrap"),
@@ -280,39 +287,7 @@ class JointSet:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serializable dict (NaN as ``None``); :meth:`from_dict` reads it back."""
-        return {
-            "heads": [list(h) for h in self.heads],
-            "effects": [iv.to_dict() for iv in self.effects],
-            "rejected": [r.to_dict() for r in self.rejected],
-            "bound": self.bound,
-            "unit": self.unit,
-            "joint_k": self.joint_k,
-            "exhausted": self.exhausted,
-            "n_candidates": self.n_candidates,
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "JointSet":
-        """The joint set written by :meth:`to_dict`."""
-
-        def num(v: Any) -> float:
-            return math.nan if v is None else float(v)
-
-        return cls(
-            heads=tuple((int(a), int(b)) for a, b in data["heads"]),
-            effects=tuple(Estimate.from_dict(e) for e in data["effects"]),
-            rejected=tuple(
-                RejectedHead(
-                    (int(r["layer"]), int(r["head_index"])), num(r["joint_effect"]), int(r["after"])
-                )
-                for r in data["rejected"]
-            ),
-            bound=float(data["bound"]),
-            unit=str(data.get("unit", "nats/token")),
-            joint_k=int(data["joint_k"]),
-            exhausted=bool(data["exhausted"]),
-            n_candidates=int(data.get("n_candidates", 0)),
-        )
+        return super().to_dict() | {"bound": self.bound}  # an infinite bound stays one
 
     def to_dataframe(self) -> Any:
         """One row per head tried: ``step, layer, head, status`` (``"accepted"`` /
@@ -321,17 +296,11 @@ class JointSet:
         order they were tried."""
         import pandas as pd
 
-        rows = [
-            {"layer": h[0], "head": h[1], "status": "accepted", "after": i,
-             "joint_effect": iv.value, "joint_effect_low": iv.low, "joint_effect_high": iv.high}
-            for i, (h, iv) in enumerate(zip(self.heads, self.effects, strict=True))
-        ] + [
-            {"layer": r.head[0], "head": r.head[1], "status": "rejected", "after": r.after,
-             "joint_effect": r.joint_effect, "joint_effect_low": math.nan,
-             "joint_effect_high": math.nan}
-            for r in self.rejected
-        ]  # fmt: skip
-        rows.sort(key=lambda r: (r["after"], r["status"] == "accepted"))  # tried in this order
+        nan = math.nan
+        rows = [(*h, "accepted", i, iv.value, iv.low, iv.high) for i, (h, iv) in enumerate(
+            zip(self.heads, self.effects, strict=True))]  # fmt: skip
+        rows += [(*r.head, "rejected", r.after, r.joint_effect, nan, nan) for r in self.rejected]
+        rows.sort(key=lambda r: (r[3], r[2] == "accepted"))  # tried in this order
         df = pd.DataFrame(
             rows,
             columns=["layer", "head", "status", "after", "joint_effect", "joint_effect_low",
@@ -452,13 +421,7 @@ class GnaReport:
         """What was measured and the top ``k`` heads with their 95% intervals, as text.
 
         Examples:
-            >>> from gna_lens.scoring import score_heads
-            >>> from gna_lens.testing import toy_gna_model, toy_gna_task, toy_control
-            >>> model = toy_gna_model()
-            >>> report = score_heads(model, toy_gna_task(model, n_samples=8),
-            ...                      control=toy_control(model), progress=False)
-            >>> print(report.summary(2).splitlines()[2])
-            Task: kv_retrieval(template=toy, n_pairs=4, values=words) (n=8, scoring=choices) on 8 prompts
+            See :meth:`top`.
         """
         heads: list[Head] = []
         lines = [repr(self), f"Weights: {self.method.get('weights', 'not recorded')}"]
@@ -595,81 +558,88 @@ class GnaReport:
             0.0
             >>> report.top(2, joint=False) == report.top(2)  # nothing turned down here
             True
+            >>> report.joint_table(report.top(2))[["layer", "head", "joint_control_effect"]]
+               layer  head  joint_control_effect
+            0      0     0                   0.0
+            1      1     0                   0.0
+            >>> print(report.summary(2).splitlines()[2])
+            Task: kv_retrieval(template=toy, n_pairs=4, values=words) (n=8, scoring=choices) on 8 prompts
+            >>> again = GnaReport.from_json(report.to_json())  # JSON both ways
+            >>> again.top(2) == report.top(2), again.joint_set == report.joint_set
+            (True, True)
         """
-        if by is not None and joint:
-            raise GnaLensError(
-                f"GnaReport.top(k={k}, by={by!r}, joint=True): the joint set belongs to the "
-                "default ranking; a column's raw order has none. Fix: top(k) (joint set) or "
-                f"top(k, by={by!r})."
-            )
-        if by is None:
-            if not self.has_control:
+        if by is not None:
+            if joint:
                 raise GnaLensError(
-                    "GnaReport.top(): the default ranking is retrieval-specific and needs control "
-                    "effects, which this report has not measured (control=None, or no exact "
-                    "ablation). Fix: score_heads(..., control='prose') (or a knowledge task), or "
-                    "top(k, by='ablation_effect') for the raw order."
+                    f"GnaReport.top(k={k}, by={by!r}, joint=True): the joint set belongs to the "
+                    "default ranking; a column's raw order has none. Fix: top(k) (joint set) or "
+                    f"top(k, by={by!r})."
                 )
-            js = self._joint() if joint is None or joint else None
-            if joint and js is None:
+            if by not in self.scores:
+                raise GnaLensError(
+                    f"GnaReport.top(by={by!r}); expected None (retrieval-specific) or one of "
+                    f"{sorted(self.scores)}."
+                )
+            if bool(torch.isnan(self.scores[by]).all()):
+                raise GnaLensError(
+                    f"GnaReport.top(by={by!r}): this report has no {by} (it was not computed). "
+                    "Run score_heads(..., ablation=True) for ablation effects."
+                )
+            sign = 1.0 if by in _LOWER_FIRST else -1.0  # NaN last either way
+            return self._first((sign * self.scores[by].double()).nan_to_num(nan=math.inf), k)
+        if not self.has_control:
+            raise GnaLensError(
+                "GnaReport.top(): the default ranking is retrieval-specific and needs control "
+                "effects, which this report has not measured (control=None, or no exact "
+                "ablation). Fix: score_heads(..., control='prose') (or a knowledge task), or "
+                "top(k, by='ablation_effect') for the raw order."
+            )
+        js = self._joint() if joint is None or joint else None
+        if joint and js is None:
+            why = (
+                "it has none (score_heads(..., joint_k=0))"
+                if self.joint_set is None
+                else f"its joint set was built for max_control {self.joint_set.bound:g}, not "
+                f"{self.max_control:g}"
+            )
+            raise GnaLensError(
+                f"GnaReport.top(k={k}, joint=True): {why}. Fix: score_heads(..., "
+                f"max_control={self.max_control:g}, joint_k={max(k, JOINT_K)}), or top({k}, "
+                "joint=False) for the per-head order."
+            )
+        if js is not None:
+            if k > js.joint_k and not js.exhausted:
+                raise GnaLensError(
+                    f"GnaReport.top(k={k}): the joint set was built for joint_k={js.joint_k} "
+                    f"heads (it holds {len(js)}; candidates were left untried), so its first "
+                    f"{k} are unknown. Fix: score_heads(..., joint_k={k}) for a joint set of "
+                    f"{k} heads, or top({k}, joint=False) for the per-head order (bounded one "
+                    "head at a time, not together)."
+                )
+            if len(js) < k < len(self.heads):  # (k >= every head: "all that qualify")
                 why = (
-                    "it has none (score_heads(..., joint_k=0))"
-                    if self.joint_set is None
-                    else f"its joint set was built for max_control {self.joint_set.bound:g}, not "
-                    f"{self.max_control:g}"
+                    f"the model has {len(self.heads)} heads"
+                    if len(js) == len(self.heads)
+                    else f"the joint set holds {len(js)}: each other candidate, removed with "
+                    f"them, pushes the control effect above max_control {self.max_control:g} "
+                    f"or was never measured (see excluded({k}) and unmeasured)"
                 )
-                raise GnaLensError(
-                    f"GnaReport.top(k={k}, joint=True): {why}. Fix: score_heads(..., "
-                    f"max_control={self.max_control:g}, joint_k={max(k, JOINT_K)}), or top({k}, "
-                    "joint=False) for the per-head order."
-                )
-            if js is not None:
-                if k > js.joint_k and not js.exhausted:
-                    raise GnaLensError(
-                        f"GnaReport.top(k={k}): the joint set was built for joint_k={js.joint_k} "
-                        f"heads (it holds {len(js)}; candidates were left untried), so its first "
-                        f"{k} are unknown. Fix: score_heads(..., joint_k={k}) for a joint set of "
-                        f"{k} heads, or top({k}, joint=False) for the per-head order (bounded one "
-                        "head at a time, not together)."
-                    )
-                if len(js) < k < len(self.heads):  # (k >= every head: "all that qualify")
-                    why = (
-                        f"the model has {len(self.heads)} heads"
-                        if len(js) == len(self.heads)
-                        else f"the joint set holds {len(js)}: each other candidate, removed with "
-                        f"them, pushes the control effect above max_control {self.max_control:g} "
-                        f"or was never measured (see excluded({k}) and unmeasured)"
-                    )
-                    _short(k, len(js), why)
-                return HeadList(list(js.heads[: max(k, 0)]), self.head_groups)
-            values = self.scores["ablation_effect"].double()
-            ok = self._eligible()
-            if int(ok.sum()) < k < len(self.heads):
-                _short(
-                    k, int(ok.sum()), f"{int(ok.sum())} heads were measured and have a control "
-                    f"effect of at most max_control {self.max_control:g} (see excluded({k}) "
-                    "and unmeasured)",
-                )  # fmt: skip
-            key = values.masked_fill(~ok, math.inf)
-            order = torch.argsort(key, stable=True).tolist()
-            return HeadList(
-                [self.heads[i] for i in order[: min(k, int(ok.sum()))]], self.head_groups
-            )
-        if by not in self.scores:
-            raise GnaLensError(
-                f"GnaReport.top(by={by!r}); expected None (retrieval-specific) or one of "
-                f"{sorted(self.scores)}."
-            )
-        values = self.scores[by].double()
-        if bool(torch.isnan(values).all()):
-            raise GnaLensError(
-                f"GnaReport.top(by={by!r}): this report has no {by} (it was not computed). Run "
-                "score_heads(..., ablation=True) for ablation effects."
-            )
-        ascending = by in _LOWER_FIRST
-        key = values.nan_to_num(nan=math.inf if ascending else -math.inf)
-        order = torch.argsort(key if ascending else -key, stable=True).tolist()
-        return HeadList([self.heads[i] for i in order[:k]], self.head_groups)
+                _short(k, len(js), why)
+            return HeadList(list(js.heads[: max(k, 0)]), self.head_groups)
+        ok = self._eligible()
+        n_ok = int(ok.sum())
+        if n_ok < k < len(self.heads):
+            _short(
+                k, n_ok, f"{n_ok} heads were measured and have a control effect of at most "
+                f"max_control {self.max_control:g} (see excluded({k}) and unmeasured)",
+            )  # fmt: skip
+        key = self.scores["ablation_effect"].double().masked_fill(~ok, math.inf)
+        return self._first(key, min(k, n_ok))
+
+    def _first(self, key: Tensor, n: int) -> HeadList:
+        """The heads of the ``n`` lowest ``key`` (ties in head order)."""
+        order = torch.argsort(key, stable=True).tolist()
+        return HeadList([self.heads[i] for i in order[:n]], self.head_groups)
 
     def excluded(self, k: int = 10, *, joint: bool | None = None) -> list[ExcludedHead]:
         """The heads the default :meth:`top` ``(k)`` passes over for being generic.
@@ -704,22 +674,21 @@ class GnaReport:
             if self.heads[i] in chosen:
                 continue
             r = turned_down.get(self.heads[i])
+            if r is None and c <= self.max_control:  # tied with the k-th head: not left out
+                continue
             if r is not None:
                 reason = (
                     f"joint control effect {r.joint_effect:+.3f} {self.control_unit} with the "
                     f"{r.after} joint-set head{'s' if r.after != 1 else ''} before it > "
                     f"max_control {self.max_control:g} (alone {c:+.3f})"
                 )
-                out.append(ExcludedHead(self.heads[i], e, c, reason, r.joint_effect))
-                continue
-            if c <= self.max_control:  # within the bound, tied with the k-th head: not left out
-                continue
-            reason = (
-                f"control effect {c:+.3f} {self.control_unit} > max_control {self.max_control:g}"
-                if not math.isnan(c)
-                else "control effect not measured"
-            )
-            out.append(ExcludedHead(self.heads[i], e, c, reason))
+            elif math.isnan(c):
+                reason = "control effect not measured"
+            else:
+                reason = f"control effect {c:+.3f} {self.control_unit} > max_control "
+                reason += f"{self.max_control:g}"
+            joint_effect = math.nan if r is None else r.joint_effect
+            out.append(ExcludedHead(self.heads[i], e, c, reason, joint_effect))
         return out
 
     def joint_table(self, heads: list[Head] | None = None) -> Any:
@@ -730,30 +699,17 @@ class GnaReport:
         and without a joint set).
 
         Examples:
-            >>> from gna_lens.scoring import score_heads
-            >>> from gna_lens.testing import toy_gna_model, toy_gna_task, toy_control
-            >>> model = toy_gna_model(generic_head=True)
-            >>> report = score_heads(model, toy_gna_task(model, n_samples=8),
-            ...                      control=toy_control(model), progress=False)
-            >>> report.joint_table(report.top(2))[["layer", "head", "joint_control_effect"]]
-               layer  head  joint_control_effect
-            0      0     0                   0.0
-            1      1     0                   0.0
+            See :meth:`top`.
         """
         joint = self._joint()
-        if heads is None:
-            heads = list(joint.heads) if joint is not None else []
+        effects = dict(zip(joint.heads, joint.effects, strict=True)) if joint is not None else {}
+        heads = list(effects) if heads is None else heads
         df = self.to_dataframe().set_index(["layer", "head"]).loc[list(heads)].reset_index()
-        cols: dict[str, list[float]] = {name: [] for name in _JOINT_COLUMNS}
-        position = {h: i for i, h in enumerate(joint.heads)} if joint is not None else {}
-        for h in heads:
-            i = position.get(tuple(h))  # type: ignore[arg-type]
-            iv = joint.effects[i] if joint is not None and i is not None else None
-            for name, attr in zip(_JOINT_COLUMNS, ("value", "low", "high"), strict=True):
-                cols[name].append(math.nan if iv is None else float(getattr(iv, attr)))
         at = list(df.columns).index("control_effect_high") + 1
-        for j, name in enumerate(_JOINT_COLUMNS):
-            df.insert(at + j, name, cols[name])
+        ivs = [effects.get(tuple(h)) for h in heads]  # type: ignore[arg-type]
+        for j, attr in enumerate(("value", "low", "high")):
+            column = [math.nan if iv is None else float(getattr(iv, attr)) for iv in ivs]
+            df.insert(at + j, _JOINT_COLUMNS[j], column)
         return df
 
     def heatmap(self, by: str = "ablation_effect") -> Float[Tensor, "layer head_index"]:
@@ -827,14 +783,7 @@ class GnaReport:
             GnaLensError: For a dict without the report's per-head rows.
 
         Examples:
-            >>> from gna_lens.scoring import score_heads
-            >>> from gna_lens.testing import toy_gna_model, toy_gna_task, toy_control
-            >>> model = toy_gna_model(generic_head=True)
-            >>> report = score_heads(model, toy_gna_task(model, n_samples=8),
-            ...                      control=toy_control(model), progress=False)
-            >>> again = GnaReport.from_json(report.to_json())
-            >>> again.top(2) == report.top(2), again.joint_set == report.joint_set
-            (True, True)
+            See :meth:`top`.
         """
         if not isinstance(data, dict) or "heads" not in data or "n_layers" not in data:
             keys = sorted(data) if isinstance(data, dict) else type(data).__name__
@@ -843,25 +792,22 @@ class GnaReport:
                 "(with 'heads' and 'n_layers'), e.g. a report.json of `gna-lens scan`."
             )
 
-        def num(v: Any) -> float:
-            return math.nan if v is None else float(v)
-
         rows = data["heads"]
         heads = tuple((int(r["layer"]), int(r["head"])) for r in rows)
-        scores = {
-            name: torch.tensor([num(r.get(name)) for r in rows], dtype=torch.float32, device=HOST)
-            for name in SCORE_COLUMNS
-        }
+
+        def floats(values: Any) -> Tensor:
+            return torch.tensor(
+                [from_json(float, v) for v in values], dtype=torch.float32, device=HOST
+            )
+
+        scores = {name: floats(r.get(name) for r in rows) for name in SCORE_COLUMNS}
         groups = data.get("head_groups") or {}
         index = {h: i for i, h in enumerate(heads)}
         samples: dict[str, Tensor] = {}
         for name, block in (data.get("sample_effects") or {}).items():
-            grid = host_full((len(heads), int(block["n_samples"])))
+            grid = samples[name] = host_full((len(heads), int(block["n_samples"])))
             for (layer, h), values in zip(block["heads"], block["values"], strict=True):
-                grid[index[(int(layer), int(h))]] = torch.tensor(
-                    [num(v) for v in values], dtype=torch.float32, device=HOST
-                )
-            samples[name] = grid
+                grid[index[(int(layer), int(h))]] = floats(values)
         return cls(
             model_name=str(data.get("model_name", "")),
             task=str(data.get("task", "")),
@@ -869,23 +815,16 @@ class GnaReport:
             kinds=tuple(str(r.get("kind", "attention")) for r in rows),
             scores=scores,
             metric=str(data.get("metric", "none")),
-            baseline=num(data.get("baseline")),
+            baseline=from_json(float, data.get("baseline")),
             n_layers=int(data["n_layers"]),
             layer_heads=tuple(int(n) for n in data.get("layer_heads", ())),
             normalization=dict(data.get("normalization") or NORMALIZATION),
             roles=tuple(str(r.get("role", "")) for r in rows),
             control=str(data.get("control", "")),
-            control_baseline=num(data.get("control_baseline")),
-            max_control=num(data.get("max_control", MAX_CONTROL)),
+            control_baseline=from_json(float, data.get("control_baseline")),
+            max_control=from_json(float, data.get("max_control", MAX_CONTROL)),
             method=dict(data.get("method") or {}),
-            unmeasured=tuple(
-                UnmeasuredHeads(
-                    int(u["layer"]),
-                    tuple((int(u["layer"]), int(h)) for h in u["head_indices"]),
-                    str(u["reason"]),
-                )
-                for u in data.get("unmeasured", ())
-            ),
+            unmeasured=tuple(UnmeasuredHeads.from_dict(u) for u in data.get("unmeasured", ())),
             head_groups=tuple(
                 (int(layer), tuple(tuple(int(c) for c in chans) for chans in sets))
                 for layer, sets in sorted(groups.items(), key=lambda kv: int(kv[0]))
@@ -957,6 +896,10 @@ _JOINT_COLUMNS = ("joint_control_effect", "joint_control_low", "joint_control_hi
 
 def _clean(v: float) -> float | None:
     return None if math.isnan(v) else v
+
+
+def _head_keys(head: Head) -> dict[str, Any]:
+    return {"head": f"L{head[0]}H{head[1]}", "layer": head[0], "head_index": head[1]}
 
 
 def _short(k: int, got: int, why: str) -> None:

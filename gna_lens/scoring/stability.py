@@ -74,6 +74,13 @@ class RankInterval:
         }
 
 
+#: The keys of :meth:`RankInterval.to_dict`, the columns of :meth:`RankStability.to_dataframe`.
+_COLUMNS = (
+    "bound", "n_prompts", "rank", "layer", "head", "ablation_effect", "control_effect",
+    "rank_low", "rank_high", "p_top_k", "p_eligible",
+)  # fmt: skip
+
+
 @dataclass(frozen=True)
 class RankStability(Record):
     """The top ``k`` of the per-head ranking per bound and prompt count, with rank intervals.
@@ -119,16 +126,8 @@ class RankStability(Record):
         head, ablation_effect, control_effect, rank_low, rank_high, p_top_k, p_eligible``."""
         import pandas as pd
 
-        columns = [
-            "bound", "n_prompts", "rank", "layer", "head", "ablation_effect", "control_effect",
-            "rank_low", "rank_high", "p_top_k", "p_eligible",
-        ]  # fmt: skip
-        data = [
-            [r.bound, r.n_prompts, r.rank, r.head[0], r.head[1], r.ablation_effect,
-             r.control_effect, r.rank_low, r.rank_high, r.p_top_k, r.p_eligible]
-            for r in self.rows
-        ]  # fmt: skip
-        return pd.DataFrame(data, columns=columns)
+        data = [r.to_dict() | {"rank_low": r.rank_low, "rank_high": r.rank_high} for r in self.rows]
+        return pd.DataFrame(data, columns=list(_COLUMNS))
 
 
 def rank_stability(
@@ -186,15 +185,7 @@ def rank_stability(
         6  100.0     1      0     2       1.0        1.0
         7  100.0     2      0     0       2.0        2.0
     """
-    samples = report.sample_effects
-    if "ablation_effect" not in samples or "control_effect" not in samples:
-        have = sorted(samples) or "none"
-        raise GnaLensError(
-            f"rank_stability: the report has per-sample effects {have}; expected "
-            "'ablation_effect' and 'control_effect' (kept by score_heads with ablation=True and "
-            "a control, since issue 30; a report loaded from an older report.json has none). "
-            "Fix: score the heads again with score_heads(model, task, control='prose')."
-        )
+    effects, controls = _sample_effects(report, "rank_stability")
     bounds = tuple(float(b) for b in bounds)
     if not bounds or not all(math.isfinite(b) for b in bounds):
         raise GnaLensError(
@@ -204,8 +195,6 @@ def rank_stability(
     for name, v in (("k", k), ("n_boot", n_boot)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise GnaLensError(f"rank_stability({name}={v!r}); expected a positive int.")
-    effects = samples["ablation_effect"].double().to(HOST)
-    controls = samples["control_effect"].double().to(HOST)
     n_heads, n_total = effects.shape
     counts = (n_total,) if n_prompts is None else tuple(n_prompts)
     bad = [m for m in counts if not isinstance(m, int) or isinstance(m, bool) or m < 1]
@@ -216,48 +205,35 @@ def rank_stability(
             f"{n_total})."
         )
     measured = ~(effects.isnan().any(-1) | controls.isnan().any(-1))
-    a_zero, c_zero = effects.nan_to_num(0.0), controls.nan_to_num(0.0)
     point_effect = report.scores["ablation_effect"].double()
     point_ctrl = report.scores["control_effect"].double()
-    ok_point = ~point_effect.isnan() & ~point_ctrl.isnan()
     n_windows = controls.shape[1]
     boots = {}  # the same resamples for every bound
     for m in counts:
         gen = torch.Generator(device=HOST).manual_seed(seed)
-        a_boot = a_zero @ _counts(n_total, m, n_boot, gen).T / m  # [head, boot]
-        c_boot = c_zero @ _counts(n_windows, n_windows, n_boot, gen).T / n_windows
-        boots[m] = (a_boot, c_boot)
+        a_boot = effects.nan_to_num(0.0) @ _counts(n_total, m, n_boot, gen).T / m  # [head, boot]
+        c_boot = controls.nan_to_num(0.0) @ _counts(n_windows, n_windows, n_boot, gen).T
+        boots[m] = (a_boot, c_boot / n_windows)
+    steps = torch.arange(1, n_heads + 1, dtype=torch.float64, device=HOST)[:, None]
     rows: list[RankInterval] = []
     for bound in bounds:
+        ok = ~point_effect.isnan() & ~point_ctrl.isnan() & (point_ctrl <= bound)
+        key = point_effect.masked_fill(~ok, math.inf)
+        top = torch.argsort(key, stable=True)[: min(k, int(ok.sum()))].tolist()
         for m in counts:
             a_boot, c_boot = boots[m]
             eligible = measured[:, None] & (c_boot <= bound)
             order = torch.argsort(a_boot.masked_fill(~eligible, math.inf), dim=0, stable=True)
-            ranks = torch.empty_like(a_boot)
-            steps = torch.arange(1, n_heads + 1, dtype=a_boot.dtype, device=HOST)
-            ranks.scatter_(0, order, steps[:, None].expand(-1, n_boot).contiguous())
+            ranks = torch.empty_like(a_boot).scatter_(0, order, steps.expand(-1, n_boot))
             ranks = ranks.masked_fill(~eligible, math.inf)
-            ok = ok_point & (point_ctrl <= bound)
-            key = point_effect.masked_fill(~ok, math.inf)
-            top = torch.argsort(key, stable=True)[: min(k, int(ok.sum()))].tolist()
             for rank, i in enumerate(top, start=1):
-                r = ranks[i]
-                rows.append(
-                    RankInterval(
-                        bound=bound,
-                        n_prompts=m,
-                        rank=rank,
-                        head=report.heads[i],
-                        ablation_effect=float(point_effect[i]),
-                        control_effect=float(point_ctrl[i]),
-                        rank_low=(
-                            iv := percentile_interval(rank, r, lower="lower", upper="higher")
-                        ).low,
-                        rank_high=iv.high,
-                        p_top_k=float((r <= k).double().mean()),
-                        p_eligible=float(eligible[i].double().mean()),
-                    )
-                )
+                iv = percentile_interval(rank, ranks[i], lower="lower", upper="higher")
+                p_top_k = float((ranks[i] <= k).double().mean())
+                rows.append(RankInterval(
+                    bound, m, rank, report.heads[i], float(point_effect[i]),
+                    float(point_ctrl[i]), iv.low, iv.high, p_top_k,
+                    p_eligible=float(eligible[i].double().mean()),
+                ))  # fmt: skip
     method = (
         f"{n_boot} resamples: prompts drawn with replacement (n_prompts of {n_total}) and, "
         f"independently, the control's {n_windows} samples; each resample ranks heads by mean "
@@ -275,6 +251,19 @@ def rank_stability(
         unit=report.control_unit,
         method=method,
     )
+
+
+def _sample_effects(report: GnaReport, name: str) -> tuple[Tensor, Tensor]:
+    """The report's per-sample ablation and control effects (``[head, sample]``, float64)."""
+    samples = report.sample_effects or {}
+    if "ablation_effect" not in samples or "control_effect" not in samples:
+        raise GnaLensError(
+            f"{name}: the report has per-sample effects {sorted(samples) or 'none'}; expected "
+            "'ablation_effect' and 'control_effect' (kept by score_heads with ablation=True and "
+            "a control, since issue 30; a report loaded from an older report.json has none). "
+            "Fix: score the heads again with score_heads(model, task, control='prose')."
+        )
+    return samples["ablation_effect"].double().to(HOST), samples["control_effect"].double().to(HOST)
 
 
 def _counts(n: int, m: int, n_boot: int, gen: torch.Generator) -> Tensor:
@@ -379,12 +368,7 @@ def joint_stability(
     from gna_lens.interventions import control_sweep
     from gna_lens.scoring.pipeline import _joint_walk
 
-    samples = report.sample_effects or {}
-    if "ablation_effect" not in samples or "control_effect" not in samples:
-        raise GnaLensError(
-            "joint_stability needs a report with per-sample ablation and control effects "
-            "(score_heads(..., control=...) with exact ablation keeps them)."
-        )
+    effects, controls = _sample_effects(report, "joint_stability")
     if report.joint_set is None:
         raise GnaLensError("joint_stability needs a report with a joint set (joint_k > 0).")
     from gna_lens.interventions.ablation import positions_label
@@ -398,8 +382,6 @@ def joint_stability(
         )
     subject = Subject.of(model)
     published = tuple(report.top(k))
-    effects = samples["ablation_effect"].double()
-    controls = samples["control_effect"].double()
     n_p, n_w = effects.shape[1], controls.shape[1]
     cache: dict[tuple[Head, ...], Tensor] = {}
 
