@@ -1,5 +1,4 @@
-"""Building a student from its teacher (:func:`build_hybrid`) and the state it keeps per token
-(:func:`state_bytes`); re-exported by :mod:`gna_lens.hybrid`."""
+"""Building a student from its teacher (:func:`build_hybrid`), and reading the teacher."""
 
 from collections.abc import Iterable, Mapping
 from pathlib import Path

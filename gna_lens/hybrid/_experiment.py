@@ -17,6 +17,7 @@ Prompt sets, all disjoint (seeds in :mod:`gna_lens.hybrid._data`):
   task: MMLU in cloze format on the held-out split (zoo: the cloze ``"eval"`` half).
 """
 
+import itertools
 import json
 import math
 import os
@@ -51,21 +52,22 @@ def _mean(values: Iterable[float]) -> float:
     return sum(v) / len(v) if v else math.nan
 
 
-def _mean_correct(rows: Sequence["HybridRow"], task: str) -> torch.Tensor | None:
-    """Per held-out prompt, the mean 0 / 1 over ``rows`` (``None`` unless every row kept its
-    per-prompt results, all of one length)."""
-    got = [r.kv_correct.get(task) for r in rows]
-    if not got or any(not g for g in got) or len({len(g) for g in got if g}) != 1:
-        return None
-    return torch.tensor(got, dtype=torch.float64, device=HOST).mean(0)
+def _accuracy_of(rows: Iterable["HybridRow"], task: str) -> float:
+    return _mean(r.kv[task].value for r in rows)
 
 
-def _paired(x: torch.Tensor | None, y: torch.Tensor | None) -> dict[str, Any] | None:
-    if x is None or y is None or x.shape != y.shape:
-        return None
+def _put_paired(entry: dict[str, Any], key: str, rows: Any, others: Any, task: str) -> None:
+    """``entry[key]``: per held-out prompt, the mean 0 / 1 over ``rows`` minus that over
+    ``others``, with its bootstrap interval (left out unless every row kept its per-prompt
+    results, all of one length)."""
+    got = [[r.kv_correct.get(task) for r in side] for side in (rows, others)]
+    flat = [g for side in got for g in side]
+    if not all(got) or not all(flat) or len({len(g) for g in flat}) != 1:
+        return
+    x, y = (torch.tensor(side, dtype=torch.float64, device=HOST).mean(0) for side in got)
     out = bootstrap_interval(x - y)
     assert isinstance(out, Interval)
-    return out.to_dict()
+    entry[key] = out.to_dict()
 
 
 @dataclass(frozen=True)
@@ -167,29 +169,27 @@ class HybridTable(Table):
 
         out = []
         for r in self.rows:
+            student = r.kind != "teacher"
             d: dict[str, Any] = {
                 "name": r.name,
                 "kind": r.kind,
                 "k": r.k,
-                "seed": None if r.kind == "teacher" else r.seed,
-                "data": None if r.kind == "teacher" else r.data,
-                "heads": "all" if r.kind == "teacher" else heads_text(r.heads),
+                "seed": r.seed if student else None,
+                "data": r.data if student else None,
+                "heads": heads_text(r.heads) if student else "all",
             }
-            for t in self.kv_tasks:
-                iv = r.kv.get(t)
-                d[t] = iv.value if iv else math.nan
-                d[f"{t}_low"] = iv.low if iv else math.nan
-                d[f"{t}_high"] = iv.high if iv else math.nan
-            for name, iv in (("prose_loss", r.prose), ("knowledge", r.knowledge)):
+            cells = [(t, r.kv.get(t)) for t in self.kv_tasks]
+            for name, iv in [*cells, ("prose_loss", r.prose), ("knowledge", r.knowledge)]:
                 d[name] = iv.value if iv else math.nan
                 d[f"{name}_low"] = iv.low if iv else math.nan
                 d[f"{name}_high"] = iv.high if iv else math.nan
-            for L, s in sorted(r.state.items()):
+            states = sorted(r.state.items())
+            for L, s in states:
                 d[f"bytes_per_token_L{L}"] = s["bytes_per_token"]
                 d[f"state_bytes_per_token_L{L}"] = s["recurrent_bytes"] / L
                 d[f"kv_bytes_per_token_L{L}"] = s["kv_cache_bytes"] / L
-            for _, s in sorted(r.state.items())[:1]:
-                d["recurrent_bytes"] = s["recurrent_bytes"]
+            if states:
+                d["recurrent_bytes"] = states[0][1]["recurrent_bytes"]
             d["distill_tokens"] = sum(
                 float(v.get("tokens", 0)) for v in r.distill.get("totals", {}).values()
             )
@@ -223,62 +223,52 @@ class HybridTable(Table):
         students = [r for r in self.rows if r.kind != "teacher"]
         for data in dict.fromkeys(r.data for r in students):
             group = [r for r in students if r.data == data]
-            for k in sorted({r.k for r in group if r.kind == "top"}):
-                for t in self.kv_tasks:
-                    # rows measured before a task was added have no cell for it
-                    measured = [r for r in group if t in r.kv]
-                    base = [r for r in measured if r.kind == "none"]
-                    tops = [r for r in measured if r.kind == "top" and r.k == k]
-                    rand = [r for r in measured if r.kind == "random" and r.k == k]
-                    seeds = sorted({r.seed for r in tops})
-                    if not tops:
+            ks = sorted({r.k for r in group if r.kind == "top"})
+            for k, t in itertools.product(ks, self.kv_tasks):
+                # rows measured before a task was added have no cell for it
+                measured = [r for r in group if t in r.kv]
+                tops = [r for r in measured if r.kind == "top" and r.k == k]
+                if not tops:
+                    continue
+                seeds = sorted({r.seed for r in tops})
+                entry: dict[str, Any] = {
+                    "k": k,
+                    "task": t,
+                    "data": data,
+                    "seeds": seeds,
+                    "top": _accuracy_of(tops, t),
+                }
+                rand = [r for r in measured if r.kind == "random" and r.k == k]
+                base = [r for r in measured if r.kind == "none"]
+                for label, others in (("random", rand), ("k=0", base)):
+                    if not others:
                         continue
-                    entry: dict[str, Any] = {
-                        "k": k,
-                        "task": t,
-                        "data": data,
-                        "seeds": seeds,
-                        "top": _mean(r.kv[t].value for r in tops),
-                    }
-                    x = _mean_correct(tops, t)
-                    for label, others in (("random", rand), ("k=0", base)):
-                        if not others:
+                    best = max(others, key=lambda r: r.kv[t].value)
+                    b, values = best.kv[t], [r.kv[t].value for r in others]
+                    entry[label] = b.value
+                    entry[f"{label}_mean"] = _mean(values)
+                    entry[f"{label}_range"] = [min(values), max(values)]
+                    entry[f"n_{label}"] = len(others)
+                    entry[f"above_{label}"] = min(r.kv[t].low for r in tops) > b.high
+                    entry[f"below_{label}"] = max(r.kv[t].high for r in tops) < b.low
+                    _put_paired(entry, f"paired_{label}", tops, [best], t)
+                    _put_paired(entry, f"paired_{label}_mean", tops, others, t)
+                if rand:
+                    entry["per_seed"] = []
+                    for sd in seeds:
+                        top_s = [r for r in tops if r.seed == sd]
+                        rand_s = [r for r in rand if r.seed == sd]
+                        if not rand_s:
                             continue
-                        best = max(others, key=lambda r: r.kv[t].value)
-                        b = best.kv[t]
-                        values = [r.kv[t].value for r in others]
-                        entry[label] = b.value
-                        entry[f"{label}_mean"] = _mean(values)
-                        entry[f"{label}_range"] = [min(values), max(values)]
-                        entry[f"n_{label}"] = len(others)
-                        entry[f"above_{label}"] = min(r.kv[t].low for r in tops) > b.high
-                        entry[f"below_{label}"] = max(r.kv[t].high for r in tops) < b.low
-                        for key, y in (
-                            (f"paired_{label}", _mean_correct([best], t)),
-                            (f"paired_{label}_mean", _mean_correct(others, t)),
-                        ):
-                            paired = _paired(x, y)
-                            if paired is not None:
-                                entry[key] = paired
-                    if rand:
-                        per = []
-                        for sd in seeds:
-                            top_s = [r for r in tops if r.seed == sd]
-                            rand_s = [r for r in rand if r.seed == sd]
-                            if not rand_s:
-                                continue
-                            one: dict[str, Any] = {
-                                "seed": sd,
-                                "top": _mean(r.kv[t].value for r in top_s),
-                                "random_mean": _mean(r.kv[t].value for r in rand_s),
-                                "n_random": len(rand_s),
-                            }
-                            paired = _paired(_mean_correct(top_s, t), _mean_correct(rand_s, t))
-                            if paired is not None:
-                                one["paired_random_mean"] = paired
-                            per.append(one)
-                        entry["per_seed"] = per
-                    out.append(entry)
+                        one: dict[str, Any] = {
+                            "seed": sd,
+                            "top": _accuracy_of(top_s, t),
+                            "random_mean": _accuracy_of(rand_s, t),
+                            "n_random": len(rand_s),
+                        }
+                        _put_paired(one, "paired_random_mean", top_s, rand_s, t)
+                        entry["per_seed"].append(one)
+                out.append(entry)
         return out
 
     def __repr__(self) -> str:
@@ -449,31 +439,26 @@ def _tasks(
             ctrl = None
             notes["control"] = f"no prose control: {str(err)[:160]}"
     template = kv_template or "question"
-    kv = {}
+    kv, facts = {}, {}
     values_used = "words"
     for n in kv_pairs:
-        kw: dict[str, Any] = dict(
-            n_pairs=n, n_samples=n_eval, seed=EVAL_KV_SEED + n, template=template
-        )
+        kw: dict[str, Any] = dict(n_pairs=n, n_samples=n_eval, seed=EVAL_KV_SEED + n)
         if template == "question":
-            task = kv_retrieval(tok, values="words", **kw)
+            task = kv_retrieval(tok, values="words", template=template, **kw)
         else:
             try:
-                task = kv_retrieval(tok, values="numbers", **kw)
+                task = kv_retrieval(tok, values="numbers", template=template, **kw)
                 values_used = "numbers"
             except TaskError:
-                task = kv_retrieval(tok, values="words", **kw)
+                task = kv_retrieval(tok, values="words", template=template, **kw)
         kv[f"kv-{n}"] = _disjoint(task, selection)
-    # the induction-proof template: copying the token after the key cannot answer it
-    for n in kv_pairs:
+        # the induction-proof template: copying the token after the key cannot answer it
         try:
-            facts = kv_retrieval(
-                tok, values="words", template="facts", n_pairs=n, n_samples=n_eval,
-                seed=EVAL_KV_SEED + n,
-            )  # fmt: skip
-            kv[f"kv-{n}-facts"] = _disjoint(facts, selection)
+            task = kv_retrieval(tok, values="words", template="facts", **kw)
+            facts[f"kv-{n}-facts"] = _disjoint(task, selection)
         except TaskError as err:
             notes[f"kv-{n}-facts"] = f"facts template not measured: {str(err)[:160]}"
+    kv |= facts  # the facts columns after the others
     prose = None
     try:
         prose = text_control(tok, split="eval", n_sequences=prose_windows, seq_len=prose_len)
@@ -852,35 +837,29 @@ def run_experiment(
     :func:`~gna_lens.hybrid.build_hybrid` and distilled by :func:`~gna_lens.hybrid.distill`
     with the same budget, once per training seed of ``seeds`` and per distillation data of
     ``distill_data``. The ranking does not depend on the training seed; the random head sets
-    do: each training seed gets ``random_draws`` sets of its own (all distinct), so that the
-    random baseline covers ``random_draws x len(seeds)`` head sets. Every student and the
+    do (``random_draws`` distinct sets per training seed). Every student and the
     teacher are measured on held-out KV retrieval at each dictionary size (in the experiment's
     template and, for a teacher with a tokenizer of words, the induction-proof facts template),
     the held-out prose and a knowledge task (module docstring), with recurrent-state
     and KV-cache bytes at ``lengths``.
 
-    Rows are named ``"top-8"``, ``"random-8 #2"``, ``"k=0"``, followed by ``" seed=1"`` for a
-    training seed other than ``seed`` and ``" data=no-kv"`` for data other than the default;
-    with ``out``, each finished row is written to ``out/rows/`` at once and read back by any
-    later call whose settings match, so a rerun with more seeds, draws or data choices
-    distils only the missing rows, and the rows of one default-settings run (training seed =
-    ``seed``, default data) keep the files and fingerprints of earlier versions. ``only``
-    splits a long run across sessions or machines: every call plans the same rows, distils
-    those ``only`` selects, reads back the others that are finished and leaves the rest out
-    of its table (``method["pending"]``).
+    Rows are named as :attr:`HybridRow.name` says; with ``out``, each finished row is written
+    to ``out/rows/`` at once and read back by any later call whose settings match, so a rerun
+    with more seeds, draws or data choices distils only the missing rows, and the rows of one
+    default-settings run (training seed = ``seed``, default data) keep the files and
+    fingerprints of earlier versions.
 
     Args:
         teacher: A Llama-style teacher: a name :func:`gna_lens.load_model` loads
             (``"smollm2-135m"``, a folder, a hub name), or a TransformerBridge.
         keep: The numbers of heads kept as attention.
         budget: Distillation budget of each student (:func:`parse_budget`).
-        out: Folder for ``table.*``, the ranking, per-row results and checkpoints (a rerun
-            with the same settings resumes: finished rows are read back, a student's
-            distillation resumes from its checkpoint); ``None``: nothing written.
+        out: Folder for ``table.*``, the ranking, the rows and checkpoints (a rerun with the
+            same settings resumes from them); ``None``: nothing written.
         d_state: The SSM heads' state size.
         head_layout: ``"head"`` or ``"kv_group"``.
-        stages: Distillation stages.
-        stage1_share: Share of each student's budget for stage 1 (see distill).
+        stages: As :func:`~gna_lens.hybrid.distill`.
+        stage1_share: As :func:`~gna_lens.hybrid.distill`.
         seed: Seed of the random head sets and the knowledge sample, and the training seed
             when ``seeds`` is ``None``.
         seeds: Training seeds: each student is distilled once per seed (the distillation
@@ -894,11 +873,12 @@ def run_experiment(
             the question template, prose, MMLU) or ``"no-kv"`` (prose and MMLU only: no text
             in the held-out task's format). Ignored with ``data`` (which must then be
             ``"default"``).
-        only: Distil only these rows now (a name, or a list; CLI ``--only``): each entry is an
-            arm (``"top-8"``, ``"k=0"``, ``"random-8"`` for every draw, ``"random-8 #2"`` for
-            one), ``"seed=N"``, ``"data=CHOICE"``, or an arm followed by either or both, space
-            separated (``"random-8 seed=1 data=no-kv"``); a row is selected when an entry
-            matches it. ``None``: every row.
+        only: Distil only these rows now, to split a long run across sessions or machines
+            (the other finished rows are read back, the rest left out: ``method["pending"]``);
+            a name or a list (CLI ``--only``), each entry an arm (``"top-8"``, ``"k=0"``,
+            ``"random-8"`` for every draw, ``"random-8 #2"`` for one), ``"seed=N"``,
+            ``"data=CHOICE"``, or an arm followed by either or both (``"random-8 seed=1
+            data=no-kv"``). ``None``: every row.
         kv_pairs: Dictionary sizes of the held-out KV tasks.
         kv_template: ``"question"`` (default; SmolLM2-135M is at chance in the paper's) or
             ``"paper"``; zoo teachers use their own splits (the paper's template).
@@ -912,13 +892,12 @@ def run_experiment(
         n_knowledge: MMLU questions (0: no knowledge column).
         data: Distillation texts (re-iterable; default
             :func:`~gna_lens.hybrid.default_distill_data`).
-        train: What stage 2 trains (see distill).
-        lr: Learning rates (see distill).
-        batch_size: Texts per distillation step.
-        max_length: Tokens per text.
+        train: As :func:`~gna_lens.hybrid.distill`.
+        lr: As :func:`~gna_lens.hybrid.distill`.
+        batch_size: As :func:`~gna_lens.hybrid.distill`.
+        max_length: As :func:`~gna_lens.hybrid.distill`.
         eval_batch_size: Prompts per forward pass when measuring.
-        autocast: Distillation in mixed precision (``"bfloat16"``, see distill); measurements
-            are always float32.
+        autocast: As :func:`~gna_lens.hybrid.distill` (measurements are always float32).
         sweep_dtype: The ranking's ablation sweeps (``"bfloat16"``: autocast, see
             score_heads); ``None``: float32.
         device: Where the teacher (loaded by name) and the students run (``"cuda"``,
@@ -963,14 +942,14 @@ def run_experiment(
         names = [arm for k in ks for arm in _arm_names(k, random_draws)]
         _check_only(only, selectors, names, choices, seed_list)
     t0 = time.perf_counter()
+    prov = provenance_of(teacher)
     selection, ctrl, run.evals, task_method = _tasks(
-        tok, provenance_of(teacher).source == "zoo", kv_pairs=kv_pairs, kv_template=kv_template, n_rank=n_rank,
+        tok, prov.source == "zoo", kv_pairs=kv_pairs, kv_template=kv_template, n_rank=n_rank,
         rank_pairs=rank_pairs, n_eval=n_eval, control=control, prose_windows=prose_windows,
         prose_len=prose_len, n_knowledge=n_knowledge, seed=seed,
     )  # fmt: skip
     _data_streams(run, tok, data, max_length, total)
     run.seconds["tasks"] = time.perf_counter() - t0
-    prov = provenance_of(teacher)
     run.say(f"teacher weights: {prov.describe() if prov.known else name}")
     settings = run.settings = {
         "teacher": prov.describe() if prov.known else name,
@@ -1028,12 +1007,8 @@ def run_experiment(
     method = _method(
         run, hf, fields, rank_info, task_method, ks, random_draws, matching, rows, precision
     )
-    if selectors is not None:
-        method["only"] = _only_entries(only)
-    if pending:
-        method["pending"] = pending
-    if unmeasured:
-        method["unmeasured"] = unmeasured
+    extra = {"only": _only_entries(only), "pending": pending, "unmeasured": unmeasured}
+    method |= {key: value for key, value in extra.items() if value}
     chance = {t: _chance(task) for t, task in run.evals.kv.items()}
     if run.evals.knowledge is not None and run.evals.knowledge_name:
         chance[run.evals.knowledge_name] = _chance(run.evals.knowledge)

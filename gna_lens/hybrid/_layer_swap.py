@@ -2,6 +2,7 @@
 :func:`swap_teacher_heads`."""
 
 import copy
+import itertools
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -40,18 +41,21 @@ class _Teacher:
     weights: Mapping[str, Tensor]
 
     @property
-    def heads(self) -> tuple[int, int, int]:
-        """(query heads, KV heads, head width)."""
-        f = self.fields
-        return int(f["num_attention_heads"]), int(f["num_key_value_heads"]), int(f["head_dim"])
-
-    @property
-    def rope(self) -> tuple[float, int, dict[str, Any]]:
-        """(``rope_theta``, ``rotary_dim``, ``rope_scaling``) as HookedSSM's config holds them
-        (as :func:`~gna_lens.models.families.gna_hybrid.config_fields` writes a student's)."""
-        rope = dict(self.fields["rope_parameters"])
-        theta = float(rope.get("rope_theta", 10000.0))
-        return theta, self.heads[2], {} if rope.get("rope_type", "default") == "default" else rope
+    def attention(self) -> dict[str, Any]:
+        """The attention and RoPE fields under HookedSSM's config names (as
+        :func:`~gna_lens.models.families.gna_hybrid.config_fields` writes a student's)."""
+        f, rope = self.fields, dict(self.fields["rope_parameters"])
+        return {
+            "n_attn_heads": int(f["num_attention_heads"]),
+            "n_attn_kv_heads": int(f["num_key_value_heads"]),
+            "attn_d_head": int(f["head_dim"]),
+            "attn_bias": bool(f["attention_bias"]),
+            "key_multiplier": 1.0,
+            "use_rope": True,
+            "rope_theta": float(rope.get("rope_theta", 10000.0)),
+            "rotary_dim": int(f["head_dim"]),
+            "rope_scaling": {} if rope.get("rope_type", "default") == "default" else rope,
+        }
 
     def layer(self, layer: int, prefix: str) -> dict[str, Tensor]:
         """The weights of ``model.layers.{layer}.{prefix}`` with that prefix taken off."""
@@ -176,16 +180,12 @@ def _mismatches(cfg: SSMConfig, want: dict[str, Any]) -> list[str]:
 def _check_hybrid(cfg: SSMConfig, teacher: _Teacher, part: str, call: str) -> None:
     """A hybrid student's heads (and with ``part="block"`` its norms and MLPs) have the
     teacher's shape."""
-    H, KV, d = teacher.heads
-    theta, _, scaling = teacher.rope
-    f = teacher.fields
+    f, a = teacher.fields, teacher.attention
     want: dict[str, Any] = {
-        "n_heads": H,
-        "n_attn_kv_heads": KV,
-        "d_head": d,
-        "attn_bias": bool(f["attention_bias"]),
-        "rope_theta": theta,
-        "rope_scaling": scaling,
+        "n_heads": a["n_attn_heads"],
+        "n_attn_kv_heads": a["n_attn_kv_heads"],
+        "d_head": a["attn_d_head"],
+        **{k: a[k] for k in ("attn_bias", "rope_theta", "rope_scaling")},
     }
     if part == "block":
         want |= {
@@ -209,7 +209,7 @@ def _hybrid_swap(model: HookedSSM, teacher: _Teacher, layers: list[int], part: s
     """A hybrid student's layers become the teacher twin's: a :class:`HybridMixer` keeping
     every head as attention (``part="block"``: and the teacher's norms and MLP)."""
     cfg: Any = model.cfg
-    H = teacher.heads[0]
+    H = teacher.attention["n_attn_heads"]
     _check_hybrid(cfg, teacher, part, "swap_layers")
     device, dtype = model.embed.weight.device, model.embed.weight.dtype
     for layer in layers:
@@ -225,20 +225,8 @@ def _hybrid_swap(model: HookedSSM, teacher: _Teacher, layers: list[int], part: s
 def _attention_fields(model: HookedSSM, teacher: _Teacher, call: str = "swap_layers") -> None:
     """Give ``model``'s config (a copy) the teacher's attention and RoPE fields; refuse when its
     own attention layers have others."""
-    cfg = model.cfg
-    H, KV, d = teacher.heads
-    theta, rotary_dim, scaling = teacher.rope
-    want: dict[str, Any] = {
-        "n_attn_heads": H,
-        "n_attn_kv_heads": KV,
-        "attn_d_head": d,
-        "attn_bias": bool(teacher.fields["attention_bias"]),
-        "key_multiplier": 1.0,
-        "use_rope": True,
-        "rope_theta": theta,
-        "rotary_dim": rotary_dim,
-        "rope_scaling": scaling,
-    }
+    cfg, want = model.cfg, teacher.attention
+    d = want["attn_d_head"]
     has_attention = cfg.is_hybrid or any(m.uses_rope for m in model.ssm_mixers().values())
     if has_attention:
         bad = _mismatches(cfg, want)
@@ -363,23 +351,14 @@ def swap_layers(
     ``part="mixer"`` keeps the student's norms and MLP around it (the paper's experiment),
     ``part="block"`` takes the teacher's whole block (input norm, attention, post norm, MLP).
 
-    What a swapped layer is inside the new model:
-
-    - in a hybrid student of :func:`~gna_lens.hybrid.build_hybrid` (architecture
-      ``"gna_hybrid"``): the teacher twin's layer, a
-      :class:`~gna_lens.models.mixers.hybrid.HybridMixer` keeping every head as attention
-      (``cfg.attention_heads[l]`` lists them all), so its hooks stay ``blocks.{l}.mixer.*`` and
-      ``save_pretrained`` / :func:`~gna_lens.load_model` round-trip it;
-    - in any other student (Mamba-2, Llamba, Mamba-1, hybrids with attention layers of the
-      teacher's shape): an attention layer (``cfg.layer_types[l] == "attention"``,
-      ``blocks.{l}.attn`` an :class:`~gna_lens.models.mixers.Attention` with hooks
-      ``blocks.{l}.attn.hook_pattern``, ``hook_z``, ...); the copy's config gets the teacher's
-      attention and RoPE fields where the student had no attention (and, for
-      ``part="block"``, the teacher's SwiGLU MLP in those layers).
-
-    Either way :func:`~gna_lens.head_view` gives the swapped layers' heads kind
-    ``"attention"``, and ablation, patching, masks and ``run_with_cache`` address them as
-    ``(layer, head)`` with the teacher's head numbering.
+    In a hybrid student of :func:`~gna_lens.hybrid.build_hybrid` a swapped layer is the teacher
+    twin's (a :class:`~gna_lens.models.mixers.hybrid.HybridMixer` keeping every head as
+    attention: hooks ``blocks.{l}.mixer.*``, ``save_pretrained`` round-trips it); in any other
+    student (Mamba-2, Llamba, Mamba-1, hybrids with attention of the teacher's shape) an
+    attention layer (``cfg.layer_types[l] == "attention"``, hooks ``blocks.{l}.attn.*``), the
+    copy's config taking the teacher's attention and RoPE fields. Either way
+    :func:`~gna_lens.head_view` gives its heads kind ``"attention"``, addressed as ``(layer,
+    head)`` in the teacher's numbering.
 
     Args:
         student: A HookedSSM whose layers line up with the teacher's (same number of layers
@@ -501,7 +480,7 @@ def _check_mixers_for_heads(model: HookedSSM, per_layer: dict[int, list[int]]) -
 def _check_head_shapes(model: HookedSSM, teacher: _Teacher) -> None:
     """A Mamba-2-style student's heads line up with the teacher's heads."""
     cfg = model.cfg
-    H, _, d = teacher.heads
+    H, d = teacher.attention["n_attn_heads"], teacher.attention["attn_d_head"]
     if (cfg.n_heads, cfg.d_head, cfg.d_inner) != (H, d, H * d):
         raise ConfigError(
             f"swap_teacher_heads: the student's heads ({cfg.architecture}: n_heads={cfg.n_heads}, "
@@ -572,19 +551,15 @@ def _hybrid_head_swap(
         )
         for x in ("k_proj", "v_proj"):
             state[f"{x}.{p}"] = torch.cat([rows(x, p, g, d, old.kv_heads) for g in mixer.kv_heads])
-    if mixer.ssm_heads:
+    if mixer.ssm_heads:  # the remaining SSM heads' rows (and groups') of the student
         ssm = [old.ssm_heads.index(h) for h in mixer.ssm_heads]
-        if mixer.layout == "head":
-            groups = ssm
-        else:
-            groups = [old.ssm_groups.index(g) for g in mixer.ssm_groups]
-        for p in params:
-            state[f"c_proj.{p}"] = _rows(getattr(old.c_proj, p), groups, N)
-            state[f"b_proj.{p}"] = _rows(getattr(old.b_proj, p), groups, N)
-            state[f"x_proj.{p}"] = _rows(getattr(old.x_proj, p), ssm, d)
-        state["dt_proj.weight"] = _rows(old.dt_proj.weight, ssm, 1)
-        for name in ("dt_bias", "A_log", "D"):
-            state[name] = _rows(getattr(old, name), ssm, 1)
+        groups = [old.ssm_groups.index(g) for g in mixer.ssm_groups]
+        groups = ssm if mixer.layout == "head" else groups
+        picks = (("c_proj", groups, N), ("b_proj", groups, N), ("x_proj", ssm, d))
+        for (name, blocks, width), p in itertools.product(picks, params):
+            state[f"{name}.{p}"] = _rows(getattr(getattr(old, name), p), blocks, width)
+        for name in ("dt_proj.weight", "dt_bias", "A_log", "D"):
+            state[name] = _rows(old.get_parameter(name), ssm, 1)
     out_w = old.out_proj.weight.clone()
     o_proj = weights["o_proj.weight"]
     for h in new:
@@ -607,22 +582,14 @@ def swap_teacher_heads(student: HookedSSM, teacher: Any, heads: Iterable[Head]) 
     head is untouched. Swapping every head of every layer of a student that has the teacher's
     embeddings, norms and MLPs gives the teacher back.
 
-    What a swapped head is inside the new model (hooks stay ``blocks.{l}.mixer.*``):
-
-    - in a hybrid student of :func:`~gna_lens.hybrid.build_hybrid`: an attention head of its
-      :class:`~gna_lens.models.mixers.hybrid.HybridMixer` (``cfg.attention_heads[l]`` lists
-      it); the other SSM heads keep their parameters exactly, and ``save_pretrained`` /
-      :func:`~gna_lens.load_model` round-trip the result;
-    - in a Mamba-2-style student whose heads are the teacher's (Llamba, Mamba-2: ``n_heads``
-      heads of the teacher's ``head_dim``): a teacher head of a
-      :class:`~gna_lens.models.mixers.teacher_heads.TeacherHeadsMixer`, whose SSM heads compute
-      exactly what they did; the copy's config takes the teacher's attention and RoPE fields.
-      Such a model does not save (``save_pretrained`` raises).
-
-    Either way :func:`~gna_lens.head_view` gives the swapped heads kind ``"attention"``,
-    ``hook_pattern`` holds their softmax pattern (an edit changes the output), ``hook_z`` their
-    attention output (ablation zeroes their contribution), and ``prefix_state`` / ``step`` (the
-    sweeps' last-position path) run them.
+    In a hybrid student of :func:`~gna_lens.hybrid.build_hybrid` a swapped head joins its
+    layer's attention heads (``cfg.attention_heads[l]``; the student saves and loads as before);
+    in a Mamba-2-style student whose heads are the teacher's (Llamba, Mamba-2: ``n_heads`` heads
+    of the teacher's ``head_dim``) the layer becomes a
+    :class:`~gna_lens.models.mixers.teacher_heads.TeacherHeadsMixer` (such a model does not
+    save). Either way :func:`~gna_lens.head_view` gives the swapped heads kind
+    ``"attention"``, ``hook_pattern`` holds their softmax pattern (editable), ``hook_z`` their
+    output, and ``prefix_state`` / ``step`` run them.
 
     Args:
         student: A HookedSSM whose layers line up with the teacher's (same number of layers and

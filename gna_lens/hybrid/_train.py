@@ -1,12 +1,8 @@
-"""The training loop shared by :func:`gna_lens.hybrid.distill` and
-:func:`gna_lens.hybrid.swap_heads`: stages under a budget, progress bars, checkpoints and
-resume.
-
-A run is a list of :class:`Stage` objects, each with the parameters it trains, a step function
-(forward, backward, gradient clipping; it returns the losses to record), a budget and a learning
-rate. Texts come from one stream for the whole run, batched in order. The learning rate warms up
-linearly over ``warmup`` steps, then follows a cosine from ``lr`` to ``lr / 10`` over the stage's
-budget (the share of tokens read, or of the time spent). AdamW, no weight decay.
+"""The training loop of :func:`gna_lens.hybrid.distill` and :func:`gna_lens.hybrid.swap_heads`
+(:func:`run_stages`): :class:`Stage` objects in order on one stream of texts, batched in order;
+AdamW without weight decay, the learning rate warming up linearly over ``warmup`` steps, then a
+cosine from ``lr`` to ``lr / 10`` over the stage's budget (the share of tokens read, or of the
+time spent).
 
 Checkpoints (``checkpoint_dir``): every ``checkpoint_every`` steps, at each stage's end and when
 ``max_steps`` stops a call, the trained parameters (safetensors), the optimizer's state and the
@@ -17,12 +13,8 @@ uninterrupted run ends on, bit for bit.
 
 No step waits for the device: a step's losses stay on it as tensors and are read back together
 (one synchronization) every :data:`LOG_EVERY` steps, at checkpoints and at each stage's end,
-where the records are written, the progress bar shows the loss and the divergence check runs.
-**Divergence**: with ``divergence_factor`` set, a stage whose loss is not finite, or whose mean
-loss over the last :data:`DIVERGENCE_WINDOW` steps (or on the probe batch after the stage) is
-above ``divergence_factor`` times its loss on the probe batch before it (or
-:data:`DIVERGENCE_FLOOR`, whichever is larger), stops with
-:class:`~gna_lens.errors.DistillationDiverged` naming the stage, the step and both losses.
+where the records are written, the progress bar shows the loss and the divergence check
+(:func:`gna_lens.hybrid.distill`'s ``divergence_factor``) runs.
 """
 
 import hashlib
@@ -315,7 +307,7 @@ class RunOutcome:
 
 
 class _Watch:
-    """The divergence check of one stage (see the module docstring)."""
+    """The divergence check of one stage (see ``divergence_factor`` of ``distill``)."""
 
     def __init__(self, stage: Stage, factor: float | None, start: float | None, where: str):
         self.stage, self.factor, self.start, self.where = stage, factor, start, where
@@ -429,9 +421,8 @@ def run_stages(
     fingerprint = fingerprint | {"data": _data_fingerprint(taken)}
     loaded = _load(folder, model, fingerprint) if folder is not None and loop.resume else None
     state, opt_state = loaded or (TrainState(), None)
-    resumed_at = None
-    if loaded is not None:
-        resumed_at = {"stage": state.stage, "step": state.step, "texts": state.texts}
+    where = {"stage": state.stage, "step": state.step, "texts": state.texts}
+    resumed_at = where if loaded is not None else None
     if state.complete:
         return RunOutcome(state, resumed_at, False)
     stream = itertools.chain(taken, source)
@@ -497,7 +488,6 @@ def run_stages(
                     losses = stage.step(ids, mask)
                     opt.step()
                     opt.zero_grad(set_to_none=True)
-                    before = state.tokens
                     state.step += 1
                     state.tokens += n_tok
                     state.texts += read
@@ -514,11 +504,8 @@ def run_stages(
                         "trained": stage.trained,
                     }
                     pending.append((record, losses))
-                    if b.tokens is not None:
-                        bar.update(min(state.tokens, b.tokens) - min(before, b.tokens))
-                    else:
-                        bar.n = int(min(state.seconds, total or 0))
-                        bar.refresh()
+                    done = state.tokens if b.tokens is not None else state.seconds
+                    bar.update(int(min(done, total or 0)) - bar.n)
                     if folder is not None and state.step % loop.checkpoint_every == 0:
                         _flush(pending, records, watch, bar)
                         save(opt)
