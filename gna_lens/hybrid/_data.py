@@ -86,9 +86,8 @@ def describe_data(data: Any) -> str:
 
 def mmlu_split(records: Sequence[Any]) -> tuple[list[Any], list[Any]]:
     """``(distillation records, held-out records)`` of MMLU (see :data:`MMLU_EVAL_EVERY`)."""
-    held = [r for i, r in enumerate(records) if i % MMLU_EVAL_EVERY == 0]
-    rest = [r for i, r in enumerate(records) if i % MMLU_EVAL_EVERY != 0]
-    return rest, held
+    held = list(records[::MMLU_EVAL_EVERY])
+    return [r for i, r in enumerate(records) if i % MMLU_EVAL_EVERY], held
 
 
 def kv_texts(
@@ -117,8 +116,7 @@ def kv_texts(
     lo, hi = pairs
     values = "numbers"
     tpl = KV_TEMPLATES[template]
-    i = 0
-    while True:
+    for i in itertools.count():
         n = lo + i % (hi - lo + 1)
         block = blocks[i % len(blocks)]
         kw: dict[str, Any] = dict(
@@ -142,7 +140,6 @@ def kv_texts(
             for k in extra:
                 parts += ["\n" + tpl.query.format(key=k), tpl.render_answer(vals[keys.index(k)])]
             yield "".join(parts)
-        i += 1
 
 
 def _prose_texts(tokenizer: Any, target: int) -> list[str]:
@@ -211,17 +208,15 @@ class DistillData:
     def labelled(self) -> Iterator[tuple[str, str]]:
         """``(source, text)`` pairs: the texts of ``iter(self)``, in the same order, each with
         the source it came from (``"kv-paper"``, ``"prose"``, ...)."""
-        streams: list[tuple[str, Iterator[str]]] = []
-        for name in self.sources:
-            if name.startswith("kv-"):
-                streams.append((name, kv_texts(self._tokenizer, seed=self.seed, **self._kv[name])))
-            else:
-                streams.append((name, self._cycle(name)))
+        streams = [(name, self._stream(name)) for name in self.sources]
         while True:
             for name, stream in streams:
                 yield name, next(stream)
 
-    def _cycle(self, name: str) -> Iterator[str]:
+    def _stream(self, name: str) -> Iterator[str]:
+        """Source ``name``'s endless texts: KV texts, or the fixed texts reshuffled per epoch."""
+        if name.startswith("kv-"):
+            yield from kv_texts(self._tokenizer, seed=self.seed, **self._kv[name])
         texts = self._fixed[name]
         epoch = 0
         while True:
@@ -371,15 +366,11 @@ def default_distill_data(
 def distill_data(
     tokenizer: Any, choice: str = "default", seed: int = 0, **kwargs: Any
 ) -> DistillData:
-    """The distillation data ``choice`` of :data:`DISTILL_DATA` (:func:`default_distill_data`
-    with that choice's sources).
+    """The distillation data ``choice`` of :data:`DISTILL_DATA`: :func:`default_distill_data`
+    with that choice's sources (``tokenizer``, ``seed`` and ``**kwargs`` passed on to it).
 
     Args:
-        tokenizer: The student's (the teacher's) tokenizer.
-        choice: ``"default"`` (KV texts in both templates, prose, MMLU) or ``"no-kv"`` (prose
-            and MMLU only).
-        seed: Data seed, ``0 <= seed < 1000``.
-        **kwargs: Passed on to :func:`default_distill_data` (``prose_tokens``, ...).
+        choice: ``"default"`` or ``"no-kv"``.
 
     Returns:
         A :class:`DistillData`.
@@ -440,13 +431,9 @@ class DataComposition:
             for name, v in self.shares.items()
         ]
         kv = [v for name, v in self.shares.items() if name.startswith("kv-")]
-        kv_text = (
-            f"; KV texts in all: {100 * sum(v['texts'] for v in kv):.1f}% / "
-            f"{100 * sum(v['tokens'] for v in kv):.1f}%"
-        )
         return (
-            ", ".join(parts)
-            + kv_text
+            ", ".join(parts) + f"; KV texts in all: {100 * sum(v['texts'] for v in kv):.1f}% / "
+            f"{100 * sum(v['tokens'] for v in kv):.1f}%"
             + f" (the first {self.n_texts:,} texts, {self.n_tokens:,} tokens, of data seed "
             f"{self.seed}, cut at {self.max_length} tokens as distillation reads them)"
         )

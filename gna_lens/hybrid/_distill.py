@@ -12,6 +12,7 @@ import contextlib
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from gna_lens import runtime
 from gna_lens.device import HOST, to_host
 from gna_lens.errors import ConfigError
 from gna_lens.hybrid._budget import Budget, parse_budget
-from gna_lens.hybrid._data import describe_data
+from gna_lens.hybrid._data import default_distill_data, describe_data
 from gna_lens.hybrid._train import Loop, RunOutcome, Stage, StepLosses, loss_stage, run_stages
 from gna_lens.models.hooked_ssm import HookedSSM
 from gna_lens.models.mixers.hybrid import HybridMixer
@@ -181,19 +182,16 @@ def _capture(
     last = max(layers)
     handles = []
 
-    def hook_for(layer: int) -> Callable[..., None]:
-        def hook(module: nn.Module, args: tuple[Any, ...], out: Tensor) -> None:
-            rope = args[2] if len(args) > 2 else None
-            inputs[layer] = (args[0].detach(), rope)
-            outputs[layer] = out.detach()
-            if layer == last:
-                raise _Stop
-
-        return hook
+    def hook(layer: int, module: nn.Module, args: tuple[Any, ...], out: Tensor) -> None:
+        rope = args[2] if len(args) > 2 else None
+        inputs[layer] = (args[0].detach(), rope)
+        outputs[layer] = out.detach()
+        if layer == last:
+            raise _Stop
 
     try:
         for layer in layers:
-            handles.append(_mixer(twin, layer).register_forward_hook(hook_for(layer)))
+            handles.append(_mixer(twin, layer).register_forward_hook(partial(hook, layer)))
         with torch.no_grad(), contextlib.suppress(_Stop):
             twin(ids)
     finally:
@@ -297,13 +295,15 @@ def _ssm_layers(student: HookedSSM) -> list[int]:
     ]
 
 
-def _layer_params(student: HookedSSM, layer: int) -> list[tuple[str, nn.Parameter]]:
-    mixer = _mixer(student, layer)
-    out = []
-    for name, p in mixer.named_parameters():
-        if name.split(".")[0] in SSM_PARAMS:
-            out.append((f"blocks.{layer}.mixer.{name}", p))
-    return out
+def _layer_params(
+    model: HookedSSM, layer: int, names: tuple[str, ...] = SSM_PARAMS
+) -> list[tuple[str, nn.Parameter]]:
+    """The parameters ``names`` of layer ``layer``'s mixer, with their names in ``model``."""
+    return [
+        (f"blocks.{layer}.mixer.{name}", p)
+        for name, p in _mixer(model, layer).named_parameters()
+        if name.split(".")[0] in names
+    ]
 
 
 def _stage2_params(student: HookedSSM, train: Any) -> tuple[list[tuple[str, nn.Parameter]], str]:
@@ -483,44 +483,6 @@ def _stage2(plan: _Plan, train: Any) -> Stage:
     return loss_stage("stage2", params, _stage2_loss(plan), budget, lr, word, plan.grad_clip)
 
 
-def _plan(
-    student: HookedSSM,
-    teacher: Any,
-    stages: Any,
-    budget: Any,
-    stage1_share: float,
-    lr: Any,
-    temperature: float,
-    grad_clip: float,
-    autocast: Any,
-    loop: Loop,
-    seed: int,
-) -> tuple[_Plan, PrecisionChoice | None]:
-    """The checked arguments of :func:`distill` (``autocast="auto"`` measured: the choice)."""  # fmt: skip
-    twin = teacher_twin(teacher, student)
-    _check_pair(student, twin)
-    picked = tuple(sorted(set(stages))) if isinstance(stages, Iterable) else ()
-    if not picked or any(s not in (1, 2) for s in picked):
-        raise ConfigError(f"distill(stages={stages!r}); expected (1, 2), (1,) or (2,).")
-    total = parse_budget(budget)
-    if not 0 < stage1_share < 1:
-        raise ConfigError(f"distill(stage1_share={stage1_share!r}); expected a share in (0, 1).")
-    lrs = _lrs(lr)
-    if not temperature > 0:
-        raise ConfigError(f"distill(temperature={temperature!r}); expected > 0.")
-    if student.tokenizer is None:
-        raise ConfigError("distill: the student has no tokenizer (student.tokenizer is None).")
-    device = next(iter(student.parameters())).device
-    plan = _Plan(
-        student, twin, picked, total, stage1_share, lrs, temperature, grad_clip, None, device
-    )
-    precision = None
-    if autocast == "auto":
-        precision = _choose_autocast(plan, loop.batch_size, loop.max_length, seed)
-        autocast = precision.autocast
-    return replace(plan, amp=_autocast_dtype(autocast)), precision
-
-
 # ----------------------------------------------------------------------------- distill
 def distill(
     student: HookedSSM,
@@ -571,12 +533,10 @@ def distill(
             works, and a resumed run needs it to give the same texts again). ``None``:
             ``default_distill_data(student.tokenizer, seed)``.
         stages: ``(1, 2)``, ``(1,)`` or ``(2,)``.
-        budget: Tokens read or wall time, for the whole run (:func:`parse_budget`: ``200000``,
-            ``"2M tokens"``, ``"20 min"``). With both stages, stage 1 gets ``stage1_share``
-            of it. Token budgets are reproducible; time budgets depend on the machine.
+        budget: Tokens read or wall time for the whole run (:func:`parse_budget`: ``200000``,
+            ``"2M tokens"``, ``"20 min"``; see :class:`Budget`).
         seed: Seed of the default data and of torch's generator.
-        checkpoint_dir: Where to keep checkpoints (see :mod:`gna_lens.hybrid._train`);
-            ``None``: none.
+        checkpoint_dir: Where to keep checkpoints (:mod:`gna_lens.hybrid._train`); ``None``: none.
         resume: Pick up the run saved in ``checkpoint_dir`` (the same arguments, else a
             ConfigError says what differs); a finished run is loaded, not rerun. ``False``:
             start over there.
@@ -584,7 +544,7 @@ def distill(
         stage1_share: Share of the budget for stage 1 when both stages run.
         train: What stage 2 trains: ``"ssm"`` (the SSM heads' parameters, default),
             ``"mixers"`` (every mixer parameter), ``"all"``, a list of parameter names or a
-            callable ``name -> bool``. Stage 1 always trains each layer's SSM heads.
+            callable ``name -> bool``.
         lr: Peak learning rate, or ``(stage 1, stage 2)``. The defaults come from short
             sweeps on SmolLM2-135M (d_state 16, batches of 8 x 128 tokens): stage 1 at 1e-2
             reached a held-out alignment loss 2-4x lower after 60 steps than at 1e-3 (3e-2
@@ -640,14 +600,30 @@ def distill(
         "distill", batch_size, max_length, warmup, checkpoint_dir, resume, progress, max_steps,
         checkpoint_every, divergence_factor,
     )  # fmt: skip
-    plan, precision = _plan(
-        student, teacher, stages, budget, stage1_share, lr, temperature, grad_clip, autocast,
-        loop, seed,
-    )  # fmt: skip
+    twin = teacher_twin(teacher, student)
+    _check_pair(student, twin)
+    picked = tuple(sorted(set(stages))) if isinstance(stages, Iterable) else ()
+    if not picked or any(s not in (1, 2) for s in picked):
+        raise ConfigError(f"distill(stages={stages!r}); expected (1, 2), (1,) or (2,).")
+    total = parse_budget(budget)
+    if not 0 < stage1_share < 1:
+        raise ConfigError(f"distill(stage1_share={stage1_share!r}); expected a share in (0, 1).")
+    lrs = _lrs(lr)
+    if not temperature > 0:
+        raise ConfigError(f"distill(temperature={temperature!r}); expected > 0.")
     tokenizer = student.tokenizer
+    if tokenizer is None:
+        raise ConfigError("distill: the student has no tokenizer (student.tokenizer is None).")
+    device = next(iter(student.parameters())).device
+    plan = _Plan(
+        student, twin, picked, total, stage1_share, lrs, temperature, grad_clip, None, device
+    )
+    precision = None
+    if autocast == "auto":  # measured in float32 (plan.amp is None)
+        precision = _choose_autocast(plan, batch_size, max_length, seed)
+        autocast = precision.autocast
+    plan = replace(plan, amp=_autocast_dtype(autocast))
     if data is None:
-        from gna_lens.hybrid._data import default_distill_data
-
         data = default_distill_data(tokenizer, seed)
     torch.manual_seed(seed)
     run = [_stage1(plan)] if 1 in plan.stages else []

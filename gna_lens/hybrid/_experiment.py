@@ -1,20 +1,13 @@
-"""The retrieval-guided hybrid experiment: rank the teacher's heads, keep the top k (or k random
-ones) as attention, distill, measure (:func:`run_experiment`, ``gna-lens hybrid``).
+"""The retrieval-guided hybrid experiment (:func:`run_experiment`, ``gna-lens hybrid``).
 
-Prompt sets, all disjoint (seeds in :mod:`gna_lens.hybrid._data`):
-
-- **selection** (ranking the teacher's heads): KV retrieval in the question template with word
-  values, ``rank_pairs`` pairs, seed :data:`SELECTION_SEED` (``gna-lens scan``'s probe), with the
-  prose control's ``"select"`` half; for zoo teachers the first ``n_rank`` prompts of the zoo's
-  kv-8 split and its cloze ``"select"`` half;
-- **distillation**: :func:`~gna_lens.hybrid.default_distill_data` (KV seeds in
-  :data:`DISTILL_SEEDS`, the prose's first half, MMLU questions of the distillation split), or
-  its ``"no-kv"`` choice without the KV texts (:data:`~gna_lens.hybrid.DISTILL_DATA`), one
-  stream per training seed;
-- **held out**: KV retrieval at each dictionary size ``n`` with seed ``EVAL_KV_SEED + n``
-  (prompts also in the selection set dropped; zoo teachers: the zoo's own held-out splits,
-  after the selection prompts), the prose's ``"eval"`` half (next-token loss), and a knowledge
-  task: MMLU in cloze format on the held-out split (zoo: the cloze ``"eval"`` half).
+Its prompt sets are disjoint (seeds in :mod:`gna_lens.hybrid._data`): **selection** (ranking the
+teacher's heads) is KV retrieval in the question template, seed :data:`SELECTION_SEED`, with the
+prose control's ``"select"`` half (zoo teachers: the first ``n_rank`` prompts of the zoo's kv-8
+split and its cloze ``"select"`` half); **distillation** is a choice of :data:`DISTILL_DATA`, one
+stream per training seed; **held out** is KV retrieval at each dictionary size ``n`` with seed
+``EVAL_KV_SEED + n`` (selection prompts dropped; zoo teachers: the zoo's held-out splits, after
+the selection prompts), the prose's ``"eval"`` half and MMLU in cloze format on the held-out
+split (zoo: the cloze ``"eval"`` half).
 """
 
 import itertools
@@ -25,6 +18,7 @@ import platform
 import random
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -57,9 +51,8 @@ def _accuracy_of(rows: Iterable["HybridRow"], task: str) -> float:
 
 
 def _put_paired(entry: dict[str, Any], key: str, rows: Any, others: Any, task: str) -> None:
-    """``entry[key]``: per held-out prompt, the mean 0 / 1 over ``rows`` minus that over
-    ``others``, with its bootstrap interval (left out unless every row kept its per-prompt
-    results, all of one length)."""
+    """``entry[key]``: per held-out prompt, the mean 0 / 1 of ``rows`` minus that of ``others``
+    with its bootstrap interval (when every row kept its per-prompt results, all of one length)."""
     got = [[r.kv_correct.get(task) for r in side] for side in (rows, others)]
     flat = [g for side in got for g in side]
     if not all(got) or not all(flat) or len({len(g) for g in flat}) != 1:
@@ -351,8 +344,7 @@ def _state(model: Any, lengths: Sequence[int]) -> dict[int, dict[str, float]]:
 
 
 def _measure(model: Any, evals: _Evals, lengths: Sequence[int], batch_size: int) -> dict[str, Any]:
-    """The measured fields of ``model``'s :class:`HybridRow` (``kv``, ``prose``, ``knowledge``,
-    ``state``, ``kv_correct``)."""
+    """The measured fields of ``model``'s :class:`HybridRow` (``kv``, ``prose``, ...)."""
     model.eval()
     got = {name: _accuracy(model, task, batch_size) for name, task in evals.kv.items()}
     return {
@@ -417,17 +409,15 @@ def _tasks(
                 )
             start = n_rank if n == 8 else 0
             kv[name] = splits[name][start : start + n_eval]
-        knowledge = zoo_mod.control(tok, "eval")
-        method["selection"] = (
-            f"first {n_rank} prompts of the zoo's kv-8 split, control: the zoo's cloze select "
-            "half (prompts 0-149)"
-        )
-        method["held_out"] = (
-            f"the zoo's kv-n splits (seed 10000 + n; kv-8 after the {n_rank} selection "
-            f"prompts), {n_eval} prompts each"
-        )
-        method["knowledge"] = "zoo cloze, eval half (prompts 150-299), accuracy over 4 options"
+        method = {
+            "selection": f"first {n_rank} prompts of the zoo's kv-8 split, control: the zoo's "
+            "cloze select half (prompts 0-149)",
+            "held_out": f"the zoo's kv-n splits (seed 10000 + n; kv-8 after the {n_rank} "
+            f"selection prompts), {n_eval} prompts each",
+            "knowledge": "zoo cloze, eval half (prompts 150-299), accuracy over 4 options",
+        }
         notes = {"prose": "the zoo tokenizer reads prose as <unk>"}
+        knowledge = zoo_mod.control(tok, "eval")
         return selection, ctrl, _Evals(kv, None, knowledge, "zoo cloze", notes), method
     rank_kw: dict[str, Any] = dict(n_pairs=rank_pairs, template="question", values="words")
     selection = kv_retrieval(tok, n_samples=n_rank, seed=SELECTION_SEED, **rank_kw)
@@ -464,8 +454,7 @@ def _tasks(
         prose = text_control(tok, split="eval", n_sequences=prose_windows, seq_len=prose_len)
     except TaskError as err:
         notes["prose"] = str(err)[:200]
-    knowledge = None
-    kname = None
+    knowledge = kname = None
     if n_knowledge > 0:
         from gna_lens.hybrid._data import MMLU_EVAL_EVERY, _unknown_share, mmlu_split
 
@@ -507,15 +496,14 @@ def _keep_list(keep: Any, n_heads: int) -> list[int]:
         raise ConfigError(
             f"run_experiment(keep={keep!r}); expected a list of ints, e.g. [0, 4, 8]."
         )
-    out = []
+    keep = list(keep)
     for k in keep:
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= n_heads:
             raise ConfigError(
-                f"run_experiment(keep={list(keep)!r}): {k!r} is not a number of heads in 0..{n_heads} "
+                f"run_experiment(keep={keep!r}): {k!r} is not a number of heads in 0..{n_heads} "
                 f"(the teacher has {n_heads} heads)."
             )
-        out.append(k)
-    return sorted(set(out))
+    return sorted(set(keep))
 
 
 def _rank(
@@ -585,10 +573,8 @@ def _seed_list(seed: int, seeds: Sequence[int] | None) -> list[int]:
 def _data_choices(distill_data: str | Sequence[str]) -> list[str]:
     from gna_lens.hybrid._data import DISTILL_DATA
 
-    given = [distill_data] if isinstance(distill_data, str) else distill_data
-    if not isinstance(given, Iterable):
-        given = [given]  # type: ignore[list-item]
-    out = list(dict.fromkeys(given))
+    many = isinstance(distill_data, Iterable) and not isinstance(distill_data, str)
+    out: list[str] = list(dict.fromkeys(distill_data if many else [distill_data]))  # type: ignore[list-item]
     for choice in out:
         if not isinstance(choice, str) or choice not in DISTILL_DATA:
             raise ConfigError(
@@ -701,20 +687,14 @@ def _same_key(saved: Any, current: dict[str, Any]) -> bool:
 
 
 def _controls(rows: Sequence[HybridRow], matching: dict[int, Any]) -> tuple[bool, str]:
-    """Whether the table's top-k vs random-k comparison is controlled: two or more training
-    seeds of the default data, a no-kv arm, three or more random students per (k, seed,
-    data), random heads layer-matched; and a line saying what it has."""
+    """Whether the top-k vs random-k comparison is controlled, and a line saying what the rows
+    have and what "controlled" takes."""
     students = [r for r in rows if r.kind in ("top", "random")]
     seeds = sorted({r.seed for r in students if r.kind == "top" and r.data == "default"})
     no_kv = {r.kind for r in students if r.data == "no-kv"} == {"top", "random"}
     groups = {(r.data, r.k, r.seed) for r in students if r.kind == "top"}
-    n_random = min(
-        (
-            sum(1 for r in students if r.kind == "random" and (r.data, r.k, r.seed) == g)
-            for g in groups
-        ),
-        default=0,
-    )
+    randoms = Counter((r.data, r.k, r.seed) for r in students if r.kind == "random")
+    n_random = min((randoms[g] for g in groups), default=0)
     layer = bool(matching) and all(v.matching == "layer" for v in matching.values())
     ok = len(seeds) >= 2 and no_kv and n_random >= 3 and layer
     text = (
@@ -729,9 +709,8 @@ def _controls(rows: Sequence[HybridRow], matching: dict[int, Any]) -> tuple[bool
 
 @dataclass
 class _Run:
-    """A :func:`run_experiment` call: its folder (rows and the ranking read back from it, in
-    :meth:`read_back` only), how rows are measured, the plan (training seeds, data choices and
-    streams, ``only=``), the settings, and the seconds per stage."""
+    """A :func:`run_experiment` call: its folder (read back from in :meth:`read_back` only), how
+    rows are measured, the plan, the settings, and the seconds per stage."""
 
     folder: Path | None
     resume: bool
@@ -847,7 +826,9 @@ def run_experiment(
     to ``out/rows/`` at once and read back by any later call whose settings match, so a rerun
     with more seeds, draws or data choices distils only the missing rows, and the rows of one
     default-settings run (training seed = ``seed``, default data) keep the files and
-    fingerprints of earlier versions.
+    fingerprints of earlier versions. ``stages``, ``stage1_share``, ``train``, ``lr``,
+    ``batch_size``, ``max_length`` and ``autocast`` are :func:`~gna_lens.hybrid.distill`'s
+    (measurements are always float32).
 
     Args:
         teacher: A Llama-style teacher: a name :func:`gna_lens.load_model` loads
@@ -858,8 +839,6 @@ def run_experiment(
             same settings resumes from them); ``None``: nothing written.
         d_state: The SSM heads' state size.
         head_layout: ``"head"`` or ``"kv_group"``.
-        stages: As :func:`~gna_lens.hybrid.distill`.
-        stage1_share: As :func:`~gna_lens.hybrid.distill`.
         seed: Seed of the random head sets and the knowledge sample, and the training seed
             when ``seeds`` is ``None``.
         seeds: Training seeds: each student is distilled once per seed (the distillation
@@ -868,11 +847,9 @@ def run_experiment(
         random_draws: Random-head students per ``k > 0`` and training seed, each with its own
             head set (default 1; 5 or more per seed for a controlled comparison: one random
             set can be lucky or unlucky, and the set-level p-value's floor is 1 / (sets + 1)).
-        distill_data: The distillation data, one choice or several of
-            :data:`~gna_lens.hybrid.DISTILL_DATA`: ``"default"`` (KV texts in the paper's and
-            the question template, prose, MMLU) or ``"no-kv"`` (prose and MMLU only: no text
-            in the held-out task's format). Ignored with ``data`` (which must then be
-            ``"default"``).
+        distill_data: The distillation data, one choice of
+            :data:`~gna_lens.hybrid.DISTILL_DATA` or several (``["default", "no-kv"]``);
+            ``"default"`` with ``data``.
         only: Distil only these rows now, to split a long run across sessions or machines
             (the other finished rows are read back, the rest left out: ``method["pending"]``);
             a name or a list (CLI ``--only``), each entry an arm (``"top-8"``, ``"k=0"``,
@@ -892,12 +869,7 @@ def run_experiment(
         n_knowledge: MMLU questions (0: no knowledge column).
         data: Distillation texts (re-iterable; default
             :func:`~gna_lens.hybrid.default_distill_data`).
-        train: As :func:`~gna_lens.hybrid.distill`.
-        lr: As :func:`~gna_lens.hybrid.distill`.
-        batch_size: As :func:`~gna_lens.hybrid.distill`.
-        max_length: As :func:`~gna_lens.hybrid.distill`.
         eval_batch_size: Prompts per forward pass when measuring.
-        autocast: As :func:`~gna_lens.hybrid.distill` (measurements are always float32).
         sweep_dtype: The ranking's ablation sweeps (``"bfloat16"``: autocast, see
             score_heads); ``None``: float32.
         device: Where the teacher (loaded by name) and the students run (``"cuda"``,
@@ -1009,9 +981,9 @@ def run_experiment(
     )
     extra = {"only": _only_entries(only), "pending": pending, "unmeasured": unmeasured}
     method |= {key: value for key, value in extra.items() if value}
-    chance = {t: _chance(task) for t, task in run.evals.kv.items()}
+    chance = {t: task.chance for t, task in run.evals.kv.items()}
     if run.evals.knowledge is not None and run.evals.knowledge_name:
-        chance[run.evals.knowledge_name] = _chance(run.evals.knowledge)
+        chance[run.evals.knowledge_name] = run.evals.knowledge.chance
     table = HybridTable(
         teacher=name,
         rows=tuple(rows),
@@ -1027,14 +999,8 @@ def run_experiment(
     return table
 
 
-def _chance(task: Any) -> float:
-    """The accuracy of guessing on ``task``."""
-    return float(sum(1 / len(s.choices) for s in task) / max(1, len(task)))
-
-
 def _load_teacher(run: _Run, teacher: Any, device: Any, dtype: Any) -> tuple[str, Any]:
-    """The teacher's name, and the teacher (loaded by name, or moved to ``device`` and
-    ``dtype``)."""
+    """The teacher's name and the teacher, loaded by name or moved to ``device`` / ``dtype``."""
     if not isinstance(teacher, str | Path):
         name = getattr(getattr(teacher, "cfg", None), "model_name", "") or type(teacher).__name__
         if device is not None:
@@ -1050,9 +1016,8 @@ def _load_teacher(run: _Run, teacher: Any, device: Any, dtype: Any) -> tuple[str
 
 
 def _data_streams(run: _Run, tok: Any, data: Any, max_length: int, total: Any) -> None:
-    """One data stream per (choice, training seed), and the composition of each default one,
-    measured now (each seed reads its own stream), so that a choice this tokenizer cannot make
-    fails before anything runs."""
+    """One data stream per (choice, training seed) and the composition of each DistillData one,
+    made now so that a choice this tokenizer cannot make fails before anything runs."""
     from gna_lens.hybrid._data import DistillData, data_composition, distill_data
 
     for choice in run.choices:
@@ -1075,8 +1040,7 @@ def _check_experiment_args(
     seeds: Any,
     only: Any,
 ) -> tuple[list[int], list[str], list[_Selector] | None]:
-    """The training seeds, the data choices and the ``only=`` selectors, after checking every
-    argument that needs no model."""  # fmt: skip
+    """The training seeds, data choices and ``only=`` selectors, model-free arguments checked."""
     from gna_lens.hybrid._build import HEAD_LAYOUTS
 
     if head_layout not in HEAD_LAYOUTS:
@@ -1174,8 +1138,7 @@ def _arms(
 
 
 def _teacher_row(run: _Run, teacher: Any, key: dict[str, Any], n_heads: int) -> HybridRow:
-    """The teacher's row: read back when measured under the same evaluation settings, else
-    measured now and written to ``rows/teacher.json``."""
+    """The teacher's row: read back when measured under the same settings, else measured now."""
     file = run.path("rows", "teacher.json")
     saved = run.read_back(file, "fingerprint", key)
     if saved is not None:
@@ -1233,7 +1196,6 @@ def _student_rows(
             # task empty) unless this run is asked to train it again
             if not missing or not selected:
                 rows.append(replace(back, name=label, seed=train_seed, data=choice, arm=arm))
-                run.seconds[label] = rows[-1].seconds
                 if missing:
                     unmeasured[label] = missing
                 run.say(f"{label}: read back from {row_file}" + (
@@ -1252,14 +1214,12 @@ def _student_rows(
             checkpoint_dir=run.path("checkpoints", f"{slug}-{_digest(fingerprint)}"),
             **distill_kw,
         )  # fmt: skip
-        got = run.measure(student)
         summary = {"totals": res.totals, "probe": res.probe, "n_trained": res.n_trained}
         row = HybridRow(
-            label, kind, k, tuple(heads), **got, distill=summary,
+            label, kind, k, tuple(heads), **run.measure(student), distill=summary,
             seconds=time.perf_counter() - t0, seed=train_seed, data=choice, arm=arm,
         )  # fmt: skip
         rows.append(row)
-        run.seconds[label] = row.seconds
         run.say(
             f"{label}: "
             + ", ".join(f"{t} {iv.format(percent=True)}" for t, iv in row.kv.items())
@@ -1271,6 +1231,7 @@ def _student_rows(
             if save_students:
                 student.save_pretrained(run.folder / "students" / slug)
         del student
+    run.seconds |= {row.name: row.seconds for row in rows}
     return rows, pending, unmeasured
 
 

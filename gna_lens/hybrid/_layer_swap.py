@@ -24,17 +24,14 @@ from gna_lens.models.mixers.hybrid import HybridMixer
 
 __all__ = ["PARTS", "swap_layers", "swap_teacher_heads"]
 
-#: What :func:`swap_layers` takes from the teacher: its attention only (``"mixer"``: the
-#: student's norms and MLP stay) or its whole block (``"block"``: input norm, attention, post
-#: norm, MLP).
+#: What :func:`swap_layers` takes from the teacher (``part=``).
 PARTS = ("mixer", "block")
 
 
 @dataclass(frozen=True)
 class _Teacher:
-    """A Llama-style teacher, read once: its name, its Llama fields
-    (:func:`~gna_lens.models.families.gna_hybrid.teacher_fields`) and its weights under Hugging
-    Face Llama names (``model.layers.{l}.self_attn.q_proj.weight``, ...)."""
+    """A Llama-style teacher, read once: its name, its Llama fields (``teacher_fields``) and its
+    weights under Hugging Face Llama names (``model.layers.{l}.self_attn.q_proj.weight``, ...)."""
 
     name: str
     fields: dict[str, Any]
@@ -64,8 +61,7 @@ class _Teacher:
 
 # ----------------------------------------------------------------------------- the teacher
 def _read_teacher(teacher: Any, call: str = "swap_layers") -> _Teacher:
-    """The :class:`_Teacher` of whatever :func:`swap_layers` accepts as one (``call``: the
-    function to name in errors)."""
+    """The :class:`_Teacher` of a teacher (``call``: the function to name in errors)."""
     if isinstance(teacher, HookedSSM):
         return _twin_teacher(teacher, call)
     hf, name = hf_model(teacher, call)
@@ -102,8 +98,9 @@ def _twin_teacher(twin: HookedSSM, call: str = "swap_layers") -> _Teacher:
 
 
 # ----------------------------------------------------------------------------- checks
-def _check_layers(layers: Any, n_layers: int) -> list[int]:
-    """``layers``: an int or a non-empty list of distinct layer indices ``0 .. n_layers - 1``."""
+def _check_layers(student: HookedSSM, layers: Any) -> list[int]:
+    """``layers`` (an int or a list), distinct layers of the student that have a mixer, sorted."""
+    cfg, n_layers = student.cfg, student.cfg.n_layers
     where = f"the student and the teacher have {n_layers} layers (0..{n_layers - 1})"
     items = [layers] if isinstance(layers, int) and not isinstance(layers, bool) else layers
     if isinstance(items, str | bytes) or not isinstance(items, Iterable):
@@ -121,6 +118,13 @@ def _check_layers(layers: Any, n_layers: int) -> list[int]:
     check_listed(
         items, f"swap_layers(layers={layers!r}", "layer", where, lambda i: 0 <= i < n_layers
     )
+    for layer in sorted(items):
+        if not student.blocks[layer].has_mixer:
+            raise ConfigError(
+                f"swap_layers(layers={sorted(items)}): layer {layer} of the student is an MLP-only "
+                f"block (layer_types[{layer}]={cfg.layer_types[layer]!r}), with no sequence mixer "
+                "to swap for the teacher's attention."
+            )
     return sorted(items)
 
 
@@ -158,18 +162,6 @@ def _check_pair(student: HookedSSM, teacher: _Teacher, call: str = "swap_layers"
         )
 
 
-def _check_mixers(student: HookedSSM, layers: list[int]) -> None:
-    """Each chosen layer of the student has a sequence mixer to swap."""
-    cfg = student.cfg
-    for layer in layers:
-        if not student.blocks[layer].has_mixer:
-            raise ConfigError(
-                f"swap_layers(layers={layers}): layer {layer} of the student is an MLP-only "
-                f"block (layer_types[{layer}]={cfg.layer_types[layer]!r}), with no sequence mixer "
-                "to swap for the teacher's attention."
-            )
-
-
 def _mismatches(cfg: SSMConfig, want: dict[str, Any]) -> list[str]:
     return [
         f"{k}={getattr(cfg, k)!r} (teacher: {v!r})" for k, v in want.items() if getattr(cfg, k) != v
@@ -178,8 +170,7 @@ def _mismatches(cfg: SSMConfig, want: dict[str, Any]) -> list[str]:
 
 # ----------------------------------------------------------------------------- swapping
 def _check_hybrid(cfg: SSMConfig, teacher: _Teacher, part: str, call: str) -> None:
-    """A hybrid student's heads (and with ``part="block"`` its norms and MLPs) have the
-    teacher's shape."""
+    """A hybrid student's heads (``part="block"``: and norms and MLPs) have the teacher's shape."""
     f, a = teacher.fields, teacher.attention
     want: dict[str, Any] = {
         "n_heads": a["n_attn_heads"],
@@ -227,8 +218,7 @@ def _attention_fields(model: HookedSSM, teacher: _Teacher, call: str = "swap_lay
     own attention layers have others."""
     cfg, want = model.cfg, teacher.attention
     d = want["attn_d_head"]
-    has_attention = cfg.is_hybrid or any(m.uses_rope for m in model.ssm_mixers().values())
-    if has_attention:
+    if cfg.is_hybrid or any(m.uses_rope for m in model.ssm_mixers().values()):  # own attention
         bad = _mismatches(cfg, want)
         if cfg.attn_scale not in (0.0, d**-0.5):
             bad.append(f"attn_scale={cfg.attn_scale!r} (teacher: {d**-0.5!r})")
@@ -292,15 +282,8 @@ def _ensure_rope(model: HookedSSM) -> None:
 
 def _copy(student: HookedSSM) -> HookedSSM:
     """A deep copy of ``student`` sharing its tokenizer (deep-copying a tokenizer is slow and
-    pointless)."""
-    tokenizer = student.tokenizer
-    try:
-        student.tokenizer = None
-        model = copy.deepcopy(student)
-    finally:
-        student.tokenizer = tokenizer
-    model.tokenizer = tokenizer
-    return model
+    pointless: the memo maps it to itself)."""
+    return copy.deepcopy(student, {id(student.tokenizer): student.tokenizer})
 
 
 def _stamped(student: HookedSSM, model: HookedSSM, kind: str, record: dict[str, Any]) -> HookedSSM:
@@ -319,9 +302,8 @@ def _stamped(student: HookedSSM, model: HookedSSM, kind: str, record: dict[str, 
 
 
 def _plain_swap(model: HookedSSM, teacher: _Teacher, layers: list[int], part: str) -> None:
-    """Any other student's layers become attention layers (``layer_types`` ``"attention"``,
-    ``blocks.{l}.attn``: :class:`~gna_lens.models.mixers.Attention`) with the teacher's
-    weights."""
+    """Any other student's layers become attention layers (``blocks.{l}.attn``) with the
+    teacher's weights."""
     cfg = model.cfg
     _attention_fields(model, teacher)
     if part == "block":
@@ -404,22 +386,18 @@ def swap_layers(
         )
     source = _read_teacher(teacher)
     _check_pair(student, source)
-    chosen = _check_layers(layers, student.cfg.n_layers)
-    _check_mixers(student, chosen)
+    chosen = _check_layers(student, layers)
     model = _copy(student)
     with torch.no_grad():
-        if model.cfg.architecture == "gna_hybrid":
-            _hybrid_swap(model, source, chosen, part)
-        else:
-            _plain_swap(model, source, chosen, part)
+        swap = _hybrid_swap if model.cfg.architecture == "gna_hybrid" else _plain_swap
+        swap(model, source, chosen, part)
     record = {"layers": chosen, "part": part, "teacher": source.name}
     return _stamped(student, model, "layer_swap", record)
 
 
 # ----------------------------------------------------------------------------- head swaps
 def _check_heads(student: HookedSSM, heads: Any) -> dict[int, list[int]]:
-    """``heads``: distinct ``(layer, head)`` pairs naming SSM heads of the student; per layer,
-    its heads (sorted)."""
+    """``heads`` (distinct SSM heads of the student) per layer, sorted."""
     cfg = student.cfg
     n, H = cfg.n_layers, cfg.n_heads
     where = f"the student has {n} layers of {H} heads: layers 0..{n - 1}, heads 0..{H - 1}"
@@ -502,9 +480,8 @@ def _rows(t: Tensor, blocks: list[int], width: int) -> Tensor:
 def _hybrid_head_swap(
     model: HookedSSM, teacher: _Teacher, layer: int, new: list[int]
 ) -> HybridMixer:
-    """Layer ``layer``'s :class:`HybridMixer` with the heads ``new`` made attention heads: the
-    teacher's query rows, key / value rows and ``o_proj`` columns; every other parameter the
-    student's, exactly."""
+    """Layer ``layer``'s :class:`HybridMixer` with the heads ``new`` made the teacher's attention
+    heads (query and key / value rows, ``o_proj`` columns); every other parameter the student's."""
     cfg: Any = model.cfg
     d, N = cfg.d_head, cfg.d_state
     old: Any = model.blocks[layer].mixer
@@ -560,11 +537,9 @@ def _hybrid_head_swap(
             state[f"{name}.{p}"] = _rows(getattr(getattr(old, name), p), blocks, width)
         for name in ("dt_proj.weight", "dt_bias", "A_log", "D"):
             state[name] = _rows(old.get_parameter(name), ssm, 1)
-    out_w = old.out_proj.weight.clone()
-    o_proj = weights["o_proj.weight"]
-    for h in new:
-        out_w[:, h * d : (h + 1) * d] = o_proj[:, h * d : (h + 1) * d]
-    state["out_proj.weight"] = out_w
+    state["out_proj.weight"] = out_w = old.out_proj.weight.clone()
+    for h in new:  # the swapped heads' output columns are the teacher's
+        out_w[:, h * d : (h + 1) * d] = weights["o_proj.weight"][:, h * d : (h + 1) * d]
     if old.out_proj.bias is not None:
         state["out_proj.bias"] = old.out_proj.bias
     mixer = mixer.to(device=first.device, dtype=first.dtype)
@@ -594,14 +569,12 @@ def swap_teacher_heads(student: HookedSSM, teacher: Any, heads: Iterable[Head]) 
     Args:
         student: A HookedSSM whose layers line up with the teacher's (same number of layers and
             ``d_model``, heads as above); it is not modified.
-        teacher: As for :func:`swap_layers` (a ``LlamaForCausalLM``, a ``TransformerBridge``
-            over one, its folder, or its teacher twin); it is not modified.
+        teacher: As for :func:`swap_layers`; it is not modified.
         heads: ``(layer, head)`` pairs of SSM heads, each once.
 
     Returns:
-        The new HookedSSM (eval mode, the student's dtype and device, sharing its tokenizer);
-        ``model.gna_head_swap`` says what was swapped: ``{"heads": [[l, h], ...], "teacher":
-        name}`` (with ``"before"``: the student's own record, when it had one).
+        The new HookedSSM, as :func:`swap_layers`'s; ``model.gna_head_swap`` is ``{"heads":
+        [[l, h], ...], "teacher": name}``.
 
     Raises:
         ConfigError: For heads that are out of range, repeated, not pairs of ints, or already

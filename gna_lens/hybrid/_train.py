@@ -177,8 +177,7 @@ def batches(
     Raises:
         ConfigError: For an item that is not a str.
     """
-    pad = getattr(tokenizer, "pad_token_id", None)
-    pad = 0 if pad is None else int(pad)
+    pad = int(getattr(tokenizer, "pad_token_id", None) or 0)
     rows: list[list[int]] = []
     read = 0
     for index, text in enumerate(texts):
@@ -220,9 +219,7 @@ def _lr(stage: Stage, step: int, fraction: float, warmup: int) -> float:
 def _data_fingerprint(texts: Iterable[Any], n: int = 4) -> str:
     """SHA-256 (12 hex digits) of the first ``n`` texts: a resumed run must read the same data."""
     h = hashlib.sha256()
-    for i, t in enumerate(texts):
-        if i >= n:
-            break
+    for t in itertools.islice(texts, n):
         h.update(str(t).encode("utf-8", "replace") + b"\0")
     return h.hexdigest()[:12]
 
@@ -303,7 +300,6 @@ class RunOutcome:
 
     state: TrainState
     resumed_at: dict[str, Any] | None
-    stopped_early: bool
 
 
 class _Watch:
@@ -313,10 +309,6 @@ class _Watch:
         self.stage, self.factor, self.start, self.where = stage, factor, start, where
         self.origin = f"on the probe batch before {stage.name}"
         self.recent: list[float] = []
-
-    def threshold(self) -> float:
-        assert self.factor is not None and self.start is not None
-        return self.factor * max(self.start, DIVERGENCE_FLOOR)
 
     def see(self, step: int, loss: float, probe: str | None = None) -> None:
         """Check the loss of ``step`` (the mean over its records), or a probe loss (``probe``
@@ -332,7 +324,8 @@ class _Watch:
             what = f"mean of steps {first}-{step}" if first < step else f"step {step}"
         else:
             current, what = loss, probe
-        if math.isfinite(loss) and (self.start is None or current <= self.threshold()):
+        limit = self.factor * max(self.start or 0.0, DIVERGENCE_FLOOR)
+        if math.isfinite(loss) and (self.start is None or current <= limit):
             return
         name, lr = self.stage.name, self.stage.lr
         start = "nan" if self.start is None else f"{self.start:.4g}"
@@ -424,7 +417,7 @@ def run_stages(
     where = {"stage": state.stage, "step": state.step, "texts": state.texts}
     resumed_at = where if loaded is not None else None
     if state.complete:
-        return RunOutcome(state, resumed_at, False)
+        return RunOutcome(state, resumed_at)
     stream = itertools.chain(taken, source)
     for _ in range(state.texts):  # texts read before the checkpoint
         if next(stream, None) is None:
@@ -528,10 +521,9 @@ def run_stages(
             }
             state.stage += 1
             state.step, state.tokens, state.seconds = 0, 0, 0.0
-            if state.stage == len(stages):
-                state.complete = True
+            state.complete = state.stage == len(stages)
             save(None)
     finally:
         for n, p in all_params.items():
             p.requires_grad_(flags[n])
-    return RunOutcome(state, resumed_at, stopped)
+    return RunOutcome(state, resumed_at)
