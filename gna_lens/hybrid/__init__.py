@@ -1,32 +1,20 @@
 """Retrieval-guided hybrids: keep the heads retrieval needs as attention, turn the rest into SSM
 heads, distill, and measure.
 
-:func:`build_hybrid` makes, from a Llama-style Transformer (the teacher) and a list of its heads
-to keep, a student :class:`~gna_lens.models.HookedSSM` with the teacher's embeddings, norms and
-MLPs, in which every kept head stays attention with the teacher's weights and every other head
-becomes a Mamba-2-style SSM head initialized from the teacher head's own projections
-(``Q -> C``, ``K -> B``, ``V -> x``: Mamba-in-the-Llama, MOHAWK, Llamba). Heads keep the
-teacher's numbering, so the student is scanned, ablated, patched and masked head by head like
-any model (:func:`gna_lens.head_view` gives each head's kind). The student saves with
-``student.save_pretrained(folder)`` and loads back with :func:`gna_lens.load_model`.
-
-:func:`distill` trains a student from its teacher: per-layer alignment of each mixer's output to
-the teacher's attention output on the teacher's input, then KL to the teacher's logits; with a
-budget in tokens or minutes (:func:`parse_budget`), checkpoints and bit-identical resume, on
-:func:`default_distill_data` (offline; seeds and splits disjoint from every evaluation set). A
-stage whose loss runs away stops with :class:`DistillationDiverged`.
-
-:func:`swap_heads` does the converse on a pretrained Mamba-2 (or Mamba-2 hybrid): chosen SSM
-heads become attention heads started from the head's own ``C`` / ``B`` / ``x``, and only the new
-parameters train.
-
-:func:`swap_layers` and :func:`swap_teacher_heads` put the teacher back into a student, weights
-copied and nothing trained: whole layers, or single heads (SSM head ``h`` of layer ``l`` becomes
-the teacher's attention head ``h`` of layer ``l``).
-
-:func:`run_experiment` (``gna-lens hybrid``) runs the whole loop: rank the teacher's heads,
-distill students keeping the top-k or k random heads, and measure held-out KV retrieval, prose
-loss, knowledge and :func:`state_bytes` (recurrent states and KV cache per token).
+- :func:`build_hybrid`: a student :class:`~gna_lens.models.HookedSSM` of a Llama-style teacher
+  in which the kept heads stay attention and every other head becomes a Mamba-2-style SSM head
+  initialized from its own projections (Mamba-in-the-Llama, MOHAWK, Llamba); heads keep the
+  teacher's numbering, so the student is analyzed head by head like any model.
+- :func:`distill`: per-layer alignment, then the teacher's logits, under a budget in tokens or
+  minutes (:func:`parse_budget`), with checkpoints and bit-identical resume, on
+  :func:`default_distill_data` (offline, disjoint from every evaluation set).
+- :func:`swap_heads`: the converse on a pretrained Mamba-2 (or Mamba-2 hybrid): chosen SSM heads
+  become attention heads, and only their new parameters train.
+- :func:`swap_layers`, :func:`swap_teacher_heads`: the teacher's attention layers, or single
+  heads, put back into a student, weights copied and nothing trained.
+- :func:`run_experiment` (``gna-lens hybrid``): rank the teacher's heads, distill students
+  keeping the top-k or k random heads, and measure held-out KV retrieval, prose loss, knowledge
+  and :func:`state_bytes`.
 
 See the docs page "Hybrid students" for the method, its sources and measured tables.
 """

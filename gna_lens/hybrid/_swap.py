@@ -11,8 +11,8 @@ from torch import Tensor
 
 from gna_lens.errors import ConfigError
 from gna_lens.hybrid._budget import parse_budget
-from gna_lens.hybrid._data import describe_data
-from gna_lens.hybrid._distill import _mixer, _result
+from gna_lens.hybrid._data import default_distill_data, describe_data
+from gna_lens.hybrid._distill import _layer_params, _result
 from gna_lens.hybrid._layer_swap import _copy
 from gna_lens.hybrid._pairs import Head, by_layer, head_pairs
 from gna_lens.hybrid._train import Loop, loss_stage, run_stages
@@ -75,7 +75,9 @@ def swap_heads(
     budget); every other parameter keeps its value bit for bit. The result is a HookedSSM with
     the usual hooks: :func:`~gna_lens.head_view` gives the swapped heads kind ``"attention"``,
     ``hook_pattern`` holds their softmax pattern (editable), ``save_pretrained`` writes it and
-    :func:`~gna_lens.load_model` reads it back.
+    :func:`~gna_lens.load_model` reads it back. ``budget``, ``seed``, ``batch_size``,
+    ``max_length``, ``warmup``, ``grad_clip``, ``checkpoint_dir``, ``resume``,
+    ``checkpoint_every``, ``max_steps`` and ``progress`` are :func:`~gna_lens.hybrid.distill`'s.
 
     Args:
         model: A HookedSSM whose chosen layers are Mamba-2 layers (Mamba-2, Bamba, Nemotron-H,
@@ -84,19 +86,7 @@ def swap_heads(
         train_data: Texts (any iterable of str); ``None``:
             :func:`~gna_lens.hybrid.default_distill_data` ``(model.tokenizer, seed)`` (for a
             zoo model, its KV-retrieval texts).
-        budget: Tokens or time (:func:`~gna_lens.hybrid.parse_budget`).
-        seed: Data seed (and torch's).
         lr: Peak learning rate.
-        batch_size: Texts per step.
-        max_length: Tokens per text at most.
-        warmup: Warm-up steps.
-        grad_clip: Gradient norm clip.
-        checkpoint_dir: Checkpoints of the training (resumable, as
-            :func:`~gna_lens.hybrid.distill`'s).
-        resume: Resume from ``checkpoint_dir``.
-        checkpoint_every: Steps between checkpoints.
-        max_steps: Stop this call after so many steps.
-        progress: Show a progress bar.
 
     Returns:
         The new model (eval mode); ``model.gna_swap`` says what was done (JSON-ready, saved with
@@ -135,15 +125,8 @@ def swap_heads(
     new = _copy(model)
     install(new, per_layer)
     new.eval()
-    params = [
-        (f"blocks.{layer}.mixer.{n}", p)
-        for layer in per_layer
-        for n, p in _mixer(new, layer).named_parameters()
-        if n.split(".")[0] in ("attn_proj", "attn_conv")
-    ]
+    params = [np for i in per_layer for np in _layer_params(new, i, ("attn_proj", "attn_conv"))]
     if train_data is None:
-        from gna_lens.hybrid._data import default_distill_data
-
         train_data = default_distill_data(tokenizer, seed)
     swapped = [(layer, h) for layer, hs in per_layer.items() for h in hs]
     word = "new attention heads " + heads_label(swapped, ", ")

@@ -1,12 +1,8 @@
-"""The training loop shared by :func:`gna_lens.hybrid.distill` and
-:func:`gna_lens.hybrid.swap_heads`: stages under a budget, progress bars, checkpoints and
-resume.
-
-A run is a list of :class:`Stage` objects, each with the parameters it trains, a step function
-(forward, backward, gradient clipping; it returns the losses to record), a budget and a learning
-rate. Texts come from one stream for the whole run, batched in order. The learning rate warms up
-linearly over ``warmup`` steps, then follows a cosine from ``lr`` to ``lr / 10`` over the stage's
-budget (the share of tokens read, or of the time spent). AdamW, no weight decay.
+"""The training loop of :func:`gna_lens.hybrid.distill` and :func:`gna_lens.hybrid.swap_heads`
+(:func:`run_stages`): :class:`Stage` objects in order on one stream of texts, batched in order;
+AdamW without weight decay, the learning rate warming up linearly over ``warmup`` steps, then a
+cosine from ``lr`` to ``lr / 10`` over the stage's budget (the share of tokens read, or of the
+time spent).
 
 Checkpoints (``checkpoint_dir``): every ``checkpoint_every`` steps, at each stage's end and when
 ``max_steps`` stops a call, the trained parameters (safetensors), the optimizer's state and the
@@ -17,12 +13,8 @@ uninterrupted run ends on, bit for bit.
 
 No step waits for the device: a step's losses stay on it as tensors and are read back together
 (one synchronization) every :data:`LOG_EVERY` steps, at checkpoints and at each stage's end,
-where the records are written, the progress bar shows the loss and the divergence check runs.
-**Divergence**: with ``divergence_factor`` set, a stage whose loss is not finite, or whose mean
-loss over the last :data:`DIVERGENCE_WINDOW` steps (or on the probe batch after the stage) is
-above ``divergence_factor`` times its loss on the probe batch before it (or
-:data:`DIVERGENCE_FLOOR`, whichever is larger), stops with
-:class:`~gna_lens.errors.DistillationDiverged` naming the stage, the step and both losses.
+where the records are written, the progress bar shows the loss and the divergence check
+(:func:`gna_lens.hybrid.distill`'s ``divergence_factor``) runs.
 """
 
 import hashlib
@@ -185,8 +177,7 @@ def batches(
     Raises:
         ConfigError: For an item that is not a str.
     """
-    pad = getattr(tokenizer, "pad_token_id", None)
-    pad = 0 if pad is None else int(pad)
+    pad = int(getattr(tokenizer, "pad_token_id", None) or 0)
     rows: list[list[int]] = []
     read = 0
     for index, text in enumerate(texts):
@@ -228,9 +219,7 @@ def _lr(stage: Stage, step: int, fraction: float, warmup: int) -> float:
 def _data_fingerprint(texts: Iterable[Any], n: int = 4) -> str:
     """SHA-256 (12 hex digits) of the first ``n`` texts: a resumed run must read the same data."""
     h = hashlib.sha256()
-    for i, t in enumerate(texts):
-        if i >= n:
-            break
+    for t in itertools.islice(texts, n):
         h.update(str(t).encode("utf-8", "replace") + b"\0")
     return h.hexdigest()[:12]
 
@@ -311,20 +300,15 @@ class RunOutcome:
 
     state: TrainState
     resumed_at: dict[str, Any] | None
-    stopped_early: bool
 
 
 class _Watch:
-    """The divergence check of one stage (see the module docstring)."""
+    """The divergence check of one stage (see ``divergence_factor`` of ``distill``)."""
 
     def __init__(self, stage: Stage, factor: float | None, start: float | None, where: str):
         self.stage, self.factor, self.start, self.where = stage, factor, start, where
         self.origin = f"on the probe batch before {stage.name}"
         self.recent: list[float] = []
-
-    def threshold(self) -> float:
-        assert self.factor is not None and self.start is not None
-        return self.factor * max(self.start, DIVERGENCE_FLOOR)
 
     def see(self, step: int, loss: float, probe: str | None = None) -> None:
         """Check the loss of ``step`` (the mean over its records), or a probe loss (``probe``
@@ -340,7 +324,8 @@ class _Watch:
             what = f"mean of steps {first}-{step}" if first < step else f"step {step}"
         else:
             current, what = loss, probe
-        if math.isfinite(loss) and (self.start is None or current <= self.threshold()):
+        limit = self.factor * max(self.start or 0.0, DIVERGENCE_FLOOR)
+        if math.isfinite(loss) and (self.start is None or current <= limit):
             return
         name, lr = self.stage.name, self.stage.lr
         start = "nan" if self.start is None else f"{self.start:.4g}"
@@ -429,11 +414,10 @@ def run_stages(
     fingerprint = fingerprint | {"data": _data_fingerprint(taken)}
     loaded = _load(folder, model, fingerprint) if folder is not None and loop.resume else None
     state, opt_state = loaded or (TrainState(), None)
-    resumed_at = None
-    if loaded is not None:
-        resumed_at = {"stage": state.stage, "step": state.step, "texts": state.texts}
+    where = {"stage": state.stage, "step": state.step, "texts": state.texts}
+    resumed_at = where if loaded is not None else None
     if state.complete:
-        return RunOutcome(state, resumed_at, False)
+        return RunOutcome(state, resumed_at)
     stream = itertools.chain(taken, source)
     for _ in range(state.texts):  # texts read before the checkpoint
         if next(stream, None) is None:
@@ -497,7 +481,6 @@ def run_stages(
                     losses = stage.step(ids, mask)
                     opt.step()
                     opt.zero_grad(set_to_none=True)
-                    before = state.tokens
                     state.step += 1
                     state.tokens += n_tok
                     state.texts += read
@@ -514,11 +497,8 @@ def run_stages(
                         "trained": stage.trained,
                     }
                     pending.append((record, losses))
-                    if b.tokens is not None:
-                        bar.update(min(state.tokens, b.tokens) - min(before, b.tokens))
-                    else:
-                        bar.n = int(min(state.seconds, total or 0))
-                        bar.refresh()
+                    done = state.tokens if b.tokens is not None else state.seconds
+                    bar.update(int(min(done, total or 0)) - bar.n)
                     if folder is not None and state.step % loop.checkpoint_every == 0:
                         _flush(pending, records, watch, bar)
                         save(opt)
@@ -541,10 +521,9 @@ def run_stages(
             }
             state.stage += 1
             state.step, state.tokens, state.seconds = 0, 0, 0.0
-            if state.stage == len(stages):
-                state.complete = True
+            state.complete = state.stage == len(stages)
             save(None)
     finally:
         for n, p in all_params.items():
             p.requires_grad_(flags[n])
-    return RunOutcome(state, resumed_at, stopped)
+    return RunOutcome(state, resumed_at)
