@@ -300,7 +300,7 @@ class _Evals:
     notes: dict[str, str]
 
 
-def _prose_loss(model: Any, control: Any, batch_size: int) -> Interval:
+def _prose_loss(model: torch.nn.Module, control: Any, batch_size: int) -> Interval:
     """Mean next-token loss per window (nats/token), bootstrap over the windows."""
     import torch.nn.functional as F
 
@@ -320,7 +320,9 @@ def _prose_loss(model: Any, control: Any, batch_size: int) -> Interval:
     return out
 
 
-def _accuracy(model: Any, task: Any, batch_size: int) -> tuple[Interval, tuple[int, ...]]:
+def _accuracy(
+    model: torch.nn.Module, task: Any, batch_size: int
+) -> tuple[Interval, tuple[int, ...]]:
     from gna_lens.tasks import evaluate
 
     res = evaluate(model, task, batch_size=batch_size, progress=False)
@@ -328,7 +330,7 @@ def _accuracy(model: Any, task: Any, batch_size: int) -> tuple[Interval, tuple[i
     return wilson_interval(float(res.correct.sum()), len(res)), per
 
 
-def _state(model: Any, lengths: Sequence[int]) -> dict[int, dict[str, float]]:
+def _state(model: torch.nn.Module, lengths: Sequence[int]) -> dict[int, dict[str, float]]:
     from gna_lens.models.state import state_bytes
 
     sb = state_bytes(model, lengths)
@@ -343,7 +345,9 @@ def _state(model: Any, lengths: Sequence[int]) -> dict[int, dict[str, float]]:
     }
 
 
-def _measure(model: Any, evals: _Evals, lengths: Sequence[int], batch_size: int) -> dict[str, Any]:
+def _measure(
+    model: torch.nn.Module, evals: _Evals, lengths: Sequence[int], batch_size: int
+) -> dict[str, Any]:
     """The measured fields of ``model``'s :class:`HybridRow` (``kv``, ``prose``, ...)."""
     model.eval()
     got = {name: _accuracy(model, task, batch_size) for name, task in evals.kv.items()}
@@ -741,7 +745,7 @@ class _Run:
         saved = json.loads(file.read_text(encoding="utf-8"))
         return saved if _same_key(saved.get(key), settings) else None
 
-    def measure(self, model: Any) -> dict[str, Any]:
+    def measure(self, model: torch.nn.Module) -> dict[str, Any]:
         return _measure(model, self.evals, self.lengths, self.eval_batch_size)
 
 
