@@ -91,7 +91,7 @@ class PathLog:
 
     def fell_back(self, step: str, path: str, reason: str | None) -> None:
         """Record that ``step`` ran on ``path`` because its shortcut did not apply (``reason``;
-        ``None``: no shortcut was tried, as :meth:`used`)."""
+        ``None``: no shortcut was tried, as ``used``)."""
         self.used(step, path)
         if reason is None:
             return
