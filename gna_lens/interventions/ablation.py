@@ -745,20 +745,10 @@ def control_sweep(
         elif mode != "zero":
             reference = control
         res = ablation_sweep(
-            model,
-            control,
-            "choice_logprob",
-            heads,
-            mode=mode,
-            positions=positions,
-            reference=reference,
-            include_bos=include_bos,
-            method=method,
-            max_rows=max_rows,
-            memory_budget=memory_budget,
-            progress=progress,
-            executor=executor,
-        )
+            model, control, "choice_logprob", heads, mode=mode, positions=positions,
+            reference=reference, include_bos=include_bos, method=method, max_rows=max_rows,
+            memory_budget=memory_budget, progress=progress, executor=executor,
+        )  # fmt: skip
         return dataclasses.replace(res, values=-res.values, baseline=-res.baseline, metric="nll")
     if not isinstance(control, TextControl):
         raise InterventionError(

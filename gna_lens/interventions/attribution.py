@@ -126,6 +126,15 @@ def attribute_heads(
     est = {layer: host_full((n, view[layer].n_heads), 0.0) for layer in layers}
     baseline = host_full(n)
     forwards = float(source.forwards) if source is not None else 0.0  # the reference's passes
+    leaves: dict[str, Tensor] = {}  # per prompt batch: the zero leaves added to each hook_z
+    acts: dict[str, Tensor] = {}  # and the hook_z themselves
+
+    def grab(z: Tensor, hook: Any, name: str) -> Tensor:
+        leaves[name] = leaf = torch.zeros_like(z, requires_grad=True)
+        acts[name] = z.detach()
+        return z + leaf
+
+    hooks: list[tuple[Any, Any]] = [(name, bind(grab, name=name)) for name in parts]
     for g in groups:
         tokens = g.tokens if corrupted is None else tokens_of(corrupted, g.indices, device)
         clean_z: dict[str, Tensor] = {}
@@ -133,22 +142,6 @@ def attribute_heads(
             with torch.no_grad():
                 clean_z = _collect(model, list(parts), layers, g.tokens)
             forwards += 1
-        leaves: dict[str, Tensor] = {}
-        acts: dict[str, Tensor] = {}
-
-        def grab(
-            z: Tensor,
-            hook: Any,
-            name: str,
-            leaves: dict[str, Tensor] = leaves,
-            acts: dict[str, Tensor] = acts,
-        ) -> Tensor:
-            leaf = torch.zeros_like(z, requires_grad=True)
-            leaves[name] = leaf
-            acts[name] = z.detach()
-            return z + leaf
-
-        hooks: list[tuple[Any, Any]] = [(name, bind(grab, name=name)) for name in parts]
         with torch.enable_grad(), hooked(model, hooks):
             logits = net(tokens)[:, -1]
             values = met(logits, g.indices)

@@ -495,10 +495,7 @@ def _layers(
                 why_not[runner.keep > 1] = why
         why = why_not.get(runner.keep > 1) if W is not None else None
         path = "expanded at the layer's output" if strategy == "expand" else "packed"
-        if strategy == "packed" and why is not None:
-            runner.log.fell_back("cells", path, why)
-        else:
-            runner.log.used("cells", path)
+        runner.log.fell_back("cells", path, why if strategy == "packed" else None)
         ctx.info["expanded"] = ctx.info["expanded"] or strategy == "expand"
         if strategy == "expand":
             assert W is not None

@@ -714,12 +714,10 @@ _ABLATION = {
     ("mixer", "zero"): "mixer output zeroed (attention / SSM; both parts of a two-part layer)",
     ("mixer", "mean"): "mixer output replaced by its mean (attention / SSM; both parts of "
     "a two-part layer, each by its own mean)",
-    ("attn", "zero"): "attention output zeroed",
-    ("attn", "mean"): "attention output replaced by its mean",
-    ("ssm", "zero"): "SSM mixer output zeroed",
-    ("ssm", "mean"): "SSM mixer output replaced by its mean",
-    ("mlp", "zero"): "MLP output zeroed",
-    ("mlp", "mean"): "MLP output replaced by its mean",
+} | {
+    (target, mode): f"{what} output " + ("zeroed" if mode == "zero" else "replaced by its mean")
+    for target, what in (("attn", "attention"), ("ssm", "SSM mixer"), ("mlp", "MLP"))
+    for mode in LAYER_MODES
 }
 
 

@@ -89,9 +89,12 @@ class PathLog:
         if path not in taken:
             taken.append(path)
 
-    def fell_back(self, step: str, path: str, reason: str) -> None:
-        """Record that ``step`` ran on ``path`` because its shortcut did not apply (``reason``)."""
+    def fell_back(self, step: str, path: str, reason: str | None) -> None:
+        """Record that ``step`` ran on ``path`` because its shortcut did not apply (``reason``;
+        ``None``: no shortcut was tried, as ``used``)."""
         self.used(step, path)
+        if reason is None:
+            return
         entry = f"{step}: {path} ({reason})"
         if entry not in self.fallbacks:
             self.fallbacks.append(entry)
@@ -194,12 +197,8 @@ class Runner:
         if not self.tail_hooks:
             return []
         verdicts = _TAIL_VERDICT.get(self.model, {})
-        if self.keep not in verdicts:
-            self.log.used("tail", "every position")
-            return []
-        why = verdicts[self.keep]
-        if why is not None:
-            self.log.fell_back("tail", "every position", why)
+        if self.keep not in verdicts or verdicts[self.keep] is not None:
+            self.log.fell_back("tail", "every position", verdicts.get(self.keep))
             return []
         self.log.used("tail", f"last {self.keep} position(s)")
         return self.tail_hooks
@@ -250,10 +249,7 @@ class Runner:
                 fast, why = _attempt(lambda: self._from_layer(layer, resid, tokens, tail, what))
             why = why or _mismatch(fast, slow, 2e-6, what)
             _TAIL_VERDICT.setdefault(self.model, {})[self.keep] = why
-            if why is not None:
-                self.log.fell_back("tail", "every position", why)
-            else:
-                self.log.used("tail", "every position")
+            self.log.fell_back("tail", "every position", why)
             return slow
         return self._from_layer(layer, resid, tokens, list(hooks) + self._tail())
 
@@ -279,10 +275,9 @@ class Runner:
             with exact_matmul():
                 fast, why = _attempt(lambda: self._inject(layer, resid, tokens, hooks, swap))
                 slow = self._bridge_start(layer, resid, hooks, shortcut)
-            why = why or _mismatch(fast, slow, 1e-5, "swapping the residual at hook_resid_pre")
+            why = why or _mismatch(fast, slow, 1e-5, swap)
             _INJECT_VERDICT[model] = why
-            if why is not None:
-                self.log.fell_back("from_layer", "start_at_layer", why)
+            self.log.fell_back("from_layer", "start_at_layer", why)
             return slow
         why = _INJECT_VERDICT[model]
         if why is None:

@@ -445,11 +445,10 @@ class GnaLM(TemplateLM):
         """Refuse unknown heads now, not after the first batch."""
         from gna_lens.heads import head_view
 
-        view = head_view(self._model)
-        if self.intervention.heads:
-            view.check_heads(list(self.intervention.heads), "remove")
-        if self.intervention.mask_heads:
-            view.check_heads(list(self.intervention.mask_heads), "mask_heads")
+        view, iv = head_view(self._model), self.intervention
+        for heads, what in ((iv.heads, "remove"), (iv.mask_heads, "mask_heads")):
+            if heads:
+                view.check_heads(list(heads), what)
 
     def _reference(self) -> Any:
         """Mean ablation's reference: 8 windows of 64 tokens of the shipped prose."""

@@ -750,8 +750,7 @@ def _table_cells(
                 diff = torch.tensor(values, dtype=torch.float64, device=HOST) - torch.tensor(
                     b_values, dtype=torch.float64, device=HOST
                 )
-                iv = mean_interval(diff, seed=seed)
-                change = iv
+                change = mean_interval(diff, seed=seed)
                 b_mean = sum(b_values) / len(b_values)
                 relative = change.value / b_mean if b_mean else math.nan
             cells.append(

@@ -118,10 +118,6 @@ def build_local_task(
     return _kv(tokenizer, "paper", n, _KV_SEED + 1)
 
 
-def _yaml_value(value: Any) -> str:
-    return json.dumps(value)  # JSON scalars are valid YAML
-
-
 def write_task(task: Task, folder: str | Path, name: str, description: str = "") -> Path:
     """Write a gna_lens task as an lm-eval multiple-choice task (YAML + JSON lines).
 
@@ -164,13 +160,13 @@ def write_task(task: Task, folder: str | Path, name: str, description: str = "")
             meta = {k: v for k, v in s.info.items() if isinstance(v, str | int | float)}
             row = {"prompt": s.prompt, "choices": list(s.choices), "answer": s.answer_index}
             f.write(json.dumps(row | {"item": i, "info": meta}) + "\n")
-    lines = [
+    lines = [  # JSON scalars (json.dumps) are valid YAML
         f"# {description or task.name}; written by gna_lens.lm_eval.write_task",
         f"task: {name}",
         "dataset_path: json",
         "dataset_kwargs:",
         "  data_files:",
-        f"    test: {_yaml_value(str(data))}",
+        f"    test: {json.dumps(str(data))}",
         "test_split: test",
         "output_type: multiple_choice",
         "doc_to_text: prompt",
@@ -186,7 +182,7 @@ def write_task(task: Task, folder: str | Path, name: str, description: str = "")
         "    higher_is_better: true",
         "metadata:",
         "  version: 1.0",
-        f"  gna_lens_task: {_yaml_value(task.name)}",
+        f"  gna_lens_task: {json.dumps(task.name)}",
         f"  n_items: {len(task)}",
     ]
     path = folder / f"{name}.yaml"

@@ -197,8 +197,7 @@ def text_control(
             f"the unknown token for tokenizer {tname} (max_unknown={max_unknown}); a loss on "
             "them measures nothing. Fix: pass a knowledge task as the control (e.g. "
             "control=gna_lens.zoo.control(tokenizer, 'select') to rank a zoo model, 'eval' to "
-            "measure it), texts this "
-            "tokenizer covers, or control=None to measure no control."
+            "measure it), texts this tokenizer covers, or control=None to measure no control."
         )
     bos = getattr(tokenizer, "bos_token_id", None)
     adds_bos = bos is not None and tokenizer("a", add_special_tokens=True)["input_ids"][:1] == [bos]
@@ -250,10 +249,9 @@ def resolve_control(
             are scored to select heads, 64 such windows for the held-out ``split="eval"``, where
             an interval must be narrow enough to decide a 0.1 nats/token margin; 64 windows of
             64 tokens with ``positions="last"``, where each window gives one prediction),
-            ``None`` (no
-            control), a :class:`~gna_lens.tasks.TextControl`, a :class:`~gna_lens.tasks.Task`
-            (a knowledge task, e.g. cloze questions), a str or list of str (texts), or a
-            ``datasets.Dataset`` with a ``text`` column.
+            ``None`` (no control), a :class:`~gna_lens.tasks.TextControl`, a
+            :class:`~gna_lens.tasks.Task` (a knowledge task, e.g. cloze questions), a str or list
+            of str (texts), or a ``datasets.Dataset`` with a ``text`` column.
         tokenizer: The model's tokenizer.
         positions: The ablated positions (``"last"`` needs more, one-prediction windows).
         split: ``"select"`` or ``"eval"`` (disjoint halves of a text).

@@ -117,8 +117,9 @@ def _device(model: Callable[..., Any]) -> torch.device:
         return HOST
 
 
-def _model_vocab(model: Callable[..., Any]) -> int | None:
-    for holder, name in (("cfg", "d_vocab"), ("config", "vocab_size")):
+def _declared(model: Callable[..., Any], names: Sequence[tuple[str, str]]) -> int | None:
+    """The first positive int ``model.<holder>.<name>`` of ``names``, if any."""
+    for holder, name in names:
         v = getattr(getattr(model, holder, None), name, None)
         if isinstance(v, int) and v > 0:
             return v
@@ -135,13 +136,8 @@ def _check_vocab(task: Task, max_id: int, vocab: int | None) -> None:
 
 def model_context_length(model: Callable[..., Any]) -> int | None:
     """The model's maximum sequence length, where it declares one (``cfg.n_ctx`` etc.)."""
-    for holder in ("cfg", "config"):
-        obj = getattr(model, holder, None)
-        for name in ("n_ctx", "max_position_embeddings", "n_positions"):
-            v = getattr(obj, name, None)
-            if isinstance(v, int) and v > 0:
-                return v
-    return None
+    names = ("n_ctx", "max_position_embeddings", "n_positions")
+    return _declared(model, [(holder, name) for holder in ("cfg", "config") for name in names])
 
 
 def _check_lengths(task: Task, rows: Sequence[_Row], limit: int | None) -> None:
@@ -271,7 +267,7 @@ def evaluate(
     # Per sample: the answer's score minus the best other one's, and the prediction.
     margins, preds = [float("inf")] * len(task), [-1] * len(task)
     max_id = max(max(ids) for s in task for ids in (s.input_ids, *s.choice_ids))
-    _check_vocab(task, max_id, _model_vocab(net))
+    _check_vocab(task, max_id, _declared(net, [("cfg", "d_vocab"), ("config", "vocab_size")]))
     with tqdm(
         total=len(rows), desc=f"evaluate {task.name}", disable=not progress, leave=False
     ) as bar:
