@@ -35,7 +35,7 @@ from gna_lens.render.markdown import heads_text, hybrid_markdown
 from gna_lens.render.plotly import hybrid_figure
 from gna_lens.render.svg import hybrid_svg
 from gna_lens.runtime import output_folder
-from gna_lens.stats import Interval, bootstrap_interval, wilson_interval
+from gna_lens.stats import Estimate, bootstrap_interval, wilson_interval
 from gna_lens.table import Record, Table
 
 __all__ = ["HybridRow", "HybridTable", "run_experiment"]
@@ -59,7 +59,7 @@ def _put_paired(entry: dict[str, Any], key: str, rows: Any, others: Any, task: s
         return
     x, y = (torch.tensor(side, dtype=torch.float64, device=HOST).mean(0) for side in got)
     out = bootstrap_interval(x - y)
-    assert isinstance(out, Interval)
+    assert isinstance(out, Estimate)
     entry[key] = out.to_dict()
 
 
@@ -94,9 +94,9 @@ class HybridRow(Record):
     kind: str
     k: int
     heads: tuple[Head, ...]
-    kv: dict[str, Interval]
-    prose: Interval | None
-    knowledge: Interval | None
+    kv: dict[str, Estimate]
+    prose: Estimate | None
+    knowledge: Estimate | None
     state: dict[int, dict[str, float]]
     distill: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
@@ -300,7 +300,7 @@ class _Evals:
     notes: dict[str, str]
 
 
-def _prose_loss(model: torch.nn.Module, control: Any, batch_size: int) -> Interval:
+def _prose_loss(model: torch.nn.Module, control: Any, batch_size: int) -> Estimate:
     """Mean next-token loss per window (nats/token), bootstrap over the windows."""
     import torch.nn.functional as F
 
@@ -316,13 +316,13 @@ def _prose_loss(model: torch.nn.Module, control: Any, batch_size: int) -> Interv
             nll = -lp.gather(-1, ids[:, 1:, None])[..., 0]
             losses += nll.mean(-1).tolist()
     out = bootstrap_interval(torch.tensor(losses, device=HOST))
-    assert isinstance(out, Interval)
+    assert isinstance(out, Estimate)
     return out
 
 
 def _accuracy(
     model: torch.nn.Module, task: Any, batch_size: int
-) -> tuple[Interval, tuple[int, ...]]:
+) -> tuple[Estimate, tuple[int, ...]]:
     from gna_lens.tasks import evaluate
 
     res = evaluate(model, task, batch_size=batch_size, progress=False)

@@ -21,7 +21,7 @@ from torch import Tensor
 from gna_lens.device import HOST, host_full, to_host
 from gna_lens.errors import InterventionError
 from gna_lens.render.plotly import cell_result_figure
-from gna_lens.stats import Interval, bootstrap_interval, wilson_interval
+from gna_lens.stats import Estimate, bootstrap_interval, wilson_interval
 
 __all__ = ["CellResult"]
 
@@ -111,23 +111,23 @@ class CellResult:
             return host_full(len(self))
         return self.control_values.float().mean(-1) - self.control_baseline.float().mean()
 
-    def effect_intervals(self) -> list[Interval]:
+    def effect_intervals(self) -> list[Estimate]:
         """Per cell, the effect's paired 95% percentile-bootstrap interval over prompts."""
         return _paired(self.values, self.baseline)
 
-    def control_intervals(self) -> list[Interval]:
+    def control_intervals(self) -> list[Estimate]:
         """Per cell, the control effect's paired 95% bootstrap interval over windows."""
         if self.control_values is None or self.control_baseline is None:
-            return [Interval(math.nan, math.nan, math.nan, 0, "none")] * len(self)
+            return [Estimate(math.nan, math.nan, math.nan, 0, "none")] * len(self)
         return _paired(self.control_values, self.control_baseline)
 
-    def value_intervals(self) -> list[Interval]:
+    def value_intervals(self) -> list[Estimate]:
         """Per cell, the metric under the intervention with its 95% interval (Wilson for
         ``accuracy``, bootstrap over prompts otherwise)."""
         return [_value_interval(row, self.metric) for row in self.values]
 
     @property
-    def baseline_interval(self) -> Interval:
+    def baseline_interval(self) -> Estimate:
         """The baseline with its 95% interval (Wilson for ``accuracy``)."""
         return _value_interval(self.baseline, self.metric)
 
@@ -281,7 +281,7 @@ class CellResult:
 _TYPES["CellResult"] = CellResult
 
 
-def _paired(values: Tensor, baseline: Tensor) -> list[Interval]:
+def _paired(values: Tensor, baseline: Tensor) -> list[Estimate]:
     if len(values) == 0:
         return []
     out = bootstrap_interval(values.double() - baseline.double()[None])
@@ -289,13 +289,13 @@ def _paired(values: Tensor, baseline: Tensor) -> list[Interval]:
     return out
 
 
-def _value_interval(row: Tensor, metric: str) -> Interval:
+def _value_interval(row: Tensor, metric: str) -> Estimate:
     row = row.double()
     row = row[~row.isnan()]
     if metric == "accuracy":
         return wilson_interval(float(row.sum()), int(row.numel()))
     out = bootstrap_interval(row)
-    assert isinstance(out, Interval)
+    assert isinstance(out, Estimate)
     return out
 
 

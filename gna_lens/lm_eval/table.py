@@ -25,7 +25,7 @@ from gna_lens.render.plotly import benchmark_figure
 from gna_lens.render.svg import benchmark_svg
 from gna_lens.runtime import output_folder
 from gna_lens.scoring import RandomHeadSets, matched_random_sets
-from gna_lens.stats import Interval, mean_interval, two_level_interval, wilson_interval
+from gna_lens.stats import Estimate, mean_interval, two_level_interval, wilson_interval
 from gna_lens.table import Record, Table
 
 __all__ = [
@@ -84,9 +84,9 @@ class TableCell(Record):
     task: str
     metric: str
     n: int
-    value: Interval
+    value: Estimate
     stderr: float
-    change: Interval | None
+    change: Estimate | None
     relative: float
     chance: float | None = None
     items: tuple[float, ...] = field(default=(), repr=False)
@@ -349,7 +349,7 @@ def _items(out: dict[str, Any], task: str, key: str) -> tuple[list[tuple[str, in
     return ids, values
 
 
-def _value_interval(values: list[float]) -> Interval:
+def _value_interval(values: list[float]) -> Estimate:
     if values and all(v in (0.0, 1.0) for v in values):
         return wilson_interval(sum(values), len(values))
     return mean_interval(values)

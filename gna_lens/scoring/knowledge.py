@@ -26,7 +26,7 @@ from gna_lens.render.html import knowledge_html
 from gna_lens.render.markdown import heads_label
 from gna_lens.scoring.patterns import Head
 from gna_lens.stats import (
-    Interval,
+    Estimate,
     mean_interval,
     paired_permutation_test,
     two_level_interval,
@@ -215,13 +215,13 @@ class TaskRow(Record):
     description: str
     n: int
     chance: float
-    before: Interval
-    after: Interval
-    change: Interval
-    random_after: Interval | None = None
-    random_change: Interval | None = None
+    before: Estimate
+    after: Estimate
+    change: Estimate
+    random_after: Estimate | None = None
+    random_change: Estimate | None = None
     random_draws: tuple[float, ...] = ()
-    vs_random: Interval | None = None
+    vs_random: Estimate | None = None
     p_value: float | None = None
 
 
@@ -247,10 +247,10 @@ class ControlRow(Record):
     n: int
     before: float
     after: float
-    change: Interval
-    random_change: Interval | None = None
+    change: Estimate
+    random_change: Estimate | None = None
     unit: str = "nats/token"
-    vs_random: Interval | None = None
+    vs_random: Estimate | None = None
 
 
 @dataclass(frozen=True)

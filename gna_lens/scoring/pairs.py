@@ -22,7 +22,7 @@ from gna_lens.render.markdown import head_label
 from gna_lens.scoring.patterns import Head
 from gna_lens.scoring.pipeline import score_heads
 from gna_lens.scoring.report import GnaReport
-from gna_lens.stats import Interval, wilson_interval
+from gna_lens.stats import Estimate, wilson_interval
 from gna_lens.tasks import Batch, Task
 
 __all__ = [
@@ -199,9 +199,9 @@ class MaskResult:
 
     gathers: tuple[Head, ...]
     aggregates: tuple[Head, ...]
-    baseline: Interval
-    kept: Interval
-    denied: Interval
+    baseline: Estimate
+    kept: Estimate
+    denied: Estimate
     chance: float
 
     def to_dict(self) -> dict[str, Any]:
@@ -240,7 +240,7 @@ def mask_experiment(
     """
     n = len(task)
 
-    def acc(masks: Callable[[Batch], Mapping[Head, Tensor]] | None) -> Interval:
+    def acc(masks: Callable[[Batch], Mapping[Head, Tensor]] | None) -> Estimate:
         c = _masked_correct(model, task, masks, mode=mode, batch_size=batch_size)
         return wilson_interval(float(c.sum()), n)
 

@@ -41,7 +41,7 @@ from gna_lens.scoring.report import (
     UnmeasuredHeads,
     specificity,
 )
-from gna_lens.stats import Interval, mean_interval
+from gna_lens.stats import Estimate, mean_interval
 from gna_lens.sweep_policy import (
     DEFAULT_PREFILTER,
     EXACT_BUDGET_S,
@@ -157,7 +157,7 @@ def _joint_walk(
     candidates = list(report.top(len(report.heads), joint=False))
     index = {h: i for i, h in enumerate(report.heads)}
     accepted: list[Head] = []
-    effects: list[Interval] = []
+    effects: list[Estimate] = []
     rejected: list[RejectedHead] = []
     pos = sweeps = cells = 0
     width = 1  # candidates per round: JOINT_BATCH after a turned-down one

@@ -46,7 +46,7 @@ from gna_lens.interventions.layers import LayerSweepResult
 from gna_lens.render.html import write_report_html
 from gna_lens.render.markdown import heads_label
 from gna_lens.scoring.patterns import NORMALIZATION, SCORE_NAMES, Head
-from gna_lens.stats import Interval
+from gna_lens.stats import Estimate
 from gna_lens.table import Record, from_json
 
 __all__ = [
@@ -226,11 +226,11 @@ class JointSet(Record):
         n_candidates: Heads the walk could try (those passing the bound alone).
 
     Examples:
-        >>> from gna_lens.stats import Interval
+        >>> from gna_lens.stats import Estimate
         >>> joint = JointSet(
         ...     heads=((0, 0), (1, 0)),
-        ...     effects=(Interval(0.01, 0.0, 0.02, 8, "bootstrap"),
-        ...              Interval(0.05, 0.03, 0.07, 8, "bootstrap")),
+        ...     effects=(Estimate(0.01, 0.0, 0.02, 8, "bootstrap"),
+        ...              Estimate(0.05, 0.03, 0.07, 8, "bootstrap")),
         ...     rejected=(RejectedHead((0, 1), 0.4, 1),), bound=0.1, joint_k=2, n_candidates=3)
         >>> joint.effect(2).value, len(joint)
         (0.05, 2)
@@ -241,7 +241,7 @@ class JointSet(Record):
     """
 
     heads: tuple[Head, ...]
-    effects: tuple[Interval, ...]
+    effects: tuple[Estimate, ...]
     rejected: tuple[RejectedHead, ...]
     bound: float
     unit: str = "nats/token"
@@ -252,7 +252,7 @@ class JointSet(Record):
     def __len__(self) -> int:
         return len(self.heads)
 
-    def effect(self, k: int | None = None) -> Interval:
+    def effect(self, k: int | None = None) -> Estimate:
         """The joint control effect of the first ``k`` heads (default: all) removed together.
 
         Raises:
