@@ -39,9 +39,8 @@ __all__ = [
 ]
 
 _CHUNK = 1 << 22
-_DONE = "gna_lens_gguf.json"
 #: The file in a converted folder that records its GGUF source (path, SHA-256, quantization).
-GGUF_INFO = _DONE
+GGUF_INFO = "gna_lens_gguf.json"
 
 
 @dataclass(frozen=True)
@@ -201,7 +200,7 @@ def convert_gguf(
     root = Path(cache).expanduser() if cache is not None else cache_dir()
     digest = file_sha256(src, cache=root)
     out = root / "gguf" / f"{src.stem}-{digest[:16]}"
-    if (out / _DONE).exists() and not force:
+    if (out / GGUF_INFO).exists() and not force:
         return out
     t0 = time.perf_counter()
     if progress:
@@ -219,8 +218,8 @@ def convert_gguf(
             "convert_seconds": round(seconds, 2),
             "transformers": __import__("transformers").__version__,
         }
-        (tmp / _DONE).write_text(json.dumps(info, indent=1) + "\n", encoding="utf-8")
-        if force or not (out / _DONE).exists():  # another process may have finished first:
+        (tmp / GGUF_INFO).write_text(json.dumps(info, indent=1) + "\n", encoding="utf-8")
+        if force or not (out / GGUF_INFO).exists():  # another process may have finished first:
             shutil.rmtree(out, ignore_errors=True)  # its folder is the same, and in use
             tmp.replace(out)
     finally:

@@ -186,13 +186,8 @@ def tokenizer() -> Any:
 
 
 def tasks(name_or_tokenizer: str | Any | None = None) -> dict[str, Any]:
-    """The held-out evaluation splits the cards report, as :class:`gna_lens.tasks.Task` objects.
-
-    ``"kv-2"``, ``"kv-4"``, ``"kv-8"``, ``"kv-16"`` (KV retrieval in the paper's template, 200
-    prompts each), ``"letter"`` and ``"cloze"`` (the same 300 multiple-choice prompts, one per
-    fact with fresh distractors and order, scored on the letter or on the option's text) and
-    ``"letter-unseen"`` (180 letter-format prompts about the facts never trained in that format). See
-    :func:`gna_lens.zoo.curriculum.eval_tasks`.
+    """The held-out evaluation splits the cards report, as :class:`gna_lens.tasks.Task` objects
+    (what each is: :func:`gna_lens.zoo.curriculum.eval_tasks`).
 
     Args:
         name_or_tokenizer: ``None`` or a zoo name (the zoo tokenizer), or any HF fast tokenizer
