@@ -922,13 +922,13 @@ class HookedSSM(HookedRootModule):
         width = max(len(r) for r in rows)
         side = padding_side or getattr(tok, "padding_side", "right")
         pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-        ids = torch.full((len(rows), width), pad, dtype=torch.long, device=HOST)
-        mask = torch.zeros_like(ids)
+        padded = torch.full((len(rows), width), pad, dtype=torch.long, device=HOST)
+        mask = torch.zeros_like(padded)
         for i, r in enumerate(rows):
             cols = slice(width - len(r), width) if side == "left" else slice(0, len(r))
-            ids[i, cols], mask[i, cols] = torch.tensor(r, device=HOST), 1
+            padded[i, cols], mask[i, cols] = torch.tensor(r, device=HOST), 1
         device = self.embed.weight.device
-        return ids.to(device), mask.to(device)
+        return padded.to(device), mask.to(device)
 
     def to_tokens(
         self,

@@ -469,9 +469,7 @@ class PatternJob:
         _, n_heads, n_rows, _ = self.shape
 
         def fits(h: int, r: int) -> bool:
-            if backward:
-                return 4 * self.chunk_bytes(h, r) <= self.budget
-            return self.chunk_bytes(h, r) <= self.budget
+            return (4 if backward else 1) * self.chunk_bytes(h, r) <= self.budget
 
         heads, rows = n_heads, n_rows
         if backward or self.cost(heads, rows) > self.budget:

@@ -385,7 +385,9 @@ def _provenance(
     """What :func:`load_model` read: ``given`` as passed, ``name`` as resolved."""
     dtype = str(next(iter(model.parameters())).dtype).removeprefix("torch.")
     tok = getattr(model, "tokenizer", None)
-    common = dict(name=given, location=name, dtype=dtype, note=packaged.get("note", ""))
+    common: dict[str, Any] = dict(
+        name=given, location=name, dtype=dtype, note=packaged.get("note", "")
+    )
     if own is not None and own[1]:  # a hub snapshot of a family gna_lens reads itself
         folder, commit = own
         family = checkpoint_family(folder)

@@ -253,11 +253,8 @@ def provenance_of(model: object) -> Provenance:
             )
         return recorded
     cfg = getattr(model, "cfg", None)
-    name = ""
-    for attr in ("model_name", "name_or_path"):
-        name = str(getattr(cfg, attr, "") or "")
-        if name:
-            break
+    names = (str(getattr(cfg, attr, "") or "") for attr in ("model_name", "name_or_path"))
+    name = next((n for n in names if n), "")
     return Provenance(name=name or type(model).__name__, source=UNKNOWN, dtype=now)
 
 
