@@ -168,12 +168,10 @@ def tiny_hf_config(arch: str, vocab_size: int = 320, **overrides: Any) -> Any:
     if arch not in _TINY:
         raise ValueError(f"tiny_hf_config: unknown arch {arch!r}; expected one of {ARCHITECTURES}.")
     class_name, kw = _TINY[arch]
-    cls = getattr(tf, class_name)
-    kw = dict(hidden_size=32, **kw)
-    kw.update(vocab_size=vocab_size, bos_token_id=0, eos_token_id=0)
-    kw.setdefault("pad_token_id", 1)
-    kw.update(overrides)
-    return cls(**kw)
+    ids = dict(vocab_size=vocab_size, bos_token_id=0, eos_token_id=0)
+    return getattr(tf, class_name)(
+        **{"hidden_size": 32, "pad_token_id": 1, **kw, **ids, **overrides}
+    )
 
 
 def tiny_hf_model(arch: str, seed: int = 0, **overrides: Any) -> Any:

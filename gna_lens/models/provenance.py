@@ -51,6 +51,7 @@ _SOURCES = {
     "gguf": "GGUF file",
     "zoo": "zoo model shipped with gna_lens",
 }
+_CHECKPOINTS = {"mamba_ssm": "mamba_ssm checkpoint", "cartesia": "Cartesia Llamba checkpoint"}
 
 
 def portable(text: str) -> str:
@@ -140,13 +141,11 @@ class Provenance:
         if self.format == "gguf":
             what = f"{self.quantization or 'unknown quantization'} GGUF"
             what += f" from {self.package}" if self.package else " file"
-        elif self.format == "mamba_ssm":
-            what = f"mamba_ssm checkpoint {_SOURCES.get(self.source, self.source)}"
-        elif self.format == "cartesia":
-            what = f"Cartesia Llamba checkpoint {_SOURCES.get(self.source, self.source)}"
         else:
             what = _SOURCES.get(self.source, self.source)
-            if self.source == "hub":
+            if self.format in _CHECKPOINTS:
+                what = f"{_CHECKPOINTS[self.format]} {what}"
+            elif self.source == "hub":
                 what = "hub weights"
         parts = [what]
         if self.revision:
