@@ -281,11 +281,6 @@ def scan_tasks(tokenizer: Any, task: str = "kv", n_samples: int = 24, n_eval: in
             "letter split; the cloze split is the control)."
         )
     probe = splits[name]
-    if len(probe) <= n_samples:
-        raise TaskError(
-            f"the zoo's {name} split has {len(probe)} prompts; --n-samples {n_samples} leaves "
-            "none held out."
-        )
     selection = probe[:n_samples]
     start = n_samples
     if name == "letter":
@@ -296,8 +291,8 @@ def scan_tasks(tokenizer: Any, task: str = "kv", n_samples: int = 24, n_eval: in
     held = {name: probe[start : start + n_eval]}
     if not len(held[name]):
         raise TaskError(
-            f"the zoo's {name} split has {len(probe)} prompts; none is left held out after "
-            f"prompt {start}. Fix: a smaller --n-samples."
+            f"the zoo's {name} split has {len(probe)} prompts; --n-samples {n_samples} leaves "
+            f"none held out (they would start after prompt {start}). Fix: a smaller --n-samples."
         )
     if name == "letter":
         held["cloze"] = splits["cloze"][start : start + n_eval]
