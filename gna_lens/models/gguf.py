@@ -100,10 +100,6 @@ def cache_dir() -> Path:
     return Path(base).expanduser() / "gna_lens"
 
 
-def _hash_index(root: Path) -> Path:
-    return root / "gguf" / "hashes.json"
-
-
 def file_sha256(path: str | Path, *, cache: Path | None = None) -> str:
     """SHA-256 of a file, streamed once and remembered by (path, size, mtime) in the cache.
 
@@ -124,7 +120,7 @@ def file_sha256(path: str | Path, *, cache: Path | None = None) -> str:
     path = Path(path).resolve()
     st = path.stat()
     key = f"{path}|{st.st_size}|{st.st_mtime_ns}"
-    index = _hash_index(cache or cache_dir())
+    index = (cache or cache_dir()) / "gguf" / "hashes.json"
     known: dict[str, str] = {}
     try:
         known = json.loads(index.read_text(encoding="utf-8"))
