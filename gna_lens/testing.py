@@ -168,12 +168,10 @@ def tiny_hf_config(arch: str, vocab_size: int = 320, **overrides: Any) -> Any:
     if arch not in _TINY:
         raise ValueError(f"tiny_hf_config: unknown arch {arch!r}; expected one of {ARCHITECTURES}.")
     class_name, kw = _TINY[arch]
-    cls = getattr(tf, class_name)
-    kw = dict(hidden_size=32, **kw)
-    kw.update(vocab_size=vocab_size, bos_token_id=0, eos_token_id=0)
-    kw.setdefault("pad_token_id", 1)
-    kw.update(overrides)
-    return cls(**kw)
+    ids = dict(vocab_size=vocab_size, bos_token_id=0, eos_token_id=0)
+    return getattr(tf, class_name)(
+        **{"hidden_size": 32, "pad_token_id": 1, **kw, **ids, **overrides}
+    )
 
 
 def tiny_hf_model(arch: str, seed: int = 0, **overrides: Any) -> Any:
@@ -233,33 +231,15 @@ def tiny_llamba_config(vocab_size: int = 320, **overrides: Any) -> dict[str, Any
         >>> tiny_llamba_config(ssm_cfg={"n_qk_heads": 1})["ssm_cfg"]["n_qk_heads"]
         1
     """
-    config: dict[str, Any] = {
-        "d_model": 32,
-        "n_layer": 2,
-        "vocab_size": vocab_size,
-        "pad_vocab_size_multiple": 8,
-        "tie_embeddings": False,
-        "lm_head_bias": False,
-        "norm_epsilon": 1e-5,
-        "resid_dropout": 0.0,
-        "mlp_cfg": {"intermediate_size": 64, "bias": False, "act_fn": "silu"},
-        "ssm_cfg": {
-            "d_state": 8,
-            "n_v_heads": 4,
-            "n_qk_heads": 2,
-            "expand": 1,
-            "d_conv": 4,
-            "chunk_size": 8,
-            "activation": "identity",
-            "bias": False,
-            "conv_bias": True,
-        },
-    }
+    config: dict[str, Any] = dict(
+        d_model=32, n_layer=2, vocab_size=vocab_size, pad_vocab_size_multiple=8,
+        tie_embeddings=False, lm_head_bias=False, norm_epsilon=1e-5, resid_dropout=0.0,
+        mlp_cfg=dict(intermediate_size=64, bias=False, act_fn="silu"),
+        ssm_cfg=dict(d_state=8, n_v_heads=4, n_qk_heads=2, expand=1, d_conv=4, chunk_size=8,
+                     activation="identity", bias=False, conv_bias=True),
+    )  # fmt: skip
     for key, value in overrides.items():
-        if key in ("ssm_cfg", "mlp_cfg"):
-            config[key] = {**config[key], **value}
-        else:
-            config[key] = value
+        config[key] = {**config[key], **value} if key in ("ssm_cfg", "mlp_cfg") else value
     return config
 
 

@@ -39,9 +39,8 @@ __all__ = [
 ]
 
 _CHUNK = 1 << 22
-_DONE = "gna_lens_gguf.json"
 #: The file in a converted folder that records its GGUF source (path, SHA-256, quantization).
-GGUF_INFO = _DONE
+GGUF_INFO = "gna_lens_gguf.json"
 
 
 @dataclass(frozen=True)
@@ -101,10 +100,6 @@ def cache_dir() -> Path:
     return Path(base).expanduser() / "gna_lens"
 
 
-def _hash_index(root: Path) -> Path:
-    return root / "gguf" / "hashes.json"
-
-
 def file_sha256(path: str | Path, *, cache: Path | None = None) -> str:
     """SHA-256 of a file, streamed once and remembered by (path, size, mtime) in the cache.
 
@@ -125,7 +120,7 @@ def file_sha256(path: str | Path, *, cache: Path | None = None) -> str:
     path = Path(path).resolve()
     st = path.stat()
     key = f"{path}|{st.st_size}|{st.st_mtime_ns}"
-    index = _hash_index(cache or cache_dir())
+    index = (cache or cache_dir()) / "gguf" / "hashes.json"
     known: dict[str, str] = {}
     try:
         known = json.loads(index.read_text(encoding="utf-8"))
@@ -201,7 +196,7 @@ def convert_gguf(
     root = Path(cache).expanduser() if cache is not None else cache_dir()
     digest = file_sha256(src, cache=root)
     out = root / "gguf" / f"{src.stem}-{digest[:16]}"
-    if (out / _DONE).exists() and not force:
+    if (out / GGUF_INFO).exists() and not force:
         return out
     t0 = time.perf_counter()
     if progress:
@@ -219,8 +214,8 @@ def convert_gguf(
             "convert_seconds": round(seconds, 2),
             "transformers": __import__("transformers").__version__,
         }
-        (tmp / _DONE).write_text(json.dumps(info, indent=1) + "\n", encoding="utf-8")
-        if force or not (out / _DONE).exists():  # another process may have finished first:
+        (tmp / GGUF_INFO).write_text(json.dumps(info, indent=1) + "\n", encoding="utf-8")
+        if force or not (out / GGUF_INFO).exists():  # another process may have finished first:
             shutil.rmtree(out, ignore_errors=True)  # its folder is the same, and in use
             tmp.replace(out)
     finally:

@@ -132,13 +132,9 @@ class HookedSSM(HookedRootModule):
     turned into an SSM head; :meth:`save_pretrained` writes them).
     Logits match Hugging Face's to about 1e-6 in fp32.
 
-    Hook points (shapes in the docs' hook table): ``hook_embed``;
-    ``blocks.{l}.hook_resid_pre`` / ``hook_resid_post``; SSM layers ``blocks.{l}.hook_mixer_out``
-    and ``blocks.{l}.mixer.{hook_in_proj, hook_conv, hook_ssm_input, hook_ssm_dt, hook_ssm_B,
-    hook_ssm_C, hook_ssm_state, hook_pattern, hook_ssm_out, hook_gate, hook_z}``; attention layers
-    (hybrids) ``blocks.{l}.hook_attn_out`` and ``blocks.{l}.attn.{hook_q, hook_k, hook_v,
-    hook_rot_q, hook_rot_k, hook_attn_scores, hook_pattern, hook_z}``; hybrids also
-    ``blocks.{l}.hook_resid_mid``, ``blocks.{l}.hook_mlp_out`` and ``blocks.{l}.mlp.hook_*``.
+    Hook points: ``hook_embed``, ``blocks.{l}.hook_resid_pre`` / ``hook_resid_post``, SSM layers'
+    ``blocks.{l}.mixer.hook_*``, attention layers' ``blocks.{l}.attn.hook_*`` and the hybrids'
+    MLPs; every name and shape is in docs/hook_points.md (``model.hook_dict`` lists them).
 
     Execution paths: see the module docstring; :meth:`pattern_selection` restricts
     materialization to some heads and query positions.
@@ -330,11 +326,9 @@ class HookedSSM(HookedRootModule):
         self, *model_args: Any, names_filter: Any = None, **kwargs: Any
     ) -> tuple[Any, ActivationCache]:
         """Run the model and return ``(output, ActivationCache)``; see TransformerLens."""
-        if isinstance(names_filter, str):
-            self._check_hook_name(names_filter)
-        elif isinstance(names_filter, list):
-            for name in names_filter:
-                self._check_hook_name(name)
+        names = [names_filter] if isinstance(names_filter, str) else names_filter
+        for name in names if isinstance(names, list) else []:
+            self._check_hook_name(name)
         out, cache = super().run_with_cache(*model_args, names_filter=names_filter, **kwargs)
         has_batch = not kwargs.get("remove_batch_dim", False)
         return out, SSMActivationCache(cache, self, has_batch_dim=has_batch)
@@ -542,9 +536,8 @@ class HookedSSM(HookedRootModule):
                         "of uneven size pass explicit channel sets.)"
                     )
                 out[layer] = tuple(tuple(range(g, g + item)) for g in range(0, E, item))
-                continue
-            sets = self._channel_sets(layer, item, E)
-            out[layer] = sets
+            else:
+                out[layer] = self._channel_sets(layer, item, E)
         return out
 
     @staticmethod
@@ -581,12 +574,8 @@ class HookedSSM(HookedRootModule):
 
     def ssm_mixers(self) -> dict[int, SSMMixer]:
         """The SSM mixer module of each SSM layer, keyed by layer index."""
-        out: dict[int, SSMMixer] = {}
-        for i, block in enumerate(self.blocks):
-            mixer = getattr(block, "mixer", None)
-            if isinstance(mixer, SSMMixer):
-                out[i] = mixer
-        return out
+        mixers = {i: getattr(block, "mixer", None) for i, block in enumerate(self.blocks)}
+        return {i: m for i, m in mixers.items() if isinstance(m, SSMMixer)}
 
     @property
     def channel_heads(self) -> bool:
@@ -933,17 +922,13 @@ class HookedSSM(HookedRootModule):
         width = max(len(r) for r in rows)
         side = padding_side or getattr(tok, "padding_side", "right")
         pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-        padded, mask = [], []
-        for r in rows:
-            fill = [pad] * (width - len(r))
-            ones, zeros = [1] * len(r), [0] * (width - len(r))
-            padded.append(fill + r if side == "left" else r + fill)
-            mask.append(zeros + ones if side == "left" else ones + zeros)
+        padded = torch.full((len(rows), width), pad, dtype=torch.long, device=HOST)
+        mask = torch.zeros_like(padded)
+        for i, r in enumerate(rows):
+            cols = slice(width - len(r), width) if side == "left" else slice(0, len(r))
+            padded[i, cols], mask[i, cols] = torch.tensor(r, device=HOST), 1
         device = self.embed.weight.device
-        return (
-            torch.tensor(padded, dtype=torch.long, device=device),
-            torch.tensor(mask, dtype=torch.long, device=device),
-        )
+        return padded.to(device), mask.to(device)
 
     def to_tokens(
         self,

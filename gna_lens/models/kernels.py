@@ -1,31 +1,19 @@
 """The field's kernels on the unhooked fast path, and budgeted pattern materialization.
 
-**Kernels.** When ``mamba_ssm`` and ``causal_conv1d`` are installed (``pip install
-gna-lens[kernels]``, CUDA only) the SSM mixers run their scans and convolutions through them:
-Mamba-2's SSD through ``mamba_ssm.ops.triton.ssd_combined.mamba_chunk_scan_combined``, Mamba-1's
-selective scan through ``mamba_ssm.ops.selective_scan_interface.selective_scan_fn``, the causal
-depthwise convolution through ``causal_conv1d.causal_conv1d_fn``. A kernel runs only when
-
-1. kernels are enabled (default; :func:`use_kernels` ``(False)`` or the environment variable
-   ``GNA_LENS_KERNELS=0`` turn them off),
-2. every tensor of the call is on a CUDA device,
-3. the package imports (checked once, on the first CUDA call; :func:`kernel_status` says why one
-   did not),
-4. the call's arguments are ones the kernel supports (dtypes float32 / float16 / bfloat16, a
-   convolution width of 2 to 4, ``d_state <= 256`` for the selective scan),
-5. and the mixer is on its fast path: a hook on ``hook_pattern`` materializes the pattern and a
-   hook on ``hook_ssm_state`` runs the recurrence that produces the states, both in PyTorch.
-
-Hooks on the tensors a kernel reads (``hook_ssm_input``, ``hook_ssm_dt``, ``hook_ssm_B``, ...) or
-writes (``hook_ssm_out``, ``hook_z``) fire as on the reference path: the kernels replace only the
-scan and the convolution, not the hook points around them (the convolution's SiLU is fused into
-the kernel only while ``hook_conv``, which reads the value before it, is not hooked). Otherwise the
-pure-PyTorch code of :mod:`gna_lens.models.ops` runs; it is the reference, and every mixer
-records the path it took in ``mixer.last_path`` (:func:`kernel_paths` collects them).
-
-The kernels compute in float32 internally but are not bit-identical to the reference: the Triton
-SSD kernel multiplies float32 matrices in TF32 on Ampere and newer GPUs (about 1e-3 relative), so
-run parity checks with ``use_kernels(False)`` on one side.
+**Kernels** (user guide: docs/gpu.md, "Kernels on the fast path"). With ``mamba_ssm`` and
+``causal_conv1d`` installed (``pip install gna-lens[kernels]``, CUDA only) the SSM mixers run their
+scans and convolutions through :data:`KERNELS`. A kernel runs only when kernels are enabled
+(default; :func:`use_kernels` ``(False)`` or ``GNA_LENS_KERNELS=0`` turn them off), every tensor
+of the call is on CUDA, the package imports (checked once, on the first CUDA call;
+:func:`kernel_status` says why one did not), the call's arguments are ones the kernel supports
+(float32 / float16 / bfloat16, a convolution width of 2 to 4, ``d_state <= 256`` for the
+selective scan), and the mixer is on its fast path (a hook on ``hook_pattern`` or
+``hook_ssm_state`` runs PyTorch). Hooks around the scan and the convolution fire as on the
+reference path (the convolution's SiLU is fused into the kernel only while ``hook_conv`` is not
+hooked). Otherwise the pure-PyTorch reference of :mod:`gna_lens.models.ops` runs; every mixer
+records its path in ``mixer.last_path`` (:func:`kernel_paths`). The kernels are not bit-identical
+to the reference (the Triton SSD kernel multiplies in TF32 on Ampere and newer, about 1e-3
+relative): run parity checks with ``use_kernels(False)`` on one side.
 
 **Budgeted materialization.** :func:`build_pattern` and :func:`apply_pattern` build a pattern in
 chunks whose working memory stays under :func:`pattern_budget`, and rebuild it in the backward
@@ -97,12 +85,8 @@ PATH_CONV = "torch.conv1d"
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-_enabled = os.environ.get("GNA_LENS_KERNELS", "1").strip().lower() not in (
-    "0",
-    "false",
-    "off",
-    "no",
-)
+_env = os.environ.get("GNA_LENS_KERNELS", "1")
+_enabled = _env.strip().lower() not in ("0", "false", "off", "no")
 _loaded: dict[str, Callable[..., Any] | None] = {}
 _errors: dict[str, str] = {}
 
@@ -485,9 +469,7 @@ class PatternJob:
         _, n_heads, n_rows, _ = self.shape
 
         def fits(h: int, r: int) -> bool:
-            if backward:
-                return 4 * self.chunk_bytes(h, r) <= self.budget
-            return self.chunk_bytes(h, r) <= self.budget
+            return (4 if backward else 1) * self.chunk_bytes(h, r) <= self.budget
 
         heads, rows = n_heads, n_rows
         if backward or self.cost(heads, rows) > self.budget:
@@ -657,11 +639,8 @@ def build_pattern(job: PatternJob, dt: Tensor, A: Tensor, B: Tensor, C: Tensor) 
     ``C`` and rebuilds the chunks in the backward pass.
 
     Args:
-        job: What to build (:class:`PatternJob`).
-        dt: The step sizes the builder reads.
-        A: The decays the builder reads.
-        B: The input projections the builder reads.
-        C: The output projections the builder reads.
+        job: What to build (:class:`PatternJob`); ``dt``, ``A``, ``B``, ``C`` are what its
+            builder reads.
 
     Returns:
         The pattern, ``job.shape``.
@@ -687,11 +666,8 @@ def apply_pattern(
     Args:
         job: The pattern's :class:`PatternJob`.
         pattern: What ``hook_pattern`` returned.
-        x: The values (head axis 2).
-        dt: As given to :func:`build_pattern`.
-        A: As given to :func:`build_pattern`.
-        B: As given to :func:`build_pattern`.
-        C: As given to :func:`build_pattern`.
+        x: The values (head axis 2); ``dt``, ``A``, ``B``, ``C`` as given to
+            :func:`build_pattern`.
         edited: The hook returned another tensor or changed this one in place (or a backward
             hook reads the pattern): then autograd keeps ``pattern`` as usual.
 

@@ -385,20 +385,20 @@ def _provenance(
     """What :func:`load_model` read: ``given`` as passed, ``name`` as resolved."""
     dtype = str(next(iter(model.parameters())).dtype).removeprefix("torch.")
     tok = getattr(model, "tokenizer", None)
+    common: dict[str, Any] = dict(
+        name=given, location=name, dtype=dtype, note=packaged.get("note", "")
+    )
     if own is not None and own[1]:  # a hub snapshot of a family gna_lens reads itself
         folder, commit = own
         family = checkpoint_family(folder)
         files = [Path(f) for f in getattr(model, "gna_weights_files", [])]
         return Provenance(
-            name=given,
             source="hub",
             format=family.checkpoint_format if family is not None else "gna_lens",
-            location=name,
-            dtype=dtype,
             stored_dtype=safetensors_dtypes([f for f in files if f.suffix == ".safetensors"]),
             revision=commit,
             tokenizer=str(getattr(model, "gna_tokenizer_source", "") or ""),
-            note=packaged.get("note", ""),
+            **common,
         )
     if mamba_ssm is not None:
         from gna_lens.models import convert_mamba_ssm as cms
@@ -410,17 +410,14 @@ def _provenance(
         if tok is not None and not (folder / "tokenizer_config.json").is_file():
             tokenizer = str(getattr(tok, "name_or_path", "") or "")
         return Provenance(
-            name=given,
             source="local" if not commit else "hub",
             format="mamba_ssm",
-            location=name,
-            dtype=dtype,
             stored_dtype=stored,
             revision=commit,
             files=() if commit else ((weights.name, sha256_of(weights)),),
             conversion=f"converted on the fly to transformers {arch} names",
             tokenizer=tokenizer,
-            note=packaged.get("note", ""),
+            **common,
         )
     path = Path(name)
     fields = _folder_fields(path) if path.is_dir() else _hub_fields(name, revision)

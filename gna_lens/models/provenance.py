@@ -51,6 +51,7 @@ _SOURCES = {
     "gguf": "GGUF file",
     "zoo": "zoo model shipped with gna_lens",
 }
+_CHECKPOINTS = {"mamba_ssm": "mamba_ssm checkpoint", "cartesia": "Cartesia Llamba checkpoint"}
 
 
 def portable(text: str) -> str:
@@ -140,13 +141,11 @@ class Provenance:
         if self.format == "gguf":
             what = f"{self.quantization or 'unknown quantization'} GGUF"
             what += f" from {self.package}" if self.package else " file"
-        elif self.format == "mamba_ssm":
-            what = f"mamba_ssm checkpoint {_SOURCES.get(self.source, self.source)}"
-        elif self.format == "cartesia":
-            what = f"Cartesia Llamba checkpoint {_SOURCES.get(self.source, self.source)}"
         else:
             what = _SOURCES.get(self.source, self.source)
-            if self.source == "hub":
+            if self.format in _CHECKPOINTS:
+                what = f"{_CHECKPOINTS[self.format]} {what}"
+            elif self.source == "hub":
                 what = "hub weights"
         parts = [what]
         if self.revision:
@@ -253,11 +252,8 @@ def provenance_of(model: object) -> Provenance:
             )
         return recorded
     cfg = getattr(model, "cfg", None)
-    name = ""
-    for attr in ("model_name", "name_or_path"):
-        name = str(getattr(cfg, attr, "") or "")
-        if name:
-            break
+    names = (str(getattr(cfg, attr, "") or "") for attr in ("model_name", "name_or_path"))
+    name = next((n for n in names if n), "")
     return Provenance(name=name or type(model).__name__, source=UNKNOWN, dtype=now)
 
 

@@ -186,13 +186,8 @@ def tokenizer() -> Any:
 
 
 def tasks(name_or_tokenizer: str | Any | None = None) -> dict[str, Any]:
-    """The held-out evaluation splits the cards report, as :class:`gna_lens.tasks.Task` objects.
-
-    ``"kv-2"``, ``"kv-4"``, ``"kv-8"``, ``"kv-16"`` (KV retrieval in the paper's template, 200
-    prompts each), ``"letter"`` and ``"cloze"`` (the same 300 multiple-choice prompts, one per
-    fact with fresh distractors and order, scored on the letter or on the option's text) and
-    ``"letter-unseen"`` (180 letter-format prompts about the facts never trained in that format). See
-    :func:`gna_lens.zoo.curriculum.eval_tasks`.
+    """The held-out evaluation splits the cards report, as :class:`gna_lens.tasks.Task` objects
+    (what each is: :func:`gna_lens.zoo.curriculum.eval_tasks`).
 
     Args:
         name_or_tokenizer: ``None`` or a zoo name (the zoo tokenizer), or any HF fast tokenizer
@@ -286,11 +281,6 @@ def scan_tasks(tokenizer: Any, task: str = "kv", n_samples: int = 24, n_eval: in
             "letter split; the cloze split is the control)."
         )
     probe = splits[name]
-    if len(probe) <= n_samples:
-        raise TaskError(
-            f"the zoo's {name} split has {len(probe)} prompts; --n-samples {n_samples} leaves "
-            "none held out."
-        )
     selection = probe[:n_samples]
     start = n_samples
     if name == "letter":
@@ -301,8 +291,8 @@ def scan_tasks(tokenizer: Any, task: str = "kv", n_samples: int = 24, n_eval: in
     held = {name: probe[start : start + n_eval]}
     if not len(held[name]):
         raise TaskError(
-            f"the zoo's {name} split has {len(probe)} prompts; none is left held out after "
-            f"prompt {start}. Fix: a smaller --n-samples."
+            f"the zoo's {name} split has {len(probe)} prompts; --n-samples {n_samples} leaves "
+            f"none held out (they would start after prompt {start}). Fix: a smaller --n-samples."
         )
     if name == "letter":
         held["cloze"] = splits["cloze"][start : start + n_eval]
