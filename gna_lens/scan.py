@@ -261,13 +261,10 @@ def build_tasks(
 
 
 def _versions() -> str:
-    names = ["gna-lens", "torch", "transformers", "transformer-lens"]
     found = []
-    for n in names:
-        try:
+    for n in ("gna-lens", "torch", "transformers", "transformer-lens"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             found.append(f"{n} {importlib.metadata.version(n)}")
-        except importlib.metadata.PackageNotFoundError:
-            continue
     return ", ".join(found) + f", Python {platform.python_version()}"
 
 
@@ -443,21 +440,11 @@ def scan(
         exact: Heads confirmed by exact ablation after an attribution prefilter: giving it
             (below the number of heads) selects ``strategy="attribution"``; that strategy's
             default is :func:`default_exact`.
-        strategy: ``"auto"`` (default: every head exact up to :data:`EXACT_ALL_MAX` heads, and on
-            a GPU whenever its estimated time fits ``exact_budget_s``; else
-            ``"coarse_to_fine"``), ``"exact"``, ``"coarse_to_fine"`` or ``"attribution"`` (see
-            :func:`~gna_lens.sweep_policy.choose_strategy`).
-        exact_budget_s: Seconds an exact scan of every head may take on a GPU
-            (:data:`~gna_lens.sweep_policy.EXACT_BUDGET_S`).
-        top_layers: Layers whose heads the coarse-to-fine scan ablates (default
-            :func:`~gna_lens.sweep_policy.default_top_layers`).
-        head_groups: What a Mamba-1 head is (see :func:`~gna_lens.scoring.score_heads`):
-            ``"auto"`` (default: contiguous blocks of
-            :data:`~gna_lens.sweep_policy.DEFAULT_CHANNEL_GROUP` channels on a Mamba-1 model
-            above :data:`EXACT_ALL_MAX` single-channel heads, else the heads as they are),
-            ``None`` (single channels) or a spec of
-            :meth:`~gna_lens.models.HookedSSM.set_head_groups`. It holds for the whole scan (the
-            held-out stage removes the same groups); the report records it.
+        strategy: As :func:`~gna_lens.scoring.score_heads`' (default ``"auto"``).
+        exact_budget_s: As :func:`~gna_lens.scoring.score_heads`'.
+        top_layers: As :func:`~gna_lens.scoring.score_heads`'.
+        head_groups: As :func:`~gna_lens.scoring.score_heads`', for the whole scan (the held-out
+            stage removes the same groups); the report records it.
         metric: Ablation metric of the ranking (``"logit_diff"``, ``"accuracy"``, ...).
         mode: ``"zero"``, ``"mean"`` or ``"resample"`` ablation (of the ranking and the held-out
             measurement; resample takes each prompt's head outputs from the next prompt of the
@@ -468,12 +455,8 @@ def scan(
             :func:`~gna_lens.scoring.resolve_control`; zoo models use their cloze split.
         max_control: Bound of the retrieval-specific ranking (nats/token).
         random_draws: Random head sets of the held-out baseline.
-        sweep_dtype: ``"auto"`` (default: ``"bfloat16"`` when the model has more than
-            :data:`EXACT_ALL_MAX` heads and float32 weights, and a probe on this model and
-            device measures bfloat16 faster and accurate enough, else ``None``; see
-            :func:`~gna_lens.sweep_policy.resolve_sweep_dtype`), ``None``
-            (float32) or ``"bfloat16"``: autocast of the selection sweeps only; the held-out
-            numbers are always computed in the model's dtype. The report records the choice.
+        sweep_dtype: As :func:`~gna_lens.scoring.score_heads`' (default ``"auto"``): the
+            selection sweeps only; the held-out numbers are always in the model's dtype.
         tasks: The prompts to use instead of :func:`build_tasks`' (``task``, ``n_samples``,
             ``seed`` and ``n_eval`` are then not used to make them): a zoo model's are
             ``gna_lens.zoo.scan_tasks(model.tokenizer, task)``, its own splits and its cloze

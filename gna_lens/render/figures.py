@@ -1,11 +1,5 @@
 """Dependency-free SVG line charts: the findings page's figures (no matplotlib, no browser).
 
-:func:`line_chart` draws one panel: lines with their 95% interval bands, dashed reference lines
-(chance, a baseline) and a legend; :func:`chart_grid` lays several panels side by side.
-:func:`pruning_figure` and :func:`dictionary_figure` draw the results of
-:func:`~gna_lens.findings.layers.layer_pruning` and
-:func:`~gna_lens.findings.layers.dictionary_size_curves`.
-
 The output is deterministic (the same input gives the same bytes) and valid XML: each series is
 one ``<path class="series">``, each band one ``<polygon class="band">``, each reference line one
 ``<polyline class="reference">``. Missing values (``None`` or NaN) break a line.

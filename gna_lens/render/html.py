@@ -1,15 +1,7 @@
 """HTML: the GnaReport page and the retrieval-vs-knowledge fragment.
 
-- :func:`report_html` / :func:`write_report_html`: the self-contained offline page of
-  :meth:`GnaReport.to_html <gna_lens.scoring.GnaReport.to_html>` (method, top heads, heads left
-  out, the coarse stage's layer ranking, SVG heatmaps, optional plotly heatmaps, circuitsvis
-  patterns).
-- :func:`knowledge_html`: :meth:`KnowledgeTable.to_html <gna_lens.scoring.KnowledgeTable.to_html>`.
-
-The report is read through its attributes and methods (``model_name``, ``task``, ``metric``,
-``baseline``, ``method``, ``scores``, ``has_control``, ``top``, ``joint_table``, ``excluded``,
-``heatmap``, ``layers``, ``layer_ranking``, ``unmeasured``, ``examples``, ...); this module never
-imports :mod:`gna_lens.scoring`.
+The report is read through its attributes and methods (duck typing); this module never imports
+:mod:`gna_lens.scoring`.
 """
 
 import html
@@ -150,11 +142,8 @@ def write_report_html(
     """Write :func:`report_html` to ``path`` (parent folders created, UTF-8).
 
     Args:
-        report: The report.
+        report: The report; ``k``, ``extra_html`` and ``interactive`` as :func:`report_html`'s.
         path: Output file.
-        k: Top heads to list.
-        extra_html: More HTML to append.
-        interactive: Also add zoomable plotly heatmaps.
 
     Returns:
         The path written.

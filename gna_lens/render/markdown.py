@@ -1,14 +1,7 @@
-"""Markdown: the lm-eval and hybrid tables, and the formatting helpers of the findings page.
-
-- :func:`benchmark_markdown`: ``BenchmarkTable.to_markdown`` (lm-eval with heads removed).
-- :func:`hybrid_markdown`: ``HybridTable.to_markdown`` (the hybrid experiment).
-- :func:`comparison_markdown`: ``ModelComparison.to_markdown`` (several models' lm-eval tables
-  and their state sizes).
-- :func:`format_bytes`: a byte count in decimal units.
-- :func:`md_table`, :func:`format_percent`, :func:`format_points`, :func:`format_nats`,
-  :func:`format_number`, :func:`format_share`, :func:`heads_text`: pure formatting of JSON-ready
-  numbers (interval dicts ``{"value", "low", "high"}``, ``None`` for missing), used by the
-  findings page (:mod:`gna_lens.findings.render`) and the tables above.
+"""Markdown: the lm-eval and hybrid tables (``BenchmarkTable``, ``HybridTable`` and
+``ModelComparison.to_markdown``), and the formatting helpers of the findings page: pure
+formatting of JSON-ready numbers (interval dicts ``{"value", "low", "high"}``, ``None`` for
+missing).
 """
 
 import math

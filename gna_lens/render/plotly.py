@@ -1,24 +1,10 @@
 """Every plotly figure of gna_lens, and a static PNG export for the docs.
 
-The public figures of reports (re-exported by :mod:`gna_lens.plots`, where users import them):
-
-- :func:`head_heatmap`: a layer x head heatmap of one score of a :class:`~gna_lens.scoring.GnaReport`.
-- :func:`sharpness_comparison`: sharpness of the top heads of several models, side by side.
-- :func:`accuracy_vs_dictionary_size`: retrieval accuracy against the number of key-value pairs.
-- :func:`save_png`: write a figure as a PNG (needs ``kaleido>=1`` and a Chrome or Chromium,
-  see :func:`find_browser`).
-
-The figures behind the data classes' ``plot()`` / ``figure()`` methods:
-
-- :func:`cell_result_figure`: a sweep's effects per cell (``CellResult.plot``).
-- :func:`benchmark_figure`: the lm-eval table (``BenchmarkTable.figure``).
-- :func:`hybrid_figure`: the hybrid experiment's table (``HybridTable.figure``).
-- :func:`distill_figure`: the distillation losses (``DistillResult.figure``).
-
-Every function returns a ``plotly.graph_objects.Figure``; show it with ``fig.show()``, save it
-interactive with ``fig.write_html(path, include_plotlyjs=True)`` (self-contained, works offline) or
-static with :func:`save_png`. plotly (and pandas) are imported inside the functions, so importing
-this module stays cheap.
+The public figures of reports (:func:`head_heatmap`, :func:`sharpness_comparison`,
+:func:`accuracy_vs_dictionary_size`, :func:`save_png`) are re-exported by :mod:`gna_lens.plots`,
+where users import them; the others draw the data classes' ``plot()`` / ``figure()``. A figure
+is a ``plotly.graph_objects.Figure``; plotly (and pandas) are imported inside the functions, so
+importing this module stays cheap.
 """
 
 import math
