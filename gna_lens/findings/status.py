@@ -136,19 +136,8 @@ def status_rows(results: Mapping[str, Any]) -> list[dict[str, str]]:
     if "1" in results:
         r = results["1"]
         for rem in [x for x in r["removal"] if x["k"] in (4, 8)] or r["removal"][-1:]:
-            row, k = rem["rows"][0], rem["k"]
-            numbers = (
-                f"KV top {k}: {_pct(row['before'])} -> {_pct(row['after'])} (chance "
-                f"{_share(row['chance'])}); {k} random heads: {_pts(row.get('random_change'))}"
-                f"{_p_text(row)}"
-            )
-            verdict = _retrieval_status(row)
-            out.append(_status(FEW_HEADS, r["model"], numbers, verdict, label=f"SmolLM2 top {k}"))
-            if rem.get("control"):
-                out.append(
-                    _set_control_status(r["model"], k, rem["control"])
-                    | {"label": f"SmolLM2 top {k} (prose)"}
-                )
+            k = rem["k"]
+            out += _few_heads(r["model"], f"KV top {k}", rem["rows"][0], k, rem.get("control"))
         for task, claim in (
             ("mmlu-cloze", "Knowledge (cloze MMLU) stays flat"),
             ("mmlu-letter", "MMLU in the paper's letter format falls to chance"),
@@ -252,22 +241,28 @@ def _templates_status(r: Mapping[str, Any]) -> list[dict[str, str]]:
     out = []
     for cell in r["cells"]:
         t, k = cell["selected_on"], cell["k"]
-        row = _row(cell, f"kv-{t}")
         model = f"{r['model'].split(' (')[0]}, {t} template"
-        numbers = (
-            f"{t} top {k} on held-out {t} prompts: {_pct(row['before'])} -> {_pct(row['after'])} "
-            f"(chance {_share(row['chance'])}); {k} random heads: "
-            f"{_pts(row.get('random_change'))}{_p_text(row)}"
-        )
-        out.append(
-            _status(FEW_HEADS, model + _copying(t), numbers, _retrieval_status(row),
-                    label=f"SmolLM2 {t} top {k}")
+        out += _few_heads(
+            model, f"{t} top {k} on held-out {t} prompts", _row(cell, f"kv-{t}"), k,
+            cell.get("control"), label=f"SmolLM2 {t} top {k}", copying=_copying(t),
         )  # fmt: skip
-        if cell.get("control"):
-            out.append(
-                _set_control_status(model, k, cell["control"])
-                | {"label": f"SmolLM2 {t} top {k} (prose)"}
-            )
+    return out
+
+
+def _few_heads(
+    model: str, what: str, row: Mapping[str, Any], k: int, control: Any, *, label: str = "",
+    copying: str = "",
+) -> list[dict[str, str]]:  # fmt: skip
+    """The :data:`FEW_HEADS` row of ``k`` heads removed (``what``: which, on which prompts) and,
+    given the set's ``control``, its prose row (:func:`_set_control_status`)."""
+    label = label or f"SmolLM2 top {k}"
+    numbers = (
+        f"{what}: {_pct(row['before'])} -> {_pct(row['after'])} (chance {_share(row['chance'])}); "
+        f"{k} random heads: {_pts(row.get('random_change'))}{_p_text(row)}"
+    )
+    out = [_status(FEW_HEADS, model + copying, numbers, _retrieval_status(row), label=label)]
+    if control:
+        out.append(_set_control_status(model, k, control) | {"label": f"{label} (prose)"})
     return out
 
 
@@ -750,13 +745,8 @@ def _controlled_students_status(
                 "(interval over prompts only: no per-prompt results stored)"
             )
         arms.append(f"{data} data (seed {seeds}; {what}: {sizes}")
-        verdicts.append(
-            "all"
-            if all(effect(x) == "positive" for x in ivs)
-            else "some"
-            if any(effect(x) == "positive" for x in ivs)
-            else "none"
-        )
+        positive = sum(effect(x) == "positive" for x in ivs)
+        verdicts.append("all" if positive == len(ivs) else "some" if positive else "none")
     pending = ctl.get("method", {}).get("pending") or []
     text = "SmolLM2 students, controlled run: " + "; ".join(arms or ["no comparison yet"])
     if "heads are the joint set" not in str(ctl.get("method", {}).get("ranking", "")):

@@ -404,14 +404,13 @@ def line_chart(
 
 
 # ----------------------------------------------------------------------------- page figures
-def _iv(points: Sequence[Mapping[str, Any]], key: str) -> tuple[list[Any], list[Any], list[Any]]:
-    vals, lows, highs = [], [], []
-    for p in points:
-        iv = p.get(key) or {}
-        vals.append(iv.get("value"))
-        lows.append(iv.get("low"))
-        highs.append(iv.get("high"))
-    return vals, lows, highs
+def _series(
+    name: str, xs: list[Any], points: Sequence[Mapping[str, Any]], key: str
+) -> dict[str, Any]:
+    """A series of the points' ``key`` intervals: their values, with their ends as the band."""
+    ivs = [p.get(key) or {} for p in points]
+    y, low, high = ([iv.get(k) for iv in ivs] for k in ("value", "low", "high"))
+    return {"name": name, "x": xs, "y": y, "low": low, "high": high}
 
 
 def _check_result(result: Any, caller: str, maker: str, need: Sequence[str]) -> None:
@@ -499,32 +498,24 @@ def pruning_figure(result: Mapping[str, Any], title: str | None = None) -> str:
     g_name = "gradual: layers l..end removed" if from_end else "gradual: layers 0..l removed"
     i_name = "layer l removed alone"
     has_control = any(p.get("control_change") for p in grad[1:] + ind)
-    panels = []
-    for key, label, percent in (("accuracy", "retrieval accuracy", True),) + (
-        (("control_change", f"control loss change ({result.get('control_unit', '')})", False),)
-        if has_control
-        else ()
-    ):
-        series = []
-        for name, xs, pts in ((g_name, gx, grad), (i_name, ix, ind)):
-            y, lo, hi = _iv(pts, key)
-            series.append({"name": name, "x": xs, "y": y, "low": lo, "high": hi})
-        span = [min(gx + ix), max(gx + ix)]
-        if key == "accuracy":
-            base = result["baseline"]["value"]
-            panel = dict(
-                series=series, title="retrieval accuracy", x_label="layer l", y_label=label,
-                y_range=(0.0, 1.0), chance=float(result["chance"]), percent=True,
-                references=[{"name": "nothing removed", "x": span, "y": [base, base],
-                             "dash": "2 3"}],
-            )  # fmt: skip
-        else:
-            panel = dict(
-                series=series, title="control", x_label="layer l", y_label=label,
-                references=[{"name": "no change", "x": span, "y": [0.0, 0.0], "dash": "2 3"}],
-                percent=percent, y_range=_control_range(grad, ind, n),
-            )  # fmt: skip
-        panels.append(panel)
+    span, base = [min(gx + ix), max(gx + ix)], result["baseline"]["value"]
+
+    def series(key: str) -> list[dict[str, Any]]:
+        return [_series(g_name, gx, grad, key), _series(i_name, ix, ind, key)]
+
+    panels = [dict(
+        series=series("accuracy"), title="retrieval accuracy", x_label="layer l",
+        y_label="retrieval accuracy", y_range=(0.0, 1.0), chance=float(result["chance"]),
+        percent=True, references=[{"name": "nothing removed", "x": span, "y": [base, base],
+                                   "dash": "2 3"}],
+    )]  # fmt: skip
+    if has_control:
+        panels.append(dict(
+            series=series("control_change"), title="control", x_label="layer l",
+            y_label=f"control loss change ({result.get('control_unit', '')})",
+            references=[{"name": "no change", "x": span, "y": [0.0, 0.0], "dash": "2 3"}],
+            y_range=_control_range(grad, ind, n),
+        ))  # fmt: skip
     default = f"Layer removal: {_model_name(result)} on {result.get('task', '')}"
     return chart_grid(
         panels, title=title or default, cols=2,
@@ -563,13 +554,10 @@ def dictionary_figure(result: Mapping[str, Any], title: str | None = None) -> st
     pts = list(result["points"])
     xs = [p["n_pairs"] for p in pts]
     k = len(result["heads"])
-    series = []
     arms = [("before", "nothing removed"), ("after", f"top {k} heads removed")]
     if any(p.get("random_after") for p in pts):
         arms.append(("random_after", f"{k} random heads removed"))
-    for key, name in arms:
-        y, lo, hi = _iv(pts, key)
-        series.append({"name": name, "x": xs, "y": y, "low": lo, "high": hi})
+    series = [_series(name, xs, pts, key) for key, name in arms]
     missing = [m["n_pairs"] for m in result.get("missing", ())]
     note = "95% intervals: Wilson; random heads: bootstrap over draws and prompts"
     if missing:
