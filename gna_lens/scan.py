@@ -546,17 +546,15 @@ def scan(
         },
     )
     n_exact = int(report.method.get("n_exact", 0))
-    html_path = json_path = None
+    result = ScanResult(
+        report, knowledge, top_heads, None, None, time.perf_counter() - t0, timings, n_exact,
+        excluded, sets, cautions,
+    )  # fmt: skip
     with _timed(timings, "report"):
         if out is not None:
-            html_path, json_path = _write_report(
-                Path(out), subject, report, knowledge, top_heads, excluded, cautions, top,
-                strategy, command, timings, time.perf_counter() - t0,
-            )  # fmt: skip
-    return ScanResult(
-        report, knowledge, top_heads, html_path, json_path, time.perf_counter() - t0, timings,
-        n_exact, excluded, sets, cautions,
-    )  # fmt: skip
+            paths = _write_report(Path(out), subject, result, top, strategy, command)
+            result = dataclasses.replace(result, html_path=paths[0], json_path=paths[1])
+    return dataclasses.replace(result, seconds=time.perf_counter() - t0)
 
 
 @contextlib.contextmanager
@@ -598,24 +596,14 @@ def _top_heads(report: GnaReport, top: int) -> tuple[list[Head], list[Any]]:
 
 
 def _write_report(
-    folder: Path,
-    subject: Subject,
-    report: GnaReport,
-    knowledge: KnowledgeTable,
-    top_heads: list[Head],
-    excluded: list[Any],
-    cautions: list[str],
-    top: int,
-    strategy: str,
-    command: str | None,
-    timings: dict[str, float],
-    seconds: float,
+    folder: Path, subject: Subject, result: ScanResult, top: int, strategy: str, command: str | None
 ) -> tuple[Path, Path]:
-    """``report.html`` (offline) and ``report.json`` in ``folder``."""
+    """``report.html`` (offline) and ``report.json`` in ``folder``; ``result``: the scan's so far
+    (its ``seconds``: until now)."""
+    report, knowledge, n_exact = result.report, result.knowledge, result.n_exact
     folder.mkdir(parents=True, exist_ok=True)
     prov = provenance_of(subject.model)
     method = report.method
-    n_exact = int(method.get("n_exact", 0))
     machine = subject.policy.machine()
     esc = html.escape
     lines = [f"Weights: {esc(prov.describe())}"]
@@ -636,26 +624,26 @@ def _write_report(
             esc(method["head_groups"])
             + esc(f" (head groups {method.get('head_groups_choice', 'as set')})")
         )
-    stages = describe_timings(timings, report.timings)
-    lines.append(f"Scan time: {seconds:.1f} s ({esc(stages)}; model loading not included)")
+    stages = describe_timings(result.timings, report.timings)
+    lines.append(f"Scan time: {result.seconds:.1f} s ({esc(stages)}; model loading not included)")
     meta = "<h2>Provenance</h2><p>" + "<br>".join(lines) + "</p>"
-    warn_html = "".join(f"<p><b>Warning:</b> {esc(w)}</p>" for w in cautions)
+    warn_html = "".join(f"<p><b>Warning:</b> {esc(w)}</p>" for w in result.warnings)
     html_path = report.to_html(
         folder / "report.html", k=top, extra_html=warn_html + knowledge.to_html() + meta
     )
     json_path = folder / "report.json"
     payload = report.to_dict() | {
-        "top": [list(h) for h in top_heads],
-        "excluded": [e.to_dict() for e in excluded],
+        "top": [list(h) for h in result.top],
+        "excluded": [e.to_dict() for e in result.excluded],
         "n_exact": n_exact,
         "held_out": knowledge.to_dict(),
         "retrieval_vs_knowledge": knowledge.to_dataframe().to_dict(orient="records"),
-        "warnings": cautions,
+        "warnings": result.warnings,
         "provenance": prov.to_dict(),
         "command": command,
         "versions": _versions(),
         "machine": machine,
-        "timings": timings,
+        "timings": result.timings,
         "timings_heads": report.timings,
     }
     json_path.write_text(json.dumps(payload, indent=1), encoding="utf-8")

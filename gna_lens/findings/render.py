@@ -60,23 +60,14 @@ def _heads_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
 
 def _cells_table(cells: Sequence[Mapping[str, Any]]) -> list[str]:
     """The removal cells of findings 8 and 10 as one table (a row per cell and template)."""
-    rows = []
-    for cell in cells:
-        ctrl = cell.get("control") or {}
-        for x in cell["rows"]:
-            rows.append(
-                [
-                    f"{cell['selected_on']} top {cell['k']}",
-                    x["task"],
-                    _pct(x["before"]),
-                    _pct(x["after"]),
-                    _pts(x["random_change"]),
-                    _pts(x.get("vs_random")),
-                    p_text(x.get("p_value")),
-                    _nats(ctrl.get("change")),
-                    _nats(ctrl.get("vs_random")),
-                ]
-            )
+    rows = [
+        [f"{cell['selected_on']} top {cell['k']}", x["task"], _pct(x["before"]), _pct(x["after"]),
+         _pts(x["random_change"]), _pts(x.get("vs_random")), p_text(x.get("p_value")),
+         _nats((cell.get("control") or {}).get("change")),
+         _nats((cell.get("control") or {}).get("vs_random"))]
+        for cell in cells
+        for x in cell["rows"]
+    ]  # fmt: skip
     head = ["removed", "measured on", "before", "after", "random sets' change", "vs random",
             "p (sign flips)", "prose change (nats/token)", "prose vs random"]  # fmt: skip
     return _md_table(head, rows)
@@ -176,22 +167,14 @@ def _removal_table(tables: Sequence[Mapping[str, Any]], task: str) -> list[str]:
     """The top-k removal table, then one line per k saying how its random sets were drawn."""
     rows = []
     for t in tables:
-        x = _row(t, task)
-        ctrl = t.get("control")
+        x, ctrl = _row(t, task), t.get("control") or {}
         vs = x.get("vs_random")
         rows.append(
-            [
-                t["k"],
-                " ".join(t["heads_label"]),
-                _pct(x["before"]),
-                _pct(x["after"]),
-                _pts(x["change"]),
-                _pct(x.get("random_after")),
-                f"{_pts(vs)}, p = {x['p_value']:.2g}" if vs else "n/a",
-                _nats(ctrl["change"]) if ctrl else "n/a",
-                _nats(ctrl.get("random_change")) if ctrl else "n/a",
-            ]
-        )
+            [t["k"], " ".join(t["heads_label"]), _pct(x["before"]), _pct(x["after"]),
+             _pts(x["change"]), _pct(x.get("random_after")),
+             f"{_pts(vs)}, p = {x['p_value']:.2g}" if vs else "n/a",
+             _nats(ctrl.get("change")), _nats(ctrl.get("random_change"))]
+        )  # fmt: skip
     draws = [
         f"- k = {t['k']}: {t['method'].get('random_sets', 'not recorded')}"
         for t in tables
@@ -632,21 +615,13 @@ def _agreement_lines(a: Mapping[str, Any] | None) -> list[str]:
         ),
         "",
     ]
-    rows = []
-    for k, o in a["overlap"].items():
-        rows.append(
-            [
-                k,
-                " ".join(o["logit_diff_top"]),
-                " ".join(o["accuracy_top"]),
-                f"{o['shared']} of {k}",
-                f"{o['shared_with_joint']} of {k} ({' '.join(o['joint_top'])})"
-                if "shared_with_joint" in o
-                else "-",
-                o["tied_at_cut"],
-                " ".join(o["logit_diff_top_at_baseline_accuracy"]) or "none",
-            ]
-        )
+    rows = [
+        [k, " ".join(o["logit_diff_top"]), " ".join(o["accuracy_top"]), f"{o['shared']} of {k}",
+         f"{o['shared_with_joint']} of {k} ({' '.join(o['joint_top'])})"
+         if "shared_with_joint" in o else "-",
+         o["tied_at_cut"], " ".join(o["logit_diff_top_at_baseline_accuracy"]) or "none"]
+        for k, o in a["overlap"].items()
+    ]  # fmt: skip
     head = ["k", "logit-difference top k", "accuracy top k", "shared",
             "published joint top k shared with the accuracy top k",
             "heads tied at the accuracy cut",

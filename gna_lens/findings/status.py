@@ -167,18 +167,14 @@ def status_rows(results: Mapping[str, Any]) -> list[dict[str, str]]:
         )
         claim = "Retrieval falls, knowledge (cloze) stays"
         out.append(_status(claim, r["model"] + _unit_note(r), numbers, (status, why)))
-    role_sources = (
-        [(results["1"]["model"], results["1"].get("top_heads"))] if "1" in results else []
-    )
-    role_sources += [(r["model"], r.get("top_heads")) for r in results.get("2", [])]
     induction = {
         x["head"]: x["prefix_matching"]
         for x in (results.get("7") or {}).get("question_induction", [])
     }
-    for i, (model, heads) in enumerate(role_sources):
-        if heads:
-            smollm2 = i == 0 and "1" in results
-            out.append(_roles_status(model, heads[:4], induction if smollm2 else None))
+    for r in ([results["1"]] if "1" in results else []) + list(results.get("2", [])):
+        if r.get("top_heads"):  # prefix-matching scores are SmolLM2's (finding 1)
+            known = induction if r is results.get("1") else None
+            out.append(_roles_status(r["model"], r["top_heads"][:4], known))
     if "1" in results and results["1"].get("masks"):
         r = results["1"]
         out.append(_mask_status(r["masks"] | {"model": r["model"], "task": "kv"}))
@@ -481,12 +477,8 @@ def _layers_status(model: str, p: Mapping[str, Any]) -> dict[str, str]:
     uncorrected = [x for x in singles if effect(x["change"]) == "negative" and x not in hit]
     n = len(singles)
     names = " ".join(f"L{x['layer']}" for x in hit) or "none"
-    lost = (
-        "; below 0 before correction or with the control not flat: "
-        + " ".join(f"L{x['layer']}" for x in uncorrected)
-        if uncorrected
-        else ""
-    )
+    lost = " ".join(f"L{x['layer']}" for x in uncorrected)
+    lost = f"; below 0 before correction or with the control not flat: {lost}" if lost else ""
     base = {"claim": "Layer removal: a few layers carry retrieval while the rest hold the "
             "knowledge", "model": model,
             "numbers": f"{len(hit)} of {n} layers alone lower retrieval (Holm over {n} layers) "
