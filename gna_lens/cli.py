@@ -246,14 +246,7 @@ def _print_coarse(report: Any, max_lines: int = 8) -> None:
             f"\nLayers ranked by removal (coarse stage: each layer removed alone; "
             f"{report.layers.metric} effect, control effect {unit}):"
         )
-        cols = [
-            c
-            for c in (
-                "rank", "layer", "scanned", "kind", "effect", "effect_low", "effect_high",
-                "control_effect", "selectivity",
-            )
-            if c in ranking.columns
-        ]  # fmt: skip
+        cols = [c for c in COARSE_COLUMNS if c in ranking.columns]
         n_scanned = int(ranking["scanned"].sum())
         table = ranking[cols].dropna(axis=1, how="all").head(max(max_lines, n_scanned + 2))
         print(table.to_string(index=False, float_format=lambda x: f"{x:.4f}"))
@@ -552,6 +545,9 @@ TABLE_COLUMNS = (
     "attribution", "gather_score",
     "aggregate_score", "correct_share", "correct_chance",
 )  # fmt: skip
+#: The columns of the coarse stage's layer ranking ``gna-lens scan`` prints.
+COARSE_COLUMNS = ("rank", "layer", "scanned", "kind", "effect", "effect_low", "effect_high",
+                  "control_effect", "selectivity")  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:

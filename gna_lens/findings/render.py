@@ -129,18 +129,15 @@ def _templates_section(r: Mapping[str, Any]) -> list[str]:
 def _kcurve_section(r: Mapping[str, Any]) -> list[str]:
     """Finding 10: the k-curve table, the paired halves, the masks on the facts template."""
     halves = [f"- {t}: {_halves_text(x)}." for t, x in (r.get("halves") or {}).items()]
-    m = r.get("masks_facts")
-    masks = (
-        [
+    m, masks = r.get("masks_facts"), []
+    if m:
+        masks = [
             f"Finding 1's masks (gathers {' '.join(m['gather_heads'])}, aggregates "
             f"{' '.join(m['aggregate_heads'])}) on the held-out facts prompts: no mask "
             f"{_pct(m['baseline'])}, only the G&A patterns kept {_pct(m['kept'])}, denied "
             f"{_pct(m['denied'])} (chance {100 * m['chance']:.1f}%).",
             "",
         ]
-        if m
-        else []
-    )
     ks = ", ".join(str(c["k"]) for c in r["cells"])
     return [
         "## 10. How many heads: the top 1 to 16 removed",

@@ -2,21 +2,9 @@
 :mod:`gna_lens.findings.rules` applied to each experiment's numbers (no markdown here; the page
 is written by :mod:`gna_lens.findings.render`).
 
-Statuses, each stated on the page next to the table:
-
-- **reproduced**: the paper's claim holds on this model with 95% intervals that exclude the
-  alternative (e.g. the retrieval drop's interval excludes 0, it is at least twice the drop of
-  as many random heads, and retrieval reaches chance within its interval);
-- **partly**: part of the claim holds with an effect whose interval excludes 0 (e.g. retrieval
-  falls beyond random heads, but not to chance);
-- **inconclusive**: an interval crosses the margin a claim of no effect needs, or a null effect
-  is all there is (the rules: :mod:`gna_lens.findings.rules`);
-- **not reproduced**: the model does the task and the claim fails;
-- **not testable offline**: the model does not do the task the claim needs (accuracy within
-  chance's reach), or what the claim needs (a model, a benchmark) cannot be installed offline;
-- **no result**: the experiment ran but its conditions did not differ (e.g. every mask gave the
-  same accuracy as no mask), so it says nothing either way;
-- **not attempted**: a claim of the paper that no experiment here addresses, with the reason.
+The statuses (reproduced, partly, inconclusive, not reproduced, not testable offline, no result;
+not attempted: a claim of the paper that no experiment here addresses, with the reason) are
+defined on the page, next to the status table.
 
 A status never credits a role the measurement does not show: the hybrid row is *partly* only when
 denying the *attention* candidates' aggregate patterns lowers retrieval.
@@ -765,13 +753,9 @@ def _controlled_students_status(
         below = [r for r in tops if r["knowledge"]["high"] < t["low"]]
         at_chance = [r for r in tops if r["knowledge"]["low"] <= chance]
         knowledge_kept = not below and not at_chance
-        why = (
-            " (below the teacher's interval: not kept)"
-            if below
-            else f" (interval reaches chance {100 * chance:.0f}%: not kept)"
-            if at_chance
-            else ""
-        )
+        why = " (below the teacher's interval: not kept)" if below else ""
+        if at_chance and not below:
+            why = f" (interval reaches chance {100 * chance:.0f}%: not kept)"
         text += (
             f"; knowledge (MMLU cloze): teacher {_pct(t)}, top-k students "
             + ", ".join(f"{r['name']} {_pct(r['knowledge'])}" for r in tops)

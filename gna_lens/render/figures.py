@@ -97,8 +97,7 @@ def _panel(x0: float, y0: float, p: Mapping[str, Any], size: tuple[int, int]) ->
     refs = list(p.get("references", ()))
     if chance is not None:
         if isinstance(chance, int | float):
-            xs_all = [_num(x) for s in series for x in s["x"]]
-            xs_ok = [x for x in xs_all if x is not None]
+            xs_ok = [x for s in series for x in map(_num, s["x"]) if x is not None]
             if xs_ok:
                 refs.append({"x": [min(xs_ok), max(xs_ok)], "y": [chance, chance]} | _CHANCE)
         else:
@@ -305,21 +304,16 @@ def chart_grid(
     width = cols * pw + 10
     title_lines = _wrap(title, width - 20, 1.2 * CHAR_W)
     head = 8 + 17 * len(title_lines)
-    entries: list[tuple[str, str, str]] = []
+    entries: list[tuple[str, str, str]] = []  # each line's (label, colour, dash), once
     for p in panels:
         _check_series(p["series"], f"panel {p.get('title', '')!r}")
         for i, s in enumerate(p["series"]):
-            e = (str(s.get("name", "")), s.get("color", PALETTE[i % len(PALETTE)]),
-                 str(s.get("dash", "")))  # fmt: skip
-            if e not in entries:
-                entries.append(e)
-        refs = list(p.get("references", ()))
-        if p.get("chance") is not None:
-            refs.append(_CHANCE)
-        for r in refs:
-            e = (str(r.get("name", "")), r.get("color", REF_COLOR), r.get("dash", REF_DASH))
-            if e not in entries:
-                entries.append(e)
+            color = s.get("color", PALETTE[i % len(PALETTE)])
+            entries.append((str(s.get("name", "")), color, str(s.get("dash", ""))))
+        refs = [*p.get("references", ()), *([_CHANCE] if p.get("chance") is not None else [])]
+        entries += [(str(r.get("name", "")), r.get("color", REF_COLOR), r.get("dash", REF_DASH))
+                    for r in refs]  # fmt: skip
+    entries = list(dict.fromkeys(entries))
     ly = head + rows * ph + 10
     legend, n_rows = _legend(5 + LEFT, ly, width - LEFT - 10, entries)
     note_lines = _wrap(note, width - LEFT - 10, CHAR_W)

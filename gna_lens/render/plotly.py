@@ -336,15 +336,8 @@ def accuracy_vs_dictionary_size(
                 f"accuracy_vs_dictionary_size(chance={chance!r}); expected '1/n', a number, "
                 "{n_pairs: chance} or None."
             )
-        fig.add_trace(
-            go.Scatter(
-                x=sizes,
-                y=line,
-                mode="lines",
-                name="chance",
-                line={"dash": "dash", "color": "gray"},
-            )
-        )
+        dashed = {"dash": "dash", "color": "gray"}
+        fig.add_trace(go.Scatter(x=sizes, y=line, mode="lines", name="chance", line=dashed))
     fig.update_layout(
         title=title or "Retrieval accuracy vs dictionary size",
         xaxis={"title": "key-value pairs in the prompt", "type": "log" if log_x else "linear"},
@@ -499,24 +492,14 @@ def cell_result_figure(result: Any, title: str | None = None) -> Any:
     labels = [result.label(i) for i in range(len(result))]
     df = result.to_dataframe()
     fig = go.Figure()
-    fig.add_trace(
-        go.Scatter(
-            x=labels,
-            y=df["effect"],
-            mode="markers+lines",
-            name=f"{result.metric} effect",
-            error_y=_error_bars(df["effect"], df["effect_low"], df["effect_high"]),
-        )
-    )
+    lines = [("effect", "effect_low", "effect_high", f"{result.metric} effect", None)]
     if result.has_control:
+        lines.append(("control_effect", "control_low", "control_high", "control loss change", "y2"))
+    for mid, low, high, name, axis in lines:
+        bars = _error_bars(df[mid], df[low], df[high])
         fig.add_trace(
             go.Scatter(
-                x=labels,
-                y=df["control_effect"],
-                mode="markers+lines",
-                name="control loss change",
-                yaxis="y2",
-                error_y=_error_bars(df["control_effect"], df["control_low"], df["control_high"]),
+                x=labels, y=df[mid], mode="markers+lines", name=name, yaxis=axis, error_y=bars
             )
         )
     fig.update_layout(
