@@ -21,7 +21,7 @@ __all__ = ["main"]
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from gna_lens.models import load_model
+    from gna_lens.models import load_model, provenance_of
     from gna_lens.testing import tiny_checkpoint
 
     t0 = time.perf_counter()
@@ -40,8 +40,6 @@ def _demo(args: argparse.Namespace) -> int:
     pattern = cache[name][0]
     _n_heads, n_q, n_k = pattern.shape
     last = pattern[:, -1, :]
-    from gna_lens.models import provenance_of
-
     print(f"Model: {type(model).__name__} ({model.cfg.architecture}), {model.cfg.n_layers} layers")
     print(f"Weights: {provenance_of(model).describe()}")
     print(f"Prompt: {n_q} tokens; logits {tuple(logits.shape)}")
@@ -883,18 +881,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     hy.add_argument("--quiet", action="store_true", help="no progress, no table on stdout")
     hy.add_argument("--json", action="store_true", help="print the table as JSON")
     hy.set_defaults(func=_hybrid)
-    le = sub.add_parser(
-        "lm-eval",
-        add_help=False,
-        help="lm-eval's own command with --model gna_lens available (gna-lens lm-eval --help)",
-    )
-    le.set_defaults(func=_lm_eval)
-    tz = sub.add_parser(
-        "train-zoo",
-        add_help=False,
-        help="train the zoo models (gna-lens train-zoo --help lists its options)",
-    )
-    tz.set_defaults(func=_train_zoo)
+    for name, func, about in (
+        ("lm-eval", _lm_eval,
+         "lm-eval's own command with --model gna_lens available (gna-lens lm-eval --help)"),
+        ("train-zoo", _train_zoo,
+         "train the zoo models (gna-lens train-zoo --help lists its options)"),
+    ):  # fmt: skip
+        sub.add_parser(name, add_help=False, help=about).set_defaults(func=func)
     args, rest = parser.parse_known_args(argv)
     if args.command in ("train-zoo", "lm-eval"):
         args.rest = rest

@@ -785,7 +785,6 @@ def hybrid_roles(
         )
         for kind in ("attention", "ssm")
     }
-    n_attn = sum(1 for k in report.kinds if k == "attention")
     return {
         "model": name,
         "provenance": provenance_of(model).to_dict(),
@@ -795,7 +794,7 @@ def hybrid_roles(
         "aggregate_kinds": kinds,
         "aggregate_role_heads": labelled,
         "n_heads": len(report.heads),
-        "n_attention_heads": n_attn,
+        "n_attention_heads": sum(1 for k in report.kinds if k == "attention"),
         "top_specific": _head_rows(report, report.top(5)),
         "masking": masking,
         "masking_by_kind": by_kind,

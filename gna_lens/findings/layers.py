@@ -198,10 +198,7 @@ def layer_pruning(
     def removed_by(k: int) -> tuple[int, ...]:
         return tuple(range(n - k, n)) if order == "from_end" else tuple(range(k))
 
-    cells: list[tuple[int, ...]] = []
-    for cell in [removed_by(k) for k in counts] + [(layer,) for layer in singles]:
-        if cell not in cells:
-            cells.append(cell)
+    cells = list(dict.fromkeys([removed_by(k) for k in counts] + [(layer,) for layer in singles]))
     res = layer_sweep(
         model, task, "accuracy", [list(c) for c in cells], target="block", mode="zero",
         control=control, max_rows=max_rows, progress=progress,
@@ -279,9 +276,7 @@ def layer_pruning(
 
 
 def _cells_label(cell: Sequence[int]) -> str:
-    if len(cell) == 1:
-        return f"L{cell[0]}"
-    return f"L{cell[0]}-L{cell[-1]}"
+    return f"L{cell[0]}" if len(cell) == 1 else f"L{cell[0]}-L{cell[-1]}"
 
 
 # ----------------------------------------------------------------------------- dictionary size
@@ -542,8 +537,7 @@ def smollm2_layers(
     )  # fmt: skip
     pruning = layer_pruning(
         model, held, text_control(tok, split="eval", n_sequences=64), steps=steps,
-        individual=individual,
-        progress=progress,
+        individual=individual, progress=progress,
     )  # fmt: skip
     dictionary = dictionary_size_curves(
         model, chosen, sizes=sizes, n_samples=n_eval, random_draws=random_draws, seed=seed,

@@ -12,12 +12,7 @@ from gna_lens.findings.rules import (
     effect,
     p_text,
 )
-from gna_lens.findings.status import (
-    _halves_text,
-    _row,
-    seed_claims,
-    status_rows,
-)
+from gna_lens.findings.status import _halves_text, _layer_results, _row, seed_claims, status_rows
 from gna_lens.render.markdown import format_nats as _nats
 from gna_lens.render.markdown import format_number as _num
 from gna_lens.render.markdown import format_percent as _pct
@@ -309,7 +304,7 @@ def render_markdown(results: Mapping[str, Any], command: str) -> str:
     if "5" in results:
         lines += _hybrid_section(results["5"])
     if "6" in results:
-        lines += _layers_section(results["6"], results.get("9"))
+        lines += _layers_section(results)
     if "7" in results:
         lines += _probe_section(results["7"])
     if "8" in results:
@@ -319,7 +314,7 @@ def render_markdown(results: Mapping[str, Any], command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _layers_section(r: Mapping[str, Any], facts: Mapping[str, Any] | None = None) -> list[str]:
+def _layers_section(results: Mapping[str, Any]) -> list[str]:
     lines = [
         "## 6. Layers and dictionary size",
         "",
@@ -329,13 +324,9 @@ def _layers_section(r: Mapping[str, Any], facts: Mapping[str, Any] | None = None
         "removed, with as many random heads removed, and with nothing removed.",
         "",
     ]
-    items = [("smollm2", "SmolLM2-135M", r["smollm2"])]
-    items += [(z["model"].removeprefix("zoo-"), z["model"], z) for z in r.get("zoo", [])]
-    if facts:
-        items.append(
-            ("smollm2_facts", "SmolLM2-135M, the induction-proof facts template (finding 9)", facts)
-        )
-    for key, title, x in items:
+    for key, title, x in _layer_results(results):
+        if key == "smollm2_facts":
+            title = "SmolLM2-135M, the induction-proof facts template (finding 9)"
         lines += [f"### {title}", ""]
         lines += _pruning_markdown(x["pruning"], figure=f"assets/findings_pruning_{key}.svg")
         lines += [""]

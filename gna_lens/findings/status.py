@@ -166,27 +166,32 @@ def status_rows(results: Mapping[str, Any]) -> list[dict[str, str]]:
     if "1" in results and results["1"].get("masks"):
         r = results["1"]
         out.append(_mask_status(r["masks"] | {"model": r["model"], "task": "kv"}))
-    for r in results.get("3", []):
-        out.append(_mask_status(r))
+    out += [_mask_status(r) for r in results.get("3", [])]
     if "4" in results:
         out.extend(_sharpness_status(results["4"]))
-    if "6" in results:
-        r6 = results["6"]
-        items = [("SmolLM2-135M", r6["smollm2"])] + [(z["model"], z) for z in r6.get("zoo", [])]
-        if "9" in results:
-            items.append(("SmolLM2-135M, facts template (copying cannot answer it)", results["9"]))
-        for model, x in items:
-            out.append(_layers_status(model, x["pruning"]))
-            out.append(_dictionary_status(model, x["dictionary"]))
-    if "7" in results:
-        out.append(_probe_status(results["7"]))
+    for key, model, x in _layer_results(results):
+        if key == "smollm2_facts":
+            model = "SmolLM2-135M, facts template (copying cannot answer it)"
+        out += [_layers_status(model, x["pruning"]), _dictionary_status(model, x["dictionary"])]
+    out += [_probe_status(results["7"])] if "7" in results else []
     if "8" in results:
         out.extend(_templates_status(results["8"]))
     if "10" in results:
         out.extend(_kcurve_status(results["10"]))
-    if "5" in results:
-        out.append(_hybrid_status(results["5"]))
+    out += [_hybrid_status(results["5"])] if "5" in results else []
     return out
+
+
+def _layer_results(results: Mapping[str, Any]) -> list[tuple[str, str, Mapping[str, Any]]]:
+    """Findings 6 and 9, the layer experiments: ``(key, model, result)`` per model, the key
+    naming its figures (``"smollm2"``, ``"llama"``, ..., ``"smollm2_facts"``)."""
+    if not results.get("6"):
+        return []
+    items = [("smollm2", "SmolLM2-135M", results["6"]["smollm2"])]
+    items += [(z["model"].removeprefix("zoo-"), z["model"], z) for z in results["6"].get("zoo", [])]
+    if results.get("9"):
+        items.append(("smollm2_facts", "SmolLM2-135M", results["9"]))
+    return items
 
 
 def _decided_rows(results: Mapping[str, Any]) -> list[Any]:

@@ -202,11 +202,8 @@ def comparison_markdown(comparison: Any) -> str:
         labels = list(dict.fromkeys(c.label for t in tables for c in t.cells if c.task == task))
         rows = []
         for label in labels:
-            cells = []
-            for t in tables:
-                found = [c for c in t.cells if c.task == task and c.label == label]
-                cells.append(found[0].format() if found else "-")
-            rows.append([label, *cells])
+            cells = [[c for c in t.cells if c.task == task and c.label == label] for t in tables]
+            rows.append([label, *(found[0].format() if found else "-" for found in cells)])
         lines += [*md_table(["heads removed", *models], rows), ""]
     lengths = list(m.get("state_lengths", []))
     dtype = m.get("state_dtype", "")
@@ -333,19 +330,17 @@ def hybrid_markdown(table: Any) -> str:
             lines.append("- " + ", ".join(parts))
             per = c.get("per_seed") or []
             if len(per) > 1:
-                lines.append(
-                    "  - per seed: "
-                    + "; ".join(
-                        f"seed {p['seed']}: top {100 * p['top']:.1f}%, random mean "
-                        f"{100 * p['random_mean']:.1f}% of {p['n_random']}"
-                        + (
-                            f", paired {_points(p['paired_random_mean'])} points"
-                            if "paired_random_mean" in p
-                            else ""
-                        )
-                        for p in per
+                seeds = [
+                    f"seed {p['seed']}: top {100 * p['top']:.1f}%, random mean "
+                    f"{100 * p['random_mean']:.1f}% of {p['n_random']}"
+                    + (
+                        f", paired {_points(p['paired_random_mean'])} points"
+                        if "paired_random_mean" in p
+                        else ""
                     )
-                )
+                    for p in per
+                ]
+                lines.append("  - per seed: " + "; ".join(seeds))
         lines.append("")
     composition = m.get("data_composition_text") or {}
     if composition:

@@ -492,7 +492,9 @@ def cell_result_figure(result: Any, title: str | None = None) -> Any:
     labels = [result.label(i) for i in range(len(result))]
     df = result.to_dataframe()
     fig = go.Figure()
-    lines = [("effect", "effect_low", "effect_high", f"{result.metric} effect", None)]
+    lines: list[tuple[str, str, str, str, str | None]] = [
+        ("effect", "effect_low", "effect_high", f"{result.metric} effect", None)
+    ]
     if result.has_control:
         lines.append(("control_effect", "control_low", "control_high", "control loss change", "y2"))
     for mid, low, high, name, axis in lines:
