@@ -21,7 +21,7 @@ __all__ = ["main"]
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from gna_lens.models import load_model
+    from gna_lens.models import load_model, provenance_of
     from gna_lens.testing import tiny_checkpoint
 
     t0 = time.perf_counter()
@@ -40,8 +40,6 @@ def _demo(args: argparse.Namespace) -> int:
     pattern = cache[name][0]
     _n_heads, n_q, n_k = pattern.shape
     last = pattern[:, -1, :]
-    from gna_lens.models import provenance_of
-
     print(f"Model: {type(model).__name__} ({model.cfg.architecture}), {model.cfg.n_layers} layers")
     print(f"Weights: {provenance_of(model).describe()}")
     print(f"Prompt: {n_q} tokens; logits {tuple(logits.shape)}")
@@ -90,33 +88,29 @@ def _scan(args: argparse.Namespace) -> int:
         where = f"the zoo model {name} (scanned on its own kv-8 split)" if is_zoo else (
             f"--task {args.task!r}"
         )  # fmt: skip
-        print(
-            f"gna-lens scan: error: {', '.join(kv_flags)} set the KV prompts of --task kv on a "
-            f"hub or local model; not {where}. Fix: drop them.",
-            file=sys.stderr,
+        return _fail(
+            "scan",
+            f"{', '.join(kv_flags)} set the KV prompts of --task kv on a hub or local model; not "
+            f"{where}. Fix: drop them.",
         )
-        return 2
     control = None if args.control == "none" else args.control
     if control not in (None, "prose", "auto"):
         from pathlib import Path
 
         path = Path(control)
         if not path.is_file():
-            print(
-                f"gna-lens scan: error: --control {control!r}; expected 'auto', 'prose', 'none' or a "
-                "UTF-8 text file whose prose is the control.",
-                file=sys.stderr,
+            return _fail(
+                "scan",
+                f"--control {control!r}; expected 'auto', 'prose', 'none' or a UTF-8 text file "
+                "whose prose is the control.",
             )
-            return 2
         control = path.read_text(encoding="utf-8")
     if is_zoo and args.task not in ("kv", "mc"):
-        print(
-            f"gna-lens scan: error: --task {args.task!r} on the zoo model {name}; expected 'kv' "
-            "(the zoo's kv-8 split) or 'mc' (its letter split): zoo models are scanned on their "
-            "own splits.",
-            file=sys.stderr,
+        return _fail(
+            "scan",
+            f"--task {args.task!r} on the zoo model {name}; expected 'kv' (the zoo's kv-8 split) "
+            "or 'mc' (its letter split): zoo models are scanned on their own splits.",
         )
-        return 2
 
     def work(why: str) -> tuple[Any, float, Any]:
         """``(model, loading seconds, ScanResult or None: --dry-run)``."""
@@ -250,14 +244,7 @@ def _print_coarse(report: Any, max_lines: int = 8) -> None:
             f"\nLayers ranked by removal (coarse stage: each layer removed alone; "
             f"{report.layers.metric} effect, control effect {unit}):"
         )
-        cols = [
-            c
-            for c in (
-                "rank", "layer", "scanned", "kind", "effect", "effect_low", "effect_high",
-                "control_effect", "selectivity",
-            )
-            if c in ranking.columns
-        ]  # fmt: skip
+        cols = [c for c in COARSE_COLUMNS if c in ranking.columns]
         n_scanned = int(ranking["scanned"].sum())
         table = ranking[cols].dropna(axis=1, how="all").head(max(max_lines, n_scanned + 2))
         print(table.to_string(index=False, float_format=lambda x: f"{x:.4f}"))
@@ -278,54 +265,34 @@ def _evaluate(args: argparse.Namespace) -> int:
     try:
         from gna_lens.lm_eval import compare_models, evaluate_table
     except ImportError as err:
-        print(
-            f"gna-lens evaluate: error: lm-eval is not installed ({err}). Install the extra: "
-            "pip install 'gna-lens[lmeval]'.",
-            file=sys.stderr,
+        return _fail(
+            "evaluate",
+            f"lm-eval is not installed ({err}). Install the extra: pip install 'gna-lens[lmeval]'.",
         )
-        return 2
     models = list(args.model) or ["smollm2-135m"]
     rankings = list(args.ranking or [])
-    parsed = {}
-    for flag, text in (("--remove-top", args.remove_top), ("--state-lengths", args.state_lengths)):
-        try:
-            parsed[flag] = [int(k) for k in text.split(",") if k.strip()]
-        except ValueError:
-            print(
-                f"gna-lens evaluate: error: {flag} {text!r}; expected numbers separated by "
-                "commas, e.g. 0,10,20,30.",
-                file=sys.stderr,
-            )
-            return 2
-    ks, lengths = parsed["--remove-top"], parsed["--state-lengths"]
-    if len(rankings) not in (0, len(models)):
-        print(
-            f"gna-lens evaluate: error: {len(rankings)} --ranking for {len(models)} models "
-            f"({', '.join(models)}); give one per model, in their order, or none (each model "
-            "ranks its own heads).",
-            file=sys.stderr,
-        )
+    try:
+        ks = _ints(args.remove_top, "--remove-top", "evaluate", "0,10,20,30")
+        lengths = _ints(args.state_lengths, "--state-lengths", "evaluate", "0,10,20,30")
+    except SystemExit as err:
+        print(err, file=sys.stderr)
         return 2
+    if len(rankings) not in (0, len(models)):
+        return _fail(
+            "evaluate",
+            f"{len(rankings)} --ranking for {len(models)} models ({', '.join(models)}); give one "
+            "per model, in their order, or none (each model ranks its own heads).",
+        )
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     progress = not args.quiet
-    common = dict(
-        mode=args.mode,
-        positions=args.positions,
+    common = {k: getattr(args, k) for k in (
+        "mode", "positions", "batch_size", "metric", "num_fewshot", "ranking_samples",
+        "ranking_metric", "random_draws", "random_k", "seed", "out", "dtype", "device",
+    )} | dict(
         limit=args.limit if args.limit and args.limit > 0 else None,
-        batch_size=args.batch_size,
-        metric=args.metric,
-        num_fewshot=args.num_fewshot,
-        ranking_samples=args.ranking_samples,
-        ranking_metric=args.ranking_metric,
         sweep_dtype=None if args.sweep_dtype == "float32" else args.sweep_dtype,
-        random_draws=args.random_draws,
-        random_k=args.random_k,
-        seed=args.seed,
-        out=args.out,
-        dtype=args.dtype,
-        device=args.device,
         progress=progress,
-    )
+    )  # fmt: skip
 
     def work(why: str) -> Any:
         if progress:
@@ -352,7 +319,8 @@ def _evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _device_flags(parser: argparse.ArgumentParser, what: str) -> None:
+def _device_flags(parser: argparse.ArgumentParser, what: str, seed_help: str = "") -> None:
+    """``--device`` and ``--dtype``; with ``seed_help``, ``--seed`` and ``--threads`` (as scan)."""
     parser.add_argument(
         "--device", default="auto", type=_device_arg,
         help=f"where {what} runs: auto (CUDA where torch sees one, else the CPU), cpu, cuda, "
@@ -362,15 +330,20 @@ def _device_flags(parser: argparse.ArgumentParser, what: str) -> None:
         "--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
         help="weights dtype (float32); ablation sweeps' arithmetic is --sweep-dtype",
     )  # fmt: skip
+    if seed_help:
+        parser.add_argument("--seed", type=int, default=0, help=seed_help)
+        parser.add_argument(
+            "--threads", type=_count_arg(1), default=None, help="torch threads (as scan)"
+        )
 
 
-def _ints(text: str, flag: str) -> list[int]:
+def _ints(text: str, flag: str, command: str = "hybrid", example: str = "0,4,8") -> list[int]:
     try:
         return [int(k) for k in text.split(",") if k.strip()]
     except ValueError:
         raise SystemExit(
-            f"gna-lens hybrid: error: {flag} {text!r}; expected numbers separated by commas, "
-            "e.g. 0,4,8."
+            f"gna-lens {command}: error: {flag} {text!r}; expected numbers separated by commas, "
+            f"e.g. {example}."
         ) from None
 
 
@@ -385,57 +358,34 @@ def _hybrid(args: argparse.Namespace) -> int:
     choices = [c.strip() for c in args.distill_data.split(",") if c.strip()]
     bad = [c for c in choices if c not in DISTILL_DATA] or ([] if choices else [""])
     if bad:
-        print(
-            f"gna-lens hybrid: error: --distill-data {args.distill_data!r}: {bad[0]!r} is not a "
-            f"choice; expected one of {', '.join(DISTILL_DATA)} or several separated by commas "
-            "(e.g. default,no-kv).",
-            file=sys.stderr,
+        return _fail(
+            "hybrid",
+            f"--distill-data {args.distill_data!r}: {bad[0]!r} is not a choice; expected one of "
+            f"{', '.join(DISTILL_DATA)} or several separated by commas (e.g. default,no-kv).",
         )
-        return 2
     budget: Any = args.budget.strip()
     if budget.replace("_", "").isdigit():
         budget = int(budget.replace("_", ""))
     try:
         parse_budget(budget, where="--budget")
     except GnaLensError as err:
-        print(f"gna-lens hybrid: error: {err}", file=sys.stderr)
-        return 2
+        return _fail("hybrid", str(err))
     progress = not args.quiet
 
     def work(why: str) -> Any:
         if progress:
             print(f"gna-lens hybrid: {args.teacher} ({why})", file=sys.stderr, flush=True)
         return run_experiment(
-            args.teacher,
-            keep,
-            budget=budget,
-            out=args.out,
-            d_state=args.d_state,
-            head_layout=args.head_layout,
-            stages=stages,
-            stage1_share=args.stage1_share,
-            seed=args.seed,
-            seeds=seeds,
-            random_draws=args.random_draws,
-            distill_data=choices,
-            only=args.only,
-            kv_pairs=kv_pairs,
-            kv_template=args.kv_template,
-            n_rank=args.n_rank,
-            n_eval=args.n_eval,
-            n_knowledge=args.n_knowledge,
-            prose_windows=args.prose_windows,
-            train=args.train,
-            batch_size=args.batch_size,
-            max_length=args.max_length,
-            resume=not args.restart,
-            save_students=args.save_students,
+            args.teacher, keep, budget=budget, stages=stages, seeds=seeds, distill_data=choices,
+            kv_pairs=kv_pairs, resume=not args.restart, progress=progress,
             autocast=None if args.autocast == "none" else args.autocast,
             sweep_dtype=None if args.sweep_dtype == "float32" else args.sweep_dtype,
-            device=args.device,
-            dtype=args.dtype,
-            progress=progress,
-        )
+            **{k: getattr(args, k) for k in (
+                "out", "d_state", "head_layout", "stage1_share", "seed", "random_draws", "only",
+                "kv_template", "n_rank", "n_eval", "n_knowledge", "prose_windows", "train",
+                "batch_size", "max_length", "save_students", "device", "dtype",
+            )},
+        )  # fmt: skip
 
     table = _run("hybrid", args, work)
     if table is None:
@@ -550,6 +500,12 @@ def _task_arg(text: str) -> str:
     )
 
 
+def _fail(command: str, text: str) -> int:
+    """Print ``text`` as the command's error; the exit status 2."""
+    print(f"gna-lens {command}: error: {text}", file=sys.stderr)
+    return 2
+
+
 def _run(command: str, args: argparse.Namespace, work: Callable[[str], Any]) -> Any:
     """``work(why)`` with the torch threads of ``--threads`` (``why``: how they were chosen;
     restored after), once ``--out`` is checked (so a run is never lost at its end); ``None``
@@ -564,7 +520,7 @@ def _run(command: str, args: argparse.Namespace, work: Callable[[str], Any]) -> 
         torch.set_num_threads(threads)
         return work(why)
     except (GnaLensError, OSError) as err:
-        print(f"gna-lens {command}: error: {err}", file=sys.stderr)
+        _fail(command, str(err))
         return None
     finally:
         torch.set_num_threads(before)
@@ -587,6 +543,9 @@ TABLE_COLUMNS = (
     "attribution", "gather_score",
     "aggregate_score", "correct_share", "correct_chance",
 )  # fmt: skip
+#: The columns of the coarse stage's layer ranking ``gna-lens scan`` prints.
+COARSE_COLUMNS = ("rank", "layer", "scanned", "kind", "effect", "effect_low", "effect_high",
+                  "control_effect", "selectivity")  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -823,11 +782,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ev.add_argument(
         "--out", default="gna_lens_table", type=_out_arg, help="folder for table.md/csv/json/svg"
     )
-    _device_flags(ev, "the model")
-    ev.add_argument(
-        "--seed", type=int, default=0, help="seed of the ranking prompts and random sets (0)"
-    )
-    ev.add_argument("--threads", type=_count_arg(1), default=None, help="torch threads (as scan)")
+    _device_flags(ev, "the model", "seed of the ranking prompts and random sets (0)")
     ev.add_argument("--quiet", action="store_true", help="no progress, no table on stdout")
     ev.set_defaults(func=_evaluate)
     hy = sub.add_parser(
@@ -913,12 +868,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="arithmetic of the ranking's ablation sweeps (auto: as scan; held-out numbers are "
         "float32)",
     )  # fmt: skip
-    _device_flags(hy, "the teacher and the students")
-    hy.add_argument(
-        "--seed", type=int, default=0,
-        help="training seed when --seeds is not given; also of the ranking prompts (0)",
+    _device_flags(
+        hy, "the teacher and the students",
+        "training seed when --seeds is not given; also of the ranking prompts (0)",
     )  # fmt: skip
-    hy.add_argument("--threads", type=_count_arg(1), default=None, help="torch threads (as scan)")
     hy.add_argument(
         "--save-students", action="store_true", help="save each student under OUT/students"
     )
@@ -928,18 +881,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     hy.add_argument("--quiet", action="store_true", help="no progress, no table on stdout")
     hy.add_argument("--json", action="store_true", help="print the table as JSON")
     hy.set_defaults(func=_hybrid)
-    le = sub.add_parser(
-        "lm-eval",
-        add_help=False,
-        help="lm-eval's own command with --model gna_lens available (gna-lens lm-eval --help)",
-    )
-    le.set_defaults(func=_lm_eval)
-    tz = sub.add_parser(
-        "train-zoo",
-        add_help=False,
-        help="train the zoo models (gna-lens train-zoo --help lists its options)",
-    )
-    tz.set_defaults(func=_train_zoo)
+    for name, func, about in (
+        ("lm-eval", _lm_eval,
+         "lm-eval's own command with --model gna_lens available (gna-lens lm-eval --help)"),
+        ("train-zoo", _train_zoo,
+         "train the zoo models (gna-lens train-zoo --help lists its options)"),
+    ):  # fmt: skip
+        sub.add_parser(name, add_help=False, help=about).set_defaults(func=func)
     args, rest = parser.parse_known_args(argv)
     if args.command in ("train-zoo", "lm-eval"):
         args.rest = rest

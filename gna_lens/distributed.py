@@ -159,22 +159,17 @@ class RayExecutor:
         place_timeout: float = 60.0,
         init_kwargs: dict[str, Any] | None = None,
     ):
-        for name, value, least in (
-            ("workers", workers, 1),
-            ("threads_per_worker", threads_per_worker, 1),
-            ("max_restarts", max_restarts, 0),
-            ("units_per_worker", units_per_worker, 1),
+        for name, value, least, auto in (
+            ("workers", workers, 1, " or None (automatic)"),
+            ("threads_per_worker", threads_per_worker, 1, " or None (automatic)"),
+            ("max_restarts", max_restarts, 0, ""),
+            ("units_per_worker", units_per_worker, 1, ""),
         ):
-            if value is None and name in ("workers", "threads_per_worker"):
+            if value is None and auto:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise ConfigError(
-                    f"RayExecutor({name}={value!r}); expected an int >= {least}"
-                    + (
-                        " or None (automatic)."
-                        if name in ("workers", "threads_per_worker")
-                        else "."
-                    )
+                    f"RayExecutor({name}={value!r}); expected an int >= {least}{auto}."
                 )
         if gpus_per_worker is not None and not (
             isinstance(gpus_per_worker, int | float) and gpus_per_worker >= 0
@@ -612,13 +607,8 @@ class _Run:
         with contextlib.suppress(Exception):
             self.ray.kill(slot.actor, no_restart=True)
         fresh = self.ex._new_slot(slot.index)
-        slot.placed_ref, slot.placed, slot.created = fresh.placed_ref, False, fresh.created
-        slot.actor, slot.ready_ref, slot.ready, slot.in_flight = (
-            fresh.actor,
-            fresh.ready_ref,
-            False,
-            0,
-        )
+        fresh.info = slot.info  # the last load's, until the new actor has loaded
+        self.ex._slots[slot.index] = fresh
 
     def label(self, lo: int, hi: int) -> str:
         cells = self.sweep.cells[lo:hi]

@@ -261,13 +261,10 @@ def build_tasks(
 
 
 def _versions() -> str:
-    names = ["gna-lens", "torch", "transformers", "transformer-lens"]
     found = []
-    for n in names:
-        try:
+    for n in ("gna-lens", "torch", "transformers", "transformer-lens"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             found.append(f"{n} {importlib.metadata.version(n)}")
-        except importlib.metadata.PackageNotFoundError:
-            continue
     return ", ".join(found) + f", Python {platform.python_version()}"
 
 
@@ -443,21 +440,11 @@ def scan(
         exact: Heads confirmed by exact ablation after an attribution prefilter: giving it
             (below the number of heads) selects ``strategy="attribution"``; that strategy's
             default is :func:`default_exact`.
-        strategy: ``"auto"`` (default: every head exact up to :data:`EXACT_ALL_MAX` heads, and on
-            a GPU whenever its estimated time fits ``exact_budget_s``; else
-            ``"coarse_to_fine"``), ``"exact"``, ``"coarse_to_fine"`` or ``"attribution"`` (see
-            :func:`~gna_lens.sweep_policy.choose_strategy`).
-        exact_budget_s: Seconds an exact scan of every head may take on a GPU
-            (:data:`~gna_lens.sweep_policy.EXACT_BUDGET_S`).
-        top_layers: Layers whose heads the coarse-to-fine scan ablates (default
-            :func:`~gna_lens.sweep_policy.default_top_layers`).
-        head_groups: What a Mamba-1 head is (see :func:`~gna_lens.scoring.score_heads`):
-            ``"auto"`` (default: contiguous blocks of
-            :data:`~gna_lens.sweep_policy.DEFAULT_CHANNEL_GROUP` channels on a Mamba-1 model
-            above :data:`EXACT_ALL_MAX` single-channel heads, else the heads as they are),
-            ``None`` (single channels) or a spec of
-            :meth:`~gna_lens.models.HookedSSM.set_head_groups`. It holds for the whole scan (the
-            held-out stage removes the same groups); the report records it.
+        strategy: As :func:`~gna_lens.scoring.score_heads`' (default ``"auto"``).
+        exact_budget_s: As :func:`~gna_lens.scoring.score_heads`'.
+        top_layers: As :func:`~gna_lens.scoring.score_heads`'.
+        head_groups: As :func:`~gna_lens.scoring.score_heads`', for the whole scan (the held-out
+            stage removes the same groups); the report records it.
         metric: Ablation metric of the ranking (``"logit_diff"``, ``"accuracy"``, ...).
         mode: ``"zero"``, ``"mean"`` or ``"resample"`` ablation (of the ranking and the held-out
             measurement; resample takes each prompt's head outputs from the next prompt of the
@@ -468,12 +455,8 @@ def scan(
             :func:`~gna_lens.scoring.resolve_control`; zoo models use their cloze split.
         max_control: Bound of the retrieval-specific ranking (nats/token).
         random_draws: Random head sets of the held-out baseline.
-        sweep_dtype: ``"auto"`` (default: ``"bfloat16"`` when the model has more than
-            :data:`EXACT_ALL_MAX` heads and float32 weights, and a probe on this model and
-            device measures bfloat16 faster and accurate enough, else ``None``; see
-            :func:`~gna_lens.sweep_policy.resolve_sweep_dtype`), ``None``
-            (float32) or ``"bfloat16"``: autocast of the selection sweeps only; the held-out
-            numbers are always computed in the model's dtype. The report records the choice.
+        sweep_dtype: As :func:`~gna_lens.scoring.score_heads`' (default ``"auto"``): the
+            selection sweeps only; the held-out numbers are always in the model's dtype.
         tasks: The prompts to use instead of :func:`build_tasks`' (``task``, ``n_samples``,
             ``seed`` and ``n_eval`` are then not used to make them): a zoo model's are
             ``gna_lens.zoo.scan_tasks(model.tokenizer, task)``, its own splits and its cloze
@@ -563,17 +546,15 @@ def scan(
         },
     )
     n_exact = int(report.method.get("n_exact", 0))
-    html_path = json_path = None
+    result = ScanResult(
+        report, knowledge, top_heads, None, None, time.perf_counter() - t0, timings, n_exact,
+        excluded, sets, cautions,
+    )  # fmt: skip
     with _timed(timings, "report"):
         if out is not None:
-            html_path, json_path = _write_report(
-                Path(out), subject, report, knowledge, top_heads, excluded, cautions, top,
-                strategy, command, timings, time.perf_counter() - t0,
-            )  # fmt: skip
-    return ScanResult(
-        report, knowledge, top_heads, html_path, json_path, time.perf_counter() - t0, timings,
-        n_exact, excluded, sets, cautions,
-    )  # fmt: skip
+            paths = _write_report(Path(out), subject, result, top, strategy, command)
+            result = dataclasses.replace(result, html_path=paths[0], json_path=paths[1])
+    return dataclasses.replace(result, seconds=time.perf_counter() - t0)
 
 
 @contextlib.contextmanager
@@ -615,24 +596,14 @@ def _top_heads(report: GnaReport, top: int) -> tuple[list[Head], list[Any]]:
 
 
 def _write_report(
-    folder: Path,
-    subject: Subject,
-    report: GnaReport,
-    knowledge: KnowledgeTable,
-    top_heads: list[Head],
-    excluded: list[Any],
-    cautions: list[str],
-    top: int,
-    strategy: str,
-    command: str | None,
-    timings: dict[str, float],
-    seconds: float,
+    folder: Path, subject: Subject, result: ScanResult, top: int, strategy: str, command: str | None
 ) -> tuple[Path, Path]:
-    """``report.html`` (offline) and ``report.json`` in ``folder``."""
+    """``report.html`` (offline) and ``report.json`` in ``folder``; ``result``: the scan's so far
+    (its ``seconds``: until now)."""
+    report, knowledge, n_exact = result.report, result.knowledge, result.n_exact
     folder.mkdir(parents=True, exist_ok=True)
     prov = provenance_of(subject.model)
     method = report.method
-    n_exact = int(method.get("n_exact", 0))
     machine = subject.policy.machine()
     esc = html.escape
     lines = [f"Weights: {esc(prov.describe())}"]
@@ -653,26 +624,26 @@ def _write_report(
             esc(method["head_groups"])
             + esc(f" (head groups {method.get('head_groups_choice', 'as set')})")
         )
-    stages = describe_timings(timings, report.timings)
-    lines.append(f"Scan time: {seconds:.1f} s ({esc(stages)}; model loading not included)")
+    stages = describe_timings(result.timings, report.timings)
+    lines.append(f"Scan time: {result.seconds:.1f} s ({esc(stages)}; model loading not included)")
     meta = "<h2>Provenance</h2><p>" + "<br>".join(lines) + "</p>"
-    warn_html = "".join(f"<p><b>Warning:</b> {esc(w)}</p>" for w in cautions)
+    warn_html = "".join(f"<p><b>Warning:</b> {esc(w)}</p>" for w in result.warnings)
     html_path = report.to_html(
         folder / "report.html", k=top, extra_html=warn_html + knowledge.to_html() + meta
     )
     json_path = folder / "report.json"
     payload = report.to_dict() | {
-        "top": [list(h) for h in top_heads],
-        "excluded": [e.to_dict() for e in excluded],
+        "top": [list(h) for h in result.top],
+        "excluded": [e.to_dict() for e in result.excluded],
         "n_exact": n_exact,
         "held_out": knowledge.to_dict(),
         "retrieval_vs_knowledge": knowledge.to_dataframe().to_dict(orient="records"),
-        "warnings": cautions,
+        "warnings": result.warnings,
         "provenance": prov.to_dict(),
         "command": command,
         "versions": _versions(),
         "machine": machine,
-        "timings": timings,
+        "timings": result.timings,
         "timings_heads": report.timings,
     }
     json_path.write_text(json.dumps(payload, indent=1), encoding="utf-8")

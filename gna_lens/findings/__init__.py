@@ -43,7 +43,7 @@ from gna_lens.findings.experiments import (
 )
 from gna_lens.findings.layers import smollm2_layers, zoo_layers
 from gna_lens.findings.render import render_markdown
-from gna_lens.findings.status import status_rows
+from gna_lens.findings.status import _layer_results, status_rows
 from gna_lens.render.figures import dictionary_figure, pruning_figure
 from gna_lens.runtime import choose_threads, cpu_description
 
@@ -178,23 +178,12 @@ def _joint_order(results: dict[str, Any]) -> list[str]:
     return [f"L{a}H{b}" for a, b in results.get("1", {}).get("joint", {}).get("heads", [])]
 
 
-def _write_figures(results: dict[str, Any], assets: Path) -> list[Path]:
+def _write_figures(results: dict[str, Any], assets: Path) -> None:
     """Finding 6's SVG figures under ``assets`` (the names the page links to)."""
-    res = results.get("6")
-    if not res:
-        return []
-    assets.mkdir(parents=True, exist_ok=True)
-    items = [("smollm2", res["smollm2"])]
-    items += [(z["model"].removeprefix("zoo-"), z) for z in res.get("zoo", [])]
-    if results.get("9"):
-        items.append(("smollm2_facts", results["9"]))
-    written = []
-    for key, r in items:
+    for key, _, r in _layer_results(results):
+        assets.mkdir(parents=True, exist_ok=True)
         for kind, fig in (("pruning", pruning_figure), ("dictionary", dictionary_figure)):
-            path = assets / f"findings_{kind}_{key}.svg"
-            path.write_text(fig(r[kind]), encoding="utf-8")
-            written.append(path)
-    return written
+            (assets / f"findings_{kind}_{key}.svg").write_text(fig(r[kind]), encoding="utf-8")
 
 
 def _read_external(root: Path | None = None) -> dict[str, Any]:

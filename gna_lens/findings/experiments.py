@@ -9,6 +9,7 @@ page and decides each claim's status from these numbers alone.
 
 import math
 import random
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -151,9 +152,7 @@ def smollm2_heads(
     tok = model.tokenizer
     kw: dict[str, Any] = dict(n_pairs=n_pairs, template="question", values="words")
     held = kv_retrieval(tok, n_samples=n_eval, seed=seed + 1, **kw)
-    paper = kv_retrieval(
-        tok, n_pairs=n_pairs, n_samples=n_eval, seed=seed + 2, template="paper", values="words"
-    )
+    paper = kv_retrieval(tok, n_samples=n_eval, seed=seed + 2, **kw | {"template": "paper"})
     probe, report = _smollm2_selection(
         model, n_rank=n_rank, n_pairs=n_pairs, seed=seed, sweep_dtype=sweep_dtype,
         progress=progress,
@@ -195,9 +194,7 @@ def smollm2_heads(
         (-float(effect[idx[h]]) for h in eligible if float(effect[idx[h]]) < 0), reverse=True
     )
     total = sum(harms)
-    layers: dict[str, int] = {}
-    for layer, _ in ranked:
-        layers[str(layer)] = layers.get(str(layer), 0) + 1
+    layers = dict(Counter(str(layer) for layer, _ in ranked))
     return {
         "model": smollm2_label(model),
         "provenance": provenance_of(model).to_dict(),
@@ -398,10 +395,8 @@ def second_probe(
     mine = [head_label(h) for h in ranked]
 
     def scored(labels: Sequence[str]) -> list[dict[str, Any]]:
-        out = []
-        for label, head in zip(labels, _heads(labels), strict=True):
-            out.append({"head": label, "prefix_matching": float(induction.score(head))})
-        return out
+        pairs = zip(labels, _heads(labels), strict=True)
+        return [{"head": x, "prefix_matching": float(induction.score(h))} for x, h in pairs]
 
     return {
         "model": smollm2_label(model),
@@ -790,7 +785,6 @@ def hybrid_roles(
         )
         for kind in ("attention", "ssm")
     }
-    n_attn = sum(1 for k in report.kinds if k == "attention")
     return {
         "model": name,
         "provenance": provenance_of(model).to_dict(),
@@ -800,7 +794,7 @@ def hybrid_roles(
         "aggregate_kinds": kinds,
         "aggregate_role_heads": labelled,
         "n_heads": len(report.heads),
-        "n_attention_heads": n_attn,
+        "n_attention_heads": sum(1 for k in report.kinds if k == "attention"),
         "top_specific": _head_rows(report, report.top(5)),
         "masking": masking,
         "masking_by_kind": by_kind,

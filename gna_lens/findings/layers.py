@@ -3,19 +3,9 @@
 Bick, Xing and Gu (2025) remove whole layers from the end of a model and watch in-context
 retrieval fall to chance at a few layers while a control holds (gradual pruning), then remove
 each layer alone (individual removal); and they measure KV retrieval against the number of
-pairs, with the Gather-and-Aggregate heads removed and without. Both experiments here reuse the
-library's own steps:
-
-- :func:`layer_pruning`: :func:`~gna_lens.interventions.layer_sweep` with ``target="block"``,
-  ``mode="zero"``, the very edit of :func:`~gna_lens.interventions.remove_layers` (each removed
-  block becomes the identity on the residual stream, as if deleted from the model), with
-  cumulative sets of layers (gradual) and single layers (individual) in one sweep;
-- :func:`dictionary_size_curves`: :func:`~gna_lens.retrieval_vs_knowledge` on one KV task per
-  dictionary size: nothing removed, the given heads removed, and as many random heads removed
-  (layer-matched when the layers allow it, :func:`~gna_lens.scoring.matched_random_sets`).
-
-Both return JSON-ready dicts, as the other findings experiments; :mod:`gna_lens.render.figures`
-draws them as SVG.
+pairs, with the Gather-and-Aggregate heads removed and without. :func:`layer_pruning` and
+:func:`dictionary_size_curves` do both with the library's own steps and return JSON-ready dicts,
+as the other findings experiments; :mod:`gna_lens.render.figures` draws them as SVG.
 """
 
 import math
@@ -208,10 +198,7 @@ def layer_pruning(
     def removed_by(k: int) -> tuple[int, ...]:
         return tuple(range(n - k, n)) if order == "from_end" else tuple(range(k))
 
-    cells: list[tuple[int, ...]] = []
-    for cell in [removed_by(k) for k in counts] + [(layer,) for layer in singles]:
-        if cell not in cells:
-            cells.append(cell)
+    cells = list(dict.fromkeys([removed_by(k) for k in counts] + [(layer,) for layer in singles]))
     res = layer_sweep(
         model, task, "accuracy", [list(c) for c in cells], target="block", mode="zero",
         control=control, max_rows=max_rows, progress=progress,
@@ -220,24 +207,18 @@ def layer_pruning(
     acc, change, ctrl = res.value_intervals(), res.effect_intervals(), res.control_intervals()
     chance = float(task.chance)
     baseline = res.baseline_interval
+    base_ctrl = res.control_baseline
     zero = Interval(0.0, 0.0, 0.0, len(task), "none")
+    zero_ctrl = None if base_ctrl is None else Interval(0.0, 0.0, 0.0, len(base_ctrl), "none")
 
     def measures(i: int | None) -> dict[str, Any]:
-        if i is None:  # nothing removed
-            return {
-                "accuracy": baseline.to_dict(),
-                "change": zero.to_dict(),
-                "control_change": (
-                    Interval(0.0, 0.0, 0.0, len(res.control_baseline), "none").to_dict()
-                    if res.control_baseline is not None
-                    else None
-                ),
-            }
-        return {
-            "accuracy": acc[i].to_dict(),
-            "change": change[i].to_dict(),
-            "control_change": ctrl[i].to_dict() if res.has_control else None,
-        }
+        """Cell ``i``'s accuracy, its change and the control's change (``None``: nothing removed)."""
+        if i is None:
+            a, c, k = baseline, zero, zero_ctrl
+        else:
+            a, c, k = acc[i], change[i], ctrl[i] if res.has_control else None
+        control = None if k is None else k.to_dict()
+        return {"accuracy": a.to_dict(), "change": c.to_dict(), "control_change": control}
 
     gradual = [{"removed": 0, "layers": [], "label": "none"} | measures(None)]
     for k in counts:
@@ -250,14 +231,7 @@ def layer_pruning(
     singles_out = [
         {"layer": layer, "kind": kinds[(layer,)]} | measures(index[(layer,)]) for layer in singles
     ]
-    first = next(
-        (
-            p["removed"]
-            for p, k in zip(gradual[1:], counts, strict=True)
-            if _at_chance(acc[index[removed_by(k)]], chance)
-        ),
-        None,
-    )
+    first = next((k for k in counts if _at_chance(acc[index[removed_by(k)]], chance)), None)
     prov = provenance_of(model)
     m = res.method
     return {
@@ -271,12 +245,8 @@ def layer_pruning(
         "baseline": baseline.to_dict(),
         "control": m["control"],
         "control_unit": m["control_unit"],
-        "n_control": 0 if res.control_baseline is None else len(res.control_baseline),
-        "control_before": (
-            float(res.control_baseline.double().mean())
-            if res.control_baseline is not None
-            else None
-        ),
+        "n_control": 0 if base_ctrl is None else len(base_ctrl),
+        "control_before": None if base_ctrl is None else float(base_ctrl.double().mean()),
         "order": order,
         "gradual": gradual,
         "individual": singles_out,
@@ -306,9 +276,7 @@ def layer_pruning(
 
 
 def _cells_label(cell: Sequence[int]) -> str:
-    if len(cell) == 1:
-        return f"L{cell[0]}"
-    return f"L{cell[0]}-L{cell[-1]}"
+    return f"L{cell[0]}" if len(cell) == 1 else f"L{cell[0]}-L{cell[-1]}"
 
 
 # ----------------------------------------------------------------------------- dictionary size
@@ -339,47 +307,6 @@ def zoo_kv_tasks(name: str, *, probe: str | None = "kv-8", n_rank: int = 60) -> 
         if key.startswith("kv-"):
             out[int(key[3:])] = task[n_rank:] if key == probe else task  # type: ignore[assignment]
     return dict(sorted(out.items()))
-
-
-def _task_for(
-    n: int,
-    tasks: Any,
-    model: HookedModel,
-    n_samples: int,
-    seed: int,
-    template: Any,
-    values: str,
-) -> tuple[Task | None, str]:
-    """The KV task with ``n`` pairs, or ``None`` and why it cannot be had."""
-    from gna_lens.tasks import kv_retrieval
-
-    if isinstance(tasks, Mapping):
-        if n not in tasks:
-            return None, f"no split with {n} pairs (given: {sorted(tasks)})"
-        task = tasks[n]
-    else:
-        try:
-            if tasks is None:
-                task = kv_retrieval(
-                    model.tokenizer, n_pairs=n, n_samples=n_samples, seed=seed + n,
-                    template=template, values=values,  # type: ignore[arg-type]
-                )  # fmt: skip
-            else:
-                task = tasks(n)
-        except TaskError as err:
-            return None, str(err)
-    if not isinstance(task, Task) or len(task) == 0:
-        raise TaskError(
-            f"the task for {n} pairs is {task!r}; expected a non-empty gna_lens.tasks.Task "
-            "(e.g. kv_retrieval(tokenizer, n_pairs=n))."
-        )
-    declared = (task.info or {}).get("n_pairs")
-    if declared is not None and declared != n:
-        raise TaskError(
-            f"the task given for {n} pairs has n_pairs={declared} ({task.name}); expected "
-            f"{n}. Fix: key each task by its own dictionary size."
-        )
-    return task, ""
 
 
 def dictionary_size_curves(
@@ -450,6 +377,7 @@ def dictionary_size_curves(
         [(2, 1.0, True), (4, 1.0, True)]
     """
     from gna_lens.scoring import retrieval_vs_knowledge
+    from gna_lens.tasks import kv_retrieval
 
     t0 = time.perf_counter()
     if missing not in MISSING:
@@ -478,16 +406,38 @@ def dictionary_size_curves(
     built: dict[int, Task] = {}
     skipped: list[dict[str, Any]] = []
     for n in sorted(size_list):
-        task, why = _task_for(n, tasks, model, n_samples, seed, template, values)
-        if task is None:
+        try:  # the KV task with n pairs, or why it cannot be had
+            if isinstance(tasks, Mapping):
+                if n not in tasks:
+                    raise TaskError(f"no split with {n} pairs (given: {sorted(tasks)})")
+                task = tasks[n]
+            elif tasks is None:
+                task = kv_retrieval(
+                    model.tokenizer, n_pairs=n, n_samples=n_samples, seed=seed + n,
+                    template=template, values=values,  # type: ignore[arg-type]
+                )  # fmt: skip
+            else:
+                task = tasks(n)
+        except TaskError as err:
             if missing == "raise":
                 raise TaskError(
-                    f"sizes contains {n}, but no KV task with {n} pairs can be had: {why}. Fix: "
+                    f"sizes contains {n}, but no KV task with {n} pairs can be had: {err}. Fix: "
                     f"drop {n} from sizes, or pass missing='skip' to list it as missing."
-                )
-            skipped.append({"n_pairs": n, "reason": why})
-        else:
-            built[n] = task
+                ) from None
+            skipped.append({"n_pairs": n, "reason": str(err)})
+            continue
+        if not isinstance(task, Task) or len(task) == 0:
+            raise TaskError(
+                f"the task for {n} pairs is {task!r}; expected a non-empty gna_lens.tasks.Task "
+                "(e.g. kv_retrieval(tokenizer, n_pairs=n))."
+            )
+        declared = (task.info or {}).get("n_pairs")
+        if declared is not None and declared != n:
+            raise TaskError(
+                f"the task given for {n} pairs has n_pairs={declared} ({task.name}); expected "
+                f"{n}. Fix: key each task by its own dictionary size."
+            )
+        built[n] = task
     if not built:
         raise TaskError(
             f"sizes={sizes!r}: no size has a KV task ({'; '.join(s['reason'] for s in skipped)})."
@@ -587,8 +537,7 @@ def smollm2_layers(
     )  # fmt: skip
     pruning = layer_pruning(
         model, held, text_control(tok, split="eval", n_sequences=64), steps=steps,
-        individual=individual,
-        progress=progress,
+        individual=individual, progress=progress,
     )  # fmt: skip
     dictionary = dictionary_size_curves(
         model, chosen, sizes=sizes, n_samples=n_eval, random_draws=random_draws, seed=seed,

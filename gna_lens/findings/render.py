@@ -12,12 +12,7 @@ from gna_lens.findings.rules import (
     effect,
     p_text,
 )
-from gna_lens.findings.status import (
-    _halves_text,
-    _row,
-    seed_claims,
-    status_rows,
-)
+from gna_lens.findings.status import _halves_text, _layer_results, _row, seed_claims, status_rows
 from gna_lens.render.markdown import format_nats as _nats
 from gna_lens.render.markdown import format_number as _num
 from gna_lens.render.markdown import format_percent as _pct
@@ -60,23 +55,14 @@ def _heads_table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
 
 def _cells_table(cells: Sequence[Mapping[str, Any]]) -> list[str]:
     """The removal cells of findings 8 and 10 as one table (a row per cell and template)."""
-    rows = []
-    for cell in cells:
-        ctrl = cell.get("control") or {}
-        for x in cell["rows"]:
-            rows.append(
-                [
-                    f"{cell['selected_on']} top {cell['k']}",
-                    x["task"],
-                    _pct(x["before"]),
-                    _pct(x["after"]),
-                    _pts(x["random_change"]),
-                    _pts(x.get("vs_random")),
-                    p_text(x.get("p_value")),
-                    _nats(ctrl.get("change")),
-                    _nats(ctrl.get("vs_random")),
-                ]
-            )
+    rows = [
+        [f"{cell['selected_on']} top {cell['k']}", x["task"], _pct(x["before"]), _pct(x["after"]),
+         _pts(x["random_change"]), _pts(x.get("vs_random")), p_text(x.get("p_value")),
+         _nats((cell.get("control") or {}).get("change")),
+         _nats((cell.get("control") or {}).get("vs_random"))]
+        for cell in cells
+        for x in cell["rows"]
+    ]  # fmt: skip
     head = ["removed", "measured on", "before", "after", "random sets' change", "vs random",
             "p (sign flips)", "prose change (nats/token)", "prose vs random"]  # fmt: skip
     return _md_table(head, rows)
@@ -138,18 +124,15 @@ def _templates_section(r: Mapping[str, Any]) -> list[str]:
 def _kcurve_section(r: Mapping[str, Any]) -> list[str]:
     """Finding 10: the k-curve table, the paired halves, the masks on the facts template."""
     halves = [f"- {t}: {_halves_text(x)}." for t, x in (r.get("halves") or {}).items()]
-    m = r.get("masks_facts")
-    masks = (
-        [
+    m, masks = r.get("masks_facts"), []
+    if m:
+        masks = [
             f"Finding 1's masks (gathers {' '.join(m['gather_heads'])}, aggregates "
             f"{' '.join(m['aggregate_heads'])}) on the held-out facts prompts: no mask "
             f"{_pct(m['baseline'])}, only the G&A patterns kept {_pct(m['kept'])}, denied "
             f"{_pct(m['denied'])} (chance {100 * m['chance']:.1f}%).",
             "",
         ]
-        if m
-        else []
-    )
     ks = ", ".join(str(c["k"]) for c in r["cells"])
     return [
         "## 10. How many heads: the top 1 to 16 removed",
@@ -176,22 +159,14 @@ def _removal_table(tables: Sequence[Mapping[str, Any]], task: str) -> list[str]:
     """The top-k removal table, then one line per k saying how its random sets were drawn."""
     rows = []
     for t in tables:
-        x = _row(t, task)
-        ctrl = t.get("control")
+        x, ctrl = _row(t, task), t.get("control") or {}
         vs = x.get("vs_random")
         rows.append(
-            [
-                t["k"],
-                " ".join(t["heads_label"]),
-                _pct(x["before"]),
-                _pct(x["after"]),
-                _pts(x["change"]),
-                _pct(x.get("random_after")),
-                f"{_pts(vs)}, p = {x['p_value']:.2g}" if vs else "n/a",
-                _nats(ctrl["change"]) if ctrl else "n/a",
-                _nats(ctrl.get("random_change")) if ctrl else "n/a",
-            ]
-        )
+            [t["k"], " ".join(t["heads_label"]), _pct(x["before"]), _pct(x["after"]),
+             _pts(x["change"]), _pct(x.get("random_after")),
+             f"{_pts(vs)}, p = {x['p_value']:.2g}" if vs else "n/a",
+             _nats(ctrl.get("change")), _nats(ctrl.get("random_change"))]
+        )  # fmt: skip
     draws = [
         f"- k = {t['k']}: {t['method'].get('random_sets', 'not recorded')}"
         for t in tables
@@ -329,7 +304,7 @@ def render_markdown(results: Mapping[str, Any], command: str) -> str:
     if "5" in results:
         lines += _hybrid_section(results["5"])
     if "6" in results:
-        lines += _layers_section(results["6"], results.get("9"))
+        lines += _layers_section(results)
     if "7" in results:
         lines += _probe_section(results["7"])
     if "8" in results:
@@ -339,7 +314,7 @@ def render_markdown(results: Mapping[str, Any], command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _layers_section(r: Mapping[str, Any], facts: Mapping[str, Any] | None = None) -> list[str]:
+def _layers_section(results: Mapping[str, Any]) -> list[str]:
     lines = [
         "## 6. Layers and dictionary size",
         "",
@@ -349,13 +324,9 @@ def _layers_section(r: Mapping[str, Any], facts: Mapping[str, Any] | None = None
         "removed, with as many random heads removed, and with nothing removed.",
         "",
     ]
-    items = [("smollm2", "SmolLM2-135M", r["smollm2"])]
-    items += [(z["model"].removeprefix("zoo-"), z["model"], z) for z in r.get("zoo", [])]
-    if facts:
-        items.append(
-            ("smollm2_facts", "SmolLM2-135M, the induction-proof facts template (finding 9)", facts)
-        )
-    for key, title, x in items:
+    for key, title, x in _layer_results(results):
+        if key == "smollm2_facts":
+            title = "SmolLM2-135M, the induction-proof facts template (finding 9)"
         lines += [f"### {title}", ""]
         lines += _pruning_markdown(x["pruning"], figure=f"assets/findings_pruning_{key}.svg")
         lines += [""]
@@ -632,21 +603,13 @@ def _agreement_lines(a: Mapping[str, Any] | None) -> list[str]:
         ),
         "",
     ]
-    rows = []
-    for k, o in a["overlap"].items():
-        rows.append(
-            [
-                k,
-                " ".join(o["logit_diff_top"]),
-                " ".join(o["accuracy_top"]),
-                f"{o['shared']} of {k}",
-                f"{o['shared_with_joint']} of {k} ({' '.join(o['joint_top'])})"
-                if "shared_with_joint" in o
-                else "-",
-                o["tied_at_cut"],
-                " ".join(o["logit_diff_top_at_baseline_accuracy"]) or "none",
-            ]
-        )
+    rows = [
+        [k, " ".join(o["logit_diff_top"]), " ".join(o["accuracy_top"]), f"{o['shared']} of {k}",
+         f"{o['shared_with_joint']} of {k} ({' '.join(o['joint_top'])})"
+         if "shared_with_joint" in o else "-",
+         o["tied_at_cut"], " ".join(o["logit_diff_top_at_baseline_accuracy"]) or "none"]
+        for k, o in a["overlap"].items()
+    ]  # fmt: skip
     head = ["k", "logit-difference top k", "accuracy top k", "shared",
             "published joint top k shared with the accuracy top k",
             "heads tied at the accuracy cut",

@@ -2,21 +2,9 @@
 :mod:`gna_lens.findings.rules` applied to each experiment's numbers (no markdown here; the page
 is written by :mod:`gna_lens.findings.render`).
 
-Statuses, each stated on the page next to the table:
-
-- **reproduced**: the paper's claim holds on this model with 95% intervals that exclude the
-  alternative (e.g. the retrieval drop's interval excludes 0, it is at least twice the drop of
-  as many random heads, and retrieval reaches chance within its interval);
-- **partly**: part of the claim holds with an effect whose interval excludes 0 (e.g. retrieval
-  falls beyond random heads, but not to chance);
-- **inconclusive**: an interval crosses the margin a claim of no effect needs, or a null effect
-  is all there is (the rules: :mod:`gna_lens.findings.rules`);
-- **not reproduced**: the model does the task and the claim fails;
-- **not testable offline**: the model does not do the task the claim needs (accuracy within
-  chance's reach), or what the claim needs (a model, a benchmark) cannot be installed offline;
-- **no result**: the experiment ran but its conditions did not differ (e.g. every mask gave the
-  same accuracy as no mask), so it says nothing either way;
-- **not attempted**: a claim of the paper that no experiment here addresses, with the reason.
+The statuses (reproduced, partly, inconclusive, not reproduced, not testable offline, no result;
+not attempted: a claim of the paper that no experiment here addresses, with the reason) are
+defined on the page, next to the status table.
 
 A status never credits a role the measurement does not show: the hybrid row is *partly* only when
 denying the *attention* candidates' aggregate patterns lowers retrieval.
@@ -136,19 +124,8 @@ def status_rows(results: Mapping[str, Any]) -> list[dict[str, str]]:
     if "1" in results:
         r = results["1"]
         for rem in [x for x in r["removal"] if x["k"] in (4, 8)] or r["removal"][-1:]:
-            row, k = rem["rows"][0], rem["k"]
-            numbers = (
-                f"KV top {k}: {_pct(row['before'])} -> {_pct(row['after'])} (chance "
-                f"{_share(row['chance'])}); {k} random heads: {_pts(row.get('random_change'))}"
-                f"{_p_text(row)}"
-            )
-            verdict = _retrieval_status(row)
-            out.append(_status(FEW_HEADS, r["model"], numbers, verdict, label=f"SmolLM2 top {k}"))
-            if rem.get("control"):
-                out.append(
-                    _set_control_status(r["model"], k, rem["control"])
-                    | {"label": f"SmolLM2 top {k} (prose)"}
-                )
+            k = rem["k"]
+            out += _few_heads(r["model"], f"KV top {k}", rem["rows"][0], k, rem.get("control"))
         for task, claim in (
             ("mmlu-cloze", "Knowledge (cloze MMLU) stays flat"),
             ("mmlu-letter", "MMLU in the paper's letter format falls to chance"),
@@ -178,42 +155,43 @@ def status_rows(results: Mapping[str, Any]) -> list[dict[str, str]]:
         )
         claim = "Retrieval falls, knowledge (cloze) stays"
         out.append(_status(claim, r["model"] + _unit_note(r), numbers, (status, why)))
-    role_sources = (
-        [(results["1"]["model"], results["1"].get("top_heads"))] if "1" in results else []
-    )
-    role_sources += [(r["model"], r.get("top_heads")) for r in results.get("2", [])]
     induction = {
         x["head"]: x["prefix_matching"]
         for x in (results.get("7") or {}).get("question_induction", [])
     }
-    for i, (model, heads) in enumerate(role_sources):
-        if heads:
-            smollm2 = i == 0 and "1" in results
-            out.append(_roles_status(model, heads[:4], induction if smollm2 else None))
+    for r in ([results["1"]] if "1" in results else []) + list(results.get("2", [])):
+        if r.get("top_heads"):  # prefix-matching scores are SmolLM2's (finding 1)
+            known = induction if r is results.get("1") else None
+            out.append(_roles_status(r["model"], r["top_heads"][:4], known))
     if "1" in results and results["1"].get("masks"):
         r = results["1"]
         out.append(_mask_status(r["masks"] | {"model": r["model"], "task": "kv"}))
-    for r in results.get("3", []):
-        out.append(_mask_status(r))
+    out += [_mask_status(r) for r in results.get("3", [])]
     if "4" in results:
         out.extend(_sharpness_status(results["4"]))
-    if "6" in results:
-        r6 = results["6"]
-        items = [("SmolLM2-135M", r6["smollm2"])] + [(z["model"], z) for z in r6.get("zoo", [])]
-        if "9" in results:
-            items.append(("SmolLM2-135M, facts template (copying cannot answer it)", results["9"]))
-        for model, x in items:
-            out.append(_layers_status(model, x["pruning"]))
-            out.append(_dictionary_status(model, x["dictionary"]))
-    if "7" in results:
-        out.append(_probe_status(results["7"]))
+    for key, model, x in _layer_results(results):
+        if key == "smollm2_facts":
+            model = "SmolLM2-135M, facts template (copying cannot answer it)"
+        out += [_layers_status(model, x["pruning"]), _dictionary_status(model, x["dictionary"])]
+    out += [_probe_status(results["7"])] if "7" in results else []
     if "8" in results:
         out.extend(_templates_status(results["8"]))
     if "10" in results:
         out.extend(_kcurve_status(results["10"]))
-    if "5" in results:
-        out.append(_hybrid_status(results["5"]))
+    out += [_hybrid_status(results["5"])] if "5" in results else []
     return out
+
+
+def _layer_results(results: Mapping[str, Any]) -> list[tuple[str, str, Mapping[str, Any]]]:
+    """Findings 6 and 9, the layer experiments: ``(key, model, result)`` per model, the key
+    naming its figures (``"smollm2"``, ``"llama"``, ..., ``"smollm2_facts"``)."""
+    if not results.get("6"):
+        return []
+    items = [("smollm2", "SmolLM2-135M", results["6"]["smollm2"])]
+    items += [(z["model"].removeprefix("zoo-"), z["model"], z) for z in results["6"].get("zoo", [])]
+    if results.get("9"):
+        items.append(("smollm2_facts", "SmolLM2-135M", results["9"]))
+    return items
 
 
 def _decided_rows(results: Mapping[str, Any]) -> list[Any]:
@@ -252,22 +230,28 @@ def _templates_status(r: Mapping[str, Any]) -> list[dict[str, str]]:
     out = []
     for cell in r["cells"]:
         t, k = cell["selected_on"], cell["k"]
-        row = _row(cell, f"kv-{t}")
         model = f"{r['model'].split(' (')[0]}, {t} template"
-        numbers = (
-            f"{t} top {k} on held-out {t} prompts: {_pct(row['before'])} -> {_pct(row['after'])} "
-            f"(chance {_share(row['chance'])}); {k} random heads: "
-            f"{_pts(row.get('random_change'))}{_p_text(row)}"
-        )
-        out.append(
-            _status(FEW_HEADS, model + _copying(t), numbers, _retrieval_status(row),
-                    label=f"SmolLM2 {t} top {k}")
+        out += _few_heads(
+            model, f"{t} top {k} on held-out {t} prompts", _row(cell, f"kv-{t}"), k,
+            cell.get("control"), label=f"SmolLM2 {t} top {k}", copying=_copying(t),
         )  # fmt: skip
-        if cell.get("control"):
-            out.append(
-                _set_control_status(model, k, cell["control"])
-                | {"label": f"SmolLM2 {t} top {k} (prose)"}
-            )
+    return out
+
+
+def _few_heads(
+    model: str, what: str, row: Mapping[str, Any], k: int, control: Any, *, label: str = "",
+    copying: str = "",
+) -> list[dict[str, str]]:  # fmt: skip
+    """The :data:`FEW_HEADS` row of ``k`` heads removed (``what``: which, on which prompts) and,
+    given the set's ``control``, its prose row (:func:`_set_control_status`)."""
+    label = label or f"SmolLM2 top {k}"
+    numbers = (
+        f"{what}: {_pct(row['before'])} -> {_pct(row['after'])} (chance {_share(row['chance'])}); "
+        f"{k} random heads: {_pts(row.get('random_change'))}{_p_text(row)}"
+    )
+    out = [_status(FEW_HEADS, model + copying, numbers, _retrieval_status(row), label=label)]
+    if control:
+        out.append(_set_control_status(model, k, control) | {"label": f"{label} (prose)"})
     return out
 
 
@@ -486,12 +470,8 @@ def _layers_status(model: str, p: Mapping[str, Any]) -> dict[str, str]:
     uncorrected = [x for x in singles if effect(x["change"]) == "negative" and x not in hit]
     n = len(singles)
     names = " ".join(f"L{x['layer']}" for x in hit) or "none"
-    lost = (
-        "; below 0 before correction or with the control not flat: "
-        + " ".join(f"L{x['layer']}" for x in uncorrected)
-        if uncorrected
-        else ""
-    )
+    lost = " ".join(f"L{x['layer']}" for x in uncorrected)
+    lost = f"; below 0 before correction or with the control not flat: {lost}" if lost else ""
     base = {"claim": "Layer removal: a few layers carry retrieval while the rest hold the "
             "knowledge", "model": model,
             "numbers": f"{len(hit)} of {n} layers alone lower retrieval (Holm over {n} layers) "
@@ -750,13 +730,8 @@ def _controlled_students_status(
                 "(interval over prompts only: no per-prompt results stored)"
             )
         arms.append(f"{data} data (seed {seeds}; {what}: {sizes}")
-        verdicts.append(
-            "all"
-            if all(effect(x) == "positive" for x in ivs)
-            else "some"
-            if any(effect(x) == "positive" for x in ivs)
-            else "none"
-        )
+        positive = sum(effect(x) == "positive" for x in ivs)
+        verdicts.append("all" if positive == len(ivs) else "some" if positive else "none")
     pending = ctl.get("method", {}).get("pending") or []
     text = "SmolLM2 students, controlled run: " + "; ".join(arms or ["no comparison yet"])
     if "heads are the joint set" not in str(ctl.get("method", {}).get("ranking", "")):
@@ -783,13 +758,9 @@ def _controlled_students_status(
         below = [r for r in tops if r["knowledge"]["high"] < t["low"]]
         at_chance = [r for r in tops if r["knowledge"]["low"] <= chance]
         knowledge_kept = not below and not at_chance
-        why = (
-            " (below the teacher's interval: not kept)"
-            if below
-            else f" (interval reaches chance {100 * chance:.0f}%: not kept)"
-            if at_chance
-            else ""
-        )
+        why = " (below the teacher's interval: not kept)" if below else ""
+        if at_chance and not below:
+            why = f" (interval reaches chance {100 * chance:.0f}%: not kept)"
         text += (
             f"; knowledge (MMLU cloze): teacher {_pct(t)}, top-k students "
             + ", ".join(f"{r['name']} {_pct(r['knowledge'])}" for r in tops)

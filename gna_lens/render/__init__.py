@@ -9,18 +9,6 @@ and reads its attributes (duck typing): it never imports the object's class, so 
 package never imports an application (the hybrid experiment, the lm-eval table, the findings
 run) nor a package above it, and the classes can import it freely.
 
-Modules:
-
-- :mod:`gna_lens.render.html`: the GnaReport page and the retrieval-vs-knowledge fragment.
-- :mod:`gna_lens.render.svg`: dependency-free SVG figures (the report's heatmaps, the lm-eval
-  and hybrid tables' figures).
-- :mod:`gna_lens.render.figures`: dependency-free SVG line charts (the findings page's
-  figures).
-- :mod:`gna_lens.render.markdown`: the lm-eval and hybrid tables as markdown, and the
-  formatting helpers of the findings page.
-- :mod:`gna_lens.render.plotly`: every plotly figure (re-exported for users by
-  :mod:`gna_lens.plots`) and the PNG export.
-
 Importing this package imports none of its modules; plotly, pandas and circuitsvis are imported
 inside the functions that need them.
 """

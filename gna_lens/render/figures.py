@@ -1,11 +1,5 @@
 """Dependency-free SVG line charts: the findings page's figures (no matplotlib, no browser).
 
-:func:`line_chart` draws one panel: lines with their 95% interval bands, dashed reference lines
-(chance, a baseline) and a legend; :func:`chart_grid` lays several panels side by side.
-:func:`pruning_figure` and :func:`dictionary_figure` draw the results of
-:func:`~gna_lens.findings.layers.layer_pruning` and
-:func:`~gna_lens.findings.layers.dictionary_size_curves`.
-
 The output is deterministic (the same input gives the same bytes) and valid XML: each series is
 one ``<path class="series">``, each band one ``<polygon class="band">``, each reference line one
 ``<polyline class="reference">``. Missing values (``None`` or NaN) break a line.
@@ -103,8 +97,7 @@ def _panel(x0: float, y0: float, p: Mapping[str, Any], size: tuple[int, int]) ->
     refs = list(p.get("references", ()))
     if chance is not None:
         if isinstance(chance, int | float):
-            xs_all = [_num(x) for s in series for x in s["x"]]
-            xs_ok = [x for x in xs_all if x is not None]
+            xs_ok = [x for s in series for x in map(_num, s["x"]) if x is not None]
             if xs_ok:
                 refs.append({"x": [min(xs_ok), max(xs_ok)], "y": [chance, chance]} | _CHANCE)
         else:
@@ -311,21 +304,16 @@ def chart_grid(
     width = cols * pw + 10
     title_lines = _wrap(title, width - 20, 1.2 * CHAR_W)
     head = 8 + 17 * len(title_lines)
-    entries: list[tuple[str, str, str]] = []
+    entries: list[tuple[str, str, str]] = []  # each line's (label, colour, dash), once
     for p in panels:
         _check_series(p["series"], f"panel {p.get('title', '')!r}")
         for i, s in enumerate(p["series"]):
-            e = (str(s.get("name", "")), s.get("color", PALETTE[i % len(PALETTE)]),
-                 str(s.get("dash", "")))  # fmt: skip
-            if e not in entries:
-                entries.append(e)
-        refs = list(p.get("references", ()))
-        if p.get("chance") is not None:
-            refs.append(_CHANCE)
-        for r in refs:
-            e = (str(r.get("name", "")), r.get("color", REF_COLOR), r.get("dash", REF_DASH))
-            if e not in entries:
-                entries.append(e)
+            color = s.get("color", PALETTE[i % len(PALETTE)])
+            entries.append((str(s.get("name", "")), color, str(s.get("dash", ""))))
+        refs = [*p.get("references", ()), *([_CHANCE] if p.get("chance") is not None else [])]
+        entries += [(str(r.get("name", "")), r.get("color", REF_COLOR), r.get("dash", REF_DASH))
+                    for r in refs]  # fmt: skip
+    entries = list(dict.fromkeys(entries))
     ly = head + rows * ph + 10
     legend, n_rows = _legend(5 + LEFT, ly, width - LEFT - 10, entries)
     note_lines = _wrap(note, width - LEFT - 10, CHAR_W)
@@ -410,14 +398,13 @@ def line_chart(
 
 
 # ----------------------------------------------------------------------------- page figures
-def _iv(points: Sequence[Mapping[str, Any]], key: str) -> tuple[list[Any], list[Any], list[Any]]:
-    vals, lows, highs = [], [], []
-    for p in points:
-        iv = p.get(key) or {}
-        vals.append(iv.get("value"))
-        lows.append(iv.get("low"))
-        highs.append(iv.get("high"))
-    return vals, lows, highs
+def _series(
+    name: str, xs: list[Any], points: Sequence[Mapping[str, Any]], key: str
+) -> dict[str, Any]:
+    """A series of the points' ``key`` intervals: their values, with their ends as the band."""
+    ivs = [p.get(key) or {} for p in points]
+    y, low, high = ([iv.get(k) for iv in ivs] for k in ("value", "low", "high"))
+    return {"name": name, "x": xs, "y": y, "low": low, "high": high}
 
 
 def _check_result(result: Any, caller: str, maker: str, need: Sequence[str]) -> None:
@@ -505,32 +492,24 @@ def pruning_figure(result: Mapping[str, Any], title: str | None = None) -> str:
     g_name = "gradual: layers l..end removed" if from_end else "gradual: layers 0..l removed"
     i_name = "layer l removed alone"
     has_control = any(p.get("control_change") for p in grad[1:] + ind)
-    panels = []
-    for key, label, percent in (("accuracy", "retrieval accuracy", True),) + (
-        (("control_change", f"control loss change ({result.get('control_unit', '')})", False),)
-        if has_control
-        else ()
-    ):
-        series = []
-        for name, xs, pts in ((g_name, gx, grad), (i_name, ix, ind)):
-            y, lo, hi = _iv(pts, key)
-            series.append({"name": name, "x": xs, "y": y, "low": lo, "high": hi})
-        span = [min(gx + ix), max(gx + ix)]
-        if key == "accuracy":
-            base = result["baseline"]["value"]
-            panel = dict(
-                series=series, title="retrieval accuracy", x_label="layer l", y_label=label,
-                y_range=(0.0, 1.0), chance=float(result["chance"]), percent=True,
-                references=[{"name": "nothing removed", "x": span, "y": [base, base],
-                             "dash": "2 3"}],
-            )  # fmt: skip
-        else:
-            panel = dict(
-                series=series, title="control", x_label="layer l", y_label=label,
-                references=[{"name": "no change", "x": span, "y": [0.0, 0.0], "dash": "2 3"}],
-                percent=percent, y_range=_control_range(grad, ind, n),
-            )  # fmt: skip
-        panels.append(panel)
+    span, base = [min(gx + ix), max(gx + ix)], result["baseline"]["value"]
+
+    def series(key: str) -> list[dict[str, Any]]:
+        return [_series(g_name, gx, grad, key), _series(i_name, ix, ind, key)]
+
+    panels = [dict(
+        series=series("accuracy"), title="retrieval accuracy", x_label="layer l",
+        y_label="retrieval accuracy", y_range=(0.0, 1.0), chance=float(result["chance"]),
+        percent=True, references=[{"name": "nothing removed", "x": span, "y": [base, base],
+                                   "dash": "2 3"}],
+    )]  # fmt: skip
+    if has_control:
+        panels.append(dict(
+            series=series("control_change"), title="control", x_label="layer l",
+            y_label=f"control loss change ({result.get('control_unit', '')})",
+            references=[{"name": "no change", "x": span, "y": [0.0, 0.0], "dash": "2 3"}],
+            y_range=_control_range(grad, ind, n),
+        ))  # fmt: skip
     default = f"Layer removal: {_model_name(result)} on {result.get('task', '')}"
     return chart_grid(
         panels, title=title or default, cols=2,
@@ -569,13 +548,10 @@ def dictionary_figure(result: Mapping[str, Any], title: str | None = None) -> st
     pts = list(result["points"])
     xs = [p["n_pairs"] for p in pts]
     k = len(result["heads"])
-    series = []
     arms = [("before", "nothing removed"), ("after", f"top {k} heads removed")]
     if any(p.get("random_after") for p in pts):
         arms.append(("random_after", f"{k} random heads removed"))
-    for key, name in arms:
-        y, lo, hi = _iv(pts, key)
-        series.append({"name": name, "x": xs, "y": y, "low": lo, "high": hi})
+    series = [_series(name, xs, pts, key) for key, name in arms]
     missing = [m["n_pairs"] for m in result.get("missing", ())]
     note = "95% intervals: Wilson; random heads: bootstrap over draws and prompts"
     if missing:

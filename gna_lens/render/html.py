@@ -1,15 +1,7 @@
 """HTML: the GnaReport page and the retrieval-vs-knowledge fragment.
 
-- :func:`report_html` / :func:`write_report_html`: the self-contained offline page of
-  :meth:`GnaReport.to_html <gna_lens.scoring.GnaReport.to_html>` (method, top heads, heads left
-  out, the coarse stage's layer ranking, SVG heatmaps, optional plotly heatmaps, circuitsvis
-  patterns).
-- :func:`knowledge_html`: :meth:`KnowledgeTable.to_html <gna_lens.scoring.KnowledgeTable.to_html>`.
-
-The report is read through its attributes and methods (``model_name``, ``task``, ``metric``,
-``baseline``, ``method``, ``scores``, ``has_control``, ``top``, ``joint_table``, ``excluded``,
-``heatmap``, ``layers``, ``layer_ranking``, ``unmeasured``, ``examples``, ...); this module never
-imports :mod:`gna_lens.scoring`.
+The report is read through its attributes and methods (duck typing); this module never imports
+:mod:`gna_lens.scoring`.
 """
 
 import html
@@ -28,19 +20,13 @@ __all__ = ["FIRST_COLUMNS", "knowledge_html", "report_html", "write_report_html"
 
 #: Leading columns of the report's top-heads table: what the ranking used, then the rest.
 FIRST_COLUMNS = (
-    "layer",
-    "head",
-    "kind",
-    "role",
-    "ablation_effect",
-    "ablation_effect_low",
-    "ablation_effect_high",
-    "control_effect",
-    "joint_control_effect",
-    "joint_control_low",
-    "joint_control_high",
-    "specificity",
-)
+    "layer", "head", "kind", "role", "ablation_effect", "ablation_effect_low",
+    "ablation_effect_high", "control_effect", "joint_control_effect", "joint_control_low",
+    "joint_control_high", "specificity",
+)  # fmt: skip
+#: The report's SVG heatmaps, of the columns measured.
+HEATMAPS = ("ablation_effect", "control_effect", "specificity", "gather_score", "aggregate_score",
+            "correct_share", "sharpness")  # fmt: skip
 
 
 def report_html(report: Any, *, k: int = 6, extra_html: str = "", interactive: bool = False) -> str:
@@ -97,17 +83,12 @@ def report_html(report: Any, *, k: int = 6, extra_html: str = "", interactive: b
     df = df[first + [c for c in df.columns if c not in first]]
     parts.append(f"<h2>{html.escape(title)}</h2>")
     if joint is not None and top:
-        parts.append(
-            "<p class='joint'>"
-            + html.escape(
-                "Joint set: "
-                + joint.describe(len(top))
-                + ". joint_control_effect: the control effect of each head and those above "
-                "it, removed together (95% paired bootstrap interval over the control's "
-                "samples); control_effect: the head alone."
-            )
-            + "</p>"
+        about = (
+            f"Joint set: {joint.describe(len(top))}. joint_control_effect: the control effect of "
+            "each head and those above it, removed together (95% paired bootstrap interval over "
+            "the control's samples); control_effect: the head alone."
         )
+        parts.append(f"<p class='joint'>{html.escape(about)}</p>")
     parts.append(df.to_html(index=False, float_format=lambda x: f"{x:.4f}", na_rep="-"))
     if has_ablation and report.has_control:
         gone = report.excluded(k)
@@ -122,15 +103,7 @@ def report_html(report: Any, *, k: int = 6, extra_html: str = "", interactive: b
         )
     parts.append(_coarse_html(report))
     parts.append("<h2>Layer x head heatmaps</h2><div id='heatmaps'>")
-    for name in (
-        "ablation_effect",
-        "control_effect",
-        "specificity",
-        "gather_score",
-        "aggregate_score",
-        "correct_share",
-        "sharpness",
-    ):
+    for name in HEATMAPS:
         if not bool(torch.isnan(report.scores[name]).all()):
             parts.append(heatmap_svg(report.heatmap(name), name))
     parts.append("</div>")
@@ -150,11 +123,8 @@ def write_report_html(
     """Write :func:`report_html` to ``path`` (parent folders created, UTF-8).
 
     Args:
-        report: The report.
+        report: The report; ``k``, ``extra_html`` and ``interactive`` as :func:`report_html`'s.
         path: Output file.
-        k: Top heads to list.
-        extra_html: More HTML to append.
-        interactive: Also add zoomable plotly heatmaps.
 
     Returns:
         The path written.
@@ -175,29 +145,20 @@ def _coarse_html(report: Any) -> str:
             "rank", "layer", "scanned", "kind", "value", "effect", "effect_low", "effect_high",
             "control_effect", "control_low", "control_high", "selectivity",
         ]  # fmt: skip
-        parts.append(
-            "<h2>Layer ranking (coarse stage)</h2><p>"
-            + html.escape(
-                f"{report.layers.method.get('ablation', 'layer removal')}, each layer alone, "
-                f"on the task ({report.layers.metric}, baseline {report.layers.baseline_mean:.4f})"
-                f" and the control ({report.layers.control or 'none'}); ranked by "
-                + (
-                    "selectivity (share of the task lost minus share of the control lost)"
-                    if report.layers.has_control
-                    else "task effect"
-                )
-                + f". The heads of the top {report.method.get('top_layers', '?')} layers were "
-                "ablated one by one."
-            )
-            + "</p>"
+        layers = report.layers
+        by = "selectivity (share of the task lost minus share of the control lost)"
+        about = (
+            f"{layers.method.get('ablation', 'layer removal')}, each layer alone, on the task "
+            f"({layers.metric}, baseline {layers.baseline_mean:.4f}) and the control "
+            f"({layers.control or 'none'}); ranked by {by if layers.has_control else 'task effect'}"
+            f". The heads of the top {report.method.get('top_layers', '?')} layers were ablated "
+            "one by one."
         )
-        parts.append(
-            "<div class='layer-ranking'>"
-            + df[[c for c in cols if c in df.columns]].to_html(
-                index=False, float_format=lambda x: f"{x:.4f}", na_rep="-"
-            )
-            + "</div>"
+        table = df[[c for c in cols if c in df.columns]].to_html(
+            index=False, float_format=lambda x: f"{x:.4f}", na_rep="-"
         )
+        parts.append(f"<h2>Layer ranking (coarse stage)</h2><p>{html.escape(about)}</p>")
+        parts.append(f"<div class='layer-ranking'>{table}</div>")
     if report.unmeasured:
         items = "".join(f"<li>{html.escape(u.describe())}</li>" for u in report.unmeasured)
         parts.append(

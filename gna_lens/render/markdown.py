@@ -1,14 +1,7 @@
-"""Markdown: the lm-eval and hybrid tables, and the formatting helpers of the findings page.
-
-- :func:`benchmark_markdown`: ``BenchmarkTable.to_markdown`` (lm-eval with heads removed).
-- :func:`hybrid_markdown`: ``HybridTable.to_markdown`` (the hybrid experiment).
-- :func:`comparison_markdown`: ``ModelComparison.to_markdown`` (several models' lm-eval tables
-  and their state sizes).
-- :func:`format_bytes`: a byte count in decimal units.
-- :func:`md_table`, :func:`format_percent`, :func:`format_points`, :func:`format_nats`,
-  :func:`format_number`, :func:`format_share`, :func:`heads_text`: pure formatting of JSON-ready
-  numbers (interval dicts ``{"value", "low", "high"}``, ``None`` for missing), used by the
-  findings page (:mod:`gna_lens.findings.render`) and the tables above.
+"""Markdown: the lm-eval and hybrid tables (``BenchmarkTable``, ``HybridTable`` and
+``ModelComparison.to_markdown``), and the formatting helpers of the findings page: pure
+formatting of JSON-ready numbers (interval dicts ``{"value", "low", "high"}``, ``None`` for
+missing).
 """
 
 import math
@@ -31,32 +24,30 @@ __all__ = [
 
 
 # ----------------------------------------------------------------------------- formatting
-def format_percent(iv: Mapping[str, Any] | None) -> str:
-    """``"77.1% [63.5, 86.7]"`` from an interval dict."""
+def _interval(iv: Mapping[str, Any] | None, fmt: str, scale: float, unit: str = "") -> str:
+    """The value (times ``scale``, through ``fmt``, then ``unit``) and its ends in brackets."""
     if not iv or iv.get("value") is None:
         return "n/a"
     lo, hi = iv.get("low"), iv.get("high")
+    core = fmt.format(scale * iv["value"]) + unit
     if lo is None or hi is None:
-        return f"{100 * iv['value']:.1f}%"
-    return f"{100 * iv['value']:.1f}% [{100 * lo:.1f}, {100 * hi:.1f}]"
+        return core
+    return f"{core} [{fmt.format(scale * lo)}, {fmt.format(scale * hi)}]"
+
+
+def format_percent(iv: Mapping[str, Any] | None) -> str:
+    """``"77.1% [63.5, 86.7]"`` from an interval dict."""
+    return _interval(iv, "{:.1f}", 100, "%")
 
 
 def format_points(iv: Mapping[str, Any] | None) -> str:
     """``"-56.2 points [-68.8, -41.7]"`` from a change interval dict."""
-    if not iv or iv.get("value") is None:
-        return "n/a"
-    lo, hi = iv.get("low"), iv.get("high")
-    core = f"{100 * iv['value']:+.1f} points"
-    return core if lo is None or hi is None else f"{core} [{100 * lo:+.1f}, {100 * hi:+.1f}]"
+    return _interval(iv, "{:+.1f}", 100, " points")
 
 
 def format_nats(iv: Mapping[str, Any] | None) -> str:
     """``"+0.012 [-0.004, +0.030]"`` (nats/token) from a change interval dict."""
-    if not iv or iv.get("value") is None:
-        return "n/a"
-    lo, hi = iv.get("low"), iv.get("high")
-    core = f"{iv['value']:+.3f}"
-    return core if lo is None or hi is None else f"{core} [{lo:+.3f}, {hi:+.3f}]"
+    return _interval(iv, "{:+.3f}", 1)
 
 
 def md_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
@@ -99,7 +90,7 @@ def heads_text(heads: Sequence[tuple[int, int]]) -> str:
 
 
 def _points(iv: dict[str, Any]) -> str:
-    return f"{100 * iv['value']:+.1f} [{100 * iv['low']:+.1f}, {100 * iv['high']:+.1f}]"
+    return _interval(iv, "{:+.1f}", 100)
 
 
 # ----------------------------------------------------------------------------- tables
@@ -211,11 +202,8 @@ def comparison_markdown(comparison: Any) -> str:
         labels = list(dict.fromkeys(c.label for t in tables for c in t.cells if c.task == task))
         rows = []
         for label in labels:
-            cells = []
-            for t in tables:
-                found = [c for c in t.cells if c.task == task and c.label == label]
-                cells.append(found[0].format() if found else "-")
-            rows.append([label, *cells])
+            cells = [[c for c in t.cells if c.task == task and c.label == label] for t in tables]
+            rows.append([label, *(found[0].format() if found else "-" for found in cells)])
         lines += [*md_table(["heads removed", *models], rows), ""]
     lengths = list(m.get("state_lengths", []))
     dtype = m.get("state_dtype", "")
@@ -270,7 +258,7 @@ def hybrid_markdown(table: Any) -> str:
     head += [f"{t} (%)" for t in table.kv_tasks]
     head += ["prose loss (nats/token)", f"{table.knowledge_task or 'knowledge'} (%)"]
     head += [f"bytes/token L={L} (state + KV)" for L in lengths]
-    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    rows = []
     for r in table.rows:
         cells = [r.name, "all" if r.kind == "teacher" else str(r.k)]
         cells.append("all" if r.kind == "teacher" else heads_text(r.heads))
@@ -285,7 +273,8 @@ def hybrid_markdown(table: Any) -> str:
             f"{r.state[L]['kv_cache_bytes'] / L:,.0f})"
             for L in lengths
         ]
-        lines.append("| " + " | ".join(cells) + " |")
+        rows.append(cells)
+    lines = md_table(head, rows)
     chance = ", ".join(f"{k} {100 * v:.1f}%" for k, v in table.chance.items())
     m = table.method
     lines += [
@@ -299,16 +288,16 @@ def hybrid_markdown(table: Any) -> str:
     ]
     comps = table.comparisons()
     if comps:
-        lines.append(
+        lines += [
             "Top-k against random-k and k = 0, per distillation data (several training "
             "seeds: the top-k students' mean): the other students' best (with their mean "
             "where there are several); Wilson intervals apart (above / below: every top-k "
             "student's interval beyond the best other's) or overlapping; paired: the "
             "difference over the same prompts with a 95% bootstrap interval over the "
             "prompts, against the best other student and ('vs mean') against the mean of "
-            "them all:"
-        )
-        lines.append("")
+            "them all:",
+            "",
+        ]
         several_data = len({c["data"] for c in comps}) > 1
         for c in comps:
             where = f" [{c['data']} data]" if several_data or c["data"] != "default" else ""
@@ -341,29 +330,23 @@ def hybrid_markdown(table: Any) -> str:
             lines.append("- " + ", ".join(parts))
             per = c.get("per_seed") or []
             if len(per) > 1:
-                lines.append(
-                    "  - per seed: "
-                    + "; ".join(
-                        f"seed {p['seed']}: top {100 * p['top']:.1f}%, random mean "
-                        f"{100 * p['random_mean']:.1f}% of {p['n_random']}"
-                        + (
-                            f", paired {_points(p['paired_random_mean'])} points"
-                            if "paired_random_mean" in p
-                            else ""
-                        )
-                        for p in per
+                seeds = [
+                    f"seed {p['seed']}: top {100 * p['top']:.1f}%, random mean "
+                    f"{100 * p['random_mean']:.1f}% of {p['n_random']}"
+                    + (
+                        f", paired {_points(p['paired_random_mean'])} points"
+                        if "paired_random_mean" in p
+                        else ""
                     )
-                )
+                    for p in per
+                ]
+                lines.append("  - per seed: " + "; ".join(seeds))
         lines.append("")
     composition = m.get("data_composition_text") or {}
     if composition:
-        lines.append("Distillation data composition (share of texts / of tokens per source):")
-        lines.append("")
-        for choice, text in composition.items():
-            lines.append(f"- {choice}: {text}")
-        lines.append("")
-    lines.append("Method:")
-    lines.append("")
+        lines += ["Distillation data composition (share of texts / of tokens per source):", ""]
+        lines += [*(f"- {choice}: {text}" for choice, text in composition.items()), ""]
+    lines += ["Method:", ""]
     for key in (
         "teacher", "ranking", "selection", "held_out", "knowledge", "prose", "distillation",
         "budget", "data", "stages", "student", "random_heads", "seeds", "controls", "only",

@@ -1,24 +1,10 @@
 """Every plotly figure of gna_lens, and a static PNG export for the docs.
 
-The public figures of reports (re-exported by :mod:`gna_lens.plots`, where users import them):
-
-- :func:`head_heatmap`: a layer x head heatmap of one score of a :class:`~gna_lens.scoring.GnaReport`.
-- :func:`sharpness_comparison`: sharpness of the top heads of several models, side by side.
-- :func:`accuracy_vs_dictionary_size`: retrieval accuracy against the number of key-value pairs.
-- :func:`save_png`: write a figure as a PNG (needs ``kaleido>=1`` and a Chrome or Chromium,
-  see :func:`find_browser`).
-
-The figures behind the data classes' ``plot()`` / ``figure()`` methods:
-
-- :func:`cell_result_figure`: a sweep's effects per cell (``CellResult.plot``).
-- :func:`benchmark_figure`: the lm-eval table (``BenchmarkTable.figure``).
-- :func:`hybrid_figure`: the hybrid experiment's table (``HybridTable.figure``).
-- :func:`distill_figure`: the distillation losses (``DistillResult.figure``).
-
-Every function returns a ``plotly.graph_objects.Figure``; show it with ``fig.show()``, save it
-interactive with ``fig.write_html(path, include_plotlyjs=True)`` (self-contained, works offline) or
-static with :func:`save_png`. plotly (and pandas) are imported inside the functions, so importing
-this module stays cheap.
+The public figures of reports (:func:`head_heatmap`, :func:`sharpness_comparison`,
+:func:`accuracy_vs_dictionary_size`, :func:`save_png`) are re-exported by :mod:`gna_lens.plots`,
+where users import them; the others draw the data classes' ``plot()`` / ``figure()``. A figure
+is a ``plotly.graph_objects.Figure``; plotly (and pandas) are imported inside the functions, so
+importing this module stays cheap.
 """
 
 import math
@@ -350,15 +336,8 @@ def accuracy_vs_dictionary_size(
                 f"accuracy_vs_dictionary_size(chance={chance!r}); expected '1/n', a number, "
                 "{n_pairs: chance} or None."
             )
-        fig.add_trace(
-            go.Scatter(
-                x=sizes,
-                y=line,
-                mode="lines",
-                name="chance",
-                line={"dash": "dash", "color": "gray"},
-            )
-        )
+        dashed = {"dash": "dash", "color": "gray"}
+        fig.add_trace(go.Scatter(x=sizes, y=line, mode="lines", name="chance", line=dashed))
     fig.update_layout(
         title=title or "Retrieval accuracy vs dictionary size",
         xaxis={"title": "key-value pairs in the prompt", "type": "log" if log_x else "linear"},
@@ -513,24 +492,16 @@ def cell_result_figure(result: Any, title: str | None = None) -> Any:
     labels = [result.label(i) for i in range(len(result))]
     df = result.to_dataframe()
     fig = go.Figure()
-    fig.add_trace(
-        go.Scatter(
-            x=labels,
-            y=df["effect"],
-            mode="markers+lines",
-            name=f"{result.metric} effect",
-            error_y=_error_bars(df["effect"], df["effect_low"], df["effect_high"]),
-        )
-    )
+    lines: list[tuple[str, str, str, str, str | None]] = [
+        ("effect", "effect_low", "effect_high", f"{result.metric} effect", None)
+    ]
     if result.has_control:
+        lines.append(("control_effect", "control_low", "control_high", "control loss change", "y2"))
+    for mid, low, high, name, axis in lines:
+        bars = _error_bars(df[mid], df[low], df[high])
         fig.add_trace(
             go.Scatter(
-                x=labels,
-                y=df["control_effect"],
-                mode="markers+lines",
-                name="control loss change",
-                yaxis="y2",
-                error_y=_error_bars(df["control_effect"], df["control_low"], df["control_high"]),
+                x=labels, y=df[mid], mode="markers+lines", name=name, yaxis=axis, error_y=bars
             )
         )
     fig.update_layout(

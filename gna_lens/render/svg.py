@@ -40,12 +40,8 @@ def heatmap_svg(grid: Tensor, title: str, cell: int | None = None) -> str:
             if math.isnan(v):
                 continue
             if lo < 0:  # diverging: red for harmful (negative) effects
-                t = min(abs(v) / span, 1.0)
-                color = (
-                    f"rgb(255,{int(255 * (1 - t))},{int(255 * (1 - t))})"
-                    if v < 0
-                    else (f"rgb({int(255 * (1 - t))},{int(255 * (1 - t))},255)")
-                )
+                c = int(255 * (1 - min(abs(v) / span, 1.0)))
+                color = f"rgb(255,{c},{c})" if v < 0 else f"rgb({c},{c},255)"
             else:
                 t = (v - lo) / ((hi - lo) or 1.0)
                 color = f"rgb({int(255 * (1 - t))},{int(255 * (1 - 0.6 * t))},255)"
