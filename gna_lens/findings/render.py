@@ -327,13 +327,9 @@ def _layers_section(results: Mapping[str, Any]) -> list[str]:
     for key, title, x in _layer_results(results):
         if key == "smollm2_facts":
             title = "SmolLM2-135M, the induction-proof facts template (finding 9)"
-        lines += [f"### {title}", ""]
-        lines += _pruning_markdown(x["pruning"], figure=f"assets/findings_pruning_{key}.svg")
-        lines += [""]
-        lines += _dictionary_markdown(
-            x["dictionary"], figure=f"assets/findings_dictionary_{key}.svg"
-        )
-        lines += [""]
+        pruning = _pruning_markdown(x["pruning"], f"assets/findings_pruning_{key}.svg")
+        dictionary = _dictionary_markdown(x["dictionary"], f"assets/findings_dictionary_{key}.svg")
+        lines += [f"### {title}", "", *pruning, "", *dictionary, ""]
     return lines
 
 
@@ -661,12 +657,7 @@ def _zoo_section(results: Sequence[Mapping[str, Any]]) -> list[str]:
                         *(_pct(_row(r["rows"][-1], c).get("random_after")) for c in cols),
                         "",
                     ],
-                    [
-                        "chance",
-                        "",
-                        *(f"{100 * _row(r['rows'][0], c)['chance']:.1f}%" for c in cols),
-                        "",
-                    ],
+                    ["chance", "", *(_share(_row(r["rows"][0], c)["chance"]) for c in cols), ""],
                 ],
             ),
             "",

@@ -92,16 +92,14 @@ def _flat_status(row: Mapping[str, Any]) -> tuple[str, str]:
         return UNTESTABLE, "the model is at chance on this task before any ablation"
     verdict = within_margin(row["change"], FLAT_POINTS)
     ceiling = " (at the 100% ceiling)" if row["before"]["value"] >= 1.0 else ""
+    margin = f"+-{100 * FLAT_POINTS:.0f}"
     if verdict == "within":
-        return (
-            REPRODUCED,
-            f"the change's whole interval within +-{100 * FLAT_POINTS:.0f} points{ceiling}",
-        )
+        return REPRODUCED, f"the change's whole interval within {margin} points{ceiling}"
     if verdict == "outside":
-        return NOT, f"the change's whole interval beyond +-{100 * FLAT_POINTS:.0f} points"
-    return INCONCLUSIVE, (
-        f"the change's interval crosses the +-{100 * FLAT_POINTS:.0f}-point margin: neither flat "
-        "nor moved"
+        return NOT, f"the change's whole interval beyond {margin} points"
+    return (
+        INCONCLUSIVE,
+        f"the change's interval crosses the {margin}-point margin: neither flat nor moved",
     )
 
 
@@ -131,10 +129,9 @@ def status_rows(results: Mapping[str, Any]) -> list[dict[str, str]]:
             ("mmlu-letter", "MMLU in the paper's letter format falls to chance"),
             ("kv-paper-template", "KV retrieval in the paper's template falls to chance"),
         ):
-            rows = [x for x in r["knowledge"]["rows"] if x["task"] == task]
-            if not rows:
+            x = next((x for x in r["knowledge"]["rows"] if x["task"] == task), None)
+            if x is None:
                 continue
-            x = rows[0]
             numbers = (
                 f"{_pct(x['before'])} -> {_pct(x['after'])} (chance {_share(x['chance'])}, "
                 f"n={x['n']})"
@@ -167,17 +164,14 @@ def status_rows(results: Mapping[str, Any]) -> list[dict[str, str]]:
         r = results["1"]
         out.append(_mask_status(r["masks"] | {"model": r["model"], "task": "kv"}))
     out += [_mask_status(r) for r in results.get("3", [])]
-    if "4" in results:
-        out.extend(_sharpness_status(results["4"]))
+    out += _sharpness_status(results["4"]) if "4" in results else []
     for key, model, x in _layer_results(results):
         if key == "smollm2_facts":
             model = "SmolLM2-135M, facts template (copying cannot answer it)"
         out += [_layers_status(model, x["pruning"]), _dictionary_status(model, x["dictionary"])]
     out += [_probe_status(results["7"])] if "7" in results else []
-    if "8" in results:
-        out.extend(_templates_status(results["8"]))
-    if "10" in results:
-        out.extend(_kcurve_status(results["10"]))
+    out += _templates_status(results["8"]) if "8" in results else []
+    out += _kcurve_status(results["10"]) if "10" in results else []
     out += [_hybrid_status(results["5"])] if "5" in results else []
     return out
 
@@ -358,11 +352,13 @@ def _sharpness_status(r: Mapping[str, Any]) -> list[dict[str, str]]:
     )
     claim = "SSM G&A heads are less sharp, and SSM retrieval falls faster with dictionary size"
     if transformer not in cap or not does[transformer]:
-        why = (
-            "the zoo Transformer does not do KV retrieval, so there is no Transformer baseline to "
-            "compare the SSMs' sharpness or capacity with"
+        verdict = (
+            UNTESTABLE,
+            (
+                "the zoo Transformer does not do KV retrieval, so there is no Transformer baseline to "
+                "compare the SSMs' sharpness or capacity with"
+            ),
         )
-        verdict = UNTESTABLE, why
     else:
         t = sharp[transformer]["mean_sharpness"]
         less = [m for m in ssms if does[m] and sharp[m]["mean_sharpness"]["high"] < t["low"]]

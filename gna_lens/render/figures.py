@@ -10,7 +10,8 @@ this module never imports :mod:`gna_lens.findings`.
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from itertools import groupby
+from typing import Any, cast
 from xml.sax.saxutils import escape
 
 from gna_lens.errors import ConfigError
@@ -192,15 +193,13 @@ def _panel(x0: float, y0: float, p: Mapping[str, Any], size: tuple[int, int]) ->
                     + " ".join(f"{_fmt(a)},{_fmt(b)}" for a, b in upper + lower)
                     + f'" fill="{color}" fill-opacity="0.15" stroke="none"/>'
                 )
-        d = []
-        for run in _runs(xv, yv, yv):
-            d.append("M" + " L".join(f"{_fmt(px(x))},{_fmt(py(y))}" for x, y, _ in run))
+        runs = _runs(xv, yv, yv)
+        d = " ".join("M" + " L".join(f"{_fmt(px(x))},{_fmt(py(y))}" for x, y, _ in r) for r in runs)
         dash = f' stroke-dasharray="{s["dash"]}"' if s.get("dash") else ""
         out.append(
-            f'<path class="series" d="{" ".join(d)}" fill="none" stroke="{color}" '
-            f'stroke-width="1.8"{dash}/>'
+            f'<path class="series" d="{d}" fill="none" stroke="{color}" stroke-width="1.8"{dash}/>'
         )
-        for run in _runs(xv, yv, yv):
+        for run in runs:
             for x, y, _ in run:
                 out.append(
                     f'<circle cx="{_fmt(px(x))}" cy="{_fmt(py(y))}" r="2.5" fill="{color}"/>'
@@ -219,18 +218,9 @@ def _runs(
     xs: Sequence[float | None], a: Sequence[float | None], b: Sequence[float | None]
 ) -> list[list[tuple[float, float, float]]]:
     """Consecutive points where ``x``, ``a`` and ``b`` are all present, as runs."""
-    runs: list[list[tuple[float, float, float]]] = []
-    cur: list[tuple[float, float, float]] = []
-    for x, u, v in zip(xs, a, b, strict=True):
-        if x is None or u is None or v is None:
-            if cur:
-                runs.append(cur)
-            cur = []
-        else:
-            cur.append((x, u, v))
-    if cur:
-        runs.append(cur)
-    return runs
+    points = [None if None in t else t for t in zip(xs, a, b, strict=True)]
+    runs = [list(run) for full, run in groupby(points, lambda t: t is not None) if full]
+    return cast(list[list[tuple[float, float, float]]], runs)
 
 
 def _legend(

@@ -258,9 +258,7 @@ def _accuracy_rows(results: Any) -> dict[str, dict[int, float]]:
                 "'model', 'n_pairs', 'accuracy'."
             )
         rows: dict[str, dict[int, float]] = {}
-        for model, n, acc in zip(
-            results["model"], results["n_pairs"], results["accuracy"], strict=True
-        ):
+        for model, n, acc in results[["model", "n_pairs", "accuracy"]].itertuples(index=False):
             rows.setdefault(str(model), {})[int(n)] = float(acc)
         return rows
     if isinstance(results, Mapping) and all(isinstance(v, Mapping) for v in results.values()):
@@ -601,6 +599,7 @@ def hybrid_figure(table: Any) -> Any:
     fig = make_subplots(rows=1, cols=len(table.kv_tasks), subplot_titles=table.kv_tasks)
     colors = {"top": "#1f77b4", "random": "#d62728"}
     for i, t in enumerate(table.kv_tasks, start=1):
+        where = {"row": 1, "col": i}
         for kind in ("top", "random"):
             rows = [r for r in hybrid_curve_rows(table, kind) if t in r.kv]
             fig.add_trace(
@@ -613,18 +612,13 @@ def hybrid_figure(table: Any) -> Any:
                     marker_color=colors[kind],
                     showlegend=i == 1,
                 ),
-                row=1,
-                col=i,
+                **where,
             )
         teacher = next((r for r in table.rows if r.kind == "teacher"), None)
         if teacher is not None and t in teacher.kv:
-            fig.add_hline(
-                y=100 * teacher.kv[t].value, line_dash="dash", line_color="gray", row=1, col=i
-            )
-        fig.add_hline(
-            y=100 * table.chance.get(t, 0), line_dash="dot", line_color="black", row=1, col=i
-        )
-        fig.update_xaxes(title_text="heads kept as attention (k)", row=1, col=i)
+            fig.add_hline(y=100 * teacher.kv[t].value, line_dash="dash", line_color="gray", **where)
+        fig.add_hline(y=100 * table.chance.get(t, 0), line_dash="dot", line_color="black", **where)
+        fig.update_xaxes(title_text="heads kept as attention (k)", **where)
     fig.update_yaxes(title_text="held-out accuracy (%), 95% intervals", row=1, col=1)
     fig.update_layout(title=f"Hybrid students of {table.teacher}: top-k vs random-k heads kept")
     return fig
