@@ -221,12 +221,10 @@ def layer_pruning(
         return {"accuracy": a.to_dict(), "change": c.to_dict(), "control_change": control}
 
     gradual = [{"removed": 0, "layers": [], "label": "none"} | measures(None)]
-    for k in counts:
-        cell = removed_by(k)
-        gradual.append(
-            {"removed": k, "layers": list(cell), "label": _cells_label(cell)}
-            | measures(index[cell])
-        )
+    gradual += [
+        {"removed": k, "layers": list(c), "label": _cells_label(c)} | measures(index[c])
+        for k, c in zip(counts, map(removed_by, counts), strict=True)
+    ]
     kinds = dict(zip(res.cells, res.kinds, strict=True))
     singles_out = [
         {"layer": layer, "kind": kinds[(layer,)]} | measures(index[(layer,)]) for layer in singles
@@ -447,13 +445,11 @@ def dictionary_size_curves(
         model, heads, {f"kv-{n}": t for n, t in built.items()}, control=control,
         random_draws=random_draws, seed=seed, exclude=exclude, progress=progress,
     )  # fmt: skip
-    points = []
-    for n, row in zip(built, table.rows, strict=True):
-        d = row.to_dict()
-        points.append(
-            {"n_pairs": n, "n": d["n"], "chance": d["chance"], "task": d["description"]}
-            | {k: d[k] for k in _ARMS}
-        )
+    points = [
+        {"n_pairs": n, "n": d["n"], "chance": d["chance"], "task": d["description"]}
+        | {k: d[k] for k in _ARMS}
+        for n, d in zip(built, (row.to_dict() for row in table.rows), strict=True)
+    ]
     subject = Subject.of(model)
     model, view = subject.model, subject.view
     prov = provenance_of(model)
