@@ -352,13 +352,11 @@ def _sharpness_status(r: Mapping[str, Any]) -> list[dict[str, str]]:
     )
     claim = "SSM G&A heads are less sharp, and SSM retrieval falls faster with dictionary size"
     if transformer not in cap or not does[transformer]:
-        verdict = (
-            UNTESTABLE,
-            (
-                "the zoo Transformer does not do KV retrieval, so there is no Transformer baseline to "
-                "compare the SSMs' sharpness or capacity with"
-            ),
+        why = (
+            "the zoo Transformer does not do KV retrieval, so there is no Transformer baseline to "
+            "compare the SSMs' sharpness or capacity with"
         )
+        verdict = UNTESTABLE, why
     else:
         t = sharp[transformer]["mean_sharpness"]
         less = [m for m in ssms if does[m] and sharp[m]["mean_sharpness"]["high"] < t["low"]]
@@ -392,8 +390,7 @@ def _hybrid_status(r: Mapping[str, Any]) -> dict[str, str]:
         return base | {"status": UNTESTABLE, "why": "the hybrid does not do KV retrieval"}
     if "attention" not in kinds or not attn:
         return base | {"status": NOT, "why": "its top aggregate candidates are all SSM heads"}
-    attn_hurts = attn["denied"]["high"] < attn["baseline"]["low"]
-    if not attn_hurts:
+    if not attn["denied"]["high"] < attn["baseline"]["low"]:
         return base | {
             "status": NOT,
             "why": "denying the attention candidates' aggregate patterns does not lower kv-8 "
