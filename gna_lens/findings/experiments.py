@@ -78,15 +78,11 @@ def _head_rows(report: GnaReport, heads: Sequence[Head]) -> list[dict[str, Any]]
         "gather_score", "aggregate_score", "aggregate_null", "correct_share", "correct_chance",
         "sharpness",
     )  # fmt: skip
-    rows = []
-    for h in heads:
-        row = df.loc[h]
-        rec: dict[str, Any] = {"head": head_label(h)}
-        for c in cols:
-            v = row[c]
-            rec[c] = v if isinstance(v, str) else (None if math.isnan(float(v)) else float(v))
-        rows.append(rec)
-    return rows
+
+    def clean(v: Any) -> Any:
+        return v if isinstance(v, str) else (None if math.isnan(float(v)) else float(v))
+
+    return [{"head": head_label(h)} | {c: clean(df.loc[h][c]) for c in cols} for h in heads]
 
 
 def _excluded(report: GnaReport, k: int) -> list[dict[str, Any]]:
@@ -776,11 +772,10 @@ def hybrid_roles(
         by_kind[kind] = (
             mask_experiment(model, held["kv-8"], [], chosen).to_dict() if chosen else None
         )
-    roles = report.roles
     labelled = {
         kind: sorted(
             head_label(h)
-            for h, r, k in zip(report.heads, roles, report.kinds, strict=True)
+            for h, r, k in zip(report.heads, report.roles, report.kinds, strict=True)
             if "aggregate" in r and k == kind
         )
         for kind in ("attention", "ssm")
