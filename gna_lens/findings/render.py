@@ -7,11 +7,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gna_lens.findings.rules import (
-    RULES,
-    effect,
-    p_text,
-)
+from gna_lens.findings.rules import RULES, effect, p_text
 from gna_lens.findings.status import _halves_text, _layer_results, _row, seed_claims, status_rows
 from gna_lens.render.markdown import format_nats as _nats
 from gna_lens.render.markdown import format_number as _num

@@ -101,8 +101,7 @@ def report_html(report: Any, *, k: int = 6, extra_html: str = "", interactive: b
             "<h2>Left out as generic</h2>"
             + (f"<ul class='excluded'>{items}</ul>" if gone else "<p>None.</p>")
         )
-    parts.append(_coarse_html(report))
-    parts.append("<h2>Layer x head heatmaps</h2><div id='heatmaps'>")
+    parts += [_coarse_html(report), "<h2>Layer x head heatmaps</h2><div id='heatmaps'>"]
     for name in HEATMAPS:
         if not bool(torch.isnan(report.scores[name]).all()):
             parts.append(heatmap_svg(report.heatmap(name), name))
@@ -112,8 +111,7 @@ def report_html(report: Any, *, k: int = 6, extra_html: str = "", interactive: b
     if report.examples.get("patterns"):
         parts.append("<h2>Patterns of the top heads (one sample)</h2>")
         parts.append(_circuitsvis_patterns(report.examples))
-    parts.append(extra_html)
-    parts.append("</body></html>")
+    parts += [extra_html, "</body></html>"]
     return "\n".join(parts)
 
 
