@@ -420,14 +420,9 @@ def _control_range(
     drawn at the edge with its value written next to it."""
 
     def span(points: Sequence[Mapping[str, Any]]) -> list[float]:
-        return [
-            v
-            for p in points
-            for v in (
-                _num((p.get("control_change") or {}).get(k)) for k in ("value", "low", "high")
-            )
-            if v is not None
-        ]
+        ivs = [p.get("control_change") or {} for p in points]
+        values = [_num(iv.get(k)) for iv in ivs for k in ("value", "low", "high")]
+        return [v for v in values if v is not None]
 
     rest = span([p for p in grad if p.get("removed") != n_layers] + list(ind))
     every = span([p for p in grad if p.get("removed") == n_layers])
@@ -546,9 +541,8 @@ def dictionary_figure(result: Mapping[str, Any], title: str | None = None) -> st
     note = "95% intervals: Wilson; random heads: bootstrap over draws and prompts"
     if missing:
         note += f"; not measured: {', '.join(map(str, missing))} pairs"
-    default = f"KV accuracy vs dictionary size: {_model_name(result)}, removing " + " ".join(
-        result["heads"]
-    )
+    heads = " ".join(result["heads"])
+    default = f"KV accuracy vs dictionary size: {_model_name(result)}, removing {heads}"
     panel = dict(
         series=series, title="", x_label="pairs in the dictionary", y_label="KV accuracy",
         y_range=(0.0, 1.0), chance=[p["chance"] for p in pts], x_log2=True, percent=True,
