@@ -718,8 +718,7 @@ def sharpness_and_capacity(
 ) -> dict[str, Any]:
     """Finding 4: sharpness of each model's top retrieval-specific heads on KV (8 pairs), and
     held-out KV accuracy against dictionary size (Wilson intervals)."""
-    sharp = []
-    capacity = []
+    sharp, capacity = [], []
     for name in names:
         model, tasks, _, report = _zoo_report(
             name, reports, "kv-8", n_rank=n_rank, progress=progress

@@ -196,8 +196,7 @@ def _decided_rows(results: Mapping[str, Any]) -> list[Any]:
     for r in results.get("2", []):
         rem = next((x for x in r["rows"] if x["k"] == 4), r["rows"][-1])
         rows.append(_row(rem, r["probe"]))
-    for cell in (results.get("8") or {}).get("cells", []):
-        rows.append(_row(cell, f"kv-{cell['selected_on']}"))
+    rows += [_row(c, f"kv-{c['selected_on']}") for c in (results.get("8") or {}).get("cells", [])]
     for cell in (results.get("10") or {}).get("cells", []):
         if cell["k"] == (results["10"].get("halves") or {}).get("kv-question", {}).get("h"):
             rows += list(cell["rows"])
@@ -694,8 +693,7 @@ def _controlled_students_status(
 ) -> tuple[str, str]:
     sets = set_level_comparisons(ctl)
     comps = sets or [c for c in ctl.get("comparisons", []) if "paired_random_mean" in c]
-    arms = []
-    verdicts = []
+    arms, verdicts = [], []
     significant = bool(sets)
     for data in dict.fromkeys(c["data"] for c in comps):
         group = [c for c in comps if c["data"] == data]

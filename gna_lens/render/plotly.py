@@ -363,10 +363,9 @@ def find_browser(browser: str | Path | None = None) -> str | None:
     for candidate in (browser, os.environ.get("BROWSER_PATH")):
         if candidate:
             return shutil.which(str(candidate))
-    for name in BROWSER_NAMES:
-        found = shutil.which(name)
-        if found:
-            return found
+    found = next((path for path in map(shutil.which, BROWSER_NAMES) if path), None)
+    if found:
+        return found
     try:  # kaleido's own search: a Chrome from plotly_get_chrome, typical install paths
         from choreographer.browsers import Chromium
 
