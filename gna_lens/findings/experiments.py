@@ -699,11 +699,10 @@ def pattern_masks(
         )
         gathers, aggregates = pair_candidates(report, n_candidates)
         held = _held_out(tasks, task_name, n_rank)[task_name][:n_eval]
-        res = mask_experiment(model, held, gathers, aggregates)
         out.append(
             {"model": name, "provenance": provenance_of(model).to_dict(), "task": task_name}
             | {"n_eval": len(held)}
-            | res.to_dict()
+            | mask_experiment(model, held, gathers, aggregates).to_dict()
         )
     return out
 
@@ -723,8 +722,7 @@ def sharpness_and_capacity(
         model, tasks, _, report = _zoo_report(
             name, reports, "kv-8", n_rank=n_rank, progress=progress
         )
-        heads = report.top(top)
-        rows = _head_rows(report, heads)
+        rows = _head_rows(report, report.top(top))
         vals = torch.tensor([r["sharpness"] for r in rows], dtype=torch.float64, device=HOST)
         sharp.append(
             {

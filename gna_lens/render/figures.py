@@ -475,12 +475,11 @@ def pruning_figure(result: Mapping[str, Any], title: str | None = None) -> str:
     ind = list(result["individual"])
     ix = [p["layer"] for p in ind]
     g_name = "gradual: layers l..end removed" if from_end else "gradual: layers 0..l removed"
-    i_name = "layer l removed alone"
     has_control = any(p.get("control_change") for p in grad[1:] + ind)
     span, base = [min(gx + ix), max(gx + ix)], result["baseline"]["value"]
 
     def series(key: str) -> list[dict[str, Any]]:
-        return [_series(g_name, gx, grad, key), _series(i_name, ix, ind, key)]
+        return [_series(g_name, gx, grad, key), _series("layer l removed alone", ix, ind, key)]
 
     panels = [dict(
         series=series("accuracy"), title="retrieval accuracy", x_label="layer l",
