@@ -19,7 +19,7 @@ from gna_lens.findings.experiments import ZOO_ALL, _heads
 from gna_lens.heads import Head, HookedModel, Subject
 from gna_lens.models.provenance import provenance_of
 from gna_lens.render.markdown import head_label
-from gna_lens.stats import Interval
+from gna_lens.stats import Estimate
 from gna_lens.tasks import Task, TextControl
 
 __all__ = [
@@ -108,7 +108,7 @@ def _check_layers(value: Any, n: int, name: str) -> list[int]:
     return sorted(set(items))
 
 
-def _at_chance(iv: Interval, chance: float) -> bool:
+def _at_chance(iv: Estimate, chance: float) -> bool:
     """Whether an accuracy's 95% interval reaches chance (or lies below it)."""
     return not math.isnan(iv.low) and iv.low <= chance
 
@@ -208,8 +208,8 @@ def layer_pruning(
     chance = float(task.chance)
     baseline = res.baseline_interval
     base_ctrl = res.control_baseline
-    zero = Interval(0.0, 0.0, 0.0, len(task), "none")
-    zero_ctrl = None if base_ctrl is None else Interval(0.0, 0.0, 0.0, len(base_ctrl), "none")
+    zero = Estimate(0.0, 0.0, 0.0, len(task), "none")
+    zero_ctrl = None if base_ctrl is None else Estimate(0.0, 0.0, 0.0, len(base_ctrl), "none")
 
     def measures(i: int | None) -> dict[str, Any]:
         """Cell ``i``'s accuracy, its change and the control's change (``None``: nothing removed)."""
