@@ -166,13 +166,6 @@ def exact_matmul() -> Iterator[None]:
         torch.backends.cudnn.allow_tf32 = cudnn
 
 
-def _first_parameter(model: Any) -> Tensor | None:
-    params = getattr(model, "parameters", None)
-    if params is None:
-        return None
-    return next(iter(params()), None)
-
-
 @dataclass(frozen=True)
 class DevicePolicy:
     """Where a model's tensors live and in what dtype; how results come back.
@@ -186,7 +179,7 @@ class DevicePolicy:
     dtype: torch.dtype
 
     @classmethod
-    def of(cls, model: Any) -> "DevicePolicy":
+    def of(cls, model: object) -> "DevicePolicy":
         """The policy of a model: the device of its weights (``cfg.device`` where the model
         has no parameters), the dtype of its first floating-point weight.
 
@@ -194,12 +187,10 @@ class DevicePolicy:
             >>> DevicePolicy.of(torch.nn.Linear(2, 2)).device
             device(type='cpu')
         """
-        first = _first_parameter(model)
-        if first is not None:
-            dtype = next(
-                (p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32
-            )
-            return cls(first.device, dtype)
+        params = list(getattr(model, "parameters", list)())
+        if params:
+            dtype = next((p.dtype for p in params if p.is_floating_point()), torch.float32)
+            return cls(params[0].device, dtype)
         dev = getattr(getattr(model, "cfg", None), "device", None)
         if dev is None:
             raise ConfigError(
