@@ -490,20 +490,14 @@ def _tasks(
 
 
 def _keep_list(keep: Any, n_heads: int) -> list[int]:
-    if _is_int(keep):
-        keep = [keep]
-    if isinstance(keep, str) or not isinstance(keep, Iterable):
+    items = list(keep) if isinstance(keep, Iterable) and not isinstance(keep, str) else [keep]
+    bad = [k for k in items if not _is_int(k) or not 0 <= k <= n_heads]
+    if bad:
         raise ConfigError(
-            f"run_experiment(keep={keep!r}); expected a list of ints, e.g. [0, 4, 8]."
+            f"run_experiment(keep={keep!r}): {bad[0]!r} is not a number of heads in 0..{n_heads} "
+            f"(the teacher has {n_heads} heads); expected a list of ints, e.g. [0, 4, 8]."
         )
-    keep = list(keep)
-    for k in keep:
-        if not _is_int(k) or not 0 <= k <= n_heads:
-            raise ConfigError(
-                f"run_experiment(keep={keep!r}): {k!r} is not a number of heads in 0..{n_heads} "
-                f"(the teacher has {n_heads} heads)."
-            )
-    return sorted(set(keep))
+    return sorted(set(items))
 
 
 def _rank(
@@ -552,20 +546,13 @@ def _rank(
 def _seed_list(seed: int, seeds: Sequence[int] | None) -> list[int]:
     if seeds is None:
         return [seed]
-    if isinstance(seeds, str | int) or not isinstance(seeds, Iterable):
+    many = isinstance(seeds, Iterable) and not isinstance(seeds, str)
+    out: list[Any] = list(seeds) if many else [seeds]
+    bad = [s for s in out if not _is_int(s) or not 0 <= s < 1000]
+    if not many or bad or not out or len(set(out)) != len(out):
         raise ConfigError(
-            f"run_experiment(seeds={seeds!r}); expected a list of ints in 0..999, e.g. [0, 1]."
-        )
-    out = list(seeds)
-    for s in out:
-        if not _is_int(s) or not 0 <= s < 1000:
-            raise ConfigError(
-                f"run_experiment(seeds={out!r}): {s!r} is not a training seed; expected ints in "
-                "0..999 (each is also the distillation data's seed), e.g. [0, 1]."
-            )
-    if not out or len(set(out)) != len(out):
-        raise ConfigError(
-            f"run_experiment(seeds={out!r}); expected one or more distinct seeds, e.g. [0, 1]."
+            f"run_experiment(seeds={seeds!r}); expected one or more distinct ints in 0..999 (each "
+            "is also the distillation data's seed), e.g. [0, 1]."
         )
     return out
 
