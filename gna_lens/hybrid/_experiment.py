@@ -30,7 +30,7 @@ from gna_lens.device import HOST, DevicePolicy, resolve_device, resolve_dtype
 from gna_lens.errors import ConfigError, GnaLensError, TaskError
 from gna_lens.hybrid._budget import parse_budget
 from gna_lens.hybrid._data import EVAL_KV_SEED, SELECTION_SEED
-from gna_lens.hybrid._pairs import Head
+from gna_lens.hybrid._pairs import Head, _is_int
 from gna_lens.render.markdown import heads_text, hybrid_markdown
 from gna_lens.render.plotly import hybrid_figure
 from gna_lens.render.svg import hybrid_svg
@@ -330,34 +330,30 @@ def _accuracy(
     return wilson_interval(float(res.correct.sum()), len(res)), per
 
 
-def _state(model: torch.nn.Module, lengths: Sequence[int]) -> dict[int, dict[str, float]]:
-    from gna_lens.models.state import state_bytes
-
-    sb = state_bytes(model, lengths)
-    return {
-        int(L): {
-            "recurrent_bytes": sb.recurrent_bytes,
-            "kv_cache_bytes": sb.kv_bytes(L),
-            "total_bytes": sb.total_bytes(L),
-            "bytes_per_token": sb.bytes_per_token(L),
-        }
-        for L in lengths
-    }
-
-
 def _measure(
     model: torch.nn.Module, evals: _Evals, lengths: Sequence[int], batch_size: int
 ) -> dict[str, Any]:
     """The measured fields of ``model``'s :class:`HybridRow` (``kv``, ``prose``, ...)."""
+    from gna_lens.models.state import state_bytes
+
     model.eval()
     got = {name: _accuracy(model, task, batch_size) for name, task in evals.kv.items()}
+    sb = state_bytes(model, lengths)
     return {
         "kv": {k: v[0] for k, v in got.items()},
         "prose": None if evals.prose is None else _prose_loss(model, evals.prose, batch_size),
         "knowledge": None
         if evals.knowledge is None
         else _accuracy(model, evals.knowledge, batch_size)[0],
-        "state": _state(model, lengths),
+        "state": {
+            int(L): {
+                "recurrent_bytes": sb.recurrent_bytes,
+                "kv_cache_bytes": sb.kv_bytes(L),
+                "total_bytes": sb.total_bytes(L),
+                "bytes_per_token": sb.bytes_per_token(L),
+            }
+            for L in lengths
+        },
         "kv_correct": {k: v[1] for k, v in got.items()},
     }
 
@@ -494,20 +490,14 @@ def _tasks(
 
 
 def _keep_list(keep: Any, n_heads: int) -> list[int]:
-    if isinstance(keep, int) and not isinstance(keep, bool):
-        keep = [keep]
-    if isinstance(keep, str) or not isinstance(keep, Iterable):
+    items = list(keep) if isinstance(keep, Iterable) and not isinstance(keep, str) else [keep]
+    bad = [k for k in items if not _is_int(k) or not 0 <= k <= n_heads]
+    if bad:
         raise ConfigError(
-            f"run_experiment(keep={keep!r}); expected a list of ints, e.g. [0, 4, 8]."
+            f"run_experiment(keep={keep!r}): {bad[0]!r} is not a number of heads in 0..{n_heads} "
+            f"(the teacher has {n_heads} heads); expected a list of ints, e.g. [0, 4, 8]."
         )
-    keep = list(keep)
-    for k in keep:
-        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= n_heads:
-            raise ConfigError(
-                f"run_experiment(keep={keep!r}): {k!r} is not a number of heads in 0..{n_heads} "
-                f"(the teacher has {n_heads} heads)."
-            )
-    return sorted(set(keep))
+    return sorted(set(items))
 
 
 def _rank(
@@ -556,20 +546,13 @@ def _rank(
 def _seed_list(seed: int, seeds: Sequence[int] | None) -> list[int]:
     if seeds is None:
         return [seed]
-    if isinstance(seeds, str | int) or not isinstance(seeds, Iterable):
+    many = isinstance(seeds, Iterable) and not isinstance(seeds, str)
+    out: list[Any] = list(seeds) if many else [seeds]
+    bad = [s for s in out if not _is_int(s) or not 0 <= s < 1000]
+    if not many or bad or not out or len(set(out)) != len(out):
         raise ConfigError(
-            f"run_experiment(seeds={seeds!r}); expected a list of ints in 0..999, e.g. [0, 1]."
-        )
-    out = list(seeds)
-    for s in out:
-        if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < 1000:
-            raise ConfigError(
-                f"run_experiment(seeds={out!r}): {s!r} is not a training seed; expected ints in "
-                "0..999 (each is also the distillation data's seed), e.g. [0, 1]."
-            )
-    if not out or len(set(out)) != len(out):
-        raise ConfigError(
-            f"run_experiment(seeds={out!r}); expected one or more distinct seeds, e.g. [0, 1]."
+            f"run_experiment(seeds={seeds!r}); expected one or more distinct ints in 0..999 (each "
+            "is also the distillation data's seed), e.g. [0, 1]."
         )
     return out
 
@@ -579,17 +562,13 @@ def _data_choices(distill_data: str | Sequence[str]) -> list[str]:
 
     many = isinstance(distill_data, Iterable) and not isinstance(distill_data, str)
     out: list[str] = list(dict.fromkeys(distill_data if many else [distill_data]))  # type: ignore[list-item]
-    for choice in out:
-        if not isinstance(choice, str) or choice not in DISTILL_DATA:
-            raise ConfigError(
-                f"run_experiment(distill_data={distill_data!r}): {choice!r} is not a "
-                f"distillation-data choice; expected one of {list(DISTILL_DATA)} or a list of "
-                "them, e.g. ['default', 'no-kv'] (no-kv: prose and MMLU, no KV text)."
-            )
-    if not out:
+    bad = [choice for choice in out if not isinstance(choice, str) or choice not in DISTILL_DATA]
+    if bad or not out:
+        what = f"{bad[0]!r} is not a distillation-data choice" if bad else "no choice"
         raise ConfigError(
-            f"run_experiment(distill_data={distill_data!r}); expected one of "
-            f"{list(DISTILL_DATA)} or a list of them."
+            f"run_experiment(distill_data={distill_data!r}): {what}; expected one of "
+            f"{list(DISTILL_DATA)} or a list of them, e.g. ['default', 'no-kv'] (no-kv: prose "
+            "and MMLU, no KV text)."
         )
     return out
 
@@ -678,16 +657,12 @@ def _same_key(saved: Any, current: dict[str, Any]) -> bool:
     by its weights' identity, ``"<where> (<details>)"`` of :meth:`Provenance.describe`, without
     the note that follows (its wording may change; the weights named are the same)."""
 
-    def weights(text: Any) -> Any:
+    def weights(settings: dict[str, Any]) -> dict[str, Any]:
+        text = settings.get("teacher")
         cut = str(text).find("). ")
-        return text if cut < 0 else str(text)[: cut + 1]
+        return {**settings, "teacher": text if cut < 0 else str(text)[: cut + 1]}
 
-    if not isinstance(saved, dict):
-        return False
-    return {**saved, "teacher": weights(saved.get("teacher"))} == {
-        **current,
-        "teacher": weights(current.get("teacher")),
-    }
+    return isinstance(saved, dict) and weights(saved) == weights(current)
 
 
 def _controls(rows: Sequence[HybridRow], matching: dict[int, Any]) -> tuple[bool, str]:
@@ -1055,7 +1030,7 @@ def _check_experiment_args(
         raise ConfigError(
             f"run_experiment(kv_template={kv_template!r}); expected 'question' or 'paper'."
         )
-    if isinstance(random_draws, bool) or not isinstance(random_draws, int) or random_draws < 0:
+    if not _is_int(random_draws) or random_draws < 0:
         raise ConfigError(f"run_experiment(random_draws={random_draws!r}); expected an int >= 0.")
     if data is not None and iter(data) is data:
         raise ConfigError(

@@ -607,20 +607,17 @@ def swap_teacher_heads(student: HookedSSM, teacher: Any, heads: Iterable[Head]) 
     source = _read_teacher(teacher, call)
     _check_pair(student, source, call)
     _check_mixers_for_heads(student, per_layer)
-    hybrid = student.cfg.architecture == "gna_hybrid"
-    if hybrid:
-        _check_hybrid(student.cfg, source, "mixer", call)
-    else:
-        _check_head_shapes(student, source)
     model = _copy(student)
     cfg: Any = model.cfg
     with torch.no_grad():
-        if hybrid:
+        if cfg.architecture == "gna_hybrid":
+            _check_hybrid(cfg, source, "mixer", call)
             for layer, new in per_layer.items():
                 block: Any = model.blocks[layer]
                 block.mixer = _hybrid_head_swap(model, source, layer, new)
                 cfg.attention_heads[layer] = list(block.mixer.attn_heads)
         else:
+            _check_head_shapes(model, source)
             _attention_fields(model, source, call)
             for layer, new in per_layer.items():
                 block = model.blocks[layer]
