@@ -294,10 +294,10 @@ def test_an_only_entry_names_the_first_random_set_as_number_1():
     from gna_lens.hybrid._experiment import _parse_only, _selected
 
     arms = ["k=0", "top-8", "random-8", "random-8 #2"]
-    pick = _parse_only("random-8 #1 seed=1", ["default"], [0, 1])
+    pick = _parse_only("random-8 #1 seed=1")
     assert pick is not None
     assert [a for a in arms if _selected(pick, a, 1, "default")] == ["random-8"]
     assert not _selected(pick, "random-8", 0, "default")
-    every = _parse_only("random-8", ["default"], [0, 1])
+    every = _parse_only("random-8")
     assert every is not None
     assert [a for a in arms if _selected(every, a, 0, "default")] == ["random-8", "random-8 #2"]

@@ -584,9 +584,7 @@ def _only_entries(only: str | Sequence[str] | None) -> list[str]:
     return [e.strip() for item in items for e in str(item).split(",") if e.strip()]
 
 
-def _parse_only(
-    only: str | Sequence[str] | None, choices: Sequence[str], seed_list: Sequence[int]
-) -> list[_Selector] | None:
+def _parse_only(only: str | Sequence[str] | None) -> list[_Selector] | None:
     """``only=`` as selectors (see run_experiment); ``None`` selects every row."""
     if only is None:
         return None
@@ -1045,7 +1043,7 @@ def _check_experiment_args(
             "distillation data, so there is no choice to make. Fix: pass either data= or "
             "distill_data=, not both."
         )
-    return seed_list, choices, _parse_only(only, choices, seed_list)
+    return seed_list, choices, _parse_only(only)
 
 
 def _ranking(
