@@ -24,6 +24,7 @@ Examples:
 import json
 import math
 import types
+from abc import ABC, abstractmethod
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, ClassVar, Self, Union, get_args, get_origin, get_type_hints
@@ -63,17 +64,19 @@ class Record:
         return cls(**kwargs)
 
 
-class Table(Record):
+class Table(Record, ABC):
     """A :class:`Record` with a data frame, markdown, and files on disk."""
 
     #: The files' name without the suffix.
     _stem: ClassVar[str] = "table"
 
-    def to_dataframe(self) -> Any:  # pragma: no cover - every table has its own
-        raise NotImplementedError
+    @abstractmethod
+    def to_dataframe(self) -> Any:
+        """One row per cell of the table (a ``pandas.DataFrame``)."""
 
-    def to_markdown(self) -> str:  # pragma: no cover - every table has its own
-        raise NotImplementedError
+    @abstractmethod
+    def to_markdown(self) -> str:
+        """The table and how it was made, as markdown."""
 
     def write(self, folder: str | Path) -> dict[str, Path]:
         """Write ``table.md``, ``table.csv``, ``table.json`` and, where the table has
@@ -84,7 +87,10 @@ class Table(Record):
         """
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        paths = {kind: folder / f"{self._stem}.{ext}" for kind, ext in _FILES.items()}
+        paths = {
+            kind: folder / f"{self._stem}.{ext}"
+            for kind, ext in [("markdown", "md"), ("csv", "csv"), ("json", "json")]
+        }
         paths["markdown"].write_text(self.to_markdown(), encoding="utf-8")
         self.to_dataframe().to_csv(paths["csv"], index=False)
         paths["json"].write_text(json.dumps(self.to_dict(), indent=1) + "\n", encoding="utf-8")
@@ -93,9 +99,6 @@ class Table(Record):
             paths["svg"] = folder / f"{self._stem}.svg"
             paths["svg"].write_text(to_svg(), encoding="utf-8")
         return paths
-
-
-_FILES = {"markdown": "md", "csv": "csv", "json": "json"}
 
 
 def to_json(value: Any) -> Any:
@@ -115,9 +118,7 @@ def to_json(value: Any) -> Any:
 def from_json(kind: Any, value: Any) -> Any:
     """``value`` (from :func:`to_json`) back as the type ``kind``."""
     origin, args = get_origin(kind), get_args(kind)
-    if origin in (Union, types.UnionType):
-        if value is None:
-            return None
+    if origin in (Union, types.UnionType) and value is not None:
         kind = next(a for a in args if a is not type(None))
         origin, args = get_origin(kind), get_args(kind)
     if kind is float:

@@ -21,7 +21,7 @@ from torch import Tensor
 from gna_lens.device import HOST, host_full, to_host
 from gna_lens.errors import InterventionError
 from gna_lens.render.plotly import cell_result_figure
-from gna_lens.stats import Estimate, bootstrap_interval, wilson_interval
+from gna_lens.stats import Estimate, bootstrap_interval, mean_interval, wilson_interval
 
 __all__ = ["CellResult"]
 
@@ -294,9 +294,7 @@ def _value_interval(row: Tensor, metric: str) -> Estimate:
     row = row[~row.isnan()]
     if metric == "accuracy":
         return wilson_interval(float(row.sum()), int(row.numel()))
-    out = bootstrap_interval(row)
-    assert isinstance(out, Estimate)
-    return out
+    return mean_interval(row)
 
 
 def _json(v: Any) -> Any:
