@@ -146,7 +146,7 @@ def _scan(args: argparse.Namespace) -> int:
                 sweep_dtype=None if args.sweep_dtype == "float32" else args.sweep_dtype,
                 **common,  # type: ignore[arg-type]
                 command=command, name=name, progress=progress, executor=executor,
-                force=args.force,
+                force=args.force, control_scope="all" if args.control_all else "needed",
             )  # fmt: skip
         finally:
             if executor is not None:
@@ -658,6 +658,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     sc.add_argument(
         "--max-control", type=float, default=0.1,
         help="heads whose control loss rises more (nats/token) are left out of the ranking",
+    )  # fmt: skip
+    sc.add_argument(
+        "--control-all", action="store_true",
+        help="measure every head's control effect alone (default: only the heads the joint "
+        "set can reach, in ablation-effect order; the report's method.control_scope says how far)",
     )  # fmt: skip
     sc.add_argument(
         "--random-draws",

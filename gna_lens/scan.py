@@ -420,6 +420,7 @@ def scan(
     executor: Any = None,
     exact_budget_s: float = EXACT_BUDGET_S,
     force: bool = False,
+    control_scope: str = "needed",
 ) -> ScanResult:
     """Rank every head of ``model`` for in-context retrieval on selection prompts, then measure
     the top heads on held-out prompts; write the report.
@@ -471,6 +472,10 @@ def scan(
             any sweep, the model answers them once; if the 95% interval of its accuracy does not
             lie above chance, the scan stops (a ranking on a task the model does not do says
             nothing about retrieval). ``method["baseline_check"]`` records the check.
+        control_scope: As :func:`~gna_lens.scoring.score_heads`', but ``"needed"`` by default:
+            the control effect alone only of the heads the joint set can reach (the same top
+            heads for a fraction of the control sweep); ``"all"`` for every head's (needed by
+            :func:`~gna_lens.scoring.rank_stability`; ``gna-lens scan --control-all``).
 
     Returns:
         A :class:`ScanResult`.
@@ -515,6 +520,7 @@ def scan(
                 top_layers=top_layers, head_groups=head_groups, executor=executor,
                 sweep_dtype=sweep_dtype, progress=progress,
                 joint_k=max(JOINT_K, top),  # the top heads are removed together: a joint set
+                control_scope=control_scope,
             )  # fmt: skip
         if "strategy_choice" in report.method:  # chosen here, before score_heads ran it
             report.method["strategy_choice"] = strategy_why

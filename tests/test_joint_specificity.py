@@ -348,3 +348,41 @@ def test_joint_stability_redoes_the_walk_on_resampled_selection_data():
     assert again.heads == report.joint_set.heads[:4] and calls
     with pytest.raises(GnaLensError, match="positions"):
         joint_stability(model, control, report, positions=[-1], progress=False)
+
+
+@pytest.mark.parametrize("joint_k", [1, 2])
+def test_control_scope_needed_builds_the_same_joint_set_from_fewer_heads(split, joint_k):
+    """control_scope="needed" measures the control alone only as far as the joint walk reaches
+    (in ablation-effect order): the same joint set, effects and rejections as measuring every
+    head, NaN control effects past the reach, and the per-head order past it refused."""
+    model, task, control, _ = split
+    kw = dict(control=control, progress=False, n_examples=0, joint_k=joint_k)
+    full = score_heads(model, task, **kw)
+    part = score_heads(model, task, control_scope="needed", **kw)
+    assert part.joint_set.heads == full.joint_set.heads
+    assert part.joint_set.rejected == full.joint_set.rejected
+    for a, b in zip(part.joint_set.effects, full.joint_set.effects, strict=True):
+        assert a.value == pytest.approx(b.value, abs=1e-6)
+    assert part.top(joint_k) == full.top(joint_k)
+    c_part, c_full = part.scores["control_effect"], full.scores["control_effect"]
+    seen = ~c_part.isnan()
+    n_seen = int(seen.sum())
+    # joint_k=1: the first 2 heads suffice; joint_k=2: the walk asks for more than the first 4
+    assert n_seen < len(part.heads) if joint_k == 1 else n_seen > 2 * joint_k
+    torch.testing.assert_close(c_part[seen], c_full[seen], atol=1e-6, rtol=0)
+    # what was measured is the head of the ablation-effect order
+    order = torch.argsort(full.scores["ablation_effect"], stable=True)
+    assert bool(seen[order[:n_seen]].all()) and not bool(seen[order[n_seen:]].any())
+    assert f"first {n_seen} of the {len(part.heads)} ablated heads" in part.method["control_scope"]
+    assert "control_scope" not in full.method
+    if n_seen < len(part.heads):
+        with pytest.raises(GnaLensError, match="control_scope='all'"):
+            part.top(len(part.heads), joint=False)
+    with pytest.raises(GnaLensError, match="control_scope='all'"):
+        rank_stability(part)
+
+
+def test_control_scope_is_checked():
+    model = toy_gna_model()
+    with pytest.raises(InterventionError, match=r"control_scope='some'.*'all'.*'needed'"):
+        score_heads(model, toy_gna_task(model, n_samples=4), control_scope="some", progress=False)

@@ -60,6 +60,8 @@ __all__ = [
 ]
 
 
+CONTROL_COLUMNS = ("control_effect", "control_effect_low", "control_effect_high")
+
 #: Next candidates of the greedy joint set measured in one control sweep after a candidate was
 #: turned down (turned-down heads come in runs): the first that keeps the set within the bound
 #: joins. Otherwise a round measures one candidate: on a CPU a sweep costs about its rows, and
@@ -137,13 +139,17 @@ def _joint_walk(
     positions: Any,
     progress: bool,
     measure: Callable[[list[list[Head]]], Tensor] | None = None,
+    more: Callable[[], bool] | None = None,
 ) -> tuple[JointSet, str]:
     """The greedy joint set of :func:`score_heads` (see :class:`JointSet`), and its
     ``method["joint_control"]`` line.
 
     ``measure`` (head sets -> per-sample control changes ``[sets, samples]``) replaces the
     control sweep; :func:`~gna_lens.scoring.stability.joint_stability` passes one that reads
-    cached per-window changes on resampled windows.
+    cached per-window changes on resampled windows. ``more`` (``control_scope="needed"``)
+    measures the control effects alone of the next heads in ablation-effect order, into
+    ``report`` and ``control_samples``, when the walk needs candidates beyond those measured
+    (``False``: none was left to measure).
 
     The first candidate joins on its own control effect (already measured, within the bound);
     each later round ablates the accepted heads plus the next candidate together (after a round
@@ -154,17 +160,21 @@ def _joint_walk(
     from tqdm.auto import tqdm
 
     bound, unit = report.max_control, report.control_unit
-    candidates = list(report.top(len(report.heads), joint=False))
+    candidates = _candidates(report)
     index = {h: i for i, h in enumerate(report.heads)}
     accepted: list[Head] = []
     effects: list[Estimate] = []
     rejected: list[RejectedHead] = []
     pos = sweeps = cells = 0
     width = 1  # candidates per round: JOINT_BATCH after a turned-down one
-    bar = tqdm(total=min(joint_k, len(candidates)), desc="joint control set", disable=not progress,
-               leave=False)  # fmt: skip
+    total = joint_k if more is not None else min(joint_k, len(candidates))
+    bar = tqdm(total=total, desc="joint control set", disable=not progress, leave=False)
     try:
-        while len(accepted) < joint_k and pos < len(candidates):
+        while len(accepted) < joint_k:
+            while pos + width > len(candidates) and more is not None and more():
+                candidates = _candidates(report)  # the same order, further down
+            if pos >= len(candidates):
+                break
             if not accepted:
                 head = candidates[pos]
                 pos += 1
@@ -207,9 +217,10 @@ def _joint_walk(
         exhausted=exhausted,
         n_candidates=len(candidates),
     )
+    reach = "" if more is None else " of those whose control effect alone was measured"
     line = (
         f"greedy joint set: walking the per-head order ({len(candidates)} heads within "
-        f"max_control alone), a head joins only if it and the heads accepted before it, "
+        f"max_control alone{reach}), a head joins only if it and the heads accepted before it, "
         f"{mode}-ablated together at {positions_label(positions)} positions, raise the control "
         f"loss by at most {bound:g} {unit} on average; one candidate per control sweep, "
         f"{JOINT_BATCH} after one is turned down ({sweeps} sweeps of {cells} head sets); "
@@ -217,6 +228,14 @@ def _joint_walk(
         f"{len(rejected)} turned down" + ("; every candidate tried" if exhausted else "")
     )
     return joint, line
+
+
+def _candidates(report: GnaReport) -> list[Head]:
+    """The joint walk's candidates: the per-head order (``top(n, joint=False)``) of every head
+    whose control effect alone is measured and within the bound."""
+    ok = report._eligible()
+    return report._first(report.scores["ablation_effect"].double().masked_fill(~ok, math.inf),
+                         int(ok.sum()))  # fmt: skip
 
 
 def _executor_line(*sweeps: SweepResult | None) -> str:
@@ -291,6 +310,7 @@ def score_heads(
     executor: Any = None,
     exact_budget_s: float = EXACT_BUDGET_S,
     joint_k: int = JOINT_K,
+    control_scope: str = "all",
 ) -> GnaReport:
     """Score every head of ``model`` on ``task``: pattern scores, retrieval and control effects.
 
@@ -365,6 +385,14 @@ def score_heads(
         joint_k: Heads of the greedy joint set (default :data:`JOINT_K`; 0: none, and
             :meth:`GnaReport.top` bounds each head alone). ``top(k)`` needs ``k <= joint_k``
             unless the walk ran out of candidates.
+        control_scope: ``"all"`` (default): every ablated head's control effect alone.
+            ``"needed"``: only the heads the joint set can reach, measured on demand in
+            ablation-effect order (``2 * joint_k`` first, then ``joint_k`` at a time while the
+            walk needs candidates): the same joint set for a fraction of the control sweep; the
+            other heads' control effects are NaN, so the per-head order beyond them,
+            :func:`~gna_lens.scoring.rank_stability` and
+            :func:`~gna_lens.scoring.joint_stability` refuse the report. ``method["control_scope"]``
+            says how far it went. With ``joint_k=0`` every head is measured.
 
     Returns:
         A :class:`GnaReport`.
@@ -397,6 +425,11 @@ def score_heads(
             f"joint set whose control effect removed together stays within max_control. Fix: "
             f"joint_k={JOINT_K} (default), the k you will ask top(k) for, or 0 for none."
         )
+    if control_scope not in ("all", "needed"):
+        raise InterventionError(
+            f"score_heads(control_scope={control_scope!r}); expected 'all' (every head's control "
+            "effect) or 'needed' (only the heads the joint set can reach)."
+        )
     with applied_head_groups(model_of(model), head_groups) as groups_choice:
         _check_task(task)
         # A Subject built by the caller stays valid unless the grouping changed just now.
@@ -413,8 +446,9 @@ def score_heads(
             sweep_dtype, dtype_choice = resolve_sweep_dtype(subject, sweep_dtype, task)
         reference = _reference(task, mode, reference)
         run = _Run(
-            subject, task, metric, mode, positions, reference, sweep_dtype, progress, executor
-        )
+            subject, task, metric, mode, positions, reference, sweep_dtype, progress, executor,
+            control_scope=control_scope if joint_k else "all", joint_k=joint_k,
+        )  # fmt: skip
         _pattern_stage(run, batch_size)
         if ablation:
             run.control = resolve_control(
@@ -471,13 +505,17 @@ class _Run:
     control: Any = None
     baseline: float = math.nan
     control_baseline: float = math.nan
+    control_scope: str = "all"
+    order: list[Head] = field(default_factory=list)  # measured heads, most harmful first
+    measured: int = 0  # of ``order``, the first this many have control effects alone
+    joint_k: int = JOINT_K
 
     @contextlib.contextmanager
     def timed(self, stage: str) -> Iterator[None]:
-        """Record the seconds the block takes as ``timings[stage]``."""
+        """Add the seconds the block takes to ``timings[stage]``."""
         clock = time.perf_counter()
         yield
-        self.timings[stage] = time.perf_counter() - clock
+        self.timings[stage] = self.timings.get(stage, 0.0) + time.perf_counter() - clock
 
     def precision(self) -> Any:
         return sweep_precision(self.subject, self.sweep_dtype)
@@ -588,13 +626,6 @@ def _sweep_stage(run: _Run, strategy: str, strategy_why: str) -> None:
         forward_paths = path_summary(
             cast(torch.nn.Module, subject.model)
         )  # the sweep's last forward: kernels or not
-        ctrl = None
-        if run.control is not None:
-            with run.timed("control_sweep"):
-                ctrl = control_sweep(
-                    subject, run.control, targets, mode=run.mode, positions=run.positions,
-                    progress=run.progress, executor=run.executor,
-                )  # fmt: skip
     effect, lo, hi, samples = _per_head(heads, sweep)
     run.table.update(ablation_effect=effect, ablation_effect_low=lo, ablation_effect_high=hi)
     run.samples = {"ablation_effect": samples}
@@ -611,19 +642,47 @@ def _sweep_stage(run: _Run, strategy: str, strategy_why: str) -> None:
         forward_paths=forward_paths,
         fallbacks=[f"ablation sweep: {f}" for f in sweep.info.get("fallbacks", [])],
     )
-    if run.executor is not None:
-        method.update(executor=_executor_line(sweep, ctrl))
     if "mean_over" in sweep.info:  # mean ablation: which positions the mean was taken over
         method.update(mean_over=sweep.info["mean_over"], include_bos=sweep.info["include_bos"])
     method.setdefault("prefilter", "none")
+    ctrl = None
+    if run.control is not None:
+        # "needed": the heads the ranking can reach first (most harmful first); the joint walk
+        # asks for more (_joint_stage)
+        ranked = torch.argsort(effect.nan_to_num(nan=math.inf), stable=True).tolist()
+        run.order = [heads[i] for i in ranked if not math.isnan(float(effect[i]))]
+        ctrl = _control_chunk(
+            run, targets if run.control_scope == "all" else run.order[: 2 * run.joint_k]
+        )
+    if run.executor is not None:
+        method.update(executor=_executor_line(sweep, ctrl))
     if ctrl is not None:
-        c_eff, c_lo, c_hi, run.samples["control_effect"] = _per_head(heads, ctrl)
-        run.table.update(control_effect=c_eff, control_effect_low=c_lo, control_effect_high=c_hi)
-        run.table["specificity"] = specificity(effect, run.baseline, c_eff)
         run.control_baseline = ctrl.baseline_mean
         method.update(control_path=ctrl.method)
         method["paths"]["control"] = ctrl.info.get("paths", {})
-        method["fallbacks"] += [f"control sweep: {f}" for f in ctrl.info.get("fallbacks", [])]
+
+
+def _control_chunk(run: _Run, chunk: list[Head]) -> SweepResult | None:
+    """Control effects alone of ``chunk``, merged into ``run.table`` and ``run.samples`` (the
+    report holds the same dicts); ``None`` for an empty chunk."""
+    if not chunk:
+        return None
+    with run.timed("control_sweep"), run.precision():
+        ctrl = control_sweep(
+            run.subject, run.control, chunk, mode=run.mode, positions=run.positions,
+            progress=run.progress, executor=run.executor,
+        )  # fmt: skip
+    run.measured += len(chunk)
+    c_eff, c_lo, c_hi, samples = _per_head(run.heads, ctrl)
+    new = ~c_eff.isnan()
+    run.samples.setdefault("control_effect", samples)[new] = samples[new]  # in place: the walk's
+    for name, col in zip(CONTROL_COLUMNS, (c_eff, c_lo, c_hi), strict=True):
+        run.table[name] = torch.where(new, col, run.table[name])
+    run.table["specificity"] = specificity(
+        run.table["ablation_effect"], run.baseline, run.table["control_effect"]
+    )
+    run.method["fallbacks"] += [f"control sweep: {f}" for f in ctrl.info.get("fallbacks", [])]
+    return ctrl
 
 
 def _describe_control(run: _Run, max_control: float) -> str:
@@ -672,13 +731,28 @@ def _joint_stage(run: _Run, report: GnaReport, joint_k: int) -> None:
     if not joint_k:
         line = "off (joint_k=0): top() bounds each head's control effect alone, not the set's"
     else:
+        spent = run.timings["control_sweep"]
+
+        def more() -> bool:  # control_scope="needed": the next joint_k heads' control alone
+            return _control_chunk(run, run.order[run.measured : run.measured + joint_k]) is not None
+
         with run.timed("joint_control"), run.precision():
             joint, line = _joint_walk(
                 run.subject, run.control, report, run.samples["control_effect"], joint_k,
                 mode=run.mode, positions=run.positions, progress=run.progress,
+                more=more if run.measured < len(run.order) else None,
             )  # fmt: skip
+        run.timings["joint_control"] -= run.timings["control_sweep"] - spent  # counted there
         object.__setattr__(report, "joint_set", joint)
     run.method["joint_control"] = line
+    if run.control_scope != "all":
+        run.method["control_scope"] = (
+            f"needed: the control effect alone measured for the first {run.measured} of the "
+            f"{len(run.order)} ablated heads in ablation-effect order (most harmful first, "
+            f"{2 * joint_k} and then {joint_k} at a time, as far as the joint walk reached); "
+            "the others' control effects are NaN (score_heads(..., control_scope='all') or "
+            "`gna-lens scan --control-all` measures every head)"
+        )
 
 
 def _examples_stage(run: _Run, report: GnaReport, ablation: bool, n_examples: int) -> None:

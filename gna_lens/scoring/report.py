@@ -628,6 +628,17 @@ class GnaReport:
             return HeadList(list(js.heads[: max(k, 0)]), self.head_groups)
         ok = self._eligible()
         n_ok = int(ok.sum())
+        left = int(
+            (self.scores["control_effect"].isnan() & ~self.scores["ablation_effect"].isnan()).sum()
+        )
+        if n_ok < k and left and str(self.method.get("control_scope", "")).startswith("needed"):
+            raise GnaLensError(
+                f"GnaReport.top(k={k}, joint=False): control effects were measured only as far as "
+                f"the joint walk needed (control_scope='needed'): {n_ok} heads qualify among them "
+                f"and {left} ablated heads have none, so the per-head order past {n_ok} is "
+                "unknown. Fix: score_heads(..., control_scope='all') (`gna-lens scan "
+                f"--control-all`), or top(k) with k <= {n_ok}."
+            )
         if n_ok < k < len(self.heads):
             _short(
                 k, n_ok, f"{n_ok} heads were measured and have a control effect of at most "

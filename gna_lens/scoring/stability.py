@@ -263,6 +263,12 @@ def _sample_effects(report: GnaReport, name: str) -> tuple[Tensor, Tensor]:
             "a control, since issue 30; a report loaded from an older report.json has none). "
             "Fix: score the heads again with score_heads(model, task, control='prose')."
         )
+    if str(report.method.get("control_scope", "")).startswith("needed"):
+        raise GnaLensError(
+            f"{name}: the report measured control effects only for the heads its joint walk "
+            "reached (control_scope='needed'), and resamples reorder the heads past them. Fix: "
+            "score_heads(..., control_scope='all') (`gna-lens scan --control-all`)."
+        )
     return samples["ablation_effect"].double().to(HOST), samples["control_effect"].double().to(HOST)
 
 
