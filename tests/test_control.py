@@ -221,3 +221,20 @@ def test_bootstrap_intervals_cover_the_mean_and_shrink_with_n():
     assert bootstrap_interval(torch.tensor([3.0])).method == "none"  # type: ignore[union-attr]
     d = draws_interval([0.7, 0.75, 0.8, 0.72, 0.78, 0.74, 0.76, 0.73, 0.79, 0.71])
     assert d.n == 10 and d.low < d.value < d.high
+
+
+def test_sweeps_in_shared_clean_runs_reuse_one_clean_run_and_give_the_same_numbers(tmp_path):
+    """Inside shared_clean_runs, control sweeps on the same windows run the clean forward once
+    (every layer's residual kept) and give exactly the numbers of separate sweeps."""
+    from gna_lens.interventions.engine import shared_clean_runs
+
+    for arch, model in _models(tmp_path):
+        ctrl = text_control(model.tokenizer, n_sequences=3, seq_len=20, max_unknown=1.0)
+        cells = [[(1, 2)], [(0, 1), (1, 0)], [(1, 1)]]
+        alone = [control_sweep(model, ctrl, [c], progress=False) for c in cells]
+        with shared_clean_runs():
+            shared = [control_sweep(model, ctrl, [c], progress=False) for c in cells]
+        for a, b in zip(alone, shared, strict=True):
+            assert torch.equal(a.values, b.values) and torch.equal(a.baseline, b.baseline), arch
+        forwards = [r.info["forwards"] for r in shared]
+        assert forwards[1:] == [f - 1 for f in (r.info["forwards"] for r in alone[1:])], arch

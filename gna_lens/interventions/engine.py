@@ -21,10 +21,12 @@ guessed (:class:`PackTuner`): a larger batch is not always faster (Mamba-1's sca
 ``[chunk, batch, channels, state]``).
 """
 
+import contextlib
 import math
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -360,13 +362,40 @@ class _Ctx:
         """The clean run's ``hook_resid_pre`` at each start layer (kept in ``memo`` per prompt
         batch); records the batch's baseline."""
         if ("clean", part) not in memo:
-            names = [self.runner.view[layer].resid_pre_hook for layer in sorted(set(start))]
-            memo[("clean", part)] = self.runner.clean(tokens, names, base)
-            self.info["forwards"] += 1
+            shared, view = _SHARED.get(), self.runner.view
+            if shared is None or base:
+                names = [view[layer].resid_pre_hook for layer in sorted(set(start))]
+                memo[("clean", part)] = self.runner.clean(tokens, names, base)
+                self.info["forwards"] += 1
+            else:  # every layer's, for whichever cells come next
+                key = (
+                    id(self.runner.model), self.runner.keep, autocast_dtype(),
+                    tuple(tokens.shape), tuple(tokens.flatten().tolist()),
+                )  # fmt: skip
+                if key not in shared:
+                    names = [view[layer].resid_pre_hook for layer in range(view.n_layers)]
+                    shared[key] = self.runner.clean(tokens, names)
+                    self.info["forwards"] += 1
+                memo[("clean", part)] = shared[key]
         cache: dict[str, Tensor]
         logits, cache = memo[("clean", part)]
         self.baseline[g.indices] = to_host(self.metric(logits, idx))
         return cache
+
+
+_SHARED: ContextVar[dict[Any, Any] | None] = ContextVar("gna_lens_clean_runs", default=None)
+
+
+@contextlib.contextmanager
+def shared_clean_runs() -> Iterator[None]:
+    """Within the block, head-set sweeps of this process on the same prompts share one clean run
+    (its ``hook_resid_pre`` at every layer): :func:`~gna_lens.scoring.score_heads`' control
+    sweeps and joint walk. The caller must not change the model inside the block."""
+    token = _SHARED.set({})
+    try:
+        yield
+    finally:
+        _SHARED.reset(token)
 
 
 def _loop(

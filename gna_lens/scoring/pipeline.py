@@ -26,6 +26,7 @@ from gna_lens.heads import (
 from gna_lens.interventions import ablation_sweep, attribute_heads, control_sweep
 from gna_lens.interventions.ablation import SweepResult, positions_label
 from gna_lens.interventions.batching import describe_task
+from gna_lens.interventions.engine import shared_clean_runs
 from gna_lens.interventions.layers import LayerSweepResult, layer_sweep
 from gna_lens.interventions.sources import check_positions, rotated
 from gna_lens.models.kernels import path_summary
@@ -472,7 +473,8 @@ def score_heads(
         run.method.update(dtype_choice)  # {} without ablation
         report = _report(run, ablation, description, max_control)
         if ablation and run.control is not None and report.has_control:
-            _joint_stage(run, report, joint_k)
+            with shared_clean_runs():  # the walk's sweeps share the control's clean run
+                _joint_stage(run, report, joint_k)
         if n_examples:
             with run.timed("examples"):
                 _examples_stage(run, report, ablation, n_examples)
