@@ -138,6 +138,7 @@ def test_sharded_sweep_equals_one_process_bit_for_bit(llama, pool, positions, pa
     """Bit for bit with a pinned pack (guaranteed: each worker packs its cells as one process
     does); with automatic packing too on these tiny models (real ones: see the recipe)."""
     model, task = llama
+    pool.start(model)  # both workers ready (an earlier test may have stopped them): both take part
     kw = dict(positions=positions, pack=pack, progress=False)
     local = ablation_sweep(model, task, "logit_diff", **kw)
     sharded = ablation_sweep(model, task, "logit_diff", executor=pool, **kw)
@@ -165,6 +166,7 @@ def test_units_on_other_prompts_finishing_in_any_order_land_on_their_prompts(
     from gna_lens import distributed
 
     model, task = llama
+    pool.start(model)  # both workers ready: each takes units
     kw = dict(memory_budget="16KiB", progress=False)
     local = ablation_sweep(model, task, "logit_diff", **kw)
     # the values differ from prompt to prompt, so a value on another prompt shows
@@ -469,12 +471,12 @@ KINDS = list(LABELS)
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_worker_ray_cannot_place_stops_the_sweep_naming_the_cells_left(
-    llama, pool, planted, kind
+    llama, llama_path, pool, monkeypatch, kind
 ):
     """The pool holds the instance's 2 CPUs: another executor's worker is never placed."""
     model, task = llama
-    planted()  # the patching planner, and a source: the pool's workers start with it
-    pool.start(model)
+    monkeypatch.setitem(PLANNERS, "test patch", _planted(llama_path)[1])  # here only: no worker
+    pool.start(model)  # its workers as they are (started again if a test stopped them)
     with (
         RayExecutor(workers=1, threads_per_worker=1, place_timeout=0) as other,
         pytest.raises(WorkerError) as err,
@@ -518,9 +520,10 @@ def test_a_fault_in_a_worker_stops_the_sweep_naming_the_cells_left(
 @pytest.mark.parametrize("kind", KINDS)
 def test_too_many_failures_stop_the_sweep_naming_the_cells_left(llama, pool, planted, kind):
     """Worker 0 is killed after its first unit: with max_restarts=0 the sweep stops, naming
-    the cells not done (some are)."""
+    the cells not done (some are), and stops every worker. One worker is enough for the
+    message; two for head cells (each new worker process is most of what these tests cost)."""
     model, task = llama
-    planted(max_restarts=0)
+    planted(max_restarts=0, workers=2 if kind == "head" else 1)
     _arm(pool, model)
     with pytest.raises(WorkerError) as err:
         _sweep(kind, model, task, pool)
@@ -528,4 +531,4 @@ def test_too_many_failures_stop_the_sweep_naming_the_cells_left(llama, pool, pla
     msg = str(err.value)
     assert "max_restarts=0" in msg and "ActorDiedError" in msg, msg
     _check_cells_left(msg, kind, all_left=False)
-    assert pool._slots == []  # the other worker was stopped too
+    assert pool._slots == []  # every worker was stopped
