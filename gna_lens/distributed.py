@@ -537,7 +537,8 @@ class _Run:
         if info.get("error"):
             raise WorkerError(
                 f"worker {slot.index} could not set up the model "
-                f"({self.ex._spec.get('model_source')}): {info['error']}"
+                f"({self.ex._spec.get('model_source')}): {info['error'].rstrip('.')}; cells "
+                f"not done: {self.cells_left()}."
             )
         slot.ready, slot.ready_ref, slot.info = True, None, info
 

@@ -4,6 +4,7 @@ One local Ray instance per session (2 CPUs); the workers load a tiny checkpoint 
 load_model, as they load a user's model by name or folder.
 """
 
+import functools
 import re
 import subprocess
 import sys
@@ -16,7 +17,8 @@ from interventions_helpers import KEYS, tok
 from gna_lens import ablation_sweep, load_model, score_heads
 from gna_lens.distributed import RayExecutor
 from gna_lens.errors import ConfigError, GnaLensError, WorkerError
-from gna_lens.interventions import control_sweep, layer_sweep
+from gna_lens.interventions import control_sweep, layer_sweep, prune_from_end
+from gna_lens.interventions.engine import PLANNERS, SweepJob, run_sweeps
 from gna_lens.tasks import kv_retrieval, text_control
 from gna_lens.testing import tiny_checkpoint, tiny_hooked_ssm
 
@@ -82,13 +84,19 @@ def ray_instance():
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    """A tiny Llama (4 layers x 4 heads) loaded from its folder, and a KV task."""
+def llama_path(tmp_path_factory):
+    """The folder of a tiny Llama (4 layers x 4 heads), with its tokenizer."""
     path = tiny_checkpoint(
         "llama", tmp_path_factory.mktemp("llama"), vocab_size=len(tok()), num_hidden_layers=4
     )
     tok().save_pretrained(path)
-    model = load_model(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def llama(llama_path):
+    """The tiny Llama loaded from its folder, and a KV task."""
+    model = load_model(llama_path)
     task = kv_retrieval(tok(), n_pairs=4, n_samples=12, words=KEYS, seed=0)
     return model, task
 
@@ -113,8 +121,13 @@ class _Faulty(RayExecutor):
 @pytest.fixture(scope="module")
 def pool(ray_instance, llama):
     """Two workers with one CPU thread each (the instance's 2 CPUs), each with the model loaded.
-    Every test shares them: a second executor would wait for CPUs these hold."""
-    ex = _Faulty(workers=2).start(llama[0])
+    Every test shares them: a second executor would wait for CPUs these hold.
+
+    Tests replace these workers often (a killed worker, another model); on a loaded machine a
+    new worker process may take minutes to start (Ray counts that as placement), so the pool
+    waits up to 10 minutes for one instead of the default minute: a test is about its sweep,
+    not about how busy the machine is (the placement timeout has a test of its own)."""
+    ex = _Faulty(workers=2, place_timeout=600).start(llama[0])
     yield ex
     ex.close()
 
@@ -125,6 +138,7 @@ def test_sharded_sweep_equals_one_process_bit_for_bit(llama, pool, positions, pa
     """Bit for bit with a pinned pack (guaranteed: each worker packs its cells as one process
     does); with automatic packing too on these tiny models (real ones: see the recipe)."""
     model, task = llama
+    pool.start(model)  # both workers ready (an earlier test may have stopped them): both take part
     kw = dict(positions=positions, pack=pack, progress=False)
     local = ablation_sweep(model, task, "logit_diff", **kw)
     sharded = ablation_sweep(model, task, "logit_diff", executor=pool, **kw)
@@ -152,6 +166,7 @@ def test_units_on_other_prompts_finishing_in_any_order_land_on_their_prompts(
     from gna_lens import distributed
 
     model, task = llama
+    pool.start(model)  # both workers ready: each takes units
     kw = dict(memory_budget="16KiB", progress=False)
     local = ablation_sweep(model, task, "logit_diff", **kw)
     # the values differ from prompt to prompt, so a value on another prompt shows
@@ -208,21 +223,6 @@ def test_a_worker_killed_mid_sweep_is_replaced_and_every_cell_runs_once(llama, p
     assert info["failures"][0].startswith("worker 0: ActorDiedError")
     assert sum(info["units_by_worker"]) == info["units"]  # no unit lost or counted twice
     assert torch.equal(res.values, local.values) and torch.equal(res.baseline, local.baseline)
-
-
-def test_too_many_failures_stop_the_sweep_naming_the_cells_left(llama, pool):
-    model, task = llama
-    _arm(pool, model)
-    pool.max_restarts = 0
-    try:
-        with pytest.raises(WorkerError) as err:
-            ablation_sweep(model, task, "logit_diff", progress=False, executor=pool)
-    finally:
-        pool.max_restarts = 3
-    msg = str(err.value)
-    assert "max_restarts=0" in msg and "cells not done:" in msg and "ActorDiedError" in msg
-    assert re.search(r"cells not done: \d+ of 16 cells in \d+ units: L\d+H\d+", msg), msg
-    assert pool._slots == []  # the other worker was stopped too
 
 
 def test_ctrl_c_stops_every_worker(llama, pool):
@@ -303,23 +303,6 @@ def test_layer_sweep_shards_task_and_control_with_the_same_numbers(llama, pool, 
         assert sharded.method[key] == local.method[key]
 
 
-def test_too_many_failures_in_a_layer_sweep_name_the_layer_cells_left(llama, pool):
-    """Layer cells are not head sets: the message names them by their label (it raised a
-    TypeError instead of the message when a layer sweep's worker failed)."""
-    model, task = llama
-    _arm(pool, model)
-    pool.max_restarts = 0
-    try:
-        with pytest.raises(WorkerError) as err:
-            layer_sweep(
-                model, task, "logit_diff", control=None, max_rows=2, progress=False, executor=pool
-            )
-    finally:
-        pool.max_restarts = 3
-    msg = str(err.value)
-    assert "max_restarts=0" in msg and re.search(r"cells not done: \d+ of 4 cells", msg), msg
-
-
 def test_the_cells_left_are_named_for_every_kind_of_cell():
     """The message a failed sharded sweep ends with names the cells it did not finish, whatever
     they are: head sets, layer cells, hook cells and residual patches (a layer cell made it
@@ -346,3 +329,206 @@ def test_the_cells_left_are_named_for_every_kind_of_cell():
     run.done = set()
     assert run.label(0, 1) == "L0H1+L1H2"
     assert run.label(0, 4) == "L0H1+L1H2 .. cell at layer 3 (4 cells)"
+
+
+# ----------------------------------------------------------------------------- planted faults
+#: Each kind of cell a sharded sweep runs, by the labels of its cells on the tiny Llama (4 layers
+#: x 4 heads): head sets (ablation_sweep), layer cells (layer_sweep), hook cells of several
+#: layers (prune_from_end) and residual patches (the patching planner of ``_planted``).
+LABELS = {
+    "head": [f"L{layer}H{head}" for layer in range(4) for head in range(4)],
+    "layer": ["L0", "L1", "L2", "L3"],
+    "hook": ["L3", "L2+L3", "L1-L3"],
+    "patch": ["L0 last", "L1 last", "L2 last", "L3 last"],
+}
+
+
+@functools.cache  # one source per fault: the pool keeps workers started with it
+def _planted(path, fault=None):
+    """A model source for the workers that plants ``fault`` there, and a patching planner.
+
+    Patching has no ``executor=`` of its own, so its cells reach the executor as the planner
+    ``"test patch"`` (registered here with ``monkeypatch`` and, by the source, in each worker;
+    ``run_sweeps`` hands its plan to the executor as every sweep does). Both functions are
+    nested so that Ray pickles them by value (a worker cannot import this test module).
+
+    Args:
+        path: The model's folder (the source loads it: the caller's weights).
+        fault: ``None`` (load the model), ``"load"`` (loading raises), ``"stall"`` (loading
+            never ends) or ``"raise"`` (every unit raises a RuntimeError, not a GnaLensError).
+
+    Returns:
+        ``(source, planner)``.
+    """
+
+    def plan_patches(model, on, layers, check_edits=True):
+        """Per layer, the residual entering it at the last position patched from the
+        previous prompt of the batch (``HookCell(resid=...)``, as ``patch_residual``'s)."""
+        from gna_lens.heads import Subject
+        from gna_lens.interventions.batching import length_groups
+        from gna_lens.interventions.engine import CellSweep, HookCell, SweepPlan
+        from gna_lens.interventions.metrics import Metric
+        from gna_lens.interventions.runner import Runner
+
+        def resid(group, r):
+            r = r.clone()
+            r[:, -1] = r[:, -1].roll(1, 0)
+            return r
+
+        subject = Subject.of(model)
+        cells = [HookCell(start=layer, resid=resid, label=f"L{layer} last") for layer in layers]
+        groups = length_groups(on, 64, subject.device)
+        return CellSweep(
+            Runner(subject), cells, groups, None, Metric("logit_diff", on), None,
+            SweepPlan(0, 64, None), "batched", len(on),
+        )  # fmt: skip
+
+    def source():
+        from gna_lens import load_model
+        from gna_lens.interventions import engine
+
+        engine.PLANNERS["test patch"] = plan_patches
+        if fault == "load":
+            raise RuntimeError("planted: the model cannot load")
+        if fault == "stall":
+            time.sleep(3600)  # the executor kills the worker long before
+        if fault == "raise":
+
+            def run_cells(*args, **kwargs):
+                raise RuntimeError("planted: a unit raised")
+
+            engine.run_cells = run_cells  # in this worker only
+        return load_model(path)
+
+    return source, plan_patches
+
+
+def _sweep(kind, model, task, executor):
+    """A sweep of ``kind`` cells (:data:`LABELS`) on ``executor``."""
+    kw = dict(progress=False, executor=executor)
+    if kind == "head":
+        ablation_sweep(model, task, "logit_diff", **kw)
+    elif kind == "layer":
+        layer_sweep(model, task, "logit_diff", control=None, **kw)
+    elif kind == "hook":
+        prune_from_end(model, task, "logit_diff", control=None, **kw)
+    else:
+        job = SweepJob("test patch", {"on": task, "layers": [0, 1, 2, 3]})
+        run_sweeps(model, [job], "patching", executor, progress=False)
+
+
+def _names(text, kind):
+    """The cell names in ``text`` (``"L0H0 .. L0H3 (4 cells), L1H0"``), each checked to be a
+    cell of ``kind``."""
+    names = []
+    for unit in text.split(", "):
+        names += re.sub(r" \(\d+ cells\)$", "", unit).split(" .. ")
+    assert names and all(n in LABELS[kind] for n in names), (names, LABELS[kind])
+    return names
+
+
+def _check_cells_left(msg, kind, all_left=True):
+    """``msg`` names the cells of ``kind`` left: all of them, or (``all_left=False``) some."""
+    labels = LABELS[kind]
+    # the names run to the next full stop (not to the dots of "L0H0 .. L0H3")
+    m = re.search(
+        rf"cells not done: (\d+) of {len(labels)} cells in (\d+) units: (.+?)(?<!\.)\.(?!\.)",
+        msg,
+        re.I,
+    )
+    assert m, msg
+    left, units, shown = int(m[1]), int(m[2]), m[3]
+    more = re.search(r", and (\d+) more units$", shown)
+    if more:
+        shown = shown[: more.start()]
+        assert units > 8 and int(more[1]) == units - 8, msg
+    names = _names(shown, kind)
+    if all_left:
+        assert left == len(labels) and names[0] == labels[0], msg
+        assert more or names[-1] == labels[-1], msg  # every unit is named
+    else:
+        assert 0 < left < len(labels), msg
+    assert "TypeError" not in msg
+
+
+@pytest.fixture
+def planted(llama_path, pool, monkeypatch):
+    """``planted(fault, **settings)``: the pool's workers replaced by ones with ``fault``
+    (:func:`_planted`) and the executor's ``settings``; all restored after the test."""
+
+    def plant(fault=None, **settings):
+        source, planner = _planted(llama_path, fault)
+        monkeypatch.setitem(PLANNERS, "test patch", planner)
+        for name, value in ({"model_source": source} | settings).items():
+            monkeypatch.setattr(pool, name, value)
+        return pool
+
+    return plant
+
+
+KINDS = list(LABELS)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_worker_ray_cannot_place_stops_the_sweep_naming_the_cells_left(
+    llama, llama_path, pool, monkeypatch, kind
+):
+    """The pool holds the instance's 2 CPUs: another executor's worker is never placed."""
+    model, task = llama
+    monkeypatch.setitem(PLANNERS, "test patch", _planted(llama_path)[1])  # here only: no worker
+    pool.start(model)  # its workers as they are (started again if a test stopped them)
+    with (
+        RayExecutor(workers=1, threads_per_worker=1, place_timeout=0) as other,
+        pytest.raises(WorkerError) as err,
+    ):
+        _sweep(kind, model, task, other)
+    msg = str(err.value)
+    assert "Ray could not place worker 0 within 0 s: it needs 1 CPU(s); free now: 0 CPUs" in msg
+    _check_cells_left(msg, kind)
+    assert other._slots == [] and len(pool._slots) == 2  # only its own worker was stopped
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("fault", ["load", "stall", "raise"])
+def test_a_fault_in_a_worker_stops_the_sweep_naming_the_cells_left(
+    llama, pool, planted, kind, fault
+):
+    """A worker that cannot load the model, does not load it within start_timeout, or raises
+    an error that is not one of the sweep's inputs (it would recur): the sweep stops at once."""
+    model, task = llama
+    # start_timeout: a short one only where the load stalls (a real load takes seconds)
+    planted(fault, workers=1, **({"start_timeout": 1.0} if fault == "stall" else {}))
+    with pytest.raises(WorkerError) as err:
+        _sweep(kind, model, task, pool)
+    msg = str(err.value)
+    expected = {
+        "load": r"worker 0 could not set up the model \(factory .*source\(\)\): RuntimeError: "
+        r"planted: the model cannot load; cells not done: ",
+        "stall": r"worker 0 did not load the model from factory .*source\(\) within 1 s "
+        r"\(start_timeout\); cells not done: ",
+        "raise": r"worker 0 raised RuntimeError on cells (.+?): planted: a unit raised\. The "
+        r"sweep stopped; cells not done: ",
+    }[fault]
+    m = re.search(expected, msg)
+    assert m, msg
+    if fault == "raise":
+        _names(m[1], kind)  # the unit that raised, by its cells
+    _check_cells_left(msg, kind)
+    assert pool._slots == []
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_too_many_failures_stop_the_sweep_naming_the_cells_left(llama, pool, planted, kind):
+    """Worker 0 is killed after its first unit: with max_restarts=0 the sweep stops, naming
+    the cells not done (some are), and stops every worker. One worker is enough for the
+    message; two for head cells (each new worker process is most of what these tests cost)."""
+    model, task = llama
+    planted(max_restarts=0, workers=2 if kind == "head" else 1)
+    _arm(pool, model)
+    with pytest.raises(WorkerError) as err:
+        _sweep(kind, model, task, pool)
+    assert not pool.armed  # the kill happened
+    msg = str(err.value)
+    assert "max_restarts=0" in msg and "ActorDiedError" in msg, msg
+    _check_cells_left(msg, kind, all_left=False)
+    assert pool._slots == []  # every worker was stopped
