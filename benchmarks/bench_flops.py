@@ -40,6 +40,7 @@ Usage: python benchmarks/bench_flops.py [--report reports/demo/report.json] [--j
 import argparse
 import json
 import math
+import os
 import re
 import time
 from collections import Counter
@@ -452,7 +453,7 @@ def table_rows(stages: Sequence[Stage], rates: dict[str, float]) -> list[dict[st
     rows = []
     for s in stages:
         peak = rates.get("bfloat16" if "bfloat16" in s.precision else "float32", math.nan)
-        achieved = s.flops / s.seconds / 1e9 if s.seconds > 0 else math.nan
+        achieved = s.flops / s.seconds / 1e9 if s.seconds > 0 and s.flops > 0 else math.nan
         rows.append({
             "stage": s.name, "tflop": s.flops / 1e12, "seconds": s.seconds,
             "achieved_gflops": achieved, "precision": s.precision, "machine_gflops": peak,
@@ -482,7 +483,8 @@ def markdown(result: dict[str, Any]) -> str:
     """The result as markdown: the stage table, the matmul rates, the notes."""
     lines = [
         f"{result['model']}, {result['report']}; {result['machine']}, {result['threads']} "
-        f"torch thread(s), torch {result['torch']}",
+        f"torch thread(s), torch {result['torch']}; load average {result['load_average']:.1f} "
+        "before the matmul timings",
         "",
         "| stage | TFLOP | s | achieved GFLOP/s | machine matmul GFLOP/s | share | work counted |",
         "|---|---:|---:|---:|---:|---:|---|",
@@ -548,7 +550,8 @@ NOTES = [
     "bridge's one-row run of the blocks below a cell's start layer per forward pass, the "
     "sweep-dtype probe and check ('heads: rest'), and the first clean run's untruncated tail",
     "machine rate: torch.mm at the model's shapes, best of the repeats; the share compares a "
-    "stage with the best of those shapes (its own matmul mix may run slower)",
+    "stage with the best of those shapes (its own matmul mix may run slower); both the rate and "
+    "the report's seconds are the machine's only if its cores were idle (load average above)",
 ]
 
 
@@ -570,6 +573,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     dtypes = [torch.float32]
     if any("bfloat16" in s.precision for s in stages):
         dtypes.append(torch.bfloat16)
+    load = os.getloadavg()[0]  # the rates below are the machine's only on idle cores
     matmul = []
     for dtype in dtypes:
         for what, m, k, n in model_shapes(cfg, args.rows):
@@ -585,6 +589,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "command": data.get("command"),
         "machine": cpu_description(),
         "threads": torch.get_num_threads(),
+        "load_average": load,
         "torch": torch.__version__,
         "stages": table_rows(stages, rates),
         "matmul": matmul,
