@@ -143,12 +143,13 @@ class Sweep:
     starts: tuple[int, ...]
     keep: int
     tail: bool
+    clean: bool = True  # False: it reused an earlier sweep's clean run (shared_clean_runs)
 
     def flops(self, costs: dict[int, RowCost]) -> float:
         total = 0.0
         for length, n in Counter(self.lengths).items():
             c = costs[length]
-            total += n * c.cell(0, self.keep, self.tail)  # the clean run
+            total += n * c.cell(0, self.keep, self.tail) * self.clean  # the clean run
             total += n * sum(c.cell(s, self.keep, self.tail) for s in self.starts)
         return total
 
@@ -328,9 +329,21 @@ def scan_stages(data: dict[str, Any], inputs: ScanInputs) -> list[Stage]:
     keep = int(inputs.control_select.seq_len) // 2  # control_sweep's n_scored default
     c_tail = _tail(paths.get("control", {}), keep)
 
-    def control_sweep(control: Any, cells: Sequence[Sequence[Head]], tail: bool) -> Sweep:
+    def control_sweep(
+        control: Any, cells: Sequence[Sequence[Head]], tail: bool, clean: bool = True
+    ) -> Sweep:
         n, length = control.tokens.shape
-        return Sweep((length - 1,) * n, tuple(start_layer(c) for c in cells), keep, tail)
+        return Sweep((length - 1,) * n, tuple(start_layer(c) for c in cells), keep, tail, clean)
+
+    # control effects alone: every head, or (control_scope "needed") the first ones in
+    # ablation-effect order, 2 * joint_k and then joint_k per sweep
+    ctrl = report.scores["control_effect"].tolist()
+    alone = [h for h, c in sorted(zip(report.heads, ctrl, strict=True),
+             key=lambda hc: effects[report.heads.index(hc[0])]) if not math.isnan(c)]  # fmt: skip
+    chunks = [alone]
+    if "control_scope" in method and report.joint_set is not None:
+        k = report.joint_set.joint_k
+        chunks = [alone[: 2 * k]] + [alone[i : i + k] for i in range(2 * k, len(alone), k)]
 
     stages = [Stage("tasks", timings.get("tasks", 0.0), counted="building prompts: no forward")]
     stages.append(Stage(
@@ -352,17 +365,23 @@ def scan_stages(data: dict[str, Any], inputs: ScanInputs) -> list[Stage]:
     n_win = int(inputs.control_select.tokens.shape[0])
     stages.append(Stage(
         "heads: control_sweep", heads_t.get("control_sweep", math.nan),
-        [control_sweep(inputs.control_select, [[h] for h in measured], c_tail)], precision,
-        counted=f"{len(single)} heads x {n_win} windows of {c_len} tokens + clean run; "
-        f"logits of the last {keep} positions",
+        [control_sweep(inputs.control_select, [[h] for h in c], c_tail) for c in chunks],
+        precision,
+        counted=f"{len(alone)} heads x {n_win} windows of {c_len} tokens in {len(chunks)} "
+        f"sweep(s), each + its clean run; logits of the last {keep} positions",
     ))  # fmt: skip
     walk = replay_joint_walk(report)
+    shared = "share one clean run" in method.get("joint_control", "")
+    walk_sweeps = [
+        control_sweep(inputs.control_select, sets, c_tail, clean=not shared or i == 0)
+        for i, sets in enumerate(walk)
+    ]
     joint_cells = sum(len(s) for s in walk)
     stages.append(Stage(
         "heads: joint_control", heads_t.get("joint_control", math.nan),
-        [control_sweep(inputs.control_select, sets, c_tail) for sets in walk], precision,
-        counted=f"{len(walk)} control sweeps of {joint_cells} head sets (replayed), each + its "
-        "clean run",
+        walk_sweeps, precision,
+        counted=f"{len(walk)} control sweeps of {joint_cells} head sets (replayed), "
+        + ("one clean run shared by all" if shared else "each + its clean run"),
     ))  # fmt: skip
     stages.append(Stage(
         "heads: examples", heads_t.get("examples", math.nan),

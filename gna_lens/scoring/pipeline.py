@@ -746,6 +746,7 @@ def _joint_stage(run: _Run, report: GnaReport, joint_k: int) -> None:
             )  # fmt: skip
         run.timings["joint_control"] -= run.timings["control_sweep"] - spent  # counted there
         object.__setattr__(report, "joint_set", joint)
+        line += "; the walk's control sweeps share one clean run of the windows"
     run.method["joint_control"] = line
     if run.control_scope != "all":
         run.method["control_scope"] = (
