@@ -166,11 +166,12 @@ def mamba1_scan(
 ) -> tuple[Float[Tensor, "batch pos channel"], Tensor | None]:
     """Mamba-1 selective scan ``h_t = exp(Δ_t A) h_{t-1} + Δ_t B_t u_t``, ``y_t = C_t · h_t``.
 
-    Without the states, step by step: each step's decay, write, fused multiply-add and
-    read-out work on one ``[batch, channel, state]`` buffer that stays in cache (5x faster on CPU
-    than materializing a chunk's ``[chunk, batch, channel, state]`` decays and writes first, 74 MB
-    per layer for 16 prompts of 47 tokens of mamba-130m, with bit-identical results); memory is
-    ``O(batch * channel * state)``. With the states, per chunk of ``chunk_size`` positions: decays and writes in one vectorized pass (time-major), the
+    Without the states, step by step over tiles of the batch: each step's decay, update and
+    read-out work in place on one ``[rows, state, channel]`` buffer that stays in cache
+    (:data:`SCAN_TILE_BYTES`; 5x faster on CPU than materializing a chunk's ``[chunk, batch,
+    channel, state]`` decays and writes first, 74 MB per layer for 16 prompts of 47 tokens of
+    mamba-130m); memory is ``O(batch * channel * state)``. With the states, per chunk of
+    ``chunk_size`` positions: decays and writes in one vectorized pass (time-major), the
     recurrence written into a preallocated buffer, one read-out contraction. Either beats a
     log-depth parallel scan on CPU, whose extra passes over ``[batch, pos, channel, state]``
     tensors cost more than the per-step overhead. ``D`` and the gate are applied by the caller.
@@ -219,6 +220,12 @@ def mamba1_scan(
     return torch.cat(ys, dim=1), torch.cat(all_states, dim=1)
 
 
+#: Bytes of one batch tile's ``[rows, state, channel]`` Mamba-1 scan state: the step loop runs
+#: over tiles of the batch that stay in a core's cache (mamba-130m, 16 prompts of 47 tokens, one
+#: thread: 8-row tiles 1.3x faster than the whole batch at once, 1.5x for 64 prompts).
+SCAN_TILE_BYTES = 2**20
+
+
 def _scan_steps(
     u: Tensor,
     delta: Tensor,
@@ -228,31 +235,38 @@ def _scan_steps(
     chunk_size: int = 0,
     starts: list[Tensor] | None = None,
 ) -> Tensor:
-    """The scan's outputs ``y [batch, pos, channel]`` step by step, no state kept, no autograd
-    (see :func:`mamba1_scan`), in the inputs' promoted dtype even under autocast (as the Mamba
-    kernels keep their scan in float32). ``starts`` (with ``chunk_size``) collects the state
-    before every ``chunk_size``-th step (for :class:`Mamba1Scan`'s backward).
+    """The scan's outputs ``y [batch, pos, channel]`` (contiguous) step by step, no state kept,
+    no autograd (see :func:`mamba1_scan`), in the inputs' promoted dtype even under autocast (as
+    the Mamba kernels keep their scan in float32). ``starts`` (with ``chunk_size``) collects the
+    state ``[batch, channel, state]`` before every ``chunk_size``-th step (for
+    :class:`Mamba1Scan`'s backward).
     """
     batch, length, channels = u.shape
     dtype = u.dtype
     for x in (delta, A, B, C):
         dtype = torch.promote_types(dtype, x.dtype)
-    d = delta.transpose(0, 1)  # [t, b, e]
-    du = d * u.transpose(0, 1)
-    Bt, Ct = B.transpose(0, 1), C.transpose(0, 1).unsqueeze(-1)  # [t, b, n], [t, b, n, 1]
-    state = torch.zeros(batch, channels, A.shape[-1], dtype=dtype, device=u.device)
-    decay, write = torch.empty_like(state), torch.empty_like(state)
-    y = torch.empty(length, batch, channels, dtype=dtype, device=u.device)
+    d = delta.transpose(0, 1).to(dtype)[:, :, None, :]  # [t, b, 1, e]
+    du = d * u.transpose(0, 1).to(dtype)[:, :, None, :]
+    At = A.t().to(dtype).contiguous()  # [n, e]
+    Bt = B.transpose(0, 1).to(dtype)[..., None]  # [t, b, n, 1]
+    Ct = C.transpose(0, 1).to(dtype)[:, :, None, :]  # [t, b, 1, n]
+    y = torch.empty(length, batch, 1, channels, dtype=dtype, device=u.device)
+    if starts is not None:
+        starts += [y.new_empty(batch, channels, A.shape[-1]) for _ in range(0, length, chunk_size)]
+    # The state is [rows, n, e], channels innermost: each step's ops run in place over
+    # contiguous rows of channels (1.6x faster on CPU than [batch, e, n] for mamba-130m).
+    rows = max(1, SCAN_TILE_BYTES // (A.numel() * dtype.itemsize))
     with torch.autocast(u.device.type, enabled=False):  # the state and read-out stay in dtype
-        for step in range(length):
-            if starts is not None and step % chunk_size == 0:
-                starts.append(state.clone())
-            torch.mul(d[step, :, :, None], A, out=decay)
-            decay.exp_()
-            torch.mul(du[step, :, :, None], Bt[step, :, None, :], out=write)
-            state, write = write.addcmul_(decay, state), state  # write + decay * state
-            y[step] = torch.matmul(state, Ct[step].to(dtype))[..., 0]
-    return y.transpose(0, 1)
+        for r in range(0, batch, rows):
+            tile, state = slice(r, r + rows), y.new_zeros(min(rows, batch - r), *At.shape)
+            decay = torch.empty_like(state)
+            for step in range(length):
+                if starts is not None and step % chunk_size == 0:
+                    starts[step // chunk_size][tile] = state.transpose(1, 2)
+                torch.mul(d[step, tile], At, out=decay).exp_()
+                state.mul_(decay).addcmul_(Bt[step, tile], du[step, tile])  # exp(ΔA) h + Δu B
+                torch.matmul(Ct[step, tile], state, out=y[step, tile])
+    return y[:, :, 0].transpose(0, 1).contiguous()
 
 
 def _chunk_terms(u: Tensor, delta: Tensor, A: Tensor, B: Tensor) -> tuple[Tensor, Tensor]:
