@@ -140,8 +140,8 @@ class Mamba1Mixer(SSMMixer):
 
         def cost(e: int, r: int) -> int:
             # per key block (ops.mamba1_pattern): the rows' C·exp terms and the block's
-            # products, the direct sums of the rows inside the block
-            return unit * e * (r * (n_state + 16) + 4 * 16 * 16 + 16 * n_state)
+            # products; the block's keys' states and rows inside it (ops._rows_inside)
+            return unit * e * (r * (n_state + 16) + 16 * (2 * n_state + 2 * 16))
 
         return _mamba1_pattern_part, cost
 
