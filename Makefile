@@ -32,10 +32,9 @@ venv: $(STAMP)
 # float32 at 270 heads, on every CPU), the top 4 retrieval-specific heads measured on 48 held-out
 # prompts per template (question, paper, facts) with 95% intervals, the prose control and 10 random
 # same-layer head sets;
-# reports/demo/report.html. 4 min 16 s measured 2026-11-26 on 2 idle cores of an Intel Xeon with
-# AVX512-BF16, plus 22 s the first time (conversion); other CPUs: README and benchmarks/RESULTS.md.
-# Since 2026-11-28 the held-out stage also measures the induction-proof facts template and 64 prose
-# windows (was 8): 274 s on 1 thread beside other jobs (AMD EPYC); not re-timed on 2 idle cores.
+# reports/demo/report.html. 4 min 23 s measured 2026-12-05 on 2 idle cores of an Intel Xeon with
+# AVX512-BF16 (conversion cached; the first run adds 17 s); the control's heads are only those the
+# ranking reaches (--control-all for every head); other CPUs: benchmarks/RESULTS.md.
 # The tiny-model implicit-attention summary is `gna-lens demo`:
 # $(PY) -m gna_lens.cli demo
 demo: $(STAMP)

@@ -783,7 +783,8 @@ def estimate_scan(
             rows["layers"] = layer_depth * (n_sel + ctrl)
         rows["ablation"] = n_exact * mean_depth * n_sel
         if ctrl:
-            rows["control"] = n_exact * mean_depth * ctrl
+            # control_scope="needed": its first 2 * joint_k heads (more only if the walk asks)
+            rows["control"] = min(n_exact, 2 * JOINT_K) * mean_depth * ctrl
             rows["joint_control"] = min(JOINT_K, n_exact) * ctrl
         held = sum(rows_of(t) for t in sets.held_out.values()) + rows_of(c_eval)
         rows["held_out"] = (2 + random_draws) * held
