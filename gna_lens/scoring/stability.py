@@ -263,7 +263,8 @@ def _sample_effects(report: GnaReport, name: str) -> tuple[Tensor, Tensor]:
             "a control, since issue 30; a report loaded from an older report.json has none). "
             "Fix: score the heads again with score_heads(model, task, control='prose')."
         )
-    if str(report.method.get("control_scope", "")).startswith("needed"):
+    effects, controls = samples["ablation_effect"], samples["control_effect"]
+    if bool((controls.isnan().all(-1) & ~effects.isnan().all(-1)).any()):
         raise GnaLensError(
             f"{name}: the report measured control effects only for the heads its joint walk "
             "reached (control_scope='needed'), and resamples reorder the heads past them. Fix: "
