@@ -18,6 +18,10 @@ Usage::
     python benchmarks/bench_real_size.py --models mamba1-130m --stages pattern_scores
     python benchmarks/bench_real_size.py --n-prompts 16 --timeout 1200 --json out.json
     python benchmarks/bench_real_size.py --extrapolate --models   # 7B models, extrapolated
+    # the whole gna-lens scan (random weights are not above chance: --force); for a side-by-side
+    # comparison run two at once, PYTHONPATH=<before> and PYTHONPATH=<after>, one thread each
+    python benchmarks/bench_real_size.py --models mamba1-130m --stages scan --n-prompts 16 \
+        --scan-args="--force --threads 1"
 
 ``--extrapolate`` measures 1- and 2-layer cuts of Falcon-Mamba-7B's config (d_model 4096,
 d_inner 8192) and of Zamba2-7B's two layer kinds (Mamba-2 layers; hybrid layers: a shared

@@ -246,7 +246,7 @@ def _scan_steps(
     (length, batch, channels), At = u.shape, A.contiguous()  # time-major; A^T [n, e]
     d, du = delta[:, :, None], (delta * u)[:, :, None]  # [t, b, 1, e]
     Bt, Ct = B[..., None], C[:, :, None]  # [t, b, n, 1], [t, b, 1, n]
-    y = u.new_empty(length, batch, 1, channels)
+    y = u.new_empty(batch, length, channels)  # written in place: no copy of it at the end
     if starts is not None:
         starts += [y.new_empty(batch, channels, A.shape[0]) for _ in range(0, length, chunk_size)]
     # The state is [rows, n, e], channels innermost: each step's ops run in place over
@@ -255,14 +255,14 @@ def _scan_steps(
     with torch.autocast(u.device.type, enabled=False):  # the state and read-out stay in dtype
         for r in range(0, batch, rows):
             tile, state = slice(r, r + rows), y.new_zeros(min(rows, batch - r), *At.shape)
-            decay = torch.empty_like(state)
+            decay, row = torch.empty_like(state), y.new_empty(state.shape[0], 1, channels)
             for step in range(length):
                 if starts is not None and step % chunk_size == 0:
                     starts[step // chunk_size][tile] = state.transpose(1, 2)
                 torch.mul(d[step, tile], At, out=decay).exp_()
                 state.mul_(decay).addcmul_(Bt[step, tile], du[step, tile])  # exp(ΔA) h + Δu B
-                torch.matmul(Ct[step, tile], state, out=y[step, tile])
-    return y[:, :, 0].transpose(0, 1).contiguous()
+                y[tile, step] = torch.matmul(Ct[step, tile], state, out=row)[:, 0]
+    return y
 
 
 def _chunk_terms(u: Tensor, delta: Tensor, A: Tensor, B: Tensor) -> tuple[Tensor, Tensor]:
