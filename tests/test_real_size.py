@@ -54,6 +54,24 @@ def _plain_recurrence(u, delta, A, B, C):
     return torch.stack(ys, 1)
 
 
+@pytest.mark.parametrize("length", [1, 7, 12])
+def test_mamba2_ssd_equals_the_recurrence_in_one_chunk_or_many(length):
+    """One chunk (the input no longer than ``chunk_size``: no state carried in, steps 2-4 skipped)
+    and several chunks both equal the step-by-step recurrence (fp64), and each other."""
+    g = torch.Generator().manual_seed(length)
+    b, h, p, grp, n = 2, 4, 3, 2, 5
+    x = torch.randn(b, length, h, p, generator=g, dtype=torch.float64)
+    dt = torch.rand(b, length, h, generator=g, dtype=torch.float64) * 0.5 + 0.05
+    A = -torch.rand(h, generator=g, dtype=torch.float64) * 2 - 0.1
+    B, C = (torch.randn(b, length, grp, n, generator=g, dtype=torch.float64) for _ in range(2))
+    states = ops.mamba2_recurrent(x, dt, A, B, C)  # [b, pos, head, d_head, state]
+    ref = torch.einsum("blhpn,blhn->blhp", states, C.repeat_interleave(h // grp, dim=2))
+    one = ops.mamba2_ssd(x, dt, A, B, C, chunk_size=64)
+    many = ops.mamba2_ssd(x, dt, A, B, C, chunk_size=3)
+    assert torch.allclose(one, ref, rtol=1e-12, atol=1e-12)
+    assert torch.allclose(many, ref, rtol=1e-12, atol=1e-12)
+
+
 # float32 rows of [7 channels, 4 states] are 112 bytes: the whole batch, 1 row, 2 rows per tile
 @pytest.mark.parametrize("tile_bytes", [2**20, 1, 224])
 def test_mamba1_scan_equals_the_plain_recurrence_in_any_batch_tiles(monkeypatch, tile_bytes):
