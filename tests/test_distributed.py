@@ -5,6 +5,7 @@ load_model, as they load a user's model by name or folder.
 """
 
 import functools
+import os
 import re
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import torch
 from interventions_helpers import KEYS, tok
 
 from gna_lens import ablation_sweep, load_model, score_heads
-from gna_lens.distributed import RayExecutor
+from gna_lens.distributed import RayExecutor, ray_init_kwargs
 from gna_lens.errors import ConfigError, GnaLensError, WorkerError
 from gna_lens.interventions import control_sweep, layer_sweep, prune_from_end
 from gna_lens.interventions.engine import PLANNERS, SweepJob, run_sweeps
@@ -76,7 +77,7 @@ def ray_instance():
     started = not ray.is_initialized()
     if started:
         t0 = time.perf_counter()
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        ray.init(**ray_init_kwargs(None, {"num_cpus": 2, "log_to_driver": False}))
         print(f"ray.init: {time.perf_counter() - t0:.1f} s")
     yield
     if started:
@@ -130,6 +131,14 @@ def pool(ray_instance, llama):
     ex = _Faulty(workers=2, place_timeout=600).start(llama[0])
     yield ex
     ex.close()
+
+
+def test_workers_run_at_the_callers_niceness_not_rays_15(ray_instance):
+    """Beside other busy processes, Ray's niceness-15 workers got about 4% of a core each and the
+    sweeps stalled: the local instance runs them at the caller's niceness."""
+    nice = ray.remote(num_cpus=1)(lambda: os.nice(0))
+    assert ray.get(nice.remote(), timeout=120) == os.nice(0)
+    assert ray_init_kwargs("auto", {})["address"] == "auto"  # joining a cluster: its config
 
 
 @pytest.mark.parametrize("pack", [None, 3])
