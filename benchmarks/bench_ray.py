@@ -171,7 +171,9 @@ def main() -> None:
     import ray
 
     t0 = time.perf_counter()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    from gna_lens.distributed import ray_init_kwargs
+
+    ray.init(**ray_init_kwargs(None, {"num_cpus": 2, "log_to_driver": False}))  # as RayExecutor
     t_init = time.perf_counter() - t0
 
     def fresh():

@@ -17,8 +17,8 @@ Three ways to run a cell, all returning the same numbers up to float rounding:
 
 Cells that are not head sets (layers, residual patches) are :class:`HookCell` and run on the same
 scheduler from their start layer. How many cells go into one forward pass is measured, not
-guessed (:class:`PackTuner`): a larger batch is not always faster (on CPU, once a layer's
-activations leave the cache).
+guessed (:class:`PackTuner`, from :data:`START_ROWS` rows up): a larger batch is not always
+faster (on CPU, once a layer's activations leave the cache).
 """
 
 import contextlib
