@@ -100,17 +100,18 @@ class SweepPlan:
 
 
 #: Rows (cells x prompts) of the first packed forward pass; the tuner doubles from there.
-START_ROWS = 32
+START_ROWS = 64
 
 
 class PackTuner:
     """Cells per forward pass: fixed, or found by doubling while the time per cell-layer drops
     by more than 10% (within ``max_rows`` and the memory budget), from :data:`START_ROWS` rows.
 
-    Starting small matters: past a few dozen rows of ~50 tokens a forward's activations leave
-    the CPU's caches and every elementwise pass slows (measured on 2 Xeon cores, per token:
-    Mamba-2 130M 43 us at 32 rows, 74 us at 384; SmolLM2-135M 730 us at 64-96 rows, 965 us at
-    384), and doubling only moves up."""
+    Where it starts matters: past about a hundred rows of ~50 tokens a forward's activations
+    leave the CPU's caches and every elementwise pass slows, and below a few dozen the matrix
+    products run under their peak; doubling only moves up. Measured per token on 2 Xeon cores
+    (rows: 32 / 64 / 128 / 384): Mamba-2 130M 43 / 46 / 67 / 74 us, Mamba-1 130M 79 / 77 / 91 /
+    85 us, SmolLM2-135M (22 layers) 857 / 728 / 752 / 965 us."""
 
     def __init__(self, fixed: int | None, start_rows: int | None = None):
         self.fixed = fixed
@@ -479,7 +480,7 @@ def _hook_run(
         return
     runner.log.used("cells", "from the start layer's cached residual")
     cache = ctx.clean(g, tokens, idx, start_layer, memo, part, base)
-    K = max(1, ctx.tuners["packed"].fixed or (min(cap, 2 * START_ROWS) // G))  # see PackTuner
+    K = max(1, ctx.tuners["packed"].fixed or (min(cap, START_ROWS) // G))  # see PackTuner
     for s0 in range(0, len(ctx.ids), K):
         chunk = ctx.ids[s0 : s0 + K]
         packed: dict[int, list[int]] = {}
