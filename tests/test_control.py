@@ -238,3 +238,23 @@ def test_sweeps_in_shared_clean_runs_reuse_one_clean_run_and_give_the_same_numbe
             assert torch.equal(a.values, b.values) and torch.equal(a.baseline, b.baseline), arch
         forwards = [r.info["forwards"] for r in shared]
         assert forwards[1:] == [f - 1 for f in (r.info["forwards"] for r in alone[1:])], arch
+
+
+def test_the_pack_tuner_starts_at_start_rows_and_doubles_while_faster():
+    """Cells per pass start at START_ROWS rows whatever the prompts per cell (8 cells of 48
+    prompts were 384 rows, where the CPU's caches no longer hold a pass), then double while the
+    time per cell-layer drops by more than 10%; a pinned size is kept."""
+    from gna_lens.interventions.engine import START_ROWS, PackTuner
+
+    tuner = PackTuner(None)
+    assert tuner.size(cap=100, rows_per_cell=48) == max(1, START_ROWS // 48)
+    tuner = PackTuner(None)
+    k = tuner.size(cap=100, rows_per_cell=16)
+    assert k == START_ROWS // 16
+    tuner.report(k, seconds=1.0 * k, work=k, cap=100)  # 1 s per cell
+    assert tuner.size(100, 16) == 2 * k
+    tuner.report(2 * k, seconds=0.5 * 2 * k, work=2 * k, cap=100)  # twice as fast: go on
+    assert tuner.size(100, 16) == 4 * k
+    tuner.report(4 * k, seconds=0.5 * 4 * k, work=4 * k, cap=100)  # no faster: back and stop
+    assert tuner.done and tuner.size(100, 16) == 2 * k
+    assert PackTuner(8).size(cap=2, rows_per_cell=48) == 8
