@@ -32,7 +32,7 @@ venv: $(STAMP)
 # float32 at 270 heads, on every CPU), the top 4 retrieval-specific heads measured on 48 held-out
 # prompts per template (question, paper, facts) with 95% intervals, the prose control and 10 random
 # same-layer head sets;
-# reports/demo/report.html. 4 min 14 s measured 2026-12-05 on 2 idle cores of an Intel Xeon with
+# reports/demo/report.html. 3 min 47 s and 4 min 14 s measured 2026-12-05 (two runs) on 2 idle cores of an Intel Xeon with
 # AVX512-BF16 (conversion cached; the first run adds 17 s); the control's heads are only those the
 # ranking reaches (--control-all for every head); other CPUs: benchmarks/RESULTS.md.
 # The tiny-model implicit-attention summary is `gna-lens demo`:
