@@ -8,26 +8,19 @@ greedy joint walk gives the head sets the walk measured, a turned-down head incl
 """
 
 import dataclasses
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
+from bench_helpers import load_benchmark
 from interventions_helpers import model as helper_model
 from torch.utils.flop_counter import FlopCounterMode
 
 from gna_lens.heads import Subject
 from gna_lens.interventions.runner import Runner
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_flops.py"
-
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_flops", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_flops.py")
 
 
 def _flops(fn) -> int:

@@ -1,22 +1,15 @@
 """benchmarks/bench_gpu.py end to end on tiny configs on the CPU: every section runs its GPU
 code path and writes its numbers; nothing is judged (``pass`` is null with ``--tiny``)."""
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_gpu.py"
+from bench_helpers import load_benchmark
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_gpu", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_gpu.py")
 
 
 def _number(x):

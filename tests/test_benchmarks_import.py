@@ -6,12 +6,13 @@ otherwise break them silently (this happened once: two scripts imported a module
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+from bench_helpers import BENCHMARKS as FOLDER
+from bench_helpers import load_benchmark
 
-BENCHMARKS = sorted((Path(__file__).resolve().parents[1] / "benchmarks").glob("*.py"))
+BENCHMARKS = sorted(FOLDER.glob("*.py"))
 
 
 def test_there_are_benchmarks() -> None:
@@ -20,7 +21,4 @@ def test_there_are_benchmarks() -> None:
 
 @pytest.mark.parametrize("path", BENCHMARKS, ids=lambda p: p.name)
 def test_benchmark_imports(path: Path) -> None:
-    spec = importlib.util.spec_from_file_location(f"_bench_{path.stem}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # runs only module level: every script guards its main
+    load_benchmark(path, f"_bench_{path.stem}")  # module level only: every script guards its main

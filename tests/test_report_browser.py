@@ -4,19 +4,13 @@ Runs ``benchmarks/check_report.py``'s check; skipped where no Chromium is instal
 (Debian: ``apt-get install -y chromium``).
 """
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from bench_helpers import load_benchmark
 
 from gna_lens import score_heads
 from gna_lens.testing import toy_control, toy_gna_model, toy_gna_task
 
-_SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "check_report.py"
-_spec = importlib.util.spec_from_file_location("check_report", _SCRIPT)
-assert _spec is not None and _spec.loader is not None
-check = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(check)
+check = load_benchmark("check_report.py")
 
 pytestmark = pytest.mark.skipif(
     check.find_chromium() is None,
