@@ -113,9 +113,8 @@ class PackTuner:
     (rows: 32 / 64 / 128 / 384): Mamba-2 130M 43 / 46 / 67 / 74 us, Mamba-1 130M 79 / 77 / 91 /
     85 us, SmolLM2-135M (22 layers) 857 / 728 / 752 / 965 us."""
 
-    def __init__(self, fixed: int | None, start_rows: int | None = None):
+    def __init__(self, fixed: int | None):
         self.fixed = fixed
-        self.start_rows = START_ROWS if start_rows is None else start_rows
         self.k = 0  # set from the rows per cell on first use
         self.best = 0
         self.best_t = math.inf
@@ -126,7 +125,7 @@ class PackTuner:
         if self.fixed is not None:
             return max(1, self.fixed)
         if not self.k:
-            self.k = self.best = max(1, self.start_rows // max(1, rows_per_cell))
+            self.k = self.best = max(1, START_ROWS // max(1, rows_per_cell))
         return max(1, min(self.best if self.done else self.k, cap))
 
     def report(self, k: int, seconds: float, work: float, cap: int) -> None:

@@ -478,7 +478,7 @@ def mamba2_ssd(
     M = decay * CB[:, :, None]  # [b,g,m,c,T,T]
     y = torch.einsum("bgmcls,bcsgmp->bclgmp", M, xdt)
     if n_chunks == 1:  # no state comes in from before the chunk: steps 2-4 would add zero
-        return y.reshape(batch, T, heads, d_head)[:, :length].to(out_dtype)
+        return y.reshape(batch, length, heads, d_head).to(out_dtype)  # T == length here
 
     # 2. State at each chunk's end, from that chunk's inputs alone.
     to_end = reverse_segsum(a)  # sum_{k=s+1..T-1} a_k
