@@ -27,7 +27,7 @@ from gna_lens.heads import (
     is_hooked_ssm,
     policy_of,
 )
-from gna_lens.runtime import choose_precision
+from gna_lens.runtime import choose_precision, native_bfloat16
 from gna_lens.tasks import Task
 
 __all__ = [
@@ -36,6 +36,7 @@ __all__ = [
     "DEFAULT_TOP_LAYERS",
     "EXACT_ALL_MAX",
     "EXACT_BUDGET_S",
+    "PROBE_WORTH_S",
     "STRATEGIES",
     "applied_head_groups",
     "auto_head_groups",
@@ -67,6 +68,13 @@ STRATEGIES = ("auto", "exact", "coarse_to_fine", "attribution")
 EXACT_BUDGET_S = 120.0
 
 
+#: ``sweep_dtype="auto"`` probes bfloat16 on a model of at most :data:`EXACT_ALL_MAX` heads
+#: where its float32 selection sweep is estimated to take at least this many seconds (and the
+#: device multiplies bfloat16 natively): the probe and the check cost a few seconds, worth it only
+#: where bfloat16 can save tens (the demo's 270 SmolLM2 heads: 2.2x on a 2-core AMX Xeon).
+PROBE_WORTH_S = 60.0
+
+
 #: Layers whose heads a coarse-to-fine scan ablates, at most (see :func:`default_top_layers`).
 DEFAULT_TOP_LAYERS = 4
 
@@ -84,21 +92,25 @@ DEFAULT_PREFILTER = 32
 
 
 def resolve_sweep_dtype(
-    model: ModelLike, sweep_dtype: Any, task: Task | None = None
+    model: ModelLike, sweep_dtype: Any, task: Task | None = None, n_swept: int | None = None
 ) -> tuple[Any, dict[str, Any]]:
     """The sweep dtype to run (``"auto"`` resolved) and what to record about the choice.
 
     ``"auto"`` is :func:`gna_lens.runtime.choose_precision` on a forward pass like the sweep's
-    (16 of ``task``'s prompts, last-position logits) with :func:`check_bfloat16` as the check;
-    a model of at most :data:`EXACT_ALL_MAX` heads (as grouped now) keeps float32. The record
-    (``sweep_dtype_choice``, ``sweep_dtype_probe``) says what was measured. Other values are
-    returned as given.
+    (16 of ``task``'s prompts, last-position logits) with :func:`check_bfloat16` as the check,
+    for a model of more than :data:`EXACT_ALL_MAX` heads (as grouped now), and for a smaller one
+    whose float32 sweep of ``n_swept`` heads on ``task`` is estimated at
+    :data:`PROBE_WORTH_S` or more on a device with native bfloat16 (the estimate is
+    :func:`time_per_row`'s, as :func:`choose_strategy`'s). Other models keep float32 without
+    probing. The record (``sweep_dtype_choice``, ``sweep_dtype_probe``) says what was measured.
+    Other values are returned as given.
 
     Args:
         model: The model.
         sweep_dtype: ``"auto"``, ``None`` / ``"float32"`` or ``"bfloat16"``.
         task: The selection task (the probe's and the check's prompts); needed by ``"auto"``
             on a large model.
+        n_swept: Heads the sweep ablates one by one (``None``: every head).
 
     Examples:
         >>> from gna_lens.testing import toy_gna_model
@@ -118,6 +130,17 @@ def resolve_sweep_dtype(
             "resolve_sweep_dtype(model, 'auto') on a large model needs task= (its prompts are "
             "what bfloat16 is timed and checked on). Fix: pass the selection task."
         )
+    why_small = f"{n:,} heads: a small model"
+    if large:
+        why_big = f"the model is large ({n:,} heads, more than {EXACT_ALL_MAX})"
+    elif task is not None and param.dtype == torch.float32 and native_bfloat16(param.device):
+        est, basis = _sweep_seconds(subject, task, n if n_swept is None else n_swept, repeats=1)
+        large = est >= PROBE_WORTH_S
+        why_big = f"the float32 sweep is long (estimated {est:.0f} s: {basis})"
+        why_small = (
+            f"a short sweep: estimated {est:.1f} s in float32, under PROBE_WORTH_S="
+            f"{PROBE_WORTH_S:g} s ({basis})"
+        )
     run, what = _probe_forward(subject, task) if large and task is not None else (None, "")
     choice = choose_precision(
         "auto",
@@ -125,7 +148,7 @@ def resolve_sweep_dtype(
         device=param.device,
         what=what,
         weights_dtype=param.dtype,
-        worth_it=(large, f"{n:,} heads: a small model"),
+        worth_it=(large, why_small),
         check=None if task is None else lambda: check_bfloat16(model, task),
     )
     record: dict[str, Any] = {"sweep_dtype_choice": choice.reason}
@@ -133,9 +156,8 @@ def resolve_sweep_dtype(
         record["sweep_dtype_probe"] = choice.probe.to_dict()
         if choice.autocast is not None:
             record["sweep_dtype_choice"] += (
-                f"; the model is large ({n:,} heads, more than {EXACT_ALL_MAX}); held-out "
-                "numbers are float32; --sweep-dtype float32 (sweep_dtype=None) for exact "
-                "arithmetic"
+                f"; {why_big}; held-out numbers are float32; --sweep-dtype float32 "
+                "(sweep_dtype=None) for exact arithmetic"
             )
     return choice.autocast, record
 
@@ -324,32 +346,44 @@ def _estimate_applies(policy: DevicePolicy) -> bool:
     return policy.is_cuda
 
 
-def time_per_row(model: ModelLike, task: Task, rows: int = 16) -> tuple[float, str]:
+def time_per_row(
+    model: ModelLike, task: Task, rows: int = 16, repeats: int = 3
+) -> tuple[float, str]:
     """Seconds per prompt of a sweep-like forward (:func:`_probe_forward` of ``rows`` prompts):
-    the median of 3 timed runs after a warm-up; and what was timed, in words."""
+    the median of ``repeats`` timed runs after a warm-up; and what was timed, in words."""
     run, what = _probe_forward(model, task, rows)
     policy = policy_of(model)
     run()  # warm-up (kernels compiled, memory pools filled)
     times = []
-    for _ in range(3):
+    for _ in range(repeats):
         policy.synchronize()
         t0 = time.perf_counter()
         run()
         policy.synchronize()
         times.append(time.perf_counter() - t0)
-    return sorted(times)[1] / rows, what
+    return sorted(times)[len(times) // 2] / rows, what
 
 
 def _exact_seconds(model: ModelLike, task: Task, view: Any) -> tuple[float, str]:
     """Estimated seconds of the task's and the control's exact sweeps over every head."""
-    per_row, what = time_per_row(model, task)
+    est, basis = _sweep_seconds(model, task, view.n_heads_total)
+    return 2 * est, f"{basis} x 2 for the control"
+
+
+def _sweep_seconds(
+    model: ModelLike, task: Task, n_swept: int, repeats: int = 3
+) -> tuple[float, str]:
+    """Estimated seconds of the task's sweep of ``n_swept`` heads (the mean depth of all heads),
+    and its basis in words (``repeats``: timed forwards, as :func:`time_per_row`)."""
+    view = Subject.of(model).view
+    per_row, what = time_per_row(model, task, repeats=repeats)
     depth = sum((view.n_layers - layer) / view.n_layers for layer, _ in view.heads()) / max(
         view.n_heads_total, 1
     )
-    est = 2 * view.n_heads_total * len(task) * depth * per_row
+    est = n_swept * len(task) * depth * per_row
     return est, (
         f"{per_row * 1e3:.3f} ms per row of a {what} x {len(task)} prompts x "
-        f"{view.n_heads_total} heads x {depth:.2f} mean depth x 2 for the control"
+        f"{n_swept} heads x {depth:.2f} mean depth"
     )
 
 

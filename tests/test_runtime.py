@@ -175,3 +175,46 @@ def test_cpu_description_names_the_cpu_its_bfloat16_and_torch_kernels():
     text = runtime.cpu_description()
     assert torch.backends.cpu.get_cpu_capability() in text
     assert ("no native bfloat16" in text) != runtime.native_bfloat16("cpu")
+
+
+def test_auto_probes_a_small_model_only_where_its_float32_sweep_is_long(monkeypatch):
+    """At most EXACT_ALL_MAX heads: float32 without probing where bfloat16 is not native or the
+    sweep is estimated under PROBE_WORTH_S; probed (and taken where faster and checked) where it
+    is estimated longer."""
+    from gna_lens import sweep_policy as sp
+    from gna_lens.testing import toy_gna_model, toy_gna_task
+
+    model = toy_gna_model()
+    task = toy_gna_task(model, n_samples=8)
+    probes: list[str] = []
+
+    def timed(what, device):
+        probes.append(what)
+        return (0.02, 0.01)
+
+    def estimate(est):
+        monkeypatch.setattr(sp, "_sweep_seconds", lambda m, t, n, repeats=3: (est, f"{n} heads"))
+
+    monkeypatch.setattr(sp, "native_bfloat16", lambda device: True)
+    estimate(sp.PROBE_WORTH_S - 1)
+    with override_speed_probe(timed):
+        dtype, rec = sp.resolve_sweep_dtype(model, "auto", task, n_swept=3)
+    assert dtype is None and probes == []
+    assert rec["sweep_dtype_choice"] == (
+        "auto: float32 (a short sweep: estimated 59.0 s in float32, under PROBE_WORTH_S=60 s "
+        "(3 heads))"
+    )
+    estimate(sp.PROBE_WORTH_S)
+    with override_speed_probe(timed):
+        dtype, rec = sp.resolve_sweep_dtype(model, "auto", task)
+    assert dtype == "bfloat16" and len(probes) == 1, rec
+    choice = rec["sweep_dtype_choice"]
+    assert choice.startswith("auto: bfloat16 autocast, because bfloat16 autocast 2.00x faster")
+    assert "; the float32 sweep is long (estimated 60 s: 4 heads); held-out numbers are" in choice
+    # Without native bfloat16 nothing is estimated or probed.
+    monkeypatch.setattr(sp, "native_bfloat16", lambda device: False)
+    estimate(float("nan"))
+    with override_speed_probe(timed):
+        dtype, rec = sp.resolve_sweep_dtype(model, "auto", task)
+    assert dtype is None and len(probes) == 1
+    assert rec["sweep_dtype_choice"] == "auto: float32 (4 heads: a small model)"

@@ -444,7 +444,13 @@ def score_heads(
         )  # fmt: skip
         dtype_choice: dict[str, Any] = {}
         if ablation:  # pattern scores alone run no sweep
-            sweep_dtype, dtype_choice = resolve_sweep_dtype(subject, sweep_dtype, task)
+            swept = {
+                "attribution": DEFAULT_PREFILTER if prefilter is None else prefilter,
+                "coarse_to_fine": subject.view.n_layers
+                + (top_layers or default_top_layers(subject.view))
+                * max(lh.n_heads for lh in subject.view),
+            }.get(strategy)
+            sweep_dtype, dtype_choice = resolve_sweep_dtype(subject, sweep_dtype, task, swept)
         reference = _reference(task, mode, reference)
         run = _Run(
             subject, task, metric, mode, positions, reference, sweep_dtype, progress, executor,
