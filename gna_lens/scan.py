@@ -536,6 +536,7 @@ def scan(
             knowledge = retrieval_vs_knowledge(
                 subject, top_heads, sets.held_out, control=c_eval, random_draws=random_draws,
                 seed=seed, mode=mode, positions=positions, progress=progress,
+                random_if_above_chance=True,
             )  # fmt: skip
     cautions = _warnings(report, knowledge, top, len(top_heads))
     report = dataclasses.replace(

@@ -2,6 +2,8 @@
 paired test of the removed set against the random sets, layer-matched draws whenever the layers
 allow, excluded heads never drawn."""
 
+from dataclasses import replace
+
 import torch
 
 from gna_lens.heads import head_view
@@ -70,3 +72,33 @@ def test_removing_the_aggregate_head_beats_random_heads_prompt_by_prompt():
     assert row.random_change is not None and row.random_change.method.startswith("bootstrap (draws")
     # The paired difference is the set's change minus the random sets' mean change.
     assert abs(row.vs_random.value - (row.change.value - row.random_change.value)) < 1e-9
+
+
+def test_random_sets_run_only_where_the_model_is_above_chance_and_the_rest_is_unchanged():
+    """``random_if_above_chance``: a task the model does not do gets the set's own numbers and a
+    note, no random sets (the scan's held-out stage); a task it does gets the same numbers as
+    with every set in one sweep."""
+    model = toy_gna_model()
+    task = toy_gna_task(model, n_samples=24, seed=3)
+    # The same prompts with every answer moved to the next choice: the toy answers 0 of them.
+    wrong = replace(
+        task,
+        samples=tuple(replace(s, answer_index=(s.answer_index + 1) % len(s.choices)) for s in task),
+    )
+    tasks = {"kv": task, "kv-wrong": wrong}
+    kw = dict(random_draws=5, progress=False, exclude=[TOY_GATHER_HEAD])
+    full = retrieval_vs_knowledge(model, [TOY_AGGREGATE_HEAD], tasks, **kw)
+    lean = retrieval_vs_knowledge(
+        model, [TOY_AGGREGATE_HEAD], tasks, random_if_above_chance=True, **kw
+    )
+    done, skipped = lean.rows
+    assert skipped.before.value == 0.0 and skipped.random_after is None
+    assert skipped.vs_random is None and skipped.random_draws == ()
+    assert skipped.random_note == "not run: the model is not above chance on this task"
+    assert skipped.after == full.rows[1].after and skipped.change == full.rows[1].change
+    assert (
+        "kv-wrong" in lean.format_lines()[1] and "random heads: not run" in lean.format_lines()[1]
+    )
+    assert done == full.rows[0] and done.random_after is not None and done.random_note == ""
+    assert lean.method["random_tasks"].startswith("the tasks the model does above chance")
+    assert full.rows[1].random_after is not None  # the default runs them everywhere

@@ -20,6 +20,7 @@ from gna_lens.heads import HeadView, ModelLike, Subject
 from gna_lens.interventions import ablate_heads, ablation_sweep, control_sweep
 from gna_lens.interventions.ablation import positions_label
 from gna_lens.interventions.batching import describe_task
+from gna_lens.interventions.engine import shared_clean_runs
 from gna_lens.interventions.sources import rotated
 from gna_lens.models.provenance import provenance_method
 from gna_lens.render.html import knowledge_html
@@ -209,6 +210,8 @@ class TaskRow(Record):
             random sets were drawn; negative: the set hurts more than random sets), or ``None``.
         p_value: Two-sided p-value of ``vs_random`` being 0 (sign-flip permutation test over
             prompts, 10,000 flips), or ``None``.
+        random_note: Why there is no random baseline although draws were asked for (e.g. the
+            model is not above chance on the task), else ``""``.
     """
 
     task: str
@@ -223,6 +226,7 @@ class TaskRow(Record):
     random_draws: tuple[float, ...] = ()
     vs_random: Estimate | None = None
     p_value: float | None = None
+    random_note: str = ""
 
 
 @dataclass(frozen=True)
@@ -324,7 +328,7 @@ class KnowledgeTable(Record):
             rand = (
                 f"; {k} random heads: {r.random_after.format(percent=True)}"
                 if r.random_after is not None
-                else ""
+                else f"; random heads: {r.random_note}" * bool(r.random_note)
             )
             lines.append(
                 f"{r.task} (n={r.n}, chance {100 * r.chance:.1f}%): before "
@@ -398,6 +402,7 @@ def retrieval_vs_knowledge(
     reference: Any = None,
     batch_size: int = 8,
     progress: bool = True,
+    random_if_above_chance: bool = False,
 ) -> KnowledgeTable:
     """Accuracy on each task before and after removing ``heads`` (the paper's table), with 95%
     intervals, a random-head baseline and a control.
@@ -426,6 +431,11 @@ def retrieval_vs_knowledge(
             rotated by one, prompt ``i`` resampled from prompt ``i + 1``).
         batch_size: Prompts per forward pass (multi-token tasks).
         progress: Show progress bars.
+        random_if_above_chance: Run the random sets only on the tasks the model does (the
+            accuracy's Wilson interval lies above chance; the set itself is measured on every
+            task, first, sharing its clean run with the random sets). On a task the model does
+            not do, no head set can show what it does for it; the row says so in
+            ``random_note`` (:func:`gna_lens.scan.scan` passes ``True``).
 
     Returns:
         A :class:`KnowledgeTable`.
@@ -459,15 +469,32 @@ def retrieval_vs_knowledge(
         ref = rotated(task, "retrieval_vs_knowledge") if (
             mode == "resample" and reference is None
         ) else reference  # fmt: skip
-        base, values, path, path_info = _per_sample_correct(
-            model, task, cells, mode, positions, ref, batch_size, progress
-        )
+        n, note = len(task), ""
+        with shared_clean_runs():  # the set's sweep and the random sets' share the clean run
+            base, values, path, path_info = _per_sample_correct(
+                model, task, cells[:1] if random_if_above_chance else cells, mode, positions,
+                ref, batch_size, progress,
+            )  # fmt: skip
+            before = wilson_interval(float(base.sum()), n)
+            if random_if_above_chance and sets and before.low <= task.chance:
+                note = "not run: the model is not above chance on this task"
+            elif random_if_above_chance and sets:
+                _, rest, _, rest_info = _per_sample_correct(
+                    model, task, sets, mode, positions, ref, batch_size, progress
+                )
+                values = torch.cat([values, rest])
+                for step, used in rest_info["paths"].items():
+                    path_info["paths"].setdefault(step, [])
+                    path_info["paths"][step] += [
+                        u for u in used if u not in path_info["paths"][step]
+                    ]
+                path_info["fallbacks"] += rest_info["fallbacks"]
         paths.add(path)
         step_paths[name] = path_info["paths"]
-        fallbacks += [f"{name}: {why}" for why in path_info["fallbacks"]]
-        n, after = len(task), values[0]
-        extra: dict[str, Any] = {}
-        if sets:
+        fallbacks += [f"{name}: {why}" for why in dict.fromkeys(path_info["fallbacks"])]
+        after = values[0]
+        extra: dict[str, Any] = {"random_note": note}
+        if len(values) > 1:
             rand = values[1:].double()  # [draws, prompts]
             pairs = after.double()[None] - rand  # the set's change minus each random set's
             extra = dict(
@@ -483,7 +510,7 @@ def retrieval_vs_knowledge(
                 description=describe_task(task),
                 n=n,
                 chance=float(task.chance),
-                before=wilson_interval(float(base.sum()), n),
+                before=before,
                 after=wilson_interval(float(after.sum()), n),
                 change=mean_interval(after - base),
                 **extra,
@@ -523,6 +550,9 @@ def retrieval_vs_knowledge(
             "mode": mode,
             "positions": positions_label(positions),
             "random_draws": random_draws,
+            "random_tasks": "the tasks the model does above chance (Wilson interval)"
+            if random_if_above_chance
+            else "every task",
             "random_sets": drawn.describe() if random_draws else "none",
             "accuracy_path": ", ".join(sorted(paths)),
             "paths": step_paths,
