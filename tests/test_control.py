@@ -130,6 +130,22 @@ def test_control_loss_is_the_plain_next_token_loss(tmp_path):
     assert torch.allclose(res.baseline, ce, atol=1e-5)
 
 
+def test_the_control_loss_in_blocks_of_rows_equals_one_block_bit_for_bit(monkeypatch):
+    """The next-token loss runs NLL_ROWS rows at a time (a whole pack's log-softmax ran out of
+    cache): the same numbers as one block, to the bit, on a pack that splits unevenly."""
+    from gna_lens.interventions import ablation
+
+    model = tiny_hooked_ssm("mamba2")
+    ctrl = text_control(model.tokenizer, n_sequences=3, seq_len=12, max_unknown=1.0)
+    heads = [(0, 0), (1, 2)]
+    monkeypatch.setattr(ablation, "NLL_ROWS", 10**9)
+    whole = control_sweep(model, ctrl, heads, progress=False)
+    monkeypatch.setattr(ablation, "NLL_ROWS", 4)  # rows per pack are a multiple of 6 here
+    blocks = control_sweep(model, ctrl, heads, progress=False)
+    assert whole.info["n_scored"] == 6 and torch.equal(blocks.values, whole.values)
+    assert torch.equal(blocks.baseline, whole.baseline) and whole.effects.abs().max() > 1e-4
+
+
 def test_control_sweep_refuses_what_it_cannot_measure():
     model = tiny_hooked_ssm("mamba2")
     one = text_control(model.tokenizer, n_sequences=1, seq_len=12, max_unknown=1.0)
