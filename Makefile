@@ -29,11 +29,12 @@ venv: $(STAMP)
 
 # The main job on a real model: scan SmolLM2-135M (packaged Q4_1 GGUF, converted once to the user
 # cache): all 270 heads ablated exactly on 16 selection prompts and on prose (--sweep-dtype auto:
-# float32 at 270 heads, on every CPU), the top 4 retrieval-specific heads measured on 48 held-out
-# prompts per template (question, paper, facts) with 95% intervals, the prose control and 10 random
-# same-layer head sets;
-# reports/demo/report.html. 3 min 47 s and 4 min 14 s measured 2026-12-05 (two runs) on 2 idle cores of an Intel Xeon with
-# AVX512-BF16 (conversion cached; the first run adds 17 s); the control's heads are only those the
+# bfloat16 autocast where the CPU has it natively and it is measured faster and checked, else
+# float32), the top 4 retrieval-specific heads measured in float32 on 48 held-out prompts per
+# template (question, paper, facts) with 95% intervals, the prose control and 10 random same-layer
+# head sets (on the templates the model does above chance); reports/demo/report.html.
+# 2 min 33 s and 3 min 4 s measured 2026-12-05 (two runs) on 2 idle cores of an Intel Xeon with
+# AMX-BF16 (conversion cached; the first run adds 17 s); the control's heads are only those the
 # ranking reaches (--control-all for every head); other CPUs: benchmarks/RESULTS.md.
 # The tiny-model implicit-attention summary is `gna-lens demo`:
 # $(PY) -m gna_lens.cli demo
