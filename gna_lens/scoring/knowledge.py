@@ -479,16 +479,17 @@ def retrieval_vs_knowledge(
             if random_if_above_chance and sets and before.low <= task.chance:
                 note = "not run: the model is not above chance on this task"
             elif random_if_above_chance and sets:
-                _, rest, _, rest_info = _per_sample_correct(
+                _, rest, _, more = _per_sample_correct(
                     model, task, sets, mode, positions, ref, batch_size, progress
                 )
-                values = torch.cat([values, rest])
-                for step, used in rest_info["paths"].items():
-                    path_info["paths"].setdefault(step, [])
-                    path_info["paths"][step] += [
-                        u for u in used if u not in path_info["paths"][step]
-                    ]
-                path_info["fallbacks"] += rest_info["fallbacks"]
+                values, was = torch.cat([values, rest]), path_info["paths"]
+                path_info = {
+                    "paths": {
+                        k: list(dict.fromkeys(was.get(k, []) + more["paths"].get(k, [])))
+                        for k in was | more["paths"]
+                    },
+                    "fallbacks": path_info["fallbacks"] + more["fallbacks"],
+                }
         paths.add(path)
         step_paths[name] = path_info["paths"]
         fallbacks += [f"{name}: {why}" for why in dict.fromkeys(path_info["fallbacks"])]
