@@ -109,6 +109,53 @@ def test_batched_sweep_equals_loop_of_single_ablations(arch, mode, positions):
     assert res.effects.abs().max() > 1e-3  # the ablations do something
 
 
+@pytest.mark.parametrize(
+    "mode,positions", [("zero", None), ("mean", None), ("zero", [1, -1]), ("resample", None)]
+)
+def test_a_shared_prefix_runs_once_per_cell_with_the_loops_numbers(mode, positions, monkeypatch):
+    """The prompts open alike (the template's first line): a bridge runs those positions once per
+    cell from a KV cache, the rest of every prompt on it, with a loop's numbers; an edit that
+    differs by prompt (resample) runs every row whole."""
+    from gna_lens.interventions import engine, runner
+
+    m, t = model("llama"), make_task(n_samples=6)
+    ids = tokens(t)
+    shared = int((ids == ids[:1]).all(0).long().cumprod(0).sum())
+    assert shared >= 2  # a position in the prefix edited as well as after it: [1, -1]
+    monkeypatch.setattr(engine, "MIN_SHARED_TOKENS", 1)
+    monkeypatch.delitem(runner._PREFIX_VERDICT, m, raising=False)
+    ref = None if mode == "zero" else make_task(seed=5, n_samples=6)
+    res = I.ablation_sweep(
+        m, t, "logit_diff", mode=mode, positions=positions, reference=ref, pack=2, progress=False
+    )
+    loop, _ = _loop_reference(m, t, mode, positions, ref)
+    assert_sweep_equals_loop(res.values, loop)
+    if mode == "resample":
+        assert "prefix" not in res.info["paths"]
+    else:  # the first pack checks the shortcut on the plain run, the others take it
+        assert res.info["paths"]["prefix"] == ["every row", f"once per cell ({shared} positions)"]
+        assert res.info["fallbacks"] == []
+
+
+def test_a_shared_prefix_that_does_not_reproduce_the_plain_run_is_a_recorded_fallback(
+    monkeypatch,
+):
+    from gna_lens.interventions import engine, runner
+
+    m, t = model("llama"), make_task(n_samples=6)
+    real = runner.Runner._prefixed
+    monkeypatch.setattr(engine, "MIN_SHARED_TOKENS", 1)
+    monkeypatch.setattr(runner.Runner, "_prefixed", lambda *a, **k: real(*a, **k) + 1.0)
+    monkeypatch.delitem(runner._PREFIX_VERDICT, m, raising=False)
+    res = I.ablation_sweep(m, t, "logit_diff", pack=2, progress=False)
+    loop, _ = _loop_reference(m, t, "zero", None, None)
+    assert_sweep_equals_loop(res.values, loop)
+    assert res.info["paths"]["prefix"] == ["every row"]
+    (why,) = res.info["fallbacks"]
+    assert why.startswith("prefix: every row (running the shared prefix once per cell does not")
+    monkeypatch.delitem(runner._PREFIX_VERDICT, m)
+
+
 @pytest.mark.parametrize("arch", ALL_ARCHS)
 @pytest.mark.parametrize("mode", ["zero", "mean", "resample"])
 def test_every_ablation_mode_moves_the_logits_and_leaves_no_trace(arch, mode):

@@ -446,9 +446,9 @@ def test_the_strategy_probe_reruns_packed_only_when_that_could_change_the_choice
     clock = {"t": 0.0}
     monkeypatch.setattr(_engine.time, "perf_counter", lambda: clock["t"])
 
-    def packed(self, chunk):
+    def packed(self, chunk, share=True):
         calls["packed"] += 1
-        lg, _ = real_packed(self, chunk)
+        lg, _ = real_packed(self, chunk, share)
         clock["t"] += 100.0 if slow == "packed" else 0.001
         return lg, 100.0 if slow == "packed" else 0.001
 

@@ -22,6 +22,7 @@ faster (on CPU, once a layer's activations leave the cache).
 """
 
 import contextlib
+import functools
 import math
 import time
 import weakref
@@ -43,6 +44,7 @@ from gna_lens.interventions.runner import (
     Hooks,
     PathLog,
     Runner,
+    SharedPrefix,
     _attempt,
     _close,
     autocast_dtype,
@@ -98,6 +100,10 @@ class SweepPlan:
             runner.model, runner.view, length, self.budget, self.max_rows, logit_pos, n_cached
         )
 
+
+#: Positions a packed run must save per cell (shared prefix x (prompts - 1)) to run the prompts'
+#: shared prefix once per cell: below it the extra pass costs about what it saves.
+MIN_SHARED_TOKENS = 64
 
 #: Rows (cells x prompts) of the first packed forward pass; the tuner doubles from there.
 START_ROWS = 64
@@ -587,13 +593,36 @@ class _LayerRun:
     def work(self) -> int:
         return self.ctx.runner.view.n_layers - self.layer
 
-    def packed(self, chunk: Sequence[int]) -> tuple[Tensor, float]:
-        """Last logits ``[k * G, V]`` of ``chunk``'s cells packed over the group's prompts."""
-        runner, G = self.ctx.runner, len(self.g)
+    @functools.cached_property
+    def shared_length(self) -> int:
+        """Leading positions every prompt of the group holds alike, where running them once per
+        cell is worth a pass (:data:`MIN_SHARED_TOKENS`); 0 where the edit differs by row."""
+        tokens, keep = self.tokens, self.ctx.runner.keep
+        if self.source.kind == "samples" or len(tokens) < 2:
+            return 0
+        same = (tokens == tokens[:1]).all(0).long().cumprod(0)
+        P = min(int(same.sum()), tokens.shape[1] - keep)
+        return P if P * (len(tokens) - 1) >= MIN_SHARED_TOKENS else 0
+
+    def packed(self, chunk: Sequence[int], share: bool = True) -> tuple[Tensor, float]:
+        """Last logits ``[k * G, V]`` of ``chunk``'s cells packed over the group's prompts
+        (``share``: the prompts' shared prefix once per cell, where the runner may)."""
+        runner, G, P = self.ctx.runner, len(self.g), self.shared_length if share else 0
         cs = [self.ctx.cells[i] for i in chunk]
-        hooks = packed_edit_hooks(runner.view, cs, G, self.ref_rows, self.source, self.cols(chunk))
+        cols = self.cols(chunk)
+
+        def edits(rows: int, ref: Tensor, span: slice) -> Hooks:
+            part = None if cols is None else cols[..., span]
+            return packed_edit_hooks(runner.view, cs, rows, ref, self.source, part)
+
+        split = None
+        if P:
+            split = SharedPrefix(P, len(cs), edits(1, self.ref_rows[:1], slice(None, P)),
+                                 edits(G, self.ref_rows, slice(P, None)))  # fmt: skip
         t0 = time.perf_counter()
-        lg = runner.from_layer(self.layer, self.resid.repeat(len(cs), 1, 1), self.tokens, hooks)
+        resid = self.resid.repeat(len(cs), 1, 1)
+        lg = runner.from_layer(self.layer, resid, self.tokens, edits(G, self.ref_rows, slice(None)),
+                               split)  # fmt: skip
         return lg, time.perf_counter() - t0
 
     def expanded(self, W: Sequence[Tensor], chunk: Sequence[int], r: int) -> tuple[Tensor, float]:
@@ -625,7 +654,7 @@ class _LayerRun:
         # row first, or the packed timing below includes it and "expand" wins when it is slower.
         runner, one = self.ctx.runner, slice(0, 1)
         runner.from_layer(self.layer, self.resid[one], self.tokens[one], [])
-        lg_p, t_p = self.packed(chunk)
+        lg_p, t_p = self.packed(chunk, share=False)  # expand runs no shared prefix either
         self._store_packed(chunk, lg_p)
 
         def expand() -> Tensor:
@@ -656,7 +685,7 @@ class _LayerRun:
             # that could change the choice: a second packed timing can only favour packed. On
             # the first layer of a deep model the rerun is a whole chunk of cells, paid by every
             # process (each worker of a sharded sweep).
-            t_p = min(t_p, self.packed(chunk)[1])
+            t_p = min(t_p, self.packed(chunk, share=False)[1])
         return ("expand" if same and faster() else "packed"), self.ids[k:], why
 
     def _store_packed(self, chunk: Sequence[int], lg: Tensor) -> None:

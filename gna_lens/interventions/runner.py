@@ -9,6 +9,11 @@ Two kinds of reuse, for both model kinds (TransformerBridge, HookedSSM):
   a hook on ``blocks.{l}.hook_resid_pre`` swaps in the cached residual of every packed row: the
   lower blocks run on one row instead of all of them. The swap is checked once per model against
   ``start_at_layer`` and dropped if it does not match.
+- A shared prefix (:class:`SharedPrefix`): where every row of a packed run starts with the same
+  tokens and each cell's edit is the same on every row (zero or mean ablation), those positions
+  run once per cell, not once per row: a first pass fills the Hugging Face KV cache of the
+  prefix (one row per cell), and the rest of the prompts run on it (bridge only; checked once
+  per model against the plain run, recorded under ``"prefix"``).
 - :meth:`Runner.prefix` / :meth:`Runner.step`: an edit at the final position only leaves every
   earlier position unchanged, so the prompt minus its last token runs once; each edit then
   recomputes only the last token: from the Hugging Face KV cache (bridge) or from the SSM states,
@@ -31,6 +36,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -49,7 +55,27 @@ _INJECT_VERDICT: "weakref.WeakKeyDictionary[Any, str | None]" = weakref.WeakKeyD
 # Per model: does keeping only the last position after the last block's mixer match?
 # (per number of kept positions: a bridge whose residual add broadcasts passes for 1, not for more)
 _TAIL_VERDICT: "weakref.WeakKeyDictionary[Any, dict[int, str | None]]" = weakref.WeakKeyDictionary()
+# Per bridge model: does running the rows' shared prefix once per cell (KV cache) match?
+_PREFIX_VERDICT: "weakref.WeakKeyDictionary[Any, str | None]" = weakref.WeakKeyDictionary()
 STEP_RTOL = 1e-4
+
+
+@dataclass(frozen=True)
+class SharedPrefix:
+    """The first ``length`` positions hold the same tokens in every row of a packed run of
+    ``cells`` cells (cell-major, equal rows per cell), and each cell edits them alike on its rows.
+
+    Attributes:
+        length: Shared positions (at least one position of every row is left after them).
+        cells: Cells packed in the run.
+        prefix_hooks: The cells' edits on ``cells`` rows (one per cell) of the shared positions.
+        suffix_hooks: The cells' edits on the packed rows of the positions after them.
+    """
+
+    length: int
+    cells: int
+    prefix_hooks: "Hooks"
+    suffix_hooks: "Hooks"
 
 
 class ShortcutNotApplicable(Exception):
@@ -234,10 +260,20 @@ class Runner:
         keepers = [(n, bind(keep, name=n)) for n in dict.fromkeys(names)]
         return self.logits_last(tokens, list(hooks) + keepers), cache
 
-    def from_layer(self, layer: int, resid: Tensor, tokens: Tensor, hooks: Hooks) -> Tensor:
+    def from_layer(
+        self,
+        layer: int,
+        resid: Tensor,
+        tokens: Tensor,
+        hooks: Hooks,
+        shared: SharedPrefix | None = None,
+    ) -> Tensor:
         """Last-position logits of rows starting at ``layer`` from ``resid`` ``[rows, pos, d]``.
 
         ``tokens`` are the unpadded prompts of the group (any one row is enough for the bridge).
+        ``shared``: the rows' shared prefix and the edits split at it (``hooks`` are the same
+        edits on every position): a bridge runs it once per cell where that was checked to
+        reproduce the plain run.
         """
         if self.tail_hooks and self.keep not in _TAIL_VERDICT.get(self.model, {}):
             # The plain run first: it settles the bridge's residual-swap verdict without the
@@ -251,7 +287,75 @@ class Runner:
             _TAIL_VERDICT.setdefault(self.model, {})[self.keep] = why
             self.log.fell_back("tail", "every position", why)
             return slow
+        if shared is not None and not self.is_ssm and _INJECT_VERDICT.get(self.model, "") is None:
+            return self._shared(layer, resid, tokens, hooks, shared)
         return self._from_layer(layer, resid, tokens, list(hooks) + self._tail())
+
+    def _shared(
+        self, layer: int, resid: Tensor, tokens: Tensor, hooks: Hooks, shared: SharedPrefix
+    ) -> Tensor:
+        """:meth:`from_layer` running the shared prefix once per cell, where checked (once per
+        model, against the plain run: the first call returns the plain run's logits)."""
+        model, plain = self.model, list(hooks) + self._tail()
+        if model not in _PREFIX_VERDICT:
+            what = "running the shared prefix once per cell"
+            with exact_matmul():
+                slow = self._from_layer(layer, resid, tokens, plain)
+                fast, why = _attempt(lambda: self._prefixed(layer, resid, tokens, shared, what))
+            why = why or _mismatch(fast, slow, 1e-5, what)
+            _PREFIX_VERDICT[model] = why
+            self.log.fell_back("prefix", "every row", why)
+            return slow
+        if _PREFIX_VERDICT[model] is not None:
+            self.log.fell_back("prefix", "every row", _PREFIX_VERDICT[model])
+            return self._from_layer(layer, resid, tokens, plain)
+        self.log.used("from_layer", "residual swap")
+        self.log.used("prefix", f"once per cell ({shared.length} positions)")
+        return self._prefixed(layer, resid, tokens, shared)
+
+    def _prefixed(
+        self, layer: int, resid: Tensor, tokens: Tensor, shared: SharedPrefix, shortcut: str = ""
+    ) -> Tensor:
+        """The shared prefix on one row per cell (filling the KV cache, whose layers from
+        ``layer`` on are then copied to each cell's rows), then the rest of every row on it."""
+        P, k = shared.length, shared.cells
+        G = len(resid) // k
+        name = self.view[layer].resid_pre_hook
+        cache = self._kv_cache()
+        first, rest = resid[::G, :P], resid[:, P:]
+        runs = shortcut_run(shortcut) if shortcut else nullcontext()
+        with runs, hooked(self.model, [(name, lambda x, hook: first), *shared.prefix_hooks]):
+            self.model(tokens[:1, :P], past_key_values=cache, **self.keep_last)
+        layers = getattr(cache, "layers", None)
+        if layers is None or len(layers) != self.n_layers:
+            raise ShortcutNotApplicable(f"the KV cache holds no per-layer entries: {layers!r}")
+        rows = torch.arange(k, device=resid.device).repeat_interleave(G)
+        for entry in layers[layer:]:
+            entry.keys, entry.values = entry.keys[rows], entry.values[rows]
+        edits = [(name, lambda x, hook: rest), *shared.suffix_hooks, *self._tail()]
+        with shortcut_run(shortcut) if shortcut else nullcontext(), hooked(self.model, edits):
+            out = self.model(tokens[:1, P:], past_key_values=cache, **self.keep_last)
+        return self._pick(out)
+
+    def _kv_cache(self) -> Any:
+        """An empty Hugging Face ``DynamicCache`` for the bridge's model.
+
+        Raises:
+            ShortcutNotApplicable: transformers or the bridge offers none.
+        """
+        try:
+            from transformers import DynamicCache
+        except ImportError as err:
+            raise ShortcutNotApplicable(f"transformers has no DynamicCache ({err})") from err
+        hf_config = getattr(getattr(self.model, "original_model", None), "config", None)
+        if hf_config is None:
+            raise ShortcutNotApplicable(
+                f"this {type(self.model).__name__} has no original_model.config to build a KV cache"
+            )
+        try:
+            return DynamicCache(config=hf_config)
+        except TypeError as err:  # an older transformers without DynamicCache(config=...)
+            raise ShortcutNotApplicable(f"DynamicCache(config=...) failed: {err}") from err
 
     def _from_layer(
         self, layer: int, resid: Tensor, tokens: Tensor, hooks: Hooks, shortcut: str = ""
@@ -364,19 +468,7 @@ class Runner:
             ShortcutNotApplicable: The bridge offers no usable Hugging Face KV cache.
         """
         model = self.model
-        try:
-            from transformers import DynamicCache
-        except ImportError as err:
-            raise ShortcutNotApplicable(f"transformers has no DynamicCache ({err})") from err
-        hf_config = getattr(getattr(model, "original_model", None), "config", None)
-        if hf_config is None:
-            raise ShortcutNotApplicable(
-                f"this {type(model).__name__} has no original_model.config to build a KV cache"
-            )
-        try:
-            cache = DynamicCache(config=hf_config)
-        except TypeError as err:  # an older transformers without DynamicCache(config=...)
-            raise ShortcutNotApplicable(f"DynamicCache(config=...) failed: {err}") from err
+        cache = self._kv_cache()
         with shortcut_run("the forward with past_key_values"):
             try:
                 out = model(tokens, past_key_values=cache, **self.keep_last)
