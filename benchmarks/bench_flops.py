@@ -17,7 +17,9 @@ How the FLOPs are counted: measured, then multiplied out.
   sweep: the last; a control sweep: the window's scored tokens, ``n_scored``, half the window);
   every sweep adds its clean run (every block) per prompt. Where the report's paths say the run
   was truncated after the last block's mixer (``tail: last k position(s)``), the last block's MLP
-  is counted at those ``k`` positions only. Full forwards (baseline check, pattern scores,
+  is counted at those ``k`` positions only. Where they say a group's shared prefix ran once
+  per cell (``prefix: once per cell``), its positions count once per cell, not once per
+  prompt (a block's FLOPs taken as proportional to the positions it runs). Full forwards (baseline check, pattern scores,
   examples) run every block and the unembedding at every position of their padded batches (8
   prompts). The cells come from the scan itself: every measured head alone (task and control
   sweeps), the joint walk's head sets (replayed from the report's joint set, checked against its
@@ -144,13 +146,16 @@ class Sweep:
     keep: int
     tail: bool
     clean: bool = True  # False: it reused an earlier sweep's clean run (shared_clean_runs)
+    prefix: tuple[tuple[int, int], ...] = ()  # (length, positions run once per cell)
 
     def flops(self, costs: dict[int, RowCost]) -> float:
-        total = 0.0
+        total, prefix = 0.0, dict(self.prefix)
         for length, n in Counter(self.lengths).items():
             c = costs[length]
             total += n * c.cell(0, self.keep, self.tail) * self.clean  # the clean run
-            total += n * sum(c.cell(s, self.keep, self.tail) for s in self.starts)
+            once = (n - 1) * prefix.get(length, 0) / length  # rows' worth not run per prompt
+            total += sum(n * c.cell(s, self.keep, self.tail) - once * sum(c.blocks[s:])
+                         for s in self.starts)  # fmt: skip
         return total
 
     @property
@@ -201,6 +206,16 @@ def padded_batches(lengths: Sequence[int], batch: int = FULL_BATCH) -> tuple[tup
 def _tail(paths: dict[str, Any], keep: int) -> bool:
     """Whether a sweep's paths say the last block's MLP ran at ``keep`` positions only."""
     return f"last {keep} position(s)" in paths.get("tail", [])
+
+
+def shared_prefixes(task: Any, paths: dict[str, Any]) -> tuple[tuple[int, int], ...]:
+    """``(length, shared positions)`` of each prompt length of ``task`` whose shared prefix a
+    sweep with ``paths`` ran once per cell (none unless its paths say so)."""
+    from gna_lens.interventions.engine import shared_prefixes as of
+
+    if not any(p.startswith("once per cell") for p in paths.get("prefix", [])):
+        return ()
+    return tuple((n, P) for n, (_, P) in of([s.input_ids for s in task]).items())
 
 
 def replay_joint_walk(report: Any) -> list[list[list[Head]]]:
@@ -359,7 +374,8 @@ def scan_stages(data: dict[str, Any], inputs: ScanInputs) -> list[Stage]:
     single = tuple(start_layer([h]) for h in measured)
     stages.append(Stage(
         "heads: ablation_sweep", heads_t.get("ablation_sweep", math.nan),
-        [Sweep(tuple(sel), single, 1, _tail(paths.get("ablation", {}), 1))], precision,
+        [Sweep(tuple(sel), single, 1, _tail(paths.get("ablation", {}), 1),
+               prefix=shared_prefixes(inputs.selection, paths.get("ablation", {})))], precision,
         counted=f"{len(single)} heads x {len(sel)} prompts + clean runs; last-position logits",
     ))  # fmt: skip
     n_win = int(inputs.control_select.tokens.shape[0])
@@ -407,7 +423,8 @@ def scan_stages(data: dict[str, Any], inputs: ScanInputs) -> list[Stage]:
     work: list[Sweep | Forward] = [
         Sweep(tuple(s.n_tokens for s in task),
               tuple(start_layer(c) for c in (cells[:1] if name in skipped else cells)), 1,
-              _tail(held_paths.get(name, {}), 1))
+              _tail(held_paths.get(name, {}), 1),
+              prefix=shared_prefixes(task, held_paths.get(name, {})))
         for name, task in inputs.held_out.items()
     ]  # fmt: skip
     n_eval = int(inputs.control_eval.tokens.shape[0])
@@ -565,12 +582,14 @@ NOTES = [
     "FLOPs: FlopCounterMode (matrix products: mm, bmm, addmm, attention) on one-row forwards "
     "at every prompt length the scan ran, multiplied by each stage's cells and prompts; "
     "elementwise work (norms, softmax, rotary, residual adds) is not counted",
-    "a cell runs the blocks from its heads' lowest layer on every position of its prompts and "
+    "a cell runs the blocks from its heads' lowest layer on every position of its prompts "
+    "(a shared prefix the paths say ran once per cell: once per cell) and "
     "the unembedding at the positions its metric reads; each sweep adds one clean run per "
     "prompt; full forwards (baseline check, pattern scores, examples) run padded batches of 8 "
     "with logits at every position",
     "not counted: the engine's one-time shortcut checks (a few forwards run twice), the "
-    "bridge's one-row run of the blocks below a cell's start layer per forward pass, the "
+    "bridge's one-row run of the blocks below a cell's start layer per forward pass (twice "
+    "where the shared prefix runs first), the "
     "sweep-dtype probe and check ('heads: rest'), and the first clean run's untruncated tail",
     "machine rate: torch.mm at the model's shapes, best of the repeats; the share compares a "
     "stage with the best of those shapes (its own matmul mix may run slower); both the rate and "

@@ -38,6 +38,7 @@ import torch
 
 from gna_lens.errors import ConfigError, GnaLensError, GnaLensWarning, TaskError
 from gna_lens.heads import HookedModel, Subject
+from gna_lens.interventions.engine import shared_prefixes
 from gna_lens.models.provenance import provenance_of
 from gna_lens.runtime import output_folder
 from gna_lens.scoring import (
@@ -758,12 +759,16 @@ def estimate_scan(
     probe = sets.selection
     sel_len = sum(len(s.input_ids) for s in probe) / len(probe)
 
-    def rows_of(prompts: Any) -> float:
+    def rows_of(prompts: Any, swept: bool = False) -> float:
         if prompts is None:
             return 0.0
         if isinstance(prompts, TextControl):
             return prompts.tokens.numel() / sel_len
-        return sum(len(s.input_ids) for s in prompts) / sel_len
+        once = 0  # a bridge's head sweep runs a shared prefix once per cell
+        if swept and not subject.is_ssm:
+            groups = shared_prefixes([s.input_ids for s in prompts]).values()
+            once = sum((n - 1) * P for n, P in groups)
+        return (sum(len(s.input_ids) for s in prompts) - once) / sel_len
 
     with applied_head_groups(model, head_groups):
         subject = Subject.of(model)
@@ -787,12 +792,12 @@ def estimate_scan(
             n_exact = sum(widest[:k])
             layer_depth = sum((n_layers - i) / n_layers for i in range(n_layers))
             rows["layers"] = layer_depth * (n_sel + ctrl)
-        rows["ablation"] = n_exact * mean_depth * n_sel
+        rows["ablation"] = n_exact * mean_depth * rows_of(probe, swept=True)
         if ctrl:
             # control_scope="needed": its first 2 * joint_k heads (more only if the walk asks)
             rows["control"] = min(n_exact, 2 * JOINT_K) * mean_depth * ctrl
             rows["joint_control"] = min(JOINT_K, n_exact) * ctrl
-        held = sum(rows_of(t) for t in sets.held_out.values()) + rows_of(c_eval)
+        held = sum(rows_of(t, swept=True) for t in sets.held_out.values()) + rows_of(c_eval)
         rows["held_out"] = (2 + random_draws) * held
         per_row, what = time_per_row(subject, probe)
         policy = subject.policy

@@ -116,3 +116,6 @@ def test_sweep_counts_its_clean_run_and_every_cell():
     tail = bench.Sweep((10,), (2,), 1, True)
     # the last block's MLP at 1 of 10 positions: 60 * 9 / 10 fewer per run
     assert tail.flops({10: cost}) == (600 + 7 - 54) + (300 + 7 - 54)
+    # a 4-position shared prefix run once per cell: (2 - 1) prompts x 4 / 10 of its blocks fewer
+    shared = bench.Sweep((10, 10), (2, 0), 1, False, prefix=((10, 4),))
+    assert shared.flops({10: cost}) == sweep.flops({10: cost}) - 0.4 * (300 + 600)

@@ -12,6 +12,10 @@ Three ways to run a cell, all returning the same numbers up to float rounding:
   (the residual add broadcasts), so neither the layers below nor the mixer of the ablated layer
   are repeated per cell. Checked once per model against the plain packed run (dropped on a
   mismatch). Otherwise ``K`` cells are packed into the batch dimension, ``G`` prompts each.
+- **a shared prefix** (packed head-set cells, zero or mean ablation): where a group's prompts open
+  with the same tokens (a template's first line), those positions run once per cell from a KV
+  cache, not once per prompt (:class:`~gna_lens.interventions.runner.SharedPrefix`; bridge only,
+  checked once per model, recorded under ``paths["prefix"]``).
 - **incremental** (``positions="last"``): the prompt minus its last token runs once, each packed
   group of cells recomputes only the last token (:class:`~gna_lens.interventions.runner.Runner`).
 
@@ -104,6 +108,31 @@ class SweepPlan:
 #: Positions a packed run must save per cell (shared prefix x (prompts - 1)) to run the prompts'
 #: shared prefix once per cell: below it the extra pass costs about what it saves.
 MIN_SHARED_TOKENS = 64
+
+
+def shared_prefix_length(tokens: Tensor, keep: int = 1) -> int:
+    """Leading positions every row of ``tokens`` ``[rows, pos]`` holds alike (leaving the last
+    ``keep``), where running them once per cell saves :data:`MIN_SHARED_TOKENS`; else 0.
+
+    Examples:
+        >>> shared_prefix_length(torch.tensor([[1, 2, 3, 4], [1, 2, 5, 6]]).repeat(40, 1))
+        2
+    """
+    if len(tokens) < 2:
+        return 0
+    same = (tokens == tokens[:1]).all(0).long().cumprod(0)
+    P = min(int(same.sum()), tokens.shape[1] - keep)
+    return P if P * (len(tokens) - 1) >= MIN_SHARED_TOKENS else 0
+
+
+def shared_prefixes(prompts: Sequence[Sequence[int]]) -> dict[int, tuple[int, int]]:
+    """Per prompt length: ``(prompts of that length, positions a sweep runs once per cell)``
+    (the prompts of one length are one group; :func:`shared_prefix_length`)."""
+    groups: dict[int, list[list[int]]] = {}
+    for ids in prompts:
+        groups.setdefault(len(ids), []).append(list(ids))
+    return {n: (len(g), shared_prefix_length(torch.tensor(g))) for n, g in groups.items()}
+
 
 #: Rows (cells x prompts) of the first packed forward pass; the tuner doubles from there.
 START_ROWS = 64
@@ -595,14 +624,11 @@ class _LayerRun:
 
     @functools.cached_property
     def shared_length(self) -> int:
-        """Leading positions every prompt of the group holds alike, where running them once per
-        cell is worth a pass (:data:`MIN_SHARED_TOKENS`); 0 where the edit differs by row."""
-        tokens, keep = self.tokens, self.ctx.runner.keep
-        if self.source.kind == "samples" or len(tokens) < 2:
+        """The group's shared prefix (:func:`shared_prefix_length`); 0 where the edit differs by
+        row (resample, patching)."""
+        if self.source.kind == "samples":
             return 0
-        same = (tokens == tokens[:1]).all(0).long().cumprod(0)
-        P = min(int(same.sum()), tokens.shape[1] - keep)
-        return P if P * (len(tokens) - 1) >= MIN_SHARED_TOKENS else 0
+        return shared_prefix_length(self.tokens, self.ctx.runner.keep)
 
     def packed(self, chunk: Sequence[int], share: bool = True) -> tuple[Tensor, float]:
         """Last logits ``[k * G, V]`` of ``chunk``'s cells packed over the group's prompts
