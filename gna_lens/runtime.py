@@ -313,13 +313,14 @@ def measure_speed(
     device: Any,
     what: str,
     repeats: int = 3,
-    give_up: float = 2.0,
+    give_up: float = 1.25,
 ) -> SpeedProbe:
     """Time ``run()`` in float32 and under bfloat16 autocast on ``device``, side by side.
 
     One warm-up of each, then ``repeats`` interleaved timed runs of each; medians. Where bfloat16
-    is already ``give_up`` times slower after its first timed run, the rest is skipped (it will
-    not be chosen, and on a CPU without native bfloat16 each run can take 10x longer).
+    is already ``give_up`` times slower after its first timed run, the rest is skipped: it will
+    not be chosen (it must be :data:`MIN_SPEEDUP` times *faster*), and on a CPU without native
+    bfloat16 each run can take 10x longer (with it but without AMX, about 1.5x).
 
     Args:
         run: The work, e.g. a forward pass of the model on a batch of the task's prompts.

@@ -145,14 +145,18 @@ def test_workers_run_at_the_callers_niceness_not_rays_15(ray_instance):
 @pytest.mark.parametrize("positions", [None, "last"])
 def test_sharded_sweep_equals_one_process_bit_for_bit(llama, pool, positions, pack):
     """Bit for bit with a pinned pack (guaranteed: each worker packs its cells as one process
-    does); with automatic packing too on these tiny models (real ones: see the recipe)."""
+    does); with automatic packing to float rounding (as the recipe says: here the shared
+    prefix's pass, one row per packed cell, has another height in a one-cell unit)."""
     model, task = llama
     pool.start(model)  # both workers ready (an earlier test may have stopped them): both take part
     kw = dict(positions=positions, pack=pack, progress=False)
     local = ablation_sweep(model, task, "logit_diff", **kw)
     sharded = ablation_sweep(model, task, "logit_diff", executor=pool, **kw)
     assert sharded.cells == local.cells
-    assert torch.equal(sharded.values, local.values)
+    if pack is None:
+        assert (sharded.values - local.values).abs().max() <= 1e-5
+    else:
+        assert torch.equal(sharded.values, local.values)
     assert torch.equal(sharded.baseline, local.baseline)
     assert sharded.method == local.method
     ex = sharded.info["executor"]

@@ -89,20 +89,23 @@ def test_explicit_choices_small_models_and_other_dtypes_measure_nothing():
 def test_measure_speed_times_both_precisions_and_stops_early_when_bfloat16_is_far_slower():
     calls = {"bf16": 0, "fp32": 0}
 
-    def work():  # slow only under bfloat16 autocast: what an AVX2-only CPU does to a matmul
+    def work(slower=30.0, base=0.001):  # slow only under bfloat16 autocast (an AVX2-only CPU)
         if torch.is_autocast_enabled("cpu"):
             calls["bf16"] += 1
-            time.sleep(0.03)
+            time.sleep(base * slower)
         else:
             calls["fp32"] += 1
-            time.sleep(0.001)
+            time.sleep(base)
 
     probe = measure_speed(work, device="cpu", what="sleep", repeats=3)
     assert probe.source == "measured" and probe.speedup < 0.2
     assert probe.repeats == 1 and calls == {"bf16": 2, "fp32": 2}  # warm-up + one, then gave up
+    # 1.5x slower (AVX512-BF16 without AMX): it cannot be chosen either, so one timed run too
+    probe = measure_speed(lambda: work(1.6, 0.02), device="cpu", what="sleep", repeats=3)
+    assert probe.repeats == 1 and probe.speedup < 0.8
 
     def even():
-        time.sleep(0.002)
+        time.sleep(0.02)
 
     probe = measure_speed(even, device="cpu", what="sleep", repeats=3)
     assert probe.repeats == 3 and 0.3 < probe.speedup < 3

@@ -131,7 +131,9 @@ def shared_prefixes(prompts: Sequence[Sequence[int]]) -> dict[int, tuple[int, in
     groups: dict[int, list[list[int]]] = {}
     for ids in prompts:
         groups.setdefault(len(ids), []).append(list(ids))
-    return {n: (len(g), shared_prefix_length(torch.tensor(g))) for n, g in groups.items()}
+    return {
+        n: (len(g), shared_prefix_length(torch.tensor(g, device=HOST))) for n, g in groups.items()
+    }
 
 
 #: Rows (cells x prompts) of the first packed forward pass; the tuner doubles from there.

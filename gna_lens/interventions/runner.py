@@ -275,6 +275,13 @@ class Runner:
         edits on every position): a bridge runs it once per cell where that was checked to
         reproduce the plain run.
         """
+        if shared is not None and not self.is_ssm:
+            if self.model not in _INJECT_VERDICT or (
+                self.tail_hooks and self.keep not in _TAIL_VERDICT.get(self.model, {})
+            ):  # settle those on one row, thrown away: these rows take the path later ones do
+                self.from_layer(layer, resid[:1], tokens[:1], [])
+            if _INJECT_VERDICT[self.model] is None:
+                return self._shared(layer, resid, tokens, hooks, shared)
         if self.tail_hooks and self.keep not in _TAIL_VERDICT.get(self.model, {}):
             # The plain run first: it settles the bridge's residual-swap verdict without the
             # truncation, so a truncation failure is not blamed on the swap.
@@ -287,31 +294,31 @@ class Runner:
             _TAIL_VERDICT.setdefault(self.model, {})[self.keep] = why
             self.log.fell_back("tail", "every position", why)
             return slow
-        if shared is not None and not self.is_ssm and _INJECT_VERDICT.get(self.model, "") is None:
-            return self._shared(layer, resid, tokens, hooks, shared)
         return self._from_layer(layer, resid, tokens, list(hooks) + self._tail())
 
     def _shared(
         self, layer: int, resid: Tensor, tokens: Tensor, hooks: Hooks, shared: SharedPrefix
     ) -> Tensor:
         """:meth:`from_layer` running the shared prefix once per cell, where checked (once per
-        model, against the plain run: the first call returns the plain run's logits)."""
+        model, against the plain run). The checking call returns the path every later call takes,
+        so no cell's numbers depend on which call (or which worker of a sharded sweep) checked."""
         model, plain = self.model, list(hooks) + self._tail()
+        out = None
         if model not in _PREFIX_VERDICT:
             what = "running the shared prefix once per cell"
             with exact_matmul():
                 slow = self._from_layer(layer, resid, tokens, plain)
-                fast, why = _attempt(lambda: self._prefixed(layer, resid, tokens, shared, what))
-            why = why or _mismatch(fast, slow, 1e-5, what)
-            _PREFIX_VERDICT[model] = why
+                out, why = _attempt(lambda: self._prefixed(layer, resid, tokens, shared, what))
+            _PREFIX_VERDICT[model] = why or _mismatch(out, slow, 1e-5, what)
+            if _PREFIX_VERDICT[model] is not None:
+                out = slow
+        why = _PREFIX_VERDICT[model]
+        if why is not None:
             self.log.fell_back("prefix", "every row", why)
-            return slow
-        if _PREFIX_VERDICT[model] is not None:
-            self.log.fell_back("prefix", "every row", _PREFIX_VERDICT[model])
-            return self._from_layer(layer, resid, tokens, plain)
+            return out if out is not None else self._from_layer(layer, resid, tokens, plain)
         self.log.used("from_layer", "residual swap")
         self.log.used("prefix", f"once per cell ({shared.length} positions)")
-        return self._prefixed(layer, resid, tokens, shared)
+        return out if out is not None else self._prefixed(layer, resid, tokens, shared)
 
     def _prefixed(
         self, layer: int, resid: Tensor, tokens: Tensor, shared: SharedPrefix, shortcut: str = ""
