@@ -33,8 +33,8 @@ venv: $(STAMP)
 # float32), the top 4 retrieval-specific heads measured in float32 on 48 held-out prompts per
 # template (question, paper, facts) with 95% intervals, the prose control and 10 random same-layer
 # head sets (on the templates the model does above chance); reports/demo/report.html.
-# 2 min 21 s measured 2026-12-05 on 2 idle cores of an Intel Xeon with AMX-BF16 (conversion
-# cached; the first run adds 17 s); the control's heads are only those the ranking reaches
+# 2 min 21 s and 2 min 32 s measured 2026-12-05 on 2 idle cores of an Intel Xeon with AMX-BF16
+# (conversion cached; the first run adds 17 s); the control's heads are only those the ranking reaches
 # (--control-all for every head); other CPUs: benchmarks/RESULTS.md.
 # The tiny-model implicit-attention summary is `gna-lens demo`:
 # $(PY) -m gna_lens.cli demo

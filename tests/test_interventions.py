@@ -137,6 +137,22 @@ def test_a_shared_prefix_runs_once_per_cell_with_the_loops_numbers(mode, positio
         assert res.info["fallbacks"] == []
 
 
+def test_a_packed_sweep_on_opt_checks_its_shortcuts_on_more_than_one_row(monkeypatch):
+    """OPT's layers reshape their output to their input's shape: truncating after the last mixer
+    held for the one row it was checked on and raised mid-sweep for a pack of rows. Checked on
+    two rows, it falls back (recorded) and the sweep has the loop's numbers."""
+    from gna_lens.interventions import engine, runner
+
+    m, t = model("opt"), make_task(n_samples=4)
+    for verdicts in (runner._INJECT_VERDICT, runner._TAIL_VERDICT, runner._PREFIX_VERDICT,
+                     engine._STRATEGY, engine._STRATEGY_WHY):  # fmt: skip
+        monkeypatch.delitem(verdicts, m, raising=False)
+    res = I.ablation_sweep(m, t, "logit_diff", pack=2, progress=False)
+    loop, _ = _loop_reference(m, t, "zero", None, None)
+    assert_sweep_equals_loop(res.values, loop)
+    assert any(why.startswith("tail: every position") for why in res.info["fallbacks"])
+
+
 def test_a_shared_prefix_that_does_not_reproduce_the_plain_run_is_a_recorded_fallback(
     monkeypatch,
 ):

@@ -678,10 +678,11 @@ class _LayerRun:
         # on which layer (or, in a sharded sweep, which worker) happened to probe.
         k = min(self.ctx.tuners["packed"].size(max(1, self.cap // G), G), len(self.ids))
         chunk = self.ids[:k]
-        # The runner verifies its shortcuts once per model by running both ways: do that on one
-        # row first, or the packed timing below includes it and "expand" wins when it is slower.
-        runner, one = self.ctx.runner, slice(0, 1)
-        runner.from_layer(self.layer, self.resid[one], self.tokens[one], [])
+        # The runner verifies its shortcuts once per model by running both ways: do that on two
+        # rows first, or the packed timing below includes it and "expand" wins when it is slower
+        # (two: a residual swap that holds for one row can fail for more, as OPT's does).
+        runner = self.ctx.runner
+        runner.from_layer(self.layer, self.resid[:2], self.tokens[:2], [])
         lg_p, t_p = self.packed(chunk, share=False)  # expand runs no shared prefix either
         self._store_packed(chunk, lg_p)
 

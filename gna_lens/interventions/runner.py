@@ -278,8 +278,8 @@ class Runner:
         if shared is not None and not self.is_ssm:
             if self.model not in _INJECT_VERDICT or (
                 self.tail_hooks and self.keep not in _TAIL_VERDICT.get(self.model, {})
-            ):  # settle those on one row, thrown away: these rows take the path later ones do
-                self.from_layer(layer, resid[:1], tokens[:1], [])
+            ):  # settle those on two rows, thrown away: these rows take the path later ones do
+                self.from_layer(layer, resid[:2], tokens[:2], [])
             if _INJECT_VERDICT[self.model] is None:
                 return self._shared(layer, resid, tokens, hooks, shared)
         if self.tail_hooks and self.keep not in _TAIL_VERDICT.get(self.model, {}):
@@ -338,6 +338,8 @@ class Runner:
             raise ShortcutNotApplicable(f"the KV cache holds no per-layer entries: {layers!r}")
         rows = torch.arange(k, device=resid.device).repeat_interleave(G)
         for entry in layers[layer:]:
+            if not all(isinstance(getattr(entry, a, None), Tensor) for a in ("keys", "values")):
+                raise ShortcutNotApplicable(f"a KV cache layer without keys / values: {entry!r}")
             entry.keys, entry.values = entry.keys[rows], entry.values[rows]
         edits = [(name, lambda x, hook: rest), *shared.suffix_hooks, *self._tail()]
         with shortcut_run(shortcut) if shortcut else nullcontext(), hooked(self.model, edits):
