@@ -330,20 +330,22 @@ class Runner:
         name = self.view[layer].resid_pre_hook
         cache = self._kv_cache()
         first, rest = resid[::G, :P], resid[:, P:]
-        runs = shortcut_run(shortcut) if shortcut else nullcontext()
-        with runs, hooked(self.model, [(name, lambda x, hook: first), *shared.prefix_hooks]):
-            self.model(tokens[:1, :P], past_key_values=cache, **self.keep_last)
-        layers = getattr(cache, "layers", None)
-        if layers is None or len(layers) != self.n_layers:
-            raise ShortcutNotApplicable(f"the KV cache holds no per-layer entries: {layers!r}")
         rows = torch.arange(k, device=resid.device).repeat_interleave(G)
-        for entry in layers[layer:]:
-            if not all(isinstance(getattr(entry, a, None), Tensor) for a in ("keys", "values")):
-                raise ShortcutNotApplicable(f"a KV cache layer without keys / values: {entry!r}")
-            entry.keys, entry.values = entry.keys[rows], entry.values[rows]
-        edits = [(name, lambda x, hook: rest), *shared.suffix_hooks, *self._tail()]
-        with shortcut_run(shortcut) if shortcut else nullcontext(), hooked(self.model, edits):
-            out = self.model(tokens[:1, P:], past_key_values=cache, **self.keep_last)
+        with shortcut_run(shortcut) if shortcut else nullcontext():
+            with hooked(self.model, [(name, lambda x, hook: first), *shared.prefix_hooks]):
+                self.model(tokens[:1, :P], past_key_values=cache, **self.keep_last)
+            layers = getattr(cache, "layers", None)
+            if layers is None or len(layers) != self.n_layers:
+                raise ShortcutNotApplicable(f"the KV cache holds no per-layer entries: {layers!r}")
+            for entry in layers[layer:]:
+                if not all(isinstance(getattr(entry, a, None), Tensor) for a in ("keys", "values")):
+                    raise ShortcutNotApplicable(
+                        f"a KV cache layer without keys / values: {entry!r}"
+                    )
+                entry.keys, entry.values = entry.keys[rows], entry.values[rows]
+            edits = [(name, lambda x, hook: rest), *shared.suffix_hooks, *self._tail()]
+            with hooked(self.model, edits):
+                out = self.model(tokens[:1, P:], past_key_values=cache, **self.keep_last)
         return self._pick(out)
 
     def _kv_cache(self) -> Any:
