@@ -284,6 +284,13 @@ def test_scan_dry_run_counts_the_work_times_one_forward_and_runs_no_sweep(
     )
     assert est.n_exact == est.n_heads == 16 and est.per_row_s > 0
     assert est.rows["held_out"] > est.rows["baseline_check"]  # 4 runs of the held-out sets
+    from gna_lens.interventions import engine
+
+    monkeypatch.setattr(engine, "MIN_SHARED_TOKENS", 1)  # the prompts' shared opening counts...
+    again = scan_module.estimate_scan(
+        model, "kv", n_samples=8, n_eval=8, random_draws=2, control=None
+    )
+    assert again.rows == est.rows  # ...once per cell on a bridge only: a HookedSSM runs it whole
 
 
 def test_scan_task_flags_set_the_kv_prompts_and_are_refused_on_zoo_models(tmp_path, capsys):
@@ -390,3 +397,26 @@ def test_hybrid_rows_stay_valid_when_only_the_teachers_note_is_reworded():
     assert "names two copies" in stored["teacher"] and _same_key(stored, now)
     assert not _same_key(stored, {**now, "teacher": details.replace("b179c9523d0e", "0" * 12)})
     assert not _same_key(stored, {**now, "seed": 1})
+
+
+def test_the_dry_run_counts_a_bridges_shared_prefix_once_per_cell(tmp_path, monkeypatch):
+    """The KV prompts open alike; a bridge's head sweeps run that opening once per cell, and the
+    estimate counts it so (the full forwards still run it per prompt)."""
+    from gna_lens import load_model
+    from gna_lens.interventions import engine
+    from gna_lens.scan import estimate_scan
+    from gna_lens.testing import tiny_checkpoint
+    from tests.test_scan import _kv_world
+
+    _, tok, _ = _kv_world()
+    path = tiny_checkpoint("llama", tmp_path / "llama", vocab_size=len(tok))
+    tok.save_pretrained(path)
+    model = load_model(str(path))
+    kw = dict(n_samples=8, n_eval=8, random_draws=2, control=None)
+    monkeypatch.setattr(engine, "MIN_SHARED_TOKENS", 10**9)
+    whole = estimate_scan(model, "kv", **kw)
+    monkeypatch.setattr(engine, "MIN_SHARED_TOKENS", 1)
+    once = estimate_scan(model, "kv", **kw)
+    assert once.rows["ablation"] < whole.rows["ablation"]
+    assert once.rows["held_out"] < whole.rows["held_out"]
+    assert once.rows["baseline_check"] == whole.rows["baseline_check"]
