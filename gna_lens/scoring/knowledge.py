@@ -21,6 +21,7 @@ from gna_lens.interventions import ablate_heads, ablation_sweep, control_sweep
 from gna_lens.interventions.ablation import positions_label
 from gna_lens.interventions.batching import describe_task
 from gna_lens.interventions.engine import shared_clean_runs
+from gna_lens.interventions.runner import PathLog
 from gna_lens.interventions.sources import rotated
 from gna_lens.models.provenance import provenance_method
 from gna_lens.render.html import knowledge_html
@@ -482,14 +483,8 @@ def retrieval_vs_knowledge(
                 _, rest, _, more = _per_sample_correct(
                     model, task, sets, mode, positions, ref, batch_size, progress
                 )
-                values, was = torch.cat([values, rest]), path_info["paths"]
-                path_info = {
-                    "paths": {
-                        k: list(dict.fromkeys(was.get(k, []) + more["paths"].get(k, [])))
-                        for k in was | more["paths"]
-                    },
-                    "fallbacks": path_info["fallbacks"] + more["fallbacks"],
-                }
+                values = torch.cat([values, rest])
+                path_info = PathLog.merged([path_info, more])
         paths.add(path)
         step_paths[name] = path_info["paths"]
         fallbacks += [f"{name}: {why}" for why in dict.fromkeys(path_info["fallbacks"])]
