@@ -235,10 +235,10 @@ class SpeedProbe:
                 f"bfloat16 autocast {1 / ratio if ratio > 0 else math.inf:.2f}x slower than float32"
             )
         src = "" if self.source == "measured" else f", {self.source}"
-        n = "median of" if self.repeats > 1 else "one run of"
+        n = f"median of {self.repeats}" if self.repeats > 1 else "one timed run each"
         return (
             f"{rel} ({self.what} on {self.device}: {self.float32_seconds * 1e3:.1f} ms vs "
-            f"{self.bfloat16_seconds * 1e3:.1f} ms, {n} {self.repeats}{src})"
+            f"{self.bfloat16_seconds * 1e3:.1f} ms, {n}{src})"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -314,13 +314,15 @@ def measure_speed(
     what: str,
     repeats: int = 3,
     give_up: float = 1.25,
+    settled: float = 1.4,
 ) -> SpeedProbe:
     """Time ``run()`` in float32 and under bfloat16 autocast on ``device``, side by side.
 
-    One warm-up of each, then ``repeats`` interleaved timed runs of each; medians. Where bfloat16
-    is already ``give_up`` times slower after its first timed run, the rest is skipped: it will
-    not be chosen (it must be :data:`MIN_SPEEDUP` times *faster*), and on a CPU without native
-    bfloat16 each run can take 10x longer (with it but without AMX, about 1.5x).
+    One warm-up of each, then ``repeats`` interleaved timed runs of each; medians. The first
+    timed pair ends the probe where it already decides with a margin: bfloat16 ``give_up`` times
+    slower (it must be :data:`MIN_SPEEDUP` times *faster* to be chosen; on a CPU without native
+    bfloat16 each run can take 10x longer, with it but without AMX about 1.5x) or ``settled``
+    times faster (well past that bar: more pairs would not change the choice).
 
     Args:
         run: The work, e.g. a forward pass of the model on a batch of the task's prompts.
@@ -328,6 +330,7 @@ def measure_speed(
         what: The work in words, for the record.
         repeats: Timed runs of each precision.
         give_up: See above.
+        settled: See above.
 
     Returns:
         A :class:`SpeedProbe`.
@@ -362,7 +365,7 @@ def measure_speed(
     for i in range(max(1, repeats)):
         f32s.append(timed(False))
         b16s.append(timed(True))
-        if i == 0 and b16s[0] > give_up * f32s[0]:
+        if i == 0 and not 1 / give_up <= f32s[0] / b16s[0] < settled:
             break
     return SpeedProbe(
         what, str(device), statistics.median(f32s), statistics.median(b16s), len(f32s),

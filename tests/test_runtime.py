@@ -86,7 +86,7 @@ def test_explicit_choices_small_models_and_other_dtypes_measure_nothing():
         choose_precision("fp8", run=boom, device="cpu", what="w")
 
 
-def test_measure_speed_times_both_precisions_and_stops_early_when_bfloat16_is_far_slower():
+def test_measure_speed_times_both_precisions_and_stops_early_when_one_pair_decides():
     calls = {"bf16": 0, "fp32": 0}
 
     def work(slower=30.0, base=0.001):  # slow only under bfloat16 autocast (an AVX2-only CPU)
@@ -103,6 +103,10 @@ def test_measure_speed_times_both_precisions_and_stops_early_when_bfloat16_is_fa
     # 1.5x slower (AVX512-BF16 without AMX): it cannot be chosen either, so one timed run too
     probe = measure_speed(lambda: work(1.6, 0.02), device="cpu", what="sleep", repeats=3)
     assert probe.repeats == 1 and probe.speedup < 0.8
+
+    # 2x faster (AMX): well past MIN_SPEEDUP after one timed run, so that decides it too
+    probe = measure_speed(lambda: work(0.5, 0.04), device="cpu", what="sleep", repeats=3)
+    assert probe.repeats == 1 and probe.speedup > 1.6
 
     def even():
         time.sleep(0.02)
